@@ -1,0 +1,60 @@
+"""What this process runs on: printed first by every benchmark and experiment."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import numpy
+import torch
+
+from . import spec
+from ._deps import version_of
+
+__all__ = ["environment", "format_environment"]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> dict[str, object]:
+    """Device, library versions and machine, as a JSON-friendly dict."""
+    from . import __version__
+
+    env: dict[str, object] = {
+        "buddy": __version__,
+        "format_version": spec.FORMAT_VERSION,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "cupy": version_of("cupy"),
+        "nvcomp": version_of("nvidia.nvcomp"),
+        "zstandard": version_of("zstandard"),
+        "lz4": version_of("lz4"),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = props.name
+        env["gpu_memory_bytes"] = props.total_memory
+        env["gpu_capability"] = f"{props.major}.{props.minor}"
+    else:
+        env["gpu"] = None
+    return env
+
+
+def format_environment(env: dict[str, object] | None = None) -> str:
+    """One ``key: value`` per line."""
+    env = environment() if env is None else env
+    return "\n".join(f"{k:>16}: {v}" for k, v in env.items())

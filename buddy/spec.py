@@ -1,0 +1,169 @@
+"""The Buddy format, defined once.
+
+Every constant and field width of the compressed format lives here. The
+reference codecs, the layout code, the C header ``csrc/buddy_format.h`` (which
+receives these values as ``-D`` defines and ``static_assert``s its own derived
+widths against them) and the tests all read this module; nothing restates a
+number by hand.
+
+Layout of one compressed tensor, format version 1
+-------------------------------------------------
+
+A tensor's raw bytes (``nbytes``, C order) are cut into ``N = ceil(nbytes / E)``
+**entries** of ``E`` bytes; the last entry is zero-padded. ``E`` is a power of
+two between :data:`MIN_ENTRY_BYTES` and :data:`MAX_ENTRY_BYTES`.
+
+Each entry is encoded by a codec into a **payload** of ``k`` **sectors**
+(``SECTOR_BYTES`` = 32 B each), ``0 <= k <= E / 32``:
+
+* ``k == 0``       -- the entry is all zero bytes; no payload.
+* ``k == E / 32``  -- the entry is stored raw (incompressible escape); the
+  payload is the entry itself.
+* otherwise        -- the codec's encoding, zero-padded to ``k * 32`` bytes.
+
+Device side (GPU memory, or host memory for a CPU tensor):
+
+* **slots**: ``N * s * 32`` bytes. Entry ``i``'s slot starts at byte
+  ``i * s * 32`` and holds the first ``min(k_i, s)`` sectors of its payload;
+  the rest of the slot is unspecified padding (written as zeros).
+* **metadata**: ``N * META_BYTES(E)`` bytes, one little-endian word per entry::
+
+      E <= 256  (1 byte):  bits 0-3  k      bits 4-7   mode
+      E >= 512  (2 bytes): bits 0-11 k      bits 12-15 mode
+
+  ``mode`` is codec-specific (0 for ``raw`` and ``zvc``); a codec rejects
+  modes it does not define.
+
+Buddy side (host memory, pinned when CUDA is present):
+
+* **overflow**: the ``max(k_i - s, 0)`` sectors of every entry that do not fit
+  its slot, compacted in entry order: entry ``i``'s overflow starts at sector
+  ``sum_{j < i} max(k_j - s, 0)``. Its size is exactly what is reported as the
+  tensor's buddy bytes.
+
+Word size
+---------
+Codecs that look at words (``zvc``) use :func:`word_bytes` of the dtype:
+1 byte for bool/int8/uint8/float8, 2 for 16-bit types, 4 for 32-bit types,
+8 for 64-bit types; a complex number is two words of half its size.
+
+Target ratios
+-------------
+A tensor's slot is ``s`` sectors, the same for every entry;
+``target_ratio = E / (32 * s)``, ``inf`` when ``s == 0``. With E = 128 the
+targets are 1x (s=4), 1.33x (s=3), 2x (s=2), 4x (s=1) and "zero" (s=0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SECTOR_BYTES",
+    "DEFAULT_ENTRY_BYTES",
+    "MIN_ENTRY_BYTES",
+    "MAX_ENTRY_BYTES",
+    "check_entry_bytes",
+    "sectors_per_entry",
+    "meta_bytes",
+    "meta_fields",
+    "slot_for_ratio",
+    "ratio_for_slot",
+    "word_bytes",
+    "c_defines",
+]
+
+FORMAT_VERSION = 1
+SECTOR_BYTES = 32
+DEFAULT_ENTRY_BYTES = 128
+MIN_ENTRY_BYTES = 32
+MAX_ENTRY_BYTES = 65536
+
+# Metadata words: (bytes per entry, bits of k, bits of mode), by entry size.
+_META_SMALL = (1, 4, 4)  # E <= 256: k <= 8 fits 4 bits
+_META_LARGE = (2, 12, 4)  # E <= 65536: k <= 2048 fits 12 bits
+_META_SMALL_MAX_ENTRY = 256
+
+
+def check_entry_bytes(entry_bytes: int) -> int:
+    """Validate an entry size (bytes) and return it as an int."""
+    if isinstance(entry_bytes, bool) or not isinstance(entry_bytes, int):
+        raise TypeError(f"entry_bytes must be an int, got {type(entry_bytes).__name__}")
+    if not (MIN_ENTRY_BYTES <= entry_bytes <= MAX_ENTRY_BYTES) or entry_bytes & (entry_bytes - 1):
+        raise ValueError(
+            f"entry_bytes must be a power of two between {MIN_ENTRY_BYTES} and "
+            f"{MAX_ENTRY_BYTES} bytes, got {entry_bytes}"
+        )
+    return entry_bytes
+
+
+def sectors_per_entry(entry_bytes: int) -> int:
+    """Sectors in one raw entry: the largest ``k`` and the largest slot."""
+    return check_entry_bytes(entry_bytes) // SECTOR_BYTES
+
+
+def meta_fields(entry_bytes: int) -> tuple[int, int, int]:
+    """``(bytes, k_bits, mode_bits)`` of one metadata word for this entry size."""
+    check_entry_bytes(entry_bytes)
+    return _META_SMALL if entry_bytes <= _META_SMALL_MAX_ENTRY else _META_LARGE
+
+
+def meta_bytes(entry_bytes: int) -> int:
+    """Bytes of metadata per entry."""
+    return meta_fields(entry_bytes)[0]
+
+
+def slot_for_ratio(target_ratio: float, entry_bytes: int) -> int:
+    """Slot size in sectors for a target compression ratio.
+
+    ``inf`` gives the zero slot. Ratios that are not exactly achievable round
+    to the nearest slot when within 1 % (so ``1.33`` means 4/3), otherwise to
+    the larger slot (the achieved ratio never exceeds the one asked for).
+    """
+    if isinstance(target_ratio, bool) or not isinstance(target_ratio, (int, float)):
+        raise TypeError(f"target_ratio must be a number, got {type(target_ratio).__name__}")
+    if math.isnan(target_ratio) or target_ratio < 1.0:
+        raise ValueError(
+            f"target_ratio must be >= 1 (1 = stored raw, inf = zero slot), got {target_ratio}"
+        )
+    if math.isinf(target_ratio):
+        return 0
+    exact = entry_bytes / (SECTOR_BYTES * target_ratio)
+    nearest = round(exact)
+    if nearest >= 1 and abs(exact - nearest) <= 0.01 * exact:
+        return int(nearest)
+    return int(math.ceil(exact))
+
+
+def ratio_for_slot(slot_sectors: int, entry_bytes: int) -> float:
+    """Target ratio ``E / (32 * s)`` of a slot; ``inf`` for the zero slot."""
+    return math.inf if slot_sectors == 0 else entry_bytes / (SECTOR_BYTES * slot_sectors)
+
+
+_COMPLEX_WORD = {torch.complex32: 2, torch.complex64: 4, torch.complex128: 8}
+
+
+def word_bytes(dtype: torch.dtype) -> int:
+    """Word size (bytes) that word-oriented codecs use for this dtype."""
+    if dtype in _COMPLEX_WORD:
+        return _COMPLEX_WORD[dtype]
+    size = torch.empty((), dtype=dtype).element_size()
+    if size not in (1, 2, 4, 8):
+        raise ValueError(f"no word size for dtype {dtype} ({size}-byte elements)")
+    return size
+
+
+def c_defines(entry_bytes: int = DEFAULT_ENTRY_BYTES) -> dict[str, int]:
+    """The constants the CUDA/C sources receive as ``-D`` defines."""
+    mb, k_bits, mode_bits = meta_fields(entry_bytes)
+    return {
+        "BUDDY_FORMAT_VERSION": FORMAT_VERSION,
+        "BUDDY_SECTOR_BYTES": SECTOR_BYTES,
+        "BUDDY_ENTRY_BYTES": entry_bytes,
+        "BUDDY_META_BYTES": mb,
+        "BUDDY_META_K_BITS": k_bits,
+        "BUDDY_META_MODE_BITS": mode_bits,
+    }

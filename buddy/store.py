@@ -1,0 +1,342 @@
+"""The buddy store: the one owner of buddy memory, and the accounting of device bytes.
+
+Buddy memory is host RAM that holds overflow sectors. With CUDA it is pinned,
+allocated in large blocks once and sub-allocated per tensor (pinning is slow
+and fragments the OS's page tables, so it never happens per tensor); without
+CUDA it is ordinary host memory with the same accounting.
+
+Capacity: the store never holds more than ``capacity_bytes`` of blocks. An
+allocation that cannot fit raises :class:`~buddy.errors.HostStoreFull` before
+anything is written; :func:`buddy.compress` then either re-raises or, with
+``on_full="device"``, keeps the whole tensor in device slots (no overflow).
+Nothing is ever dropped silently.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .errors import HostStoreFull
+from .spec import SECTOR_BYTES
+
+__all__ = ["BuddyStore", "BuddyAllocation", "StoreStats", "default_store", "set_default_store"]
+
+MiB = 1 << 20
+DEFAULT_BLOCK_BYTES = 64 * MiB
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: assume a small machine
+        return 8 << 30
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+class _Block:
+    """One large host buffer and the free ranges inside it, sorted by offset."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.nbytes = nbytes
+        self.free_starts = [0]
+        self.free_sizes = [nbytes]
+
+    @property
+    def unused(self) -> bool:
+        return self.free_sizes == [self.nbytes]
+
+    def take(self, nbytes: int) -> int | None:
+        """First-fit: offset of a range of ``nbytes``, or ``None``."""
+        for i, size in enumerate(self.free_sizes):
+            if size >= nbytes:
+                start = self.free_starts[i]
+                if size == nbytes:
+                    del self.free_starts[i], self.free_sizes[i]
+                else:
+                    self.free_starts[i] += nbytes
+                    self.free_sizes[i] -= nbytes
+                return start
+        return None
+
+    def give(self, start: int, nbytes: int) -> None:
+        """Return a range and merge it with its free neighbours."""
+        i = bisect.bisect_left(self.free_starts, start)
+        if i < len(self.free_starts) and start + nbytes > self.free_starts[i]:
+            raise RuntimeError("buddy store: double free or overlapping range")
+        if i > 0 and self.free_starts[i - 1] + self.free_sizes[i - 1] > start:
+            raise RuntimeError("buddy store: double free or overlapping range")
+        self.free_starts.insert(i, start)
+        self.free_sizes.insert(i, nbytes)
+        if i + 1 < len(self.free_starts) and start + nbytes == self.free_starts[i + 1]:
+            self.free_sizes[i] += self.free_sizes.pop(i + 1)
+            self.free_starts.pop(i + 1)
+        if i > 0 and self.free_starts[i - 1] + self.free_sizes[i - 1] == start:
+            self.free_sizes[i - 1] += self.free_sizes.pop(i)
+            self.free_starts.pop(i)
+
+
+class BuddyAllocation:
+    """A range of buddy memory owned by one BuddyTensor.
+
+    ``data`` is a ``uint8`` view of exactly ``nbytes`` bytes. After an
+    asynchronous copy touches it, the writer calls :meth:`record` so the store
+    does not hand the range to someone else before the copy is done.
+    """
+
+    __slots__ = ("store", "block", "offset", "nbytes", "data", "event")
+
+    def __init__(self, store: "BuddyStore", block: _Block | None, offset: int, nbytes: int):
+        self.store = store
+        self.block = block
+        self.offset = offset
+        self.nbytes = nbytes
+        self.data = block.buffer[offset : offset + nbytes] if block is not None else torch.empty(0, dtype=torch.uint8)
+        self.event = None
+
+    def record(self, stream=None) -> None:
+        """Mark the range busy until the work queued so far on ``stream`` ends."""
+        if torch.cuda.is_available():
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+
+    def wait(self, stream=None) -> None:
+        """Make ``stream`` (default: current) wait for the last recorded copy."""
+        if self.event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(self.event)
+
+    def __repr__(self) -> str:
+        return f"BuddyAllocation(nbytes={self.nbytes}, offset={self.offset})"
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot of a store's accounting; all values in bytes except counts."""
+
+    buddy_capacity_bytes: int
+    buddy_bytes_held: int
+    buddy_peak_bytes: int
+    buddy_free_bytes: int
+    buddy_reserved_bytes: int
+    buddy_blocks: int
+    pinned: bool
+    device_bytes_held: int
+    device_peak_bytes: int
+    tensors_held: int
+
+    def __str__(self) -> str:
+        mib = lambda b: f"{b / MiB:,.2f} MiB"  # noqa: E731 - local formatter
+        return (
+            f"buddy memory: {mib(self.buddy_bytes_held)} held (peak {mib(self.buddy_peak_bytes)}), "
+            f"{mib(self.buddy_free_bytes)} free of {mib(self.buddy_capacity_bytes)}, "
+            f"{mib(self.buddy_reserved_bytes)} reserved in {self.buddy_blocks} "
+            f"{'pinned' if self.pinned else 'pageable'} block(s)\n"
+            f"device: {mib(self.device_bytes_held)} held (peak {mib(self.device_peak_bytes)}) "
+            f"by {self.tensors_held} tensor(s)"
+        )
+
+
+class BuddyStore:
+    """Owns buddy memory and counts the device bytes of the tensors compressed into it.
+
+    Args:
+        capacity_bytes: most host bytes of blocks the store may hold. Default:
+            half of physical memory.
+        block_bytes: size of one block (bytes); larger allocations get a
+            dedicated block rounded up to a multiple of it. Default 64 MiB.
+        pin: pin blocks (page-locked, for fast and asynchronous copies to and
+            from the GPU). Default: pin when CUDA is available.
+
+    Thread-safe: allocation and release take a lock.
+    """
+
+    def __init__(self, capacity_bytes: int | None = None, *, block_bytes: int = DEFAULT_BLOCK_BYTES, pin: bool | None = None):
+        if capacity_bytes is None:
+            capacity_bytes = _physical_memory_bytes() // 2
+        for name, value in (("capacity_bytes", capacity_bytes), ("block_bytes", block_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int (bytes), got {value!r}")
+        if block_bytes == 0:
+            raise ValueError("block_bytes must be positive")
+        if pin is None:
+            pin = torch.cuda.is_available()
+        if pin and not torch.cuda.is_available():
+            raise ValueError("pin=True needs CUDA (pinned memory is page-locked for GPU copies)")
+        self.capacity_bytes = capacity_bytes
+        self.block_bytes = _round_up(block_bytes, SECTOR_BYTES)
+        self.pin = bool(pin)
+        self._blocks: list[_Block] = []
+        self._pending: list[BuddyAllocation] = []  # freed, waiting for their last copy
+        self._lock = threading.RLock()
+        self._held = 0
+        self._peak = 0
+        self._device_held = 0
+        self._device_peak = 0
+        self._tensors = 0
+
+    # ---- buddy memory ---------------------------------------------------
+    def allocate(self, nbytes: int) -> BuddyAllocation:
+        """A range of ``nbytes`` of buddy memory, or :class:`HostStoreFull`."""
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate {nbytes} bytes")
+        if nbytes == 0:
+            return BuddyAllocation(self, None, 0, 0)
+        size = _round_up(nbytes, SECTOR_BYTES)
+        with self._lock:
+            self._reclaim(wait=False)
+            place = self._take(size)
+            if place is None and self._pending:
+                self._reclaim(wait=True)
+                place = self._take(size)
+            if place is None:
+                place = self._grow(size)
+            self._held += size
+            self._peak = max(self._peak, self._held)
+            return BuddyAllocation(self, *place, nbytes)
+
+    def release(self, alloc: BuddyAllocation) -> None:
+        """Return an allocation's range. Safe while a copy is in flight."""
+        if alloc.block is None:
+            return
+        with self._lock:
+            if alloc.event is not None and not alloc.event.query():
+                self._pending.append(alloc)  # reused once its copy has finished
+            else:
+                self._give(alloc)
+
+    def _take(self, size: int) -> tuple[_Block, int] | None:
+        for block in self._blocks:
+            offset = block.take(size)
+            if offset is not None:
+                return block, offset
+        return None
+
+    def _grow(self, size: int) -> tuple[_Block, int]:
+        new_bytes = _round_up(size, self.block_bytes)
+        if self.reserved_bytes + new_bytes > self.capacity_bytes:
+            self.trim()
+        # Near the capacity a whole block may not fit where the allocation does:
+        # then the last block is cut to the room that is left.
+        room = (self.capacity_bytes - self.reserved_bytes) // SECTOR_BYTES * SECTOR_BYTES
+        new_bytes = min(new_bytes, room)
+        if new_bytes < size:
+            raise HostStoreFull(
+                f"buddy store is full: {size:,} bytes of overflow needed, {self._held:,} of "
+                f"{self.capacity_bytes:,} bytes held ({self.reserved_bytes:,} reserved). Raise "
+                f"BuddyStore(capacity_bytes=...), free BuddyTensors you no longer need, pick a "
+                f"less aggressive target_ratio, or pass on_full='device' to keep such tensors "
+                f"whole on the device."
+            )
+        block = _Block(new_bytes, self.pin)
+        self._blocks.append(block)
+        return block, block.take(size)
+
+    def _give(self, alloc: BuddyAllocation) -> None:
+        size = _round_up(alloc.nbytes, SECTOR_BYTES)
+        alloc.block.give(alloc.offset, size)
+        self._held -= size
+        alloc.block = None
+
+    def _reclaim(self, wait: bool) -> None:
+        still = []
+        for alloc in self._pending:
+            if wait:
+                alloc.event.synchronize()  # the store is out of room: wait for in-flight copies
+            if wait or alloc.event.query():
+                self._give(alloc)
+            else:
+                still.append(alloc)
+        self._pending = still
+
+    def trim(self) -> int:
+        """Give wholly unused blocks back to the OS; returns the bytes released."""
+        with self._lock:
+            self._reclaim(wait=False)
+            keep = [b for b in self._blocks if not b.unused]
+            released = sum(b.nbytes for b in self._blocks) - sum(b.nbytes for b in keep)
+            self._blocks = keep
+            return released
+
+    # ---- device accounting ----------------------------------------------
+    def _account(self, device_bytes: int, tensors: int) -> None:
+        with self._lock:
+            self._device_held += device_bytes
+            self._tensors += tensors
+            self._device_peak = max(self._device_peak, self._device_held)
+
+    # ---- reporting --------------------------------------------------------
+    @property
+    def bytes_held(self) -> int:
+        """Buddy bytes held by live allocations."""
+        return self._held
+
+    @property
+    def peak_bytes(self) -> int:
+        """Most buddy bytes held at once since creation (or :meth:`reset_peak`)."""
+        return self._peak
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Host bytes of blocks (held or not)."""
+        return sum(b.nbytes for b in self._blocks)
+
+    @property
+    def free_bytes(self) -> int:
+        """Buddy bytes that can still be held before the capacity is reached."""
+        return self.capacity_bytes - self._held
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak = self._held
+            self._device_peak = self._device_held
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                buddy_capacity_bytes=self.capacity_bytes,
+                buddy_bytes_held=self._held,
+                buddy_peak_bytes=self._peak,
+                buddy_free_bytes=self.free_bytes,
+                buddy_reserved_bytes=self.reserved_bytes,
+                buddy_blocks=len(self._blocks),
+                pinned=self.pin,
+                device_bytes_held=self._device_held,
+                device_peak_bytes=self._device_peak,
+                tensors_held=self._tensors,
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"BuddyStore(held={self._held:,} B, capacity={self.capacity_bytes:,} B, "
+            f"blocks={len(self._blocks)}, pinned={self.pin}, tensors={self._tensors})"
+        )
+
+
+_default_store: BuddyStore | None = None
+_default_lock = threading.Lock()
+
+
+def default_store() -> BuddyStore:
+    """The process-wide store used when none is passed (created on first use)."""
+    global _default_store
+    with _default_lock:
+        if _default_store is None:
+            _default_store = BuddyStore()
+        return _default_store
+
+
+def set_default_store(store: BuddyStore | None) -> None:
+    """Replace the process-wide store (``None``: a fresh one on next use)."""
+    global _default_store
+    if store is not None and not isinstance(store, BuddyStore):
+        raise TypeError(f"expected a BuddyStore, got {type(store).__name__}")
+    with _default_lock:
+        _default_store = store

@@ -1,0 +1,399 @@
+"""BuddyTensor: a tensor held as fixed-size slots on its device plus overflow in buddy memory."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from . import layout, spec
+from .codecs import Codec, get_codec
+from .errors import CorruptDataError, FreedTensorError, HostStoreFull, UnsupportedTensorError
+from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, slot_for_overflow, tightest_slot
+from .store import BuddyAllocation, BuddyStore, default_store
+
+__all__ = ["BuddyTensor", "compress", "CHUNK_BYTES"]
+
+#: entries are processed in chunks of this many input bytes, bounding the
+#: temporaries of the reference codecs (a few times the chunk) on any device
+CHUNK_BYTES = 8 << 20
+
+_ON_FULL = ("raise", "device")
+
+
+def check_tensor(tensor) -> None:
+    """Raise a specific error for anything :func:`compress` cannot take."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"buddy.compress expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_nested:
+        raise UnsupportedTensorError("nested tensors are not supported; compress each component tensor")
+    if tensor.layout != torch.strided:
+        raise UnsupportedTensorError(
+            f"{tensor.layout} tensors are not supported; call .to_dense() first (or compress the "
+            f"index and value tensors separately)"
+        )
+    if tensor.is_quantized:
+        raise UnsupportedTensorError(
+            "quantized tensors are not supported; compress tensor.int_repr() and keep the scale/zero point"
+        )
+    if tensor.device.type == "meta":
+        raise UnsupportedTensorError("meta tensors hold no data to compress")
+    try:
+        spec.word_bytes(tensor.dtype)
+    except ValueError as exc:
+        raise UnsupportedTensorError(f"dtype {tensor.dtype} is not supported: {exc}") from None
+
+
+def _entries(flat: torch.Tensor, start: int, stop: int, entry_bytes: int) -> torch.Tensor:
+    """Entries ``[start, stop)`` of a flat byte tensor as ``(n, E)``; pads the last one."""
+    lo, hi = start * entry_bytes, stop * entry_bytes
+    if hi <= flat.numel():
+        return flat[lo:hi].view(stop - start, entry_bytes)
+    padded = torch.zeros(hi - lo, dtype=torch.uint8, device=flat.device)
+    padded[: flat.numel() - lo] = flat[lo:]
+    return padded.view(stop - start, entry_bytes)
+
+
+def _chunks(n_entries: int, entry_bytes: int) -> list[tuple[int, int]]:
+    step = max(1, CHUNK_BYTES // entry_bytes)
+    return [(a, min(a + step, n_entries)) for a in range(0, n_entries, step)]
+
+
+def _release(store: BuddyStore, alloc: BuddyAllocation, device_bytes: int) -> None:
+    store.release(alloc)
+    store._account(-device_bytes, -1)
+
+
+class BuddyTensor:
+    """A compressed tensor: slots and metadata on its device, overflow in buddy memory.
+
+    Made by :func:`compress`; not constructed directly. The original tensor can
+    be dropped once this exists. :meth:`decompress` returns a bit-identical
+    tensor (same dtype, shape and device; contiguous). :meth:`free` returns the
+    slots and the buddy memory at once; a BuddyTensor that is garbage-collected
+    frees itself, and ``with compress(t) as bt:`` frees at the end of the block.
+
+    Attributes (bytes unless said otherwise):
+        original_bytes: bytes of the tensor's data.
+        device_bytes: slots + metadata on the device.
+        buddy_bytes: overflow held in buddy memory.
+        compressed_bytes: ``sum(k) * 32``, the size if entries were compacted.
+        target_ratio: ``E / (32 * slot_sectors)``; ``inf`` for the zero slot.
+        codec: codec name.
+    """
+
+    def __init__(
+        self,
+        *,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        device: torch.device,
+        codec: Codec,
+        entry_bytes: int,
+        slot_sectors: int,
+        original_bytes: int,
+        histogram: Sequence[int],
+        slots: torch.Tensor,
+        meta: torch.Tensor,
+        overflow: BuddyAllocation,
+        store: BuddyStore,
+    ):
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.device = device
+        self._codec = codec
+        self.entry_bytes = entry_bytes
+        self.slot_sectors = slot_sectors
+        self.original_bytes = original_bytes
+        self.n_entries = -(-original_bytes // entry_bytes)
+        #: entries per size: ``histogram[k]`` entries compress to ``k`` sectors
+        self.histogram = tuple(int(n) for n in histogram)
+        self.format_version = spec.FORMAT_VERSION
+        self._slots = slots
+        self._meta = meta
+        self._overflow = overflow
+        self.store = store
+        self.device_bytes = slots.numel() + meta.numel()
+        self.buddy_bytes = overflow.nbytes
+        store._account(self.device_bytes, 1)
+        self._finalizer = weakref.finalize(self, _release, store, overflow, self.device_bytes)
+
+    # ---- properties -------------------------------------------------------
+    @property
+    def codec(self) -> str:
+        return self._codec.name
+
+    @property
+    def target_ratio(self) -> float:
+        return spec.ratio_for_slot(self.slot_sectors, self.entry_bytes)
+
+    @property
+    def compressed_bytes(self) -> int:
+        return sum(k * n for k, n in enumerate(self.histogram)) * spec.SECTOR_BYTES
+
+    @property
+    def effective_ratio(self) -> float:
+        """original bytes / device bytes (``inf`` when nothing stays on the device)."""
+        return self.original_bytes / self.device_bytes if self.device_bytes else math.inf
+
+    @property
+    def word_bytes(self) -> int:
+        return spec.word_bytes(self.dtype)
+
+    @property
+    def freed(self) -> bool:
+        return not self._finalizer.alive
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(metadata, slots, overflow)``: the three buffers of the format, exactly sized.
+
+        They are the tensor's own memory, not copies: do not write to them.
+        """
+        self._check_alive("read the buffers of")
+        return self._meta, self._slots, self._overflow.data
+
+    # ---- lifecycle ----------------------------------------------------------
+    def decompress(self) -> torch.Tensor:
+        """A new tensor bit-identical to the one compressed (contiguous, same device)."""
+        self._check_alive("decompress")
+        if self._overflow.event is not None:
+            self._overflow.wait()  # the overflow's copy to host may still be in flight
+        return unpack(
+            self._meta,
+            self._slots,
+            self._overflow.data,
+            codec=self._codec,
+            entry_bytes=self.entry_bytes,
+            slot_sectors=self.slot_sectors,
+            shape=self.shape,
+            dtype=self.dtype,
+        )
+
+    def free(self) -> None:
+        """Return the slots and buddy memory now. A second call raises."""
+        self._check_alive("free")
+        self._finalizer()
+        self._slots = self._meta = None
+
+    def _check_alive(self, action: str) -> None:
+        if self.freed:
+            raise FreedTensorError(f"cannot {action} a BuddyTensor that was already freed")
+
+    def __enter__(self) -> "BuddyTensor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.freed:
+            self.free()
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else f"device_bytes={self.device_bytes:,}, buddy_bytes={self.buddy_bytes:,}"
+        return (
+            f"BuddyTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
+            f"codec={self.codec!r}, entry_bytes={self.entry_bytes}, target_ratio={self.target_ratio:.2f}, "
+            f"original_bytes={self.original_bytes:,}, {state})"
+        )
+
+
+def unpack(
+    meta: torch.Tensor,
+    slots: torch.Tensor,
+    overflow: torch.Tensor,
+    *,
+    codec: str | Codec,
+    entry_bytes: int,
+    slot_sectors: int,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Decode the three buffers of the format into a tensor on ``slots``' device.
+
+    ``overflow`` may live on any device (host buddy memory). Every buffer
+    must be exactly as large as the format says; anything inconsistent raises
+    :class:`~buddy.errors.CorruptDataError`.
+    """
+    codec = get_codec(codec)
+    device = slots.device
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    n_entries = -(-nbytes // entry_bytes)
+    k_all, modes_all = layout.decode_meta(meta, entry_bytes, n_entries)
+    slot_bytes = slot_sectors * spec.SECTOR_BYTES
+    if slots.numel() != n_entries * slot_bytes:
+        raise CorruptDataError(f"slots hold {slots.numel()} bytes, expected {n_entries * slot_bytes}")
+    chunks = _chunks(n_entries, entry_bytes)
+    # Where each chunk's overflow starts, in one host transfer.
+    spill = torch.clamp(k_all - slot_sectors, min=0).to(torch.int64)
+    ends = torch.cumsum(spill, 0)[[b - 1 for _, b in chunks]].tolist() if chunks else []
+    if (ends[-1] if ends else 0) * spec.SECTOR_BYTES != overflow.numel():
+        raise CorruptDataError(
+            f"overflow holds {overflow.numel()} bytes but the metadata needs "
+            f"{(ends[-1] if ends else 0) * spec.SECTOR_BYTES}"
+        )
+    out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    word = spec.word_bytes(dtype)
+    start_sector = 0
+    for (a, b), end_sector in zip(chunks, ends):
+        ov = overflow[start_sector * spec.SECTOR_BYTES : end_sector * spec.SECTOR_BYTES]
+        ov = ov.to(device, non_blocking=True)  # H2D from pinned memory, ordered on the current stream
+        payload = layout.join_payload(slots[a * slot_bytes : b * slot_bytes], ov, k_all[a:b], slot_sectors, entry_bytes)
+        entries = codec.decode(payload, k_all[a:b], modes_all[a:b], word)
+        lo = a * entry_bytes
+        hi = min(b * entry_bytes, nbytes)
+        out[lo:hi] = entries.view(-1)[: hi - lo]
+        start_sector = end_sector
+    return out.view(dtype).reshape(shape)
+
+
+def compress(
+    tensor: torch.Tensor,
+    target_ratio: float | None = None,
+    codec: str | Codec | None = None,
+    *,
+    entry_bytes: int | None = None,
+    max_overflow: float = DEFAULT_MAX_OVERFLOW,
+    store: BuddyStore | None = None,
+    on_full: str = "raise",
+) -> BuddyTensor:
+    """Compress ``tensor`` into slots on its device and overflow in buddy memory.
+
+    Args:
+        tensor: any dense (strided) tensor on any device; non-contiguous
+            tensors are copied to contiguous first. Its data is not modified
+            and the caller may drop it afterwards.
+        target_ratio: ``E / slot bytes``; one of 1, 4/3, 2, 4, ``inf`` for
+            E = 128 (other values round to the nearest slot within 1 %, else
+            to the larger slot). Default ``None``: the most aggressive slot
+            whose overflow stays within ``max_overflow`` of the tensor's bytes,
+            read from this tensor's own size pass.
+        codec: codec name or instance (default ``"zvc"``; see
+            :func:`buddy.available_codecs`).
+        entry_bytes: entry size ``E``, a power of two in [32, 65536]
+            (default 128).
+        max_overflow: see ``target_ratio``; ignored when that is given.
+        store: where overflow goes (default :func:`buddy.default_store`).
+        on_full: when the store cannot take the overflow: ``"raise"``
+            :class:`~buddy.errors.HostStoreFull` (default), or ``"device"``:
+            use the smallest slot with no overflow, so the tensor stays
+            whole on the device.
+
+    Returns:
+        A :class:`BuddyTensor`. The size pass needs one device-to-host sync.
+    """
+    check_tensor(tensor)
+    if target_ratio is None:
+        choose = None
+    else:
+        e = spec.check_entry_bytes(entry_bytes or spec.DEFAULT_ENTRY_BYTES)
+        slot = spec.slot_for_ratio(target_ratio, e)
+        choose = lambda hist: slot  # noqa: E731 - a fixed choice
+    return pack(
+        tensor,
+        codec=codec,
+        entry_bytes=entry_bytes,
+        choose_slot=choose,
+        max_overflow=max_overflow,
+        store=store,
+        on_full=on_full,
+    )
+
+
+def pack(
+    tensor: torch.Tensor,
+    *,
+    codec: str | Codec | None = None,
+    entry_bytes: int | None = None,
+    choose_slot: Callable[[Sequence[int]], int] | None = None,
+    max_overflow: float = DEFAULT_MAX_OVERFLOW,
+    store: BuddyStore | None = None,
+    on_full: str = "raise",
+) -> BuddyTensor:
+    """The compress pipeline with the slot choice as a callback.
+
+    ``choose_slot(histogram) -> slot_sectors`` sees this tensor's entry-size
+    histogram after the size pass (the seam the tracker plugs into); ``None``
+    picks by ``max_overflow``.
+    """
+    check_tensor(tensor)
+    codec = get_codec(codec)
+    entry_bytes = spec.check_entry_bytes(entry_bytes or spec.DEFAULT_ENTRY_BYTES)
+    if on_full not in _ON_FULL:
+        raise ValueError(f"on_full must be one of {_ON_FULL}, got {on_full!r}")
+    store = store if store is not None else default_store()
+    spe = spec.sectors_per_entry(entry_bytes)
+    word = spec.word_bytes(tensor.dtype)
+
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    nbytes = flat.numel()
+    n_entries = -(-nbytes // entry_bytes)
+    chunks = _chunks(n_entries, entry_bytes)
+
+    # 1. size pass (a single chunk is encoded right away and kept)
+    encoded = None
+    if len(chunks) == 1:
+        encoded = codec.encode(_entries(flat, 0, n_entries, entry_bytes), word)
+        sectors = encoded.sectors
+    else:
+        sectors = torch.cat([codec.sizes(_entries(flat, a, b, entry_bytes), word) for a, b in chunks]) if chunks else None
+    if sectors is None:
+        histogram = [0] * (spe + 1)
+    else:
+        histogram = torch.bincount(sectors.to(torch.int64), minlength=spe + 1).tolist()
+
+    # 2. the slot
+    if choose_slot is None:
+        slot = slot_for_overflow(histogram, max_overflow, nbytes)
+    else:
+        slot = choose_slot(histogram)
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot <= spe:
+            raise ValueError(f"slot choice must be an int in [0, {spe}], got {slot!r}")
+
+    # 3. buddy memory for the overflow, before anything is written
+    try:
+        overflow = store.allocate(overflow_sectors(histogram, slot) * spec.SECTOR_BYTES)
+    except HostStoreFull:
+        if on_full == "raise":
+            raise
+        slot = tightest_slot(histogram)
+        overflow = store.allocate(0)
+
+    # 4. pack pass
+    try:
+        slot_bytes = slot * spec.SECTOR_BYTES
+        mb = spec.meta_bytes(entry_bytes)
+        slots = torch.empty(n_entries * slot_bytes, dtype=torch.uint8, device=tensor.device)
+        meta = torch.empty(n_entries * mb, dtype=torch.uint8, device=tensor.device)
+        written = 0
+        for a, b in chunks:
+            chunk = encoded if encoded is not None else codec.encode(_entries(flat, a, b, entry_bytes), word)
+            slot_part, ov = layout.split_payload(chunk.payload, chunk.sectors, slot, entry_bytes)
+            slots[a * slot_bytes : b * slot_bytes].view(b - a, slot_bytes).copy_(slot_part)
+            meta[a * mb : b * mb] = layout.encode_meta(chunk.sectors, chunk.modes, entry_bytes)
+            if written + ov.numel() > overflow.nbytes:
+                raise RuntimeError(f"codec {codec.name!r}: encode() disagrees with sizes()")
+            # D2H into pinned memory; ordered on the current stream, see record() below
+            overflow.data[written : written + ov.numel()].copy_(ov.view(-1), non_blocking=True)
+            written += ov.numel()
+        if written != overflow.nbytes:
+            raise RuntimeError(f"codec {codec.name!r}: encode() disagrees with sizes()")
+        if tensor.is_cuda:
+            overflow.record()  # the store must not reuse the range before the copy lands
+    except BaseException:
+        store.release(overflow)  # nothing half-written survives, KeyboardInterrupt included
+        raise
+
+    return BuddyTensor(
+        shape=tensor.shape,
+        dtype=tensor.dtype,
+        device=tensor.device,
+        codec=codec,
+        entry_bytes=entry_bytes,
+        slot_sectors=slot,
+        original_bytes=nbytes,
+        histogram=histogram,
+        slots=slots,
+        meta=meta,
+        overflow=overflow,
+        store=store,
+    )
