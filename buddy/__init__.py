@@ -25,9 +25,22 @@ from .errors import (
     MissingDependencyError,
     UnsupportedTensorError,
 )
+from .autograd import DEFAULT_MIN_BYTES, Session, compressed_activations, wrap
+from .config import defaults, set_defaults
 from .slots import DEFAULT_MAX_OVERFLOW
+from .stats import KeyRow, SessionStats
 from .store import BuddyAllocation, BuddyStore, StoreStats, default_store, set_default_store
 from .tensor import BuddyTensor, compress, pack, unpack
+from .tracker import (
+    BudgetExceededWarning,
+    BuddyThreshold,
+    DeviceBudget,
+    FixedRatio,
+    Policy,
+    Tracker,
+    default_tracker,
+    set_default_tracker,
+)
 
 __all__ = [
     "__version__",
@@ -47,6 +60,22 @@ __all__ = [
     "available_codecs",
     "get_codec",
     "register_codec",
+    "compressed_activations",
+    "Session",
+    "SessionStats",
+    "KeyRow",
+    "DEFAULT_MIN_BYTES",
+    "wrap",
+    "Policy",
+    "FixedRatio",
+    "BuddyThreshold",
+    "DeviceBudget",
+    "Tracker",
+    "BudgetExceededWarning",
+    "default_tracker",
+    "set_default_tracker",
+    "defaults",
+    "set_defaults",
     "BuddyError",
     "CorruptDataError",
     "FreedTensorError",

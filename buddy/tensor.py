@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import layout, spec
+from . import config, layout, spec
 from .codecs import Codec, get_codec
 from .errors import CorruptDataError, FreedTensorError, HostStoreFull, UnsupportedTensorError
 from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, slot_for_overflow, tightest_slot
@@ -61,9 +61,11 @@ def _chunks(n_entries: int, entry_bytes: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n_entries)) for a in range(0, n_entries, step)]
 
 
-def _release(store: BuddyStore, alloc: BuddyAllocation, device_bytes: int) -> None:
+def _release(store: BuddyStore, alloc: BuddyAllocation, device_bytes: int, on_free: list) -> None:
     store.release(alloc)
     store._account(-device_bytes, -1)
+    for callback in on_free:
+        callback()
 
 
 class BuddyTensor:
@@ -117,8 +119,10 @@ class BuddyTensor:
         self.store = store
         self.device_bytes = slots.numel() + meta.numel()
         self.buddy_bytes = overflow.nbytes
+        #: called once when the tensor is freed (owners such as the tracker count held bytes)
+        self._on_free: list[Callable[[], None]] = []
         store._account(self.device_bytes, 1)
-        self._finalizer = weakref.finalize(self, _release, store, overflow, self.device_bytes)
+        self._finalizer = weakref.finalize(self, _release, store, overflow, self.device_bytes, self._on_free)
 
     # ---- properties -------------------------------------------------------
     @property
@@ -267,10 +271,10 @@ def compress(
             to the larger slot). Default ``None``: the most aggressive slot
             whose overflow stays within ``max_overflow`` of the tensor's bytes,
             read from this tensor's own size pass.
-        codec: codec name or instance (default ``"zvc"``; see
-            :func:`buddy.available_codecs`).
+        codec: codec name or instance (default ``"zvc"``, or what
+            :func:`buddy.set_defaults` set; see :func:`buddy.available_codecs`).
         entry_bytes: entry size ``E``, a power of two in [32, 65536]
-            (default 128).
+            (default 128, or what :func:`buddy.set_defaults` set).
         max_overflow: see ``target_ratio``; ignored when that is given.
         store: where overflow goes (default :func:`buddy.default_store`).
         on_full: when the store cannot take the overflow: ``"raise"``
@@ -285,7 +289,7 @@ def compress(
     if target_ratio is None:
         choose = None
     else:
-        e = spec.check_entry_bytes(entry_bytes or spec.DEFAULT_ENTRY_BYTES)
+        e = spec.check_entry_bytes(config.defaults().entry_bytes if entry_bytes is None else entry_bytes)
         slot = spec.slot_for_ratio(target_ratio, e)
         choose = lambda hist: slot  # noqa: E731 - a fixed choice
     return pack(
@@ -316,15 +320,16 @@ def pack(
     picks by ``max_overflow``.
     """
     check_tensor(tensor)
-    codec = get_codec(codec)
-    entry_bytes = spec.check_entry_bytes(entry_bytes or spec.DEFAULT_ENTRY_BYTES)
+    codec = get_codec(codec or config.defaults().codec)
+    entry_bytes = spec.check_entry_bytes(config.defaults().entry_bytes if entry_bytes is None else entry_bytes)
     if on_full not in _ON_FULL:
         raise ValueError(f"on_full must be one of {_ON_FULL}, got {on_full!r}")
     store = store if store is not None else default_store()
     spe = spec.sectors_per_entry(entry_bytes)
     word = spec.word_bytes(tensor.dtype)
 
-    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    # resolve lazy conjugate/negative views: their bytes are not the values they read as
+    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
     nbytes = flat.numel()
     n_entries = -(-nbytes // entry_bytes)
     chunks = _chunks(n_entries, entry_bytes)

@@ -49,7 +49,7 @@ def _pack_bits(mask: torch.Tensor, nbytes: int) -> torch.Tensor:
     if w < nbytes * 8:
         mask = torch.nn.functional.pad(mask, (0, nbytes * 8 - w))
     shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
-    return (mask.view(n, nbytes, 8).to(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
+    return (mask.reshape(n, nbytes, 8).view(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
 
 
 def _unpack_bits(bitmap: torch.Tensor, words: int) -> torch.Tensor:
@@ -57,7 +57,14 @@ def _unpack_bits(bitmap: torch.Tensor, words: int) -> torch.Tensor:
     n = bitmap.shape[0]
     shifts = torch.arange(8, dtype=torch.uint8, device=bitmap.device)
     bits = (bitmap.unsqueeze(-1) >> shifts) & 1
-    return bits.view(n, -1)[:, :words].bool()
+    return bits.view(n, -1)[:, :words].view(torch.bool)
+
+
+def _copy_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[rows] = src[rows]`` for a bool row mask, cheap when few rows are set."""
+    index = rows.nonzero().view(-1)
+    if index.numel():
+        dst.index_copy_(0, index, src.index_select(0, index))
 
 
 class ZVCCodec(Codec):
@@ -74,23 +81,19 @@ class ZVCCodec(Codec):
         n_words, n_bitmap, padded = bitmap_geometry(entry_bytes, word_bytes)
         words = entries.view(_WORD_DTYPE[word_bytes])
         nz = words != 0
-        # Stable partition of each entry's words: non-zero words first (in
-        # order), zero words after them. It is a permutation, so one scatter
-        # places every word and the tail of the payload comes out zero.
-        before = torch.cumsum(nz, 1, dtype=torch.int32)
-        nnz = before[:, -1:] if n_words else before
-        position = torch.arange(1, n_words + 1, dtype=torch.int32, device=entries.device)
-        dest = torch.where(nz, before - 1, nnz + (position - before) - 1)
-        packed = torch.empty_like(words).scatter_(1, dest.long(), words)
-
-        payload = torch.zeros(n, padded + entry_bytes, dtype=torch.uint8, device=entries.device)
+        # Word j goes to position (non-zero words before and at j) - 1; zero
+        # words all go to a spare column n_words that is cut off, so the
+        # packed words land in order and everything after them stays zero.
+        dest = torch.cumsum(nz, 1)
+        nnz = (dest[:, -1] if n_words else dest.sum(1)).to(torch.int32)
+        dest.sub_(1).masked_fill_(~nz, n_words)
+        payload = torch.zeros(n, padded + entry_bytes + word_bytes, dtype=torch.uint8, device=entries.device)
+        payload[:, padded:].view(_WORD_DTYPE[word_bytes]).scatter_(1, dest, words)
         payload[:, :n_bitmap] = _pack_bits(nz, n_bitmap)
-        payload[:, padded:] = packed.view(torch.uint8)
-        payload = payload[:, :entry_bytes]
+        payload = payload[:, :entry_bytes].contiguous()
 
-        sectors = _sectors(nnz.view(-1), entry_bytes, word_bytes)
-        raw = (sectors == entry_bytes // 32).unsqueeze(1)
-        payload = torch.where(raw, entries, payload)
+        sectors = _sectors(nnz, entry_bytes, word_bytes)
+        _copy_rows(payload, sectors == entry_bytes // 32, entries)
         return Encoded(payload, sectors, torch.zeros_like(sectors))
 
     def decode(self, payload, sectors, modes, word_bytes):
@@ -98,17 +101,21 @@ class ZVCCodec(Codec):
         n, entry_bytes = payload.shape
         n_words, n_bitmap, padded = bitmap_geometry(entry_bytes, word_bytes)
         nz = _unpack_bits(payload[:, :n_bitmap], n_words)
-        before = torch.cumsum(nz, 1, dtype=torch.int32)
-        nnz = before[:, -1] if n_words else before.view(-1)
+        source = torch.cumsum(nz, 1)
+        nnz = (source[:, -1] if n_words else source.sum(1)).to(torch.int32)
         raw = sectors == entry_bytes // 32
-        coded = (sectors > 0) & ~raw
         # A coded entry's bitmap must agree with its k: catches damaged
         # metadata or slots before any word is read from the wrong place.
+        coded = (sectors > 0) & ~raw
         if bool((coded & (_sectors(nnz, entry_bytes, word_bytes) != sectors)).any()):
             raise CorruptDataError("zvc: bitmap population does not match the entry sizes in the metadata")
 
         body = torch.nn.functional.pad(payload[:, padded:], (0, padded))
-        packed = body.contiguous().view(_WORD_DTYPE[word_bytes])
-        words = packed.gather(1, (before - 1).clamp_(min=0).long())
-        words = torch.where(nz & coded.unsqueeze(1), words, torch.zeros_like(words))
-        return torch.where(raw.unsqueeze(1), payload, words.view(torch.uint8))
+        words = body.view(_WORD_DTYPE[word_bytes]).gather(1, source.sub_(1).clamp_(min=0))
+        words.masked_fill_(~nz, 0)
+        out = words.view(torch.uint8)
+        _copy_rows(out, raw, payload)
+        empty = (sectors == 0).nonzero().view(-1)
+        if empty.numel():
+            out.index_fill_(0, empty, 0)  # k = 0 means zeros, whatever the slot holds
+        return out

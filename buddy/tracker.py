@@ -1,0 +1,351 @@
+"""The compression-ratio tracker: per key, which slot to give a tensor.
+
+For every **key** (a stable name for "the same tensor next step") the tracker
+keeps the entry-size histograms of recent steps. Before a tensor is packed, a
+**policy** picks its slot from the key's *predicted* histogram -- an
+exponentially weighted mean of the recent ones, so it follows drift within a
+few steps -- or from the tensor's own size pass when the key is new. After
+packing, the tracker records what the policy predicted (overflow bytes) next
+to what happened, so experiments can say how often and by how much it was
+wrong. A wrong prediction costs buddy traffic, never data.
+
+Policies:
+
+* :class:`FixedRatio` -- one target ratio for every tensor (the paper's naive
+  baseline).
+* :class:`BuddyThreshold` -- per tensor, the most aggressive slot whose
+  expected overflow stays within ``max_overflow`` of the tensor's bytes (the
+  paper's per-allocation policy).
+* :class:`DeviceBudget` -- all slots chosen together so the device bytes of
+  everything held fit ``budget_bytes`` with the least overflow.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+
+from . import spec
+from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, slot_for_overflow
+
+__all__ = [
+    "Policy",
+    "FixedRatio",
+    "BuddyThreshold",
+    "DeviceBudget",
+    "Decision",
+    "KeyHistory",
+    "Tracker",
+    "BudgetExceededWarning",
+    "default_tracker",
+    "set_default_tracker",
+]
+
+
+class BudgetExceededWarning(RuntimeWarning):
+    """DeviceBudget could not fit a tensor: it went to buddy memory with the zero slot."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a policy is asked to decide, and with what.
+
+    ``predicted`` is the key's predicted histogram (``None`` for a new key);
+    ``current`` is this tensor's own histogram from the size pass.
+    ``held_device_bytes`` are the device bytes the tracker's live tensors hold
+    right now (for budgets).
+    """
+
+    key: str
+    entry_bytes: int
+    n_entries: int
+    original_bytes: int
+    current: tuple[float, ...]
+    predicted: tuple[float, ...] | None
+    held_device_bytes: int
+
+    @property
+    def histogram(self) -> tuple[float, ...]:
+        """The histogram to decide on: the prediction, else the size pass."""
+        return self.predicted if self.predicted is not None else self.current
+
+    def device_bytes(self, slot: int) -> int:
+        return self.n_entries * (slot * spec.SECTOR_BYTES + spec.meta_bytes(self.entry_bytes))
+
+
+class Policy:
+    """Chooses a slot (sectors per entry) for one tensor."""
+
+    def begin_step(self, tracker: Tracker) -> None:
+        """Called when a step (a ``compressed_activations`` block) opens."""
+
+    def choose(self, decision: Decision, tracker: Tracker) -> int:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
+
+class FixedRatio(Policy):
+    """The same target ratio for every tensor, e.g. ``FixedRatio(2.0)``."""
+
+    def __init__(self, ratio: float):
+        spec.slot_for_ratio(ratio, spec.DEFAULT_ENTRY_BYTES)  # validates
+        self.ratio = ratio
+
+    def choose(self, decision: Decision, tracker: Tracker) -> int:
+        return spec.slot_for_ratio(self.ratio, decision.entry_bytes)
+
+
+class BuddyThreshold(Policy):
+    """Per tensor, the smallest slot whose expected overflow is <= ``max_overflow`` of its bytes."""
+
+    def __init__(self, max_overflow: float = DEFAULT_MAX_OVERFLOW):
+        if isinstance(max_overflow, bool) or not isinstance(max_overflow, (int, float)) or not 0 <= max_overflow <= 1:
+            raise ValueError(f"max_overflow must be a fraction in [0, 1], got {max_overflow!r}")
+        self.max_overflow = float(max_overflow)
+
+    def choose(self, decision: Decision, tracker: Tracker) -> int:
+        return slot_for_overflow(decision.histogram, self.max_overflow, decision.original_bytes)
+
+
+class DeviceBudget(Policy):
+    """Fit the device bytes of everything held into ``budget_bytes`` with the least overflow.
+
+    At the start of each step the policy plans every key seen before from its
+    predicted histogram: starting from raw slots, it repeatedly shrinks the
+    slot whose next step down adds the least overflow per device byte saved,
+    until the planned total fits. A key with no history gets the
+    ``BuddyThreshold(new_key_overflow)`` slot. Either way the slot is then
+    shrunk, if needed, to what is left of the budget at that moment.
+
+    When even the zero slot does not fit (metadata alone exceeds what is
+    left), the tensor is still compressed with the zero slot -- everything in
+    buddy memory, only metadata on the device -- the budget is exceeded and a
+    :class:`BudgetExceededWarning` says so. Data is never dropped.
+    """
+
+    def __init__(self, budget_bytes: int, *, new_key_overflow: float = DEFAULT_MAX_OVERFLOW):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be a non-negative int (bytes), got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self.new_key_overflow = BuddyThreshold(new_key_overflow).max_overflow
+        self._plan: dict[str, int] = {}
+        self.exceeded = 0
+
+    def begin_step(self, tracker: Tracker) -> None:
+        self._plan = self.plan(tracker)
+
+    def plan(self, tracker: Tracker) -> dict[str, int]:
+        """Slots for every key with history, fitting the budget if possible."""
+        keys = [h for h in tracker.histories() if h.steps]
+        if not keys:
+            return {}
+        spe = {h.key: len(h.predicted()) - 1 for h in keys}
+        slots = dict(spe)
+        hist = {h.key: h.predicted() for h in keys}
+        per_sector = {h.key: h.n_entries * spec.SECTOR_BYTES for h in keys}
+        total = sum(h.n_entries * (spe[h.key] * spec.SECTOR_BYTES + spec.meta_bytes(h.entry_bytes)) for h in keys)
+
+        def cost(key: str) -> float:  # added overflow per device byte saved by one step down
+            s = slots[key]
+            added = overflow_sectors(hist[key], s - 1) - overflow_sectors(hist[key], s)
+            return added / per_sector[key]
+
+        while total > self.budget_bytes:
+            candidates = [k for k in slots if slots[k] > 0]
+            if not candidates:
+                break
+            best = min(candidates, key=cost)
+            slots[best] -= 1
+            total -= per_sector[best]
+        return slots
+
+    def choose(self, decision: Decision, tracker: Tracker) -> int:
+        slot = self._plan.get(decision.key)
+        if slot is None:
+            slot = slot_for_overflow(decision.histogram, self.new_key_overflow, decision.original_bytes)
+        left = self.budget_bytes - decision.held_device_bytes
+        while slot > 0 and decision.device_bytes(slot) > left:
+            slot -= 1
+        if decision.device_bytes(slot) > left:
+            self.exceeded += 1
+            warnings.warn(
+                f"DeviceBudget({self.budget_bytes:,}): {decision.key} does not fit ({left:,} bytes left, its "
+                f"metadata alone needs {decision.device_bytes(0):,}); it is kept with the zero slot, all in "
+                f"buddy memory, and the budget is exceeded. Raise the budget or compress fewer tensors.",
+                BudgetExceededWarning,
+                stacklevel=2,
+            )
+        return slot
+
+
+@dataclass
+class Observation:
+    """One packing of a key: the slot chosen, and predicted vs actual overflow (bytes)."""
+
+    slot: int
+    predicted_overflow_bytes: int | None
+    overflow_bytes: int
+    original_bytes: int
+    ideal_bytes: int
+
+
+@dataclass
+class KeyHistory:
+    """Recent entry-size histograms of one key, and how the predictions went."""
+
+    key: str
+    entry_bytes: int
+    n_entries: int
+    decay: float
+    window: int
+    histograms: deque = field(default_factory=deque)
+    observations: list[Observation] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        return len(self.observations)
+
+    def predicted(self) -> tuple[float, ...]:
+        """Exponentially weighted mean histogram; the newest step weighs most."""
+        weights = [self.decay**age for age in range(len(self.histograms))]
+        mixed = [0.0] * len(self.histograms[0])
+        for w, hist in zip(weights, reversed(self.histograms)):
+            for k, n in enumerate(hist):
+                mixed[k] += w * n
+        total = sum(weights)
+        return tuple(m / total for m in mixed)
+
+    def add(self, histogram, observation: Observation) -> None:
+        self.histograms.append(tuple(histogram))
+        while len(self.histograms) > self.window:
+            self.histograms.popleft()
+        self.observations.append(observation)
+
+    @property
+    def last_slot(self) -> int | None:
+        return self.observations[-1].slot if self.observations else None
+
+    def prediction_errors(self) -> list[float]:
+        """Per predicted step: (actual - predicted overflow) / original bytes."""
+        return [
+            (o.overflow_bytes - o.predicted_overflow_bytes) / o.original_bytes
+            for o in self.observations
+            if o.predicted_overflow_bytes is not None and o.original_bytes
+        ]
+
+
+class Tracker:
+    """Per-key history and the slot decisions of a policy.
+
+    Args:
+        policy: default policy (a session may pass its own per step).
+        decay: weight of a histogram one step older than the next (0..1);
+            smaller follows drift faster. Default 0.5.
+        window: histograms kept per key. Default 8.
+
+    Thread-safe. The process has a default tracker (:func:`default_tracker`),
+    so history persists across ``compressed_activations`` blocks.
+    """
+
+    def __init__(self, policy: Policy | None = None, *, decay: float = 0.5, window: int = 8):
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int, got {window!r}")
+        self.policy = policy if policy is not None else BuddyThreshold()
+        self.decay = decay
+        self.window = window
+        self._keys: dict[str, KeyHistory] = {}
+        self._lock = threading.RLock()
+        self.held_device_bytes = 0
+
+    def begin_step(self, policy: Policy | None = None) -> None:
+        with self._lock:
+            (policy or self.policy).begin_step(self)
+
+    def history(self, key: str) -> KeyHistory | None:
+        return self._keys.get(key)
+
+    def histories(self) -> list[KeyHistory]:
+        with self._lock:
+            return list(self._keys.values())
+
+    def choose(self, key: str, histogram, *, entry_bytes: int, original_bytes: int, policy: Policy | None = None):
+        """``(slot, predicted_overflow_bytes or None)`` for a tensor about to be packed."""
+        policy = policy or self.policy
+        with self._lock:
+            hist = self._keys.get(key)
+            compatible = hist is not None and hist.entry_bytes == entry_bytes and hist.n_entries == sum(histogram)
+            predicted = hist.predicted() if compatible and hist.histograms else None
+            decision = Decision(
+                key=key,
+                entry_bytes=entry_bytes,
+                n_entries=int(sum(histogram)),
+                original_bytes=original_bytes,
+                current=tuple(histogram),
+                predicted=predicted,
+                held_device_bytes=self.held_device_bytes,
+            )
+            slot = policy.choose(decision, self)
+            if predicted is None:
+                return slot, None
+            return slot, int(round(overflow_sectors(predicted, slot) * spec.SECTOR_BYTES))
+
+    def record(self, key: str, histogram, *, slot: int, entry_bytes: int, original_bytes: int, predicted_overflow_bytes):
+        """Add what happened when ``key`` was packed with ``slot``."""
+        observation = Observation(
+            slot=slot,
+            predicted_overflow_bytes=predicted_overflow_bytes,
+            overflow_bytes=overflow_sectors(histogram, slot) * spec.SECTOR_BYTES,
+            original_bytes=original_bytes,
+            ideal_bytes=sum(k * n for k, n in enumerate(histogram)) * spec.SECTOR_BYTES,
+        )
+        n_entries = int(sum(histogram))
+        with self._lock:
+            hist = self._keys.get(key)
+            if hist is None or hist.entry_bytes != entry_bytes or hist.n_entries != n_entries:
+                # a new key, or the same name for a different tensor: start over
+                hist = KeyHistory(key, entry_bytes, n_entries, self.decay, self.window)
+                self._keys[key] = hist
+            hist.add(histogram, observation)
+        return observation
+
+    def _hold(self, device_bytes: int) -> None:
+        with self._lock:
+            self.held_device_bytes += device_bytes
+
+    def forget(self) -> None:
+        """Drop every key's history (the held-bytes count stays)."""
+        with self._lock:
+            self._keys.clear()
+
+    def __repr__(self) -> str:
+        return f"Tracker(policy={self.policy!r}, keys={len(self._keys)}, decay={self.decay}, window={self.window})"
+
+
+_default_tracker: Tracker | None = None
+_default_lock = threading.Lock()
+
+
+def default_tracker() -> Tracker:
+    """The process-wide tracker (created on first use, BuddyThreshold(0.10))."""
+    global _default_tracker
+    with _default_lock:
+        if _default_tracker is None:
+            _default_tracker = Tracker()
+        return _default_tracker
+
+
+def set_default_tracker(tracker: Tracker | None) -> None:
+    """Replace the process-wide tracker (``None``: a fresh one on next use)."""
+    global _default_tracker
+    if tracker is not None and not isinstance(tracker, Tracker):
+        raise TypeError(f"expected a Tracker, got {type(tracker).__name__}")
+    with _default_lock:
+        _default_tracker = tracker
+
