@@ -16,7 +16,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import spec
+from .autograd import DEFAULT_MIN_BYTES, Session, compressed_activations, wrap
 from .codecs import DEFAULT_CODEC, Codec, available_codecs, get_codec, register_codec
+from .config import defaults, set_defaults
 from .errors import (
     BuddyError,
     CorruptDataError,
@@ -25,15 +27,13 @@ from .errors import (
     MissingDependencyError,
     UnsupportedTensorError,
 )
-from .autograd import DEFAULT_MIN_BYTES, Session, compressed_activations, wrap
-from .config import defaults, set_defaults
 from .slots import DEFAULT_MAX_OVERFLOW
 from .stats import KeyRow, SessionStats
 from .store import BuddyAllocation, BuddyStore, StoreStats, default_store, set_default_store
 from .tensor import BuddyTensor, compress, pack, unpack
 from .tracker import (
-    BudgetExceededWarning,
     BuddyThreshold,
+    BudgetExceededWarning,
     DeviceBudget,
     FixedRatio,
     Policy,

@@ -39,7 +39,9 @@ def require(module: str, feature: str):
         return importlib.import_module(module)
     except ImportError as exc:
         hint = _INSTALL.get(module, f"pip install {module.split('.')[0]}")
-        raise MissingDependencyError(f"{feature} needs {module!r}, which is not importable ({exc}). Install it: {hint}") from exc
+        raise MissingDependencyError(
+            f"{feature} needs {module!r}, which is not importable ({exc}). Install it: {hint}"
+        ) from exc
 
 
 def require_cuda(feature: str) -> None:

@@ -237,15 +237,15 @@ class Session:
         st.ideal_bytes += bt.compressed_bytes
         st.compress_seconds += elapsed
         row = KeyRow(
-                key=key,
-                shape=tuple(t.shape),
-                dtype=str(t.dtype).removeprefix("torch."),
-                codec=bt.codec,
-                target_ratio=bt.target_ratio,
-                original_bytes=bt.original_bytes,
-                device_bytes=bt.device_bytes,
-                buddy_bytes=bt.buddy_bytes,
-                ideal_bytes=bt.compressed_bytes,
+            key=key,
+            shape=tuple(t.shape),
+            dtype=str(t.dtype).removeprefix("torch."),
+            codec=bt.codec,
+            target_ratio=bt.target_ratio,
+            original_bytes=bt.original_bytes,
+            device_bytes=bt.device_bytes,
+            buddy_bytes=bt.buddy_bytes,
+            ideal_bytes=bt.compressed_bytes,
             predicted_overflow_bytes=predicted,
             compress_seconds=elapsed,
         )

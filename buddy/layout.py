@@ -42,8 +42,7 @@ def decode_meta(meta: torch.Tensor, entry_bytes: int, n_entries: int) -> tuple[t
     mb, k_bits, _ = spec.meta_fields(entry_bytes)
     if meta.dtype != torch.uint8 or meta.numel() != n_entries * mb:
         raise CorruptDataError(
-            f"metadata must be {n_entries * mb} uint8 bytes for {n_entries} entries, "
-            f"got {meta.numel()} of {meta.dtype}"
+            f"metadata must be {n_entries * mb} uint8 bytes for {n_entries} entries, got {meta.numel()} of {meta.dtype}"
         )
     if mb == 1:
         word = meta.to(torch.int32)

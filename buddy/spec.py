@@ -126,9 +126,7 @@ def slot_for_ratio(target_ratio: float, entry_bytes: int) -> int:
     if isinstance(target_ratio, bool) or not isinstance(target_ratio, (int, float)):
         raise TypeError(f"target_ratio must be a number, got {type(target_ratio).__name__}")
     if math.isnan(target_ratio) or target_ratio < 1.0:
-        raise ValueError(
-            f"target_ratio must be >= 1 (1 = stored raw, inf = zero slot), got {target_ratio}"
-        )
+        raise ValueError(f"target_ratio must be >= 1 (1 = stored raw, inf = zero slot), got {target_ratio}")
     if math.isinf(target_ratio):
         return 0
     exact = entry_bytes / (SECTOR_BYTES * target_ratio)

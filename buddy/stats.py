@@ -99,7 +99,11 @@ class SessionStats:
         header = f"{'key':<28} {'codec':<5} {'target':>6} {'original':>12} {'device':>12} {'buddy':>12} {'capacity':>8} {'overflow':>8} {'pred.ovf':>8}"
         lines = [header, "-" * len(header)]
         for r in self.rows:
-            pred = "new" if r.predicted_overflow_bytes is None else f"{_ratio(r.predicted_overflow_bytes, r.original_bytes):.1%}"
+            pred = (
+                "new"
+                if r.predicted_overflow_bytes is None
+                else f"{_ratio(r.predicted_overflow_bytes, r.original_bytes):.1%}"
+            )
             lines.append(
                 f"{r.key[:28]:<28} {r.codec:<5} {r.target_ratio:>5.2f}x {format_bytes(r.original_bytes):>12} "
                 f"{format_bytes(r.device_bytes):>12} {format_bytes(r.buddy_bytes):>12} "

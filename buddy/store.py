@@ -94,7 +94,7 @@ class BuddyAllocation:
 
     __slots__ = ("store", "block", "offset", "nbytes", "data", "event")
 
-    def __init__(self, store: "BuddyStore", block: _Block | None, offset: int, nbytes: int):
+    def __init__(self, store: BuddyStore, block: _Block | None, offset: int, nbytes: int):
         self.store = store
         self.block = block
         self.offset = offset
@@ -158,7 +158,9 @@ class BuddyStore:
     Thread-safe: allocation and release take a lock.
     """
 
-    def __init__(self, capacity_bytes: int | None = None, *, block_bytes: int = DEFAULT_BLOCK_BYTES, pin: bool | None = None):
+    def __init__(
+        self, capacity_bytes: int | None = None, *, block_bytes: int = DEFAULT_BLOCK_BYTES, pin: bool | None = None
+    ):
         if capacity_bytes is None:
             capacity_bytes = _physical_memory_bytes() // 2
         for name, value in (("capacity_bytes", capacity_bytes), ("block_bytes", block_bytes)):
@@ -244,6 +246,7 @@ class BuddyStore:
         alloc.block.give(alloc.offset, size)
         self._held -= size
         alloc.block = None
+        alloc.data = torch.empty(0, dtype=torch.uint8)  # a view would keep the whole block alive past trim()
 
     def _reclaim(self, wait: bool) -> None:
         still = []

@@ -185,7 +185,7 @@ class BuddyTensor:
         if self.freed:
             raise FreedTensorError(f"cannot {action} a BuddyTensor that was already freed")
 
-    def __enter__(self) -> "BuddyTensor":
+    def __enter__(self) -> BuddyTensor:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -219,6 +219,11 @@ def unpack(
     :class:`~buddy.errors.CorruptDataError`.
     """
     codec = get_codec(codec)
+    spe = spec.sectors_per_entry(entry_bytes)
+    if isinstance(slot_sectors, bool) or not isinstance(slot_sectors, int) or not 0 <= slot_sectors <= spe:
+        raise ValueError(
+            f"slot_sectors must be an int in [0, {spe}] for {entry_bytes}-byte entries, got {slot_sectors!r}"
+        )
     device = slots.device
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     n_entries = -(-nbytes // entry_bytes)
@@ -340,7 +345,9 @@ def pack(
         encoded = codec.encode(_entries(flat, 0, n_entries, entry_bytes), word)
         sectors = encoded.sectors
     else:
-        sectors = torch.cat([codec.sizes(_entries(flat, a, b, entry_bytes), word) for a, b in chunks]) if chunks else None
+        sectors = (
+            torch.cat([codec.sizes(_entries(flat, a, b, entry_bytes), word) for a, b in chunks]) if chunks else None
+        )
     if sectors is None:
         histogram = [0] * (spe + 1)
     else:

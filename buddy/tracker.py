@@ -296,7 +296,9 @@ class Tracker:
                 return slot, None
             return slot, int(round(overflow_sectors(predicted, slot) * spec.SECTOR_BYTES))
 
-    def record(self, key: str, histogram, *, slot: int, entry_bytes: int, original_bytes: int, predicted_overflow_bytes):
+    def record(
+        self, key: str, histogram, *, slot: int, entry_bytes: int, original_bytes: int, predicted_overflow_bytes
+    ):
         """Add what happened when ``key`` was packed with ``slot``."""
         observation = Observation(
             slot=slot,
@@ -348,4 +350,3 @@ def set_default_tracker(tracker: Tracker | None) -> None:
         raise TypeError(f"expected a Tracker, got {type(tracker).__name__}")
     with _default_lock:
         _default_tracker = tracker
-

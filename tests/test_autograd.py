@@ -125,7 +125,9 @@ def test_training_is_bit_identical(model, policy, autocast, tracker, store):
 
 
 def test_stats_fields_and_table(tracker, store):
-    _, _, sessions = train(small_cnn, cnn_batch, 2, lambda: buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN))
+    _, _, sessions = train(
+        small_cnn, cnn_batch, 2, lambda: buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN)
+    )
     st = sessions[-1].stats()
     assert st.device_bytes == sum(r.device_bytes for r in st.rows)
     assert st.buddy_bytes == sum(r.buddy_bytes for r in st.rows)
@@ -184,19 +186,34 @@ def test_exclude_module_buffers(tracker, store):
 
 
 def test_fixed_ratio_is_fixed(tracker, store):
-    _, _, sessions = train(small_cnn, cnn_batch, 2, lambda: buddy.compressed_activations(buddy.FixedRatio(2.0), tracker=tracker, store=store, min_bytes=MIN))
+    _, _, sessions = train(
+        small_cnn,
+        cnn_batch,
+        2,
+        lambda: buddy.compressed_activations(buddy.FixedRatio(2.0), tracker=tracker, store=store, min_bytes=MIN),
+    )
     assert {r.target_ratio for s in sessions for r in s.stats().rows} == {2.0}
 
 
 def test_threshold_is_respected_on_stable_data(tracker, store):
-    _, _, sessions = train(small_cnn, cnn_batch, 1, lambda: buddy.compressed_activations(buddy.BuddyThreshold(0.05), tracker=tracker, store=store, min_bytes=MIN))
+    _, _, sessions = train(
+        small_cnn,
+        cnn_batch,
+        1,
+        lambda: buddy.compressed_activations(buddy.BuddyThreshold(0.05), tracker=tracker, store=store, min_bytes=MIN),
+    )
     for row in sessions[0].stats().rows:  # new keys: decided from their own size pass, so exact
         assert row.buddy_bytes <= 0.05 * row.original_bytes
 
 
 def test_device_budget_is_respected(tracker, store):
     budget = 200_000
-    model, losses, sessions = train(small_cnn, cnn_batch, 3, lambda: buddy.compressed_activations(buddy.DeviceBudget(budget), tracker=tracker, store=store, min_bytes=MIN))
+    model, losses, sessions = train(
+        small_cnn,
+        cnn_batch,
+        3,
+        lambda: buddy.compressed_activations(buddy.DeviceBudget(budget), tracker=tracker, store=store, min_bytes=MIN),
+    )
     for s in sessions:
         assert s.stats().device_bytes <= budget
     assert sessions[-1].stats().buddy_bytes > 0  # it had to spill to fit
@@ -247,7 +264,12 @@ def test_failing_codec_keeps_original_and_warns_once(tracker, store):
     register_codec(_Boom(), replace=True)
     plain = train(small_cnn, cnn_batch, 2)
     with pytest.warns(RuntimeWarning, match="codec exploded") as record:
-        failing = train(small_cnn, cnn_batch, 2, lambda: buddy.compressed_activations(codec="boom-test", tracker=tracker, store=store, min_bytes=MIN))
+        failing = train(
+            small_cnn,
+            cnn_batch,
+            2,
+            lambda: buddy.compressed_activations(codec="boom-test", tracker=tracker, store=store, min_bytes=MIN),
+        )
     assert sum("codec exploded" in str(w.message) for w in record) == 1
     assert_same_training(plain, failing)
     st = failing[2][-1].stats()
@@ -276,7 +298,9 @@ def test_checkpoint_regions_inside_the_block(reentrant, tracker, store):
         return torch.randn(64, 256, generator=g, requires_grad=True), torch.randint(0, 10, (64,), generator=g)
 
     plain = train(Checkpointed, batch, 2)
-    compressed = train(Checkpointed, batch, 2, lambda: buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN))
+    compressed = train(
+        Checkpointed, batch, 2, lambda: buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN)
+    )
     assert_same_training(plain, compressed)
     assert compressed[2][-1].stats().rows
 
@@ -314,7 +338,9 @@ def test_threads_have_their_own_sessions(tracker, store):
     def worker(i):
         try:
             results[i] = train(
-                small_cnn, cnn_batch, 2,
+                small_cnn,
+                cnn_batch,
+                2,
                 lambda: buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN, key_prefix=f"t{i}/"),
             )
         except Exception as exc:  # surfaced below
@@ -348,7 +374,7 @@ def test_session_in_one_thread_does_not_touch_another(tracker, store):
 
 def test_wrap_uses_tracker_history(tracker, store):
     g = torch.Generator().manual_seed(5)
-    for step in range(3):
+    for _step in range(3):
         t = torch.relu(torch.randn(256, 1024, generator=g))
         bt = buddy.wrap(t, "kept/features", tracker=tracker, store=store)
         assert torch.equal(bt.decompress().view(torch.uint8), t.view(torch.uint8))

@@ -13,7 +13,9 @@ E = 128
 
 
 def record(tracker, key, hist, slot=4):
-    return tracker.record(key, hist, slot=slot, entry_bytes=E, original_bytes=sum(hist) * E, predicted_overflow_bytes=None)
+    return tracker.record(
+        key, hist, slot=slot, entry_bytes=E, original_bytes=sum(hist) * E, predicted_overflow_bytes=None
+    )
 
 
 def test_new_key_is_decided_from_its_size_pass():
@@ -50,7 +52,9 @@ def test_prediction_error_is_recorded():
     tr = buddy.Tracker(buddy.FixedRatio(4.0))
     record(tr, "a", [0, 100, 0, 0, 0])
     slot, predicted = tr.choose("a", [0, 0, 0, 0, 100], entry_bytes=E, original_bytes=100 * E)
-    obs = tr.record("a", [0, 0, 0, 0, 100], slot=slot, entry_bytes=E, original_bytes=100 * E, predicted_overflow_bytes=predicted)
+    obs = tr.record(
+        "a", [0, 0, 0, 0, 100], slot=slot, entry_bytes=E, original_bytes=100 * E, predicted_overflow_bytes=predicted
+    )
     assert slot == 1 and predicted == 0 and obs.overflow_bytes == 300 * spec.SECTOR_BYTES
     assert tr.history("a").prediction_errors() == [pytest.approx(300 * 32 / (100 * E))]
 

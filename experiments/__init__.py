@@ -1,0 +1,1 @@
+"""Experiments and benchmarks for buddy: real offline workloads, codec benchmarks."""

@@ -1,0 +1,247 @@
+"""Shared fixtures and helpers of the buddy test suite.
+
+Everything here compares *bytes*: a lossless compressor must give back the
+very bits it was given (NaN payloads, -0.0 and denormals included), so no test
+uses floating-point equality.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import buddy
+
+MiB = 1 << 20
+
+# ---------------------------------------------------------------------------
+# dtypes, with short names for readable test ids
+# ---------------------------------------------------------------------------
+DTYPE_NAMES = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.int8: "i8",
+    torch.int16: "i16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+    torch.complex64: "c64",
+}
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPE_NAMES[torch.float8_e4m3fn] = "f8e4m3"
+
+ALL_DTYPES = list(DTYPE_NAMES)
+DATA_KINDS = ("zeros", "relu", "random_bytes", "special")
+
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    return f"dtype={DTYPE_NAMES.get(dtype, str(dtype).replace('torch.', ''))}"
+
+
+def ids(name: str, values, fmt=str) -> list:
+    """``pytest.param``s with ids ``name=value`` (``fmt`` renders the value)."""
+    return [pytest.param(v, id=f"{name}={fmt(v)}") for v in values]
+
+
+def dtype_params(dtypes=None) -> list:
+    return [pytest.param(d, id=dtype_id(d)) for d in (ALL_DTYPES if dtypes is None else dtypes)]
+
+
+def ratio_name(r: float) -> str:
+    if math.isinf(r):
+        return "inf"
+    return {4 / 3: "4/3"}.get(r, f"{r:g}")
+
+
+def is_float8(dtype: torch.dtype) -> bool:
+    return "float8" in str(dtype)
+
+
+# ---------------------------------------------------------------------------
+# byte-level comparison
+# ---------------------------------------------------------------------------
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's data as a flat ``uint8`` CPU tensor, C order.
+
+    Works for 0-dim, empty, bool, complex and float8 tensors; conjugate and
+    negative views are materialised first (their bytes are what they read as).
+    """
+    t = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if t.dtype != torch.uint8:
+        t = t.view(torch.uint8)
+    return t.cpu()
+
+
+def assert_bitexact(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same dtype, shape, device and the very same bytes."""
+    assert isinstance(actual, torch.Tensor), f"expected a tensor, got {type(actual).__name__}"
+    assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.device == expected.device, f"device {actual.device} != {expected.device}"
+    a, b = raw_bytes(actual), raw_bytes(expected)
+    assert a.numel() == b.numel(), f"{a.numel()} bytes != {b.numel()} bytes"
+    if not torch.equal(a, b):
+        bad = (a != b).nonzero().view(-1)
+        i = int(bad[0])
+        raise AssertionError(
+            f"{bad.numel()} of {a.numel()} bytes differ; first at byte {i}: {int(a[i]):#04x} != {int(b[i]):#04x}"
+        )
+
+
+def assert_roundtrip(bt: buddy.BuddyTensor, original: torch.Tensor) -> torch.Tensor:
+    """``bt.decompress()`` is a new contiguous tensor bit-identical to ``original``."""
+    out = bt.decompress()
+    assert out.is_contiguous()
+    assert not out.requires_grad
+    assert_bitexact(out, original)
+    return out
+
+
+def entry_payloads(t: torch.Tensor, codec: str, entry_bytes: int):
+    """Independent reference: ``codec.encode`` of ``t``'s zero-padded entries."""
+    data = raw_bytes(t).to(t.device)
+    n = -(-data.numel() // entry_bytes)
+    padded = torch.zeros(n * entry_bytes, dtype=torch.uint8, device=t.device)
+    padded[: data.numel()] = data
+    entries = padded.view(n, entry_bytes)
+    return entries, buddy.get_codec(codec).encode(entries, buddy.spec.word_bytes(t.dtype))
+
+
+# ---------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------
+def _float_specials(dtype: torch.dtype) -> list[int]:
+    """Bit patterns of the awkward values of a floating dtype, as unsigned ints."""
+    bits = torch.empty((), dtype=dtype).element_size() * 8
+    if is_float8(dtype):
+        # e4m3fn has no inf: 0x7f/0xff are its NaNs; e5m2 is IEEE-like.
+        return [0x7F, 0xFF, 0x80, 0x01, 0x07, 0x87, 0x7C, 0x7D, 0xFC, 0x7E]
+    mant = round(-math.log2(torch.finfo(dtype).eps))
+    sign = 1 << (bits - 1)
+    inf = ((1 << (bits - 1 - mant)) - 1) << mant
+    quiet = 1 << (mant - 1)
+    return [
+        inf,  # +inf
+        sign | inf,  # -inf
+        inf | 1,  # signalling NaN, payload 1
+        inf | quiet | 0x5,  # quiet NaN with a payload
+        sign | inf | quiet | 0x3,  # negative quiet NaN with a payload
+        sign | inf | ((1 << mant) - 1),  # negative NaN, all mantissa bits set
+        inf | quiet,  # the canonical NaN
+        sign,  # -0.0
+        1,  # smallest denormal
+        (1 << mant) - 1,  # largest denormal
+        sign | 1,  # negative denormal
+    ]
+
+
+def _to_signed(p: int, bits: int) -> int:
+    return p - (1 << bits) if p >= 1 << (bits - 1) else p
+
+
+def _random_bytes(numel: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=g).view(dtype)
+
+
+def make_data(kind: str, numel: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """A deterministic 1-D tensor of ``numel`` elements.
+
+    kinds: ``zeros``; ``relu`` (ReLU of a normal sample, about half zero);
+    ``random_bytes`` (uniform random bytes: incompressible, forces overflow;
+    for bool, random False/True since other bytes are not valid bools);
+    ``special`` (NaNs with non-canonical payloads, +-inf, -0.0 and denormals
+    mixed into normal values; random values for integer and bool dtypes).
+    """
+    g = generator
+    if kind == "zeros":
+        return torch.zeros(numel, dtype=dtype)
+    if dtype == torch.bool:
+        if kind in ("relu", "random_bytes", "special"):
+            return torch.randint(0, 2, (numel,), generator=g).bool()
+        raise ValueError(f"unknown data kind {kind!r}")
+    if kind == "random_bytes":
+        return _random_bytes(numel, dtype, g)
+    if kind == "relu":
+        if dtype.is_complex:
+            re = torch.relu(torch.randn(numel, generator=g))
+            im = torch.relu(torch.randn(numel, generator=g))
+            return torch.complex(re, im).to(dtype)
+        if dtype.is_floating_point:
+            return torch.relu(torch.randn(numel, generator=g, dtype=torch.float64)).to(dtype)
+        hi = min(torch.iinfo(dtype).max, 1 << 20)
+        return torch.randint(-hi, hi + 1, (numel,), generator=g, dtype=torch.int64).clamp_(min=0).to(dtype)
+    if kind == "special":
+        if dtype.is_complex:
+            part = {torch.complex64: torch.float32, torch.complex128: torch.float64}[dtype]
+            return torch.view_as_complex(make_data("special", 2 * numel, part, g).view(numel, 2))
+        if not dtype.is_floating_point:
+            return _random_bytes(numel, dtype, g)
+        bits = torch.empty((), dtype=dtype).element_size() * 8
+        ivt = _INT_VIEW[bits // 8]
+        if is_float8(dtype):
+            base = _random_bytes(numel, dtype, g)
+        else:
+            base = (torch.randn(numel, generator=g, dtype=torch.float64) * 100).to(dtype)
+        ints = base.view(ivt).clone()
+        pats = torch.tensor([_to_signed(p, bits) for p in _float_specials(dtype)], dtype=ivt)
+        # every pattern at least once (when there is room), then about a quarter of the values
+        count = min(numel, max(numel // 4, pats.numel()))
+        where = torch.randperm(numel, generator=g)[:count]
+        ints[where] = pats[torch.arange(count) % pats.numel()]
+        return ints.view(dtype)
+    raise ValueError(f"unknown data kind {kind!r}")
+
+
+# ---------------------------------------------------------------------------
+# fixtures
+# ---------------------------------------------------------------------------
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A freshly seeded CPU generator: every test sees the same data on every run."""
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def store() -> buddy.BuddyStore:
+    """A fresh store per test (small blocks, so tests exercise several of them)."""
+    return buddy.BuddyStore(capacity_bytes=512 * MiB, block_bytes=1 * MiB, pin=False)
+
+
+@pytest.fixture
+def fresh_default_store(monkeypatch):
+    """Isolates tests that touch the process-wide default store."""
+    import buddy.store as store_mod
+
+    monkeypatch.setattr(store_mod, "_default_store", None)
+    yield
+    # monkeypatch restores the previous default store afterwards
+
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def cuda() -> torch.device:
+    """The CUDA device; skips the test when there is none."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch.device("cuda")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip cleanly on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

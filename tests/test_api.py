@@ -1,0 +1,291 @@
+"""The public API: the issue's example, argument checking, optional dependencies, reprs."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import HAS_CUDA, assert_bitexact, assert_roundtrip, make_data
+
+import buddy
+from buddy import _deps
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_issue_example(store, capsys):
+    torch.manual_seed(0)
+    t = torch.relu(torch.randn(8, 16, 28, 28))
+    bt = buddy.compress(t, target_ratio=2.0, codec="zvc", store=store)
+    print(bt.original_bytes, bt.device_bytes, bt.buddy_bytes, bt.target_ratio, bt.codec)
+    printed = capsys.readouterr().out.split()
+    assert printed == [str(bt.original_bytes), str(bt.device_bytes), str(bt.buddy_bytes), "2.0", "zvc"]
+    n_entries = t.numel() * 4 // 128
+    assert bt.original_bytes == t.numel() * 4 == 401408
+    assert bt.device_bytes == n_entries * (64 + 1)  # two sectors of slot + one metadata byte per entry
+    assert 0 < bt.buddy_bytes < bt.original_bytes // 4
+    assert bt.target_ratio == 2.0 and bt.codec == "zvc"
+    assert bt.slot_sectors == 2
+    assert isinstance(bt.histogram, tuple) and sum(bt.histogram) == n_entries
+    assert 0 < bt.compressed_bytes < bt.original_bytes
+    assert bt.effective_ratio == bt.original_bytes / bt.device_bytes
+    assert not bt.freed
+    assert_roundtrip(bt, t)
+    bt.free()
+    assert bt.freed
+
+
+def test_top_level_names():
+    for name in ("compress", "unpack", "pack", "BuddyTensor", "BuddyStore", "available_codecs", "get_codec"):
+        assert hasattr(buddy, name), name
+    assert {"raw", "zvc"} <= set(buddy.available_codecs())
+    assert buddy.DEFAULT_CODEC in buddy.available_codecs()
+    assert issubclass(buddy.UnsupportedTensorError, TypeError)
+    assert issubclass(buddy.CorruptDataError, ValueError)
+    assert issubclass(buddy.HostStoreFull, MemoryError)
+    assert issubclass(buddy.MissingDependencyError, ImportError)
+    for err in (
+        buddy.FreedTensorError,
+        buddy.HostStoreFull,
+        buddy.CorruptDataError,
+        buddy.UnsupportedTensorError,
+        buddy.MissingDependencyError,
+    ):
+        assert issubclass(err, buddy.BuddyError)
+
+
+# ---------------------------------------------------------------------------
+# bad inputs
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [None, 3.0, [1.0, 2.0], "tensor", b"\x00\x01"])
+def test_non_tensor_is_a_type_error(bad, store):
+    with pytest.raises(TypeError):
+        buddy.compress(bad, store=store)
+
+
+def test_numpy_array_is_a_type_error(store):
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError):
+        buddy.compress(np.zeros(4, dtype=np.float32), store=store)
+
+
+def _quantized():
+    return torch.quantize_per_tensor(torch.randn(16), 0.1, 0, torch.quint8)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized tensors are deprecated in recent torch
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: torch.randn(4, 4).to_sparse(), id="sparse_coo"),
+        pytest.param(lambda: torch.randn(4, 4).to_sparse_csr(), id="sparse_csr"),
+        pytest.param(lambda: torch.empty(4, 4, device="meta"), id="meta"),
+        pytest.param(_quantized, id="quantized"),
+        pytest.param(lambda: torch.nested.nested_tensor([torch.randn(3), torch.randn(5)]), id="nested"),
+    ],
+)
+def test_unsupported_tensors(make, store):
+    t = make()
+    with pytest.raises(buddy.UnsupportedTensorError):
+        buddy.compress(t, target_ratio=2.0, store=store)
+    with pytest.raises(TypeError):  # it is a TypeError too
+        buddy.compress(t, store=store)
+    assert store.stats().tensors_held == 0
+
+
+def test_unknown_codec_lists_the_available_ones(store):
+    with pytest.raises(ValueError) as info:
+        buddy.compress(torch.zeros(8), codec="no_such_codec", store=store)
+    for name in buddy.available_codecs():
+        assert name in str(info.value)
+    with pytest.raises(TypeError):
+        buddy.compress(torch.zeros(8), codec=3, store=store)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.0, -2.0, math.nan])
+def test_bad_target_ratio(ratio, store):
+    with pytest.raises(ValueError):
+        buddy.compress(torch.zeros(8), target_ratio=ratio, store=store)
+
+
+def test_target_ratio_of_wrong_type(store):
+    with pytest.raises(TypeError):
+        buddy.compress(torch.zeros(8), target_ratio="2", store=store)
+
+
+@pytest.mark.parametrize("e", [100, 16, 2**17, 0, 96, -128])
+@pytest.mark.parametrize("ratio", [None, 2.0])
+def test_bad_entry_bytes(e, ratio, store):
+    with pytest.raises(ValueError):
+        buddy.compress(torch.zeros(8), target_ratio=ratio, entry_bytes=e, store=store)
+
+
+@pytest.mark.parametrize("on_full", ["x", "", None, "Device"])
+def test_bad_on_full(on_full, store):
+    with pytest.raises(ValueError):
+        buddy.compress(torch.zeros(8), target_ratio=2.0, on_full=on_full, store=store)
+
+
+@pytest.mark.parametrize("max_overflow", [-0.1, 1.5])
+def test_bad_max_overflow(max_overflow, store):
+    with pytest.raises(ValueError):
+        buddy.compress(torch.zeros(8), max_overflow=max_overflow, store=store)
+
+
+def test_pack_choose_slot_sees_the_histogram(store, gen):
+    t = make_data("relu", 4096, torch.float32, gen)
+    seen = []
+
+    def choose(hist):
+        seen.append(list(hist))
+        return 3
+
+    bt = buddy.pack(t, codec="zvc", choose_slot=choose, store=store)
+    assert bt.slot_sectors == 3
+    assert seen == [list(bt.histogram)] and len(seen[0]) == 5
+    assert_roundtrip(bt, t)
+    for bad in (5, -1, 2.0, True, None):
+        with pytest.raises(ValueError):
+            buddy.pack(t, choose_slot=lambda h, bad=bad: bad, store=store)
+
+
+def test_codec_instance_is_accepted(store, gen):
+    t = make_data("relu", 1000, torch.float32, gen)
+    bt = buddy.compress(t, target_ratio=2.0, codec=buddy.get_codec("zvc"), store=store)
+    assert bt.codec == "zvc"
+    assert_roundtrip(bt, t)
+
+
+def test_requires_grad_tensor_compresses_detached(store, gen):
+    t = make_data("relu", 2048, torch.float32, gen).view(32, 64).requires_grad_()
+    y = t * 1  # a non-leaf with a grad_fn
+    for src in (t, y):
+        bt = buddy.compress(src, target_ratio=2.0, store=store)
+        out = bt.decompress()
+        assert not out.requires_grad and out.grad_fn is None
+        assert_bitexact(out, src.detach())
+    assert t.grad is None
+
+
+def test_decompress_gives_a_new_tensor(store, gen):
+    t = make_data("special", 1000, torch.float32, gen)
+    bt = buddy.compress(t, target_ratio=1.0, store=store)
+    a, b = bt.decompress(), bt.decompress()
+    assert a.data_ptr() != b.data_ptr() != t.data_ptr()
+    a.zero_()
+    assert_bitexact(b, t)
+    assert_bitexact(bt.decompress(), t)
+
+
+def test_unpack_with_codec_by_name_and_instance(store, gen):
+    t = make_data("relu", 3000, torch.bfloat16, gen).view(30, 100)
+    bt = buddy.compress(t, target_ratio=4.0, store=store)
+    meta, slots, overflow = bt.buffers()
+    for codec in ("zvc", buddy.get_codec("zvc")):
+        out = buddy.unpack(
+            meta, slots, overflow, codec=codec, entry_bytes=128, slot_sectors=1, shape=(30, 100), dtype=torch.bfloat16
+        )
+        assert_bitexact(out, t)
+
+
+# ---------------------------------------------------------------------------
+# optional dependencies
+# ---------------------------------------------------------------------------
+def test_import_without_cupy():
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["cupy"] = None              # any `import cupy` now fails
+        sys.modules["nvidia.nvcomp"] = None
+        import torch, buddy
+        t = torch.relu(torch.randn(64, 64))
+        bt = buddy.compress(t, target_ratio=2.0)
+        assert torch.equal(bt.decompress().view(torch.uint8), t.view(torch.uint8))
+        assert "cupy" not in [m for m in sys.modules if sys.modules[m] is not None]
+        print("OK")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("OK")
+
+
+def test_import_buddy_does_not_import_cupy():
+    code = "import sys, buddy; print(sorted(m for m in ('cupy', 'nvidia.nvcomp') if m in sys.modules))"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_require_missing_module_has_install_hint():
+    with pytest.raises(buddy.MissingDependencyError) as info:
+        _deps.require("cupy_that_does_not_exist", "the x feature")
+    msg = str(info.value)
+    assert "cupy_that_does_not_exist" in msg and "the x feature" in msg
+    assert "pip install" in msg
+    assert isinstance(info.value, ImportError)
+
+
+@pytest.mark.skipif(_deps.available("cupy"), reason="cupy is installed")
+def test_require_known_module_hint():
+    with pytest.raises(buddy.MissingDependencyError) as info:
+        _deps.require("cupy", "x")
+    assert "buddy[cuda12]" in str(info.value)
+
+
+def test_require_present_module_returns_it():
+    assert _deps.require("math", "x") is math
+    assert _deps.available("math") and not _deps.available("cupy_that_does_not_exist")
+    assert _deps.version_of("cupy_that_does_not_exist") is None
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CUDA is available here")
+def test_require_cuda_without_cuda():
+    with pytest.raises(buddy.MissingDependencyError) as info:
+        _deps.require_cuda("the x feature")
+    assert "the x feature" in str(info.value) and "CUDA" in str(info.value)
+
+
+@pytest.mark.gpu
+def test_require_cuda_with_cuda():
+    _deps.require_cuda("x")  # no error
+
+
+# ---------------------------------------------------------------------------
+# repr
+# ---------------------------------------------------------------------------
+def test_repr_live_and_freed(store, gen):
+    t = make_data("relu", 1000, torch.float32, gen).view(10, 100)
+    bt = buddy.compress(t, target_ratio=2.0, store=store)
+    live = repr(bt)
+    assert live.startswith("BuddyTensor(")
+    for part in (
+        "shape=(10, 100)",
+        "dtype=torch.float32",
+        "device=cpu",
+        "codec='zvc'",
+        "entry_bytes=128",
+        "target_ratio=2.00",
+        "original_bytes=4,000",
+    ):
+        assert part in live, part
+    assert f"device_bytes={bt.device_bytes:,}" in live and f"buddy_bytes={bt.buddy_bytes:,}" in live
+    assert "freed" not in live
+    bt.free()
+    dead = repr(bt)
+    assert "freed" in dead and "device_bytes" not in dead
+    assert "shape=(10, 100)" in dead
+
+
+def test_repr_zero_slot(store):
+    bt = buddy.compress(torch.zeros(64), target_ratio=math.inf, store=store)
+    assert "target_ratio=inf" in repr(bt)
+    assert bt.target_ratio == math.inf and bt.device_bytes == 2 and bt.buddy_bytes == 0
