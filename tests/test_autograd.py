@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import buddy
-from buddy.codecs import Codec, register_codec
+from buddy.codecs import Codec
 
 MIN = 4096  # small models: compress everything above 4 KiB
 
@@ -260,8 +260,8 @@ class _Boom(Codec):
         raise AssertionError("never called")
 
 
-def test_failing_codec_keeps_original_and_warns_once(tracker, store):
-    register_codec(_Boom(), replace=True)
+def test_failing_codec_keeps_original_and_warns_once(tracker, store, monkeypatch):
+    monkeypatch.setitem(buddy.codecs._REGISTRY, _Boom.name, _Boom())  # registered for this test only
     plain = train(small_cnn, cnn_batch, 2)
     with pytest.warns(RuntimeWarning, match="codec exploded") as record:
         failing = train(
@@ -333,12 +333,13 @@ def test_reentering_an_open_session_is_refused(tracker, store):
 
 def test_threads_have_their_own_sessions(tracker, store):
     plain = train(small_cnn, cnn_batch, 2)
+    models = [small_cnn() for _ in range(2)]  # built here: the global RNG is not thread-safe to seed
     results, errors = {}, []
 
     def worker(i):
         try:
             results[i] = train(
-                small_cnn,
+                lambda: models[i],
                 cnn_batch,
                 2,
                 lambda: buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN, key_prefix=f"t{i}/"),
