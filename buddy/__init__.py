@@ -30,7 +30,7 @@ from .errors import (
 from .slots import DEFAULT_MAX_OVERFLOW
 from .stats import KeyRow, SessionStats
 from .store import BuddyAllocation, BuddyStore, StoreStats, default_store, set_default_store
-from .tensor import BuddyTensor, compress, pack, unpack
+from .tensor import BuddyTensor, compress, pack, size_histogram, unpack
 from .tracker import (
     BuddyThreshold,
     BudgetExceededWarning,
@@ -48,6 +48,7 @@ __all__ = [
     "compress",
     "pack",
     "unpack",
+    "size_histogram",
     "BuddyTensor",
     "BuddyStore",
     "BuddyAllocation",

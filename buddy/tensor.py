@@ -14,7 +14,7 @@ from .errors import CorruptDataError, FreedTensorError, HostStoreFull, Unsupport
 from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, slot_for_overflow, tightest_slot
 from .store import BuddyAllocation, BuddyStore, default_store
 
-__all__ = ["BuddyTensor", "compress", "CHUNK_BYTES"]
+__all__ = ["BuddyTensor", "compress", "pack", "unpack", "size_histogram", "CHUNK_BYTES"]
 
 #: entries are processed in chunks of this many input bytes, bounding the
 #: temporaries of the reference codecs (a few times the chunk) on any device
@@ -59,6 +59,36 @@ def _entries(flat: torch.Tensor, start: int, stop: int, entry_bytes: int) -> tor
 def _chunks(n_entries: int, entry_bytes: int) -> list[tuple[int, int]]:
     step = max(1, CHUNK_BYTES // entry_bytes)
     return [(a, min(a + step, n_entries)) for a in range(0, n_entries, step)]
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as contiguous bytes (lazy conjugate/negative views resolved)."""
+    return tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _size_pass(flat: torch.Tensor, codec: Codec, word: int, entry_bytes: int) -> list[int]:
+    """Histogram of entry sizes: ``h[k]`` entries compress to ``k`` sectors."""
+    spe = spec.sectors_per_entry(entry_bytes)
+    histogram = torch.zeros(spe + 1, dtype=torch.int64, device=flat.device)
+    for a, b in _chunks(-(-flat.numel() // entry_bytes), entry_bytes):
+        sizes = codec.sizes(_entries(flat, a, b, entry_bytes), word)
+        histogram += torch.bincount(sizes.to(torch.int64), minlength=spe + 1)
+    return histogram.tolist()
+
+
+def size_histogram(
+    tensor: torch.Tensor, codec: str | Codec | None = None, *, entry_bytes: int | None = None
+) -> list[int]:
+    """How compressible ``tensor`` is: ``h[k]`` of its entries compress to ``k`` sectors.
+
+    Runs only the size pass (nothing is stored). ``sum(k * h[k]) * 32`` is the
+    compacted size; :func:`buddy.slots.overflow_sectors` gives the overflow
+    of any slot. Defaults as in :func:`compress`.
+    """
+    check_tensor(tensor)
+    codec = get_codec(codec or config.defaults().codec)
+    entry_bytes = spec.check_entry_bytes(config.defaults().entry_bytes if entry_bytes is None else entry_bytes)
+    return _size_pass(_flat_bytes(tensor), codec, spec.word_bytes(tensor.dtype), entry_bytes)
 
 
 def _release(store: BuddyStore, alloc: BuddyAllocation, device_bytes: int, on_free: list) -> None:
@@ -333,8 +363,7 @@ def pack(
     spe = spec.sectors_per_entry(entry_bytes)
     word = spec.word_bytes(tensor.dtype)
 
-    # resolve lazy conjugate/negative views: their bytes are not the values they read as
-    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    flat = _flat_bytes(tensor)
     nbytes = flat.numel()
     n_entries = -(-nbytes // entry_bytes)
     chunks = _chunks(n_entries, entry_bytes)
@@ -343,15 +372,9 @@ def pack(
     encoded = None
     if len(chunks) == 1:
         encoded = codec.encode(_entries(flat, 0, n_entries, entry_bytes), word)
-        sectors = encoded.sectors
+        histogram = torch.bincount(encoded.sectors.to(torch.int64), minlength=spe + 1).tolist()
     else:
-        sectors = (
-            torch.cat([codec.sizes(_entries(flat, a, b, entry_bytes), word) for a, b in chunks]) if chunks else None
-        )
-    if sectors is None:
-        histogram = [0] * (spe + 1)
-    else:
-        histogram = torch.bincount(sectors.to(torch.int64), minlength=spe + 1).tolist()
+        histogram = _size_pass(flat, codec, word, entry_bytes)
 
     # 2. the slot
     if choose_slot is None:

@@ -289,3 +289,15 @@ def test_repr_zero_slot(store):
     bt = buddy.compress(torch.zeros(64), target_ratio=math.inf, store=store)
     assert "target_ratio=inf" in repr(bt)
     assert bt.target_ratio == math.inf and bt.device_bytes == 2 and bt.buddy_bytes == 0
+
+
+def test_size_histogram_matches_compress():
+    g = torch.Generator().manual_seed(7)
+    t = torch.relu(torch.randn(70_000, generator=g)).to(torch.bfloat16)
+    hist = buddy.size_histogram(t, "zvc", entry_bytes=256)
+    bt = buddy.compress(t, codec="zvc", entry_bytes=256)
+    assert hist == list(bt.histogram) and sum(hist) == bt.n_entries
+    assert sum(k * n for k, n in enumerate(hist)) * buddy.spec.SECTOR_BYTES == bt.compressed_bytes
+    bt.free()
+    with pytest.raises(TypeError):
+        buddy.size_histogram([1, 2, 3])
