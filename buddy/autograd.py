@@ -10,9 +10,11 @@ backward goes through :meth:`Session._pack`:
 * a storage saved by several ops (same storage, offset, shape, strides, dtype
   and version) is compressed once and shared;
 * everything else is compressed with the slot the tracker chooses for its key
-  (``"<index>:<dtype><shape>"``, the index counting compressed tensors in
-  the step), and only the compressed form is kept: the original's memory is
-  released as soon as nothing else refers to it;
+  (``"<index>:<dtype><shape>"``, the index counting such tensors in the
+  step), and only the compressed form is kept: the original's memory is
+  released as soon as nothing else refers to it. When the tracker chooses
+  the raw slot (1x), the tensor is kept as it is instead (a raw slot would
+  hold the same bytes plus metadata); its row says ``kept``;
 * if compressing fails for any reason, the original tensor is kept and a
   warning is given once per cause: training never breaks or changes because
   of buddy.
@@ -34,6 +36,7 @@ import threading
 import time
 import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -171,35 +174,39 @@ class Session:
             check_tensor(t)
         except UnsupportedTensorError:
             return "unsupported"
-        if t.numel() * t.element_size() < self.min_bytes:
-            return "small"
         if _is_parameter(t) or t.untyped_storage()._cdata in self._excluded:
             return "parameter"
+        if t.numel() * t.element_size() < self.min_bytes:
+            return "small"
         return None
 
     def _pack(self, t: torch.Tensor):
         with self._lock:
             self._stats.saves += 1
-            if self._skip_reason(t) is not None:
+            reason = self._skip_reason(t)
+            if reason is not None:
                 self._stats.skipped += 1
                 self._stats.skipped_bytes += t.numel() * t.element_size()
+                if reason != "parameter":
+                    self._stats.kept_bytes += t.numel() * t.element_size()
                 return t
             storage = t.untyped_storage()
             dedup_key = (storage._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
             hit = self._dedup.get(dedup_key)
             if hit is not None:
-                alive, ref = hit
-                packed = ref()
+                alive, ref, row = hit
+                packed = ref() if ref is not None else t  # None: it was kept as it is
                 if packed is not None and not alive.expired():
                     self._stats.deduplicated += 1
-                    packed.row.saves += 1
+                    row.saves += 1
                     return packed
             key = f"{self.key_prefix}{self._index}:{_tensor_key(t)}"
             start = time.perf_counter()
             try:
-                bt, predicted = self._compress(t, key)
+                result = self._compress(t, key)
             except Exception as exc:  # never let buddy break training: keep the original
                 self._stats.failed += 1
+                self._stats.kept_bytes += t.numel() * t.element_size()
                 _warn_once(
                     f"{type(exc).__name__}: {exc}"[:200],
                     f"buddy could not compress a saved activation ({type(exc).__name__}: {exc}); "
@@ -208,13 +215,17 @@ class Session:
                 return t
             elapsed = time.perf_counter() - start
             self._index += 1
-            packed = _Compressed(bt, self, self._account(t, storage, bt, key, predicted, elapsed))
+            row = self._account(t, storage, result, key, elapsed)
             # A storage that died may be reused at the same address: the weak
             # reference tells the two apart, so a dedup hit is always the same data.
-            self._dedup[dedup_key] = (StorageWeakRef(storage), weakref.ref(packed))
+            if result.bt is None:
+                self._dedup[dedup_key] = (StorageWeakRef(storage), None, row)
+                return t
+            packed = _Compressed(result.bt, self, row)
+            self._dedup[dedup_key] = (StorageWeakRef(storage), weakref.ref(packed), row)
             return packed
 
-    def _compress(self, t: torch.Tensor, key: str) -> tuple[BuddyTensor, int | None]:
+    def _compress(self, t: torch.Tensor, key: str) -> _Packed:
         return _tracked_pack(
             t,
             key,
@@ -224,31 +235,34 @@ class Session:
             codec=self.codec,
             entry_bytes=self.entry_bytes,
             on_full="device",  # a full store must not cost the training step: keep it on the device
+            keep_full_slot=True,  # a raw slot holds the same bytes plus metadata: keep the tensor instead
         )
 
-    def _account(self, t, storage, bt: BuddyTensor, key: str, predicted, elapsed: float) -> KeyRow:
+    def _account(self, t, storage, result: _Packed, key: str, elapsed: float) -> KeyRow:
         st = self._stats
+        nbytes = t.numel() * t.element_size()
         views = self._storages.setdefault(storage._cdata, [storage.nbytes(), 0])
         before = min(views)
-        views[1] += bt.original_bytes
+        views[1] += nbytes
         st.original_bytes += min(views) - before
-        st.device_bytes += bt.device_bytes
-        st.buddy_bytes += bt.buddy_bytes
-        st.ideal_bytes += bt.compressed_bytes
-        st.compress_seconds += elapsed
+        bt = result.bt
         row = KeyRow(
             key=key,
             shape=tuple(t.shape),
             dtype=str(t.dtype).removeprefix("torch."),
-            codec=bt.codec,
-            target_ratio=bt.target_ratio,
-            original_bytes=bt.original_bytes,
-            device_bytes=bt.device_bytes,
-            buddy_bytes=bt.buddy_bytes,
-            ideal_bytes=bt.compressed_bytes,
-            predicted_overflow_bytes=predicted,
+            codec=bt.codec if bt is not None else "kept",
+            target_ratio=bt.target_ratio if bt is not None else 1.0,
+            original_bytes=nbytes,
+            device_bytes=bt.device_bytes if bt is not None else nbytes,
+            buddy_bytes=bt.buddy_bytes if bt is not None else 0,
+            ideal_bytes=sum(k * n for k, n in enumerate(result.histogram)) * spec.SECTOR_BYTES,
+            predicted_overflow_bytes=result.predicted,
             compress_seconds=elapsed,
         )
+        st.device_bytes += row.device_bytes
+        st.buddy_bytes += row.buddy_bytes
+        st.ideal_bytes += row.ideal_bytes
+        st.compress_seconds += elapsed
         st.rows.append(row)
         return row
 
@@ -278,31 +292,55 @@ class Session:
         return f"<buddy Session {state}: policy={self.policy or self.tracker.policy!r}, min_bytes={self.min_bytes}>"
 
 
-def _tracked_pack(t, key, *, tracker: Tracker, policy, store, codec, entry_bytes, on_full: str):
-    """Compress ``t`` under ``key`` with the tracker's slot; ``(bt, predicted overflow bytes)``."""
+class _Packed(NamedTuple):
+    bt: BuddyTensor | None  # None: kept as it is (the tracker chose the raw slot)
+    histogram: list[int]
+    predicted: int | None  # overflow bytes the tracker predicted; None for a new key
+
+
+class _KeepAsIs(Exception):
+    """Raised from the slot choice to stop packing a tensor that would only gain metadata."""
+
+
+def _tracked_pack(t, key, *, tracker: Tracker, policy, store, codec, entry_bytes, on_full: str, keep_full_slot=False):
+    """Compress ``t`` under ``key`` with the tracker's slot and record the outcome in the tracker.
+
+    With ``keep_full_slot``, a tensor the tracker gives the raw slot is not
+    packed at all (``bt`` is ``None``): the raw slot would hold the same bytes
+    plus metadata.
+    """
     codec = codec or config.defaults().codec
     entry_bytes = entry_bytes or config.defaults().entry_bytes
+    nbytes = t.numel() * t.element_size()
     decided = {}
 
     def choose(histogram):
-        slot, predicted = tracker.choose(
-            key, histogram, entry_bytes=entry_bytes, original_bytes=t.numel() * t.element_size(), policy=policy
-        )
+        slot, predicted = tracker.choose(key, histogram, entry_bytes=entry_bytes, original_bytes=nbytes, policy=policy)
         decided.update(histogram=histogram, slot=slot, predicted=predicted)
+        if keep_full_slot and slot == spec.sectors_per_entry(entry_bytes):
+            raise _KeepAsIs
         return slot
 
-    bt = pack(t, codec=codec, entry_bytes=entry_bytes, choose_slot=choose, store=store, on_full=on_full)
+    try:
+        bt = pack(t, codec=codec, entry_bytes=entry_bytes, choose_slot=choose, store=store, on_full=on_full)
+    except _KeepAsIs:
+        bt = None
     tracker.record(
         key,
         decided["histogram"],
-        slot=bt.slot_sectors,
+        slot=bt.slot_sectors if bt is not None else decided["slot"],
         entry_bytes=entry_bytes,
-        original_bytes=bt.original_bytes,
+        original_bytes=nbytes,
         predicted_overflow_bytes=decided["predicted"],
     )
-    tracker._hold(bt.device_bytes)
-    bt._on_free.append(lambda n=bt.device_bytes: tracker._hold(-n))
-    return bt, decided["predicted"]
+    # what stays on the device counts against budgets until it is freed
+    if bt is not None:
+        tracker._hold(bt.device_bytes)
+        bt._on_free.append(lambda n=bt.device_bytes: tracker._hold(-n))
+    else:
+        tracker._hold(nbytes)
+        weakref.finalize(t, tracker._hold, -nbytes)
+    return _Packed(bt, decided["histogram"], decided["predicted"])
 
 
 def wrap(
@@ -326,7 +364,7 @@ def wrap(
     if not isinstance(key, str) or not key:
         raise ValueError(f"key must be a non-empty string, got {key!r}")
     check_tensor(tensor)
-    bt, _ = _tracked_pack(
+    return _tracked_pack(
         tensor,
         key,
         tracker=tracker if tracker is not None else default_tracker(),
@@ -335,8 +373,7 @@ def wrap(
         codec=codec,
         entry_bytes=spec.check_entry_bytes(entry_bytes) if entry_bytes is not None else None,
         on_full=on_full,
-    )
-    return bt
+    ).bt
 
 
 def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:

@@ -65,7 +65,8 @@ class SessionStats:
     saves: int = 0  # pack-hook calls
     deduplicated: int = 0  # saves that reused an already-compressed storage
     skipped: int = 0  # parameters, small or unsupported tensors, kept as they are
-    skipped_bytes: int = 0
+    skipped_bytes: int = 0  # bytes of those saves, one count per save
+    kept_bytes: int = 0  # bytes of saved activations (not parameters) left uncompressed: small, unsupported, failed
     failed: int = 0  # packing raised: the original tensor was kept
     compress_seconds: float = 0.0
     decompress_seconds: float = 0.0
@@ -117,7 +118,7 @@ class SessionStats:
         )
         lines.append(
             f"saves {self.saves}: {len(self.rows)} compressed, {self.deduplicated} deduplicated, "
-            f"{self.skipped} skipped ({format_bytes(self.skipped_bytes)} kept as is), {self.failed} failed; "
+            f"{self.skipped} skipped ({format_bytes(self.kept_bytes)} of activations kept as is), {self.failed} failed; "
             f"compress {self.compress_seconds * 1e3:.1f} ms, decompress {self.decompress_seconds * 1e3:.1f} ms "
             f"({self.decompressions} unpacks); ideal ratio {self.ideal_ratio:.2f}x"
         )

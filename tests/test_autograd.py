@@ -119,7 +119,8 @@ def test_training_is_bit_identical(model, policy, autocast, tracker, store):
     assert_same_training(plain, compressed)
     stats = compressed[2][-1].stats()
     assert stats.rows and stats.failed == 0
-    assert stats.original_bytes > 0 and stats.decompressions >= len(stats.rows)
+    packed = [r for r in stats.rows if r.codec != "kept"]
+    assert stats.original_bytes > 0 and stats.decompressions >= len(packed)
     assert store.bytes_held == 0 and store.stats().tensors_held == 0  # everything released after backward
     assert tracker.held_device_bytes == 0
 
@@ -391,9 +392,11 @@ def test_set_defaults_switches_codec_and_entry_size(tracker, store):
     previous = buddy.set_defaults(codec="raw", entry_bytes=256)
     try:
         x = torch.randn(256, 1024, requires_grad=True)
-        with buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN) as s:
-            y = x.exp()
-        assert s.stats().rows[0].codec == "raw"
+        with buddy.compressed_activations(buddy.FixedRatio(2.0), tracker=tracker, store=store, min_bytes=MIN) as s:
+            y = torch.relu(x)
+        row = s.stats().rows[0]
+        assert row.codec == "raw" and row.buddy_bytes == row.original_bytes // 2  # raw: half of every entry spills
+        assert tracker.history(row.key).entry_bytes == 256
         bt = buddy.compress(torch.zeros(1000))
         assert bt.codec == "raw" and bt.entry_bytes == 256
         y.sum().backward()
@@ -402,6 +405,21 @@ def test_set_defaults_switches_codec_and_entry_size(tracker, store):
     assert buddy.defaults() == previous
     with pytest.raises(ValueError):
         buddy.set_defaults(codec="nope")
+
+
+def test_incompressible_tensors_are_kept_as_they_are(tracker, store):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(256, 1024, generator=g, requires_grad=True)  # dense: zvc cannot beat the raw slot
+    with buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN) as s:
+        y = x.exp()
+        z = torch.relu(x - 3)  # mostly zeros: compressed
+    st = s.stats()
+    kept = [r for r in st.rows if r.codec == "kept"]
+    assert len(kept) == 1 and kept[0].target_ratio == 1.0 and kept[0].device_bytes == kept[0].original_bytes
+    assert st.device_bytes == sum(r.device_bytes for r in st.rows)
+    assert tracker.history(kept[0].key).steps == 1  # the tracker still learns it
+    (y.sum() + z.sum()).backward()
+    assert torch.equal(x.grad, (x.exp() + (x > 3)).detach())
 
 
 def test_disabled_session_is_a_no_op(tracker, store):
