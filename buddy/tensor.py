@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import config, layout, spec
+from . import backends, config, layout, spec
 from .codecs import Codec, get_codec
 from .errors import CorruptDataError, FreedTensorError, HostStoreFull, UnsupportedTensorError
 from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, slot_for_overflow, tightest_slot
@@ -61,9 +61,32 @@ def _chunks(n_entries: int, entry_bytes: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n_entries)) for a in range(0, n_entries, step)]
 
 
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's values as contiguous bytes (lazy conjugate/negative views resolved)."""
-    return tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+def dense_strides(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a layout covers a contiguous span of memory exactly once (any dimension order).
+
+    Such a tensor (contiguous, transposed, channels-last ...) is compressed in
+    memory order and decompressed with the same strides.
+    """
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(shape, strides) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _memory_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The tensor's values as flat bytes, and the strides to restore them with.
+
+    A dense layout is read in memory order, so decompression gives back the
+    same strides -- which matters: kernels may round differently on another
+    layout. Anything else (gaps, overlaps) is copied to contiguous first.
+    Lazy conjugate/negative views are resolved.
+    """
+    t = tensor.detach().resolve_conj().resolve_neg()
+    if not dense_strides(t.shape, t.stride()):
+        t = t.contiguous()
+    return t.as_strided((t.numel(),), (1,), t.storage_offset()).view(torch.uint8), t.stride()
 
 
 def _size_pass(flat: torch.Tensor, codec: Codec, word: int, entry_bytes: int) -> list[int]:
@@ -88,7 +111,7 @@ def size_histogram(
     check_tensor(tensor)
     codec = get_codec(codec or config.defaults().codec)
     entry_bytes = spec.check_entry_bytes(config.defaults().entry_bytes if entry_bytes is None else entry_bytes)
-    return _size_pass(_flat_bytes(tensor), codec, spec.word_bytes(tensor.dtype), entry_bytes)
+    return _size_pass(_memory_bytes(tensor)[0], codec, spec.word_bytes(tensor.dtype), entry_bytes)
 
 
 def _release(store: BuddyStore, alloc: BuddyAllocation, device_bytes: int, on_free: list) -> None:
@@ -103,7 +126,7 @@ class BuddyTensor:
 
     Made by :func:`compress`; not constructed directly. The original tensor can
     be dropped once this exists. :meth:`decompress` returns a bit-identical
-    tensor (same dtype, shape and device; contiguous). :meth:`free` returns the
+    tensor (same dtype, shape, device and, for dense layouts, strides). :meth:`free` returns the
     slots and the buddy memory at once; a BuddyTensor that is garbage-collected
     frees itself, and ``with compress(t) as bt:`` frees at the end of the block.
 
@@ -114,12 +137,16 @@ class BuddyTensor:
         compressed_bytes: ``sum(k) * 32``, the size if entries were compacted.
         target_ratio: ``E / (32 * slot_sectors)``; ``inf`` for the zero slot.
         codec: codec name.
+        backend: ``"reference"`` or ``"cuda"``: what ran the codec at compress
+            time (see :mod:`buddy.backends`), and what :meth:`decompress` uses
+            unless told otherwise.
     """
 
     def __init__(
         self,
         *,
         shape: torch.Size,
+        stride: Sequence[int],
         dtype: torch.dtype,
         device: torch.device,
         codec: Codec,
@@ -131,11 +158,15 @@ class BuddyTensor:
         meta: torch.Tensor,
         overflow: BuddyAllocation,
         store: BuddyStore,
+        backend: str = "reference",
     ):
         self.shape = torch.Size(shape)
+        #: strides the decompressed tensor gets (the original's when it was dense, else contiguous)
+        self.stride = tuple(stride)
         self.dtype = dtype
         self.device = device
         self._codec = codec
+        self.backend = backend
         self.entry_bytes = entry_bytes
         self.slot_sectors = slot_sectors
         self.original_bytes = original_bytes
@@ -189,8 +220,12 @@ class BuddyTensor:
         return self._meta, self._slots, self._overflow.data
 
     # ---- lifecycle ----------------------------------------------------------
-    def decompress(self) -> torch.Tensor:
-        """A new tensor bit-identical to the one compressed (contiguous, same device)."""
+    def decompress(self, *, backend: str | None = None) -> torch.Tensor:
+        """A new tensor bit-identical to the one compressed (same device; same strides if it was dense).
+
+        ``backend``: see :mod:`buddy.backends`; default: :attr:`backend`, the
+        one that compressed it.
+        """
         self._check_alive("decompress")
         if self._overflow.event is not None:
             self._overflow.wait()  # the overflow's copy to host may still be in flight
@@ -202,7 +237,9 @@ class BuddyTensor:
             entry_bytes=self.entry_bytes,
             slot_sectors=self.slot_sectors,
             shape=self.shape,
+            stride=self.stride,
             dtype=self.dtype,
+            backend=self.backend if backend is None else backend,
         )
 
     def free(self) -> None:
@@ -241,12 +278,16 @@ def unpack(
     slot_sectors: int,
     shape: Sequence[int],
     dtype: torch.dtype,
+    stride: Sequence[int] | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Decode the three buffers of the format into a tensor on ``slots``' device.
 
-    ``overflow`` may live on any device (host buddy memory). Every buffer
+    The bytes are laid out in memory order with ``stride`` (a dense layout;
+    default contiguous). ``overflow`` may live on any device (host buddy memory). Every buffer
     must be exactly as large as the format says; anything inconsistent raises
-    :class:`~buddy.errors.CorruptDataError`.
+    :class:`~buddy.errors.CorruptDataError`. ``backend``: who runs the codec
+    (see :mod:`buddy.backends`; default ``"auto"``).
     """
     codec = get_codec(codec)
     spe = spec.sectors_per_entry(entry_bytes)
@@ -255,6 +296,7 @@ def unpack(
             f"slot_sectors must be an int in [0, {spe}] for {entry_bytes}-byte entries, got {slot_sectors!r}"
         )
     device = slots.device
+    impl = backends.implementation(codec, device, backend)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     n_entries = -(-nbytes // entry_bytes)
     k_all, modes_all = layout.decode_meta(meta, entry_bytes, n_entries)
@@ -277,12 +319,17 @@ def unpack(
         ov = overflow[start_sector * spec.SECTOR_BYTES : end_sector * spec.SECTOR_BYTES]
         ov = ov.to(device, non_blocking=True)  # H2D from pinned memory, ordered on the current stream
         payload = layout.join_payload(slots[a * slot_bytes : b * slot_bytes], ov, k_all[a:b], slot_sectors, entry_bytes)
-        entries = codec.decode(payload, k_all[a:b], modes_all[a:b], word)
+        entries = impl.decode(payload, k_all[a:b], modes_all[a:b], word)
         lo = a * entry_bytes
         hi = min(b * entry_bytes, nbytes)
         out[lo:hi] = entries.view(-1)[: hi - lo]
         start_sector = end_sector
-    return out.view(dtype).reshape(shape)
+    values = out.view(dtype)
+    if stride is None:
+        return values.reshape(shape)
+    if not dense_strides(shape, stride):
+        raise ValueError(f"stride {tuple(stride)} is not a dense layout of shape {tuple(shape)}")
+    return values.as_strided(shape, stride)
 
 
 def compress(
@@ -294,6 +341,7 @@ def compress(
     max_overflow: float = DEFAULT_MAX_OVERFLOW,
     store: BuddyStore | None = None,
     on_full: str = "raise",
+    backend: str | None = None,
 ) -> BuddyTensor:
     """Compress ``tensor`` into slots on its device and overflow in buddy memory.
 
@@ -316,6 +364,9 @@ def compress(
             :class:`~buddy.errors.HostStoreFull` (default), or ``"device"``:
             use the smallest slot with no overflow, so the tensor stays
             whole on the device.
+        backend: who runs the codec: ``"reference"`` (torch ops),
+            ``"cuda"`` (the codec's CUDA kernels; off by default) or
+            ``"auto"``/``None`` (the process default); see :mod:`buddy.backends`.
 
     Returns:
         A :class:`BuddyTensor`. The size pass needs one device-to-host sync.
@@ -335,6 +386,7 @@ def compress(
         max_overflow=max_overflow,
         store=store,
         on_full=on_full,
+        backend=backend,
     )
 
 
@@ -347,6 +399,7 @@ def pack(
     max_overflow: float = DEFAULT_MAX_OVERFLOW,
     store: BuddyStore | None = None,
     on_full: str = "raise",
+    backend: str | None = None,
 ) -> BuddyTensor:
     """The compress pipeline with the slot choice as a callback.
 
@@ -357,13 +410,14 @@ def pack(
     check_tensor(tensor)
     codec = get_codec(codec or config.defaults().codec)
     entry_bytes = spec.check_entry_bytes(config.defaults().entry_bytes if entry_bytes is None else entry_bytes)
+    impl = backends.implementation(codec, tensor.device, backend)
     if on_full not in _ON_FULL:
         raise ValueError(f"on_full must be one of {_ON_FULL}, got {on_full!r}")
     store = store if store is not None else default_store()
     spe = spec.sectors_per_entry(entry_bytes)
     word = spec.word_bytes(tensor.dtype)
 
-    flat = _flat_bytes(tensor)
+    flat, strides = _memory_bytes(tensor)
     nbytes = flat.numel()
     n_entries = -(-nbytes // entry_bytes)
     chunks = _chunks(n_entries, entry_bytes)
@@ -371,10 +425,10 @@ def pack(
     # 1. size pass (a single chunk is encoded right away and kept)
     encoded = None
     if len(chunks) == 1:
-        encoded = codec.encode(_entries(flat, 0, n_entries, entry_bytes), word)
+        encoded = impl.encode(_entries(flat, 0, n_entries, entry_bytes), word)
         histogram = torch.bincount(encoded.sectors.to(torch.int64), minlength=spe + 1).tolist()
     else:
-        histogram = _size_pass(flat, codec, word, entry_bytes)
+        histogram = _size_pass(flat, impl, word, entry_bytes)
 
     # 2. the slot
     if choose_slot is None:
@@ -401,7 +455,7 @@ def pack(
         meta = torch.empty(n_entries * mb, dtype=torch.uint8, device=tensor.device)
         written = 0
         for a, b in chunks:
-            chunk = encoded if encoded is not None else codec.encode(_entries(flat, a, b, entry_bytes), word)
+            chunk = encoded if encoded is not None else impl.encode(_entries(flat, a, b, entry_bytes), word)
             slot_part, ov = layout.split_payload(chunk.payload, chunk.sectors, slot, entry_bytes)
             slots[a * slot_bytes : b * slot_bytes].view(b - a, slot_bytes).copy_(slot_part)
             meta[a * mb : b * mb] = layout.encode_meta(chunk.sectors, chunk.modes, entry_bytes)
@@ -420,6 +474,7 @@ def pack(
 
     return BuddyTensor(
         shape=tensor.shape,
+        stride=strides,
         dtype=tensor.dtype,
         device=tensor.device,
         codec=codec,
@@ -431,4 +486,5 @@ def pack(
         meta=meta,
         overflow=overflow,
         store=store,
+        backend=backends.backend_name(impl),
     )

@@ -21,7 +21,19 @@
 #error "compile with the defines from buddy.spec.c_defines(entry_bytes)"
 #endif
 
+#if defined(__CUDACC_RTC__)
+// NVRTC (run-time compilation through CuPy) ships no C library headers.
+typedef signed char int8_t;
+typedef short int16_t;
+typedef int int32_t;
+typedef long long int64_t;
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+#else
 #include <stdint.h>
+#endif
 
 #ifdef __CUDACC__
 #define BUDDY_HD __host__ __device__ __forceinline__

@@ -301,3 +301,21 @@ def test_size_histogram_matches_compress():
     bt.free()
     with pytest.raises(TypeError):
         buddy.size_histogram([1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    "make,dense",
+    [
+        (lambda: torch.randn(64, 48).t(), True),
+        (lambda: torch.randn(4, 8, 6, 6).to(memory_format=torch.channels_last), True),
+        (lambda: torch.randn(4, 5, 6).permute(2, 0, 1), True),
+        (lambda: torch.randn(40, 30)[:, ::3], False),
+        (lambda: torch.randn(5, 1).expand(5, 7), False),
+    ],
+    ids=["transposed", "channels_last", "permuted", "strided_slice", "expanded"],
+)
+def test_decompress_restores_dense_strides(make, dense):
+    x = make()
+    out = buddy.compress(x, codec="zvc").decompress()
+    assert torch.equal(out, x)
+    assert out.stride() == (x.stride() if dense else x.contiguous().stride())

@@ -65,10 +65,10 @@ def test_header_rejects_missing_defines(tmp_path):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cu")) + ["buddy_format.h"])
+@pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cu")) + sorted(p.name for p in CSRC.glob("*.h")))
 def test_cuda_sources_compile(tmp_path, source, arch):
     path = CSRC / source
-    if path.suffix == ".h":  # the header on its own, as a translation unit
+    if path.suffix == ".h":  # each header on its own, as a translation unit
         unit = tmp_path / "header.cu"
         unit.write_text(f'#include "{source}"\n')
         path = unit
