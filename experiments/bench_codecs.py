@@ -266,20 +266,29 @@ def cpu_baselines() -> list[Baseline]:
     ]
 
 
+#: nvcomp's lossless codecs compared against (names as nvcomp's Python API spells them)
+NVCOMP_ALGORITHMS = ("ANS", "Bitcomp", "Cascaded", "LZ4")
+
+
 def nvcomp_baselines(device: torch.device) -> list[Baseline]:
-    """nvcomp LZ4 on the GPU (``--nvcomp``). Untested without a GPU: kept small on purpose."""
+    """nvcomp's codecs on the GPU (``--nvcomp``). Not run without a GPU: kept small on purpose."""
     nvcomp = require("nvidia.nvcomp", "the nvcomp baseline")
     # on the current stream, so the CUDA events of the timer bracket its work
-    codec = nvcomp.Codec(algorithm="LZ4", cuda_stream=torch.cuda.current_stream(device).cuda_stream)
-    return [
-        Baseline(
-            "nvcomp-lz4",
-            lambda t: codec.encode(nvcomp.as_array(t)),
-            codec.decode,
-            lambda blob: int(blob.buffer_size),
-            lambda out: torch.as_tensor(out, device=device).reshape(-1).view(torch.uint8),
+    stream = torch.cuda.current_stream(device).cuda_stream
+    as_bytes = lambda out: torch.as_tensor(out, device=device).reshape(-1).view(torch.uint8)  # noqa: E731
+    baselines = []
+    for algorithm in NVCOMP_ALGORITHMS:
+        codec = nvcomp.Codec(algorithm=algorithm, cuda_stream=stream)
+        baselines.append(
+            Baseline(
+                f"nvcomp-{algorithm.lower()}",
+                lambda t, c=codec: c.encode(nvcomp.as_array(t)),
+                codec.decode,
+                lambda blob: int(blob.buffer_size),
+                as_bytes,
+            )
         )
-    ]
+    return baselines
 
 
 def bench_baseline(name: str, x: torch.Tensor, baseline: Baseline, repeats: int) -> Row:

@@ -1,10 +1,10 @@
 """Workloads for the experiments: real data available offline, and activations built from it.
 
 Nothing here is downloaded and nothing is random noise: images are
-scikit-learn's bundled sample photographs, text is this Python's own standard
-library source. Random choices (which crops, where the text starts, the
-networks' initial weights) are seeded, so a given ``seed`` gives the same
-tensors on the same software versions.
+scikit-learn's bundled sample photographs and handwritten digits, text is
+this Python's own standard library source. Random choices (which crops,
+where the text starts, the networks' initial weights) are seeded, so a given
+``seed`` gives the same tensors on the same software versions.
 
     >>> from experiments.data import activation_tensors
     >>> acts = activation_tensors("quick")   # name -> tensor, ~8-16 MiB each
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["Scale", "SCALES", "sample_image_crops", "stdlib_text_bytes", "activation_tensors"]
+__all__ = ["Scale", "SCALES", "sample_image_crops", "digit_images", "stdlib_text_bytes", "activation_tensors"]
 
 _EXTRAS_HINT = "pip install 'buddy[experiments]'"
 
@@ -85,6 +85,29 @@ def sample_image_crops(n: int, size: int = 64, seed: int = 0) -> torch.Tensor:
     mean, std = pixels.mean(0), pixels.std(0)
     normalised = (crops / 255.0 - mean) / std
     return torch.from_numpy(normalised.astype(np.float32)).permute(0, 3, 1, 2).contiguous()
+
+
+@functools.lru_cache(maxsize=4)
+def digit_images(size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's bundled handwritten digits (1797 8x8 images, 10 classes), labelled.
+
+    Returns ``(images, labels)``: ``images`` float32 ``(1797, 3, size, size)``,
+    bilinearly upsampled, normalised to zero mean and unit standard deviation
+    over the whole set, the grey channel repeated to 3 (an expanded view: index
+    it to get a batch); ``labels`` int64 in 0..9. Always the same tensors: they
+    are cached and shared, so do not modify them in place.
+    """
+    if size < 8:
+        raise ValueError(f"size must be >= 8 (the digits are 8x8), got {size}")
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:
+        raise ImportError(f"the digit workloads need scikit-learn ({exc}); install it: {_EXTRAS_HINT}") from exc
+    digits = load_digits()
+    grey = torch.from_numpy(digits.images.astype(np.float32)).unsqueeze(1)
+    grey = F.interpolate(grey, size=(size, size), mode="bilinear", align_corners=False)
+    grey = (grey - grey.mean()) / grey.std()
+    return grey.expand(-1, 3, -1, -1), torch.from_numpy(digits.target.astype(np.int64))
 
 
 @functools.lru_cache(maxsize=1)

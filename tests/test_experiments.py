@@ -35,3 +35,66 @@ def test_bench_codecs_tiny(tmp_path, capsys):
     assert out["environment"]["torch"] == torch.__version__ and len(out["rows"]) == len(rows)
     assert (tmp_path / "results.csv").read_text().count("\n") == len(rows) + 1
     assert "buddy:zvc" in capsys.readouterr().out
+
+
+TINY = ["--size", "tiny", "--workloads", "resnet-fp32", "lstm-fp32", "--no-progress"]
+
+
+def test_capacity_tiny(tmp_path, capsys):
+    from experiments import capacity
+
+    rows = capacity.main([*TINY, "--out", str(tmp_path)])
+    families = {(r["workload"], r["family"]) for r in rows}
+    assert {("resnet-fp32", f) for f in ("FixedRatio", "BuddyThreshold", "DeviceBudget")} <= families
+    for r in rows:
+        assert r["capacity"] > 0.9 and 0 <= r["overflow_fraction"] <= 1
+        if r["family"] == "BuddyThreshold" and r["policy"] == "0%":
+            assert r["overflow_fraction"] == 0  # zero tolerance on the first (size-pass) point and after
+        if r["family"] == "FixedRatio" and r["policy"] == "4.00x":
+            assert r["capacity"] == pytest.approx(128 / 33)  # one sector + 1 B metadata per entry
+    table = capsys.readouterr().out
+    assert "geometric mean" in table and "1.5x" in table
+    assert (tmp_path / "capacity_overview.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "results.json").read_text())["experiment"] == "capacity"
+
+
+def test_compressibility_tiny(tmp_path):
+    from experiments import compressibility
+
+    rows = compressibility.main([*TINY, "--codecs", "zvc", "--entry-bytes", "128", "512", "--out", str(tmp_path)])
+    methods = {(r["method"], r["entry_bytes"]) for r in rows}
+    assert {("zvc", 128), ("zvc", 512), ("zstd-3", None), ("lz4", None), ("entropy-bound", None)} <= methods
+    summary = compressibility.summarise(rows)
+    assert all(s["ratio"] > 0 for s in summary)
+
+
+def test_over_training_tiny(tmp_path):
+    from experiments import over_training
+
+    rows = over_training.main([*TINY, "--steps", "3", "--out", str(tmp_path), "--no-plot"])
+    summary = over_training.summarise(rows)
+    assert {s["workload"] for s in summary} == {"resnet-fp32", "lstm-fp32"}
+    for s in summary:
+        assert s["steps"] == 3 and s["predictions"] == s["keys"] * 2  # every key predicted after its first step
+
+
+def test_main_job_tiny(tmp_path, capsys):
+    from experiments import run
+
+    result = run.main(["--size", "tiny", "--workloads", "gpt-bf16", "--no-progress", "--out", str(tmp_path)])
+    assert result["capacity"][-1]["workload"] == "geometric mean"
+    assert (tmp_path / "capacity" / "capacity_gpt-bf16.png").exists()
+    assert (tmp_path / "compressibility" / "results.csv").exists()
+    assert "Ideal compacted ratio" in capsys.readouterr().out
+
+
+def test_entropy_bound_and_simulation():
+    from experiments.analysis import byte_entropy_bits, simulate_policy
+
+    assert byte_entropy_bits(torch.zeros(100, dtype=torch.uint8)) == 0
+    assert byte_entropy_bits(torch.arange(256, dtype=torch.uint8)) == pytest.approx(8)
+    hist_sparse, hist_dense = [0, 10, 0, 0, 0], [0, 0, 0, 0, 10]
+    points = [(0, [("a", hist_sparse, 1280)]), (1, [("a", hist_dense, 1280)]), (2, [("a", hist_dense, 1280)])]
+    out = simulate_policy(points, __import__("buddy").BuddyThreshold(0.0), 128)
+    assert [o.slot for o in out] == [1, 1, 4]  # the drift step is a miss, the next one follows
+    assert out[1].buddy_bytes == 10 * 3 * 32 and out[1].predicted_overflow_bytes == 0

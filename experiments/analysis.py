@@ -1,0 +1,149 @@
+"""The numbers the experiments report, each computed in exactly one place.
+
+Everything here works on tensors captured from real training steps
+(:func:`experiments.workloads.capture`) and on their entry-size histograms
+(:func:`buddy.size_histogram`), so a policy can be evaluated on the same
+bytes without re-running the model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+import buddy
+from buddy import spec
+from buddy._deps import available, require
+from buddy.slots import overflow_sectors
+
+__all__ = [
+    "tensor_bytes",
+    "byte_entropy_bits",
+    "compacted_bytes",
+    "device_bytes",
+    "general_purpose_sizes",
+    "Outcome",
+    "simulate_policy",
+    "default_policies",
+]
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's data."""
+    return t.numel() * t.element_size()
+
+
+def byte_entropy_bits(t: torch.Tensor) -> float:
+    """Order-0 entropy of the tensor's bytes, in bits per byte (0..8).
+
+    ``8 / H`` is the ratio an ideal coder of independent bytes would reach:
+    the "byte-entropy bound" the experiments print next to the codecs.
+    """
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if data.numel() == 0:
+        return 0.0
+    p = torch.bincount(data.to(torch.int64), minlength=256).double() / data.numel()
+    p = p[p > 0]
+    return float(-(p * torch.log2(p)).sum())
+
+
+def compacted_bytes(histogram: Sequence[float]) -> float:
+    """``sum(k * h[k]) * 32``: the size with every entry's sectors compacted (no slots)."""
+    return sum(k * n for k, n in enumerate(histogram)) * spec.SECTOR_BYTES
+
+
+def device_bytes(histogram: Sequence[float], slot: int, entry_bytes: int) -> float:
+    """Slots + metadata of a tensor with this histogram and slot size."""
+    return sum(histogram) * (slot * spec.SECTOR_BYTES + spec.meta_bytes(entry_bytes))
+
+
+def general_purpose_sizes(t: torch.Tensor) -> dict[str, int]:
+    """Compressed sizes of the tensor's bytes under zstd level 3 and lz4 (CPU), when installed."""
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    sizes = {}
+    if available("zstandard"):
+        sizes["zstd-3"] = len(require("zstandard", "the zstd baseline").ZstdCompressor(level=3).compress(data))
+    if available("lz4"):
+        sizes["lz4"] = len(require("lz4.frame", "the lz4 baseline").compress(data))
+    return sizes
+
+
+@dataclass
+class Outcome:
+    """What a policy did to one tensor at one training point (bytes)."""
+
+    point: int
+    key: str
+    slot: int
+    original_bytes: int
+    device_bytes: float
+    buddy_bytes: float
+    predicted_overflow_bytes: int | None
+
+
+def simulate_policy(
+    points: Iterable[tuple[int, Sequence[tuple[str, Sequence[int], int]]]],
+    policy: buddy.Policy,
+    entry_bytes: int,
+    *,
+    decay: float = 0.5,
+) -> list[Outcome]:
+    """Run a fresh tracker with ``policy`` over captured training points, in order.
+
+    ``points`` yields ``(point, [(key, histogram, original_bytes), ...])``:
+    one training step's unique saved tensors each. The first time a key is
+    seen its slot comes from its own histogram; afterwards from the tracker's
+    prediction, exactly as in training. Within a point every tensor is held
+    at once (as during a forward pass), which is what ``DeviceBudget`` sees.
+    """
+    tracker = buddy.Tracker(policy, decay=decay)
+    outcomes = []
+    for point, tensors in points:
+        tracker.begin_step(policy)
+        held = 0.0
+        for key, hist, nbytes in tensors:
+            slot, predicted = tracker.choose(key, hist, entry_bytes=entry_bytes, original_bytes=nbytes, policy=policy)
+            tracker.record(
+                key, hist, slot=slot, entry_bytes=entry_bytes, original_bytes=nbytes, predicted_overflow_bytes=predicted
+            )
+            dev = device_bytes(hist, slot, entry_bytes)
+            tracker._hold(int(dev))
+            held += dev
+            outcomes.append(
+                Outcome(point, key, slot, nbytes, dev, overflow_sectors(hist, slot) * spec.SECTOR_BYTES, predicted)
+            )
+        tracker._hold(-int(held))  # backward frees the step's activations
+    return outcomes
+
+
+def default_policies(entry_bytes: int, activation_bytes: float) -> list[tuple[str, str, buddy.Policy]]:
+    """``(family, label, policy)`` for the capacity-vs-traffic sweep.
+
+    ``activation_bytes`` (a step's unique saved bytes) scales the DeviceBudget
+    points: budgets of 90 % down to 40 % of it.
+    """
+    sectors = spec.sectors_per_entry(entry_bytes)
+    fixed = [
+        (
+            "FixedRatio",
+            f"{spec.ratio_for_slot(s, entry_bytes):.2f}x",
+            buddy.FixedRatio(spec.ratio_for_slot(s, entry_bytes)),
+        )
+        for s in range(sectors, 0, -1)
+    ]
+    threshold = [
+        ("BuddyThreshold", f"{t:.0%}", buddy.BuddyThreshold(t)) for t in (0.0, 0.01, 0.02, 0.05, 0.10, 0.20, 0.30)
+    ]
+    budget = [
+        ("DeviceBudget", f"{f:.0%}", buddy.DeviceBudget(int(f * activation_bytes)))
+        for f in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
+    ]
+    return fixed + threshold + budget
+
+
+def ratio(num: float, den: float) -> float:
+    """``num / den``, ``inf`` for a zero denominator."""
+    return num / den if den else math.inf

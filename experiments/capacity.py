@@ -1,0 +1,209 @@
+"""Capacity vs buddy traffic: how far each policy stretches device memory, and at what cost.
+
+For every workload, the tensors one training step saves are captured at
+several points of training; each policy then runs through those points with a
+fresh tracker, exactly as in training (a key's first slot from its own size
+pass, later ones from the tracker's prediction). Reported per workload and
+policy, over all points:
+
+* effective capacity = original bytes / device bytes (slots + metadata);
+* overflow fraction  = buddy bytes / original bytes (the buddy traffic:
+  every overflow byte crosses the interconnect once when packed and once when
+  unpacked);
+* how often the tracker's prediction missed the actual overflow by more than
+  1 % of the tensor's bytes.
+
+    python -m experiments.capacity                 # quick, CPU, default workloads
+    python -m experiments.capacity --size full --codec zvc --entry-bytes 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import buddy
+from experiments.analysis import default_policies, ratio, simulate_policy
+from experiments.common import capture_all, format_table, geomean, progress, start, write_results
+
+__all__ = ["histogram_points", "analyse", "headline", "main", "HEADLINE_POLICY"]
+
+#: the policy the headline reports: the tracker's default
+HEADLINE_POLICY = ("BuddyThreshold", "10%")
+PAPER_DL_CAPACITY = 1.5
+
+
+def histogram_points(captures, codec: str, entry_bytes: int):
+    """``[(point, [(key, histogram, original bytes), ...]), ...]`` of one workload's captures."""
+    return [
+        (
+            c.point,
+            [
+                (
+                    t.key,
+                    buddy.size_histogram(t.tensor, codec, entry_bytes=entry_bytes),
+                    t.tensor.numel() * t.tensor.element_size(),
+                )
+                for t in c.tensors
+            ],
+        )
+        for c in captures
+    ]
+
+
+def analyse(captures: dict, *, codec: str, entry_bytes: int, show: bool = True) -> list[dict]:
+    """One row per workload x policy (see the module docstring for the columns)."""
+    rows = []
+    for workload, caps in progress(captures.items(), desc=f"policies ({codec}, E={entry_bytes})", enabled=show):
+        points = histogram_points(caps, codec, entry_bytes)
+        step_bytes = sum(sum(n for _, _, n in tensors) for _, tensors in points) / max(len(points), 1)
+        compacted = sum(sum(k * c for k, c in enumerate(h)) * 32 for _, ts in points for _, h, _ in ts)
+        for family, label, policy in default_policies(entry_bytes, step_bytes):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", buddy.BudgetExceededWarning)  # reported as over_budget below
+                outcomes = simulate_policy(points, policy, entry_bytes)
+            original = sum(o.original_bytes for o in outcomes)
+            device = sum(o.device_bytes for o in outcomes)
+            buddy_bytes = sum(o.buddy_bytes for o in outcomes)
+            predicted = [o for o in outcomes if o.predicted_overflow_bytes is not None]
+            missed = [o for o in predicted if abs(o.buddy_bytes - o.predicted_overflow_bytes) > 0.01 * o.original_bytes]
+            row = {
+                "workload": workload,
+                "codec": codec,
+                "entry_bytes": entry_bytes,
+                "family": family,
+                "policy": label,
+                "points": len(points),
+                "tensors": len(outcomes),
+                "original_bytes": original,
+                "device_bytes": device,
+                "buddy_bytes": buddy_bytes,
+                "ideal_ratio": ratio(original, compacted),
+                "capacity": ratio(original, device),
+                "overflow_fraction": buddy_bytes / original if original else 0.0,
+                "predicted": len(predicted),
+                "mispredicted": len(missed),
+            }
+            if family == "DeviceBudget":
+                per_point = {}
+                for o in outcomes:
+                    per_point[o.point] = per_point.get(o.point, 0) + o.device_bytes
+                row["over_budget"] = any(v > policy.budget_bytes for v in per_point.values())
+            rows.append(row)
+    return rows
+
+
+def headline(rows: list[dict]) -> list[dict]:
+    """Per workload: the tracker's default policy next to the naive 2x, plus the geometric mean."""
+    by = {(r["workload"], r["family"], r["policy"]): r for r in rows}
+    out = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        tracked = by[(workload, *HEADLINE_POLICY)]
+        naive = by.get((workload, "FixedRatio", "2.00x"))
+        out.append(
+            {
+                "workload": workload,
+                "ideal_ratio": tracked["ideal_ratio"],
+                "capacity": tracked["capacity"],
+                "overflow_fraction": tracked["overflow_fraction"],
+                "naive_2x_capacity": naive["capacity"] if naive else None,
+                "naive_2x_overflow": naive["overflow_fraction"] if naive else None,
+            }
+        )
+    if out:
+        out.append(
+            {
+                "workload": "geometric mean",
+                "ideal_ratio": geomean([r["ideal_ratio"] for r in out]),
+                "capacity": geomean([r["capacity"] for r in out]),
+                "overflow_fraction": sum(r["overflow_fraction"] for r in out) / len(out),
+                "naive_2x_capacity": geomean([r["naive_2x_capacity"] for r in out if r["naive_2x_capacity"]]),
+                "naive_2x_overflow": sum(r["naive_2x_overflow"] or 0 for r in out) / len(out),
+            }
+        )
+    return out
+
+
+HEADLINE_COLUMNS = [
+    ("workload", "workload", ""),
+    ("ideal_ratio", "ideal ratio", ".2f"),
+    ("capacity", "capacity (tracker)", ".2f"),
+    ("overflow_fraction", "overflow (tracker)", ".1%"),
+    ("naive_2x_capacity", "capacity (fixed 2x)", ".2f"),
+    ("naive_2x_overflow", "overflow (fixed 2x)", ".1%"),
+]
+
+POLICY_COLUMNS = [
+    ("workload", "workload", ""),
+    ("family", "policy", ""),
+    ("policy", "setting", ""),
+    ("capacity", "capacity", ".2f"),
+    ("overflow_fraction", "overflow", ".1%"),
+    ("mispredicted", "missed", "d"),
+    ("predicted", "of", "d"),
+]
+
+
+def format_headline(rows: list[dict], codec: str, entry_bytes: int) -> str:
+    lines = [
+        f"Effective capacity under the tracker ({HEADLINE_POLICY[0]} {HEADLINE_POLICY[1]}), codec {codec}, "
+        f"E = {entry_bytes} B; the paper reports {PAPER_DL_CAPACITY}x for deep learning",
+        format_table(headline(rows), HEADLINE_COLUMNS),
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    from experiments.workloads import DEFAULT_WORKLOADS, WORKLOADS
+
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
+    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_WORKLOADS))
+    p.add_argument("--codec", default=buddy.defaults().codec, choices=buddy.available_codecs())
+    p.add_argument("--entry-bytes", type=int, default=buddy.defaults().entry_bytes)
+    p.add_argument("--points", type=int, nargs="+", default=None, help="training steps before each capture")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("results/capacity"))
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+DEFAULT_POINTS = {"tiny": (0, 2), "quick": (0, 10, 30), "full": (0, 50, 200, 500)}
+
+
+def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    header = start("capacity", argv)
+    points = args.points or DEFAULT_POINTS[args.size]
+    captures = capture_all(
+        args.workloads, size=args.size, points=points, device=args.device, seed=args.seed, show=not args.no_progress
+    )
+    rows = analyse(captures, codec=args.codec, entry_bytes=args.entry_bytes, show=not args.no_progress)
+    print()
+    print(format_table(rows, POLICY_COLUMNS))
+    print()
+    print(format_headline(rows, args.codec, args.entry_bytes))
+    path = write_results(
+        args.out, header, rows, headline=headline(rows), experiment="capacity", points=list(points), size=args.size
+    )
+    print(f"\nwrote {path} and {path.with_suffix('.csv')}")
+    if not args.no_plot:
+        from experiments.plot import plot_capacity
+
+        for png in plot_capacity(path, args.out):
+            print(f"wrote {png}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

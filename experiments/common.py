@@ -1,0 +1,108 @@
+"""Plumbing shared by the experiment scripts: environment, captures, results files, tables."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+import buddy
+from buddy import env
+
+__all__ = [
+    "start",
+    "capture_all",
+    "write_results",
+    "format_table",
+    "geomean",
+    "progress",
+]
+
+
+def start(script: str, argv: Sequence[str]) -> dict:
+    """Print the environment and return the run's header (for the results file)."""
+    environment = env.environment()
+    print(env.format_environment(environment), flush=True)
+    if environment["gpu"] is None:
+        print("  (no GPU: every number below comes from the CPU reference path)", flush=True)
+    return {
+        "environment": environment,
+        "command": shlex.join(["python", "-m", f"experiments.{script}", *argv]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def progress(iterable, *, desc: str, total: int | None = None, enabled: bool = True):
+    """tqdm when installed and wanted, the plain iterable otherwise."""
+    if not enabled:
+        return iterable
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False)
+
+
+def capture_all(workloads: Sequence[str], *, size: str, points: Sequence[int], device: str, seed: int, show: bool):
+    """``{workload: [Capture, ...]}``: each workload trained and captured at ``points``."""
+    from experiments.workloads import capture
+
+    captures = {}
+    for name in progress(workloads, desc="capturing workloads", enabled=show):
+        t0 = time.perf_counter()
+        captures[name] = capture(name, size=size, points=tuple(points), device=device, seed=seed)
+        saved = sum(sum(t.tensor.numel() * t.tensor.element_size() for t in c.tensors) for c in captures[name])
+        print(
+            f"  {name}: {len(captures[name])} points, {saved / 2**20:,.1f} MiB saved in all, "
+            f"captured in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+    return captures
+
+
+def _plain(value):
+    if is_dataclass(value):
+        value = asdict(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def write_results(out: Path, header: dict, rows: Sequence[dict], **extra) -> Path:
+    """``results.json`` (header, rows, extra) and ``results.csv`` (rows) under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    header = dict(header, finished=time.strftime("%Y-%m-%d %H:%M:%S %Z"), buddy=buddy.__version__)
+    (out / "results.json").write_text(json.dumps(_plain({**header, **extra, "rows": list(rows)}), indent=1))
+    if rows:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        with (out / "results.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(_plain(list(rows)))
+    return out / "results.json"
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> str:
+    """A fixed-width table; ``columns`` are ``(key, title, format spec)``."""
+    cells = [[format(r[k], f) if r.get(k) is not None else "-" for k, _, f in columns] for r in rows]
+    widths = [max([len(title)] + [len(c[i]) for c in cells]) for i, (_, title, _) in enumerate(columns)]
+    line = lambda items: "  ".join(f"{x:>{w}}" if i else f"{x:<{w}}" for i, (x, w) in enumerate(zip(items, widths)))  # noqa: E731
+    out = [line([t for _, t, _ in columns]), line(["-" * w for w in widths])]
+    out += [line(c) for c in cells]
+    return "\n".join(out)
+
+
+def geomean(values: Sequence[float]) -> float:
+    """Geometric mean of positive values."""
+    values = [v for v in values if v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")

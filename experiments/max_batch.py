@@ -1,0 +1,370 @@
+"""Max batch under a memory budget: no compression, buddy, save_on_cpu, activation checkpointing.
+
+For every workload and method: the largest batch whose training step fits a
+fixed device-memory budget, and the step time at that batch.
+
+* On a GPU: real ``torch.cuda`` memory. The process is limited to the budget
+  (``torch.cuda.set_per_process_memory_fraction``) and the largest batch that
+  trains without running out of memory is found by search.
+* Without a GPU: an **accounting run**. The bytes that would stay on the
+  device are added up -- parameters, gradients and optimizer state, plus the
+  activations as each method holds them at the end of the forward pass:
+
+  - ``none``: every unique saved storage (parameters aside);
+  - ``buddy``: slots + metadata of what buddy compressed, plus what it kept
+    as is (small tensors);
+  - ``save_on_cpu``: nothing (every saved tensor goes to host memory);
+  - ``checkpoint``: the model's longest ``nn.Sequential`` is cut into
+    ``ceil(sqrt(n))`` segments: their inputs, the saves outside them, and the
+    largest segment's saves (recomputed one at a time in backward);
+
+  and, for every method, the largest saved activation once more: its
+  gradient is live during backward whatever the method (this is what bounds
+  ``save_on_cpu``).
+
+  Activation bytes grow linearly with the batch; two measured batches fix
+  the line and the largest fitting batch is then measured to confirm it.
+
+The default budget is what the workload's own batch needs without
+compression, so ``none`` reaches exactly that batch.
+
+    python -m experiments.max_batch                 # quick, CPU (accounting)
+    python -m experiments.max_batch --device cuda --budget-mib 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from torch import nn
+from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
+from torch.utils.checkpoint import checkpoint
+
+import buddy
+from buddy.autograd import _is_parameter
+from experiments.common import format_table, progress, start, write_results
+
+__all__ = ["METHODS", "measure", "max_batch", "main"]
+
+METHODS = ("none", "buddy", "save_on_cpu", "checkpoint")
+#: the search stops at this multiple of the workload's own batch
+MAX_BATCH_FACTOR = 16
+
+
+# ---- a training step at a given batch, under a method ---------------------------------------
+def _stack(model: nn.Module) -> nn.Sequential | None:
+    """The longest ``nn.Sequential`` in the model (what checkpointing cuts), if it has 2+ children."""
+    seqs = [m for m in model.modules() if isinstance(m, nn.Sequential) and len(m) >= 2]
+    return max(seqs, key=len, default=None)
+
+
+def _segments(stack: nn.Sequential) -> list[nn.Sequential]:
+    n = len(stack)
+    per = math.ceil(n / math.ceil(math.sqrt(n)))
+    return [stack[i : i + per] for i in range(0, n, per)]
+
+
+class _Account:
+    """Saved-tensor hooks that add up unique non-parameter storages, by segment."""
+
+    def __init__(self):
+        self.seen: set[int] = set()
+        self.segment: int | None = None
+        self.outside = 0
+        self.largest = 0  # the biggest saved storage: its gradient is live in backward whatever the method
+        self.per_segment: dict[int, int] = {}
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if not _is_parameter(t) and storage._cdata not in self.seen:
+            self.seen.add(storage._cdata)
+            self.largest = max(self.largest, storage.nbytes())
+            if self.segment is None:
+                self.outside += storage.nbytes()
+            else:
+                self.per_segment[self.segment] = self.per_segment.get(self.segment, 0) + storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+
+def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Parameters + gradients + optimizer state."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    state = sum(
+        v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    )
+    return params + grads + state
+
+
+@dataclasses.dataclass
+class Measurement:
+    workload: str
+    method: str
+    batch: int
+    state_bytes: int
+    activation_bytes: int
+    seconds: float
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+
+def _run(workload, size: str, batch: int, device: str, seed: int):
+    from experiments.workloads import WORKLOADS, Run
+
+    w = WORKLOADS[workload]
+    config = dataclasses.replace(w.size(size), batch=batch)
+    model = w.build_model(size, device, seed)
+    return Run(w, size, model, w.build_optimizer(model), w.batches_fn(config, torch.device(device), seed))
+
+
+def _checkpoint_bytes(run, stack: nn.Sequential, batch) -> int:
+    """Activation bytes checkpointing holds, from one plain forward with saves attributed to segments."""
+    segments = _segments(stack)
+    account, inputs = _Account(), []
+
+    def attributed(x):
+        for i, seg in enumerate(segments):
+            inputs.append(x.untyped_storage().nbytes())
+            account.segment = i
+            x = seg(x)
+        account.segment = None
+        return x
+
+    stack.forward = attributed  # an instance attribute: shadows the class's forward for this module only
+    try:
+        with saved_tensors_hooks(account.pack, account.unpack):
+            run.workload.loss(run.model, batch).detach()  # this graph is dropped at once
+    finally:
+        del stack.forward
+    return account.outside + sum(inputs) + max(account.per_segment.values(), default=0)
+
+
+def _checkpointed(stack: nn.Sequential):
+    segments = _segments(stack)
+
+    def forward(x):
+        for seg in segments:
+            x = checkpoint(seg, x, use_reentrant=False)  # recomputed in backward, one segment at a time
+        return x
+
+    return forward
+
+
+def measure(workload: str, method: str, *, size: str, batch: int, device: str = "cpu", seed: int = 0) -> Measurement:
+    """A warm-up step, then one timed step under ``method``: the device bytes it holds, and its time."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    run = _run(workload, size, batch, device, seed)
+    run.step(run.forward_loss())  # warm-up: optimizer state exists from now on
+    data = next(run.batches)
+    plain = _Account()
+    with saved_tensors_hooks(plain.pack, plain.unpack):
+        run.workload.loss(run.model, data).detach()  # accounting only, untimed; this graph is dropped
+    stack = _stack(run.model)
+    if method == "checkpoint":
+        if stack is None:
+            raise ValueError(f"{workload} has no nn.Sequential stack to checkpoint")
+        activation = _checkpoint_bytes(run, stack, data)
+        stack.forward = _checkpointed(stack)
+    account = _Account()
+    session = None
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start_s = time.perf_counter()
+    if method == "none":
+        with saved_tensors_hooks(account.pack, account.unpack):
+            loss = run.workload.loss(run.model, data)
+        activation = account.outside
+    elif method == "buddy":
+        store = buddy.BuddyStore(pin=False if device == "cpu" else None)
+        min_bytes = 1024 if size == "tiny" else buddy.DEFAULT_MIN_BYTES
+        with buddy.compressed_activations(tracker=buddy.Tracker(), store=store, min_bytes=min_bytes) as session:
+            loss = run.workload.loss(run.model, data)
+    elif method == "save_on_cpu":
+        with save_on_cpu(pin_memory=device != "cpu"):
+            loss = run.workload.loss(run.model, data)
+        activation = 0
+    else:
+        loss = run.workload.loss(run.model, data)
+    run.step(loss)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start_s
+    if session is not None:
+        stats = session.stats()
+        activation = stats.device_bytes + stats.kept_bytes
+    activation += plain.largest
+    return Measurement(workload, method, batch, _state_bytes(run.model, run.optimizer), activation, seconds)
+
+
+def _search(fits, start: int, cap: int) -> Measurement | None:
+    """Largest batch in [1, cap] for which ``fits(batch)`` returns a measurement (``None``: does not fit).
+
+    Doubles from ``start`` while it fits, then bisects; assumes that a batch
+    that fits means every smaller one fits too.
+    """
+    lo, hi, best = 0, None, None
+    batch = max(1, min(start, cap))
+    while batch <= cap:
+        m = fits(batch)
+        if m is None:
+            hi = batch
+            break
+        lo, best, batch = batch, m, batch * 2
+    if hi is None:
+        return best  # fits all the way to the cap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        m = fits(mid)
+        if m is None:
+            hi = mid
+        else:
+            lo, best = mid, m
+    return best
+
+
+def _largest_accounted(workload, method, *, size, base, budget, device, seed) -> Measurement | None:
+    """Largest batch whose accounted bytes fit ``budget``; a line through two batches gives the first guess."""
+    a = measure(workload, method, size=size, batch=base, device=device, seed=seed)
+    b = measure(workload, method, size=size, batch=2 * base, device=device, seed=seed)
+    per_sample = max((b.activation_bytes - a.activation_bytes) / base, 1.0)
+    guess = int((budget - a.state_bytes - (a.activation_bytes - per_sample * base)) // per_sample)
+
+    def fits(batch):
+        m = measure(workload, method, size=size, batch=batch, device=device, seed=seed)
+        return m if m.total_bytes <= budget else None
+
+    return _search(fits, guess, MAX_BATCH_FACTOR * base)
+
+
+def _largest_cuda(workload, method, *, size, base, budget, device, seed) -> Measurement | None:
+    """Largest batch that trains under a real per-process CUDA memory limit."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+
+    def fits(batch):
+        torch.cuda.empty_cache()
+        try:
+            return measure(workload, method, size=size, batch=batch, device=device, seed=seed)
+        except torch.cuda.OutOfMemoryError:
+            return None
+
+    return _search(fits, base, MAX_BATCH_FACTOR * base)
+
+
+def max_batch(workload: str, method: str, *, size: str, budget: int, device: str, seed: int) -> Measurement | None:
+    """The largest batch of ``workload`` under ``method`` within ``budget`` bytes (``None``: not even one)."""
+    from experiments.workloads import WORKLOADS
+
+    base = WORKLOADS[workload].size(size).batch
+    search = _largest_cuda if device.startswith("cuda") else _largest_accounted
+    return search(workload, method, size=size, base=base, budget=budget, device=device, seed=seed)
+
+
+def parse_args(argv):
+    from experiments.workloads import DEFAULT_WORKLOADS, WORKLOADS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
+    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_WORKLOADS))
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--budget-mib", type=float, default=None, help="device budget (default: what the base batch needs uncompressed)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("results/max_batch"))
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+COLUMNS = [
+    ("workload", "workload", ""),
+    ("method", "method", ""),
+    ("budget_mib", "budget MiB", ".1f"),
+    ("max_batch", "max batch", "d"),
+    ("vs_none", "vs none", ".2f"),
+    ("total_mib", "held MiB", ".1f"),
+    ("activation_mib", "activations MiB", ".1f"),
+    ("step_seconds", "step s", ".3f"),
+]
+
+
+def main(argv=None) -> list[dict]:
+    from experiments.workloads import WORKLOADS
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    header = start("max_batch", argv)
+    accounting = not args.device.startswith("cuda")
+    if accounting:
+        print("  ACCOUNTING RUN: no GPU, so device bytes are added up, not measured (see the module docstring)")
+    rows = []
+    jobs = [(w, m) for w in args.workloads for m in args.methods]
+    budgets = {}
+    for workload, method in progress(jobs, desc="max batch", enabled=not args.no_progress):
+        if workload not in budgets:
+            base = WORKLOADS[workload].size(args.size).batch
+            budgets[workload] = (
+                int(args.budget_mib * 2**20)
+                if args.budget_mib
+                else measure(workload, "none", size=args.size, batch=base, device=args.device, seed=args.seed).total_bytes
+            )
+        budget = budgets[workload]
+        try:
+            m = max_batch(workload, method, size=args.size, budget=budget, device=args.device, seed=args.seed)
+            note = "" if m else "no batch fits"
+            if m and m.batch >= MAX_BATCH_FACTOR * WORKLOADS[workload].size(args.size).batch:
+                note = f"search capped at {MAX_BATCH_FACTOR}x the base batch"
+        except ValueError as exc:  # e.g. no stack to checkpoint
+            m, note = None, str(exc)
+        rows.append(
+            {
+                "workload": workload,
+                "method": method,
+                "accounting": accounting,
+                "budget_mib": budget / 2**20,
+                "max_batch": m.batch if m else 0,
+                "total_mib": m.total_bytes / 2**20 if m else None,
+                "activation_mib": m.activation_bytes / 2**20 if m else None,
+                "state_mib": m.state_bytes / 2**20 if m else None,
+                "step_seconds": m.seconds if m else None,
+                "note": note,
+            }
+        )
+    none = {r["workload"]: r["max_batch"] for r in rows if r["method"] == "none"}
+    for r in rows:
+        r["vs_none"] = r["max_batch"] / none[r["workload"]] if none.get(r["workload"]) else None
+    print()
+    kind = "accounting run (CPU)" if accounting else f"real CUDA memory on {header['environment']['gpu']}"
+    print(f"Largest batch under the budget ({kind}); step time at that batch")
+    print(format_table(rows, COLUMNS))
+    for r in rows:
+        if r["note"]:
+            print(f"  {r['workload']} / {r['method']}: {r['note']}")
+    path = write_results(args.out, header, rows, experiment="max_batch", size=args.size, accounting=accounting)
+    print(f"\nwrote {path} and {path.with_suffix('.csv')}")
+    if not args.no_plot:
+        from experiments.plot import plot_max_batch
+
+        for png in plot_max_batch(path, args.out):
+            print(f"wrote {png}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

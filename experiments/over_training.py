@@ -1,0 +1,176 @@
+"""Over training: compressibility and the tracker's choices per key as a model learns.
+
+Each workload trains with ``buddy.compressed_activations`` on every step (the
+real pipeline: its own tracker and store, ``BuddyThreshold(10 %)`` by
+default). Per step and key it records the ideal ratio, the target the tracker
+chose, the overflow it predicted from history and the overflow that
+happened. The summary says how often the prediction missed by more than 1 %
+of the tensor's bytes, by how much, and what capacity and traffic resulted.
+
+    python -m experiments.over_training                 # quick, CPU
+    python -m experiments.over_training --size full --steps 500 --every 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import buddy
+from experiments.analysis import ratio
+from experiments.common import format_table, progress, start, write_results
+
+__all__ = ["track", "summarise", "main"]
+
+DEFAULT_STEPS = {"tiny": 4, "quick": 30, "full": 400}
+MISS = 0.01  # a prediction "missed" when it is off by more than this fraction of the tensor's bytes
+
+
+def track(name: str, *, size: str, steps: int, every: int, policy, device: str, seed: int, show: bool) -> list[dict]:
+    """Train ``name`` for ``steps`` steps, compressing every ``every``-th; one row per compressed key and step."""
+    from experiments.workloads import make_run
+
+    run = make_run(name, size=size, device=device, seed=seed)
+    tracker, store = buddy.Tracker(policy), buddy.BuddyStore(pin=False if device == "cpu" else None)
+    min_bytes = 1024 if size == "tiny" else buddy.DEFAULT_MIN_BYTES
+    rows = []
+    for step in progress(range(steps), desc=f"{name} over training", enabled=show):
+        if step % every:
+            run.step(run.forward_loss())
+            continue
+        with buddy.compressed_activations(policy, tracker=tracker, store=store, min_bytes=min_bytes) as session:
+            loss = run.forward_loss()
+        run.step(loss)
+        for r in session.stats().rows:
+            rows.append(
+                {
+                    "workload": name,
+                    "step": step,
+                    "loss": loss.item(),
+                    "key": r.key,
+                    "original_bytes": r.original_bytes,
+                    "ideal_ratio": ratio(r.original_bytes, r.ideal_bytes),
+                    "target_ratio": r.target_ratio,
+                    "device_bytes": r.device_bytes,
+                    "buddy_bytes": r.buddy_bytes,
+                    "predicted_overflow_bytes": r.predicted_overflow_bytes,
+                }
+            )
+    return rows
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per workload: capacity, traffic, target changes and prediction misses over training."""
+    out = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        mine = [r for r in rows if r["workload"] == workload]
+        predicted = [r for r in mine if r["predicted_overflow_bytes"] is not None]
+        errors = [abs(r["buddy_bytes"] - r["predicted_overflow_bytes"]) / r["original_bytes"] for r in predicted]
+        targets: dict[str, list[float]] = {}
+        for r in mine:
+            targets.setdefault(r["key"], []).append(r["target_ratio"])
+        changes = sum(sum(a != b for a, b in zip(t, t[1:])) for t in targets.values())
+        original = sum(r["original_bytes"] for r in mine)
+        out.append(
+            {
+                "workload": workload,
+                "keys": len(targets),
+                "steps": len({r["step"] for r in mine}),
+                "capacity": ratio(original, sum(r["device_bytes"] for r in mine)),
+                "overflow_fraction": sum(r["buddy_bytes"] for r in mine) / original if original else 0.0,
+                "ideal_first": _ideal(mine, min(r["step"] for r in mine)),
+                "ideal_last": _ideal(mine, max(r["step"] for r in mine)),
+                "target_changes": changes,
+                "predictions": len(predicted),
+                "missed": sum(e > MISS for e in errors),
+                "mean_abs_error": statistics.fmean(errors) if errors else 0.0,
+                "max_abs_error": max(errors, default=0.0),
+            }
+        )
+    return out
+
+
+def _ideal(rows: list[dict], step: int) -> float:
+    at = [r for r in rows if r["step"] == step]
+    return ratio(sum(r["original_bytes"] for r in at), sum(r["original_bytes"] / r["ideal_ratio"] for r in at))
+
+
+SUMMARY_COLUMNS = [
+    ("workload", "workload", ""),
+    ("keys", "keys", "d"),
+    ("steps", "steps", "d"),
+    ("ideal_first", "ideal (first)", ".2f"),
+    ("ideal_last", "ideal (last)", ".2f"),
+    ("capacity", "capacity", ".2f"),
+    ("overflow_fraction", "overflow", ".1%"),
+    ("target_changes", "target changes", "d"),
+    ("missed", "missed", "d"),
+    ("predictions", "of", "d"),
+    ("mean_abs_error", "mean |error|", ".2%"),
+    ("max_abs_error", "max |error|", ".1%"),
+]
+
+
+def parse_args(argv):
+    from experiments.workloads import DEFAULT_WORKLOADS, WORKLOADS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
+    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_WORKLOADS))
+    p.add_argument("--steps", type=int, default=None, help="training steps (default by size)")
+    p.add_argument("--every", type=int, default=1, help="compress every n-th step (the others train plainly)")
+    p.add_argument("--max-overflow", type=float, default=0.10, help="BuddyThreshold of the tracker")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("results/over_training"))
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.every < 1:
+        p.error("--every must be at least 1")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    header = start("over_training", argv)
+    steps = args.steps or DEFAULT_STEPS[args.size]
+    policy = buddy.BuddyThreshold(args.max_overflow)
+    rows = []
+    for name in args.workloads:
+        rows += track(
+            name,
+            size=args.size,
+            steps=steps,
+            every=args.every,
+            policy=policy,
+            device=args.device,
+            seed=args.seed,
+            show=not args.no_progress,
+        )
+    summary = summarise(rows)
+    print()
+    print(
+        f"The tracker over {steps} training steps ({policy}); 'missed' = predicted overflow off by > {MISS:.0%} of the tensor"
+    )
+    print(format_table(summary, SUMMARY_COLUMNS))
+    path = write_results(
+        args.out, header, rows, summary=summary, experiment="over_training", size=args.size, steps=steps
+    )
+    print(f"\nwrote {path} and {path.with_suffix('.csv')}")
+    if not args.no_plot:
+        from experiments.plot import plot_over_training
+
+        for png in plot_over_training(path, args.out):
+            print(f"wrote {png}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The experiment workloads: real data, deterministic, and capturing exactly what buddy compresses."""
+
+from __future__ import annotations
+
+import doctest
+import functools
+import math
+
+import pytest
+import torch
+from conftest import raw_bytes
+
+import buddy
+
+pytest.importorskip("sklearn", reason="the workloads need buddy[experiments]")
+pytest.importorskip("tqdm", reason="the workloads need buddy[experiments]")
+
+from experiments import workloads  # noqa: E402
+from experiments.data import digit_images  # noqa: E402
+from experiments.workloads import (  # noqa: E402
+    DEFAULT_WORKLOADS,
+    MIN_BYTES,
+    SIZES,
+    WORKLOADS,
+    Capture,
+    capture,
+    make_run,
+)
+
+MIN = MIN_BYTES["tiny"]
+POINTS = (0, 2)
+CNNS = ("resnet-fp32", "resnet-bf16", "vgg-fp32")
+OPTIONAL = sorted(set(WORKLOADS) - set(DEFAULT_WORKLOADS))  # torchvision / transformers models, where importable
+
+
+@functools.cache
+def tiny_captures(name: str) -> tuple[Capture, ...]:
+    """One tiny capture per workload, shared by the tests that only read it."""
+    return tuple(capture(name, "tiny", points=POINTS))
+
+
+def session(**kwargs) -> buddy.Session:
+    """A compressed-activations session with its own tracker and store (no process-wide state)."""
+    store = buddy.BuddyStore(capacity_bytes=256 << 20, block_bytes=1 << 20, pin=False)
+    return buddy.compressed_activations(tracker=buddy.Tracker(), store=store, min_bytes=MIN, **kwargs)
+
+
+def train_bytes(name: str, steps: int, policy: buddy.Policy | None) -> tuple[list[torch.Tensor], dict]:
+    """A fresh tiny run trained ``steps`` steps, compressed under ``policy`` unless None: (losses, state) as bytes."""
+    run = make_run(name, "tiny")
+    losses = []
+    for _ in range(steps):
+        with session(policy=policy, enabled=policy is not None):
+            loss = run.forward_loss()
+        run.step(loss)
+        losses.append(raw_bytes(loss))
+    return losses, {k: raw_bytes(v) for k, v in run.model.state_dict().items()}
+
+
+def test_digits_are_real_labelled_and_normalised():
+    images, labels = digit_images(32)
+    assert images.shape == (1797, 3, 32, 32) and images.dtype == torch.float32
+    assert labels.shape == (1797,) and set(labels.tolist()) == set(range(10))
+    assert abs(images.mean().item()) < 1e-4 and abs(images.std().item() - 1) < 1e-3
+    assert torch.equal(images[:, 0], images[:, 2])  # grey repeated to three channels
+
+
+def test_registry():
+    assert set(DEFAULT_WORKLOADS) <= set(WORKLOADS)
+    assert not set(OPTIONAL) & {"resnet-fp32", "gpt-bf16"}
+    for name, w in WORKLOADS.items():
+        assert w.name == name and w.description
+        assert tuple(w.sizes) == SIZES
+        if name.endswith("-bf16"):
+            assert w.autocast_dtype == torch.bfloat16
+        elif name.endswith("-fp32"):
+            assert w.autocast_dtype is None
+
+
+@pytest.mark.parametrize("name", DEFAULT_WORKLOADS)
+def test_capture_tiny(name):
+    caps = tiny_captures(name)
+    assert [c.point for c in caps] == list(POINTS)
+    for c in caps:
+        assert math.isfinite(c.loss) and c.tensors
+        assert c.skipped_bytes > 0  # at least the parameters
+        for index, saved in enumerate(c.tensors):
+            t = saved.tensor
+            assert saved.key == f"{index}:{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+            assert t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
+            assert t.numel() * t.element_size() >= MIN
+        # views of one storage count once
+        assert 0 < c.saved_bytes <= sum(s.tensor.numel() * s.tensor.element_size() for s in c.tensors)
+        dtypes = {s.tensor.dtype for s in c.tensors}
+        assert (torch.bfloat16 in dtypes) == (WORKLOADS[name].autocast_dtype == torch.bfloat16)
+    assert [s.key for s in caps[0].tensors] == [s.key for s in caps[1].tensors]  # same step, same keys
+
+
+@pytest.mark.parametrize("name", DEFAULT_WORKLOADS)
+def test_capture_is_deterministic_and_leaves_global_rng_alone(name):
+    rng = torch.random.get_rng_state()
+    again = capture(name, "tiny", points=POINTS)
+    assert torch.equal(rng, torch.random.get_rng_state())
+    for a, b in zip(tiny_captures(name), again):
+        assert a.loss == b.loss and a.saved_bytes == b.saved_bytes
+        assert all(torch.equal(raw_bytes(x.tensor), raw_bytes(y.tensor)) for x, y in zip(a.tensors, b.tensors))
+
+
+@pytest.mark.parametrize("name", CNNS)
+def test_cnn_relu_outputs_are_sparse(name):
+    relus = [s.tensor for s in tiny_captures(name)[-1].tensors if s.op == "ReluBackward0"]
+    assert relus and all((t >= 0).all() for t in relus)
+    assert max((t == 0).float().mean().item() for t in relus) > 0.2
+
+
+@pytest.mark.parametrize("name", DEFAULT_WORKLOADS)
+def test_capture_sees_what_buddy_compresses(name):
+    run = make_run(name, "tiny")
+    with session() as s:
+        loss = run.forward_loss()
+    run.step(loss)
+    stats, cap = s.stats(), tiny_captures(name)[0]
+    assert [r.key for r in stats.rows] == [t.key for t in cap.tensors]
+    assert stats.original_bytes == cap.saved_bytes and stats.skipped_bytes == cap.skipped_bytes
+    assert stats.failed == 0 and loss.item() == cap.loss
+
+
+# gpt-bf16 covers strides: under bf16 autocast a linear layer saves its weight's bf16 copy
+# transposed, and the CPU GEMM rounds differently if that operand comes back contiguous
+@pytest.mark.parametrize("name", DEFAULT_WORKLOADS)
+def test_compression_does_not_change_training(name):
+    plain_losses, plain_state = train_bytes(name, 2, policy=None)
+    # small slots: most bytes make the trip through buddy memory
+    losses, state = train_bytes(name, 2, policy=buddy.FixedRatio(4.0))
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses))
+    assert plain_state.keys() == state.keys()
+    assert all(torch.equal(plain_state[k], state[k]) for k in state), "compression changed the trained weights"
+
+
+@pytest.mark.parametrize("name", OPTIONAL)
+def test_optional_workload_tiny(name):
+    cap = capture(name, "tiny", points=(0,))[0]
+    run = make_run(name, "tiny")
+    with session() as s:
+        loss = run.forward_loss()
+    run.step(loss)
+    assert math.isfinite(cap.loss) and cap.tensors
+    assert [r.key for r in s.stats().rows] == [t.key for t in cap.tensors]
+
+
+def test_run_api_and_errors():
+    run = make_run("gpt-bf16", "tiny", seed=1)
+    losses = run.train(3, progress=True)
+    assert len(losses) == 3 and run.steps_done == 3 and all(map(math.isfinite, losses))
+    assert losses != make_run("gpt-bf16", "tiny", seed=2).train(3)  # the seed matters
+    with pytest.raises(ValueError, match="unknown workload"):
+        make_run("nope")
+    with pytest.raises(ValueError, match="unknown size"):
+        make_run("gpt-bf16", "huge")
+    for points in [(), (2, 1), (1, 1), (-1,)]:
+        with pytest.raises(ValueError, match="points"):
+            capture("gpt-bf16", "tiny", points=points)
+    with pytest.raises(ValueError, match="min_bytes"):
+        capture("gpt-bf16", "tiny", min_bytes=-1)
+
+
+def test_min_bytes_filters_the_capture():
+    everything = capture("vgg-fp32", "tiny", points=(0,), min_bytes=0)[0]
+    large = capture("vgg-fp32", "tiny", points=(0,), min_bytes=64 << 10)[0]
+    assert len(large.tensors) < len(tiny_captures("vgg-fp32")[0].tensors) < len(everything.tensors)
+    assert all(s.tensor.numel() * s.tensor.element_size() >= 64 << 10 for s in large.tensors)
+    assert large.loss == everything.loss
+
+
+def test_module_example(monkeypatch):
+    monkeypatch.setattr(buddy.tracker, "_default_tracker", None)  # the example uses the process-wide ones
+    monkeypatch.setattr(buddy.store, "_default_store", None)
+    result = doctest.testmod(workloads, extraglobs={"buddy": buddy})
+    assert result.attempted and not result.failed
+
+
+@pytest.mark.gpu
+def test_capture_on_cuda_copies_to_the_cpu():
+    cap = capture("resnet-bf16", "tiny", points=(0,), device="cuda")[0]
+    assert math.isfinite(cap.loss) and cap.tensors
+    assert all(s.tensor.device.type == "cpu" for s in cap.tensors)
+    assert any(s.tensor.dtype == torch.bfloat16 for s in cap.tensors)
