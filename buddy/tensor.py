@@ -67,6 +67,8 @@ def dense_strides(shape: Sequence[int], strides: Sequence[int]) -> bool:
     Such a tensor (contiguous, transposed, channels-last ...) is compressed in
     memory order and decompressed with the same strides.
     """
+    if 0 in shape:
+        return True  # no elements, no memory: any strides will do
     expected = 1
     for size, stride in sorted(((n, st) for n, st in zip(shape, strides) if n != 1), key=lambda d: d[1]):
         if stride != expected:

@@ -55,8 +55,14 @@ def compacted_bytes(histogram: Sequence[float]) -> float:
     return sum(k * n for k, n in enumerate(histogram)) * spec.SECTOR_BYTES
 
 
-def device_bytes(histogram: Sequence[float], slot: int, entry_bytes: int) -> float:
-    """Slots + metadata of a tensor with this histogram and slot size."""
+def device_bytes(histogram: Sequence[float], slot: int, entry_bytes: int, original_bytes: int) -> float:
+    """Device bytes of a tensor with this histogram and slot: slots + metadata.
+
+    The raw slot is kept as the original tensor instead, as
+    ``compressed_activations`` does (it would hold the same bytes plus metadata).
+    """
+    if slot == spec.sectors_per_entry(entry_bytes):
+        return original_bytes
     return sum(histogram) * (slot * spec.SECTOR_BYTES + spec.meta_bytes(entry_bytes))
 
 
@@ -109,7 +115,7 @@ def simulate_policy(
             tracker.record(
                 key, hist, slot=slot, entry_bytes=entry_bytes, original_bytes=nbytes, predicted_overflow_bytes=predicted
             )
-            dev = device_bytes(hist, slot, entry_bytes)
+            dev = device_bytes(hist, slot, entry_bytes, nbytes)
             tracker._hold(int(dev))
             held += dev
             outcomes.append(

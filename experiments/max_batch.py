@@ -104,7 +104,10 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state = sum(
-        v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
     )
     return params + grads + state
 
@@ -283,7 +286,9 @@ def parse_args(argv):
     p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_WORKLOADS))
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    p.add_argument("--budget-mib", type=float, default=None, help="device budget (default: what the base batch needs uncompressed)")
+    p.add_argument(
+        "--budget-mib", type=float, default=None, help="device budget (default: what the base batch needs uncompressed)"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/max_batch"))
@@ -322,7 +327,9 @@ def main(argv=None) -> list[dict]:
             budgets[workload] = (
                 int(args.budget_mib * 2**20)
                 if args.budget_mib
-                else measure(workload, "none", size=args.size, batch=base, device=args.device, seed=args.seed).total_bytes
+                else measure(
+                    workload, "none", size=args.size, batch=base, device=args.device, seed=args.seed
+                ).total_bytes
             )
         budget = budgets[workload]
         try:

@@ -39,7 +39,16 @@ def parse_args(argv):
     p.add_argument("--full", action="store_true", help="every experiment at full size (takes long on a CPU)")
     p.add_argument("--size", choices=("tiny", "quick", "full"), default=None, help="override the workload size")
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_WORKLOADS))
-    p.add_argument("--codec", default=buddy.defaults().codec, choices=buddy.available_codecs(), help="for capacity")
+    default_codecs = list(
+        dict.fromkeys([buddy.defaults().codec] + [c for c in ("auto",) if c in buddy.available_codecs()])
+    )
+    p.add_argument(
+        "--codecs",
+        nargs="+",
+        default=default_codecs,
+        choices=buddy.available_codecs(),
+        help="codecs of the capacity runs",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results"))
@@ -74,23 +83,25 @@ def main(argv=None) -> dict:
         points=list(points),
     )
 
-    cap_rows = capacity.analyse(captures, codec=args.codec, entry_bytes=buddy.defaults().entry_bytes, show=show)
-    print()
-    print(capacity.format_headline(cap_rows, args.codec, buddy.defaults().entry_bytes))
-    cap_path = write_results(
-        args.out / "capacity",
-        header,
-        cap_rows,
-        headline=capacity.headline(cap_rows),
-        experiment="capacity",
-        size=size,
-        points=list(points),
-    )
-    written = []
-    if not args.no_plot:
-        from experiments.plot import plot_capacity
+    headlines, written = {}, []
+    for codec in args.codecs:
+        cap_rows = capacity.analyse(captures, codec=codec, entry_bytes=buddy.defaults().entry_bytes, show=show)
+        headlines[codec] = capacity.headline(cap_rows)
+        print()
+        print(capacity.format_headline(cap_rows, codec, buddy.defaults().entry_bytes))
+        cap_path = write_results(
+            args.out / f"capacity-{codec}",
+            header,
+            cap_rows,
+            headline=headlines[codec],
+            experiment="capacity",
+            size=size,
+            points=list(points),
+        )
+        if not args.no_plot:
+            from experiments.plot import plot_capacity
 
-        written += plot_capacity(cap_path, cap_path.parent)
+            written += plot_capacity(cap_path, cap_path.parent)
 
     if args.full:
         from experiments import max_batch, over_training
@@ -105,7 +116,7 @@ def main(argv=None) -> dict:
     print(f"\nresults under {args.out}/ ({time.perf_counter() - t0:.0f} s)")
     for png in written:
         print(f"wrote {png}")
-    return {"compressibility": summary, "capacity": capacity.headline(cap_rows)}
+    return {"compressibility": summary, "capacity": headlines}
 
 
 if __name__ == "__main__":

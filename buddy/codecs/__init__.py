@@ -7,7 +7,10 @@ with :func:`register_codec` and are then usable by name everywhere
 
 from __future__ import annotations
 
+from .auto import AutoCodec
 from .base import Codec, Encoded
+from .bpc import BPCCodec
+from .fpx import FPXCodec
 from .raw import RawCodec
 from .zvc import ZVCCodec
 
@@ -52,3 +55,6 @@ def available_codecs() -> list[str]:
 
 register_codec(RawCodec())
 register_codec(ZVCCodec())
+register_codec(BPCCodec())
+register_codec(FPXCodec())
+register_codec(AutoCodec())
