@@ -117,7 +117,8 @@ class SessionStats:
             f"{self.effective_capacity:>7.2f}x {self.overflow_fraction:>8.1%}"
         )
         lines.append(
-            f"saves {self.saves}: {len(self.rows)} compressed, {self.deduplicated} deduplicated, "
+            f"saves {self.saves}: {sum(r.codec != 'kept' for r in self.rows)} compressed, "
+            f"{sum(r.codec == 'kept' for r in self.rows)} incompressible kept, {self.deduplicated} deduplicated, "
             f"{self.skipped} skipped ({format_bytes(self.kept_bytes)} of activations kept as is), {self.failed} failed; "
             f"compress {self.compress_seconds * 1e3:.1f} ms, decompress {self.decompress_seconds * 1e3:.1f} ms "
             f"({self.decompressions} unpacks); ideal ratio {self.ideal_ratio:.2f}x"
