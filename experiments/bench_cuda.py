@@ -33,7 +33,6 @@ import math
 import shlex
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ import buddy
 from buddy import env
 from buddy._deps import require_cuda
 from buddy.errors import MissingDependencyError
+from experiments.bench_codecs import RoundTripError, _seconds
 
 __all__ = ["main", "run", "pcie_rates"]
 
@@ -55,26 +55,7 @@ MiB = 1 << 20
 BACKENDS = ("cuda", "reference")
 
 
-class RoundTripError(RuntimeError):
-    """A method did not give back the exact bytes, or the backends disagree."""
-
-
 # ---- timing -------------------------------------------------------------------------------
-def _once(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
-    """Seconds of one ``fn()`` on the device's clock, and its result."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        out = fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3, out
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
 def timed(
     fn: Callable[[], Any],
     device: torch.device,
@@ -85,7 +66,7 @@ def timed(
     """Seconds of ``repeats`` runs of ``fn`` after ``warmup`` untimed ones (``after(result)`` untimed)."""
     times = []
     for i in range(warmup + repeats):
-        seconds, out = _once(fn, device)
+        seconds, out = _seconds(fn, device)
         if after is not None:
             after(out)
         del out
