@@ -185,20 +185,25 @@ def _seconds(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
 
 
 def timed(
-    fn: Callable[[], Any], repeats: int, device: torch.device, after: Callable[[Any], None] | None = None
+    fn: Callable[[], Any],
+    repeats: int,
+    device: torch.device,
+    after: Callable[[Any], None] | None = None,
+    *,
+    warmup: int = WARMUP,
 ) -> list[float]:
-    """Seconds of each of ``repeats`` runs of ``fn()``, after :data:`WARMUP` untimed ones.
+    """Seconds of each of ``repeats`` runs of ``fn()``, after ``warmup`` untimed ones.
 
     ``after(result)`` runs outside the timed region (e.g. to free what
     ``fn`` made, so runs do not pile up memory).
     """
     times = []
-    for i in range(WARMUP + repeats):
+    for i in range(warmup + repeats):
         seconds, out = _seconds(fn, device)
         if after is not None:
             after(out)
         del out
-        if i >= WARMUP:
+        if i >= warmup:
             times.append(seconds)
     return times
 

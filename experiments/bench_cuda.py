@@ -46,33 +46,13 @@ import buddy
 from buddy import env
 from buddy._deps import require_cuda
 from buddy.errors import MissingDependencyError
-from experiments.bench_codecs import RoundTripError, _seconds
+from experiments.bench_codecs import RoundTripError, timed
 
 __all__ = ["main", "run", "pcie_rates"]
 
 GB = 1e9  # decimal GB/s
 MiB = 1 << 20
 BACKENDS = ("cuda", "reference")
-
-
-# ---- timing -------------------------------------------------------------------------------
-def timed(
-    fn: Callable[[], Any],
-    device: torch.device,
-    repeats: int,
-    warmup: int,
-    after: Callable[[Any], None] | None = None,
-) -> list[float]:
-    """Seconds of ``repeats`` runs of ``fn`` after ``warmup`` untimed ones (``after(result)`` untimed)."""
-    times = []
-    for i in range(warmup + repeats):
-        seconds, out = _seconds(fn, device)
-        if after is not None:
-            after(out)
-        del out
-        if i >= warmup:
-            times.append(seconds)
-    return times
 
 
 def _summary(times: list[float]) -> dict[str, float]:
@@ -110,7 +90,7 @@ def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
 def bench_memcpy(name: str, x: torch.Tensor, repeats: int, warmup: int) -> dict[str, Any]:
     """Device-to-device copy of the same bytes into a preallocated buffer (fills both columns)."""
     dst = torch.empty_like(x)
-    times = timed(lambda: dst.copy_(x), x.device, repeats, warmup)
+    times = timed(lambda: dst.copy_(x), repeats, x.device, warmup=warmup)
     return _row(name, x, "memcpy", times, times, ratio=1.0)
 
 
@@ -125,8 +105,8 @@ def bench_buddy(
     bt = compress()
     if not _same_bytes(bt.decompress(), x):
         raise RoundTripError(f"buddy backend {backend!r} on {name!r}: round trip is not exact")
-    comp = timed(compress, x.device, repeats, warmup, after=lambda b: b.free())
-    decomp = timed(bt.decompress, x.device, repeats, warmup)
+    comp = timed(compress, repeats, x.device, after=lambda b: b.free(), warmup=warmup)
+    decomp = timed(bt.decompress, repeats, x.device, warmup=warmup)
     row = _row(
         name,
         x,
@@ -157,8 +137,8 @@ def bench_nvcomp(name: str, x: torch.Tensor, baseline, repeats: int, warmup: int
     blob = baseline.compress(data)
     if not _same_bytes(baseline.as_bytes(baseline.decompress(blob)), data):
         raise RoundTripError(f"{baseline.method} on {name!r}: round trip is not exact")
-    comp = timed(lambda: baseline.compress(data), x.device, repeats, warmup)
-    decomp = timed(lambda: baseline.decompress(blob), x.device, repeats, warmup)
+    comp = timed(lambda: baseline.compress(data), repeats, x.device, warmup=warmup)
+    decomp = timed(lambda: baseline.decompress(blob), repeats, x.device, warmup=warmup)
     return _row(name, x, baseline.method, comp, decomp, ratio=data.numel() / max(1, baseline.size(blob)))
 
 
@@ -176,8 +156,8 @@ def pcie_rates(nbytes: int, device: torch.device, repeats: int, warmup: int) -> 
     """GB/s of a pinned host <-> device copy of ``nbytes`` (D2H and H2D), as the overflow path does."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    d2h = timed(lambda: host.copy_(dev, non_blocking=True), device, repeats, warmup)
-    h2d = timed(lambda: dev.copy_(host, non_blocking=True), device, repeats, warmup)
+    d2h = timed(lambda: host.copy_(dev, non_blocking=True), repeats, device, warmup=warmup)
+    h2d = timed(lambda: dev.copy_(host, non_blocking=True), repeats, device, warmup=warmup)
     return {
         "bytes": nbytes,
         "d2h": _summary(d2h),

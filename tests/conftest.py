@@ -252,3 +252,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def field(value: int, width: int) -> str:
+    """An unsigned field as stream bits: least significant bit first (the codecs' bit streams)."""
+    assert 0 <= value < 1 << width, (value, width)
+    return "".join(str((value >> i) & 1) for i in range(width))
+
+
+def stream_bytes(bits: str, nbytes: int) -> list[int]:
+    """Stream-order bits -> payload bytes (bit t is bit t % 8 of byte t // 8), zero padded."""
+    assert len(bits) <= 8 * nbytes
+    out = [0] * nbytes
+    for t, bit in enumerate(bits):
+        out[t // 8] |= int(bit) << (t % 8)
+    return out

@@ -11,28 +11,13 @@ import struct
 
 import pytest
 import torch
-from conftest import raw_bytes
+from conftest import field, raw_bytes, stream_bytes
 
 import buddy
 from buddy import spec
 from buddy.codecs.bpc import geometry
 
 CODEC = buddy.get_codec("bpc")
-
-
-def field(value: int, width: int) -> str:
-    """An unsigned field as stream bits: least significant bit first."""
-    assert 0 <= value < 1 << width
-    return "".join(str((value >> i) & 1) for i in range(width))
-
-
-def stream_bytes(bits: str, nbytes: int) -> list[int]:
-    """Stream-order bits -> payload bytes (bit t is bit t % 8 of byte t // 8), zero padded."""
-    assert len(bits) <= 8 * nbytes
-    out = [0] * nbytes
-    for t, bit in enumerate(bits):
-        out[t // 8] |= int(bit) << (t % 8)
-    return out
 
 
 def run(n: int, rb: int) -> str:

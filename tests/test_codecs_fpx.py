@@ -11,26 +11,13 @@ import struct
 
 import pytest
 import torch
-from conftest import raw_bytes
+from conftest import field, raw_bytes, stream_bytes
 
 import buddy
 from buddy import spec
 from buddy.codecs.fpx import header_geometry
 
 CODEC = buddy.get_codec("fpx")
-
-
-def field(value: int, width: int) -> str:
-    assert 0 <= value < 1 << width, (value, width)
-    return "".join(str((value >> i) & 1) for i in range(width))
-
-
-def stream_bytes(bits: str, nbytes: int) -> list[int]:
-    assert len(bits) <= 8 * nbytes
-    out = [0] * nbytes
-    for t, bit in enumerate(bits):
-        out[t // 8] |= int(bit) << (t % 8)
-    return out
 
 
 def bf16(x: float) -> int:
