@@ -15,23 +15,44 @@ backward goes through :meth:`Session._pack`:
   released as soon as nothing else refers to it. When the tracker chooses
   the raw slot (1x), the tensor is kept as it is instead (a raw slot would
   hold the same bytes plus metadata); its row says ``kept``;
-* if compressing fails for any reason, the original tensor is kept and a
-  warning is given once per cause: training never breaks or changes because
-  of buddy.
+* if compressing fails for any reason (an ``Exception``: a codec error, the
+  device out of memory, ...), the original tensor is kept and a warning is
+  given once per cause: training never breaks or changes because of buddy.
+
+What is kept as it is goes to autograd as ``t.detach()`` (the same memory,
+no ``grad_fn``), never as ``t``: a saved output returned as itself refers to
+its own ``grad_fn``, a cycle through C++ that the garbage collector cannot
+see, which would keep the whole graph -- and every compressed tensor in it --
+alive for good whenever backward does not run (an exception in the block, a
+forward without backward, ``retain_graph=True``).
 
 Unpacking (during backward, after the block) decompresses onto the original
 device, bit-exact. The compressed form is freed when autograd drops the saved
-tensor (after backward, unless ``retain_graph=True``).
+tensor (after backward, unless ``retain_graph=True``), or with the graph.
+If decompressing fails, backward raises that very exception (an
+out-of-memory error stays one) with a note naming the key: no data is
+returned, the compressed copy stays intact until the graph is dropped, and
+the step has to be run again.
+
+Interrupts: a ``KeyboardInterrupt`` (any ``BaseException`` that is not an
+``Exception``) while packing is not caught: it leaves the block, which closes
+the session; what it packed so far is freed with the partial graph, nothing
+is left in the store, and the session object can be opened for the next
+step.
 
 Threads: saved-tensor hooks are per thread in PyTorch, so a session affects
 only the thread that opened it; threads may share a tracker and a store (both
 are locked) and should then give their sessions distinct ``key_prefix``es.
+A session object belongs to the thread that opened it: opening it again while
+it is open (from any thread) raises, and only that thread may close it.
 Nesting: the innermost open session packs; each session counts what it
-packed. A session object cannot be entered again while it is open.
+packed.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
 import time
 import warnings
@@ -75,14 +96,46 @@ def _tensor_key(t: torch.Tensor) -> str:
     return f"{dtype}{list(t.shape)}"
 
 
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(note)
+
+
+class _Kept:
+    """What autograd keeps for a tensor the tracker left as it is (the raw slot).
+
+    Its device bytes count against the tracker's budget for as long as
+    autograd holds it -- not as long as the tensor lives, which may be many
+    steps (an input batch reused every step).
+    """
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, tracker: Tracker):
+        self.tensor = tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        tracker._hold(nbytes)
+        weakref.finalize(self, _unhold, weakref.ref(tracker), nbytes)  # weakly: see _unhold
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
+
+
 class _Compressed:
-    """What autograd keeps for a compressed saved tensor."""
+    """What autograd keeps for a compressed saved tensor.
+
+    The graph (C++, invisible to the garbage collector) owns it, so it refers
+    to nothing of the user's: the session only weakly. Were the session (and
+    its policy) held strongly, a session or policy referring back to the
+    graph -- ``policy.trainer.loss`` -- would make a cycle through C++ that
+    keeps the graph and its buddy memory alive for good.
+    """
 
     __slots__ = ("bt", "session", "row", "cache", "__weakref__")
 
     def __init__(self, bt: BuddyTensor, session: Session, row: KeyRow):
         self.bt = bt
-        self.session = session
+        self.session = weakref.ref(session)  # for its counters only; see above
         self.row = row  # the session's stats row, counting deduplicated saves
         self.cache = None  # weakref to the last decompressed tensor, shared by deduplicated saves
 
@@ -91,10 +144,123 @@ class _Compressed:
         if t is not None:
             return t
         start = time.perf_counter()
-        t = self.bt.decompress()
-        self.session._count_unpack(time.perf_counter() - start)
+        try:
+            t = self.bt.decompress()
+        except BaseException as exc:  # keep its type (an out-of-memory error stays one); say what failed
+            _add_note(
+                exc,
+                f"buddy: decompressing the saved activation {self.row.key!r} for backward failed. No data "
+                f"was returned; the compressed copy is intact and is freed with the graph. This backward "
+                f"pass cannot finish: drop the graph and run the step again.",
+            )
+            raise
+        session = self.session()
+        if session is not None:  # no one can read the counters of a session that is gone
+            session._count_unpack(time.perf_counter() - start)
         self.cache = weakref.ref(t)
         return t
+
+
+# ---- torch.compile -------------------------------------------------------------------
+# TorchDynamo must never trace buddy. Backward called inside a compiled train
+# step, an eager op at a graph break or a session opened inside a compiled
+# function would otherwise run the hooks -- and the BuddyTensor finalizers --
+# under the frame evaluator, which compiles the codec and the store piece by
+# piece (slow, recompiled per tensor size, and the codec's integer work handed
+# to another compiler).
+
+
+def _eager_only(fn):
+    """``fn``, never traced by TorchDynamo (called from compiled code, it runs eagerly).
+
+    Applied when a session opens. If the compiler is not loaded by then,
+    nothing in this process has been compiled, and it is not loaded for this
+    (importing it takes seconds).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return fn
+    return torch.compiler.disable(fn)
+
+
+def _release(held: _Held) -> None:
+    held.packed = None  # the last reference frees slots and buddy memory here
+
+
+class _Held:
+    """What autograd keeps for a packed saved tensor (see :func:`_compile_safe_hooks`).
+
+    ``stride``: the strides the tensor had when its layout was not dense (it
+    decompresses contiguous), else ``None``. ``release`` runs when autograd
+    drops it, possibly inside a compiled frame (backward in a compiled step).
+    """
+
+    __slots__ = ("packed", "stride", "release")
+
+    def __init__(self, packed, stride: tuple[int, ...] | None, release):
+        self.packed = packed
+        self.stride = stride
+        self.release = release
+
+    def __del__(self):
+        self.release(self)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _compile_safe_hooks(pack, unpack):
+    """The session's pack and unpack hooks, made safe for ``torch.compile``d code.
+
+    * Packing, unpacking and releasing run eagerly, never traced
+      (:func:`_eager_only`).
+    * A tensor saved with a non-dense layout (a strided slice) decompresses
+      contiguous; it is handed back in its original strides, bit-exact:
+      inductor compiled the backward kernels for those strides and asserts
+      them (``assert_size_stride``), and an eager kernel may round
+      differently on another layout.
+    """
+    release = _eager_only(_release)
+
+    def pack_hook(t):
+        packed = pack(t)
+        if isinstance(packed, torch.Tensor):  # kept as it is
+            return packed
+        bt = getattr(packed, "bt", None)
+        dense = bt is None or tuple(bt.stride) == tuple(t.stride())
+        return _Held(packed, None if dense else tuple(t.stride()), release)
+
+    def unpack_hook(held):
+        if not isinstance(held, _Held):
+            return unpack(held)
+        t = unpack(held.packed)
+        if held.stride is None:
+            return t
+        out = torch.empty_strided(t.shape, held.stride, dtype=t.dtype, device=t.device)
+        as_int = _SAME_SIZE_INT.get(t.element_size())
+        if as_int is None:  # complex128: a same-dtype copy moves the bytes
+            return out.copy_(t)
+        out.view(as_int).copy_(t.view(as_int))  # integers: bit-exact for NaN payloads and -0.0 alike
+        return out
+
+    return _eager_only(pack_hook), _eager_only(unpack_hook)
+
+
+def _weak_pack(session: Session):
+    """``session._pack``, holding the session weakly.
+
+    PyTorch keeps the pack hook in every saved tensor it packed, that is in the
+    graph: held strongly, a session that refers back to the graph
+    (``session.loss = loss``, a policy holding the trainer) would close a
+    cycle through C++ that the collector cannot break (see _Compressed). The
+    hook runs only while the session is open, and ``with`` keeps it alive.
+    """
+    ref = weakref.ref(session)
+
+    def pack(t: torch.Tensor):
+        session = ref()
+        return session._pack(t) if session is not None else t.detach()
+
+    return pack
 
 
 class Session:
@@ -128,20 +294,31 @@ class Session:
         self._excluded = self._storages_of(exclude)
         self._lock = threading.RLock()
         self._hooks = None
+        self._thread = None  # the thread that opened it
         self._reset()
 
     # ---- context manager ---------------------------------------------------
     def __enter__(self) -> Session:
-        if self._hooks is not None:
-            raise RuntimeError("this compressed_activations session is already open; open a new one per step")
-        self._reset()
-        self.tracker.begin_step(self.policy)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        with self._lock:  # checked and set at once: two threads cannot both open it
+            if self._hooks is not None:
+                raise RuntimeError(
+                    "this compressed_activations session is already open (in this or another thread); "
+                    "open a new one per step and per thread"
+                )
+            self._reset()
+            self.tracker.begin_step(self.policy)
+            hooks = torch.autograd.graph.saved_tensors_hooks(*_compile_safe_hooks(_weak_pack(self), self._unpack))
+            hooks.__enter__()
+            self._hooks, self._thread = hooks, threading.get_ident()
         return self
 
     def __exit__(self, *exc) -> None:
-        hooks, self._hooks = self._hooks, None
+        with self._lock:
+            if self._hooks is None:
+                raise RuntimeError("this compressed_activations session is not open")
+            if self._thread != threading.get_ident():  # saved-tensor hooks are per thread
+                raise RuntimeError("a compressed_activations session must be closed by the thread that opened it")
+            hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
 
     def _reset(self) -> None:
@@ -189,13 +366,13 @@ class Session:
                 self._stats.skipped_bytes += t.numel() * t.element_size()
                 if reason != "parameter":
                     self._stats.kept_bytes += t.numel() * t.element_size()
-                return t
+                return t.detach()  # never ``t`` itself: see "kept as it is" in the module doc
             storage = t.untyped_storage()
             dedup_key = (storage._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
             hit = self._dedup.get(dedup_key)
             if hit is not None:
                 alive, ref, row = hit
-                packed = ref() if ref is not None else t  # None: it was kept as it is
+                packed = ref()
                 if packed is not None and not alive.expired():
                     self._stats.deduplicated += 1
                     row.saves += 1
@@ -212,16 +389,13 @@ class Session:
                     f"buddy could not compress a saved activation ({type(exc).__name__}: {exc}); "
                     f"keeping it uncompressed. Training is unaffected. This warning is shown once per cause.",
                 )
-                return t
+                return t.detach()
             elapsed = time.perf_counter() - start
             self._index += 1
             row = self._account(t, storage, result, key, elapsed)
             # A storage that died may be reused at the same address: the weak
             # reference tells the two apart, so a dedup hit is always the same data.
-            if result.bt is None:
-                self._dedup[dedup_key] = (StorageWeakRef(storage), None, row)
-                return t
-            packed = _Compressed(result.bt, self, row)
+            packed = _Kept(t.detach(), self.tracker) if result.bt is None else _Compressed(result.bt, self, row)
             self._dedup[dedup_key] = (StorageWeakRef(storage), weakref.ref(packed), row)
             return packed
 
@@ -307,7 +481,7 @@ def _tracked_pack(t, key, *, tracker: Tracker, policy, store, codec, entry_bytes
 
     With ``keep_full_slot``, a tensor the tracker gives the raw slot is not
     packed at all (``bt`` is ``None``): the raw slot would hold the same bytes
-    plus metadata.
+    plus metadata. The caller then counts its bytes as held (see :class:`_Kept`).
     """
     codec = codec or config.defaults().codec
     entry_bytes = entry_bytes or config.defaults().entry_bytes
@@ -336,11 +510,18 @@ def _tracked_pack(t, key, *, tracker: Tracker, policy, store, codec, entry_bytes
     # what stays on the device counts against budgets until it is freed
     if bt is not None:
         tracker._hold(bt.device_bytes)
-        bt._on_free.append(lambda n=bt.device_bytes: tracker._hold(-n))
-    else:
-        tracker._hold(nbytes)
-        weakref.finalize(t, tracker._hold, -nbytes)
+        bt._on_free.append(functools.partial(_unhold, weakref.ref(tracker), bt.device_bytes))
     return _Packed(bt, decided["histogram"], decided["predicted"])
+
+
+def _unhold(tracker_ref: weakref.ref, nbytes: int) -> None:
+    # What a saved tensor leaves behind refers to the tracker weakly: a tracker
+    # whose policy refers back to the graph would otherwise close a cycle through
+    # C++ (a BuddyTensor, owned by the graph), or be kept alive, graph and all,
+    # by the finalizer registry (a _Kept's finalizer).
+    tracker = tracker_ref()
+    if tracker is not None:
+        tracker._hold(-nbytes)
 
 
 def wrap(

@@ -10,6 +10,11 @@ everywhere; ``"cuda"`` runs a codec's CUDA kernels for tensors on a CUDA
 device when the codec has kernels and CuPy is installed, and the reference
 otherwise (see :mod:`buddy.backends`). The CUDA kernels stay off by default
 until they have been validated on a GPU.
+
+``checksum=True`` makes every compressed tensor carry a 64-bit checksum of
+each of its buffers, checked by ``decompress()`` before decoding (see
+:mod:`buddy.integrity`); off by default: it costs one more read of the
+buffers at both ends.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import threading
 from dataclasses import dataclass, replace
 
 from . import spec
+from .codecs import DEFAULT_CODEC
 
-__all__ = ["Defaults", "DEFAULT_BACKENDS", "defaults", "set_defaults"]
+__all__ = ["Defaults", "DEFAULT_BACKENDS", "defaults", "set_defaults", "check_checksum"]
 
 #: values the process-wide ``backend`` default can take
 DEFAULT_BACKENDS = ("reference", "cuda")
@@ -27,11 +33,21 @@ DEFAULT_BACKENDS = ("reference", "cuda")
 
 @dataclass(frozen=True)
 class Defaults:
-    codec: str = "zvc"
+    #: chosen by measurement: see the README, "Choosing the codec and entry size"
+    codec: str = DEFAULT_CODEC
     entry_bytes: int = spec.DEFAULT_ENTRY_BYTES
     #: "reference" (off: the torch codecs) or "cuda" (kernels where they apply);
     #: the CUDA path is off by default until it has been validated on a GPU
     backend: str = "reference"
+    #: store and check a checksum of each buffer (see :mod:`buddy.integrity`)
+    checksum: bool = False
+
+
+def check_checksum(checksum) -> bool:
+    """Validate a ``checksum=`` switch: a real ``bool`` (no 0/1 or strings)."""
+    if not isinstance(checksum, bool):
+        raise TypeError(f"checksum must be True or False, got {checksum!r}")
+    return checksum
 
 
 _current = Defaults()
@@ -43,8 +59,18 @@ def defaults() -> Defaults:
     return _current
 
 
-def set_defaults(*, codec: str | None = None, entry_bytes: int | None = None, backend: str | None = None) -> Defaults:
-    """Change the process-wide codec, entry size and/or backend; returns the previous defaults."""
+def set_defaults(
+    *,
+    codec: str | None = None,
+    entry_bytes: int | None = None,
+    backend: str | None = None,
+    checksum: bool | None = None,
+) -> Defaults:
+    """Change the process-wide codec, entry size, backend and/or checksum switch; returns the previous defaults.
+
+    ``None`` leaves a setting as it is. ``checksum`` must be ``True`` or
+    ``False``.
+    """
     global _current
     from .codecs import get_codec  # the registry imports nothing from here; avoid a cycle at import
 
@@ -57,6 +83,8 @@ def set_defaults(*, codec: str | None = None, entry_bytes: int | None = None, ba
         if not isinstance(backend, str) or backend not in DEFAULT_BACKENDS:
             raise ValueError(f"the default backend must be one of {DEFAULT_BACKENDS}, got {backend!r}")
         changes["backend"] = backend
+    if checksum is not None:
+        changes["checksum"] = check_checksum(checksum)
     with _lock:
         previous, _current = _current, replace(_current, **changes)
     return previous

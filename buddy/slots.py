@@ -11,10 +11,28 @@ from collections.abc import Sequence
 
 from . import spec
 
-__all__ = ["DEFAULT_MAX_OVERFLOW", "overflow_sectors", "slot_for_overflow", "tightest_slot"]
+__all__ = ["DEFAULT_MAX_OVERFLOW", "check_max_overflow", "overflow_sectors", "slot_for_overflow", "tightest_slot"]
 
 #: default bound on buddy bytes / tensor bytes when no target ratio is given
 DEFAULT_MAX_OVERFLOW = 0.10
+
+
+def check_max_overflow(max_overflow: float) -> float:
+    """Validate a bound on buddy bytes / tensor bytes: a real number in ``[0, 1]``, returned as a float.
+
+    ``TypeError`` for anything that is not an int or float (``bool`` and
+    strings included), ``ValueError`` for NaN and values outside ``[0, 1]``.
+    """
+    if isinstance(max_overflow, bool) or not isinstance(max_overflow, (int, float)):
+        raise TypeError(
+            f"max_overflow must be a number in [0, 1] (a fraction of the tensor's bytes), got {max_overflow!r}"
+        )
+    if not 0.0 <= max_overflow <= 1.0:  # NaN fails the comparison too
+        raise ValueError(
+            f"max_overflow must be a fraction in [0, 1] of the tensor's bytes (0.1 = at most 10 % of it in "
+            f"buddy memory), got {max_overflow}"
+        )
+    return float(max_overflow)
 
 
 def overflow_sectors(histogram: Sequence[int], slot_sectors: int) -> int:
@@ -28,9 +46,7 @@ def slot_for_overflow(histogram: Sequence[int], max_overflow: float, budget_byte
     ``budget_bytes`` is the tensor's size in bytes. The full slot (``E/32``)
     always qualifies, so this never fails.
     """
-    if not 0.0 <= max_overflow <= 1.0:
-        raise ValueError(f"max_overflow must be a fraction in [0, 1], got {max_overflow}")
-    limit = max_overflow * budget_bytes
+    limit = check_max_overflow(max_overflow) * budget_bytes
     for s in range(len(histogram)):
         if overflow_sectors(histogram, s) * spec.SECTOR_BYTES <= limit:
             return s

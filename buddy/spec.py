@@ -41,6 +41,13 @@ Buddy side (host memory, pinned when CUDA is present):
   ``sum_{j < i} max(k_j - s, 0)``. Its size is exactly what is reported as the
   tensor's buddy bytes.
 
+Integrity (optional)
+--------------------
+With ``checksum=True`` a tensor also carries one 64-bit checksum per buffer,
+defined in :mod:`buddy.integrity`. It is kept beside the buffers (in the
+:class:`~buddy.BuddyTensor`), not inside them, so the layout above is the same
+with or without it.
+
 Word size
 ---------
 Codecs that look at words (``zvc``) use :func:`word_bytes` of the dtype:
@@ -78,7 +85,7 @@ __all__ = [
 
 FORMAT_VERSION = 1
 SECTOR_BYTES = 32
-DEFAULT_ENTRY_BYTES = 128
+DEFAULT_ENTRY_BYTES = 512
 MIN_ENTRY_BYTES = 32
 MAX_ENTRY_BYTES = 65536
 
@@ -125,15 +132,16 @@ def slot_for_ratio(target_ratio: float, entry_bytes: int) -> int:
     """
     if isinstance(target_ratio, bool) or not isinstance(target_ratio, (int, float)):
         raise TypeError(f"target_ratio must be a number, got {type(target_ratio).__name__}")
-    if math.isnan(target_ratio) or target_ratio < 1.0:
+    if not target_ratio >= 1.0:  # NaN fails the comparison too; no float() of a huge int
         raise ValueError(f"target_ratio must be >= 1 (1 = stored raw, inf = zero slot), got {target_ratio}")
-    if math.isinf(target_ratio):
+    if target_ratio == math.inf:
         return 0
     exact = entry_bytes / (SECTOR_BYTES * target_ratio)
     nearest = round(exact)
     if nearest >= 1 and abs(exact - nearest) <= 0.01 * exact:
         return int(nearest)
-    return int(math.ceil(exact))
+    # a finite ratio never gives the zero slot, however large (only inf does)
+    return max(1, int(math.ceil(exact)))
 
 
 def ratio_for_slot(slot_sectors: int, entry_bytes: int) -> float:
@@ -142,10 +150,24 @@ def ratio_for_slot(slot_sectors: int, entry_bytes: int) -> float:
 
 
 _COMPLEX_WORD = {torch.complex32: 2, torch.complex64: 4, torch.complex128: 8}
+_QUANTIZED = frozenset(
+    getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, name)
+)
 
 
 def word_bytes(dtype: torch.dtype) -> int:
-    """Word size (bytes) that word-oriented codecs use for this dtype."""
+    """Word size (bytes) that word-oriented codecs use for this dtype.
+
+    Every dtype PyTorch stores densely has one -- floats (float8 and float4
+    included), ints of every width (the sub-byte ``int1``..``uint7`` take a
+    byte each), bool, complex and the ``bits*`` types -- except the quantized
+    dtypes, whose values mean nothing without their scale and zero point:
+    ``ValueError`` for those, ``TypeError`` for anything that is not a dtype.
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    if dtype in _QUANTIZED:
+        raise ValueError(f"{dtype} is a quantized dtype; compress tensor.int_repr() and keep the scale and zero point")
     if dtype in _COMPLEX_WORD:
         return _COMPLEX_WORD[dtype]
     size = torch.empty((), dtype=dtype).element_size()

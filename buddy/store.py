@@ -6,8 +6,9 @@ and fragments the OS's page tables, so it never happens per tensor); without
 CUDA it is ordinary host memory with the same accounting.
 
 Capacity: the store never holds more than ``capacity_bytes`` of blocks. An
-allocation that cannot fit raises :class:`~buddy.errors.HostStoreFull` before
-anything is written; :func:`buddy.compress` then either re-raises or, with
+allocation that cannot fit -- or a block the OS will not give (pinned memory
+is limited) -- raises :class:`~buddy.errors.HostStoreFull` before anything is
+written; :func:`buddy.compress` then either re-raises or, with
 ``on_full="device"``, keeps the whole tensor in device slots (no overflow).
 Nothing is ever dropped silently.
 """
@@ -15,6 +16,8 @@ Nothing is ever dropped silently.
 from __future__ import annotations
 
 import bisect
+import collections
+import contextlib
 import os
 import threading
 from dataclasses import dataclass
@@ -155,7 +158,18 @@ class BuddyStore:
         pin: pin blocks (page-locked, for fast and asynchronous copies to and
             from the GPU). Default: pin when CUDA is available.
 
-    Thread-safe: allocation and release take a lock.
+    Thread-safe. One ``threading.Lock`` guards the blocks' free lists, the
+    list of ranges waiting for a copy, and the accounting; :meth:`allocate`,
+    :meth:`trim` and :meth:`stats` take it. Releases and accounting changes
+    (:meth:`release`, a BuddyTensor being created or freed) never wait for
+    it: they are queued (``deque.append`` is atomic) and applied at once when
+    the lock is free, else by the thread holding it before it lets go. They
+    come from BuddyTensor finalizers, which the garbage collector runs at any
+    allocation -- in another thread, or in this one in the middle of
+    :meth:`allocate` -- where waiting could deadlock (the same thread, or a
+    thread that holds the lock and waits for one the finalizer's thread
+    holds) and applying at once could change a free list that is being
+    walked. When no call is in progress, every release has been applied.
     """
 
     def __init__(
@@ -177,7 +191,8 @@ class BuddyStore:
         self.pin = bool(pin)
         self._blocks: list[_Block] = []
         self._pending: list[BuddyAllocation] = []  # freed, waiting for their last copy
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # see the class docstring; never taken twice by one thread
+        self._inbox: collections.deque = collections.deque()  # (allocation or None, device bytes, tensors)
         self._held = 0
         self._peak = 0
         self._device_held = 0
@@ -192,7 +207,7 @@ class BuddyStore:
         if nbytes == 0:
             return BuddyAllocation(self, None, 0, 0)
         size = _round_up(nbytes, SECTOR_BYTES)
-        with self._lock:
+        with self._locked():
             self._reclaim(wait=False)
             place = self._take(size)
             if place is None and self._pending:
@@ -200,19 +215,62 @@ class BuddyStore:
                 place = self._take(size)
             if place is None:
                 place = self._grow(size)
+            try:
+                alloc = BuddyAllocation(self, *place, nbytes)
+            except BaseException:  # KeyboardInterrupt included: the range must not leak
+                place[0].give(place[1], size)
+                raise
             self._held += size
             self._peak = max(self._peak, self._held)
-            return BuddyAllocation(self, *place, nbytes)
+            return alloc
 
     def release(self, alloc: BuddyAllocation) -> None:
-        """Return an allocation's range. Safe while a copy is in flight."""
-        if alloc.block is None:
-            return
-        with self._lock:
-            if alloc.event is not None and not alloc.event.query():
-                self._pending.append(alloc)  # reused once its copy has finished
-            else:
-                self._give(alloc)
+        """Return an allocation's range. Safe while a copy is in flight, from any thread, and twice."""
+        if alloc.block is not None:
+            self._submit(alloc, 0, 0)
+
+    # ---- the lock and the queue of releases (see the class docstring) -------------
+    @contextlib.contextmanager
+    def _locked(self):
+        self._lock.acquire()
+        try:
+            self._apply_inbox()
+            yield
+        finally:
+            self._unlock()
+
+    def _unlock(self) -> None:
+        """Apply what was queued while the lock was held, then let it go."""
+        while True:
+            try:
+                self._apply_inbox()
+            finally:
+                self._lock.release()
+            # Something queued after the last look found the lock taken: apply it too.
+            if not self._inbox or not self._lock.acquire(blocking=False):
+                return
+
+    def _submit(self, alloc: BuddyAllocation | None, device_bytes: int, tensors: int) -> None:
+        self._inbox.append((alloc, device_bytes, tensors))
+        self._flush()
+
+    def _flush(self) -> None:
+        """Apply the queue now unless the lock is taken (then its holder does); never waits."""
+        if self._lock.acquire(blocking=False):
+            self._unlock()
+
+    def _apply_inbox(self) -> None:
+        while self._inbox:
+            alloc, device_bytes, tensors = self._inbox.popleft()
+            if alloc is not None and alloc.block is not None and not any(p is alloc for p in self._pending):
+                if alloc.event is not None and not alloc.event.query():
+                    self._pending.append(alloc)  # reused once its copy has finished
+                else:
+                    self._give(alloc)
+            if device_bytes or tensors:
+                self._device_held += device_bytes
+                self._tensors += tensors
+                self._device_peak = max(self._device_peak, self._device_held)
 
     def _take(self, size: int) -> tuple[_Block, int] | None:
         for block in self._blocks:
@@ -223,21 +281,29 @@ class BuddyStore:
 
     def _grow(self, size: int) -> tuple[_Block, int]:
         new_bytes = _round_up(size, self.block_bytes)
-        if self.reserved_bytes + new_bytes > self.capacity_bytes:
-            self.trim()
+        if self._reserved() + new_bytes > self.capacity_bytes:
+            self._trim()
         # Near the capacity a whole block may not fit where the allocation does:
         # then the last block is cut to the room that is left.
-        room = (self.capacity_bytes - self.reserved_bytes) // SECTOR_BYTES * SECTOR_BYTES
+        room = (self.capacity_bytes - self._reserved()) // SECTOR_BYTES * SECTOR_BYTES
         new_bytes = min(new_bytes, room)
         if new_bytes < size:
             raise HostStoreFull(
                 f"buddy store is full: {size:,} bytes of overflow needed, {self._held:,} of "
-                f"{self.capacity_bytes:,} bytes held ({self.reserved_bytes:,} reserved). Raise "
+                f"{self.capacity_bytes:,} bytes held ({self._reserved():,} reserved). Raise "
                 f"BuddyStore(capacity_bytes=...), free BuddyTensors you no longer need, pick a "
                 f"less aggressive target_ratio, or pass on_full='device' to keep such tensors "
                 f"whole on the device."
             )
-        block = _Block(new_bytes, self.pin)
+        try:
+            block = _Block(new_bytes, self.pin)
+        except (RuntimeError, MemoryError) as exc:  # the OS refused the memory (pinning is limited): full too
+            raise HostStoreFull(
+                f"buddy store could not get a block of {new_bytes:,} bytes of "
+                f"{'pinned' if self.pin else 'host'} memory ({type(exc).__name__}: {exc}); "
+                f"{self._held:,} bytes held. Free BuddyTensors you no longer need, lower "
+                f"BuddyStore(capacity_bytes=...), or pass on_full='device' to keep such tensors whole on the device."
+            ) from exc
         self._blocks.append(block)
         return block, block.take(size)
 
@@ -261,54 +327,62 @@ class BuddyStore:
 
     def trim(self) -> int:
         """Give wholly unused blocks back to the OS; returns the bytes released."""
-        with self._lock:
-            self._reclaim(wait=False)
-            keep = [b for b in self._blocks if not b.unused]
-            released = sum(b.nbytes for b in self._blocks) - sum(b.nbytes for b in keep)
-            self._blocks = keep
-            return released
+        with self._locked():
+            return self._trim()
+
+    def _trim(self) -> int:
+        self._reclaim(wait=False)
+        keep = [b for b in self._blocks if not b.unused]
+        released = self._reserved() - sum(b.nbytes for b in keep)
+        self._blocks = keep
+        return released
+
+    def _reserved(self) -> int:
+        return sum(b.nbytes for b in self._blocks)
 
     # ---- device accounting ----------------------------------------------
     def _account(self, device_bytes: int, tensors: int) -> None:
-        with self._lock:
-            self._device_held += device_bytes
-            self._tensors += tensors
-            self._device_peak = max(self._device_peak, self._device_held)
+        """Count a BuddyTensor's device bytes in (positive) or out (negative); never waits."""
+        self._submit(None, device_bytes, tensors)
 
     # ---- reporting --------------------------------------------------------
     @property
     def bytes_held(self) -> int:
         """Buddy bytes held by live allocations."""
+        self._flush()
         return self._held
 
     @property
     def peak_bytes(self) -> int:
         """Most buddy bytes held at once since creation (or :meth:`reset_peak`)."""
+        self._flush()
         return self._peak
 
     @property
     def reserved_bytes(self) -> int:
         """Host bytes of blocks (held or not)."""
-        return sum(b.nbytes for b in self._blocks)
+        self._flush()
+        return self._reserved()
 
     @property
     def free_bytes(self) -> int:
         """Buddy bytes that can still be held before the capacity is reached."""
+        self._flush()
         return self.capacity_bytes - self._held
 
     def reset_peak(self) -> None:
-        with self._lock:
+        with self._locked():
             self._peak = self._held
             self._device_peak = self._device_held
 
     def stats(self) -> StoreStats:
-        with self._lock:
+        with self._locked():
             return StoreStats(
                 buddy_capacity_bytes=self.capacity_bytes,
                 buddy_bytes_held=self._held,
                 buddy_peak_bytes=self._peak,
-                buddy_free_bytes=self.free_bytes,
-                buddy_reserved_bytes=self.reserved_bytes,
+                buddy_free_bytes=self.capacity_bytes - self._held,
+                buddy_reserved_bytes=self._reserved(),
                 buddy_blocks=len(self._blocks),
                 pinned=self.pin,
                 device_bytes_held=self._device_held,

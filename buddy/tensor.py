@@ -8,10 +8,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import backends, config, layout, spec
+from . import backends, config, integrity, layout, spec
 from .codecs import Codec, get_codec
 from .errors import CorruptDataError, FreedTensorError, HostStoreFull, UnsupportedTensorError
-from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, slot_for_overflow, tightest_slot
+from .integrity import Checksum
+from .slots import DEFAULT_MAX_OVERFLOW, check_max_overflow, overflow_sectors, slot_for_overflow, tightest_slot
 from .store import BuddyAllocation, BuddyStore, default_store
 
 __all__ = ["BuddyTensor", "compress", "pack", "unpack", "size_histogram", "CHUNK_BYTES"]
@@ -21,6 +22,9 @@ __all__ = ["BuddyTensor", "compress", "pack", "unpack", "size_histogram", "CHUNK
 CHUNK_BYTES = 8 << 20
 
 _ON_FULL = ("raise", "device")
+
+#: byte alignment of the entries handed to a codec (the widest word a codec views them as, with room)
+_ALIGN = 16
 
 
 def check_tensor(tensor) -> None:
@@ -40,17 +44,46 @@ def check_tensor(tensor) -> None:
         )
     if tensor.device.type == "meta":
         raise UnsupportedTensorError("meta tensors hold no data to compress")
+    wrapper = _wrapper_kind(tensor)
+    if wrapper is not None:
+        raise UnsupportedTensorError(wrapper)
     try:
         spec.word_bytes(tensor.dtype)
     except ValueError as exc:
         raise UnsupportedTensorError(f"dtype {tensor.dtype} is not supported: {exc}") from None
 
 
+def _wrapper_kind(tensor: torch.Tensor) -> str | None:
+    """Why ``tensor``'s storage is not its data (a vmap batch, a FakeTensor, a wrapper subclass), or ``None``."""
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is not None and functorch.is_batchedtensor(tensor):
+        return (
+            "tensors batched by torch.func.vmap are not supported: compress outside vmap, or the whole "
+            "batch before vmap"
+        )
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    except ImportError:  # pragma: no cover - older torch: nothing more to detect
+        return None
+    if is_fake(tensor):
+        return "FakeTensors (torch.compile tracing, FakeTensorMode) hold no data to compress"
+    if is_traceable_wrapper_subclass(tensor):
+        return (
+            f"{type(tensor).__name__} is a tensor subclass that wraps other tensors; compress its inner "
+            f"tensors, or a plain tensor made from it"
+        )
+    return None
+
+
 def _entries(flat: torch.Tensor, start: int, stop: int, entry_bytes: int) -> torch.Tensor:
     """Entries ``[start, stop)`` of a flat byte tensor as ``(n, E)``; pads the last one."""
     lo, hi = start * entry_bytes, stop * entry_bytes
     if hi <= flat.numel():
-        return flat[lo:hi].view(stop - start, entry_bytes)
+        entries = flat[lo:hi].view(stop - start, entry_bytes)
+        # Codecs view entries as wider words (up to 8 bytes), which needs a storage offset
+        # aligned to them; a view such as x[1:] is not: copy the chunk then.
+        return entries if entries.storage_offset() % _ALIGN == 0 else entries.clone()
     padded = torch.zeros(hi - lo, dtype=torch.uint8, device=flat.device)
     padded[: flat.numel() - lo] = flat[lo:]
     return padded.view(stop - start, entry_bytes)
@@ -87,8 +120,23 @@ def _memory_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """
     t = tensor.detach().resolve_conj().resolve_neg()
     if not dense_strides(t.shape, t.stride()):
-        t = t.contiguous()
+        t = _contiguous(t)
     return t.as_strided((t.numel(),), (1,), t.storage_offset()).view(torch.uint8), t.stride()
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t``'s elements, bit for bit.
+
+    Copies through a same-size integer view: dtypes without a copy kernel of
+    their own (``uint4``, ``int3`` ...) work, and no float copy can touch a NaN.
+    """
+    as_int = _SAME_SIZE_INT.get(t.element_size())
+    if as_int is None or t.dtype == as_int:
+        return t.contiguous()  # complex128 (16 bytes) has no integer twin
+    return t.view(as_int).contiguous().view(t.dtype)
 
 
 def _size_pass(flat: torch.Tensor, codec: Codec, word: int, entry_bytes: int) -> list[int]:
@@ -111,7 +159,7 @@ def size_histogram(
     of any slot. Defaults as in :func:`compress`.
     """
     check_tensor(tensor)
-    codec = get_codec(codec or config.defaults().codec)
+    codec = get_codec(config.defaults().codec if codec is None else codec)
     entry_bytes = spec.check_entry_bytes(config.defaults().entry_bytes if entry_bytes is None else entry_bytes)
     return _size_pass(_memory_bytes(tensor)[0], codec, spec.word_bytes(tensor.dtype), entry_bytes)
 
@@ -142,6 +190,12 @@ class BuddyTensor:
         backend: ``"reference"`` or ``"cuda"``: what ran the codec at compress
             time (see :mod:`buddy.backends`), and what :meth:`decompress` uses
             unless told otherwise.
+        checksum: a :class:`~buddy.integrity.Checksum` -- one 64-bit checksum
+            per buffer (metadata, slots, overflow) -- when compressed with
+            ``checksum=True``, else ``None``. :meth:`decompress` checks it
+            before decoding and :meth:`verify` checks it on demand; a buffer
+            changed since compression raises
+            :class:`~buddy.errors.CorruptDataError` naming the buffer.
     """
 
     def __init__(
@@ -161,6 +215,7 @@ class BuddyTensor:
         overflow: BuddyAllocation,
         store: BuddyStore,
         backend: str = "reference",
+        checksum: Checksum | None = None,
     ):
         self.shape = torch.Size(shape)
         #: strides the decompressed tensor gets (the original's when it was dense, else contiguous)
@@ -176,6 +231,8 @@ class BuddyTensor:
         #: entries per size: ``histogram[k]`` entries compress to ``k`` sectors
         self.histogram = tuple(int(n) for n in histogram)
         self.format_version = spec.FORMAT_VERSION
+        #: per-buffer checksums taken at compress time, or ``None`` (see :mod:`buddy.integrity`)
+        self.checksum = checksum
         self._slots = slots
         self._meta = meta
         self._overflow = overflow
@@ -221,14 +278,41 @@ class BuddyTensor:
         self._check_alive("read the buffers of")
         return self._meta, self._slots, self._overflow.data
 
+    def verify(self) -> None:
+        """Check the three buffers against :attr:`checksum` without decoding anything.
+
+        Raises :class:`~buddy.errors.CorruptDataError` naming the buffer(s) whose
+        bytes changed since compression, and ``ValueError`` for a tensor
+        compressed without a checksum (there is nothing to check it against).
+        Costs one read of every buffer (the overflow is read where it lives,
+        in host memory).
+        """
+        self._check_alive("verify")
+        if self.checksum is None:
+            raise ValueError(
+                "this BuddyTensor was compressed without a checksum; pass checksum=True to buddy.compress "
+                "(or call buddy.set_defaults(checksum=True)) to be able to verify it"
+            )
+        self._overflow_ready_on_host()
+        integrity.verify(self._meta, self._slots, self._overflow.data, self.checksum)
+
+    def _overflow_ready_on_host(self) -> None:
+        # the checksum reads the overflow on the host: its copy there must have landed
+        if self._overflow.event is not None:
+            self._overflow.event.synchronize()
+
     # ---- lifecycle ----------------------------------------------------------
     def decompress(self, *, backend: str | None = None) -> torch.Tensor:
         """A new tensor bit-identical to the one compressed (same device; same strides if it was dense).
 
         ``backend``: see :mod:`buddy.backends`; default: :attr:`backend`, the
-        one that compressed it.
+        one that compressed it. With a :attr:`checksum`, the buffers are
+        checked first: :class:`~buddy.errors.CorruptDataError` if any changed
+        (see :meth:`verify`), and nothing is decoded.
         """
         self._check_alive("decompress")
+        if self.checksum is not None:
+            self._overflow_ready_on_host()
         if self._overflow.event is not None:
             self._overflow.wait()  # the overflow's copy to host may still be in flight
         return unpack(
@@ -242,6 +326,7 @@ class BuddyTensor:
             stride=self.stride,
             dtype=self.dtype,
             backend=self.backend if backend is None else backend,
+            checksum=self.checksum,
         )
 
     def free(self) -> None:
@@ -282,14 +367,24 @@ def unpack(
     dtype: torch.dtype,
     stride: Sequence[int] | None = None,
     backend: str | None = None,
+    checksum: Checksum | None = None,
 ) -> torch.Tensor:
     """Decode the three buffers of the format into a tensor on ``slots``' device.
 
     The bytes are laid out in memory order with ``stride`` (a dense layout;
-    default contiguous). ``overflow`` may live on any device (host buddy memory). Every buffer
-    must be exactly as large as the format says; anything inconsistent raises
-    :class:`~buddy.errors.CorruptDataError`. ``backend``: who runs the codec
-    (see :mod:`buddy.backends`; default ``"auto"``).
+    default contiguous). ``meta`` and ``slots`` live on the same device;
+    ``overflow`` may live on any device (host buddy memory). All three are
+    ``uint8`` tensors (any shape; read in C order).
+
+    Damaged or hostile buffers never crash the process, read or write out of
+    bounds or hang: every buffer must be exactly as large as the format says,
+    and anything inconsistent raises :class:`~buddy.errors.CorruptDataError`.
+    Without a ``checksum``, damage the format cannot see (a changed
+    mantissa bit) decodes to a tensor of the right shape and dtype with wrong
+    values; with one (a :class:`~buddy.integrity.Checksum`, as
+    :attr:`BuddyTensor.checksum`), the buffers are checked before anything is
+    decoded. ``backend``: who runs the codec (see :mod:`buddy.backends`;
+    default ``"auto"``).
     """
     codec = get_codec(codec)
     spe = spec.sectors_per_entry(entry_bytes)
@@ -297,9 +392,19 @@ def unpack(
         raise ValueError(
             f"slot_sectors must be an int in [0, {spe}] for {entry_bytes}-byte entries, got {slot_sectors!r}"
         )
+    shape = _check_shape(shape)
+    if stride is not None:
+        stride = _check_stride(stride, shape)
+    spec.word_bytes(dtype)  # TypeError / ValueError for anything that is not a dtype buddy stores
+    element = torch.empty((), dtype=dtype).element_size()
+    meta, slots, overflow = (_byte_buffer(n, b) for n, b in (("meta", meta), ("slots", slots), ("overflow", overflow)))
+    if meta.device != slots.device:
+        raise ValueError(f"meta and slots must be on the same device, got {meta.device} and {slots.device}")
+    if checksum is not None:
+        integrity.verify(meta, slots, overflow, checksum)  # before anything is decoded
     device = slots.device
     impl = backends.implementation(codec, device, backend)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * element
     n_entries = -(-nbytes // entry_bytes)
     k_all, modes_all = layout.decode_meta(meta, entry_bytes, n_entries)
     slot_bytes = slot_sectors * spec.SECTOR_BYTES
@@ -320,8 +425,20 @@ def unpack(
     for (a, b), end_sector in zip(chunks, ends):
         ov = overflow[start_sector * spec.SECTOR_BYTES : end_sector * spec.SECTOR_BYTES]
         ov = ov.to(device, non_blocking=True)  # H2D from pinned memory, ordered on the current stream
-        payload = layout.join_payload(slots[a * slot_bytes : b * slot_bytes], ov, k_all[a:b], slot_sectors, entry_bytes)
-        entries = impl.decode(payload, k_all[a:b], modes_all[a:b], word)
+        try:
+            payload = layout.join_payload(
+                slots[a * slot_bytes : b * slot_bytes], ov, k_all[a:b], slot_sectors, entry_bytes
+            )
+            entries = impl.decode(payload, k_all[a:b], modes_all[a:b], word)
+        except torch.cuda.OutOfMemoryError:  # a RuntimeError, but not the data's fault
+            raise
+        except (IndexError, RuntimeError) as exc:
+            # The sizes agreed, so the codec met bytes it never writes. Codecs validate what
+            # they read; this is the net under them, so hostile bytes stay a CorruptDataError.
+            raise CorruptDataError(
+                f"codec {codec.name!r} could not decode entries {a}..{b - 1}: the buffers are damaged or "
+                f"were not written by this codec ({type(exc).__name__}: {exc})"
+            ) from exc
         lo = a * entry_bytes
         hi = min(b * entry_bytes, nbytes)
         out[lo:hi] = entries.view(-1)[: hi - lo]
@@ -329,9 +446,41 @@ def unpack(
     values = out.view(dtype)
     if stride is None:
         return values.reshape(shape)
-    if not dense_strides(shape, stride):
-        raise ValueError(f"stride {tuple(stride)} is not a dense layout of shape {tuple(shape)}")
     return values.as_strided(shape, stride)
+
+
+def _byte_buffer(name: str, buffer) -> torch.Tensor:
+    """A buffer given to :func:`unpack`, checked and flattened."""
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of uint8 bytes, got {type(buffer).__name__}")
+    if buffer.dtype != torch.uint8:
+        raise CorruptDataError(f"{name} must be a buffer of uint8 bytes, got a tensor of {buffer.dtype}")
+    if buffer.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device: it holds no bytes to decode")
+    return buffer.reshape(-1)
+
+
+def _check_shape(shape) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints (``TypeError``/``ValueError`` otherwise)."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise TypeError(f"shape must be a sequence of ints (a torch.Size), got {type(shape).__name__}")
+    if any(isinstance(n, bool) or not isinstance(n, int) for n in shape):
+        raise TypeError(f"shape must hold ints, got {tuple(shape)!r}")
+    if any(n < 0 for n in shape):
+        raise ValueError(f"shape must not have negative sizes, got {tuple(shape)}")
+    return tuple(shape)
+
+
+def _check_stride(stride, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``stride`` as a tuple of ints forming a dense layout of ``shape`` (``ValueError`` otherwise)."""
+    if isinstance(stride, (str, bytes)) or not isinstance(stride, Sequence):
+        raise TypeError(f"stride must be a sequence of ints, got {type(stride).__name__}")
+    stride = tuple(stride)
+    if len(stride) != len(shape) or any(isinstance(n, bool) or not isinstance(n, int) for n in stride):
+        raise ValueError(f"stride {stride!r} does not fit shape {shape}: one int per dimension")
+    if not dense_strides(shape, stride):
+        raise ValueError(f"stride {stride} is not a dense layout of shape {shape}")
+    return stride
 
 
 def compress(
@@ -344,23 +493,33 @@ def compress(
     store: BuddyStore | None = None,
     on_full: str = "raise",
     backend: str | None = None,
+    checksum: bool | None = None,
 ) -> BuddyTensor:
     """Compress ``tensor`` into slots on its device and overflow in buddy memory.
 
     Args:
         tensor: any dense (strided) tensor on any device; non-contiguous
             tensors are copied to contiguous first. Its data is not modified
-            and the caller may drop it afterwards.
-        target_ratio: ``E / slot bytes``; one of 1, 4/3, 2, 4, ``inf`` for
-            E = 128 (other values round to the nearest slot within 1 %, else
-            to the larger slot). Default ``None``: the most aggressive slot
+            and the caller may drop it afterwards. A tensor that requires
+            grad is compressed as its detached data: the BuddyTensor keeps
+            no autograd history and :meth:`BuddyTensor.decompress` returns a
+            tensor with ``requires_grad=False`` (to compress what autograd
+            saves for backward, use :func:`buddy.compressed_activations`).
+            Sparse, quantized, nested, meta, fake and vmap-batched tensors
+            raise :class:`~buddy.errors.UnsupportedTensorError`; anything
+            that is not a tensor, ``TypeError``.
+        target_ratio: ``E / slot bytes``, ``E / (32 s)`` for a slot of ``s``
+            sectors: for E = 512 one of 16/16 ... 16/1 and ``inf`` (other
+            values round to the nearest slot within 1 %, else to the larger
+            slot). Default ``None``: the most aggressive slot
             whose overflow stays within ``max_overflow`` of the tensor's bytes,
             read from this tensor's own size pass.
-        codec: codec name or instance (default ``"zvc"``, or what
+        codec: codec name or instance (default ``"auto"``, or what
             :func:`buddy.set_defaults` set; see :func:`buddy.available_codecs`).
         entry_bytes: entry size ``E``, a power of two in [32, 65536]
-            (default 128, or what :func:`buddy.set_defaults` set).
-        max_overflow: see ``target_ratio``; ignored when that is given.
+            (default 512, or what :func:`buddy.set_defaults` set).
+        max_overflow: see ``target_ratio``; a number in [0, 1], checked even
+            when ``target_ratio`` is given (and then unused).
         store: where overflow goes (default :func:`buddy.default_store`).
         on_full: when the store cannot take the overflow: ``"raise"``
             :class:`~buddy.errors.HostStoreFull` (default), or ``"device"``:
@@ -369,6 +528,17 @@ def compress(
         backend: who runs the codec: ``"reference"`` (torch ops),
             ``"cuda"`` (the codec's CUDA kernels; off by default) or
             ``"auto"``/``None`` (the process default); see :mod:`buddy.backends`.
+        checksum: ``True`` to store a 64-bit checksum of each buffer in
+            :attr:`BuddyTensor.checksum`, checked by
+            :meth:`BuddyTensor.decompress` before decoding (damage raises
+            :class:`~buddy.errors.CorruptDataError`); ``None`` (default):
+            the process default, off unless
+            ``buddy.set_defaults(checksum=True)``. Costs one more read of the
+            buffers at compress and at decompress, and a device-to-host sync
+            (see :mod:`buddy.integrity`).
+
+    Every argument is checked before anything is allocated: wrong types raise
+    ``TypeError``, wrong values ``ValueError``, each saying what is accepted.
 
     Returns:
         A :class:`BuddyTensor`. The size pass needs one device-to-host sync.
@@ -389,6 +559,7 @@ def compress(
         store=store,
         on_full=on_full,
         backend=backend,
+        checksum=checksum,
     )
 
 
@@ -402,19 +573,29 @@ def pack(
     store: BuddyStore | None = None,
     on_full: str = "raise",
     backend: str | None = None,
+    checksum: bool | None = None,
 ) -> BuddyTensor:
     """The compress pipeline with the slot choice as a callback.
 
     ``choose_slot(histogram) -> slot_sectors`` sees this tensor's entry-size
     histogram after the size pass (the seam the tracker plugs into); ``None``
-    picks by ``max_overflow``.
+    picks by ``max_overflow``. The other arguments are those of
+    :func:`compress`.
     """
     check_tensor(tensor)
-    codec = get_codec(codec or config.defaults().codec)
+    codec = get_codec(config.defaults().codec if codec is None else codec)
     entry_bytes = spec.check_entry_bytes(config.defaults().entry_bytes if entry_bytes is None else entry_bytes)
     impl = backends.implementation(codec, tensor.device, backend)
-    if on_full not in _ON_FULL:
+    if not isinstance(on_full, str) or on_full not in _ON_FULL:
         raise ValueError(f"on_full must be one of {_ON_FULL}, got {on_full!r}")
+    max_overflow = check_max_overflow(max_overflow)
+    if choose_slot is not None and not callable(choose_slot):
+        raise TypeError(
+            f"choose_slot must be a function histogram -> slot sectors (or None), got {type(choose_slot).__name__}"
+        )
+    if store is not None and not isinstance(store, BuddyStore):
+        raise TypeError(f"store must be a buddy.BuddyStore (or None for the default), got {type(store).__name__}")
+    checksum = config.defaults().checksum if checksum is None else config.check_checksum(checksum)
     store = store if store is not None else default_store()
     spe = spec.sectors_per_entry(entry_bytes)
     word = spec.word_bytes(tensor.dtype)
@@ -455,6 +636,7 @@ def pack(
         mb = spec.meta_bytes(entry_bytes)
         slots = torch.empty(n_entries * slot_bytes, dtype=torch.uint8, device=tensor.device)
         meta = torch.empty(n_entries * mb, dtype=torch.uint8, device=tensor.device)
+        overflow_sum = integrity.Accumulator() if checksum else None
         written = 0
         for a, b in chunks:
             chunk = encoded if encoded is not None else impl.encode(_entries(flat, a, b, entry_bytes), word)
@@ -465,28 +647,34 @@ def pack(
                 raise RuntimeError(f"codec {codec.name!r}: encode() disagrees with sizes()")
             # D2H into pinned memory; ordered on the current stream, see record() below
             overflow.data[written : written + ov.numel()].copy_(ov.view(-1), non_blocking=True)
+            if overflow_sum is not None:
+                overflow_sum.add(ov)  # summed on the device, before its copy to the host lands
             written += ov.numel()
         if written != overflow.nbytes:
             raise RuntimeError(f"codec {codec.name!r}: encode() disagrees with sizes()")
         if tensor.is_cuda:
             overflow.record()  # the store must not reuse the range before the copy lands
+        sums = None
+        if overflow_sum is not None:
+            sums = Checksum(integrity.buffer_checksum(meta), integrity.buffer_checksum(slots), overflow_sum.value())
+        # built inside the try: an interrupt as the tensor counts itself in must not strand its overflow
+        return BuddyTensor(
+            shape=tensor.shape,
+            stride=strides,
+            dtype=tensor.dtype,
+            device=tensor.device,
+            codec=codec,
+            entry_bytes=entry_bytes,
+            slot_sectors=slot,
+            original_bytes=nbytes,
+            histogram=histogram,
+            slots=slots,
+            meta=meta,
+            overflow=overflow,
+            store=store,
+            backend=backends.backend_name(impl),
+            checksum=sums,
+        )
     except BaseException:
         store.release(overflow)  # nothing half-written survives, KeyboardInterrupt included
         raise
-
-    return BuddyTensor(
-        shape=tensor.shape,
-        stride=strides,
-        dtype=tensor.dtype,
-        device=tensor.device,
-        codec=codec,
-        entry_bytes=entry_bytes,
-        slot_sectors=slot,
-        original_bytes=nbytes,
-        histogram=histogram,
-        slots=slots,
-        meta=meta,
-        overflow=overflow,
-        store=store,
-        backend=backends.backend_name(impl),
-    )

@@ -22,6 +22,8 @@ from buddy.slots import overflow_sectors
 __all__ = [
     "tensor_bytes",
     "byte_entropy_bits",
+    "field_entropy_bits",
+    "entry_zstd_histogram",
     "compacted_bytes",
     "device_bytes",
     "general_purpose_sizes",
@@ -48,6 +50,81 @@ def byte_entropy_bits(t: torch.Tensor) -> float:
     p = torch.bincount(data.to(torch.int64), minlength=256).double() / data.numel()
     p = p[p > 0]
     return float(-(p * torch.log2(p)).sum())
+
+
+def _order0_bits(symbols: torch.Tensor, n_symbols: int) -> float:
+    """Total order-0 entropy, in bits, of a flat tensor of symbols in ``[0, n_symbols)``."""
+    if symbols.numel() == 0:
+        return 0.0
+    counts = torch.bincount(symbols.reshape(-1).to(torch.int64), minlength=n_symbols).double()
+    p = counts[counts > 0] / symbols.numel()
+    return float(-(p * torch.log2(p)).sum()) * symbols.numel()
+
+
+#: (exponent bits, mantissa bits) of the float dtypes the field bound splits
+_FLOAT_FIELDS = {
+    torch.float16: (5, 10),
+    torch.bfloat16: (8, 7),
+    torch.float32: (8, 23),
+    torch.float64: (11, 52),
+}
+
+
+def field_entropy_bits(t: torch.Tensor) -> float:
+    """Order-0 entropy of a float tensor's fields, in bits per value.
+
+    Sign and exponent are one symbol (their joint order-0 entropy); the
+    mantissa is cut into pieces of at most 16 bits from the top, each coded
+    on its own. ``bits / H`` is the ratio of an ideal coder that codes every
+    value alone with fixed tables per field: the "field-entropy bound" for
+    float-aware, entry-local codecs like ``fpx``. It is not a bound for
+    coders that exploit repetition across values (LZ matches, as zstd does).
+    Integer and bool tensors fall back to the byte bound (per value).
+    """
+    t = t.detach().contiguous().reshape(-1)
+    if t.dtype not in _FLOAT_FIELDS:
+        return byte_entropy_bits(t) * t.element_size()
+    if t.numel() == 0:
+        return 0.0
+    exp_bits, man_bits = _FLOAT_FIELDS[t.dtype]
+    word = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    w = t.view(word).to(torch.int64)
+    total = _order0_bits((w >> man_bits) & ((1 << (exp_bits + 1)) - 1), 1 << (exp_bits + 1))
+    top = man_bits
+    while top > 0:
+        width = min(16, top)
+        total += _order0_bits((w >> (top - width)) & ((1 << width) - 1), 1 << width)
+        top -= width
+    return total / t.numel()
+
+
+def entry_zstd_histogram(t: torch.Tensor, entry_bytes: int, level: int = 3) -> list[int]:
+    """Sector histogram of zstd run on every ``entry_bytes`` entry alone, in buddy's slot format.
+
+    What a general-purpose coder reaches with the random access a slot
+    format needs: each entry is a magicless zstd frame (no checksum, no
+    content size), rounded up to 32-byte sectors; an all-zero entry takes 0
+    sectors and one that does not shrink is stored raw, as buddy's codecs do.
+    """
+    zstd = require("zstandard", "the per-entry zstd baseline")
+    params = zstd.ZstdCompressionParameters.from_level(
+        level, format=zstd.FORMAT_ZSTD1_MAGICLESS, write_checksum=False, write_content_size=False, write_dict_id=False
+    )
+    cctx = zstd.ZstdCompressor(compression_params=params)
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    pad = -data.numel() % entry_bytes
+    if pad:
+        data = torch.cat([data, data.new_zeros(pad)])
+    entries = data.view(-1, entry_bytes)
+    spe = spec.sectors_per_entry(entry_bytes)
+    hist = [0] * (spe + 1)
+    nonzero = (entries != 0).any(dim=1)
+    hist[0] = int((~nonzero).sum())
+    view = memoryview(data.numpy())
+    for i in nonzero.nonzero().view(-1).tolist():
+        k = -(-len(cctx.compress(view[i * entry_bytes : (i + 1) * entry_bytes])) // spec.SECTOR_BYTES)
+        hist[min(k, spe)] += 1
+    return hist
 
 
 def compacted_bytes(histogram: Sequence[float]) -> float:

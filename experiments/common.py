@@ -18,6 +18,7 @@ from buddy import env
 __all__ = [
     "start",
     "capture_all",
+    "CACHE_ENV",
     "write_results",
     "format_table",
     "geomean",
@@ -49,20 +50,71 @@ def progress(iterable, *, desc: str, total: int | None = None, enabled: bool = T
     return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False)
 
 
-def capture_all(workloads: Sequence[str], *, size: str, points: Sequence[int], device: str, seed: int, show: bool):
-    """``{workload: [Capture, ...]}``: each workload trained and captured at ``points``."""
+#: environment variable naming a folder where :func:`capture_all` keeps captures between runs
+CACHE_ENV = "BUDDY_CAPTURE_CACHE"
+
+
+def _cache_path(cache: Path, name: str, size: str, points: Sequence[int], device: str, seed: int) -> Path:
+    """Where one workload's captures are cached: keyed on everything that changes them.
+
+    The key covers the arguments, torch's version and the source of the
+    modules that build the workloads and their data, so an edit to a model,
+    its data or its training loop never reads a stale capture.
+    """
+    import hashlib
+
+    import torch
+
+    from experiments import data, workloads
+
+    h = hashlib.sha256()
+    for part in (name, size, tuple(points), device, seed, torch.__version__, buddy.__version__):
+        h.update(repr(part).encode())
+    for module in (data, workloads):
+        h.update(Path(module.__file__).read_bytes())
+    return cache / f"{name}-{size}-{h.hexdigest()[:16]}.pt"
+
+
+def capture_all(
+    workloads: Sequence[str],
+    *,
+    size: str,
+    points: Sequence[int],
+    device: str,
+    seed: int,
+    show: bool,
+    cache: Path | str | None = None,
+):
+    """``{workload: [Capture, ...]}``: each workload trained and captured at ``points``.
+
+    ``cache`` (default: the folder named by ``$BUDDY_CAPTURE_CACHE``, else
+    none) keeps each workload's captures on disk, so scripts run one after
+    the other train each workload once. Only CPU captures are cached.
+    """
+    import os
+
+    import torch
+
     from experiments.workloads import capture
 
+    cache = cache if cache is not None else os.environ.get(CACHE_ENV) or None
     captures = {}
     for name in progress(workloads, desc="capturing workloads", enabled=show):
         t0 = time.perf_counter()
-        captures[name] = capture(name, size=size, points=tuple(points), device=device, seed=seed)
+        path = None if cache is None or device != "cpu" else _cache_path(Path(cache), name, size, points, device, seed)
+        if path is not None and path.exists():
+            captures[name] = torch.load(path, weights_only=False)
+            how = f"read from {path}"
+        else:
+            captures[name] = capture(name, size=size, points=tuple(points), device=device, seed=seed)
+            how = f"captured in {time.perf_counter() - t0:.1f} s"
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                torch.save(captures[name], tmp)
+                tmp.replace(path)  # a crash mid-write never leaves a truncated cache entry
         saved = sum(sum(t.tensor.numel() * t.tensor.element_size() for t in c.tensors) for c in captures[name])
-        print(
-            f"  {name}: {len(captures[name])} points, {saved / 2**20:,.1f} MiB saved in all, "
-            f"captured in {time.perf_counter() - t0:.1f} s",
-            flush=True,
-        )
+        print(f"  {name}: {len(captures[name])} points, {saved / 2**20:,.1f} MiB saved in all, {how}", flush=True)
     return captures
 
 

@@ -110,7 +110,7 @@ def parse_args(argv):
         "--codecs",
         nargs="+",
         choices=buddy.available_codecs(),
-        default=[c for c in buddy.available_codecs() if c != "raw"],
+        default=[c for c in buddy.available_codecs("cpu") if c != "raw"],
     )
     p.add_argument("--entry-bytes", type=int, nargs="+", default=[buddy.defaults().entry_bytes])
     p.add_argument("--points", type=int, nargs="+", default=None)

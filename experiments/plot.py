@@ -13,7 +13,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-__all__ = ["plot_capacity", "plot_over_training", "plot_max_batch", "main"]
+__all__ = ["plot_capacity", "plot_over_training", "plot_max_batch", "plot_decision", "main"]
 
 _FAMILY_STYLE = {
     "FixedRatio": dict(marker="s", linestyle="--", color="tab:gray"),
@@ -35,6 +35,15 @@ def _caption(results: dict) -> str:
     env = results["environment"]
     device = env.get("gpu") or env.get("cpu")
     return f"{results['command']}  |  {device}, torch {env['torch']}, buddy {results.get('buddy', '?')}"
+
+
+def _save(plt, fig, results: dict, path: Path, *, dpi: int, fontsize: int = 5, bottom: float = 0.02) -> Path:
+    """Caption the figure with the command and machine, lay it out, write it and close it."""
+    fig.text(0.01, 0.005, _caption(results), fontsize=fontsize, alpha=0.7)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
 
 
 def _capacity_axes(ax, rows, workload):
@@ -72,11 +81,7 @@ def plot_capacity(results_path: Path, out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4.2))
         _capacity_axes(ax, [r for r in rows if r["workload"] == workload], workload)
         ax.legend(fontsize=7)
-        fig.text(0.01, 0.005, _caption(results), fontsize=5, alpha=0.7)
-        fig.tight_layout(rect=(0, 0.02, 1, 1))
-        path = Path(out_dir) / f"capacity_{workload}.png"
-        fig.savefig(path, dpi=130)
-        plt.close(fig)
+        path = _save(plt, fig, results, Path(out_dir) / f"capacity_{workload}.png", dpi=130)
         written.append(path)
     cols = min(3, len(workloads))
     nrows = -(-len(workloads) // cols)
@@ -86,11 +91,7 @@ def plot_capacity(results_path: Path, out_dir: Path) -> list[Path]:
     for ax in list(axes.flat)[len(workloads) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
-    fig.text(0.01, 0.005, _caption(results), fontsize=6, alpha=0.7)
-    fig.tight_layout(rect=(0, 0.02, 1, 1))
-    path = Path(out_dir) / "capacity_overview.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = _save(plt, fig, results, Path(out_dir) / "capacity_overview.png", dpi=110, fontsize=6)
     return written + [path]
 
 
@@ -114,11 +115,7 @@ def plot_over_training(results_path: Path, out_dir: Path) -> list[Path]:
         top.set_title(f"{workload}: compressibility and the tracker's choices over training", fontsize=9)
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
-        fig.text(0.01, 0.005, _caption(results), fontsize=5, alpha=0.7)
-        fig.tight_layout(rect=(0, 0.02, 1, 1))
-        path = Path(out_dir) / f"over_training_{workload}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        path = _save(plt, fig, results, Path(out_dir) / f"over_training_{workload}.png", dpi=120)
         written.append(path)
     return written
 
@@ -147,15 +144,68 @@ def plot_max_batch(results_path: Path, out_dir: Path) -> list[Path]:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, axis="y")
     left.legend(fontsize=7)
-    fig.text(0.01, 0.005, _caption(results), fontsize=5, alpha=0.7)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    path = Path(out_dir) / "max_batch.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    path = _save(plt, fig, results, Path(out_dir) / "max_batch.png", dpi=120, bottom=0.03)
     return [path]
 
 
-_PLOTTERS = {"capacity": plot_capacity, "over_training": plot_over_training, "max_batch": plot_max_batch}
+def plot_decision(results_path: Path, out_dir: Path) -> list[Path]:
+    """The entry-size study: ideal ratio and tracker capacity against E, a line per codec, per workload.
+
+    Whole-tensor zstd-3 and the field-entropy bound are drawn as horizontal
+    lines, zstd-3 run per entry as a dashed line.
+    """
+    plt = _pyplot()
+    results = json.loads(Path(results_path).read_text())
+    rows = [r for r in results["rows"] if "ideal_ratio" in r]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    per_entry = list(dict.fromkeys(r["method"] for r in rows if r["entry_bytes"] is not None))
+    fig, axes = plt.subplots(2, len(workloads), figsize=(3.3 * len(workloads), 6.4), squeeze=False, sharex=True)
+    for col, workload in enumerate(workloads):
+        mine = [r for r in rows if r["workload"] == workload]
+        for row, (field, label) in enumerate(
+            (("ideal_ratio", "ideal ratio (x)"), ("capacity", "capacity at <=10 % overflow (x)"))
+        ):
+            ax = axes[row][col]
+            for method in per_entry:
+                pts = sorted((r for r in mine if r["method"] == method and field in r), key=lambda r: r["entry_bytes"])
+                style = dict(linestyle="--", color="black", linewidth=0.9) if method.startswith("zstd") else {}
+                ax.plot(
+                    [r["entry_bytes"] for r in pts],
+                    [r[field] for r in pts],
+                    marker="o",
+                    markersize=3,
+                    label=method,
+                    **style,
+                )
+            for r in mine:
+                if r["entry_bytes"] is None and r["method"] in ("zstd-3", "entropy (fields)"):
+                    dotted = r["method"] != "zstd-3"
+                    ax.axhline(
+                        r["ideal_ratio"],
+                        color="tab:gray" if dotted else "black",
+                        linewidth=0.8,
+                        linestyle=":" if dotted else "-",
+                        label=r["method"] + " (whole tensor)" if not dotted else r["method"],
+                    )
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+            if col == 0:
+                ax.set_ylabel(label)
+            if row == 0:
+                ax.set_title(workload, fontsize=9)
+            else:
+                ax.set_xlabel("entry size E (bytes)")
+    axes[0][0].legend(fontsize=6)
+    path = _save(plt, fig, results, Path(out_dir) / "entry_size.png", dpi=120)
+    return [path]
+
+
+_PLOTTERS = {
+    "capacity": plot_capacity,
+    "over_training": plot_over_training,
+    "max_batch": plot_max_batch,
+    "decide": plot_decision,
+}
 
 
 def main(argv=None) -> list[Path]:

@@ -39,9 +39,8 @@ def parse_args(argv):
     p.add_argument("--full", action="store_true", help="every experiment at full size (takes long on a CPU)")
     p.add_argument("--size", choices=("tiny", "quick", "full"), default=None, help="override the workload size")
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_WORKLOADS))
-    default_codecs = list(
-        dict.fromkeys([buddy.defaults().codec] + [c for c in ("auto",) if c in buddy.available_codecs()])
-    )
+    # the default codec, and zvc (the paper's codec) beside it at the same entry size
+    default_codecs = list(dict.fromkeys([buddy.defaults().codec, "zvc"]))
     p.add_argument(
         "--codecs",
         nargs="+",
@@ -67,7 +66,7 @@ def main(argv=None) -> dict:
     points = capacity.DEFAULT_POINTS[size]
     captures = capture_all(args.workloads, size=size, points=points, device=args.device, seed=args.seed, show=show)
 
-    codecs = [c for c in buddy.available_codecs() if c != "raw"]
+    codecs = [c for c in buddy.available_codecs("cpu") if c != "raw"]
     entry_sizes = FULL_ENTRY_SIZES if args.full else (buddy.defaults().entry_bytes,)
     comp_rows = compressibility.analyse(captures, codecs=codecs, entry_sizes=entry_sizes, show=show)
     summary = compressibility.summarise(comp_rows)

@@ -8,13 +8,51 @@ uses floating-point equality.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 import buddy
 
 MiB = 1 << 20
+
+# ---------------------------------------------------------------------------
+# hypothesis profiles of the fuzz tests (test_fuzz.py, test_corruption.py)
+# ---------------------------------------------------------------------------
+# "ci" (the default) is quick and derandomized: the same examples on every run.
+# "long" is for hunting: BUDDY_FUZZ_PROFILE=long python -m pytest -q tests/test_fuzz.py tests/test_corruption.py
+# They are registered as "buddy-fuzz-<name>" and not loaded globally, so hypothesis's
+# own "ci" profile and the suite's other property tests keep their settings.
+_FUZZ_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
+settings.register_profile(
+    "buddy-fuzz-ci",
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=_FUZZ_HEALTH,
+)
+settings.register_profile(
+    "buddy-fuzz-long",
+    max_examples=5_000,
+    deadline=None,
+    database=None,
+    print_blob=True,  # a failure prints the @reproduce_failure blob that replays it
+    suppress_health_check=_FUZZ_HEALTH,
+)
+FUZZ_PROFILE = os.environ.get("BUDDY_FUZZ_PROFILE", "ci")
+if FUZZ_PROFILE not in ("ci", "long"):
+    raise ValueError(f"BUDDY_FUZZ_PROFILE must be 'ci' or 'long', got {FUZZ_PROFILE!r}")
+FUZZ_SETTINGS = settings.get_profile(f"buddy-fuzz-{FUZZ_PROFILE}")
+
+
+def fuzz_settings(share: float = 1.0) -> settings:
+    """Settings of one fuzz test: the selected profile with ``share`` of its examples."""
+    return settings(FUZZ_SETTINGS, max_examples=max(1, round(FUZZ_SETTINGS.max_examples * share)))
+
 
 # ---------------------------------------------------------------------------
 # dtypes, with short names for readable test ids
@@ -73,7 +111,14 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     Works for 0-dim, empty, bool, complex and float8 tensors; conjugate and
     negative views are materialised first (their bytes are what they read as).
     """
-    t = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    t = t.detach().resolve_conj().resolve_neg()
+    if t.numel() == 0:  # an empty tensor may keep any strides, which view() would refuse
+        return torch.empty(0, dtype=torch.uint8)
+    if t.element_size() == 1:
+        t = t.view(torch.uint8)  # sub-byte dtypes (uint4, int3 ...) have no copy kernel of their own
+    t = t.contiguous()
+    # contiguous, but size-1 dimensions may keep any stride: flatten by hand so view() accepts it
+    t = t.as_strided((t.numel(),), (1,))
     if t.dtype != torch.uint8:
         t = t.view(torch.uint8)
     return t.cpu()
@@ -267,3 +312,25 @@ def stream_bytes(bits: str, nbytes: int) -> list[int]:
     for t, bit in enumerate(bits):
         out[t // 8] |= int(bit) << (t % 8)
     return out
+
+
+#: the defaults most tests were written against: the paper's entry size and the cheapest codec
+SUITE_CODEC, SUITE_ENTRY_BYTES = "zvc", 128
+
+
+@pytest.fixture(autouse=True)
+def suite_defaults(request):
+    """Run each test with ``zvc`` at E = 128 unless it is marked ``library_defaults``.
+
+    Tests state what they depend on; those that check the library's own
+    defaults (``auto`` at 512 B, chosen by ``experiments.decide``) carry the
+    marker and see them untouched. The previous defaults come back afterwards.
+    """
+    if request.node.get_closest_marker("library_defaults"):
+        yield
+        return
+    previous = buddy.set_defaults(codec=SUITE_CODEC, entry_bytes=SUITE_ENTRY_BYTES)
+    try:
+        yield
+    finally:
+        buddy.set_defaults(codec=previous.codec, entry_bytes=previous.entry_bytes)

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_issue_example(store, capsys):
     torch.manual_seed(0)
     t = torch.relu(torch.randn(8, 16, 28, 28))
-    bt = buddy.compress(t, target_ratio=2.0, codec="zvc", store=store)
+    bt = buddy.compress(t, target_ratio=2.0, codec="zvc", entry_bytes=128, store=store)
     print(bt.original_bytes, bt.device_bytes, bt.buddy_bytes, bt.target_ratio, bt.codec)
     printed = capsys.readouterr().out.split()
     assert printed == [str(bt.original_bytes), str(bt.device_bytes), str(bt.buddy_bytes), "2.0", "zvc"]

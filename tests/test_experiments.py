@@ -100,3 +100,76 @@ def test_entropy_bound_and_simulation():
     out = simulate_policy(points, __import__("buddy").BuddyThreshold(0.0), 128)
     assert [o.slot for o in out] == [1, 1, 4]  # the drift step is a miss, the next one follows
     assert out[1].buddy_bytes == 10 * 3 * 32 and out[1].predicted_overflow_bytes == 0
+
+
+def test_decide_tiny(tmp_path, capsys):
+    from experiments import decide
+
+    args = ["--size", "tiny", "--workloads", "resnet-fp32", "--codecs", "zvc", "auto", "--entry-bytes", "128", "512"]
+    result = decide.main([*args, "--repeats", "1", "--no-progress", "--out", str(tmp_path)])
+    labels = {r["method"] for r in result["decision"]}
+    assert {"zvc@128", "auto@512", "zstd-3@128", "zstd-3", "lz4", "entropy (fields)"} <= labels
+    for r in result["decision"]:
+        assert r["ratio:geomean"] > 0.9
+        if r["codec"] in ("zvc", "auto"):
+            assert r["capacity:geomean"] > 0.9 and r["compress_gbps"] > 0 and r["decompress_gbps"] > 0
+    best = max(
+        r["capacity:geomean"]
+        for r in result["decision"]
+        if r["codec"] in ("zvc", "auto") and r["overflow:max"] <= decide.POLICY_OVERFLOW
+    )
+    assert result["chosen"]["capacity:geomean"] >= best * (1 - decide.TIE)
+    out = capsys.readouterr().out
+    assert "chosen by measurement" in out and "Effective capacity" in out
+    assert json.loads((tmp_path / "results.json").read_text())["chosen"]["codec"] in ("zvc", "auto")
+    assert (tmp_path / "entry_size.png").stat().st_size > 10_000
+
+
+def test_decide_rule_prefers_smaller_entries_on_a_tie():
+    from experiments.decide import decide
+
+    rows = [
+        {"codec": "auto", "entry_bytes": 4096, "capacity:geomean": 1.9, "overflow:max": 0.11, "compress_gbps": 1.0},
+        {"codec": "auto", "entry_bytes": 1024, "capacity:geomean": 1.500, "compress_gbps": 1.0},
+        {"codec": "auto", "entry_bytes": 512, "capacity:geomean": 1.495, "compress_gbps": 1.0},
+        {"codec": "zvc", "entry_bytes": 512, "capacity:geomean": 1.496, "compress_gbps": 9.0},
+        {"codec": "bpc", "entry_bytes": 128, "capacity:geomean": 1.20, "compress_gbps": 9.0},
+        {"codec": "zstd-3@E", "entry_bytes": 128, "capacity:geomean": 9.0},
+    ]
+    # over the overflow limit: not eligible; within 1 %: the smaller E, then the faster codec
+    assert (decide(rows)["codec"], decide(rows)["entry_bytes"]) == ("zvc", 512)
+    with pytest.raises(ValueError):
+        decide(rows[-1:])
+
+
+def test_field_entropy_and_entry_zstd():
+    from experiments.analysis import entry_zstd_histogram, field_entropy_bits
+
+    g = torch.Generator().manual_seed(0)
+    # one exponent value, random 7-bit mantissas: 7 bits per bf16 value at most
+    x = (1.0 + torch.randint(0, 128, (50_000,), generator=g) / 128).to(torch.bfloat16)
+    assert 6.9 < field_entropy_bits(x) <= 7.0 + 1e-9
+    assert field_entropy_bits(torch.zeros(1000)) == 0
+    assert field_entropy_bits(torch.zeros(0)) == 0
+    assert field_entropy_bits(torch.arange(256, dtype=torch.uint8)) == pytest.approx(8)
+    y = torch.zeros(1000)
+    y[300] = 1.5
+    hist = entry_zstd_histogram(y, 128)  # 4000 bytes: 32 entries, the last padded
+    assert sum(hist) == 32 and hist[0] == 31 and hist[1] == 1
+    noise = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
+    assert entry_zstd_histogram(noise, 512) == [0] * 16 + [8]  # incompressible: raw
+
+
+def test_capture_cache_reuses_and_keys_on_arguments(tmp_path, capsys):
+    from experiments.common import capture_all
+
+    kw = dict(size="tiny", points=(0,), device="cpu", seed=0, show=False, cache=tmp_path)
+    first = capture_all(["gpt-bf16"], **kw)["gpt-bf16"]
+    assert "captured in" in capsys.readouterr().out and len(list(tmp_path.glob("*.pt"))) == 1
+    again = capture_all(["gpt-bf16"], **kw)["gpt-bf16"]
+    assert "read from" in capsys.readouterr().out
+    assert [t.key for t in again[0].tensors] == [t.key for t in first[0].tensors]
+    for a, b in zip(again[0].tensors, first[0].tensors):
+        assert torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8))
+    capture_all(["gpt-bf16"], **{**kw, "seed": 1})
+    assert len(list(tmp_path.glob("*.pt"))) == 2  # another seed, another entry

@@ -13,7 +13,7 @@ import buddy
 from buddy import layout, spec
 from buddy.codecs.zvc import bitmap_geometry
 
-CODECS = buddy.available_codecs()
+CODECS = buddy.available_codecs("cpu")
 
 
 def _clones(bt):

@@ -26,7 +26,7 @@ import buddy.tensor
 from buddy import spec
 from buddy.slots import overflow_sectors
 
-CODECS = buddy.available_codecs()
+CODECS = buddy.available_codecs("cpu")
 SIZES = (0, 1, 127, 128, 129, 98433)
 # E = 128: target ratio -> slot sectors
 RATIO_SLOT_128 = ((math.inf, 0), (4.0, 1), (2.0, 2), (4 / 3, 3), (1.0, 4))

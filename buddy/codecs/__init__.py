@@ -7,6 +7,10 @@ with :func:`register_codec` and are then usable by name everywhere
 
 from __future__ import annotations
 
+import torch
+
+from ..errors import MissingDependencyError
+from . import nvcomp
 from .auto import AutoCodec
 from .base import Codec, Encoded
 from .bpc import BPCCodec
@@ -17,7 +21,7 @@ from .zvc import ZVCCodec
 __all__ = ["Codec", "Encoded", "register_codec", "get_codec", "available_codecs", "DEFAULT_CODEC"]
 
 #: codec used when none is given (see README, "Choosing the codec")
-DEFAULT_CODEC = "zvc"
+DEFAULT_CODEC = "auto"
 
 _REGISTRY: dict[str, Codec] = {}
 
@@ -45,12 +49,21 @@ def get_codec(codec: str | Codec | None) -> Codec:
     try:
         return _REGISTRY[codec]
     except KeyError:
-        raise ValueError(f"unknown codec {codec!r}; available: {', '.join(available_codecs())}") from None
+        pass
+    if codec in nvcomp.NAMES:
+        raise MissingDependencyError(
+            f"codec {codec!r} is not available here: {nvcomp.why_unusable()}; "
+            f"available: {', '.join(available_codecs())}"
+        )
+    raise ValueError(f"unknown codec {codec!r}; available: {', '.join(available_codecs())}")
 
 
-def available_codecs() -> list[str]:
-    """Names of the registered codecs."""
-    return sorted(_REGISTRY)
+def available_codecs(device: str | None = None) -> list[str]:
+    """Names of the registered codecs; with ``device`` (``"cpu"``, ``"cuda"``), those that run there."""
+    if device is None:
+        return sorted(_REGISTRY)
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    return sorted(name for name, codec in _REGISTRY.items() if kind in codec.devices)
 
 
 register_codec(RawCodec())
@@ -58,3 +71,6 @@ register_codec(ZVCCodec())
 register_codec(BPCCodec())
 register_codec(FPXCodec())
 register_codec(AutoCodec())
+if nvcomp.usable():  # nvcomp's chunk codecs only where they can run (a CUDA device and nvcomp)
+    for _name in nvcomp.NAMES:
+        register_codec(nvcomp.NvcompCodec(_name))

@@ -51,6 +51,8 @@ class Codec(abc.ABC):
     name: str = ""
     #: metadata modes this codec writes and accepts
     modes: frozenset[int] = frozenset({0})
+    #: device types whose tensors it codes (see :func:`buddy.available_codecs`)
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
 
     def sizes(self, entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
         """Per-entry sectors ``k`` (int32) without building payloads.

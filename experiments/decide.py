@@ -1,0 +1,350 @@
+"""The decision table: which codec and entry size buddy uses by default, measured.
+
+On the tensors every workload saves for backward (captured at several points
+of training), for every codec x entry size E:
+
+* ideal ratio      original bytes / compacted sectors (no slot rounding, no
+                   metadata): the most any slot choice could give;
+* capacity         original / device bytes (slots + metadata) under the
+                   tracker's default policy, BuddyThreshold 10 %, run over the
+                   training points exactly as in training; with its overflow
+                   (buddy traffic / original bytes);
+* CPU GB/s         ``buddy.compress`` / ``decompress`` of the reference path
+                   on a sample of each workload's tensors (input bytes per
+                   second, median of ``--repeats``);
+
+next to what a user would pick instead, on the same bytes: zstd level 3 and
+lz4 on whole tensors (ratio, CPU GB/s); zstd-3 run on every E-byte entry
+alone in buddy's slot format (``zstd-3@E``: what a general-purpose coder
+reaches with the random access slots need); and two entropy bounds: order-0
+bytes, and order-0 float fields (sign+exponent, mantissa pieces), the bound
+of an entry-local coder that codes each value alone.
+
+The default is the codec x E with the highest geometric-mean capacity over
+the workloads among those whose overflow stayed within the policy's 10 % on
+every workload; candidates within 1 % of the best are taken as equal, and
+among them the smaller entry (finer spills) and then the faster compressor
+wins.
+The script prints that choice next to the library's current defaults.
+
+    python -m experiments.decide                       # quick, CPU (~10 min on 2 cores)
+    python -m experiments.decide --size tiny --entry-bytes 128 512 --no-speed
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+import buddy
+from experiments.analysis import (
+    byte_entropy_bits,
+    compacted_bytes,
+    entry_zstd_histogram,
+    field_entropy_bits,
+    general_purpose_sizes,
+    ratio,
+    simulate_policy,
+    tensor_bytes,
+)
+from experiments.common import capture_all, format_table, geomean, progress, start, write_results
+
+__all__ = ["CODECS", "ENTRY_SIZES", "POLICY_OVERFLOW", "analyse", "speeds", "decide", "main"]
+
+CODECS = ("zvc", "bpc", "fpx", "auto")
+ENTRY_SIZES = (128, 256, 512, 1024, 2048, 4096)
+#: the policy the capacity column runs: the tracker's default
+POLICY_OVERFLOW = 0.10
+#: the per-entry general-purpose baseline, sized like a codec
+ZSTD_ENTRY = "zstd-3@E"
+#: candidates within this fraction of the best capacity count as equal
+TIE = 0.01
+#: bytes of each workload's tensors the speed columns are measured on
+SAMPLE_BYTES = 1 << 20
+
+
+def _histogram(t: torch.Tensor, method: str, entry_bytes: int) -> list[int]:
+    if method == ZSTD_ENTRY:
+        return entry_zstd_histogram(t, entry_bytes)
+    return buddy.size_histogram(t, method, entry_bytes=entry_bytes)
+
+
+def _entry_rows(captures: dict, methods, entry_sizes, show: bool) -> list[dict]:
+    """Ideal ratio and tracker capacity per workload x method x E."""
+    rows = []
+    jobs = [(w, m, e) for w in captures for m in methods for e in entry_sizes]
+    for workload, method, entry_bytes in progress(jobs, desc="codec x entry size", enabled=show):
+        points = [
+            (c.point, [(t.key, _histogram(t.tensor, method, entry_bytes), tensor_bytes(t.tensor)) for t in c.tensors])
+            for c in captures[workload]
+        ]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", buddy.BudgetExceededWarning)
+            outcomes = simulate_policy(points, buddy.BuddyThreshold(POLICY_OVERFLOW), entry_bytes)
+        original = sum(o.original_bytes for o in outcomes)
+        compacted = sum(compacted_bytes(h) for _, ts in points for _, h, _ in ts)
+        device = sum(o.device_bytes for o in outcomes)
+        rows.append(
+            {
+                "workload": workload,
+                "method": method,
+                "entry_bytes": entry_bytes,
+                "original_bytes": original,
+                "compacted_bytes": compacted,
+                "device_bytes": device,
+                "buddy_bytes": sum(o.buddy_bytes for o in outcomes),
+                "ideal_ratio": ratio(original, compacted),
+                "capacity": ratio(original, device),
+                "overflow": sum(o.buddy_bytes for o in outcomes) / original if original else 0.0,
+            }
+        )
+    return rows
+
+
+def _whole_rows(captures: dict, show: bool) -> list[dict]:
+    """zstd-3 and lz4 on whole tensors, and the two entropy bounds, per workload."""
+    sums: dict[tuple[str, str], list[float]] = {}
+    tensors = [(w, t.tensor) for w, caps in captures.items() for c in caps for t in c.tensors]
+    for workload, t in progress(tensors, desc="baselines and bounds", enabled=show):
+        original = tensor_bytes(t)
+        sizes = dict(general_purpose_sizes(t))
+        sizes["entropy (bytes)"] = original * byte_entropy_bits(t) / 8
+        sizes["entropy (fields)"] = t.numel() * field_entropy_bits(t) / 8
+        for method, size in sizes.items():
+            acc = sums.setdefault((workload, method), [0, 0])
+            acc[0] += original
+            acc[1] += size
+    return [
+        {
+            "workload": w,
+            "method": m,
+            "entry_bytes": None,
+            "original_bytes": o,
+            "compacted_bytes": c,
+            "ideal_ratio": ratio(o, c),
+        }
+        for (w, m), (o, c) in sums.items()
+    ]
+
+
+def analyse(captures: dict, *, codecs=CODECS, entry_sizes=ENTRY_SIZES, zstd_entries: bool = True, show=True):
+    """Every ratio and capacity row of the decision (no timings)."""
+    methods = list(codecs) + ([ZSTD_ENTRY] if zstd_entries else [])
+    return _entry_rows(captures, methods, entry_sizes, show) + _whole_rows(captures, show)
+
+
+def sample(captures: list, nbytes: int = SAMPLE_BYTES) -> list[torch.Tensor]:
+    """The last point's tensors in saving order, cut to ``nbytes`` in all (whole values)."""
+    out, left = [], nbytes
+    for saved in captures[-1].tensors:
+        if left <= 0:
+            break
+        t = saved.tensor.reshape(-1)
+        t = t[: max(1, left // t.element_size())]
+        out.append(t.clone())
+        left -= tensor_bytes(t)
+    return out
+
+
+def speeds(captures: dict, *, codecs=CODECS, entry_sizes=ENTRY_SIZES, repeats: int = 3, show=True) -> list[dict]:
+    """CPU GB/s of buddy's reference path and of zstd-3 / lz4 on each workload's sample.
+
+    Every round trip is checked byte for byte before it is timed. Rates are
+    sample bytes / summed median seconds over the sample's tensors.
+    """
+    from experiments.bench_codecs import bench_baseline, bench_buddy, cpu_baselines
+
+    baselines = cpu_baselines()
+    jobs = [(w, ("buddy", c, e)) for w in captures for c in codecs for e in entry_sizes]
+    jobs += [(w, ("baseline", b, None)) for w in captures for b in baselines]
+    samples = {w: sample(caps) for w, caps in captures.items()}
+    rows = []
+    for workload, (kind, what, entry_bytes) in progress(jobs, desc="CPU speed", enabled=show):
+        measured = [
+            bench_buddy(f"{workload}[{i}]", x, what, entry_bytes, repeats)
+            if kind == "buddy"
+            else bench_baseline(f"{workload}[{i}]", x, what, repeats)
+            for i, x in enumerate(samples[workload])
+        ]
+        nbytes = sum(r.original_bytes for r in measured)
+        rows.append(
+            {
+                "workload": workload,
+                "method": what if kind == "buddy" else what.method,
+                "entry_bytes": entry_bytes,
+                "sample_bytes": nbytes,
+                "compress_gbps": nbytes / sum(r.comp_s for r in measured) / 1e9,
+                "decompress_gbps": nbytes / sum(r.decomp_s for r in measured) / 1e9,
+            }
+        )
+    return rows
+
+
+def _label(method: str, entry_bytes: int | None) -> str:
+    if entry_bytes is None:
+        return method
+    return f"zstd-3@{entry_bytes}" if method == ZSTD_ENTRY else f"{method}@{entry_bytes}"
+
+
+def table(rows: list[dict], speed_rows: list[dict]) -> list[dict]:
+    """One row per method: per-workload ideal ratio and capacity, geomeans, overflow, CPU GB/s."""
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    by_method: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        by_method.setdefault((r["method"], r["entry_bytes"]), {})[r["workload"]] = r
+    speed: dict[tuple, list[dict]] = {}
+    for r in speed_rows:
+        speed.setdefault((r["method"], r["entry_bytes"]), []).append(r)
+    out = []
+    for (method, entry_bytes), per in by_method.items():
+        row = {"method": _label(method, entry_bytes), "codec": method, "entry_bytes": entry_bytes}
+        for w in workloads:
+            row[f"ratio:{w}"] = per[w]["ideal_ratio"] if w in per else None
+        row["ratio:geomean"] = geomean([per[w]["ideal_ratio"] for w in per])
+        if all("capacity" in r for r in per.values()):
+            for w in workloads:
+                row[f"capacity:{w}"] = per[w]["capacity"] if w in per else None
+            row["capacity:geomean"] = geomean([per[w]["capacity"] for w in per])
+            row["overflow:max"] = max(per[w]["overflow"] for w in per)
+        key = (method, entry_bytes)
+        if key in speed:
+            row["compress_gbps"] = statistics.geometric_mean([r["compress_gbps"] for r in speed[key]])
+            row["decompress_gbps"] = statistics.geometric_mean([r["decompress_gbps"] for r in speed[key]])
+        out.append(row)
+    return out
+
+
+def decide(decision_rows: list[dict], codecs=CODECS) -> dict:
+    """The default: best geometric-mean capacity with every workload's overflow within the policy's limit.
+
+    Within ``TIE`` of the best, the smaller E wins, then the faster compressor.
+    """
+    candidates = [
+        r
+        for r in decision_rows
+        if r["codec"] in codecs
+        and r.get("capacity:geomean") is not None
+        and r.get("overflow:max", 0.0) <= POLICY_OVERFLOW
+    ]
+    if not candidates:
+        raise ValueError(f"no buddy codec row kept overflow within {POLICY_OVERFLOW:.0%} on every workload")
+    best = max(r["capacity:geomean"] for r in candidates)
+    close = [r for r in candidates if r["capacity:geomean"] >= best * (1 - TIE)]
+    close.sort(key=lambda r: (r["entry_bytes"], -(r.get("compress_gbps") or 0.0)))
+    return close[0]
+
+
+def _fmt_tables(decision: list[dict], workloads: list[str]) -> str:
+    short = {w: w.split("-")[0][:6] + "-" + w.split("-")[-1] if "-" in w else w for w in workloads}
+    parts = ["Ideal compacted ratio (original / compacted sectors; whole-tensor rows: original / compressed bytes)"]
+    cols = [("method", "method", "")] + [(f"ratio:{w}", short[w], ".2f") for w in workloads]
+    cols.append(("ratio:geomean", "geomean", ".2f"))
+    parts.append(format_table(decision, cols))
+    with_cap = [r for r in decision if "capacity:geomean" in r]
+    parts.append("")
+    parts.append(f"Effective capacity under BuddyThreshold({POLICY_OVERFLOW:.0%}) (slots + metadata), max overflow")
+    cols = [("method", "method", "")] + [(f"capacity:{w}", short[w], ".2f") for w in workloads]
+    cols += [("capacity:geomean", "geomean", ".2f"), ("overflow:max", "max overflow", ".1%")]
+    parts.append(format_table(with_cap, cols))
+    timed = [r for r in decision if "compress_gbps" in r]
+    if timed:
+        parts.append("")
+        parts.append("CPU GB/s, input bytes (geometric mean over the workloads' samples)")
+        cols = [
+            ("method", "method", ""),
+            ("compress_gbps", "compress", ".3f"),
+            ("decompress_gbps", "decompress", ".3f"),
+        ]
+        parts.append(format_table(timed, cols))
+    return "\n".join(parts)
+
+
+def parse_args(argv):
+    from experiments.capacity import DEFAULT_POINTS
+    from experiments.workloads import DEFAULT_WORKLOADS, WORKLOADS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
+    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_WORKLOADS))
+    p.add_argument(
+        "--codecs", nargs="+", choices=[c for c in buddy.available_codecs("cpu") if c != "raw"], default=CODECS
+    )
+    p.add_argument("--entry-bytes", type=int, nargs="+", default=list(ENTRY_SIZES))
+    p.add_argument("--points", type=int, nargs="+", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per speed measurement (median)")
+    p.add_argument("--no-speed", action="store_true", help="skip the CPU GB/s columns")
+    p.add_argument("--no-zstd-entries", action="store_true", help="skip zstd-3 run per entry (slow at small E)")
+    p.add_argument("--cache", type=Path, default=None, help="keep captures here between runs")
+    p.add_argument("--out", type=Path, default=Path("results/decision"))
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    for e in args.entry_bytes:
+        try:
+            buddy.spec.check_entry_bytes(e)
+        except (TypeError, ValueError) as exc:
+            p.error(str(exc))
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    args.points = args.points or DEFAULT_POINTS[args.size]
+    return args
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    header = start("decide", argv)
+    show = not args.no_progress
+    captures = capture_all(
+        args.workloads, size=args.size, points=args.points, device="cpu", seed=args.seed, show=show, cache=args.cache
+    )
+    rows = analyse(
+        captures, codecs=args.codecs, entry_sizes=args.entry_bytes, zstd_entries=not args.no_zstd_entries, show=show
+    )
+    speed_rows = (
+        []
+        if args.no_speed
+        else speeds(captures, codecs=args.codecs, entry_sizes=args.entry_bytes, repeats=args.repeats, show=show)
+    )
+    decision = table(rows, speed_rows)
+    chosen = decide(decision, args.codecs)
+    print()
+    print(_fmt_tables(decision, list(captures)))
+    current = buddy.defaults()
+    print(
+        f"\nchosen by measurement: codec {chosen['codec']!r}, E = {chosen['entry_bytes']} B "
+        f"(capacity {chosen['capacity:geomean']:.2f}x geomean, ideal {chosen['ratio:geomean']:.2f}x); "
+        f"library default: codec {current.codec!r}, E = {current.entry_bytes} B"
+        + ("" if (chosen["codec"], chosen["entry_bytes"]) == (current.codec, current.entry_bytes) else "  <- differs")
+    )
+    path = write_results(
+        args.out,
+        header,
+        rows + speed_rows,
+        decision=decision,
+        chosen={"codec": chosen["codec"], "entry_bytes": chosen["entry_bytes"]},
+        experiment="decide",
+        size=args.size,
+        points=list(args.points),
+        policy=f"BuddyThreshold({POLICY_OVERFLOW})",
+    )
+    print(f"\nwrote {path} and {path.with_suffix('.csv')}")
+    if not args.no_plot:
+        from experiments.plot import plot_decision
+
+        for png in plot_decision(path, path.parent):
+            print(f"wrote {png}")
+    return {"decision": decision, "chosen": chosen}
+
+
+if __name__ == "__main__":
+    main()
