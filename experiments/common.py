@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
+import os
 import shlex
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
+
+import torch
 
 import buddy
 from buddy import env
@@ -61,10 +65,6 @@ def _cache_path(cache: Path, name: str, size: str, points: Sequence[int], device
     modules that build the workloads and their data, so an edit to a model,
     its data or its training loop never reads a stale capture.
     """
-    import hashlib
-
-    import torch
-
     from experiments import data, workloads
 
     h = hashlib.sha256()
@@ -91,10 +91,6 @@ def capture_all(
     none) keeps each workload's captures on disk, so scripts run one after
     the other train each workload once. Only CPU captures are cached.
     """
-    import os
-
-    import torch
-
     from experiments.workloads import capture
 
     cache = cache if cache is not None else os.environ.get(CACHE_ENV) or None

@@ -92,6 +92,7 @@ def _entry_rows(captures: dict, methods, entry_sizes, show: bool) -> list[dict]:
         original = sum(o.original_bytes for o in outcomes)
         compacted = sum(compacted_bytes(h) for _, ts in points for _, h, _ in ts)
         device = sum(o.device_bytes for o in outcomes)
+        buddy_bytes = sum(o.buddy_bytes for o in outcomes)
         rows.append(
             {
                 "workload": workload,
@@ -100,10 +101,10 @@ def _entry_rows(captures: dict, methods, entry_sizes, show: bool) -> list[dict]:
                 "original_bytes": original,
                 "compacted_bytes": compacted,
                 "device_bytes": device,
-                "buddy_bytes": sum(o.buddy_bytes for o in outcomes),
+                "buddy_bytes": buddy_bytes,
                 "ideal_ratio": ratio(original, compacted),
                 "capacity": ratio(original, device),
-                "overflow": sum(o.buddy_bytes for o in outcomes) / original if original else 0.0,
+                "overflow": buddy_bytes / original if original else 0.0,
             }
         )
     return rows

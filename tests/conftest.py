@@ -140,6 +140,21 @@ def assert_bitexact(actual: torch.Tensor, expected: torch.Tensor) -> None:
         )
 
 
+def unpack_like(bt: buddy.BuddyTensor, meta, slots, overflow, **kwargs) -> torch.Tensor:
+    """``buddy.unpack`` of the given buffers with ``bt``'s codec, entry size, slot, shape and dtype."""
+    return buddy.unpack(
+        meta,
+        slots,
+        overflow,
+        codec=bt.codec,
+        entry_bytes=bt.entry_bytes,
+        slot_sectors=bt.slot_sectors,
+        shape=bt.shape,
+        dtype=bt.dtype,
+        **kwargs,
+    )
+
+
 def assert_roundtrip(bt: buddy.BuddyTensor, original: torch.Tensor) -> torch.Tensor:
     """``bt.decompress()`` is a new tensor bit-identical to ``original``.
 

@@ -98,9 +98,6 @@ def assert_same_training(a: Run, b: Run) -> None:
 def module_setup():
     """The setting of a test module that imports it (everything is undone after the module).
 
-    * ``zvc`` with 128-byte entries, whatever the process default: the fastest
-      codec on the CPU, and one that leaves the dense input of
-      :func:`make_mlp` as it is (``kept``);
     * one intra-op thread: on a small, shared CPU, two threads each waiting
       for a core make these tiny ops ten times slower; both runs of every
       comparison use the same setting, so the bits are comparable;
@@ -108,8 +105,11 @@ def module_setup():
       of garbage collection: ``gc.collect()`` then scans only what the tests
       made, microseconds instead of a quarter of a second, so the leak checks
       can collect after every step.
+
+    Every test also runs with ``zvc`` at 128-byte entries (conftest's
+    ``suite_defaults``), which leaves the dense input of :func:`make_mlp` as
+    it is (``kept``).
     """
-    previous = buddy.set_defaults(codec="zvc", entry_bytes=128)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     gc.collect()
@@ -117,7 +117,6 @@ def module_setup():
     yield
     gc.unfreeze()
     torch.set_num_threads(threads)
-    buddy.set_defaults(codec=previous.codec, entry_bytes=previous.entry_bytes)
 
 
 def live_buddy_tensors(store: buddy.BuddyStore) -> list[buddy.BuddyTensor]:

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 import torch
-from conftest import assert_bitexact, entry_payloads, ids, make_data, raw_bytes
+from conftest import assert_bitexact, entry_payloads, ids, make_data, raw_bytes, unpack_like
 
 import buddy
 from buddy import layout, spec
@@ -18,19 +18,6 @@ CODECS = buddy.available_codecs("cpu")
 
 def _clones(bt):
     return tuple(b.clone() for b in bt.buffers())
-
-
-def _unpack(bt, meta, slots, overflow):
-    return buddy.unpack(
-        meta,
-        slots,
-        overflow,
-        codec=bt.codec,
-        entry_bytes=bt.entry_bytes,
-        slot_sectors=bt.slot_sectors,
-        shape=bt.shape,
-        dtype=bt.dtype,
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -63,11 +50,11 @@ def test_buffers_cut_to_reported_sizes_decode(kind, dtype, ratio, e, overflows, 
     bt_hist = bt.histogram
     s = bt.slot_sectors
     assert bt.buddy_bytes == sum(max(k - s, 0) * n for k, n in enumerate(bt_hist)) * spec.SECTOR_BYTES
-    out = _unpack(bt, meta, slots, overflow)
+    out = unpack_like(bt, meta, slots, overflow)
     assert_bitexact(out, t)
     # the clones do not depend on the tensor's own memory
     bt.free()
-    assert_bitexact(_unpack(bt, meta, slots, overflow), t)
+    assert_bitexact(unpack_like(bt, meta, slots, overflow), t)
 
 
 # ---------------------------------------------------------------------------
@@ -198,14 +185,14 @@ def overflowing(store, gen):
 def test_wrong_sizes_raise(overflowing, damage):
     bt, bufs = overflowing
     with pytest.raises(buddy.CorruptDataError):
-        _unpack(bt, *damage(*bufs))
+        unpack_like(bt, *damage(*bufs))
 
 
 def test_metadata_k_too_large_raises(overflowing):
     bt, (meta, slots, overflow) = overflowing
     meta[3] = (int(meta[3]) & 0xF0) | 5  # k = 5 > E/32 = 4
     with pytest.raises(buddy.CorruptDataError):
-        _unpack(bt, meta, slots, overflow)
+        unpack_like(bt, meta, slots, overflow)
 
 
 def test_metadata_k_changed_raises(overflowing):
@@ -214,7 +201,7 @@ def test_metadata_k_changed_raises(overflowing):
     i = int(((meta.to(torch.int32) & 0xF) == 3).nonzero()[0])
     meta[i] = (int(meta[i]) & 0xF0) | 4
     with pytest.raises(buddy.CorruptDataError):
-        _unpack(bt, meta, slots, overflow)
+        unpack_like(bt, meta, slots, overflow)
 
 
 @pytest.mark.parametrize("codec", ids("codec", CODECS))
@@ -226,13 +213,13 @@ def test_unknown_mode_raises(codec, store, gen):
     meta, slots, overflow = _clones(bt)
     meta[5] = (int(meta[5]) & 0x0F) | (unknown << 4)
     with pytest.raises(buddy.CorruptDataError):
-        _unpack(bt, meta, slots, overflow)
+        unpack_like(bt, meta, slots, overflow)
     # the 2-byte words of E >= 512 carry the mode in the high nibble of their second byte
     bt = buddy.compress(t, target_ratio=2.0, codec=codec, entry_bytes=512, store=store)
     meta, slots, overflow = _clones(bt)
     meta[1] = (int(meta[1]) & 0x0F) | (unknown << 4)
     with pytest.raises(buddy.CorruptDataError):
-        _unpack(bt, meta, slots, overflow)
+        unpack_like(bt, meta, slots, overflow)
 
 
 def test_zvc_bitmap_flip_that_changes_k_raises(store):
@@ -243,20 +230,20 @@ def test_zvc_bitmap_flip_that_changes_k_raises(store):
     assert bt.histogram == (0, 1, 0, 0, 0)
     meta, slots, overflow = _clones(bt)
     assert slots[0] == 0b00101001  # words 0, 3 and 5
-    assert_bitexact(_unpack(bt, meta, slots, overflow), words)
+    assert_bitexact(unpack_like(bt, meta, slots, overflow), words)
     slots[0] ^= 0b00000100  # claim word 2 is non-zero too: 8 words need k = 2, metadata says 1
     with pytest.raises(buddy.CorruptDataError):
-        _unpack(bt, meta, slots, overflow)
+        unpack_like(bt, meta, slots, overflow)
 
 
 def test_raw_codec_rejects_compressed_sizes(store, gen):
     t = make_data("random_bytes", 256, torch.float32, gen)
     bt = buddy.compress(t, target_ratio=1.0, codec="raw", store=store)
     meta, slots, overflow = _clones(bt)
-    assert _unpack(bt, meta, slots, overflow).shape == t.shape
+    assert unpack_like(bt, meta, slots, overflow).shape == t.shape
     meta[0] = 2  # still fits the slot, so only the codec can object
     with pytest.raises(buddy.CorruptDataError):
-        _unpack(bt, meta, slots, overflow)
+        unpack_like(bt, meta, slots, overflow)
 
 
 @pytest.mark.parametrize("slot", [5, -1, 2.0, True])

@@ -31,7 +31,7 @@ import re
 
 import pytest
 import torch
-from conftest import _float_specials, assert_bitexact, assert_roundtrip, fuzz_settings, raw_bytes
+from conftest import _float_specials, assert_bitexact, assert_roundtrip, fuzz_settings, raw_bytes, unpack_like
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -284,18 +284,8 @@ def _check_format(bt: buddy.BuddyTensor, nbytes: int) -> None:
 def _check_unpack(bt: buddy.BuddyTensor, original: torch.Tensor) -> None:
     """``unpack`` of copies of the buffers, cut to exactly their sizes, gives the same bytes."""
     meta, slots, overflow = (b.clone() for b in bt.buffers())
-    out = buddy.unpack(
-        meta,
-        slots,
-        overflow,
-        codec=bt.codec,
-        entry_bytes=bt.entry_bytes,
-        slot_sectors=bt.slot_sectors,
-        shape=bt.shape,
-        dtype=bt.dtype,
-        stride=bt.stride,  # the bytes are in the memory order of these strides
-        checksum=bt.checksum,
-    )
+    # the bytes are in the memory order of bt's strides
+    out = unpack_like(bt, meta, slots, overflow, stride=bt.stride, checksum=bt.checksum)
     assert_bitexact(out, original)
 
 

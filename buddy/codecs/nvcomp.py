@@ -111,16 +111,22 @@ class NvcompCodec(Codec):
         if rows:
             nvcomp, codec = self._nvcomp(entries)
             streams = codec.encode([nvcomp.as_array(entries[i]) for i in rows])
+            coded, lengths, ks = [], [], []
             for i, stream in zip(rows, streams):
                 data = torch.as_tensor(stream, device=entries.device).reshape(-1).view(torch.uint8)
                 k = -(-(data.numel() + _LENGTH_BYTES) // spec.SECTOR_BYTES)
                 if k >= spe:
                     payload[i] = entries[i]  # does not shrink: raw escape
                     continue
-                length = torch.tensor([data.numel()], dtype=torch.int32).view(torch.uint8)
-                payload[i, :_LENGTH_BYTES] = length.to(entries.device)
                 payload[i, _LENGTH_BYTES : _LENGTH_BYTES + data.numel()] = data
-                sectors[i] = k
+                coded.append(i)
+                lengths.append(data.numel())
+                ks.append(k)
+            if coded:  # the length headers and sector counts in one transfer each
+                index = torch.tensor(coded, device=entries.device)
+                heads = torch.tensor(lengths, dtype=torch.int32).view(torch.uint8).view(-1, _LENGTH_BYTES)
+                payload[index, :_LENGTH_BYTES] = heads.to(entries.device)
+                sectors[index] = torch.tensor(ks, dtype=torch.int32, device=entries.device)
         return Encoded(payload, sectors, torch.zeros_like(sectors))
 
     def decode(self, payload, sectors, modes, word_bytes):
