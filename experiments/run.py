@@ -1,6 +1,6 @@
 """The main job: how far buddy stretches GPU memory on the experiment workloads.
 
-Quick (default; a few minutes on 2 CPU cores): train every default workload
+Quick (default; about a minute on 2 idle CPU cores): train every default workload
 briefly on real data, capture what autograd saves at a few points of
 training, then report each codec's ideal ratio next to zstd-3, lz4 and the
 byte-entropy bound (compressibility) and every policy's effective capacity
