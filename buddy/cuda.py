@@ -59,10 +59,10 @@ MAX_BLOCKS = 1 << 20
 
 _WARP = 32
 _FEATURE = "buddy's CUDA backend (backend='cuda')"
-_ZVC_SOURCE = "zvc.cu"
+_SOURCE = "buddy_kernels.cu"
 
-# error bits of buddy_zvc_decode (csrc/zvc_core.h, BUDDY_ZVC_ERR_*)
-_ERR_K, _ERR_BITMAP, _ERR_MODE, _ERR_WORD = 1, 2, 4, 8
+# error bits of a decode (csrc/buddy_format.h, BUDDY_ERR_*)
+_ERR_K, _ERR_STREAM, _ERR_MODE, _ERR_WORD = 1, 2, 4, 8
 
 # ---------------------------------------------------------------------------
 # sources
@@ -86,7 +86,7 @@ def read_source(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def translation_unit(name: str = _ZVC_SOURCE) -> str:
+def translation_unit(name: str = _SOURCE) -> str:
     """``csrc/<name>`` with its local ``#include "..."`` files inlined (each once).
 
     NVRTC compiles one string; inlining makes it independent of where the
@@ -145,12 +145,12 @@ def _module(source: str, options: tuple[str, ...], device: torch.device):
 
 
 def _kernel(name: str, entry_bytes: int, device: torch.device):
-    """Kernel ``name`` of ``zvc.cu`` for this entry size, compiled for ``device``."""
+    """Kernel ``name`` of ``buddy_kernels.cu`` for this entry size, compiled for ``device``."""
     key = (entry_bytes, device.index, name)
     kernel = _kernels.get(key)
     if kernel is None:
         cupy = _cupy()
-        module = _module(translation_unit(_ZVC_SOURCE), compile_options(entry_bytes), device)
+        module = _module(translation_unit(_SOURCE), compile_options(entry_bytes), device)
         with cupy.cuda.Device(device.index):
             kernel = module.get_function(name)  # compiles (NVRTC) on first use
         with _lock:
@@ -242,8 +242,9 @@ def zvc_sizes(entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
     device, n, entry_bytes = _check_entries("entries", entries)
     word = _check_word(word_bytes)
     sectors = torch.empty(n, dtype=torch.int32, device=device)
+    modes = torch.empty(n, dtype=torch.int32, device=device)
     if n:
-        _launch("buddy_zvc_sizes", entry_bytes, device, n, (entries, sectors, _i64(n), _i32(word)))
+        _launch("buddy_zvc_measure", entry_bytes, device, n, (entries, sectors, modes, _i64(n), _i32(word)))
     return sectors
 
 
@@ -287,7 +288,7 @@ def _raise_decode_error(bits: int) -> None:
         raise CorruptDataError("metadata holds modes that codec 'zvc' never writes")
     if bits & _ERR_K:
         raise CorruptDataError("zvc: metadata claims more sectors than an entry has")
-    if bits & _ERR_BITMAP:
+    if bits & _ERR_STREAM:
         raise CorruptDataError("zvc: bitmap population does not match the entry sizes in the metadata")
     raise CorruptDataError(f"zvc CUDA decode failed (error bits {bits:#x})")
 

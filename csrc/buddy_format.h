@@ -3,7 +3,7 @@
 // Every constant comes from buddy/spec.py as a -D define (buddy.spec.c_defines);
 // this header restates none of them. It derives what the kernels need and
 // static_asserts that the derivation matches the Python spec. Host-compilable:
-// the metadata helpers are tested on the CPU against buddy.layout.
+// the metadata helpers are tested on the CPU against buddy.format.
 //
 // Layout, format version 1 (see buddy/spec.py for the full text):
 //   entry     E = BUDDY_ENTRY_BYTES bytes of the tensor, last one zero-padded
@@ -21,25 +21,7 @@
 #error "compile with the defines from buddy.spec.c_defines(entry_bytes)"
 #endif
 
-#if defined(__CUDACC_RTC__)
-// NVRTC (run-time compilation through CuPy) ships no C library headers.
-typedef signed char int8_t;
-typedef short int16_t;
-typedef int int32_t;
-typedef long long int64_t;
-typedef unsigned char uint8_t;
-typedef unsigned short uint16_t;
-typedef unsigned int uint32_t;
-typedef unsigned long long uint64_t;
-#else
-#include <stdint.h>
-#endif
-
-#ifdef __CUDACC__
-#define BUDDY_HD __host__ __device__ __forceinline__
-#else
-#define BUDDY_HD inline
-#endif
+#include "buddy_device.h"
 
 #define BUDDY_SECTORS_PER_ENTRY (BUDDY_ENTRY_BYTES / BUDDY_SECTOR_BYTES)
 
@@ -71,3 +53,12 @@ BUDDY_HD uint32_t buddy_meta_mode(buddy_meta_t word) { return (uint32_t)word >> 
 
 // Overflow sectors of an entry of k sectors in a slot of s sectors.
 BUDDY_HD uint32_t buddy_overflow_sectors(uint32_t k, uint32_t s) { return k > s ? k - s : 0u; }
+
+// Error bits of a decode (per entry; a kernel ORs them over its entries and the
+// loader raises CorruptDataError naming them). A codec's own inconsistencies
+// (a bitmap that disagrees with k, a stream of the wrong length) are
+// BUDDY_ERR_STREAM; the format layer flags the rest.
+#define BUDDY_ERR_K 1u       // k > E/32 (or negative as int32)
+#define BUDDY_ERR_STREAM 2u  // the coded payload disagrees with its k (damaged slots or metadata)
+#define BUDDY_ERR_MODE 4u    // a metadata mode the codec never writes for an entry of this k
+#define BUDDY_ERR_WORD 8u    // word size not 1, 2, 4 or 8 (a launch error, not the data's)

@@ -1,10 +1,8 @@
-"""The CUDA path without a GPU: its per-entry logic on the host, its sources, its dispatch.
+"""The CUDA path without a GPU: its sources, its dispatch, the glue under emulated kernels.
 
-* ``csrc/zvc_core.h`` is built with g++ into ``tests/zvc_host.cpp`` and must
-  give the torch reference's sizes and payloads byte for byte, in both its
-  one-thread form and its warp form (the code the kernels run, with the warp
-  emulated), and decode back to the entries; damaged metadata must be
-  flagged, never read out of bounds.
+(The per-entry device code itself is tested against the reference in
+``tests/test_device_codecs.py``.)
+
 * the translation unit the loader hands NVRTC compiles (nvcc, and NVRTC itself
   when its library can be found).
 * ``backend=`` picks the implementation, and ``import buddy`` works without CuPy.
@@ -27,19 +25,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ALL_DTYPES, DATA_KINDS, MiB, assert_roundtrip, ids, make_data
+from conftest import MiB, assert_roundtrip, ids, make_data
+from test_device_codecs import host_exe, run_decode, run_encode  # noqa: F401 - host_exe is a fixture
 
 import buddy
 from buddy import backends, spec
 from buddy import cuda as bcuda
 from buddy.codecs.raw import RawCodec
-from buddy.codecs.zvc import ZVCCodec, bitmap_geometry
+from buddy.codecs.zvc import ZVCCodec
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
-HOST_SOURCE = Path(__file__).resolve().parent / "zvc_host.cpp"
-ENTRY_SIZES = (32, 128, 256, 4096)
-WORDS = (1, 2, 4, 8)
 ZVC = buddy.get_codec("zvc")
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
@@ -51,264 +47,14 @@ def _defines(entry_bytes: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
-# the host harness
-# ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def host_exe(tmp_path_factory):
-    """``host_exe(E)``: path of tests/zvc_host.cpp built for entry size E (built once)."""
-    if shutil.which("g++") is None:
-        pytest.skip("needs g++")
-    built: dict[int, Path] = {}
-    folder = tmp_path_factory.mktemp("zvc_host")
-
-    def get(entry_bytes: int) -> Path:
-        if entry_bytes not in built:
-            exe = folder / f"zvc_host_{entry_bytes}"
-            base = ["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", f"-I{CSRC}", *_defines(entry_bytes)]
-            cmd = [*base, str(HOST_SOURCE), "-o", str(exe)]
-            # undefined behaviour (bad shifts, overflows) aborts when the sanitizer is available
-            sanitized = subprocess.run(
-                [*base, "-fsanitize=undefined", "-fno-sanitize-recover=undefined", str(HOST_SOURCE), "-o", str(exe)],
-                capture_output=True,
-                text=True,
-            )
-            if sanitized.returncode != 0:
-                subprocess.run(cmd, check=True)
-            built[entry_bytes] = exe
-        return built[entry_bytes]
-
-    return get
-
-
-class _Reader:
-    def __init__(self, data: np.ndarray):
-        self.data, self.at = data, 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        part = self.data[self.at : self.at + nbytes]
-        assert part.size == nbytes, "harness output too short"
-        self.at += nbytes
-        return torch.from_numpy(part.copy())
-
-    def int32(self, n: int) -> torch.Tensor:
-        return self.take(4 * n).view(torch.int32)
-
-    def rows(self, n: int, e: int) -> torch.Tensor:
-        return self.take(n * e).view(n, e)
-
-
-def run_encode(exe: Path, entries: torch.Tensor, word: int, tmp_path: Path) -> dict[str, torch.Tensor]:
-    n, e = entries.shape
-    src, dst = tmp_path / "entries.bin", tmp_path / "out.bin"
-    entries.contiguous().numpy().tofile(src)
-    subprocess.run([str(exe), "encode", str(word), str(n), str(src), str(dst)], check=True, timeout=600)
-    r = _Reader(np.fromfile(dst, dtype=np.uint8))
-    out = {
-        "k_thread": r.int32(n),
-        "payload_thread": r.rows(n, e),
-        "k_warp_sizes": r.int32(n),
-        "k_warp": r.int32(n),
-        "payload_warp": r.rows(n, e),
-        "decoded_thread": r.rows(n, e),
-        "decoded_warp": r.rows(n, e),
-        "err_thread": r.int32(n),
-        "err_warp": r.int32(n),
-    }
-    assert r.at == r.data.size, "harness output too long"
-    return out
-
-
-def run_decode(exe, payload, sectors, modes, word, tmp_path) -> dict[str, torch.Tensor]:
-    n, e = payload.shape
-    src, dst = tmp_path / "payload.bin", tmp_path / "out.bin"
-    blob = torch.cat([sectors.to(torch.int32).view(torch.uint8), modes.to(torch.int32).view(torch.uint8)])
-    np.concatenate([blob.numpy(), payload.contiguous().view(-1).numpy()]).tofile(src)
-    subprocess.run([str(exe), "decode", str(word), str(n), str(src), str(dst)], check=True, timeout=600)
-    r = _Reader(np.fromfile(dst, dtype=np.uint8))
-    out = {
-        "decoded_thread": r.rows(n, e),
-        "decoded_warp": r.rows(n, e),
-        "err_thread": r.int32(n),
-        "err_warp": r.int32(n),
-    }
-    assert r.at == r.data.size
-    return out
-
-
-# ---------------------------------------------------------------------------
-# test data: real dtypes and every population of non-zero words
-# ---------------------------------------------------------------------------
-def _dtype_entries(word: int, entry_bytes: int, g: torch.Generator) -> list[torch.Tensor]:
-    """Entries of every test dtype with this word size, for every data kind."""
-    parts = []
-    for dtype in ALL_DTYPES:
-        if spec.word_bytes(dtype) != word:
-            continue
-        size = torch.empty((), dtype=dtype).element_size()
-        n_entries = 24 if entry_bytes <= 256 else 6
-        numel = max(1, (n_entries * entry_bytes + 5) // size)  # ends mid-entry: a zero-padded last entry
-        for kind in DATA_KINDS:
-            data = make_data(kind, numel, dtype, g).view(torch.uint8).reshape(-1)
-            n = -(-data.numel() // entry_bytes)
-            padded = torch.zeros(n * entry_bytes, dtype=torch.uint8)
-            padded[: data.numel()] = data
-            parts.append(padded.view(n, entry_bytes))
-    return parts
-
-
-def _population_entries(word: int, entry_bytes: int, g: torch.Generator) -> torch.Tensor:
-    """Entries with every count of non-zero words (a sample for large entries), at random
-    places, whose values often hold zero bytes (0x0100...): non-zero words, zero bytes."""
-    words, _, padded = bitmap_geometry(entry_bytes, word)
-    raw = entry_bytes // spec.SECTOR_BYTES
-    # every count near each sector boundary and the raw-escape threshold, plus a spread
-    edges = {0, 1, 2, words - 1, words}
-    for k in range(1, raw + 1):
-        nnz = (k * spec.SECTOR_BYTES - padded) // word
-        edges.update(c for c in (nnz - 1, nnz, nnz + 1) if 0 <= c <= words)
-    counts = sorted(edges | set(torch.linspace(0, words, 40).long().tolist()))
-    rows = []
-    for count in counts:
-        row = torch.zeros(words, word, dtype=torch.uint8)
-        where = torch.randperm(words, generator=g)[:count]
-        values = torch.randint(0, 256, (count, word), dtype=torch.uint8, generator=g)
-        values[torch.rand(count, word, generator=g) < 0.5] = 0  # zero bytes inside non-zero words
-        values[values.view(count, word).sum(1) == 0, torch.randint(0, word, (1,), generator=g)] = 1
-        row[where] = values
-        rows.append(row.view(entry_bytes))
-    # patterns: first / last word only, alternating words, every byte 0xFF
-    first, last, alternate, full = (torch.zeros(words, word, dtype=torch.uint8) for _ in range(4))
-    first[0, -1] = 0x80
-    last[-1, 0] = 1
-    alternate[::2] = 0x5A
-    full[:] = 0xFF
-    rows += [t.view(entry_bytes) for t in (first, last, alternate, full)]
-    return torch.stack(rows)
-
-
-def _with_nonzero_words(count: int, words: int, word: int) -> torch.Tensor:
-    """One entry whose first ``count`` words are non-zero."""
-    row = torch.zeros(words, word, dtype=torch.uint8)
-    row[:count, 0] = 1
-    return row.view(1, -1)
-
-
-def _assert_rows_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    if torch.equal(actual, expected):
-        return
-    bad = (actual != expected).reshape(actual.shape[0], -1).any(1).nonzero().view(-1)
-    i = int(bad[0])
-    raise AssertionError(f"{what}: {bad.numel()} of {actual.shape[0]} entries differ; first: entry {i}")
-
-
-@needs_gxx
-@pytest.mark.parametrize("word", ids("w", WORDS))
-@pytest.mark.parametrize("entry_bytes", ids("E", ENTRY_SIZES))
-def test_core_matches_reference(host_exe, entry_bytes, word, tmp_path):
-    g = torch.Generator().manual_seed(entry_bytes * 10 + word)
-    entries = torch.cat([*_dtype_entries(word, entry_bytes, g), _population_entries(word, entry_bytes, g)])
-    ref = ZVC.encode(entries, word)
-    got = run_encode(host_exe(entry_bytes), entries, word, tmp_path)
-
-    for form in ("thread", "warp"):
-        _assert_rows_equal(got[f"k_{form}"], ref.sectors, f"k ({form})")
-        _assert_rows_equal(got[f"payload_{form}"], ref.payload, f"payload ({form})")
-        _assert_rows_equal(got[f"decoded_{form}"], entries, f"decode ({form})")
-        assert not got[f"err_{form}"].any(), f"decode of valid payloads flagged errors ({form})"
-    _assert_rows_equal(got["k_warp_sizes"], ZVC.sizes(entries, word), "k (warp size pass)")
-    # the data covered every size an entry can have, all-zero to the raw escape
-    words = entry_bytes // word
-    possible = {0, *(ZVC.sizes(_with_nonzero_words(n, words, word), word)[0].item() for n in range(1, words + 1))}
-    assert set(ref.sectors.tolist()) == possible
-
-
-@needs_gxx
-def test_core_largest_entry(host_exe, tmp_path):
-    """E = 65536: 12-bit k, 8 KiB bitmaps, hundreds of warp steps per entry."""
-    e = spec.MAX_ENTRY_BYTES
-    g = torch.Generator().manual_seed(7)
-    for word in WORDS:
-        relu = torch.relu(torch.randn(3 * e // 4, generator=g)).view(torch.uint8).view(3, e)
-        rand = torch.randint(0, 256, (1, e), dtype=torch.uint8, generator=g)
-        sparse = torch.zeros(2, e, dtype=torch.uint8)
-        sparse[0, 12345] = 7
-        sparse[1, :4000] = 3
-        entries = torch.cat([relu, rand, sparse, torch.zeros(1, e, dtype=torch.uint8)])
-        ref = ZVC.encode(entries, word)
-        got = run_encode(host_exe(e), entries, word, tmp_path)
-        for form in ("thread", "warp"):
-            _assert_rows_equal(got[f"k_{form}"], ref.sectors, f"w={word} k ({form})")
-            _assert_rows_equal(got[f"payload_{form}"], ref.payload, f"w={word} payload ({form})")
-            _assert_rows_equal(got[f"decoded_{form}"], entries, f"w={word} decode ({form})")
-
-
-def _corrupt_cases(entry_bytes: int, word: int, g: torch.Generator):
-    """(payload, k, mode) rows: valid ones, and damaged ones of every kind."""
-    raw = entry_bytes // spec.SECTOR_BYTES
-    words, bitmap, padded = bitmap_geometry(entry_bytes, word)
-    base = _population_entries(word, entry_bytes, g)
-    enc = ZVC.encode(base, word)
-    payload, k, mode = enc.payload.clone(), enc.sectors.clone(), enc.modes.clone()
-    rows = [(payload, k, mode)]
-    coded = ((k > 0) & (k < raw)).nonzero().view(-1)
-    # k beyond the entry
-    rows.append((payload[:4], torch.tensor([raw + 1, 2 * raw, 4095, 1 << 30])[:4], torch.zeros(4, dtype=torch.int32)))
-    # k that disagrees with the bitmap (one more / one fewer sector)
-    c = coded[:6]
-    rows.append((payload[c], torch.clamp(k[c] + 1, max=raw - 1), mode[c]))
-    rows.append((payload[c], k[c] - 1, mode[c]))
-    # a bitmap claiming every word with a small k: must not be read through
-    greedy = torch.zeros(2, entry_bytes, dtype=torch.uint8)
-    greedy[:, :bitmap] = 0xFF
-    rows.append((greedy, torch.tensor([1, raw - 1]), torch.zeros(2, dtype=torch.int32)))
-    # modes zvc never writes
-    rows.append((payload[:3], k[:3], torch.tensor([1, 7, 15])))
-    out = [torch.cat([r[i] for r in rows]) for i in range(3)]
-    return out[0], out[1].to(torch.int32), out[2].to(torch.int32)
-
-
-@needs_gxx
-@pytest.mark.parametrize("word", ids("w", WORDS))
-@pytest.mark.parametrize("entry_bytes", ids("E", (32, 128, 4096)))
-def test_core_flags_damaged_metadata(host_exe, entry_bytes, word, tmp_path):
-    g = torch.Generator().manual_seed(99)
-    payload, k, modes = _corrupt_cases(entry_bytes, word, g)
-    got = run_decode(host_exe(entry_bytes), payload, k, modes, word, tmp_path)
-    assert torch.equal(got["err_thread"], got["err_warp"]), "one-thread and warp decode disagree on errors"
-    _assert_rows_equal(got["decoded_warp"], got["decoded_thread"], "decode (warp vs one thread)")
-    for i in range(k.numel()):
-        err = int(got["err_thread"][i])
-        try:  # the reference raises for exactly the entries the core flags
-            expected = ZVC.decode(payload[i : i + 1], k[i : i + 1], modes[i : i + 1], word)
-        except buddy.CorruptDataError:
-            assert err != 0, f"entry {i} (k={int(k[i])}, mode={int(modes[i])}): reference raises, core passes"
-            continue
-        assert err == 0, f"entry {i} (k={int(k[i])}): core flags {err:#x}, reference decodes"
-        assert torch.equal(got["decoded_thread"][i], expected[0])
-    # a damaged size decodes to zeros
-    bad_size = (got["err_thread"] & 3) != 0
-    assert bad_size.any() and not got["decoded_thread"][bad_size].any()
-
-
-@needs_gxx
-def test_core_flags_negative_sizes(host_exe, tmp_path):
-    """Metadata never yields k < 0, but the kernels take int32: a negative k is out of range."""
-    payload = ZVC.encode(torch.ones(2, 128, dtype=torch.uint8), 4).payload
-    got = run_decode(host_exe(128), payload, torch.tensor([-1, -(1 << 31)]), torch.tensor([0, -1]), 4, tmp_path)
-    assert got["err_thread"].tolist() == [1, 1 | 4] and torch.equal(got["err_thread"], got["err_warp"])
-    assert not got["decoded_warp"].any()
-
-
-# ---------------------------------------------------------------------------
 # sources: what the loader compiles
 # ---------------------------------------------------------------------------
 def test_translation_unit_inlines_local_headers():
     tu = bcuda.translation_unit()
     assert '#include "' not in tu and "#pragma once" not in tu
-    assert tu.count("// ---- begin buddy_format.h") == 1 and tu.count("// ---- begin zvc_core.h") == 1
-    for kernel in ("buddy_zvc_sizes", "buddy_zvc_encode", "buddy_zvc_decode"):
-        assert f'extern "C" __global__ void {kernel}(' in tu
-    assert bcuda.read_source("zvc.cu") == (CSRC / "zvc.cu").read_text()
+    for header in ("buddy_format.h", "buddy_device.h", "buddy_warp.h", "buddy_entry.h", "codec_zvc.h"):
+        assert tu.count(f"// ---- begin {header}") == 1, header
+    assert bcuda.read_source("buddy_kernels.cu") == (CSRC / "buddy_kernels.cu").read_text()
 
 
 def test_compile_options_carry_the_spec():
@@ -324,7 +70,7 @@ def test_compile_options_carry_the_spec():
 @pytest.mark.parametrize("entry_bytes", ids("E", (32, 256, 512, 65536)))
 def test_translation_unit_compiles_without_warnings(tmp_path, entry_bytes):
     """The exact text given to NVRTC, through nvcc with warnings as errors (sm_80)."""
-    unit = tmp_path / "zvc_tu.cu"
+    unit = tmp_path / "kernels_tu.cu"
     unit.write_text(bcuda.translation_unit())
     cmd = ["nvcc", "-arch=sm_80", "-Werror", "all-warnings", *bcuda.compile_options(entry_bytes)]
     subprocess.run([*cmd, "-c", str(unit), "-o", str(tmp_path / "zvc.o")], check=True)
@@ -363,7 +109,7 @@ def test_nvrtc_compiles_translation_unit():
     for e in (32, 128, 65536):
         prog = ctypes.c_void_p()
         source = bcuda.translation_unit().encode()
-        assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source, b"zvc.cu", 0, None, None) == 0
+        assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source, b"buddy_kernels.cu", 0, None, None) == 0
         options = [o.encode() for o in (*bcuda.compile_options(e), "-arch=compute_80")]
         result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
         nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -374,7 +120,7 @@ def test_nvrtc_compiles_translation_unit():
         ptx = ctypes.create_string_buffer(size.value)
         nvrtc.nvrtcGetPTX(prog, ptx)
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
-        for kernel in ("buddy_zvc_sizes", "buddy_zvc_encode", "buddy_zvc_decode"):
+        for kernel in ("buddy_zvc_measure", "buddy_zvc_encode", "buddy_zvc_decode"):
             assert f".entry {kernel}(".encode() in ptx.value
 
 
@@ -593,14 +339,20 @@ _C_TYPES = {"uint8_t*": torch.uint8, "int32_t*": torch.int32, "int*": torch.int3
 
 
 def _kernel_signatures() -> dict[str, list[str]]:
-    """Parameter types of each extern "C" kernel, from the translation unit."""
+    """Parameter types of each extern "C" kernel, from the translation unit with its macros expanded."""
     import re
 
-    tu = bcuda.translation_unit()
+    expanded = subprocess.run(
+        ["g++", "-E", "-P", "-x", "c++", "-std=c++17", *_defines(128), "-"],
+        input=bcuda.translation_unit(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     sigs = {}
-    for name, params in re.findall(r'extern "C" __global__ void (\w+)\((.*?)\)\s*\{', tu, re.S):
+    for name, params in re.findall(r'extern "C" __global__ void (\w+)\((.*?)\)\s*\{', expanded, re.S):
         types = []
-        for param in re.sub(r"//[^\n]*", "", params).split(","):
+        for param in re.sub(r"/\*.*?\*/", "", params).split(","):
             decl = param.replace("__restrict__", "").replace("const", "")
             decl = " ".join(decl.split()).replace(" *", "*")
             types.append(decl.rsplit(" ", 1)[0])
@@ -632,17 +384,18 @@ def emulated_gpu(host_exe, tmp_path, monkeypatch):
         launches.append(name)
         if name == "buddy_zvc_decode":
             payload, sectors, modes, out, error = args[:5]
-            got = run_decode(exe, payload, sectors, modes, word, tmp_path)
-            out.copy_(got["decoded_warp"])
-            error |= int(np.bitwise_or.reduce(got["err_warp"].numpy()))
+            got = run_decode(exe, "zvc", payload, sectors, modes, word, tmp_path)
+            out.copy_(got["decoded"])
+            error |= int(np.bitwise_or.reduce(got["err"].numpy()))
             return
-        got = run_encode(exe, args[0], word, tmp_path)
-        if name == "buddy_zvc_sizes":
-            args[1].copy_(got["k_warp_sizes"])
+        got = run_encode(exe, "zvc", args[0], word, tmp_path)
+        if name == "buddy_zvc_measure":
+            args[1].copy_(got["k"])
+            args[2].copy_(got["mode"])
         else:
-            args[1].copy_(got["payload_warp"])
-            args[2].copy_(got["k_warp"])
-            args[3].zero_()
+            args[1].copy_(got["payload"])
+            args[2].copy_(got["k"])
+            args[3].copy_(got["mode"])
 
     monkeypatch.setattr(bcuda, "_launch", launch)
     monkeypatch.setattr(bcuda, "_check_cuda", lambda what, t: None)
@@ -664,7 +417,7 @@ def _cpu_as_cuda(choose):
 
 def test_kernel_signatures_parsed():
     sigs = _kernel_signatures()
-    assert sigs["buddy_zvc_sizes"] == ["uint8_t*", "int32_t*", "long long", "int"]
+    assert sigs["buddy_zvc_measure"] == ["uint8_t*", "int32_t*", "int32_t*", "long long", "int"]
     assert sigs["buddy_zvc_encode"] == ["uint8_t*", "uint8_t*", "int32_t*", "int32_t*", "long long", "int"]
     assert sigs["buddy_zvc_decode"] == ["uint8_t*", "int32_t*", "int32_t*", "uint8_t*", "int*", "long long", "int"]
 
@@ -692,7 +445,7 @@ def test_cuda_path_emulated(emulated_gpu, dtype, store, gen, monkeypatch):
         assert torch.equal(b.decompress(backend="cuda"), t)
         a.free()
         b.free()
-    assert {"buddy_zvc_sizes", "buddy_zvc_encode", "buddy_zvc_decode"} <= set(emulated_gpu)
+    assert {"buddy_zvc_measure", "buddy_zvc_encode", "buddy_zvc_decode"} <= set(emulated_gpu)
 
 
 @needs_gxx

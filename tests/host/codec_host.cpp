@@ -1,28 +1,26 @@
-// Host harness for csrc/zvc_core.h (tests/test_cuda_core.py builds it with g++
-// and the -D defines of buddy.spec.c_defines(E)).
+// Host harness of the device codecs (csrc/codec_*.h) and the format rules
+// around them (csrc/buddy_entry.h); tests/test_device_codecs.py builds it with
+// g++ and the -D defines of buddy.spec.c_defines(E).
 //
-// Runs both forms of the per-entry logic on the CPU:
-//   * the one-thread functions (buddy_zvc_*_entry);
-//   * the warp functions (buddy_zvc_warp_*), with the 32 lanes of an emulated
-//     warp as cooperative fibers (ucontext): every collective (ballot,
-//     shuffles) posts the lane's value and switches to the next lane, so a
-//     lane reads the others' values only after all 32 have posted them.
-// Each entry is processed in its own buffers that end right before an
-// inaccessible page, so a read or write past an entry's E bytes crashes the
-// program instead of passing unnoticed. Outputs are pre-filled with 0xAB so a
-// byte the code forgets to write shows up as a difference.
+// Runs the per-entry device functions on the CPU with the 32 lanes of an
+// emulated warp as cooperative fibers (ucontext): every collective (ballot,
+// shuffles, sync) posts the lane's value and switches to the next lane, so a
+// lane reads the others' values only after all 32 have posted them.
+// Buffers end right before an inaccessible page, so a read or write past them
+// crashes the program instead of passing unnoticed: an entry and a decoded
+// entry have E bytes; an encoded payload has exactly 32k bytes. Outputs are
+// pre-filled with 0xAB so a byte the code forgets to write shows up, and a
+// decoder sees 0xAB after the payload's 32k bytes (it must not matter).
 //
-// usage: zvc_host encode WORD_BYTES N IN OUT
+// usage: codec_host CODEC encode WORD_BYTES N IN OUT
 //          IN:  N * E bytes of entries
-//          OUT: k (N int32, one thread) | payload (N * E, one thread) |
-//               k (N int32, warp size pass) | k (N int32, warp encode) |
-//               payload (N * E, warp) | decoded (N * E, one thread, of the
-//               one-thread payload) | decoded (N * E, warp, of the warp
-//               payload) | errors (N uint32, one thread) | errors (N uint32, warp)
-//        zvc_host decode WORD_BYTES N IN OUT
+//          OUT: k (N int32) | mode (N int32) | payload (N * E: the 32k bytes
+//               encode wrote, zeros after) | decoded (N * E, of that payload) |
+//               errors (N uint32)
+//        codec_host CODEC decode WORD_BYTES N IN OUT
 //          IN:  k (N int32) | mode (N int32) | payload (N * E)
-//          OUT: decoded (N * E, one thread) | decoded (N * E, warp) |
-//               errors (N uint32, one thread) | errors (N uint32, warp)
+//          OUT: decoded (N * E) | errors (N uint32)
+// CODEC: zvc
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,7 +31,8 @@
 #include <functional>
 #include <vector>
 
-#include "zvc_core.h"
+#include "buddy_entry.h"
+#include "codec_zvc.h"
 
 static const uint32_t E = BUDDY_ENTRY_BYTES;
 
@@ -148,79 +147,64 @@ static std::vector<uint8_t> read_file(const char* path) {
 }
 
 // ---------------------------------------------------------------------------
-// the operations, per word size
+// the operations, per codec
 // ---------------------------------------------------------------------------
-template <int WB>
+template <class Codec>
 static void encode(size_t n, const uint8_t* in, FILE* out) {
   uint8_t* entry = guarded(E);
-  uint8_t* payload = guarded(E);
   uint8_t* decoded = guarded(E);
-  std::vector<int32_t> k1(n), kw_sizes(n), kw(n);
-  std::vector<uint32_t> err1(n), errw(n);
-  std::vector<uint8_t> pay1(n * E), payw(n * E), dec1(n * E), decw(n * E);
-
-  for (size_t i = 0; i < n; ++i) {  // one thread
-    memcpy(entry, in + i * E, E);
-    memset(payload, 0xAB, E);
-    k1[i] = (int32_t)buddy_zvc_encode_entry<WB>(entry, payload);
-    memcpy(&pay1[i * E], payload, E);
-    memset(decoded, 0xAB, E);
-    err1[i] = buddy_zvc_decode_entry<WB>(payload, (uint32_t)k1[i], 0u, decoded);
-    memcpy(&dec1[i * E], decoded, E);
-  }
+  std::vector<uint8_t*> payload(BUDDY_SECTORS_PER_ENTRY + 1);  // payload[k]: exactly 32k bytes
+  for (uint32_t k = 1; k <= BUDDY_SECTORS_PER_ENTRY; ++k) payload[k] = guarded(k * BUDDY_SECTOR_BYTES);
+  uint8_t* staged = guarded(E);  // what a decoder sees: the payload, then garbage up to E
+  std::vector<int32_t> ks(n), modes(n);
+  std::vector<uint32_t> errs(n);
+  std::vector<uint8_t> pay(n * E, 0), dec(n * E);
 
   run_warp([&](uint32_t l) {  // one warp; lane 0 moves data between collectives
     const HostWarp warp{l};
     for (size_t i = 0; i < n; ++i) {
+      if (l == 0) memcpy(entry, in + i * E, E);
+      warp.sync();
+      uint32_t mode;
+      const uint32_t k = buddy_entry_measure<Codec>(warp, entry, &mode);
+      if (l == 0 && k) memset(payload[k], 0xAB, k * BUDDY_SECTOR_BYTES);
+      warp.sync();
+      buddy_entry_encode<Codec>(warp, entry, k, mode, payload[k]);
+      warp.sync();
       if (l == 0) {
-        memcpy(entry, in + i * E, E);
-        memset(payload, 0xAB, E);
+        memset(staged, 0xAB, E);
+        if (k) memcpy(staged, payload[k], k * BUDDY_SECTOR_BYTES);
         memset(decoded, 0xAB, E);
       }
       warp.sync();
-      const uint32_t nnz = buddy_zvc_warp_count<WB>(warp, entry);
-      const uint32_t k = buddy_zvc_warp_encode<WB>(warp, entry, payload);
-      warp.sync();
-      const uint32_t err = buddy_zvc_warp_decode<WB>(warp, payload, k, 0u, decoded);
+      const uint32_t err = buddy_entry_decode<Codec>(warp, staged, k, mode, decoded);
       warp.sync();
       if (l == 0) {
-        kw_sizes[i] = (int32_t)buddy_zvc_sectors<WB>(nnz);
-        kw[i] = (int32_t)k;
-        errw[i] = err;
-        memcpy(&payw[i * E], payload, E);
-        memcpy(&decw[i * E], decoded, E);
+        ks[i] = (int32_t)k;
+        modes[i] = (int32_t)mode;
+        errs[i] = err;
+        if (k) memcpy(&pay[i * E], payload[k], k * BUDDY_SECTOR_BYTES);
+        memcpy(&dec[i * E], decoded, E);
       }
       warp.sync();
     }
   });
-
-  fwrite(k1.data(), 4, n, out);
-  fwrite(pay1.data(), 1, n * E, out);
-  fwrite(kw_sizes.data(), 4, n, out);
-  fwrite(kw.data(), 4, n, out);
-  fwrite(payw.data(), 1, n * E, out);
-  fwrite(dec1.data(), 1, n * E, out);
-  fwrite(decw.data(), 1, n * E, out);
-  fwrite(err1.data(), 4, n, out);
-  fwrite(errw.data(), 4, n, out);
+  fwrite(ks.data(), 4, n, out);
+  fwrite(modes.data(), 4, n, out);
+  fwrite(pay.data(), 1, n * E, out);
+  fwrite(dec.data(), 1, n * E, out);
+  fwrite(errs.data(), 4, n, out);
 }
 
-template <int WB>
+template <class Codec>
 static void decode(size_t n, const uint8_t* in, FILE* out) {
   const int32_t* ks = (const int32_t*)in;
   const int32_t* modes = ks + n;
   const uint8_t* payloads = (const uint8_t*)(modes + n);
   uint8_t* payload = guarded(E);
   uint8_t* decoded = guarded(E);
-  std::vector<uint32_t> err1(n), errw(n);
-  std::vector<uint8_t> dec1(n * E), decw(n * E);
-
-  for (size_t i = 0; i < n; ++i) {
-    memcpy(payload, payloads + i * E, E);
-    memset(decoded, 0xAB, E);
-    err1[i] = buddy_zvc_decode_entry<WB>(payload, (uint32_t)ks[i], (uint32_t)modes[i], decoded);
-    memcpy(&dec1[i * E], decoded, E);
-  }
+  std::vector<uint32_t> errs(n);
+  std::vector<uint8_t> dec(n * E);
   run_warp([&](uint32_t l) {
     const HostWarp warp{l};
     for (size_t i = 0; i < n; ++i) {
@@ -229,53 +213,61 @@ static void decode(size_t n, const uint8_t* in, FILE* out) {
         memset(decoded, 0xAB, E);
       }
       warp.sync();
-      const uint32_t err = buddy_zvc_warp_decode<WB>(warp, payload, (uint32_t)ks[i], (uint32_t)modes[i], decoded);
+      const uint32_t err = buddy_entry_decode<Codec>(warp, payload, (uint32_t)ks[i], (uint32_t)modes[i], decoded);
       warp.sync();
       if (l == 0) {
-        errw[i] = err;
-        memcpy(&decw[i * E], decoded, E);
+        errs[i] = err;
+        memcpy(&dec[i * E], decoded, E);
       }
       warp.sync();
     }
   });
-  fwrite(dec1.data(), 1, n * E, out);
-  fwrite(decw.data(), 1, n * E, out);
-  fwrite(err1.data(), 4, n, out);
-  fwrite(errw.data(), 4, n, out);
+  fwrite(dec.data(), 1, n * E, out);
+  fwrite(errs.data(), 4, n, out);
 }
 
-template <int WB>
-static void run(const char* op, size_t n, const uint8_t* in, FILE* out) {
-  if (strcmp(op, "encode") == 0)
-    encode<WB>(n, in, out);
-  else
-    decode<WB>(n, in, out);
+template <template <int> class Codec>
+static int run(const char* op, int word, size_t n, const uint8_t* in, FILE* out) {
+  void (*fn[4])(size_t, const uint8_t*, FILE*);
+  const bool enc = strcmp(op, "encode") == 0;
+  fn[0] = enc ? encode<Codec<1>> : decode<Codec<1>>;
+  fn[1] = enc ? encode<Codec<2>> : decode<Codec<2>>;
+  fn[2] = enc ? encode<Codec<4>> : decode<Codec<4>>;
+  fn[3] = enc ? encode<Codec<8>> : decode<Codec<8>>;
+  switch (word) {
+    case 1: fn[0](n, in, out); return 0;
+    case 2: fn[1](n, in, out); return 0;
+    case 4: fn[2](n, in, out); return 0;
+    case 8: fn[3](n, in, out); return 0;
+    default: fprintf(stderr, "word size must be 1, 2, 4 or 8, got %d\n", word); return 2;
+  }
 }
 
 int main(int argc, char** argv) {
-  if (argc != 6 || (strcmp(argv[1], "encode") != 0 && strcmp(argv[1], "decode") != 0)) {
-    fprintf(stderr, "usage: %s encode|decode WORD_BYTES N IN OUT\n", argv[0]);
+  if (argc != 7 || (strcmp(argv[2], "encode") != 0 && strcmp(argv[2], "decode") != 0)) {
+    fprintf(stderr, "usage: %s CODEC encode|decode WORD_BYTES N IN OUT\n", argv[0]);
     return 2;
   }
-  const int word = atoi(argv[2]);
-  const size_t n = (size_t)strtoull(argv[3], nullptr, 10);
-  const std::vector<uint8_t> in = read_file(argv[4]);
-  const size_t expected = strcmp(argv[1], "encode") == 0 ? n * E : n * (8 + E);
+  const char* codec = argv[1];
+  const int word = atoi(argv[3]);
+  const size_t n = (size_t)strtoull(argv[4], nullptr, 10);
+  const std::vector<uint8_t> in = read_file(argv[5]);
+  const size_t expected = strcmp(argv[2], "encode") == 0 ? n * E : n * (8 + E);
   if (in.size() != expected) {
     fprintf(stderr, "input holds %zu bytes, expected %zu\n", in.size(), expected);
     return 2;
   }
-  FILE* out = fopen(argv[5], "wb");
+  FILE* out = fopen(argv[6], "wb");
   if (!out) {
-    perror(argv[5]);
+    perror(argv[6]);
     return 2;
   }
-  switch (word) {
-    case 1: run<1>(argv[1], n, in.data(), out); break;
-    case 2: run<2>(argv[1], n, in.data(), out); break;
-    case 4: run<4>(argv[1], n, in.data(), out); break;
-    case 8: run<8>(argv[1], n, in.data(), out); break;
-    default: fprintf(stderr, "word size must be 1, 2, 4 or 8, got %d\n", word); return 2;
+  int rc;
+  if (strcmp(codec, "zvc") == 0)
+    rc = run<BuddyZvc>(argv[2], word, n, in.data(), out);
+  else {
+    fprintf(stderr, "unknown codec %s\n", codec);
+    rc = 2;
   }
-  return fclose(out) == 0 ? 0 : 2;
+  return fclose(out) == 0 ? rc : 2;
 }

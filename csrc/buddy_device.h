@@ -1,0 +1,122 @@
+// Portability of the device code: fixed-width integers, function qualifiers,
+// loads and stores, and bit counting that compile both under NVRTC/nvcc (the
+// kernels) and under a host C++17 compiler (the emulated-warp tests).
+#pragma once
+
+#if defined(__CUDACC_RTC__)
+// NVRTC (run-time compilation through CuPy) ships no C library headers.
+typedef signed char int8_t;
+typedef short int16_t;
+typedef int int32_t;
+typedef long long int64_t;
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+#else
+#include <stdint.h>
+#include <string.h>
+#endif
+
+#ifdef __CUDACC__
+#define BUDDY_HD __host__ __device__ __forceinline__
+#define BUDDY_WARP_FN __device__ __forceinline__
+#else
+#define BUDDY_HD inline
+#define BUDDY_WARP_FN inline
+#endif
+
+template <int N>
+struct buddy_uint;
+template <>
+struct buddy_uint<1> {
+  typedef uint8_t type;
+};
+template <>
+struct buddy_uint<2> {
+  typedef uint16_t type;
+};
+template <>
+struct buddy_uint<4> {
+  typedef uint32_t type;
+};
+template <>
+struct buddy_uint<8> {
+  typedef uint64_t type;
+};
+
+// Unaligned-safe on the host (memcpy), a plain aligned access on the device:
+// device pointers are aligned to sizeof(T) by every caller.
+template <class T>
+BUDDY_HD T buddy_load(const uint8_t* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const T*>(p);
+#else
+  T v;
+  memcpy(&v, p, sizeof(T));
+  return v;
+#endif
+}
+
+template <class T>
+BUDDY_HD void buddy_store(uint8_t* p, T v) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<T*>(p) = v;
+#else
+  memcpy(p, &v, sizeof(T));
+#endif
+}
+
+BUDDY_HD uint32_t buddy_popc(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  return (uint32_t)__popc(x);
+#else
+  return (uint32_t)__builtin_popcount(x);
+#endif
+}
+
+BUDDY_HD uint32_t buddy_popc64(uint64_t x) {
+#if defined(__CUDA_ARCH__)
+  return (uint32_t)__popcll(x);
+#else
+  return (uint32_t)__builtin_popcountll(x);
+#endif
+}
+
+// Number of bits needed to write x (bit_length; 0 for 0).
+BUDDY_HD uint32_t buddy_bit_length(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  return 32u - (uint32_t)__clz(x);
+#else
+  return x ? 32u - (uint32_t)__builtin_clz(x) : 0u;
+#endif
+}
+
+// Index of the lowest set bit of a non-zero x.
+BUDDY_HD uint32_t buddy_ctz64(uint64_t x) {
+#if defined(__CUDA_ARCH__)
+  return (uint32_t)__ffsll((long long)x) - 1u;
+#else
+  return (uint32_t)__builtin_ctzll(x);
+#endif
+}
+
+template <class T>
+BUDDY_HD T buddy_min(T a, T b) {
+  return a < b ? a : b;
+}
+
+template <class T>
+BUDDY_HD T buddy_max(T a, T b) {
+  return a < b ? b : a;
+}
+
+// *p |= v, atomically on the device (lanes of a warp may share a stream word);
+// the host emulation runs one lane at a time, so a plain OR is atomic there.
+BUDDY_HD void buddy_atomic_or(uint32_t* p, uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  atomicOr(p, v);
+#else
+  *p |= v;
+#endif
+}

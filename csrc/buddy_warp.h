@@ -1,0 +1,90 @@
+// Warp collectives shared by every codec's device functions.
+//
+// Device code that works on one entry with the 32 lanes of a warp is written
+// against a Warp type, so the very same code runs on the GPU (BuddyCudaWarp
+// below) and on the host under an emulated warp (tests/host/codec_host.cpp,
+// 32 cooperative fibers). A Warp provides, and every lane calls each of them
+// with the same control flow (in the same order):
+//   uint32_t lane() const                          0..31
+//   uint32_t ballot(bool p) const                  bit l: p of lane l
+//   uint32_t shfl(uint32_t v, uint32_t src) const  v of lane src
+//   uint32_t shfl_xor(uint32_t v, uint32_t m) const
+//   uint32_t shfl_up(uint32_t v, uint32_t d) const  v of lane l - d (own v when l < d)
+//   void sync() const                              memory written by any lane before it
+//                                                  is visible to every lane after it
+#pragma once
+
+#include "buddy_device.h"
+
+#define BUDDY_WARP_SIZE 32u
+
+// Sum of v over the warp, on every lane.
+template <class Warp>
+BUDDY_WARP_FN uint32_t buddy_warp_sum(const Warp& warp, uint32_t v) {
+  for (uint32_t d = BUDDY_WARP_SIZE / 2; d > 0; d >>= 1) v += warp.shfl_xor(v, d);
+  return v;
+}
+
+// Largest v over the warp, on every lane.
+template <class Warp>
+BUDDY_WARP_FN uint32_t buddy_warp_max(const Warp& warp, uint32_t v) {
+  for (uint32_t d = BUDDY_WARP_SIZE / 2; d > 0; d >>= 1) v = buddy_max(v, warp.shfl_xor(v, d));
+  return v;
+}
+
+// Bitwise OR of v over the warp, on every lane.
+template <class Warp>
+BUDDY_WARP_FN uint32_t buddy_warp_or(const Warp& warp, uint32_t v) {
+  for (uint32_t d = BUDDY_WARP_SIZE / 2; d > 0; d >>= 1) v |= warp.shfl_xor(v, d);
+  return v;
+}
+
+// Exclusive prefix sum of v over lanes 0..lane-1; *total: the sum over the warp.
+template <class Warp>
+BUDDY_WARP_FN uint32_t buddy_warp_exclusive_scan(const Warp& warp, uint32_t v, uint32_t* total) {
+  const uint32_t lane = warp.lane();
+  uint32_t x = v;
+  for (uint32_t d = 1; d < BUDDY_WARP_SIZE; d <<= 1) {
+    const uint32_t y = warp.shfl_up(x, d);
+    if (lane >= d) x += y;
+  }
+  *total = warp.shfl(x, BUDDY_WARP_SIZE - 1);
+  return x - v;
+}
+
+// Copies n bytes (src) or writes n zeros (src == nullptr), 8 bytes per lane
+// store; n is a multiple of 8 and both pointers are 8-byte aligned.
+template <class Warp>
+BUDDY_WARP_FN void buddy_warp_fill(const Warp& warp, const uint8_t* src, uint8_t* dst, uint32_t n) {
+  for (uint32_t u = warp.lane(); u < n / 8; u += BUDDY_WARP_SIZE)
+    buddy_store<uint64_t>(dst + 8 * u, src ? buddy_load<uint64_t>(src + 8 * u) : (uint64_t)0);
+}
+
+// Whether any of the n bytes at p (n a multiple of 8, p 8-byte aligned) is
+// non-zero, on every lane.
+template <class Warp>
+BUDDY_WARP_FN bool buddy_warp_any_nonzero(const Warp& warp, const uint8_t* p, uint32_t n) {
+  bool mine = false;
+  for (uint32_t u = warp.lane(); u < n / 8; u += BUDDY_WARP_SIZE) mine |= buddy_load<uint64_t>(p + 8 * u) != 0;
+  return warp.ballot(mine) != 0;
+}
+
+#ifdef __CUDACC__
+#define BUDDY_FULL_MASK 0xffffffffu
+
+// The Warp on the GPU: lanes are the 32 threads of a warp.
+struct BuddyCudaWarp {
+  __device__ __forceinline__ uint32_t lane() const { return threadIdx.x & (BUDDY_WARP_SIZE - 1u); }
+  __device__ __forceinline__ uint32_t ballot(bool p) const { return __ballot_sync(BUDDY_FULL_MASK, p); }
+  __device__ __forceinline__ uint32_t shfl(uint32_t v, uint32_t src) const {
+    return __shfl_sync(BUDDY_FULL_MASK, v, (int)src);
+  }
+  __device__ __forceinline__ uint32_t shfl_xor(uint32_t v, uint32_t m) const {
+    return __shfl_xor_sync(BUDDY_FULL_MASK, v, (int)m);
+  }
+  __device__ __forceinline__ uint32_t shfl_up(uint32_t v, uint32_t d) const {
+    return __shfl_up_sync(BUDDY_FULL_MASK, v, d);
+  }
+  __device__ __forceinline__ void sync() const { __syncwarp(BUDDY_FULL_MASK); }
+};
+#endif
