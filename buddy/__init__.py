@@ -15,10 +15,25 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import spec
-from .autograd import DEFAULT_MIN_BYTES, Session, compressed_activations, wrap
-from .codecs import DEFAULT_CODEC, Codec, available_codecs, get_codec, register_codec
+from . import (
+    cuda,  # registers the CUDA kernels' implementations (imports no CuPy)
+    dispatch,
+    spec,
+)
+from .autograd import (
+    DEFAULT_MIN_BYTES,
+    RecordedTensor,
+    Recorder,
+    Session,
+    compressed_activations,
+    record_activations,
+    wrap,
+)
+from .codecs import DEFAULT_CODEC, Codec, available_codecs, get_codec, register_codec, unregister_codec
 from .config import defaults, set_defaults
+from .dispatch import implementations
+from .dispatch import register as register_implementation
+from .dispatch import unregister as unregister_implementation
 from .errors import (
     BuddyError,
     CorruptDataError,
@@ -27,15 +42,18 @@ from .errors import (
     MissingDependencyError,
     UnsupportedTensorError,
 )
+from .ledger import DeviceLedger, Hold, LedgerStats, default_ledger, set_default_ledger
+from .pipeline import Measured, compress, measure, pack, size_histogram, unpack
 from .slots import DEFAULT_MAX_OVERFLOW
 from .stats import KeyRow, SessionStats
 from .store import BuddyAllocation, BuddyStore, StoreStats, default_store, set_default_store
-from .tensor import BuddyTensor, compress, pack, size_histogram, unpack
+from .tensor import BuddyTensor
 from .tracker import (
     BuddyThreshold,
     BudgetExceededWarning,
     DeviceBudget,
     FixedRatio,
+    Placement,
     Policy,
     Tracker,
     default_tracker,
@@ -45,8 +63,12 @@ from .tracker import (
 __all__ = [
     "__version__",
     "spec",
+    "dispatch",
+    "cuda",
     "compress",
+    "measure",
     "pack",
+    "Measured",
     "unpack",
     "size_histogram",
     "BuddyTensor",
@@ -61,13 +83,26 @@ __all__ = [
     "available_codecs",
     "get_codec",
     "register_codec",
+    "unregister_codec",
+    "implementations",
+    "register_implementation",
+    "unregister_implementation",
+    "DeviceLedger",
+    "Hold",
+    "LedgerStats",
+    "default_ledger",
+    "set_default_ledger",
     "compressed_activations",
     "Session",
+    "record_activations",
+    "Recorder",
+    "RecordedTensor",
     "SessionStats",
     "KeyRow",
     "DEFAULT_MIN_BYTES",
     "wrap",
     "Policy",
+    "Placement",
     "FixedRatio",
     "BuddyThreshold",
     "DeviceBudget",

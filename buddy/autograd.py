@@ -47,29 +47,44 @@ A session object belongs to the thread that opened it: opening it again while
 it is open (from any thread) raises, and only that thread may close it.
 Nesting: the innermost open session packs; each session counts what it
 packed.
+
+:func:`record_activations` opens the same hooks with the same skip, dedup
+and key rules, but only records a copy of each tensor a session would
+compress and changes nothing (the capacity experiments measure on what it
+records).
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import time
 import warnings
 import weakref
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import config, spec
+from . import spec
 from .errors import UnsupportedTensorError
+from .pipeline import measure, pack
 from .stats import KeyRow, SessionStats
 from .store import BuddyStore, default_store
-from .tensor import BuddyTensor, check_tensor, pack
+from .tensor import BuddyTensor, check_tensor, dense_strides
 from .tracker import Policy, Tracker, default_tracker
 
-__all__ = ["compressed_activations", "Session", "DEFAULT_MIN_BYTES", "wrap"]
+__all__ = [
+    "compressed_activations",
+    "Session",
+    "record_activations",
+    "Recorder",
+    "RecordedTensor",
+    "DEFAULT_MIN_BYTES",
+    "wrap",
+    "is_parameter",
+]
 
 #: tensors smaller than this are not worth a kernel launch and a key
 DEFAULT_MIN_BYTES = 1 << 20
@@ -86,7 +101,8 @@ def _warn_once(cause: str, message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _is_parameter(t: torch.Tensor) -> bool:
+def is_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a parameter, a view of one, or a leaf that requires grad (never compressed)."""
     base = t._base if t._base is not None else t
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
@@ -104,18 +120,17 @@ def _add_note(exc: BaseException, note: str) -> None:
 class _Kept:
     """What autograd keeps for a tensor the tracker left as it is (the raw slot).
 
-    Its device bytes count against the tracker's budget for as long as
-    autograd holds it -- not as long as the tensor lives, which may be many
-    steps (an input batch reused every step).
+    Its device bytes are held on the tracker's ledger for as long as autograd
+    holds it -- not as long as the tensor lives, which may be many steps (an
+    input batch reused every step).
     """
 
     __slots__ = ("tensor", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, tracker: Tracker):
         self.tensor = tensor
-        nbytes = tensor.numel() * tensor.element_size()
-        tracker._hold(nbytes)
-        weakref.finalize(self, _unhold, weakref.ref(tracker), nbytes)  # weakly: see _unhold
+        hold = tracker.ledger.hold(tensor.numel() * tensor.element_size())
+        weakref.finalize(self, hold.release)  # the hold refers to the ledger only: no cycle through the graph
 
     def unpack(self) -> torch.Tensor:
         return self.tensor
@@ -245,8 +260,8 @@ def _compile_safe_hooks(pack, unpack):
     return _eager_only(pack_hook), _eager_only(unpack_hook)
 
 
-def _weak_pack(session: Session):
-    """``session._pack``, holding the session weakly.
+def _weak_pack(hooks: _SavedTensorHooks):
+    """``hooks._pack``, holding the hooks' owner weakly.
 
     PyTorch keeps the pack hook in every saved tensor it packed, that is in the
     graph: held strongly, a session that refers back to the graph
@@ -254,17 +269,159 @@ def _weak_pack(session: Session):
     cycle through C++ that the collector cannot break (see _Compressed). The
     hook runs only while the session is open, and ``with`` keeps it alive.
     """
-    ref = weakref.ref(session)
+    ref = weakref.ref(hooks)
 
     def pack(t: torch.Tensor):
-        session = ref()
-        return session._pack(t) if session is not None else t.detach()
+        owner = ref()
+        return owner._pack(t) if owner is not None else t.detach()
 
     return pack
 
 
-class Session:
+def _storages_of(exclude) -> frozenset[int]:
+    if exclude is None:
+        return frozenset()
+    items = exclude if isinstance(exclude, (list, tuple, set)) else [exclude]
+    tensors = []
+    for item in items:
+        if isinstance(item, torch.nn.Module):
+            tensors += list(item.parameters()) + list(item.buffers())
+        elif isinstance(item, torch.Tensor):
+            tensors.append(item)
+        else:
+            raise TypeError(f"exclude takes modules and tensors, got {type(item).__name__}")
+    return frozenset(t.untyped_storage()._cdata for t in tensors)
+
+
+class _SavedTensorHooks:
+    """Saved-tensor hooks owned by one thread, with buddy's rules for what to take.
+
+    The rules, shared by a compressing :class:`Session` and a :class:`Recorder`:
+    skip what :meth:`_skip_reason` names; take a storage saved by several ops
+    (same storage, offset, shape, strides, dtype and version) once; key each
+    tensor taken ``"<prefix><index>:<dtype><shape>"``, the index counting the
+    tensors taken in the block. Subclasses say what taking a tensor means
+    (:meth:`_take`) and count into :attr:`_stats` (a :class:`SessionStats`).
+    """
+
+    def __init__(self, *, min_bytes: int, exclude, key_prefix: str, enabled: bool):
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes must be a non-negative int (bytes), got {min_bytes!r}")
+        self.min_bytes = min_bytes
+        self.key_prefix = key_prefix
+        self.enabled = enabled
+        self._excluded = _storages_of(exclude)
+        self._lock = threading.RLock()
+        self._hooks = None
+        self._thread = None  # the thread that opened it
+        self._reset()
+
+    # ---- context manager ---------------------------------------------------
+    def __enter__(self):
+        with self._lock:  # checked and set at once: two threads cannot both open it
+            if self._hooks is not None:
+                raise RuntimeError(
+                    f"this {self._what} is already open (in this or another thread); open a new one per step "
+                    f"and per thread"
+                )
+            self._reset()
+            self._begin()
+            hooks = torch.autograd.graph.saved_tensors_hooks(*_compile_safe_hooks(_weak_pack(self), self._unpack))
+            hooks.__enter__()
+            self._hooks, self._thread = hooks, threading.get_ident()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            if self._hooks is None:
+                raise RuntimeError(f"this {self._what} is not open")
+            if self._thread != threading.get_ident():  # saved-tensor hooks are per thread
+                raise RuntimeError(f"a {self._what} must be closed by the thread that opened it")
+            hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
+
+    _what = "saved-tensor hooks block"
+
+    def _begin(self) -> None:
+        """Called as the block opens."""
+
+    def _reset(self) -> None:
+        with self._lock:
+            self._index = 0
+            self._dedup: dict[tuple, tuple[StorageWeakRef, weakref.ref, KeyRow | None]] = {}
+            self._storages: dict[int, list[int]] = {}  # storage -> [storage bytes, bytes of its views taken]
+            self._stats = SessionStats()
+
+    # ---- hooks -----------------------------------------------------------------
+    def _skip_reason(self, t: torch.Tensor) -> str | None:
+        if not self.enabled:
+            return "disabled"
+        try:
+            check_tensor(t)
+        except UnsupportedTensorError:
+            return "unsupported"
+        if is_parameter(t) or t.untyped_storage()._cdata in self._excluded:
+            return "parameter"
+        if t.numel() * t.element_size() < self.min_bytes:
+            return "small"
+        return None
+
+    def _pack(self, t: torch.Tensor):
+        with self._lock:
+            st = self._stats
+            st.saves += 1
+            reason = self._skip_reason(t)
+            if reason is not None:
+                st.skipped += 1
+                st.skipped_bytes += t.numel() * t.element_size()
+                if reason != "parameter":
+                    st.kept_bytes += t.numel() * t.element_size()
+                return t.detach()  # never ``t`` itself: see "kept as it is" in the module doc
+            storage = t.untyped_storage()
+            dedup_key = (storage._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+            hit = self._dedup.get(dedup_key)
+            if hit is not None:
+                alive, ref, row = hit
+                packed = ref()
+                if packed is not None and not alive.expired():
+                    st.deduplicated += 1
+                    if row is not None:
+                        row.saves += 1
+                    return packed
+            key = f"{self.key_prefix}{self._index}:{_tensor_key(t)}"
+            taken = self._take(t, key)
+            if taken is None:  # could not take it: keep the original
+                return t.detach()
+            packed, row = taken
+            self._index += 1
+            self._count_storage(storage, t.numel() * t.element_size())
+            # A storage that died may be reused at the same address: the weak
+            # reference tells the two apart, so a dedup hit is always the same data.
+            self._dedup[dedup_key] = (StorageWeakRef(storage), weakref.ref(packed), row)
+            return packed
+
+    def _take(self, t: torch.Tensor, key: str) -> tuple[object, KeyRow | None] | None:
+        """What autograd keeps for ``t`` (weakly referable) and its stats row; ``None``: keep ``t`` as it is."""
+        raise NotImplementedError
+
+    def _count_storage(self, storage, nbytes: int) -> None:
+        """A storage holding several views taken counts once, at most its own size."""
+        views = self._storages.setdefault(storage._cdata, [storage.nbytes(), 0])
+        before = min(views)
+        views[1] += nbytes
+        self._stats.original_bytes += min(views) - before
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        return packed.unpack()
+
+
+class Session(_SavedTensorHooks):
     """One step of compressed activations; see :func:`compressed_activations`."""
+
+    _what = "compressed_activations session"
 
     def __init__(
         self,
@@ -279,146 +436,38 @@ class Session:
         key_prefix: str = "",
         enabled: bool = True,
     ):
-        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-            raise ValueError(f"min_bytes must be a non-negative int (bytes), got {min_bytes!r}")
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a buddy Policy (FixedRatio, BuddyThreshold, DeviceBudget), got {policy!r}")
         self.policy = policy
         self.tracker = tracker if tracker is not None else default_tracker()
         self.store = store if store is not None else default_store()
-        self.min_bytes = min_bytes
         self.codec = codec
         self.entry_bytes = spec.check_entry_bytes(entry_bytes) if entry_bytes is not None else None
-        self.key_prefix = key_prefix
-        self.enabled = enabled
-        self._excluded = self._storages_of(exclude)
-        self._lock = threading.RLock()
-        self._hooks = None
-        self._thread = None  # the thread that opened it
-        self._reset()
+        super().__init__(min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, enabled=enabled)
 
-    # ---- context manager ---------------------------------------------------
-    def __enter__(self) -> Session:
-        with self._lock:  # checked and set at once: two threads cannot both open it
-            if self._hooks is not None:
-                raise RuntimeError(
-                    "this compressed_activations session is already open (in this or another thread); "
-                    "open a new one per step and per thread"
-                )
-            self._reset()
-            self.tracker.begin_step(self.policy)
-            hooks = torch.autograd.graph.saved_tensors_hooks(*_compile_safe_hooks(_weak_pack(self), self._unpack))
-            hooks.__enter__()
-            self._hooks, self._thread = hooks, threading.get_ident()
-        return self
+    def _begin(self) -> None:
+        self.tracker.begin_step(self.policy)
 
-    def __exit__(self, *exc) -> None:
-        with self._lock:
-            if self._hooks is None:
-                raise RuntimeError("this compressed_activations session is not open")
-            if self._thread != threading.get_ident():  # saved-tensor hooks are per thread
-                raise RuntimeError("a compressed_activations session must be closed by the thread that opened it")
-            hooks, self._hooks = self._hooks, None
-        hooks.__exit__(*exc)
-
-    def _reset(self) -> None:
-        with self._lock:
-            self._index = 0
-            self._dedup: dict[tuple, tuple[StorageWeakRef, weakref.ref]] = {}
-            self._storages: dict[int, list[int]] = {}  # storage -> [storage bytes, bytes of its compressed views]
-            self._stats = SessionStats()
-
-    @staticmethod
-    def _storages_of(exclude) -> frozenset[int]:
-        if exclude is None:
-            return frozenset()
-        items = exclude if isinstance(exclude, (list, tuple, set)) else [exclude]
-        tensors = []
-        for item in items:
-            if isinstance(item, torch.nn.Module):
-                tensors += list(item.parameters()) + list(item.buffers())
-            elif isinstance(item, torch.Tensor):
-                tensors.append(item)
-            else:
-                raise TypeError(f"exclude takes modules and tensors, got {type(item).__name__}")
-        return frozenset(t.untyped_storage()._cdata for t in tensors)
-
-    # ---- hooks -----------------------------------------------------------------
-    def _skip_reason(self, t: torch.Tensor) -> str | None:
-        if not self.enabled:
-            return "disabled"
+    def _take(self, t: torch.Tensor, key: str):
+        start = time.perf_counter()
         try:
-            check_tensor(t)
-        except UnsupportedTensorError:
-            return "unsupported"
-        if _is_parameter(t) or t.untyped_storage()._cdata in self._excluded:
-            return "parameter"
-        if t.numel() * t.element_size() < self.min_bytes:
-            return "small"
-        return None
+            result = _tracked(t, key, self.tracker, self.policy, self.store, self.codec, self.entry_bytes, keep=True)
+        except Exception as exc:  # never let buddy break training: keep the original
+            self._stats.failed += 1
+            self._stats.kept_bytes += t.numel() * t.element_size()
+            _warn_once(
+                f"{type(exc).__name__}: {exc}"[:200],
+                f"buddy could not compress a saved activation ({type(exc).__name__}: {exc}); "
+                f"keeping it uncompressed. Training is unaffected. This warning is shown once per cause.",
+            )
+            return None
+        row = self._row(t, result, key, time.perf_counter() - start)
+        packed = _Kept(t.detach(), self.tracker) if result.bt is None else _Compressed(result.bt, self, row)
+        return packed, row
 
-    def _pack(self, t: torch.Tensor):
-        with self._lock:
-            self._stats.saves += 1
-            reason = self._skip_reason(t)
-            if reason is not None:
-                self._stats.skipped += 1
-                self._stats.skipped_bytes += t.numel() * t.element_size()
-                if reason != "parameter":
-                    self._stats.kept_bytes += t.numel() * t.element_size()
-                return t.detach()  # never ``t`` itself: see "kept as it is" in the module doc
-            storage = t.untyped_storage()
-            dedup_key = (storage._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-            hit = self._dedup.get(dedup_key)
-            if hit is not None:
-                alive, ref, row = hit
-                packed = ref()
-                if packed is not None and not alive.expired():
-                    self._stats.deduplicated += 1
-                    row.saves += 1
-                    return packed
-            key = f"{self.key_prefix}{self._index}:{_tensor_key(t)}"
-            start = time.perf_counter()
-            try:
-                result = self._compress(t, key)
-            except Exception as exc:  # never let buddy break training: keep the original
-                self._stats.failed += 1
-                self._stats.kept_bytes += t.numel() * t.element_size()
-                _warn_once(
-                    f"{type(exc).__name__}: {exc}"[:200],
-                    f"buddy could not compress a saved activation ({type(exc).__name__}: {exc}); "
-                    f"keeping it uncompressed. Training is unaffected. This warning is shown once per cause.",
-                )
-                return t.detach()
-            elapsed = time.perf_counter() - start
-            self._index += 1
-            row = self._account(t, storage, result, key, elapsed)
-            # A storage that died may be reused at the same address: the weak
-            # reference tells the two apart, so a dedup hit is always the same data.
-            packed = _Kept(t.detach(), self.tracker) if result.bt is None else _Compressed(result.bt, self, row)
-            self._dedup[dedup_key] = (StorageWeakRef(storage), weakref.ref(packed), row)
-            return packed
-
-    def _compress(self, t: torch.Tensor, key: str) -> _Packed:
-        return _tracked_pack(
-            t,
-            key,
-            tracker=self.tracker,
-            policy=self.policy,
-            store=self.store,
-            codec=self.codec,
-            entry_bytes=self.entry_bytes,
-            on_full="device",  # a full store must not cost the training step: keep it on the device
-            keep_full_slot=True,  # a raw slot holds the same bytes plus metadata: keep the tensor instead
-        )
-
-    def _account(self, t, storage, result: _Packed, key: str, elapsed: float) -> KeyRow:
+    def _row(self, t, result: _Packed, key: str, elapsed: float) -> KeyRow:
         st = self._stats
         nbytes = t.numel() * t.element_size()
-        views = self._storages.setdefault(storage._cdata, [storage.nbytes(), 0])
-        before = min(views)
-        views[1] += nbytes
-        st.original_bytes += min(views) - before
         bt = result.bt
         row = KeyRow(
             key=key,
@@ -439,12 +488,6 @@ class Session:
         st.compress_seconds += elapsed
         st.rows.append(row)
         return row
-
-    @staticmethod
-    def _unpack(packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        return packed.unpack()
 
     def _count_unpack(self, seconds: float) -> None:
         with self._lock:
@@ -468,60 +511,35 @@ class Session:
 
 class _Packed(NamedTuple):
     bt: BuddyTensor | None  # None: kept as it is (the tracker chose the raw slot)
-    histogram: list[int]
+    histogram: tuple[int, ...]
     predicted: int | None  # overflow bytes the tracker predicted; None for a new key
 
 
-class _KeepAsIs(Exception):
-    """Raised from the slot choice to stop packing a tensor that would only gain metadata."""
+def _tracked(t, key, tracker: Tracker, policy, store, codec, entry_bytes, *, keep: bool, on_full="device"):
+    """Measure ``t``, let the tracker place it under ``key``, pack it there, and record what happened.
 
-
-def _tracked_pack(t, key, *, tracker: Tracker, policy, store, codec, entry_bytes, on_full: str, keep_full_slot=False):
-    """Compress ``t`` under ``key`` with the tracker's slot and record the outcome in the tracker.
-
-    With ``keep_full_slot``, a tensor the tracker gives the raw slot is not
-    packed at all (``bt`` is ``None``): the raw slot would hold the same bytes
-    plus metadata. The caller then counts its bytes as held (see :class:`_Kept`).
+    With ``keep``, a tensor the tracker gives the raw slot is not packed
+    (``bt`` is ``None``): the raw slot would hold the same bytes plus
+    metadata; the caller keeps it (see :class:`_Kept`). A full store keeps
+    the tensor whole on the device by default (``on_full="device"``): a full
+    store must not cost a training step.
     """
-    codec = codec or config.defaults().codec
-    entry_bytes = entry_bytes or config.defaults().entry_bytes
-    nbytes = t.numel() * t.element_size()
-    decided = {}
-
-    def choose(histogram):
-        slot, predicted = tracker.choose(key, histogram, entry_bytes=entry_bytes, original_bytes=nbytes, policy=policy)
-        decided.update(histogram=histogram, slot=slot, predicted=predicted)
-        if keep_full_slot and slot == spec.sectors_per_entry(entry_bytes):
-            raise _KeepAsIs
-        return slot
-
-    try:
-        bt = pack(t, codec=codec, entry_bytes=entry_bytes, choose_slot=choose, store=store, on_full=on_full)
-    except _KeepAsIs:
-        bt = None
+    measured = measure(t, codec, entry_bytes=entry_bytes)
+    place = tracker.plan(
+        key, measured.histogram, entry_bytes=measured.entry_bytes, original_bytes=measured.nbytes, policy=policy
+    )
+    bt = None
+    if not (keep and place.keep):
+        bt = pack(measured, place.slot, store=store, on_full=on_full, ledger=tracker.ledger)
     tracker.record(
         key,
-        decided["histogram"],
-        slot=bt.slot_sectors if bt is not None else decided["slot"],
-        entry_bytes=entry_bytes,
-        original_bytes=nbytes,
-        predicted_overflow_bytes=decided["predicted"],
+        measured.histogram,
+        slot=place.slot if bt is None else bt.slot_sectors,
+        entry_bytes=measured.entry_bytes,
+        original_bytes=measured.nbytes,
+        predicted_overflow_bytes=place.predicted_overflow_bytes,
     )
-    # what stays on the device counts against budgets until it is freed
-    if bt is not None:
-        tracker._hold(bt.device_bytes)
-        bt._on_free.append(functools.partial(_unhold, weakref.ref(tracker), bt.device_bytes))
-    return _Packed(bt, decided["histogram"], decided["predicted"])
-
-
-def _unhold(tracker_ref: weakref.ref, nbytes: int) -> None:
-    # What a saved tensor leaves behind refers to the tracker weakly: a tracker
-    # whose policy refers back to the graph would otherwise close a cycle through
-    # C++ (a BuddyTensor, owned by the graph), or be kept alive, graph and all,
-    # by the finalizer registry (a _Kept's finalizer).
-    tracker = tracker_ref()
-    if tracker is not None:
-        tracker._hold(-nbytes)
+    return _Packed(bt, measured.histogram, place.predicted_overflow_bytes)
 
 
 def wrap(
@@ -544,17 +562,8 @@ def wrap(
     """
     if not isinstance(key, str) or not key:
         raise ValueError(f"key must be a non-empty string, got {key!r}")
-    check_tensor(tensor)
-    return _tracked_pack(
-        tensor,
-        key,
-        tracker=tracker if tracker is not None else default_tracker(),
-        policy=policy,
-        store=store if store is not None else default_store(),
-        codec=codec,
-        entry_bytes=spec.check_entry_bytes(entry_bytes) if entry_bytes is not None else None,
-        on_full=on_full,
-    ).bt
+    tracker = tracker if tracker is not None else default_tracker()
+    return _tracked(tensor, key, tracker, policy, store, codec, entry_bytes, keep=False, on_full=on_full).bt
 
 
 def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:
@@ -565,7 +574,8 @@ def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:
             :class:`~buddy.BuddyThreshold`, :class:`~buddy.DeviceBudget`);
             default: the tracker's own (``BuddyThreshold(0.10)``).
         tracker: a :class:`~buddy.Tracker` (default: process-wide, so history
-            persists across blocks -- one block is one step).
+            persists across blocks -- one block is one step). Device bytes
+            are held on its ledger.
         store: a :class:`~buddy.BuddyStore` (default: process-wide).
         min_bytes: tensors smaller than this stay as they are (default 1 MiB).
         codec, entry_bytes: override the defaults of :func:`buddy.set_defaults`.
@@ -579,3 +589,76 @@ def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:
         A :class:`Session`; ``session.stats()`` reports what it held.
     """
     return Session(policy, **kwargs)
+
+
+# ---- recording --------------------------------------------------------------------
+@dataclass
+class RecordedTensor:
+    """One tensor a session would have compressed: its key, a copy of it, and the op that made it.
+
+    ``tensor`` is a detached copy on the recorder's device with the
+    original's strides when they were dense (its bytes in memory order are
+    the ones a session compresses); ``op`` is the name of the autograd node
+    that produced it (e.g. ``"ReluBackward0"``; ``""`` for inputs and
+    tensors made without grad).
+    """
+
+    key: str
+    tensor: torch.Tensor = field(repr=False)
+    op: str
+
+
+class _Recorded:
+    """What autograd keeps for a recorded tensor: a new object, so a dedup hit can check it is still held."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
+
+
+class Recorder(_SavedTensorHooks):
+    """Records what a :class:`Session` with the same settings would compress; changes nothing.
+
+    After the block, :attr:`tensors` lists the :class:`RecordedTensor` s in
+    saving order and :meth:`stats` counts as a session's would
+    (``original_bytes``: the unique storages behind them; ``skipped_bytes``:
+    every save a session would not compress). Autograd keeps the original
+    tensors, so training goes on exactly as without the block.
+    """
+
+    _what = "record_activations block"
+
+    def __init__(self, *, min_bytes: int = DEFAULT_MIN_BYTES, exclude=None, key_prefix: str = "", device="cpu"):
+        self.device = torch.device(device)
+        super().__init__(min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, enabled=True)
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.tensors: list[RecordedTensor] = []
+
+    def _take(self, t: torch.Tensor, key: str):
+        op = type(t.grad_fn).__name__ if t.grad_fn is not None else ""
+        x = t.detach().resolve_conj().resolve_neg()
+        # the bytes a session compresses: memory order for a dense layout, C order for one with gaps
+        layout = torch.preserve_format if dense_strides(x.shape, x.stride()) else torch.contiguous_format
+        self.tensors.append(RecordedTensor(key, x.to(self.device, memory_format=layout, copy=True), op))
+        return _Recorded(t.detach()), None
+
+    def stats(self) -> SessionStats:
+        """What a session would have seen (no rows: nothing was compressed)."""
+        with self._lock:
+            return SessionStats(**{k: v for k, v in vars(self._stats).items() if k != "rows"})
+
+
+def record_activations(*, min_bytes: int = DEFAULT_MIN_BYTES, exclude=None, key_prefix: str = "", device="cpu"):
+    """A context manager that records, without compressing, what a session would compress.
+
+    The same skip, dedup and key rules as :func:`compressed_activations`
+    (``min_bytes``, ``exclude``, ``key_prefix`` as there); each tensor taken
+    is copied to ``device``. Returns a :class:`Recorder`.
+    """
+    return Recorder(min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, device=device)

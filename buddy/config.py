@@ -5,11 +5,11 @@
 when they are not told otherwise. Explicit arguments always win.
 
 ``backend`` picks who runs the codecs when a call says ``backend="auto"``
-(or nothing): ``"reference"`` (the default) runs the torch reference codecs
-everywhere; ``"cuda"`` runs a codec's CUDA kernels for tensors on a CUDA
-device when the codec has kernels and CuPy is installed, and the reference
-otherwise (see :mod:`buddy.backends`). The CUDA kernels stay off by default
-until they have been validated on a GPU.
+(or nothing): ``"reference"`` (the default) runs each codec's default
+implementation (the torch reference; nvcomp's codecs run nvcomp);
+``"cuda"`` prefers a codec's CUDA kernels for tensors on a CUDA device
+wherever it has them and they can run (see :mod:`buddy.dispatch`). The CUDA
+kernels stay off by default until they have been validated on a GPU.
 
 ``checksum=True`` makes every compressed tensor carry a 64-bit checksum of
 each of its buffers, checked by ``decompress()`` before decoding (see
@@ -36,7 +36,7 @@ class Defaults:
     #: chosen by measurement: see the README, "Choosing the codec and entry size"
     codec: str = DEFAULT_CODEC
     entry_bytes: int = spec.DEFAULT_ENTRY_BYTES
-    #: "reference" (off: the torch codecs) or "cuda" (kernels where they apply);
+    #: "reference" (each codec's default implementation) or "cuda" (kernels where they apply);
     #: the CUDA path is off by default until it has been validated on a GPU
     backend: str = "reference"
     #: store and check a checksum of each buffer (see :mod:`buddy.integrity`)

@@ -2,7 +2,9 @@
 
 **Not yet validated on a GPU, so off by default**: the pipeline uses these
 kernels only when asked (``buddy.compress(t, backend="cuda")``, or
-``buddy.set_defaults(backend="cuda")``); see :mod:`buddy.backends`. The
+``buddy.set_defaults(backend="cuda")``); see :mod:`buddy.dispatch`, where
+:class:`CudaEngine` is registered as the ``"cuda"`` implementation of the
+codecs that have kernels. The
 per-entry logic they run (``csrc/zvc_core.h``) is tested byte for byte
 against the torch reference on the host.
 
@@ -11,7 +13,7 @@ The sources ship as package data (``buddy.csrc``, the repository's
 device architecture); the format constants arrive as ``-D`` defines from
 :func:`buddy.spec.c_defines`, so there is one module per entry size.
 Kernels run on PyTorch's current CUDA stream of the tensors' device, with
-no synchronisation added, except that :func:`zvc_decode` reads its error
+no synchronisation added, except that :meth:`Kernels.decode` reads its error
 flag back (one sync, as the torch reference's own checks do).
 
 ``import buddy`` never imports CuPy; the first launch does, and raises
@@ -32,22 +34,23 @@ from pathlib import Path
 
 import torch
 
-from . import spec
-from ._deps import require, require_cuda
-from .codecs.base import Codec, Encoded
+from . import dispatch, spec
+from .codecs.base import Codec
 from .codecs.zvc import ZVCCodec
+from .deps import available, require
+from .engine import BlockEngine
 from .errors import CorruptDataError
 
 __all__ = [
     "BLOCK_THREADS",
     "ALIGN_BYTES",
-    "ZVCCuda",
+    "CudaEngine",
+    "Kernels",
+    "KERNEL_CODECS",
+    "why_unusable",
     "compile_options",
     "read_source",
     "translation_unit",
-    "zvc_sizes",
-    "zvc_encode",
-    "zvc_decode",
 ]
 
 #: threads per block of every launch (8 warps: one entry per warp at a time)
@@ -204,16 +207,12 @@ def _check_tensor(
             )
 
 
-def _check_cuda(what: str, t: torch.Tensor) -> None:
-    if t.device.type != "cuda":
-        raise ValueError(f"{what} must be on a CUDA device for the CUDA kernels, got one on {t.device}")
-
-
-def _check_entries(what: str, t) -> tuple[torch.device, int, int]:
-    """``(device, n_entries, entry_bytes)`` of an ``(n, E)`` uint8 CUDA tensor."""
+def _check_entries(what: str, t, device_type: str) -> tuple[torch.device, int, int]:
+    """``(device, n_entries, entry_bytes)`` of an ``(n, E)`` uint8 tensor on a ``device_type`` device."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    _check_cuda(what, t)
+    if t.device.type != device_type:
+        raise ValueError(f"{what} must be on a CUDA device for the CUDA kernels, got one on {t.device}")
     if t.dim() != 2:
         raise ValueError(f"{what} must be (n_entries, entry_bytes), got shape {tuple(t.shape)}")
     n, entry_bytes = t.shape
@@ -232,65 +231,81 @@ def _check_word(word_bytes) -> int:
 
 
 # ---------------------------------------------------------------------------
-# launchers: strict (no copies), CUDA tensors in, CUDA tensors out
+# the kernels of one codec: strict (no copies), checked before any launch
 # ---------------------------------------------------------------------------
-def zvc_sizes(entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
-    """``k`` of each entry: ``(n,)`` int32, as :meth:`ZVCCodec.sizes`.
+class Kernels:
+    """The entry kernels of codec ``name`` (``buddy_<name>_measure/encode/decode``), arguments checked.
 
-    ``entries``: ``(n, E)`` uint8, contiguous, 8-byte aligned, on a CUDA device.
+    ``launch(name, entry_bytes, device, n_entries, args)`` runs a kernel
+    (default: compiled through CuPy, on torch's current stream);
+    ``device_type`` is the device the tensors must live on. Tests run the
+    same glue with the kernels emulated on the host by passing both.
     """
-    device, n, entry_bytes = _check_entries("entries", entries)
-    word = _check_word(word_bytes)
-    sectors = torch.empty(n, dtype=torch.int32, device=device)
-    modes = torch.empty(n, dtype=torch.int32, device=device)
-    if n:
-        _launch("buddy_zvc_measure", entry_bytes, device, n, (entries, sectors, modes, _i64(n), _i32(word)))
-    return sectors
 
+    def __init__(self, name: str, *, launch=None, device_type: str = "cuda"):
+        self.name = name
+        self.launch = _launch if launch is None else launch
+        self.device_type = device_type
 
-def zvc_encode(entries: torch.Tensor, word_bytes: int) -> Encoded:
-    """Payloads, ``k`` and modes of each entry, as :meth:`ZVCCodec.encode` (byte for byte)."""
-    device, n, entry_bytes = _check_entries("entries", entries)
-    word = _check_word(word_bytes)
-    payload = torch.empty(n, entry_bytes, dtype=torch.uint8, device=device)  # every byte is written
-    sectors = torch.empty(n, dtype=torch.int32, device=device)
-    modes = torch.empty(n, dtype=torch.int32, device=device)
-    if n:
-        _launch("buddy_zvc_encode", entry_bytes, device, n, (entries, payload, sectors, modes, _i64(n), _i32(word)))
-    return Encoded(payload, sectors, modes)
+    def measure(self, entries: torch.Tensor, word_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, modes)`` of ``(n, E)`` uint8 entries (contiguous, 8-byte aligned): ``(n,)`` int32 each."""
+        device, n, entry_bytes = _check_entries("entries", entries, self.device_type)
+        word = _check_word(word_bytes)
+        sectors = torch.empty(n, dtype=torch.int32, device=device)
+        modes = torch.empty(n, dtype=torch.int32, device=device)
+        if n:
+            self.launch(
+                f"buddy_{self.name}_measure", entry_bytes, device, n, (entries, sectors, modes, _i64(n), _i32(word))
+            )
+        return sectors, modes
 
+    def encode(self, entries: torch.Tensor, word_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(payload, k, modes)`` of each entry, as the format layer and the codec write them (byte for byte)."""
+        device, n, entry_bytes = _check_entries("entries", entries, self.device_type)
+        word = _check_word(word_bytes)
+        payload = torch.empty(n, entry_bytes, dtype=torch.uint8, device=device)  # every byte is written
+        sectors = torch.empty(n, dtype=torch.int32, device=device)
+        modes = torch.empty(n, dtype=torch.int32, device=device)
+        if n:
+            args = (entries, payload, sectors, modes, _i64(n), _i32(word))
+            self.launch(f"buddy_{self.name}_encode", entry_bytes, device, n, args)
+        return payload, sectors, modes
 
-def zvc_decode(payload: torch.Tensor, sectors: torch.Tensor, modes: torch.Tensor, word_bytes: int) -> torch.Tensor:
-    """Entries back from payloads, as :meth:`ZVCCodec.decode`.
+    def decode(
+        self, payload: torch.Tensor, sectors: torch.Tensor, modes: torch.Tensor, word_bytes: int
+    ) -> torch.Tensor:
+        """Entries back from payloads, ``k`` and modes (``(n,)`` int32 on the payload's device).
 
-    ``sectors`` and ``modes``: ``(n,)`` int32 on the payload's device.
-    Raises :class:`~buddy.errors.CorruptDataError` when a ``k`` exceeds
-    ``E/32``, a bitmap disagrees with its ``k`` or a mode is not 0; such
-    entries are never read past their ``k`` sectors.
-    """
-    device, n, entry_bytes = _check_entries("payload", payload)
-    _check_tensor("sectors", sectors, device=device, dtype=torch.int32, shape=(n,))
-    _check_tensor("modes", modes, device=device, dtype=torch.int32, shape=(n,))
-    word = _check_word(word_bytes)
-    out = torch.empty(n, entry_bytes, dtype=torch.uint8, device=device)  # every byte is written
-    if not n:
+        Raises :class:`~buddy.errors.CorruptDataError` when a ``k`` exceeds
+        ``E/32``, a payload disagrees with its ``k`` or a mode does not fit;
+        such entries are never read past their ``k`` sectors.
+        """
+        device, n, entry_bytes = _check_entries("payload", payload, self.device_type)
+        _check_tensor("sectors", sectors, device=device, dtype=torch.int32, shape=(n,))
+        _check_tensor("modes", modes, device=device, dtype=torch.int32, shape=(n,))
+        word = _check_word(word_bytes)
+        out = torch.empty(n, entry_bytes, dtype=torch.uint8, device=device)  # every byte is written
+        if not n:
+            return out
+        error = torch.zeros(1, dtype=torch.int32, device=device)
+        args = (payload, sectors, modes, out, error, _i64(n), _i32(word))
+        self.launch(f"buddy_{self.name}_decode", entry_bytes, device, n, args)
+        _raise_decode_error(self.name, int(error.item()))  # the one sync: corrupt data must not pass silently
         return out
-    error = torch.zeros(1, dtype=torch.int32, device=device)
-    _launch("buddy_zvc_decode", entry_bytes, device, n, (payload, sectors, modes, out, error, _i64(n), _i32(word)))
-    _raise_decode_error(int(error.item()))  # the one sync: corrupt data must not pass silently
-    return out
 
 
-def _raise_decode_error(bits: int) -> None:
+def _raise_decode_error(codec: str, bits: int) -> None:
     if not bits:
         return
     if bits & _ERR_MODE:
-        raise CorruptDataError("metadata holds modes that codec 'zvc' never writes")
+        raise CorruptDataError(f"metadata holds modes that codec {codec!r} never writes for such entries")
     if bits & _ERR_K:
-        raise CorruptDataError("zvc: metadata claims more sectors than an entry has")
+        raise CorruptDataError(f"{codec}: metadata claims more sectors than an entry has")
     if bits & _ERR_STREAM:
-        raise CorruptDataError("zvc: bitmap population does not match the entry sizes in the metadata")
-    raise CorruptDataError(f"zvc CUDA decode failed (error bits {bits:#x})")
+        raise CorruptDataError(
+            f"{codec}: a payload (its bitmap or stream) does not match the entry sizes in the metadata"
+        )
+    raise CorruptDataError(f"{codec} CUDA decode failed (error bits {bits:#x})")
 
 
 def _i64(v: int):
@@ -306,50 +321,50 @@ def _i32(v: int):
 
 
 # ---------------------------------------------------------------------------
-# the codec implementation the pipeline calls (buddy.backends)
+# the engine the pipeline calls (registered in buddy.dispatch)
 # ---------------------------------------------------------------------------
-class ZVCCuda:
-    """:class:`~buddy.codecs.zvc.ZVCCodec` on the GPU: same ``sizes``/``encode``/``decode``, same bytes.
+def why_unusable() -> str | None:
+    """Why the CUDA kernels cannot run here (no CuPy, no GPU), or ``None``."""
+    if not available("cupy"):
+        return "CuPy is not importable: pip install 'buddy[cuda12]' or 'buddy[cuda13]'"
+    if not torch.cuda.is_available():
+        return "PyTorch sees no CUDA device"
+    return None
 
-    Unlike the strict launchers, it accepts what the pipeline hands a codec
-    (views at any offset, int64 sizes) and copies only when a tensor is not
-    already dense and aligned. ``decode`` syncs once to check its error flag.
+
+#: codecs with kernels: the exact class the kernels reproduce, by registry name
+KERNEL_CODECS: dict[str, type] = {"zvc": ZVCCodec}
+
+
+class CudaEngine(BlockEngine):
+    """The format operations with the codec's CUDA kernels per block: the same bytes as the reference.
+
+    Accepts what the pipeline hands it (views at any offset, int64 sizes)
+    and copies only when a tensor is not already dense and aligned.
+    ``decode`` syncs once per block to check its error flag. ``launch`` and
+    ``device_type``: see :class:`Kernels`.
     """
 
     backend = "cuda"
 
-    def __init__(self, codec: Codec):
-        if not self.supports(codec):
-            raise ValueError(f"ZVCCuda implements the 'zvc' codec, not {codec!r}")
-        self.codec = codec
-        self.name = codec.name
+    def __init__(self, codec: Codec, *, launch=None, device_type: str = "cuda"):
+        if type(codec) is not KERNEL_CODECS.get(codec.name):  # the kernels reproduce that class, not a subclass
+            have = ", ".join(sorted(KERNEL_CODECS))
+            raise ValueError(
+                f"codec {codec.name!r} ({type(codec).__name__}) has no CUDA kernels (codecs with them: {have})"
+            )
+        super().__init__(codec)
+        self.kernels = Kernels(codec.name, launch=launch, device_type=device_type)
 
-    @staticmethod
-    def supports(codec: Codec) -> bool:
-        """Whether the kernels reproduce this codec: exactly buddy's ``ZVCCodec`` (not a subclass)."""
-        return type(codec) is ZVCCodec
+    def measure_block(self, entries, word_bytes):
+        k, modes = self.kernels.measure(_dense(entries), word_bytes)
+        return k, modes, None
 
-    @staticmethod
-    def check_device(device: torch.device) -> None:
-        """Raise unless CuPy is importable and ``device`` is a usable CUDA device."""
-        if device.type != "cuda":
-            raise ValueError(f"the CUDA kernels need a CUDA tensor, got one on {device}")
-        _cupy()
-        require_cuda(_FEATURE)
+    def encode_block(self, entries, word_bytes, k, modes, reuse):
+        return self.kernels.encode(_dense(entries), word_bytes)[0]
 
-    def sizes(self, entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
-        return zvc_sizes(_dense(entries), word_bytes)
-
-    def encode(self, entries: torch.Tensor, word_bytes: int) -> Encoded:
-        return zvc_encode(_dense(entries), word_bytes)
-
-    def decode(
-        self, payload: torch.Tensor, sectors: torch.Tensor, modes: torch.Tensor, word_bytes: int
-    ) -> torch.Tensor:
-        return zvc_decode(_dense(payload), _dense(sectors, torch.int32), _dense(modes, torch.int32), word_bytes)
-
-    def __repr__(self) -> str:
-        return f"<buddy codec {self.name!r} (CUDA kernels)>"
+    def decode_block(self, payload, k, modes, word_bytes):
+        return self.kernels.decode(_dense(payload), _dense(k, torch.int32), _dense(modes, torch.int32), word_bytes)
 
 
 def _dense(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -370,3 +385,6 @@ def _dense(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+for _name in KERNEL_CODECS:  # not the default: the kernels have not yet run on a GPU
+    dispatch.register(_name, "cuda", "cuda", CudaEngine, requires=why_unusable)

@@ -9,7 +9,7 @@ import numpy
 import torch
 
 from . import spec
-from ._deps import version_of
+from .deps import version_of
 
 __all__ = ["environment", "format_environment"]
 

@@ -80,6 +80,7 @@ __all__ = [
     "slot_for_ratio",
     "ratio_for_slot",
     "word_bytes",
+    "AUTO_MODES",
     "c_defines",
 ]
 
@@ -149,6 +150,9 @@ def ratio_for_slot(slot_sectors: int, entry_bytes: int) -> float:
     return math.inf if slot_sectors == 0 else entry_bytes / (SECTOR_BYTES * slot_sectors)
 
 
+#: metadata modes of the ``auto`` codec (format version 1): the escapes, then one per member codec
+AUTO_MODES = {"zero": 0, "raw": 1, "zvc": 2, "fpx": 3, "bpc": 4}
+
 _COMPLEX_WORD = {torch.complex32: 2, torch.complex64: 4, torch.complex128: 8}
 _QUANTIZED = frozenset(
     getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, name)
@@ -186,4 +190,5 @@ def c_defines(entry_bytes: int = DEFAULT_ENTRY_BYTES) -> dict[str, int]:
         "BUDDY_META_BYTES": mb,
         "BUDDY_META_K_BITS": k_bits,
         "BUDDY_META_MODE_BITS": mode_bits,
+        **{f"BUDDY_AUTO_MODE_{name.upper()}": mode for name, mode in AUTO_MODES.items()},
     }

@@ -1,4 +1,4 @@
-"""The buddy store: the one owner of buddy memory, and the accounting of device bytes.
+"""The buddy store: the one owner of buddy memory (host RAM).
 
 Buddy memory is host RAM that holds overflow sectors. With CUDA it is pinned,
 allocated in large blocks once and sub-allocated per tensor (pinning is slow
@@ -16,14 +16,13 @@ Nothing is ever dropped silently.
 from __future__ import annotations
 
 import bisect
-import collections
-import contextlib
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
 
+from ._deferred import DeferredLock
+from ._process_default import ProcessDefault
 from .errors import HostStoreFull
 from .spec import SECTOR_BYTES
 
@@ -131,9 +130,6 @@ class StoreStats:
     buddy_reserved_bytes: int
     buddy_blocks: int
     pinned: bool
-    device_bytes_held: int
-    device_peak_bytes: int
-    tensors_held: int
 
     def __str__(self) -> str:
         mib = lambda b: f"{b / MiB:,.2f} MiB"  # noqa: E731 - local formatter
@@ -141,14 +137,12 @@ class StoreStats:
             f"buddy memory: {mib(self.buddy_bytes_held)} held (peak {mib(self.buddy_peak_bytes)}), "
             f"{mib(self.buddy_free_bytes)} free of {mib(self.buddy_capacity_bytes)}, "
             f"{mib(self.buddy_reserved_bytes)} reserved in {self.buddy_blocks} "
-            f"{'pinned' if self.pinned else 'pageable'} block(s)\n"
-            f"device: {mib(self.device_bytes_held)} held (peak {mib(self.device_peak_bytes)}) "
-            f"by {self.tensors_held} tensor(s)"
+            f"{'pinned' if self.pinned else 'pageable'} block(s)"
         )
 
 
 class BuddyStore:
-    """Owns buddy memory and counts the device bytes of the tensors compressed into it.
+    """Owns buddy memory: host RAM for the overflow of compressed tensors.
 
     Args:
         capacity_bytes: most host bytes of blocks the store may hold. Default:
@@ -158,18 +152,13 @@ class BuddyStore:
         pin: pin blocks (page-locked, for fast and asynchronous copies to and
             from the GPU). Default: pin when CUDA is available.
 
-    Thread-safe. One ``threading.Lock`` guards the blocks' free lists, the
-    list of ranges waiting for a copy, and the accounting; :meth:`allocate`,
-    :meth:`trim` and :meth:`stats` take it. Releases and accounting changes
-    (:meth:`release`, a BuddyTensor being created or freed) never wait for
-    it: they are queued (``deque.append`` is atomic) and applied at once when
-    the lock is free, else by the thread holding it before it lets go. They
-    come from BuddyTensor finalizers, which the garbage collector runs at any
-    allocation -- in another thread, or in this one in the middle of
-    :meth:`allocate` -- where waiting could deadlock (the same thread, or a
-    thread that holds the lock and waits for one the finalizer's thread
-    holds) and applying at once could change a free list that is being
-    walked. When no call is in progress, every release has been applied.
+    Thread-safe. One lock guards the blocks' free lists and the list of
+    ranges waiting for a copy; :meth:`allocate`, :meth:`trim` and
+    :meth:`stats` take it. Releases (:meth:`release`, from BuddyTensor
+    finalizers) never wait for it: they are queued and applied by whoever
+    holds or next takes it (see :mod:`buddy._deferred`). When no call is in
+    progress, every release has been applied. Device bytes are counted by
+    :class:`~buddy.DeviceLedger`, not here.
     """
 
     def __init__(
@@ -191,13 +180,9 @@ class BuddyStore:
         self.pin = bool(pin)
         self._blocks: list[_Block] = []
         self._pending: list[BuddyAllocation] = []  # freed, waiting for their last copy
-        self._lock = threading.Lock()  # see the class docstring; never taken twice by one thread
-        self._inbox: collections.deque = collections.deque()  # (allocation or None, device bytes, tensors)
+        self._deferred = DeferredLock(self._apply_release)  # see the class docstring
         self._held = 0
         self._peak = 0
-        self._device_held = 0
-        self._device_peak = 0
-        self._tensors = 0
 
     # ---- buddy memory ---------------------------------------------------
     def allocate(self, nbytes: int) -> BuddyAllocation:
@@ -227,50 +212,20 @@ class BuddyStore:
     def release(self, alloc: BuddyAllocation) -> None:
         """Return an allocation's range. Safe while a copy is in flight, from any thread, and twice."""
         if alloc.block is not None:
-            self._submit(alloc, 0, 0)
+            self._deferred.submit(alloc)
 
-    # ---- the lock and the queue of releases (see the class docstring) -------------
-    @contextlib.contextmanager
     def _locked(self):
-        self._lock.acquire()
-        try:
-            self._apply_inbox()
-            yield
-        finally:
-            self._unlock()
-
-    def _unlock(self) -> None:
-        """Apply what was queued while the lock was held, then let it go."""
-        while True:
-            try:
-                self._apply_inbox()
-            finally:
-                self._lock.release()
-            # Something queued after the last look found the lock taken: apply it too.
-            if not self._inbox or not self._lock.acquire(blocking=False):
-                return
-
-    def _submit(self, alloc: BuddyAllocation | None, device_bytes: int, tensors: int) -> None:
-        self._inbox.append((alloc, device_bytes, tensors))
-        self._flush()
+        return self._deferred.locked()
 
     def _flush(self) -> None:
-        """Apply the queue now unless the lock is taken (then its holder does); never waits."""
-        if self._lock.acquire(blocking=False):
-            self._unlock()
+        self._deferred.flush()
 
-    def _apply_inbox(self) -> None:
-        while self._inbox:
-            alloc, device_bytes, tensors = self._inbox.popleft()
-            if alloc is not None and alloc.block is not None and not any(p is alloc for p in self._pending):
-                if alloc.event is not None and not alloc.event.query():
-                    self._pending.append(alloc)  # reused once its copy has finished
-                else:
-                    self._give(alloc)
-            if device_bytes or tensors:
-                self._device_held += device_bytes
-                self._tensors += tensors
-                self._device_peak = max(self._device_peak, self._device_held)
+    def _apply_release(self, alloc: BuddyAllocation) -> None:
+        if alloc.block is not None and not any(p is alloc for p in self._pending):
+            if alloc.event is not None and not alloc.event.query():
+                self._pending.append(alloc)  # reused once its copy has finished
+            else:
+                self._give(alloc)
 
     def _take(self, size: int) -> tuple[_Block, int] | None:
         for block in self._blocks:
@@ -340,11 +295,6 @@ class BuddyStore:
     def _reserved(self) -> int:
         return sum(b.nbytes for b in self._blocks)
 
-    # ---- device accounting ----------------------------------------------
-    def _account(self, device_bytes: int, tensors: int) -> None:
-        """Count a BuddyTensor's device bytes in (positive) or out (negative); never waits."""
-        self._submit(None, device_bytes, tensors)
-
     # ---- reporting --------------------------------------------------------
     @property
     def bytes_held(self) -> int:
@@ -373,7 +323,6 @@ class BuddyStore:
     def reset_peak(self) -> None:
         with self._locked():
             self._peak = self._held
-            self._device_peak = self._device_held
 
     def stats(self) -> StoreStats:
         with self._locked():
@@ -385,35 +334,23 @@ class BuddyStore:
                 buddy_reserved_bytes=self._reserved(),
                 buddy_blocks=len(self._blocks),
                 pinned=self.pin,
-                device_bytes_held=self._device_held,
-                device_peak_bytes=self._device_peak,
-                tensors_held=self._tensors,
             )
 
     def __repr__(self) -> str:
         return (
             f"BuddyStore(held={self._held:,} B, capacity={self.capacity_bytes:,} B, "
-            f"blocks={len(self._blocks)}, pinned={self.pin}, tensors={self._tensors})"
+            f"blocks={len(self._blocks)}, pinned={self.pin})"
         )
 
 
-_default_store: BuddyStore | None = None
-_default_lock = threading.Lock()
+_default = ProcessDefault(BuddyStore, BuddyStore)
 
 
 def default_store() -> BuddyStore:
     """The process-wide store used when none is passed (created on first use)."""
-    global _default_store
-    with _default_lock:
-        if _default_store is None:
-            _default_store = BuddyStore()
-        return _default_store
+    return _default.get()
 
 
-def set_default_store(store: BuddyStore | None) -> None:
-    """Replace the process-wide store (``None``: a fresh one on next use)."""
-    global _default_store
-    if store is not None and not isinstance(store, BuddyStore):
-        raise TypeError(f"expected a BuddyStore, got {type(store).__name__}")
-    with _default_lock:
-        _default_store = store
+def set_default_store(value: BuddyStore | None) -> BuddyStore | None:
+    """Replace the process-wide store (``None``: a fresh one on next use); returns the previous one."""
+    return _default.set(value)

@@ -28,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from . import spec
+from ._process_default import ProcessDefault
+from .ledger import DeviceLedger, default_ledger
 from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, slot_for_overflow
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "BuddyThreshold",
     "DeviceBudget",
     "Decision",
+    "Placement",
     "KeyHistory",
     "Tracker",
     "BudgetExceededWarning",
@@ -54,7 +57,7 @@ class Decision:
 
     ``predicted`` is the key's predicted histogram (``None`` for a new key);
     ``current`` is this tensor's own histogram from the size pass.
-    ``held_device_bytes`` are the device bytes the tracker's live tensors hold
+    ``held_device_bytes`` are the device bytes held on the tracker's ledger
     right now (for budgets).
     """
 
@@ -73,6 +76,34 @@ class Decision:
 
     def device_bytes(self, slot: int) -> int:
         return self.n_entries * (slot * spec.SECTOR_BYTES + spec.meta_bytes(self.entry_bytes))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the tracker decided for one tensor (:meth:`Tracker.plan`).
+
+    ``slot``: sectors per entry. ``predicted_overflow_bytes``: the overflow
+    the key's history predicts with that slot (``None`` for a new key).
+    ``keep``: the raw slot -- a training session keeps such a tensor as it
+    is (a raw slot would hold the same bytes plus metadata).
+    ``device_bytes``: what the tensor holds on the device that way.
+    """
+
+    slot: int
+    predicted_overflow_bytes: int | None
+    entry_bytes: int
+    n_entries: int
+    original_bytes: int
+
+    @property
+    def keep(self) -> bool:
+        return self.slot == spec.sectors_per_entry(self.entry_bytes)
+
+    @property
+    def device_bytes(self) -> int:
+        if self.keep:
+            return self.original_bytes
+        return self.n_entries * (self.slot * spec.SECTOR_BYTES + spec.meta_bytes(self.entry_bytes))
 
 
 class Policy:
@@ -247,12 +278,26 @@ class Tracker:
         decay: weight of a histogram one step older than the next (0..1);
             smaller follows drift faster. Default 0.5.
         window: histograms kept per key. Default 8.
+        ledger: the :class:`~buddy.DeviceLedger` budgets are planned against,
+            and that what is packed through the tracker holds its device
+            bytes on. Default: the process-wide one at the time of use.
 
     Thread-safe. The process has a default tracker (:func:`default_tracker`),
     so history persists across ``compressed_activations`` blocks.
+
+    One step of a tensor is :meth:`plan` (before packing) then :meth:`record`
+    (with the slot it got): the training session, :func:`buddy.wrap` and the
+    experiments' simulations all make exactly these two calls.
     """
 
-    def __init__(self, policy: Policy | None = None, *, decay: float = 0.5, window: int = 8):
+    def __init__(
+        self,
+        policy: Policy | None = None,
+        *,
+        decay: float = 0.5,
+        window: int = 8,
+        ledger: DeviceLedger | None = None,
+    ):
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -260,9 +305,21 @@ class Tracker:
         self.policy = policy if policy is not None else BuddyThreshold()
         self.decay = decay
         self.window = window
+        if ledger is not None and not isinstance(ledger, DeviceLedger):
+            raise TypeError(f"ledger must be a buddy.DeviceLedger, got {type(ledger).__name__}")
+        self._ledger = ledger
         self._keys: dict[str, KeyHistory] = {}
         self._lock = threading.RLock()
-        self.held_device_bytes = 0
+
+    @property
+    def ledger(self) -> DeviceLedger:
+        """The ledger given, else the process-wide one."""
+        return self._ledger if self._ledger is not None else default_ledger()
+
+    @property
+    def held_device_bytes(self) -> int:
+        """Device bytes held on :attr:`ledger` right now."""
+        return self.ledger.bytes_held
 
     def begin_step(self, policy: Policy | None = None) -> None:
         with self._lock:
@@ -275,9 +332,19 @@ class Tracker:
         with self._lock:
             return list(self._keys.values())
 
+    def plan(
+        self, key: str, histogram, *, entry_bytes: int, original_bytes: int, policy: Policy | None = None
+    ) -> Placement:
+        """Where a tensor about to be packed goes: its slot under ``policy`` (default: the tracker's)."""
+        slot, predicted = self.choose(
+            key, histogram, entry_bytes=entry_bytes, original_bytes=original_bytes, policy=policy
+        )
+        return Placement(slot, predicted, entry_bytes, int(sum(histogram)), original_bytes)
+
     def choose(self, key: str, histogram, *, entry_bytes: int, original_bytes: int, policy: Policy | None = None):
         """``(slot, predicted_overflow_bytes or None)`` for a tensor about to be packed."""
         policy = policy or self.policy
+        held = self.ledger.bytes_held
         with self._lock:
             hist = self._keys.get(key)
             compatible = hist is not None and hist.entry_bytes == entry_bytes and hist.n_entries == sum(histogram)
@@ -289,7 +356,7 @@ class Tracker:
                 original_bytes=original_bytes,
                 current=tuple(histogram),
                 predicted=predicted,
-                held_device_bytes=self.held_device_bytes,
+                held_device_bytes=held,
             )
             slot = policy.choose(decision, self)
             if predicted is None:
@@ -317,12 +384,8 @@ class Tracker:
             hist.add(histogram, observation)
         return observation
 
-    def _hold(self, device_bytes: int) -> None:
-        with self._lock:
-            self.held_device_bytes += device_bytes
-
     def forget(self) -> None:
-        """Drop every key's history (the held-bytes count stays)."""
+        """Drop every key's history (what the ledger holds stays)."""
         with self._lock:
             self._keys.clear()
 
@@ -330,23 +393,14 @@ class Tracker:
         return f"Tracker(policy={self.policy!r}, keys={len(self._keys)}, decay={self.decay}, window={self.window})"
 
 
-_default_tracker: Tracker | None = None
-_default_lock = threading.Lock()
+_default = ProcessDefault(Tracker, Tracker)
 
 
 def default_tracker() -> Tracker:
     """The process-wide tracker (created on first use, BuddyThreshold(0.10))."""
-    global _default_tracker
-    with _default_lock:
-        if _default_tracker is None:
-            _default_tracker = Tracker()
-        return _default_tracker
+    return _default.get()
 
 
-def set_default_tracker(tracker: Tracker | None) -> None:
-    """Replace the process-wide tracker (``None``: a fresh one on next use)."""
-    global _default_tracker
-    if tracker is not None and not isinstance(tracker, Tracker):
-        raise TypeError(f"expected a Tracker, got {type(tracker).__name__}")
-    with _default_lock:
-        _default_tracker = tracker
+def set_default_tracker(value: Tracker | None) -> Tracker | None:
+    """Replace the process-wide tracker (``None``: a fresh one on next use); returns the previous one."""
+    return _default.set(value)

@@ -16,16 +16,16 @@ import torch
 
 import buddy
 from buddy import spec
-from buddy._deps import available, require
-from buddy.slots import overflow_sectors
+from buddy.deps import available, require
+from buddy.tensor import memory_bytes
 
 __all__ = [
     "tensor_bytes",
+    "data_bytes",
     "byte_entropy_bits",
     "field_entropy_bits",
     "entry_zstd_histogram",
     "compacted_bytes",
-    "device_bytes",
     "general_purpose_sizes",
     "Outcome",
     "simulate_policy",
@@ -36,6 +36,17 @@ __all__ = [
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes of a tensor's data."""
     return t.numel() * t.element_size()
+
+
+def data_bytes(t: torch.Tensor, device="cpu") -> torch.Tensor:
+    """The bytes buddy compresses of ``t``, as a flat ``uint8`` tensor on ``device``.
+
+    A dense layout (contiguous, transposed, channels-last ...) is read in
+    memory order, as :func:`buddy.compress` reads it; anything else in C
+    order. The baselines compress these very bytes, so every method sees the
+    same input.
+    """
+    return memory_bytes(t)[0].to(device)
 
 
 def byte_entropy_bits(t: torch.Tensor) -> float:
@@ -111,7 +122,7 @@ def entry_zstd_histogram(t: torch.Tensor, entry_bytes: int, level: int = 3) -> l
         level, format=zstd.FORMAT_ZSTD1_MAGICLESS, write_checksum=False, write_content_size=False, write_dict_id=False
     )
     cctx = zstd.ZstdCompressor(compression_params=params)
-    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    data = data_bytes(t)
     pad = -data.numel() % entry_bytes
     if pad:
         data = torch.cat([data, data.new_zeros(pad)])
@@ -132,20 +143,9 @@ def compacted_bytes(histogram: Sequence[float]) -> float:
     return sum(k * n for k, n in enumerate(histogram)) * spec.SECTOR_BYTES
 
 
-def device_bytes(histogram: Sequence[float], slot: int, entry_bytes: int, original_bytes: int) -> float:
-    """Device bytes of a tensor with this histogram and slot: slots + metadata.
-
-    The raw slot is kept as the original tensor instead, as
-    ``compressed_activations`` does (it would hold the same bytes plus metadata).
-    """
-    if slot == spec.sectors_per_entry(entry_bytes):
-        return original_bytes
-    return sum(histogram) * (slot * spec.SECTOR_BYTES + spec.meta_bytes(entry_bytes))
-
-
 def general_purpose_sizes(t: torch.Tensor) -> dict[str, int]:
     """Compressed sizes of the tensor's bytes under zstd level 3 and lz4 (CPU), when installed."""
-    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    data = data_bytes(t).numpy()
     sizes = {}
     if available("zstandard"):
         sizes["zstd-3"] = len(require("zstandard", "the zstd baseline").ZstdCompressor(level=3).compress(data))
@@ -162,8 +162,8 @@ class Outcome:
     key: str
     slot: int
     original_bytes: int
-    device_bytes: float
-    buddy_bytes: float
+    device_bytes: int  # slots + metadata, or the original bytes when the tensor is kept as it is (raw slot)
+    buddy_bytes: int
     predicted_overflow_bytes: int | None
 
 
@@ -177,28 +177,44 @@ def simulate_policy(
     """Run a fresh tracker with ``policy`` over captured training points, in order.
 
     ``points`` yields ``(point, [(key, histogram, original_bytes), ...])``:
-    one training step's unique saved tensors each. The first time a key is
-    seen its slot comes from its own histogram; afterwards from the tracker's
-    prediction, exactly as in training. Within a point every tensor is held
-    at once (as during a forward pass), which is what ``DeviceBudget`` sees.
+    one training step's unique saved tensors each. Every tensor takes the
+    tracker step a training session takes (:meth:`buddy.Tracker.plan`, then
+    :meth:`buddy.Tracker.record`): the first time a key is seen its slot
+    comes from its own histogram, afterwards from the tracker's prediction.
+    Within a point every tensor's device bytes are held at once on the
+    tracker's own ledger (as during a forward pass, which is what
+    ``DeviceBudget`` sees) and released at the end of the point, as backward
+    frees the step's activations.
     """
-    tracker = buddy.Tracker(policy, decay=decay)
+    tracker = buddy.Tracker(policy, decay=decay, ledger=buddy.DeviceLedger())
     outcomes = []
     for point, tensors in points:
         tracker.begin_step(policy)
-        held = 0.0
+        holds = []
         for key, hist, nbytes in tensors:
-            slot, predicted = tracker.choose(key, hist, entry_bytes=entry_bytes, original_bytes=nbytes, policy=policy)
-            tracker.record(
-                key, hist, slot=slot, entry_bytes=entry_bytes, original_bytes=nbytes, predicted_overflow_bytes=predicted
+            place = tracker.plan(key, hist, entry_bytes=entry_bytes, original_bytes=nbytes, policy=policy)
+            holds.append(tracker.ledger.hold(place.device_bytes))
+            observed = tracker.record(
+                key,
+                hist,
+                slot=place.slot,
+                entry_bytes=entry_bytes,
+                original_bytes=nbytes,
+                predicted_overflow_bytes=place.predicted_overflow_bytes,
             )
-            dev = device_bytes(hist, slot, entry_bytes, nbytes)
-            tracker._hold(int(dev))
-            held += dev
             outcomes.append(
-                Outcome(point, key, slot, nbytes, dev, overflow_sectors(hist, slot) * spec.SECTOR_BYTES, predicted)
+                Outcome(
+                    point,
+                    key,
+                    place.slot,
+                    nbytes,
+                    place.device_bytes,
+                    observed.overflow_bytes,
+                    place.predicted_overflow_bytes,
+                )
             )
-        tracker._hold(-int(held))  # backward frees the step's activations
+        for hold in holds:  # backward frees the step's activations
+            hold.release()
     return outcomes
 
 

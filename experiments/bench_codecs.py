@@ -37,7 +37,7 @@ import torch
 
 import buddy
 from buddy import env
-from buddy._deps import require, require_cuda
+from buddy.deps import require, require_cuda
 from experiments.data import SCALES, activation_tensors
 
 __all__ = ["Row", "RoundTripError", "main"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-import buddy
+import buddy.autograd
 from buddy import env
 
 __all__ = [
@@ -38,6 +38,7 @@ def start(script: str, argv: Sequence[str]) -> dict:
         print("  (no GPU: every number below comes from the CPU reference path)", flush=True)
     return {
         "environment": environment,
+        "buddy": environment["buddy"],
         "command": shlex.join(["python", "-m", f"experiments.{script}", *argv]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
@@ -62,15 +63,16 @@ def _cache_path(cache: Path, name: str, size: str, points: Sequence[int], device
     """Where one workload's captures are cached: keyed on everything that changes them.
 
     The key covers the arguments, torch's version and the source of the
-    modules that build the workloads and their data, so an edit to a model,
-    its data or its training loop never reads a stale capture.
+    modules that build the workloads and their data and of buddy's recorder
+    (its skip, dedup and key rules), so an edit to a model, its data, its
+    training loop or what is recorded never reads a stale capture.
     """
     from experiments import data, workloads
 
     h = hashlib.sha256()
-    for part in (name, size, tuple(points), device, seed, torch.__version__, buddy.__version__):
+    for part in (name, size, tuple(points), device, seed, torch.__version__):
         h.update(repr(part).encode())
-    for module in (data, workloads):
+    for module in (data, workloads, buddy.autograd):
         h.update(Path(module.__file__).read_bytes())
     return cache / f"{name}-{size}-{h.hexdigest()[:16]}.pt"
 
@@ -129,7 +131,7 @@ def _plain(value):
 def write_results(out: Path, header: dict, rows: Sequence[dict], **extra) -> Path:
     """``results.json`` (header, rows, extra) and ``results.csv`` (rows) under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    header = dict(header, finished=time.strftime("%Y-%m-%d %H:%M:%S %Z"), buddy=buddy.__version__)
+    header = dict(header, finished=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     (out / "results.json").write_text(json.dumps(_plain({**header, **extra, "rows": list(rows)}), indent=1))
     if rows:
         columns = list(dict.fromkeys(k for r in rows for k in r))

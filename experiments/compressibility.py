@@ -23,7 +23,14 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import torch
 
 import buddy
-from experiments.analysis import byte_entropy_bits, compacted_bytes, general_purpose_sizes, ratio, tensor_bytes
+from experiments.analysis import (
+    byte_entropy_bits,
+    compacted_bytes,
+    data_bytes,
+    general_purpose_sizes,
+    ratio,
+    tensor_bytes,
+)
 from experiments.common import capture_all, format_table, progress, start, write_results
 
 __all__ = ["analyse", "summarise", "main"]
@@ -33,7 +40,7 @@ def nvcomp_sizes(t, device) -> dict[str, int]:
     """nvcomp's compressed sizes of the tensor's bytes on the GPU (``--nvcomp``)."""
     from experiments.bench_codecs import nvcomp_baselines
 
-    data = t.to(device).contiguous().reshape(-1).view(torch.uint8)
+    data = data_bytes(t, device)
     return {b.method: b.size(b.compress(data)) for b in nvcomp_baselines(torch.device(device))}
 
 

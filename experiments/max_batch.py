@@ -50,7 +50,7 @@ from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
 import buddy
-from buddy.autograd import _is_parameter
+from buddy.autograd import is_parameter
 from experiments.common import format_table, progress, start, write_results
 
 __all__ = ["METHODS", "measure", "max_batch", "main"]
@@ -85,7 +85,7 @@ class _Account:
 
     def pack(self, t):
         storage = t.untyped_storage()
-        if not _is_parameter(t) and storage._cdata not in self.seen:
+        if not is_parameter(t) and storage._cdata not in self.seen:
             self.seen.add(storage._cdata)
             self.largest = max(self.largest, storage.nbytes())
             if self.segment is None:

@@ -29,21 +29,17 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn import functional as F
 
-from buddy import DEFAULT_MIN_BYTES
-from buddy._deps import require
-from buddy.autograd import _is_parameter, _tensor_key
-from buddy.errors import UnsupportedTensorError
-from buddy.tensor import check_tensor
+import buddy
+from buddy import DEFAULT_MIN_BYTES, RecordedTensor
+from buddy.deps import require
 
 from .data import digit_images, stdlib_text_bytes
 
@@ -533,19 +529,12 @@ def make_run(name: str, size: str = "quick", device="cpu", seed: int = 0) -> Run
 
 
 # ---- capturing saved activations ----------------------------------------------------------
-@dataclass(frozen=True)
-class SavedTensor:
-    """One unique tensor autograd saved in a step, as buddy would compress it.
-
-    ``key`` is buddy's key for it (``"<index>:<dtype><shape>"``), ``tensor`` a
-    detached, contiguous CPU copy (its bytes are the ones buddy compresses),
-    ``op`` the name of the autograd node that produced it
-    (e.g. ``"ReluBackward0"``; ``""`` for inputs and tensors made without grad).
-    """
-
-    key: str
-    tensor: torch.Tensor = field(repr=False)
-    op: str
+#: one unique tensor autograd saved in a step, as buddy would compress it: ``key`` is buddy's key
+#: for it (``"<index>:<dtype><shape>"``), ``tensor`` a detached CPU copy with the original's
+#: strides when they were dense (its bytes in memory order are the ones buddy compresses), ``op``
+#: the name of the autograd node that produced it (e.g. ``"ReluBackward0"``; ``""`` for inputs and
+#: tensors made without grad). See :class:`buddy.RecordedTensor`.
+SavedTensor = RecordedTensor
 
 
 @dataclass(frozen=True)
@@ -563,85 +552,14 @@ class Capture:
     skipped_bytes: int  # bytes of every save buddy would not compress (one count per save)
 
 
-class _Held:
-    """What autograd keeps for a captured tensor: a new object, so a dedup hit can check it is still held."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-
-def _skipped(t: torch.Tensor, min_bytes: int) -> bool:
-    """Whether a buddy session with this ``min_bytes`` (and no ``exclude``) keeps ``t`` as it is."""
-    try:
-        check_tensor(t)
-    except UnsupportedTensorError:
-        return True
-    return t.numel() * t.element_size() < min_bytes or _is_parameter(t)
-
-
-class _Recorder:
-    """Saved-tensor hooks that copy what a ``buddy.Session`` would compress.
-
-    The skip, dedup and key rules are those of :class:`buddy.Session`; the
-    tensors themselves are left to autograd unchanged, so training proceeds
-    exactly as without the hooks.
-    """
-
-    def __init__(self, min_bytes: int):
-        self.min_bytes = min_bytes
-        self.tensors: list[SavedTensor] = []
-        self.saved_bytes = 0
-        self.skipped_bytes = 0
-        self._dedup: dict[tuple, tuple[StorageWeakRef, weakref.ref]] = {}
-        self._storages: dict[int, list[int]] = {}  # storage -> [storage bytes, bytes of its captured views]
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def __enter__(self) -> _Recorder:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-    def _pack(self, t: torch.Tensor):
-        if _skipped(t, self.min_bytes):
-            self.skipped_bytes += t.numel() * t.element_size()
-            return t
-        storage = t.untyped_storage()
-        dedup_key = (storage._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        hit = self._dedup.get(dedup_key)
-        if hit is not None:
-            alive, ref = hit
-            held = ref()
-            if held is not None and not alive.expired():
-                return held
-        key = f"{len(self.tensors)}:{_tensor_key(t)}"
-        op = type(t.grad_fn).__name__ if t.grad_fn is not None else ""
-        copy = t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)  # C order: buddy's bytes
-        self.tensors.append(SavedTensor(key, copy, op))
-        # a storage holding several captured views counts once, at most its own size
-        views = self._storages.setdefault(storage._cdata, [storage.nbytes(), 0])
-        before = min(views)
-        views[1] += t.numel() * t.element_size()
-        self.saved_bytes += min(views) - before
-        held = _Held(t)
-        self._dedup[dedup_key] = (StorageWeakRef(storage), weakref.ref(held))
-        return held
-
-    @staticmethod
-    def _unpack(packed):
-        return packed.tensor if isinstance(packed, _Held) else packed
-
-
 def _capture_step(run: Run, min_bytes: int) -> Capture:
-    """One training step of ``run`` whose saved tensors are recorded."""
+    """One training step of ``run`` whose saved tensors are recorded (buddy's own skip, dedup and key rules)."""
     point = run.steps_done
-    with _Recorder(min_bytes) as recorder:
+    with buddy.record_activations(min_bytes=min_bytes) as recorder:
         loss = run.forward_loss()
     run.step(loss)
-    return Capture(point, loss.item(), recorder.tensors, recorder.saved_bytes, recorder.skipped_bytes)
+    stats = recorder.stats()
+    return Capture(point, loss.item(), recorder.tensors, stats.original_bytes, stats.skipped_bytes)
 
 
 def capture(

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -171,14 +175,39 @@ def assert_roundtrip(bt: buddy.BuddyTensor, original: torch.Tensor) -> torch.Ten
     return out
 
 
+class Encoded(NamedTuple):
+    """Entries encoded under the format rules: payloads ``(n, E)`` (zero past ``k`` sectors), ``k``, modes."""
+
+    payload: torch.Tensor
+    sectors: torch.Tensor
+    modes: torch.Tensor
+
+
+def encode(codec, entries: torch.Tensor, word_bytes: int) -> Encoded:
+    """``buddy.format.encode`` of ``(n, E)`` entries with a codec (name or instance)."""
+    return Encoded(*buddy.format.encode(buddy.get_codec(codec), entries, word_bytes))
+
+
+def sizes(codec, entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
+    """``k`` of each of ``(n, E)`` entries under the format rules (``buddy.format.measure_entries``)."""
+    return buddy.format.measure_entries(buddy.get_codec(codec), entries.contiguous(), word_bytes)[0]
+
+
+def decode(codec, payload: torch.Tensor, sectors: torch.Tensor, modes: torch.Tensor, word_bytes: int) -> torch.Tensor:
+    """``buddy.format.decode_entries`` with a codec (name or instance); sizes and modes as any int tensors."""
+    return buddy.format.decode_entries(
+        buddy.get_codec(codec), payload, sectors.to(torch.int32), modes.to(torch.int32), word_bytes
+    )
+
+
 def entry_payloads(t: torch.Tensor, codec: str, entry_bytes: int):
-    """Independent reference: ``codec.encode`` of ``t``'s zero-padded entries."""
+    """Independent reference: the entry-level encoding of ``t``'s zero-padded entries."""
     data = raw_bytes(t).to(t.device)
     n = -(-data.numel() // entry_bytes)
     padded = torch.zeros(n * entry_bytes, dtype=torch.uint8, device=t.device)
     padded[: data.numel()] = data
     entries = padded.view(n, entry_bytes)
-    return entries, buddy.get_codec(codec).encode(entries, buddy.spec.word_bytes(t.dtype))
+    return entries, encode(codec, entries, buddy.spec.word_bytes(t.dtype))
 
 
 # ---------------------------------------------------------------------------
@@ -283,13 +312,48 @@ def store() -> buddy.BuddyStore:
 
 
 @pytest.fixture
-def fresh_default_store(monkeypatch):
+def fresh_default_store():
     """Isolates tests that touch the process-wide default store."""
-    import buddy.store as store_mod
-
-    monkeypatch.setattr(store_mod, "_default_store", None)
+    previous = buddy.default_store()
+    buddy.set_default_store(None)
     yield
-    # monkeypatch restores the previous default store afterwards
+    buddy.set_default_store(previous)
+
+
+@pytest.fixture
+def temporary_codec():
+    """``temporary_codec(codec)`` registers a codec (and its reference implementation) for one test only."""
+    names = []
+
+    def register(codec: buddy.Codec, **kwargs) -> buddy.Codec:
+        buddy.register_codec(codec, **kwargs)
+        names.append(codec.name)
+        return codec
+
+    yield register
+    for name in names:
+        buddy.unregister_codec(name)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    """buddy warns once per cause per process: every test sees its first warning."""
+    monkeypatch.setattr(buddy.autograd, "_warned", set())
+
+
+@pytest.fixture(autouse=True)
+def ledger() -> buddy.DeviceLedger:
+    """A fresh process-wide ledger for every test: the device bytes held start at zero."""
+    fresh = buddy.DeviceLedger()
+    previous = buddy.set_default_ledger(fresh)
+    yield fresh
+    buddy.set_default_ledger(previous)
+
+
+def held(store: buddy.BuddyStore | None = None) -> tuple[int, int, int]:
+    """``(buddy bytes held by store, device bytes held, tensors held)``: all zero when nothing is held."""
+    st = buddy.default_ledger().stats()
+    return (store.bytes_held if store is not None else 0), st.device_bytes_held, st.tensors_held
 
 
 HAS_CUDA = torch.cuda.is_available()
@@ -331,21 +395,77 @@ def stream_bytes(bits: str, nbytes: int) -> list[int]:
 
 #: the defaults most tests were written against: the paper's entry size and the cheapest codec
 SUITE_CODEC, SUITE_ENTRY_BYTES = "zvc", 128
+#: the two configurations of modules marked ``both_defaults``
+_DEFAULTS_IDS = {"pinned": f"defaults={SUITE_CODEC}@{SUITE_ENTRY_BYTES}", "library": "defaults=library"}
+
+
+def pytest_generate_tests(metafunc):
+    """Tests marked ``both_defaults`` run twice: under zvc at E = 128 and under the library's own defaults."""
+    if metafunc.definition.get_closest_marker("both_defaults") and "suite_defaults" in metafunc.fixturenames:
+        metafunc.parametrize("suite_defaults", list(_DEFAULTS_IDS), indirect=True, ids=list(_DEFAULTS_IDS.values()))
 
 
 @pytest.fixture(autouse=True)
 def suite_defaults(request):
-    """Run each test with ``zvc`` at E = 128 unless it is marked ``library_defaults``.
+    """Run each test with ``zvc`` at E = 128 unless it runs under the library's defaults.
 
-    Tests state what they depend on; those that check the library's own
-    defaults (``auto`` at 512 B, chosen by ``experiments.decide``) carry the
-    marker and see them untouched. The previous defaults come back afterwards.
+    Tests state what they depend on: those marked ``library_defaults`` see
+    the library's own defaults (``auto`` at 512 B, chosen by
+    ``experiments.decide``) untouched; those marked ``both_defaults`` run
+    under each. The previous defaults come back afterwards.
     """
-    if request.node.get_closest_marker("library_defaults"):
-        yield
+    which = getattr(request, "param", "pinned")
+    if which == "library" or request.node.get_closest_marker("library_defaults"):
+        yield which
         return
     previous = buddy.set_defaults(codec=SUITE_CODEC, entry_bytes=SUITE_ENTRY_BYTES)
     try:
-        yield
+        yield which
     finally:
         buddy.set_defaults(codec=previous.codec, entry_bytes=previous.entry_bytes)
+
+
+# ---------------------------------------------------------------------------
+# the host harness of the device code
+# ---------------------------------------------------------------------------
+_CSRC = Path(__file__).resolve().parents[1] / "csrc"
+_HOST_SOURCE = Path(__file__).resolve().parent / "host" / "codec_host.cpp"
+
+
+@pytest.fixture(scope="session")
+def host_exe(tmp_path_factory):
+    """``host_exe(E)``: tests/host/codec_host.cpp built for entry size E (once per run; skips without g++).
+
+    It runs the device codecs of csrc/ on the host under an emulated warp
+    (see tests/test_device_codecs.py).
+    """
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    built: dict[int, Path] = {}
+    folder = tmp_path_factory.mktemp("codec_host")
+
+    def get(entry_bytes: int) -> Path:
+        if entry_bytes not in built:
+            exe = folder / f"codec_host_{entry_bytes}"
+            base = [
+                "g++",
+                "-std=c++17",
+                "-O1",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                f"-I{_CSRC}",
+                *(f"-D{k}={v}" for k, v in buddy.spec.c_defines(entry_bytes).items()),
+            ]
+            # undefined behaviour (bad shifts, overflows) aborts when the sanitizer is available
+            sanitized = subprocess.run(
+                [*base, "-fsanitize=undefined", "-fno-sanitize-recover=undefined", str(_HOST_SOURCE), "-o", str(exe)],
+                capture_output=True,
+                text=True,
+            )
+            if sanitized.returncode != 0:
+                subprocess.run([*base, str(_HOST_SOURCE), "-o", str(exe)], check=True)
+            built[entry_bytes] = exe
+        return built[entry_bytes]
+
+    return get

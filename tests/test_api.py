@@ -14,7 +14,7 @@ import torch
 from conftest import HAS_CUDA, assert_bitexact, assert_roundtrip, make_data
 
 import buddy
-from buddy import _deps
+from buddy import deps, spec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,7 +96,7 @@ def test_unsupported_tensors(make, store):
         buddy.compress(t, target_ratio=2.0, store=store)
     with pytest.raises(TypeError):  # it is a TypeError too
         buddy.compress(t, store=store)
-    assert store.stats().tensors_held == 0
+    assert buddy.default_ledger().tensors_held == 0
 
 
 def test_unknown_codec_lists_the_available_ones(store):
@@ -138,21 +138,25 @@ def test_bad_max_overflow(max_overflow, store):
         buddy.compress(torch.zeros(8), max_overflow=max_overflow, store=store)
 
 
-def test_pack_choose_slot_sees_the_histogram(store, gen):
+def test_measure_then_pack_is_compress(store, gen):
+    """The pipeline's two public steps: the caller decides the slot from the histogram in between."""
     t = make_data("relu", 4096, torch.float32, gen)
-    seen = []
-
-    def choose(hist):
-        seen.append(list(hist))
-        return 3
-
-    bt = buddy.pack(t, codec="zvc", choose_slot=choose, store=store)
-    assert bt.slot_sectors == 3
-    assert seen == [list(bt.histogram)] and len(seen[0]) == 5
+    measured = buddy.measure(t, "zvc")
+    assert len(measured.histogram) == 5 and sum(measured.histogram) == measured.n_entries == 128
+    assert measured.overflow_bytes(4) == 0 and measured.backend == "reference"
+    assert buddy.size_histogram(t, "zvc") == list(measured.histogram)
+    bt = buddy.pack(measured, 3, store=store)
+    assert bt.slot_sectors == 3 and bt.histogram == measured.histogram
+    assert bt.buddy_bytes == measured.overflow_bytes(3)
+    same = buddy.compress(t, spec.ratio_for_slot(3, 128), "zvc", store=store)
+    for a, b in zip(bt.buffers(), same.buffers()):
+        assert torch.equal(a, b)
     assert_roundtrip(bt, t)
     for bad in (5, -1, 2.0, True, None):
-        with pytest.raises(ValueError):
-            buddy.pack(t, choose_slot=lambda h, bad=bad: bad, store=store)
+        with pytest.raises(ValueError, match="slot must be an int"):
+            buddy.pack(measured, bad, store=store)
+    with pytest.raises(TypeError, match="buddy.measure"):
+        buddy.pack(t, 3, store=store)
 
 
 def test_codec_instance_is_accepted(store, gen):
@@ -227,36 +231,36 @@ def test_import_buddy_does_not_import_cupy():
 
 def test_require_missing_module_has_install_hint():
     with pytest.raises(buddy.MissingDependencyError) as info:
-        _deps.require("cupy_that_does_not_exist", "the x feature")
+        deps.require("cupy_that_does_not_exist", "the x feature")
     msg = str(info.value)
     assert "cupy_that_does_not_exist" in msg and "the x feature" in msg
     assert "pip install" in msg
     assert isinstance(info.value, ImportError)
 
 
-@pytest.mark.skipif(_deps.available("cupy"), reason="cupy is installed")
+@pytest.mark.skipif(deps.available("cupy"), reason="cupy is installed")
 def test_require_known_module_hint():
     with pytest.raises(buddy.MissingDependencyError) as info:
-        _deps.require("cupy", "x")
+        deps.require("cupy", "x")
     assert "buddy[cuda12]" in str(info.value)
 
 
 def test_require_present_module_returns_it():
-    assert _deps.require("math", "x") is math
-    assert _deps.available("math") and not _deps.available("cupy_that_does_not_exist")
-    assert _deps.version_of("cupy_that_does_not_exist") is None
+    assert deps.require("math", "x") is math
+    assert deps.available("math") and not deps.available("cupy_that_does_not_exist")
+    assert deps.version_of("cupy_that_does_not_exist") is None
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="CUDA is available here")
 def test_require_cuda_without_cuda():
     with pytest.raises(buddy.MissingDependencyError) as info:
-        _deps.require_cuda("the x feature")
+        deps.require_cuda("the x feature")
     assert "the x feature" in str(info.value) and "CUDA" in str(info.value)
 
 
 @pytest.mark.gpu
 def test_require_cuda_with_cuda():
-    _deps.require_cuda("x")  # no error
+    deps.require_cuda("x")  # no error
 
 
 # ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import assert_bitexact, assert_roundtrip, fuzz_settings, make_data
+from conftest import assert_bitexact, assert_roundtrip, fuzz_settings, held, make_data
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -35,8 +35,7 @@ def x(gen) -> torch.Tensor:
 
 
 def _held(store: buddy.BuddyStore) -> tuple[int, int, int]:
-    s = store.stats()
-    return s.buddy_bytes_held, s.device_bytes_held, s.tensors_held
+    return held(store)
 
 
 # ---------------------------------------------------------------------------
@@ -85,7 +84,7 @@ def test_unsupported_tensors_say_what_to_do(name, store):
     for call in (
         lambda: buddy.compress(t, 2.0, store=store),
         lambda: buddy.compress(t, store=store),
-        lambda: buddy.pack(t, store=store),
+        lambda: buddy.measure(t),
         lambda: buddy.size_histogram(t),
     ):
         with pytest.raises(buddy.UnsupportedTensorError, match=hint):
@@ -211,7 +210,7 @@ def test_codec_names(codec, x, store):
     default = buddy.defaults().codec
     for call in (
         lambda: buddy.compress(x, codec=codec, store=store),
-        lambda: buddy.pack(x, codec=codec, store=store),
+        lambda: buddy.measure(x, codec),
         lambda: buddy.size_histogram(x, codec),
         lambda: buddy.set_defaults(codec=codec),
     ):
@@ -250,8 +249,6 @@ def test_max_overflow_values(max_overflow, ratio, x, store):
     """Checked even when ``target_ratio`` is given (it used to be silently ignored then)."""
     with pytest.raises(ValueError, match=r"max_overflow must be a fraction in \[0, 1\]"):
         buddy.compress(x, ratio, max_overflow=max_overflow, store=store)
-    with pytest.raises(ValueError, match="max_overflow"):
-        buddy.pack(x, max_overflow=max_overflow, store=store)
 
 
 @pytest.mark.parametrize("max_overflow", ["0.1", None, True, [0.1], torch.tensor(0.1)])
@@ -275,10 +272,19 @@ def test_store_type(bad, x):
         buddy.compress(x, store=bad)
 
 
-@pytest.mark.parametrize("bad", ["slot", 2, [2]])
-def test_choose_slot_must_be_callable(bad, x, store):
-    with pytest.raises(TypeError, match="choose_slot must be a function"):
-        buddy.pack(x, choose_slot=bad, store=store)
+@pytest.mark.parametrize("bad", ["slot", 2.0, [2], None, True, -1, 5])
+def test_pack_slot_must_be_an_int_in_range(bad, x, store):
+    with pytest.raises(ValueError, match="slot must be an int in"):
+        buddy.pack(buddy.measure(x), bad, store=store)
+    assert _held(store) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("bad", [None, "measured", 3])
+def test_pack_takes_what_measure_returns(bad, x, store):
+    with pytest.raises(TypeError, match="what buddy.measure returns"):
+        buddy.pack(bad, 2, store=store)
+    with pytest.raises(TypeError, match="what buddy.measure returns"):
+        buddy.pack(x, 2, store=store)
 
 
 @pytest.mark.parametrize("bad", [1, 0, "yes", 1.0, torch.tensor(True)])
@@ -286,7 +292,7 @@ def test_checksum_switch_is_a_bool(bad, x, store):
     with pytest.raises(TypeError, match="checksum must be True or False"):
         buddy.compress(x, checksum=bad, store=store)
     with pytest.raises(TypeError, match="checksum must be True or False"):
-        buddy.pack(x, checksum=bad, store=store)
+        buddy.pack(buddy.measure(x), 2, checksum=bad, store=store)
     with pytest.raises(TypeError, match="checksum must be True or False"):
         buddy.set_defaults(checksum=bad)
     assert buddy.defaults().checksum is False

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from buddy import layout, spec
+from buddy import format as layout
+from buddy import spec
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 ENTRY_SIZES = [32, 128, 256, 512, 4096, 65536]

@@ -14,25 +14,22 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import shutil
 import subprocess
-import sys
 import sysconfig
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import MiB, assert_roundtrip, ids, make_data
-from test_device_codecs import host_exe, run_decode, run_encode  # noqa: F401 - host_exe is a fixture
+from conftest import assert_roundtrip, ids, make_data
+from test_device_codecs import run_decode, run_encode
 
 import buddy
-from buddy import backends, spec
 from buddy import cuda as bcuda
-from buddy.codecs.raw import RawCodec
-from buddy.codecs.zvc import ZVCCodec
+from buddy import spec
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -129,14 +126,15 @@ def test_nvrtc_compiles_translation_unit():
 # ---------------------------------------------------------------------------
 def test_launchers_reject_cpu_tensors():
     entries = torch.zeros(4, 128, dtype=torch.uint8)
+    kernels = bcuda.Kernels("zvc")
     with pytest.raises(ValueError, match="CUDA device"):
-        bcuda.zvc_sizes(entries, 4)
+        kernels.measure(entries, 4)
     with pytest.raises(ValueError, match="CUDA device"):
-        bcuda.zvc_encode(entries, 4)
+        kernels.encode(entries, 4)
     with pytest.raises(ValueError, match="CUDA device"):
-        bcuda.zvc_decode(entries, torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), 4)
+        kernels.decode(entries, torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), 4)
     with pytest.raises(ValueError, match="torch.Tensor"):
-        bcuda.zvc_sizes(entries.numpy(), 4)
+        kernels.measure(entries.numpy(), 4)
 
 
 def test_tensor_check_names_each_problem():
@@ -170,169 +168,6 @@ def test_dense_copies_only_when_needed():
 
 
 # ---------------------------------------------------------------------------
-# dispatch
-# ---------------------------------------------------------------------------
-@pytest.fixture
-def restore_defaults():
-    previous = buddy.defaults()
-    yield
-    buddy.set_defaults(codec=previous.codec, entry_bytes=previous.entry_bytes, backend=previous.backend)
-
-
-def test_backend_default_is_reference():
-    assert buddy.defaults().backend == "reference"
-    assert backends.implementation("zvc", "cpu") is ZVC
-    assert backends.implementation("zvc", "cuda") is ZVC  # the CUDA path is off by default
-    assert backends.implementation("zvc", "cuda", "auto") is ZVC
-
-
-def test_reference_backend_round_trip(store, gen):
-    t = make_data("relu", 50_001, torch.float32, gen)
-    bt = buddy.compress(t, target_ratio=2.0, store=store, backend="reference")
-    assert bt.backend == "reference"
-    assert_roundtrip(bt, t)
-    assert torch.equal(bt.decompress(backend="reference"), bt.decompress(backend="auto"))
-    meta, slots, overflow = bt.buffers()
-    kw = dict(codec="zvc", entry_bytes=128, slot_sectors=bt.slot_sectors, shape=t.shape, dtype=t.dtype)
-    assert torch.equal(buddy.unpack(meta, slots, overflow, backend="reference", **kw), t)
-
-
-def test_cuda_backend_rejects_cpu_tensors(store):
-    t = torch.ones(1000)
-    with pytest.raises(ValueError, match="CUDA device"):
-        buddy.compress(t, store=store, backend="cuda")
-    with pytest.raises(ValueError, match="CUDA device"):
-        buddy.pack(t, store=store, backend="cuda")
-    bt = buddy.compress(t, store=store)
-    with pytest.raises(ValueError, match="CUDA device"):
-        bt.decompress(backend="cuda")
-    with pytest.raises(ValueError, match="CUDA device"):
-        backends.implementation("zvc", "cpu", "cuda")
-    assert store.bytes_held == bt.buddy_bytes  # nothing leaked by the failed calls
-
-
-def test_cuda_backend_needs_a_codec_with_kernels():
-    assert backends.cuda_codecs() == ["zvc"]
-    with pytest.raises(ValueError, match="no CUDA kernels"):
-        backends.implementation("raw", "cuda", "cuda")
-
-    class Tweaked(ZVCCodec):
-        name = "zvc"
-
-    with pytest.raises(ValueError, match="no CUDA kernels"):  # kernels reproduce ZVCCodec only
-        backends.implementation(Tweaked(), "cuda", "cuda")
-    assert bcuda.ZVCCuda.supports(ZVC) and not bcuda.ZVCCuda.supports(RawCodec())
-    with pytest.raises(ValueError):
-        bcuda.ZVCCuda(RawCodec())
-
-
-@pytest.mark.parametrize("bad", ids("bad", ["gpu", "CUDA", "", 1], repr))
-def test_unknown_backend_rejected(bad, store, restore_defaults):
-    t = torch.ones(100)
-    with pytest.raises(ValueError, match="backend"):
-        buddy.compress(t, store=store, backend=bad)
-    with pytest.raises(ValueError, match="backend"):
-        backends.implementation("zvc", "cpu", bad)
-    with pytest.raises(ValueError, match="backend"):
-        buddy.set_defaults(backend=bad if bad else "auto")
-    bt = buddy.compress(t, store=store)
-    with pytest.raises(ValueError, match="backend"):
-        bt.decompress(backend=bad)
-    assert store.bytes_held == bt.buddy_bytes
-
-
-def test_default_cuda_backend_falls_back_off_the_gpu(store, gen, restore_defaults):
-    previous = buddy.set_defaults(backend="cuda")
-    assert previous.backend == "reference" and buddy.defaults().backend == "cuda"
-    t = make_data("relu", 10_000, torch.float32, gen)
-    bt = buddy.compress(t, store=store)  # a CPU tensor: the reference, no error
-    assert bt.backend == "reference"
-    assert_roundtrip(bt, t)
-    assert backends.implementation("raw", "cuda") is buddy.get_codec("raw")  # no kernels: reference
-
-
-def test_pipeline_calls_the_chosen_implementation(store, gen, monkeypatch):
-    """compress, size pass, pack and decompress all go through backends.implementation."""
-    calls = []
-
-    class Spy:
-        backend = "spy"
-
-        def __init__(self, codec):
-            self.codec = codec
-
-        def sizes(self, entries, word):
-            calls.append("sizes")
-            return self.codec.sizes(entries, word)
-
-        def encode(self, entries, word):
-            calls.append("encode")
-            return self.codec.encode(entries, word)
-
-        def decode(self, *args):
-            calls.append("decode")
-            return self.codec.decode(*args)
-
-    chosen = []
-
-    def fake(codec, device, backend=None):
-        chosen.append(backend)
-        return Spy(buddy.get_codec(codec))
-
-    monkeypatch.setattr(backends, "implementation", fake)
-    monkeypatch.setattr(buddy.tensor, "CHUNK_BYTES", 64 * 1024)  # several chunks: the size pass runs
-    t = make_data("relu", 100_000, torch.float32, gen)
-    bt = buddy.compress(t, target_ratio=2.0, store=store, backend="cuda")
-    assert bt.backend == "spy" and chosen == ["cuda"]
-    assert "sizes" in calls and "encode" in calls and "decode" not in calls
-    assert_roundtrip(bt, t)
-    assert chosen == ["cuda", "spy"] and "decode" in calls  # decompress reuses the stored backend
-
-
-def test_import_without_cupy_then_cuda_backend_raises():
-    code = textwrap.dedent(
-        """
-        import sys
-        sys.modules["cupy"] = None  # CuPy not importable
-        import torch, buddy
-        from buddy import backends
-        assert "cupy" not in [m for m in sys.modules if sys.modules[m] is not None]
-        t = torch.relu(torch.randn(10_000))
-        assert torch.equal(buddy.compress(t).decompress(), t)
-        try:
-            backends.implementation("zvc", torch.device("cuda"), "cuda")
-        except buddy.MissingDependencyError as exc:
-            message = str(exc)
-        else:
-            raise SystemExit("no MissingDependencyError")
-        assert "cupy" in message and "pip install" in message, message
-        try:
-            buddy.cuda._cupy()
-        except buddy.MissingDependencyError:
-            pass
-        else:
-            raise SystemExit("no MissingDependencyError from the loader")
-        print("ok")
-        """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().endswith("ok")
-
-
-def test_default_store_untouched_by_dispatch_errors(fresh_default_store):
-    with pytest.raises(ValueError):
-        buddy.compress(torch.ones(2 * MiB // 4), backend="cuda")
-    assert buddy.default_store().bytes_held == 0
-
-
-# ---------------------------------------------------------------------------
 # the whole CUDA path on the CPU: kernels emulated by the host harness
 # ---------------------------------------------------------------------------
 _C_TYPES = {"uint8_t*": torch.uint8, "int32_t*": torch.int32, "int*": torch.int32}
@@ -361,11 +196,13 @@ def _kernel_signatures() -> dict[str, list[str]]:
 
 
 @pytest.fixture
-def emulated_gpu(host_exe, tmp_path, monkeypatch):
-    """buddy.cuda with CPU tensors accepted and each launch run by the host harness.
+def emulated_gpu(host_exe, tmp_path):
+    """The CUDA engine for CPU tensors, each launch run by the host harness, registered as zvc's "cuda" on the CPU.
 
-    Every launch's arguments are checked against the kernel's C signature
-    (pointers: tensors of the pointee's dtype; long long / int: numpy int64 / int32).
+    Selected through the public registry (``backend="cuda"`` on a CPU tensor
+    then runs the real glue of :mod:`buddy.cuda`). Every launch's arguments
+    are checked against the kernel's C signature (pointers: tensors of the
+    pointee's dtype; long long / int: numpy int64 / int32).
     """
     sigs = _kernel_signatures()
     launches = []
@@ -397,22 +234,10 @@ def emulated_gpu(host_exe, tmp_path, monkeypatch):
             args[2].copy_(got["k"])
             args[3].copy_(got["mode"])
 
-    monkeypatch.setattr(bcuda, "_launch", launch)
-    monkeypatch.setattr(bcuda, "_check_cuda", lambda what, t: None)
-    monkeypatch.setattr(bcuda.ZVCCuda, "check_device", staticmethod(lambda device: None))
-    monkeypatch.setattr(backends, "implementation", _cpu_as_cuda(backends.implementation))
-    return launches
-
-
-def _cpu_as_cuda(choose):
-    """backends.implementation with CPU tensors treated as CUDA ones (for backend='cuda')."""
-
-    def implementation(codec, device, backend=None):
-        if backend == "cuda" and torch.device(device).type == "cpu":
-            return choose(codec, torch.device("cuda", 0), backend)
-        return choose(codec, device, backend)
-
-    return implementation
+    engine = functools.partial(bcuda.CudaEngine, launch=launch, device_type="cpu")
+    buddy.register_implementation("zvc", "cpu", "cuda", engine)
+    yield launches
+    buddy.unregister_implementation("zvc", "cpu", "cuda")
 
 
 def test_kernel_signatures_parsed():
@@ -432,7 +257,7 @@ def test_kernel_signatures_parsed():
 )
 def test_cuda_path_emulated(emulated_gpu, dtype, store, gen, monkeypatch):
     """compress/decompress(backend="cuda") == the reference, buffer for buffer, through the real glue."""
-    monkeypatch.setattr(buddy.tensor, "CHUNK_BYTES", 8 * 1024)  # several chunks: size pass, chunked pack
+    monkeypatch.setattr(buddy.format, "BLOCK_BYTES", 8 * 1024)  # several chunks: size pass, chunked pack
     t = make_data("relu", 20_001 // torch.empty((), dtype=dtype).element_size(), dtype, gen)
     for ratio in (float("inf"), 2.0, 1.0):
         a = buddy.compress(t, target_ratio=ratio, store=store, backend="cuda")
@@ -453,19 +278,23 @@ def test_cuda_path_emulated_views_and_damage(emulated_gpu, store, gen):
     base = make_data("relu", 20_000, torch.float32, gen)
     odd = base.view(torch.uint8)[1:-2]  # misaligned: the glue copies before launching
     bt = buddy.compress(odd, target_ratio=2.0, store=store, backend="cuda")
+    assert bt.backend == "cuda"
     assert_roundtrip(bt, odd)
-    impl = backends.implementation("zvc", "cpu", "cuda")
-    assert isinstance(impl, bcuda.ZVCCuda)
+    engine = buddy.dispatch.engine(ZVC, "cpu", "cuda")
+    assert isinstance(engine, bcuda.CudaEngine)
     entries = base.view(torch.uint8).view(-1, 128)
-    enc = impl.encode(entries, 4)
-    assert torch.equal(impl.decode(enc.payload, enc.sectors.long(), enc.modes, 4), entries)  # int64 sizes accepted
-    k = enc.sectors.clone()
+    k, modes = engine.measure_block(entries, 4)[:2]
+    payload = engine.encode_block(entries, 4, k, modes, None)
+    assert torch.equal(engine.decode_block(payload, k.long(), modes, 4), entries)  # int64 sizes accepted
+    bad = k.clone()
     coded = ((k > 0) & (k < 4)).nonzero().view(-1)
-    k[coded[0]] = 9
+    bad[coded[0]] = 9
     with pytest.raises(buddy.CorruptDataError, match="more sectors"):
-        impl.decode(enc.payload, k, enc.modes, 4)
-    modes = enc.modes.clone()
-    modes[0] = 2
+        engine.decode_block(payload, bad, modes, 4)
+    bad_modes = modes.clone()
+    bad_modes[0] = 2
     with pytest.raises(buddy.CorruptDataError, match="modes"):
-        impl.decode(enc.payload, enc.sectors, modes, 4)
-    assert impl.sizes(entries[:0], 4).shape == (0,) and impl.decode(enc.payload[:0], k[:0], k[:0], 4).shape == (0, 128)
+        engine.decode_block(payload, k, bad_modes, 4)
+    kernels = engine.kernels
+    assert kernels.measure(entries[:0], 4)[0].shape == (0,)
+    assert kernels.decode(payload[:0], k[:0], k[:0], 4).shape == (0, 128)

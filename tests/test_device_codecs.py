@@ -24,43 +24,12 @@ from conftest import ALL_DTYPES, DATA_KINDS, ids, make_data
 import buddy
 from buddy import spec
 
-ROOT = Path(__file__).resolve().parents[1]
-CSRC = ROOT / "csrc"
-HOST_SOURCE = Path(__file__).resolve().parent / "host" / "codec_host.cpp"
 #: codecs whose device functions the harness runs (its CODEC argument)
 DEVICE_CODECS = ("zvc",)
 ENTRY_SIZES = (32, 128, 256, 512, 4096)
 WORDS = (1, 2, 4, 8)
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-
-
-def _defines(entry_bytes: int) -> list[str]:
-    return [f"-D{k}={v}" for k, v in spec.c_defines(entry_bytes).items()]
-
-
-@pytest.fixture(scope="module")
-def host_exe(tmp_path_factory):
-    """``host_exe(E)``: the harness built for entry size E (once per module)."""
-    built: dict[int, Path] = {}
-    folder = tmp_path_factory.mktemp("codec_host")
-
-    def get(entry_bytes: int) -> Path:
-        if entry_bytes not in built:
-            exe = folder / f"codec_host_{entry_bytes}"
-            base = ["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CSRC}", *_defines(entry_bytes)]
-            # undefined behaviour (bad shifts, overflows) aborts when the sanitizer is available
-            sanitized = subprocess.run(
-                [*base, "-fsanitize=undefined", "-fno-sanitize-recover=undefined", str(HOST_SOURCE), "-o", str(exe)],
-                capture_output=True,
-                text=True,
-            )
-            if sanitized.returncode != 0:
-                subprocess.run([*base, str(HOST_SOURCE), "-o", str(exe)], check=True)
-            built[entry_bytes] = exe
-        return built[entry_bytes]
-
-    return get
 
 
 class _Reader:
@@ -110,15 +79,17 @@ def run_decode(exe, codec, payload, sectors, modes, word, tmp_path) -> dict[str,
 # the torch reference: the specification
 # ---------------------------------------------------------------------------
 def reference_encode(codec: str, entries: torch.Tensor, word: int):
-    """``(k, mode, payload)`` of each entry by the torch reference (payload zero after k sectors)."""
-    enc = buddy.get_codec(codec).encode(entries, word)
-    return enc.sectors.to(torch.int32), enc.modes.to(torch.int32), enc.payload
+    """``(k, mode, payload)`` of each entry by the torch reference under the format rules (payload zero after k sectors)."""
+    payload, k, modes = buddy.format.encode(buddy.get_codec(codec), entries, word)
+    return k, modes, payload
 
 
 def reference_decodes(codec: str, payload: torch.Tensor, k: torch.Tensor, mode: torch.Tensor, word: int):
-    """The reference's decode of one entry, or ``None`` where it raises CorruptDataError."""
+    """The reference's decode of entries under the format rules, or ``None`` where it raises CorruptDataError."""
     try:
-        return buddy.get_codec(codec).decode(payload, k, mode, word)
+        return buddy.format.decode_entries(
+            buddy.get_codec(codec), payload, k.to(torch.int32), mode.to(torch.int32), word
+        )
     except buddy.CorruptDataError:
         return None
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import SUITE_CODEC, SUITE_ENTRY_BYTES
 
 import buddy
 
@@ -47,6 +48,7 @@ STEPS = 3
 MIN_BYTES = 16 << 10  # the model's activations are 32-512 KiB; biases and norms stay below
 COLLECTIVE_TIMEOUT_S = 60
 DEADLINE_S = 240  # both ranks, every scenario, start to finish; about 30 s on a busy 2-core machine
+DEFAULTS_ENV = "BUDDY_TEST_DEFAULTS"  # "<codec>@<entry bytes>" the ranks run under
 UNSUPPORTED_EXIT = 75  # a rank exits with this when plain FSDP (without buddy) cannot run here
 POLICIES = {"fixed2": lambda: buddy.FixedRatio(2.0), "threshold": lambda: buddy.BuddyThreshold(0.1)}
 ALL = ("ddp", "fsdp2", "fsdp1")
@@ -133,7 +135,12 @@ def new_store() -> buddy.BuddyStore:
 
 def store_summary(store: buddy.BuddyStore) -> dict:
     st = store.stats()
-    return {"device_peak": st.device_peak_bytes, "held": st.buddy_bytes_held, "tensors": st.tensors_held}
+    return {"buddy_peak": st.buddy_peak_bytes, "held": st.buddy_bytes_held}
+
+
+def ledger_summary(ledger: buddy.DeviceLedger) -> dict:
+    st = ledger.stats()
+    return {"device_peak": st.device_peak_bytes, "held": st.device_bytes_held, "tensors": st.tensors_held}
 
 
 class Unsupported(Exception):
@@ -151,8 +158,10 @@ def run_policies(rank: int, wrap, *, gather=None) -> dict:
     # ... and a second one, passed explicitly with store=.
     explicit_store = new_store()
     session_fns = {"plain": None}
+    ledgers = {}
     for name, policy in POLICIES.items():
-        tracker = buddy.Tracker()  # this rank's tracker: its shard's history, fresh per policy
+        ledgers[name] = buddy.DeviceLedger()  # the device bytes of this policy's sessions
+        tracker = buddy.Tracker(ledger=ledgers[name])  # this rank's tracker: its shard's history, fresh per policy
         store = explicit_store if name == "threshold" else None
         session_fns[name] = lambda policy=policy, tracker=tracker, store=store: buddy.compressed_activations(
             policy(), tracker=tracker, store=store, min_bytes=MIN_BYTES
@@ -168,11 +177,14 @@ def run_policies(rank: int, wrap, *, gather=None) -> dict:
             raise
         if gather is not None:
             runs[name]["full"] = gather(model)
+        if name in ledgers:
+            runs[name]["ledger"] = ledger_summary(ledgers[name])
     return {
         "runs": runs,
         "stores": {"default": store_summary(rank_store), "explicit": store_summary(explicit_store)},
         "default_is_rank_store": buddy.default_store() is rank_store,
         "param_shapes": [list(p.shape) for p in ConvTransformer().parameters()],
+        "defaults": (buddy.defaults().codec, buddy.defaults().entry_bytes),
         "pid": os.getpid(),
     }
 
@@ -220,6 +232,9 @@ SCENARIOS = {"ddp": scenario_ddp, "fsdp2": scenario_fsdp2, "fsdp1": scenario_fsd
 
 def rank_main(scenarios: str, rank: int, init_method: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks on a shared 2-core machine
+    codec, _, entry_bytes = os.environ.get(DEFAULTS_ENV, "").partition("@")
+    if codec:  # the suite's pinned defaults; none: the library's own
+        buddy.set_defaults(codec=codec, entry_bytes=int(entry_bytes))
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     )
@@ -251,13 +266,14 @@ def _tail(path: Path, lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def launch(scenarios: tuple[str, ...], out: Path) -> dict:
+def launch(scenarios: tuple[str, ...], out: Path, defaults: str = "") -> dict:
     """Run both ranks through ``scenarios``; per scenario, its ranks' results or why it did not run.
 
-    Never leaves a process behind: on return, failure or deadline, every rank
-    still running is killed.
+    ``defaults``: ``"<codec>@<entry bytes>"`` the ranks set as buddy's
+    defaults, or ``""`` for the library's own. Never leaves a process behind:
+    on return, failure or deadline, every rank still running is killed.
     """
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{DEFAULTS_ENV: defaults})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     init = (out / "rendezvous").as_uri()
     logs = [out / f"rank{rank}.log" for rank in range(WORLD)]
@@ -300,10 +316,18 @@ def launch(scenarios: tuple[str, ...], out: Path) -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict:
-    """Every scenario, in one launch of the two ranks."""
-    return launch(ALL, tmp_path_factory.mktemp("ranks"))
+@pytest.fixture(
+    scope="module", params=[f"{SUITE_CODEC}@{SUITE_ENTRY_BYTES}", ""], ids=["defaults=zvc@128", "defaults=library"]
+)
+def launched(request, tmp_path_factory) -> dict:
+    """Every scenario, in one launch of the two ranks, under the suite's pinned defaults and the library's own."""
+    results = launch(ALL, tmp_path_factory.mktemp("ranks"), request.param)
+    expected = (
+        (SUITE_CODEC, SUITE_ENTRY_BYTES) if request.param else (buddy.DEFAULT_CODEC, buddy.spec.DEFAULT_ENTRY_BYTES)
+    )
+    for ranks in results.values():
+        assert isinstance(ranks, str) or all(tuple(r["defaults"]) == expected for r in ranks)
+    return results
 
 
 def ranks_of(launched: dict, scenario: str) -> list[dict]:
@@ -335,10 +359,13 @@ def check_ranks(results: list[dict]) -> None:
                 assert step["compressed_device"] < step["compressed_original"]
                 # parameters -- FSDP's all-gathered ones too -- are never compressed: activations only
                 assert not any(shape in result["param_shapes"] for shape in step["compressed_shapes"])
+            ledger = run["ledger"]
+            assert ledger["device_peak"] > 0, f"rank {rank}, {name}: nothing was held on the device"
+            assert ledger["held"] == 0 and ledger["tensors"] == 0, f"rank {rank}, {name}: device bytes still held"
         assert result["default_is_rank_store"]
         for which, store in result["stores"].items():
-            assert store["device_peak"] > 0, f"rank {rank}: its {which} store was never used"
-            assert store["held"] == 0 and store["tensors"] == 0, f"rank {rank}: its {which} store was not emptied"
+            assert store["buddy_peak"] > 0, f"rank {rank}: its {which} store was never used"
+            assert store["held"] == 0, f"rank {rank}: its {which} store was not emptied"
     assert len({r["pid"] for r in results}) == WORLD  # a process, and so a store and a tracker, per rank
     # the shards differ, so the losses do: the parameters below agree only through the collectives
     assert not torch.equal(results[0]["runs"]["plain"]["losses"][0], results[1]["runs"]["plain"]["losses"][0])

@@ -31,7 +31,7 @@ import re
 
 import pytest
 import torch
-from conftest import _float_specials, assert_bitexact, assert_roundtrip, fuzz_settings, raw_bytes, unpack_like
+from conftest import _float_specials, assert_bitexact, assert_roundtrip, fuzz_settings, held, raw_bytes, unpack_like
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -261,10 +261,7 @@ def _new_store(capacity: int | None = None) -> buddy.BuddyStore:
 
 
 def _assert_store_empty(store: buddy.BuddyStore) -> None:
-    stats = store.stats()
-    assert stats.buddy_bytes_held == 0, stats
-    assert stats.device_bytes_held == 0, stats
-    assert stats.tensors_held == 0, stats
+    assert held(store) == (0, 0, 0), (store.stats(), buddy.default_ledger().stats())
 
 
 def _check_format(bt: buddy.BuddyTensor, nbytes: int) -> None:
@@ -306,12 +303,9 @@ def test_fuzz_roundtrip(codec, data):
     seen = []
 
     if mode == "pack":
-
-        def choose(histogram):
-            seen.append(list(histogram))
-            return value
-
-        bt = buddy.pack(t, codec=codec, entry_bytes=e, choose_slot=choose, store=store, checksum=checksum)
+        measured = buddy.measure(t, codec, entry_bytes=e)
+        seen.append(list(measured.histogram))
+        bt = buddy.pack(measured, value, store=store, checksum=checksum)
     elif mode == "max_overflow":
         bt = buddy.compress(t, codec=codec, entry_bytes=e, max_overflow=value, store=store, checksum=checksum)
     else:
@@ -385,12 +379,12 @@ def test_fuzz_many_chunks(codec, data):
     slot = data.draw(st.integers(0, e // 32), label="slot")
     step = data.draw(st.sampled_from([64, 320, 1 << 10]), label="checksum step bytes")
     store = _new_store()
-    chunk_bytes, step_bytes = buddy.tensor.CHUNK_BYTES, integrity.STEP_BYTES
-    buddy.tensor.CHUNK_BYTES, integrity.STEP_BYTES = chunk_entries * e, step
+    chunk_bytes, step_bytes = buddy.format.BLOCK_BYTES, integrity.STEP_BYTES
+    buddy.format.BLOCK_BYTES, integrity.STEP_BYTES = chunk_entries * e, step
     try:
         bt = buddy.compress(t, spec.ratio_for_slot(slot, e), codec, entry_bytes=e, store=store, checksum=True)
         try:
-            buddy.tensor.CHUNK_BYTES, integrity.STEP_BYTES = chunk_bytes, step_bytes
+            buddy.format.BLOCK_BYTES, integrity.STEP_BYTES = chunk_bytes, step_bytes
             whole = integrity.checksums(*bt.buffers())  # one piece, the default step
             assert whole == bt.checksum
             _check_format(bt, t.numel() * t.element_size())
@@ -398,7 +392,7 @@ def test_fuzz_many_chunks(codec, data):
         finally:
             bt.free()
     finally:
-        buddy.tensor.CHUNK_BYTES, integrity.STEP_BYTES = chunk_bytes, step_bytes
+        buddy.format.BLOCK_BYTES, integrity.STEP_BYTES = chunk_bytes, step_bytes
     _assert_store_empty(store)
 
 
@@ -415,7 +409,7 @@ def test_view_at_an_unaligned_offset(codec, dtype, chunk_entries, monkeypatch):
     RuntimeError from ``Tensor.view``; they are copied to aligned memory now.
     """
     if chunk_entries is not None:
-        monkeypatch.setattr(buddy.tensor, "CHUNK_BYTES", 128 * chunk_entries)
+        monkeypatch.setattr(buddy.format, "BLOCK_BYTES", 128 * chunk_entries)
     base = torch.arange(1, 8 * 128 + 2, dtype=torch.int64).to(dtype)
     x = base[1:]  # a whole number of 128-byte entries, one element in
     x[::3] = 0

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import MiB, assert_bitexact, assert_roundtrip, dtype_params, ids, make_data, ratio_name
+from conftest import MiB, assert_bitexact, assert_roundtrip, dtype_params, held, ids, make_data, ratio_name
 
 import buddy
 
@@ -95,7 +95,7 @@ def test_cuda_multi_chunk_matches_single_chunk(cuda, pinned_store, gen, monkeypa
     t = make_data("relu", 200_003, torch.float32, gen).to(cuda)
     single = buddy.compress(t, target_ratio=4.0, store=pinned_store)
     ref = [b.cpu().clone() for b in single.buffers()]
-    monkeypatch.setattr(buddy.tensor, "CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(buddy.format, "BLOCK_BYTES", 64 * 1024)
     multi = buddy.compress(t, target_ratio=4.0, store=pinned_store)
     torch.cuda.synchronize()
     for name, a, b in zip(("meta", "slots", "overflow"), multi.buffers(), ref):
@@ -118,8 +118,7 @@ def test_cuda_free_and_gc_release(cuda, pinned_store, gen):
     gc.collect()
     torch.cuda.synchronize()
     pinned_store.trim()
-    st = pinned_store.stats()
-    assert st.buddy_bytes_held == 0 and st.tensors_held == 0 and st.device_bytes_held == 0
+    assert held(pinned_store) == (0, 0, 0)
 
 
 def test_cuda_store_reuse_after_free(cuda, pinned_store, gen):

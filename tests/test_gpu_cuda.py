@@ -18,15 +18,17 @@ from conftest import (
     MiB,
     assert_bitexact,
     assert_roundtrip,
+    decode,
     dtype_params,
+    encode,
     entry_payloads,
     ids,
     make_data,
 )
 
 import buddy
-from buddy import backends, spec
 from buddy import cuda as bcuda
+from buddy import spec
 
 pytestmark = pytest.mark.gpu
 
@@ -51,19 +53,18 @@ def _entries(t: torch.Tensor, entry_bytes: int) -> torch.Tensor:
 
 def _check_codec(entries: torch.Tensor, word: int) -> None:
     """Kernels == reference for sizes, encode and decode of these entries."""
-    ref = ZVC.encode(entries, word)
-    impl = backends.implementation("zvc", entries.device, "cuda")
-    sizes = impl.sizes(entries, word)
-    enc = impl.encode(entries, word)
+    ref = encode(ZVC, entries, word)
+    kernels = bcuda.Kernels("zvc")
+    sizes, modes = kernels.measure(entries, word)
+    payload, k, enc_modes = kernels.encode(entries, word)
     torch.cuda.synchronize()
-    assert torch.equal(sizes, ref.sectors), "sizes differ"
-    assert torch.equal(enc.sectors, ref.sectors), "k differs"
-    assert torch.equal(enc.modes, ref.modes), "modes differ"
-    assert torch.equal(enc.payload, ref.payload), "payloads differ"
-    out = impl.decode(ref.payload, ref.sectors, ref.modes, word)
+    assert torch.equal(sizes, ref.sectors) and torch.equal(modes, ref.modes), "sizes differ"
+    assert torch.equal(k, ref.sectors), "k differs"
+    assert torch.equal(enc_modes, ref.modes), "modes differ"
+    assert torch.equal(payload, ref.payload), "payloads differ"
+    out = kernels.decode(ref.payload, ref.sectors, ref.modes, word)
     assert torch.equal(out, entries), "decode differs"
-    if entries.shape[0]:  # (the reference cannot decode zero entries; the pipeline never asks it to)
-        assert torch.equal(ZVC.decode(enc.payload, enc.sectors, enc.modes, word), entries)
+    assert torch.equal(decode(ZVC, payload, k, enc_modes, word), entries)
 
 
 @pytest.mark.parametrize("e", ids("E", ENTRY_SIZES))
@@ -151,7 +152,7 @@ def test_compress_round_trip(dtype, n, cuda, pinned_store, gen):
 
 
 def test_multi_chunk_and_views(cuda, pinned_store, gen, monkeypatch):
-    monkeypatch.setattr(buddy.tensor, "CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(buddy.format, "BLOCK_BYTES", 64 * 1024)
     base = make_data("relu", 300_001, torch.float32, gen).to(cuda)
     for t in (base, base[1:], base[3:-5].view(-1)[::2], base.view(torch.uint8)[1:-2]):
         a = buddy.compress(t, target_ratio=2.0, store=pinned_store, backend="cuda")
@@ -189,11 +190,12 @@ def test_default_backend_cuda(cuda, pinned_store, gen):
 def test_compile_cache(cuda):
     before = len(bcuda._modules)
     t = torch.ones(1000, 128, dtype=torch.uint8, device=cuda)
-    bcuda.zvc_sizes(t, 4)
-    bcuda.zvc_sizes(t, 1)
-    bcuda.zvc_encode(t, 2)
+    kernels = bcuda.Kernels("zvc")
+    kernels.measure(t, 4)
+    kernels.measure(t, 1)
+    kernels.encode(t, 2)
     assert len(bcuda._modules) <= before + 1  # one module per entry size and architecture
-    bcuda.zvc_sizes(torch.ones(10, 256, dtype=torch.uint8, device=cuda), 4)
+    kernels.measure(torch.ones(10, 256, dtype=torch.uint8, device=cuda), 4)
     assert len(bcuda._modules) <= before + 2
 
 
@@ -205,25 +207,26 @@ def no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a kernel was launched")
 
-    monkeypatch.setattr(bcuda, "_launch", refuse)
+    monkeypatch.setattr(bcuda, "_launch", refuse)  # Kernels() made after this launch through it
 
 
 def test_bad_arguments_rejected_before_launch(cuda, no_launch):
     good = torch.zeros(64, 128, dtype=torch.uint8, device=cuda)
     k = torch.zeros(64, dtype=torch.int32, device=cuda)
+    kernels = bcuda.Kernels("zvc")
     cases = [
-        (bcuda.zvc_sizes, (good.cpu(), 4), "CUDA device"),
-        (bcuda.zvc_sizes, (good.view(torch.int32), 4), "uint8"),
-        (bcuda.zvc_sizes, (good.view(-1), 4), "n_entries, entry_bytes"),
-        (bcuda.zvc_sizes, (good[:, :100], 4), "power of two"),
-        (bcuda.zvc_sizes, (good.t(), 4), "contiguous"),  # (128, 64): 64-byte entries, not dense
-        (bcuda.zvc_sizes, (torch.zeros(64 * 128 + 1, dtype=torch.uint8, device=cuda)[1:].view(64, 128), 4), "aligned"),
-        (bcuda.zvc_sizes, (good, 3), "word_bytes"),
-        (bcuda.zvc_encode, (good, 16), "word_bytes"),
-        (bcuda.zvc_decode, (good, k[:63], k, 4), "shape"),
-        (bcuda.zvc_decode, (good, k, k.to(torch.int64), 4), "int32"),
-        (bcuda.zvc_decode, (good, k.cpu(), k, 4), "is on cpu"),
-        (bcuda.zvc_decode, (good, k, k[::2].repeat_interleave(2), 0), "word_bytes"),
+        (kernels.measure, (good.cpu(), 4), "CUDA device"),
+        (kernels.measure, (good.view(torch.int32), 4), "uint8"),
+        (kernels.measure, (good.view(-1), 4), "n_entries, entry_bytes"),
+        (kernels.measure, (good[:, :100], 4), "power of two"),
+        (kernels.measure, (good.t(), 4), "contiguous"),  # (128, 64): 64-byte entries, not dense
+        (kernels.measure, (torch.zeros(64 * 128 + 1, dtype=torch.uint8, device=cuda)[1:].view(64, 128), 4), "aligned"),
+        (kernels.measure, (good, 3), "word_bytes"),
+        (kernels.encode, (good, 16), "word_bytes"),
+        (kernels.decode, (good, k[:63], k, 4), "shape"),
+        (kernels.decode, (good, k, k.to(torch.int64), 4), "int32"),
+        (kernels.decode, (good, k.cpu(), k, 4), "is on cpu"),
+        (kernels.decode, (good, k, k[::2].repeat_interleave(2), 0), "word_bytes"),
     ]
     for fn, args, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -233,7 +236,7 @@ def test_bad_arguments_rejected_before_launch(cuda, no_launch):
 def test_damaged_metadata_raises(cuda):
     entries = make_data("relu", 32 * 100, torch.float32, torch.Generator().manual_seed(0)).to(cuda).view(torch.uint8)
     entries = entries.view(-1, 128)
-    enc = ZVC.encode(entries, 4)
+    enc = encode(ZVC, entries, 4)
     coded = ((enc.sectors > 0) & (enc.sectors < 4)).nonzero().view(-1)
     assert coded.numel()
     cases = []
@@ -249,11 +252,11 @@ def test_damaged_metadata_raises(cuda):
     modes = enc.modes.clone()
     modes[3] = 1
     cases.append((enc.payload, enc.sectors, modes, "modes"))
-    impl = backends.implementation("zvc", cuda, "cuda")
+    kernels = bcuda.Kernels("zvc")
     for payload, sectors, m, match in cases:
         with pytest.raises(buddy.CorruptDataError, match=match):
-            impl.decode(payload, sectors, m, 4)
+            kernels.decode(payload, sectors, m, 4)
         with pytest.raises(buddy.CorruptDataError):
-            ZVC.decode(payload, sectors, m, 4)  # the reference agrees
+            decode(ZVC, payload, sectors, m, 4)  # the reference agrees
     # and the next call on the same stream is fine
-    assert torch.equal(impl.decode(enc.payload, enc.sectors, enc.modes, 4), entries)
+    assert torch.equal(kernels.decode(enc.payload, enc.sectors, enc.modes, 4), entries)

@@ -19,7 +19,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import assert_bitexact, make_data
+from conftest import assert_bitexact, held, make_data
 from small_training import (  # noqa: F401 - module_setup is a module-wide fixture
     MIN_BYTES,
     assert_clean,
@@ -31,6 +31,9 @@ from small_training import (  # noqa: F401 - module_setup is a module-wide fixtu
 )
 
 import buddy
+
+#: the session under the suite's pinned zvc at E = 128 and under the library's own defaults
+pytestmark = pytest.mark.both_defaults
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -51,11 +54,11 @@ class GrowCounter:
 
 
 def _snapshot(store: buddy.BuddyStore) -> dict:
-    st = store.stats()
+    st, dev = store.stats(), buddy.default_ledger().stats()
     return {
         "buddy_bytes_held": st.buddy_bytes_held,
-        "device_bytes_held": st.device_bytes_held,
-        "tensors_held": st.tensors_held,
+        "device_bytes_held": dev.device_bytes_held,
+        "tensors_held": dev.tensors_held,
         "blocks": st.buddy_blocks,
         "reserved": st.buddy_reserved_bytes,
         "block_buffers": sorted(b.buffer.data_ptr() for b in store._blocks),
@@ -170,8 +173,7 @@ def _training_hygiene(steps: int, monkeypatch, compare: bool) -> None:
         return s
 
     def after_step(step):
-        st = store.stats()
-        assert st.buddy_bytes_held == 0 and st.device_bytes_held == 0 and st.tensors_held == 0, step
+        assert held(store) == (0, 0, 0), step
         assert tracker.held_device_bytes == 0, f"step {step}: the tracker counts {tracker.held_device_bytes} B held"
         if step == 5:  # every policy ran twice: the steady state
             gc.collect()
@@ -216,7 +218,7 @@ def _forward(store, tracker):
     x, y = make_batch()
     with buddy.compressed_activations(buddy.FixedRatio(4.0), tracker=tracker, store=store, min_bytes=MIN_BYTES) as s:
         loss = torch.nn.functional.cross_entropy(model(x), y)
-    assert store.stats().tensors_held > 0
+    assert buddy.default_ledger().tensors_held > 0
     return model, loss, s
 
 
@@ -231,8 +233,7 @@ def test_session_kept_for_its_stats_holds_no_buffers(store, tracker):
     model, loss, session = _forward(store, tracker)
     loss.backward()
     del loss
-    st = store.stats()
-    assert st.tensors_held == 0 and st.buddy_bytes_held == 0, "a session kept for its stats holds its tensors"
+    assert held(store) == (0, 0, 0), "a session kept for its stats holds its tensors"
     assert session.stats().rows and session.stats().decompressions > 0
     assert_clean(store, tracker)
 
@@ -257,7 +258,7 @@ def test_retained_graph_backward_twice_then_dropped(store, tracker):
     model, loss, _ = _forward(store, tracker)
     loss.backward(retain_graph=True)
     first = [p.grad.clone() for p in model.parameters()]
-    held = store.stats().tensors_held
+    held = buddy.default_ledger().tensors_held
     assert held > 0, "a retained graph keeps its compressed tensors"
     model.zero_grad(set_to_none=True)
     loss.backward()
@@ -292,7 +293,7 @@ def test_policy_referring_back_to_the_graph(owner, store):
     with session:
         trainer.loss = torch.nn.functional.cross_entropy(make_mlp()(x), y)
     trainer.session = session
-    assert store.stats().tensors_held > 0
+    assert buddy.default_ledger().tensors_held > 0
     del trainer, policy, session
     if owner == "session":
         assert_clean(store, tracker)

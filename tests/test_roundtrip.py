@@ -17,6 +17,7 @@ from conftest import (
     make_data,
     ratio_name,
     raw_bytes,
+    sizes,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -43,7 +44,7 @@ def _check_accounting(bt: buddy.BuddyTensor, t: torch.Tensor, store: buddy.Buddy
     assert bt.buddy_bytes == overflow_sectors(bt.histogram, bt.slot_sectors) * spec.SECTOR_BYTES
     assert bt.compressed_bytes == sum(k * c for k, c in enumerate(bt.histogram)) * spec.SECTOR_BYTES
     assert store.bytes_held == bt.buddy_bytes
-    assert store.stats().device_bytes_held == bt.device_bytes
+    assert buddy.default_ledger().bytes_held == bt.device_bytes
 
 
 # ---------------------------------------------------------------------------
@@ -271,12 +272,12 @@ def test_multi_chunk_matches_single_chunk(codec, kind, slot_frac, e, chunk_bytes
     t = make_data(kind, numel, torch.float32, gen)
     slot = slot_frac * (e // 32) // 4
     ratio = spec.ratio_for_slot(slot, e)
-    assert t.numel() * 4 <= buddy.tensor.CHUNK_BYTES  # one chunk by default
+    assert t.numel() * 4 <= buddy.format.BLOCK_BYTES  # one chunk by default
     single = buddy.compress(t, target_ratio=ratio, codec=codec, entry_bytes=e, store=store)
     ref = _buffers_bytes(single)
 
-    monkeypatch.setattr(buddy.tensor, "CHUNK_BYTES", chunk_bytes)
-    assert len(buddy.tensor._chunks(-(-numel * 4 // e), e)) == 24
+    monkeypatch.setattr(buddy.format, "BLOCK_BYTES", chunk_bytes)
+    assert len(buddy.format.blocks(-(-numel * 4 // e), e)) == 24
     multi = buddy.compress(t, target_ratio=ratio, codec=codec, entry_bytes=e, store=store)
     assert multi.histogram == single.histogram
     assert (multi.device_bytes, multi.buddy_bytes) == (single.device_bytes, single.buddy_bytes)
@@ -291,7 +292,7 @@ def test_multi_chunk_matches_single_chunk(codec, kind, slot_frac, e, chunk_bytes
 
 def test_default_chunk_size_splits_big_tensors(store, gen, monkeypatch):
     """With a 1 MiB chunk a 6 MB tensor takes several chunks and still round trips."""
-    monkeypatch.setattr(buddy.tensor, "CHUNK_BYTES", 1 * MiB)
+    monkeypatch.setattr(buddy.format, "BLOCK_BYTES", 1 * MiB)
     t = make_data("relu", 1_500_000, torch.float32, gen)
     bt = buddy.compress(t, target_ratio=4.0, store=store)
     assert bt.buddy_bytes > 0
@@ -317,7 +318,7 @@ def test_on_full_device_keeps_tensor_whole(codec, kind, capacity, gen):
     assert bt.slot_sectors > 1
     assert_roundtrip(bt, t)
     bt.free()
-    assert tiny.stats().tensors_held == 0
+    assert buddy.default_ledger().tensors_held == 0
 
 
 def test_on_full_device_is_a_no_op_when_the_store_has_room(store, gen):
@@ -395,7 +396,7 @@ def test_make_data_is_deterministic_and_meaningful():
     relu = make_data("relu", 10_000, torch.float32, g)
     assert 0.4 < float((relu == 0).float().mean()) < 0.6
     rnd = make_data("random_bytes", 10_240, torch.float32, g)
-    k = buddy.get_codec("zvc").sizes(raw_bytes(rnd).view(-1, 128), 4)
+    k = sizes("zvc", raw_bytes(rnd).view(-1, 128), 4)
     assert bool((k == 4).all()), "random bytes must be incompressible"
     sp = make_data("special", 1000, torch.float32, g)
     bits = sp.view(torch.int32)

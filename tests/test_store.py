@@ -6,7 +6,7 @@ import gc
 
 import pytest
 import torch
-from conftest import HAS_CUDA, MiB, assert_roundtrip, make_data
+from conftest import HAS_CUDA, MiB, assert_roundtrip, held, make_data
 
 import buddy
 
@@ -21,8 +21,7 @@ def _overflowing(gen, numel=8000, kind="random_bytes"):
 def _assert_empty(store: buddy.BuddyStore) -> None:
     st = store.stats()
     assert store.bytes_held == 0 and st.buddy_bytes_held == 0
-    assert st.device_bytes_held == 0
-    assert st.tensors_held == 0
+    assert held(store) == (0, 0, 0)
 
 
 # ---------------------------------------------------------------------------
@@ -31,15 +30,15 @@ def _assert_empty(store: buddy.BuddyStore) -> None:
 def test_accounting_returns_to_zero_after_free(store, gen):
     tensors = [_overflowing(gen, n) for n in (100, 5000, 8000, 1)]
     bts = [buddy.compress(t, target_ratio=4.0, store=store) for t in tensors]
-    st = store.stats()
-    assert st.tensors_held == 4
+    st, dev = store.stats(), buddy.default_ledger().stats()
+    assert dev.tensors_held == 4
     assert st.buddy_bytes_held == store.bytes_held == sum(b.buddy_bytes for b in bts) > 0
-    assert st.device_bytes_held == sum(b.device_bytes for b in bts) > 0
+    assert dev.device_bytes_held == sum(b.device_bytes for b in bts) > 0
     assert store.free_bytes == store.capacity_bytes - store.bytes_held
     for i, bt in enumerate(bts):
         bt.free()
         assert bt.freed
-        assert store.stats().tensors_held == 3 - i
+        assert buddy.default_ledger().tensors_held == 3 - i
         assert store.bytes_held == sum(b.buddy_bytes for b in bts[i + 1 :])
     _assert_empty(store)
     assert store.free_bytes == store.capacity_bytes
@@ -56,12 +55,13 @@ def test_peak_tracks_the_maximum(store, gen):
     assert store.bytes_held == b.buddy_bytes + c.buddy_bytes < both
     assert store.peak_bytes == both, "the peak does not fall when memory is freed"
     st = store.stats()
-    assert st.buddy_peak_bytes == both and st.device_peak_bytes == dev_both
+    assert st.buddy_peak_bytes == both and buddy.default_ledger().peak_bytes == dev_both
     b.free()
     c.free()
     assert store.peak_bytes == both
     store.reset_peak()
-    assert store.peak_bytes == 0 and store.stats().device_peak_bytes == 0
+    buddy.default_ledger().reset_peak()
+    assert store.peak_bytes == 0 and buddy.default_ledger().peak_bytes == 0
 
 
 def test_stats_snapshot_and_str(store, gen):
@@ -71,10 +71,12 @@ def test_stats_snapshot_and_str(store, gen):
     assert st.buddy_reserved_bytes == store.reserved_bytes >= st.buddy_bytes_held
     assert st.buddy_blocks >= 1 and st.pinned is False
     text = str(st)
-    assert "buddy memory" in text and "1 tensor" in text
+    assert "buddy memory" in text and "pageable" in text
+    dev = buddy.default_ledger().stats()
+    assert "1 tensor" in str(dev)
     bt.free()
-    assert st.tensors_held == 1, "a snapshot does not change afterwards"
-    assert "tensors=0" in repr(store)
+    assert dev.tensors_held == 1, "a snapshot does not change afterwards"
+    assert "tensors=0" in repr(buddy.default_ledger())
 
 
 # ---------------------------------------------------------------------------
@@ -184,7 +186,7 @@ def test_host_store_full_raises_and_leaks_nothing(gen):
     assert 0 < small.buddy_bytes <= 4 * KiB
     with pytest.raises(buddy.HostStoreFull):
         buddy.compress(_overflowing(gen, 1500), target_ratio=4.0, store=store)
-    assert store.stats().tensors_held == 1 and store.bytes_held == small.buddy_bytes
+    assert buddy.default_ledger().tensors_held == 1 and store.bytes_held == small.buddy_bytes
     assert_roundtrip(small, fits)
     small.free()
     _assert_empty(store)
@@ -309,7 +311,7 @@ def test_context_manager_frees_on_exception(store, gen):
 def test_failed_compress_leaves_store_unchanged(store, gen):
     """An invalid slot choice fails before anything is allocated or accounted."""
     with pytest.raises(ValueError):
-        buddy.pack(_overflowing(gen), choose_slot=lambda hist: 99, store=store)
+        buddy.pack(buddy.measure(_overflowing(gen)), 99, store=store)
     with pytest.raises(ValueError):
         buddy.compress(_overflowing(gen), store=store, max_overflow=2.0)
     _assert_empty(store)

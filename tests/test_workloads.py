@@ -11,6 +11,7 @@ import torch
 from conftest import raw_bytes
 
 import buddy
+from buddy.tensor import dense_strides
 
 pytest.importorskip("sklearn", reason="the workloads need buddy[experiments]")
 pytest.importorskip("tqdm", reason="the workloads need buddy[experiments]")
@@ -87,7 +88,8 @@ def test_capture_tiny(name):
         for index, saved in enumerate(c.tensors):
             t = saved.tensor
             assert saved.key == f"{index}:{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-            assert t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
+            assert t.device.type == "cpu" and not t.requires_grad
+            assert dense_strides(t.shape, t.stride())  # memory order: the bytes buddy compresses
             assert t.numel() * t.element_size() >= MIN
         # views of one storage count once
         assert 0 < c.saved_bytes <= sum(s.tensor.numel() * s.tensor.element_size() for s in c.tensors)
@@ -123,6 +125,9 @@ def test_capture_sees_what_buddy_compresses(name):
     assert [r.key for r in stats.rows] == [t.key for t in cap.tensors]
     assert stats.original_bytes == cap.saved_bytes and stats.skipped_bytes == cap.skipped_bytes
     assert stats.failed == 0 and loss.item() == cap.loss
+    # the very bytes, in the same order: the compacted size of every capture is the session's
+    compacted = [sum(k * n for k, n in enumerate(buddy.size_histogram(t.tensor))) * 32 for t in cap.tensors]
+    assert compacted == [r.ideal_bytes for r in stats.rows]
 
 
 # gpt-bf16 covers strides: under bf16 autocast a linear layer saves its weight's bf16 copy
@@ -172,10 +177,16 @@ def test_min_bytes_filters_the_capture():
     assert large.loss == everything.loss
 
 
-def test_module_example(monkeypatch):
-    monkeypatch.setattr(buddy.tracker, "_default_tracker", None)  # the example uses the process-wide ones
-    monkeypatch.setattr(buddy.store, "_default_store", None)
-    result = doctest.testmod(workloads, extraglobs={"buddy": buddy})
+def test_module_example():
+    # the example uses the process-wide tracker and store: fresh ones, put back afterwards
+    tracker, store = buddy.default_tracker(), buddy.default_store()
+    buddy.set_default_tracker(None)
+    buddy.set_default_store(None)
+    try:
+        result = doctest.testmod(workloads, extraglobs={"buddy": buddy})
+    finally:
+        buddy.set_default_tracker(tracker)
+        buddy.set_default_store(store)
     assert result.attempted and not result.failed
 
 

@@ -8,9 +8,9 @@ occupies stream bits ``[o, o + w)``, bit ``i`` of ``v`` at stream bit ``o + i``
 up to the end of the payload.
 
 Everything here works on whole batches: ``(n, F)`` tensors of fields, one row
-per entry, with no Python loop over entries or fields. The codecs cut their
-input into blocks of about :data:`BLOCK_BYTES` (a loop over blocks of
-thousands of entries) so that the many temporaries stay in cache.
+per entry, with no Python loop over entries or fields. The format layer hands
+codecs blocks of thousands of entries (:data:`buddy.format.BLOCK_BYTES`), so
+the many temporaries stay in cache.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import sys
 import torch
 
 __all__ = [
-    "BLOCK_BYTES",
-    "blocks",
     "lookup",
     "StreamWriter",
     "write_fields",
@@ -29,39 +27,17 @@ __all__ = [
     "read_bits",
     "bits_after",
     "pack_bools",
-    "copy_rows",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - torch has no big-endian builds to speak of
     raise ImportError("buddy's bit-stream codecs assume a little-endian host")
 
-#: entries are processed in blocks of about this many bytes, so temporaries stay in cache
-BLOCK_BYTES = 2 << 20
-
 _U32 = 0xFFFFFFFF
-
-
-def blocks(n: int, entry_bytes: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` ranges covering ``n`` entries, about :data:`BLOCK_BYTES` each."""
-    step = max(1, BLOCK_BYTES // entry_bytes)
-    return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
 def lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``table[index]`` for a 1-D table (``index_select`` is much faster than advanced indexing on CPU)."""
     return table.index_select(0, index.reshape(-1)).view(index.shape)
-
-
-def copy_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[rows] = src[rows]`` for a bool row mask (``src`` may be a tensor of ``dst``'s shape)."""
-    count = int(rows.sum())
-    if count == 0:
-        return
-    if count * 4 >= rows.numel():  # many rows: one masked pass beats gathering rows
-        torch.where(rows.unsqueeze(1), src, dst, out=dst)
-    else:
-        index = rows.nonzero().view(-1)
-        dst.index_copy_(0, index, src.index_select(0, index))
 
 
 class StreamWriter:

@@ -1,88 +1,106 @@
-"""The codec interface.
+"""The codec interface: a codec codes the entries that are neither zero nor raw, and nothing else.
 
-A codec turns a batch of entries (an ``(n, E)`` ``uint8`` tensor) into
-per-entry payloads and sizes, and back. It never loops over entries in Python
-and runs on whatever device its input lives on. Everything about where the
-payload sectors then go (slots, overflow, metadata) is :mod:`buddy.layout`'s
-business, so a new codec plugs in by subclassing :class:`Codec` and calling
-:func:`buddy.codecs.register_codec`; callers do not change.
+Everything every codec shares -- cutting a tensor into entries, the all-zero
+entry (``k = 0``), the raw escape (``k = E/32``), the clamp of ``k``, the
+metadata modes of the escapes and their checks, the loop over blocks of
+entries -- is the format layer's (:mod:`buddy.format`). A codec supplies:
+
+* :meth:`Codec.analyse` -- sizes of a block of entries (an :class:`Analysis`:
+  per entry the coded size in sectors and the metadata mode, and the coded
+  streams of whichever rows the caller asks for, without sizing again);
+* :meth:`Codec.encode` -- the streams of entries already known to be coded
+  with the given modes (it may re-derive the encoding; it never sizes other
+  entries);
+* :meth:`Codec.decode` -- coded entries back from their payloads.
+
+All three work on ``(n, E)`` ``uint8`` blocks in batched torch ops (no
+Python loop over entries), on whatever device the block lives on. A codec
+plugs in with :func:`buddy.register_codec`, which also registers this torch
+code as its reference implementation (see :mod:`buddy.dispatch`); the
+pipeline, the experiments and the benchmarks then use it by name.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import NamedTuple
 
 import torch
 
-from .. import spec
-from ..errors import CorruptDataError
-
-__all__ = ["Codec", "Encoded"]
+__all__ = ["Codec", "Analysis", "bits_to_sectors"]
 
 
-class Encoded(NamedTuple):
-    """Result of :meth:`Codec.encode`.
+def bits_to_sectors(total_bits: torch.Tensor) -> torch.Tensor:
+    """Sectors (int32) a stream of ``total_bits`` bits takes: ``ceil(T / 256)``."""
+    return ((total_bits + 255) // 256).to(torch.int32)
 
-    payload: ``(n, E)`` uint8; bytes past ``sectors[i] * 32`` are zero.
-    sectors: ``(n,)`` int32, ``k`` of each entry (see :mod:`buddy.spec`).
-    modes:   ``(n,)`` int32, codec-specific mode stored in the metadata.
+
+class Analysis(abc.ABC):
+    """What :meth:`Codec.analyse` found about a block of ``n`` entries.
+
+    ``sectors``: ``(n,)`` int32, each entry's coded size in sectors before
+    the raw clamp (any value ``>= E/32`` means it does not shrink; an
+    all-zero entry may report anything, the format layer stores it as
+    ``k = 0``). ``modes``: ``(n,)`` int32, the metadata mode a coded entry
+    gets (one of the codec's :attr:`~Codec.coded_modes`).
     """
 
-    payload: torch.Tensor
     sectors: torch.Tensor
     modes: torch.Tensor
 
+    @abc.abstractmethod
+    def streams(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Payloads ``(len(rows), E)`` of the coded entries ``rows`` (all when ``None``).
+
+        Each is the entry's stream followed by zero bytes up to ``E``; only
+        rows with ``0 < sectors < E/32`` may be asked for.
+        """
+
 
 class Codec(abc.ABC):
-    """A lossless, batched entry codec.
+    """A lossless entry codec (see the module doc for what it supplies and what it may assume).
 
-    Contract (checked by the shared round-trip suite for every codec):
+    Contract, checked for every codec by the shared suites:
 
-    * ``decode(*encode(x)) == x`` byte for byte, for every ``word_bytes``;
-    * ``sectors == 0`` only for all-zero entries, and ``sectors == E/32``
-      means the payload is the entry itself (raw escape);
-    * payload bytes past ``sectors * 32`` are zero, so layouts are
-      deterministic;
-    * ``sizes(x)`` equals ``encode(x).sectors``.
+    * ``decode(encode(x)) == x`` byte for byte, for every word size;
+    * streams are zero past their sectors, so layouts are deterministic;
+    * ``encode`` of entries gives the very streams ``analyse(...).streams``
+      gives, and their length agrees with ``analyse(...).sectors``;
+    * ``decode`` raises :class:`~buddy.errors.CorruptDataError` for payloads
+      it could not have written (it is given exactly ``k`` sectors, zeros
+      after).
     """
 
     #: registry name, stored in every BuddyTensor
     name: str = ""
-    #: metadata modes this codec writes and accepts
-    modes: frozenset[int] = frozenset({0})
-    #: device types whose tensors it codes (see :func:`buddy.available_codecs`)
-    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    #: metadata modes of an all-zero entry, of a raw entry, and of coded entries
+    zero_mode: int = 0
+    raw_mode: int = 0
+    coded_modes: frozenset[int] = frozenset({0})
+    #: whether all-zero entries are stored as ``k = 0`` (``raw`` stores every entry whole)
+    zero_escape: bool = True
 
-    def sizes(self, entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
-        """Per-entry sectors ``k`` (int32) without building payloads.
-
-        Codecs override this when sizing is cheaper than encoding.
-        """
-        return self.encode(entries, word_bytes).sectors
+    @property
+    def modes(self) -> frozenset[int]:
+        """Every metadata mode this codec writes."""
+        return self.coded_modes | {self.zero_mode, self.raw_mode}
 
     @abc.abstractmethod
-    def encode(self, entries: torch.Tensor, word_bytes: int) -> Encoded:
-        """Encode ``(n, E)`` uint8 entries whose words are ``word_bytes`` wide."""
+    def analyse(self, entries: torch.Tensor, word_bytes: int) -> Analysis:
+        """Sizes (and what it takes to write the streams) of contiguous ``(n, E)`` entries."""
+
+    def encode(self, entries: torch.Tensor, word_bytes: int, modes: torch.Tensor) -> torch.Tensor:
+        """Payloads ``(n, E)`` of entries known to be coded with these ``modes``.
+
+        Default: analyse them and write every stream; codecs override this
+        where writing a stream needs less than sizing it.
+        """
+        return self.analyse(entries, word_bytes).streams()
 
     @abc.abstractmethod
     def decode(
         self, payload: torch.Tensor, sectors: torch.Tensor, modes: torch.Tensor, word_bytes: int
     ) -> torch.Tensor:
-        """Decode ``(n, E)`` payloads back into ``(n, E)`` uint8 entries."""
-
-    def check_modes(self, modes: torch.Tensor) -> None:
-        """Raise :class:`CorruptDataError` for modes this codec never writes."""
-        if modes.numel() == 0:
-            return
-        allowed = torch.tensor(sorted(self.modes), dtype=modes.dtype, device=modes.device)
-        if not bool(torch.isin(modes, allowed).all()):
-            raise CorruptDataError(f"metadata holds modes that codec {self.name!r} never writes")
-
-    @staticmethod
-    def raw_sectors(entries: torch.Tensor) -> int:
-        """``E / 32`` for a batch of entries: the raw-escape size."""
-        return spec.sectors_per_entry(entries.shape[1])
+        """Coded entries ``(n, E)`` from their payloads (``0 < sectors < E/32``; modes already checked)."""
 
     def __repr__(self) -> str:
         return f"<buddy codec {self.name!r}>"

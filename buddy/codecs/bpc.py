@@ -71,8 +71,8 @@ plane, the stream does not end in the last of its ``k`` sectors, a bit after
 the stream is set, or the decoded sign plane disagrees with the decoded
 words.
 
-Implementation (batched torch ops; entries in blocks of about 2 MiB, see
-:mod:`buddy.codecs._bitstream`): the bit-plane transpose is an in-place
+Implementation (batched torch ops over a block of entries, the format
+layer's blocks, see :mod:`buddy.format`): the bit-plane transpose is an in-place
 16 x 16 block transpose of the delta words (four mask-and-shift rounds).
 Encoding summarises every plane of every entry by a few flags (zero,
 all ones, DBP = 0, one or two ones, start of a zero run and its length, from
@@ -93,10 +93,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptDataError
-from ._bitstream import bits_after, blocks, copy_rows, lookup, pack_bools, read_bits, stream_windows, write_fields
-from .base import Codec, Encoded
+from ._bitstream import bits_after, lookup, pack_bools, read_bits, stream_windows, write_fields
+from .base import Analysis, Codec, bits_to_sectors
 
-__all__ = ["BPCCodec", "Analysis", "geometry"]
+__all__ = ["BPCCodec", "geometry"]
 
 _BPC_WORD_BITS = {1: 32, 2: 16, 4: 32, 8: 64}
 _INT_DTYPE = {16: torch.int16, 32: torch.int32, 64: torch.int64}
@@ -372,34 +372,20 @@ class _Plan:
         return torch.cat([base, value], 1)
 
 
-class Analysis:
-    """The sizes of a block of entries, and what it takes to write their streams.
-
-    :mod:`buddy.codecs.auto` uses this to size entries once and write only
-    the streams it keeps.
-    """
+class _Planned(Analysis):
+    """bpc's analysis of a block: every plane's code, and so each entry's size."""
 
     def __init__(self, entries: torch.Tensor, word_bytes: int):
         self.entry_bytes = entries.shape[1]
         self.plan = _Plan(entries, word_bytes)
-        self.sectors = _sectors(self.plan.total_bits, _nonzero_rows(entries), self.entry_bytes)
+        self.sectors = bits_to_sectors(self.plan.total_bits)
+        self.modes = torch.zeros_like(self.sectors)
 
     def streams(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Payloads of the entries ``rows`` (all when ``None``); they must be coded (``0 < k < E/32``)."""
         values, offsets = self.plan.values(), self.plan.offsets
         if rows is not None:
             values, offsets = values.index_select(0, rows), offsets.index_select(0, rows)
         return write_fields(values, offsets, self.entry_bytes)
-
-
-def _sectors(total_bits: torch.Tensor, nonzero: torch.Tensor, entry_bytes: int) -> torch.Tensor:
-    raw = entry_bytes // 32
-    k = torch.clamp((total_bits + 255) // 256, max=raw).to(torch.int32)
-    return torch.where(nonzero, k, 0)
-
-
-def _nonzero_rows(entries: torch.Tensor) -> torch.Tensor:
-    return (entries.contiguous().view(torch.int64) != 0).any(1)
 
 
 class BPCCodec(Codec):
@@ -407,49 +393,14 @@ class BPCCodec(Codec):
 
     name = "bpc"
 
-    def sizes(self, entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
-        n, entry_bytes = entries.shape
-        geometry(entry_bytes, word_bytes)
-        entries = entries.contiguous()
-        out = torch.empty(n, dtype=torch.int32, device=entries.device)
-        for a, z in blocks(n, entry_bytes):
-            out[a:z] = Analysis(entries[a:z], word_bytes).sectors
-        return out
-
-    def encode(self, entries: torch.Tensor, word_bytes: int) -> Encoded:
-        n, entry_bytes = entries.shape
-        geometry(entry_bytes, word_bytes)
-        entries = entries.contiguous()
-        payload = torch.zeros(n, entry_bytes, dtype=torch.uint8, device=entries.device)
-        sectors = torch.empty(n, dtype=torch.int32, device=entries.device)
-        for a, z in blocks(n, entry_bytes):
-            analysis = Analysis(entries[a:z], word_bytes)
-            k = analysis.sectors
-            sectors[a:z] = k
-            coded = (k > 0) & (k < entry_bytes // 32)
-            count = int(coded.sum())
-            if count == z - a:
-                payload[a:z] = analysis.streams()
-            elif count:  # only the coded entries' streams are written
-                rows = coded.nonzero().view(-1)
-                payload[a:z].index_copy_(0, rows, analysis.streams(rows))
-        copy_rows(payload, sectors == entry_bytes // 32, entries)
-        return Encoded(payload, sectors, torch.zeros_like(sectors))
+    def analyse(self, entries: torch.Tensor, word_bytes: int) -> Analysis:
+        geometry(entries.shape[1], word_bytes)  # a clear error for a word size bpc does not know
+        return _Planned(entries, word_bytes)
 
     def decode(self, payload, sectors, modes, word_bytes):
-        self.check_modes(modes)
         n, entry_bytes = payload.shape
-        g = geometry(entry_bytes, word_bytes)
-        raw_k = entry_bytes // 32
-        out = torch.zeros(n, entry_bytes, dtype=torch.uint8, device=payload.device)
-        raw = sectors == raw_k
-        copy_rows(out, raw, payload)
-        index = ((sectors > 0) & ~raw).nonzero().view(-1)
-        for a, z in blocks(index.numel(), entry_bytes):
-            rows = index[a:z]
-            words = _decode_streams(payload.index_select(0, rows), sectors.index_select(0, rows), g)
-            out.index_copy_(0, rows, words.view(torch.uint8).view(-1, entry_bytes))
-        return out
+        words = _decode_streams(payload.contiguous(), sectors, geometry(entry_bytes, word_bytes))
+        return words.view(torch.uint8).view(n, entry_bytes)
 
 
 @functools.cache
@@ -477,17 +428,24 @@ def _code_table(g: Geometry, device: str) -> torch.Tensor:
 
 def _decode_streams(payload: torch.Tensor, sectors: torch.Tensor, g: Geometry) -> torch.Tensor:
     """Coded entries' payloads -> ``(n, W)`` words. Raises :class:`CorruptDataError`."""
-    n = payload.shape[0]
-    device = payload.device
-    P, L, S = g.planes, g.deltas, g.supers
     words = stream_windows(payload)
-    table = _code_table(g, str(device))
+    info = _walk_codes(words, sectors, g)
+    kind = info & 7
+    dbp = _dbp_planes(kind, _dbx_planes(words, info, kind, g))
+    return _words_checked(words, dbp, g)
 
-    # 1. walk the codes: each step reads every entry's next code. An entry
-    # that has covered its P planes stops moving and writes to column P.
+
+def _walk_codes(words: torch.Tensor, sectors: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """Per plane of every entry: ``kind | code bits << 3 | offset of the code << 32``, the stream checked.
+
+    Each step reads every entry's next code (a code's position depends on
+    the codes before it). An entry that has covered its P planes stops
+    moving and writes to a spare column P, cut off at the end.
+    """
+    n, device, P = words.shape[0], words.device, g.planes
+    table = _code_table(g, str(device))
     off = torch.full((n, 1), g.word_bits, dtype=torch.int64, device=device)
     plane = torch.zeros(n, 1, dtype=torch.int64, device=device)
-    # per plane: kind | code bits << 3 (the position is in them) | offset of the code << 32
     info = torch.zeros(n, P + 1, dtype=torch.int64, device=device)
     run_mask = (1 << g.run_bits) - 1
     for _ in range(P):
@@ -508,10 +466,13 @@ def _decode_streams(payload: torch.Tensor, sectors: torch.Tensor, g: Geometry) -
         raise CorruptDataError("bpc: bit stream length does not match the entry sizes in the metadata")
     if bool(bits_after(words, total).any()):
         raise CorruptDataError("bpc: bits set after the end of the bit stream")
+    return info[:, :P]
 
-    # 2. the DBX planes
-    info = info[:, :P]
-    kind = info & 7
+
+def _dbx_planes(words: torch.Tensor, info: torch.Tensor, kind: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """The DBX planes ``(n, P, S)`` (32-bit pieces) from the codes :func:`_walk_codes` found."""
+    n, device = words.shape[0], words.device
+    P, L, S = g.planes, g.deltas, g.supers
     pos = (info >> 8) & ((1 << g.pos_bits) - 1)  # the bits after a 5-bit prefix
     raw_off = (info >> 32) + 1  # a raw plane follows its 1-bit prefix
     if bool(((kind == _DBP0)[:, 0]).any()):
@@ -530,11 +491,18 @@ def _decode_streams(payload: torch.Tensor, sectors: torch.Tensor, g: Geometry) -
     two = ((3 << shifted) & _U32).mul_(inside) | (rel == -1)
     dbx |= one.mul_((kind == _ONE).unsqueeze(-1))
     dbx |= two.mul_((kind == _TWO).unsqueeze(-1))
+    return dbx
 
-    # 3. DBP from DBX, top plane first: DBP_e = DBX_e ^ DBP_(e-1), except that a
-    # "DBP = 0" plane is 0 and restarts the chain. With S the prefix XOR of the
-    # DBX planes (those planes counted as 0), DBP_e = S_e ^ S at the last
-    # "DBP = 0" plane at or above e. Both scans take log2(P) batched steps.
+
+def _dbp_planes(kind: torch.Tensor, dbx: torch.Tensor) -> torch.Tensor:
+    """DBP from DBX (in place), top plane first.
+
+    ``DBP_e = DBX_e ^ DBP_(e-1)``, except that a "DBP = 0" plane is 0 and
+    restarts the chain. With S the prefix XOR of the DBX planes (those planes
+    counted as 0), ``DBP_e = S_e ^ S`` at the last "DBP = 0" plane at or
+    above e. Both scans take log2(P) batched steps.
+    """
+    n, P, S = dbx.shape
     dbp0 = kind == _DBP0
     any_dbp0 = bool(dbp0.any())
     dbp = dbx.masked_fill_(dbp0.unsqueeze(-1), 0) if any_dbp0 else dbx
@@ -543,7 +511,7 @@ def _decode_streams(payload: torch.Tensor, sectors: torch.Tensor, g: Geometry) -
         dbp[:, step:] ^= dbp[:, :-step].clone()
         step *= 2
     if any_dbp0:
-        last = torch.where(dbp0, torch.arange(P, device=device), -1)
+        last = torch.where(dbp0, torch.arange(P, device=dbx.device), -1)
         step = 1
         while step < P:
             last[:, step:] = torch.maximum(last[:, step:], last[:, :-step])
@@ -552,8 +520,12 @@ def _decode_streams(payload: torch.Tensor, sectors: torch.Tensor, g: Geometry) -
         dbp ^= at_last * (last >= 0).unsqueeze(-1)
         if bool((dbp0[:, 1:] & (dbp[:, :-1] == 0).all(-1)).any()):
             raise CorruptDataError("bpc: a DBP = 0 code follows an all-zero plane")
+    return dbp
 
-    # 4. words, and the sign plane as a check
+
+def _words_checked(words: torch.Tensor, dbp: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """The entries' words from the base and the DBP planes, the sign plane checked against them."""
+    n, device = words.shape[0], words.device
     base = read_bits(words, torch.zeros(n, 1, dtype=torch.int64, device=device), 32).squeeze(1)
     if g.word_bits == 64:
         hi = read_bits(words, torch.full((n, 1), 32, dtype=torch.int64, device=device), 32).squeeze(1)
@@ -561,7 +533,7 @@ def _decode_streams(payload: torch.Tensor, sectors: torch.Tensor, g: Geometry) -
     elif g.word_bits == 16:
         base = base & 0xFFFF
     x = _words_from_planes(dbp, base, g)
-    sign = pack_bools(x[:, 1:] < x[:, :-1], 32 * S)
+    sign = pack_bools(x[:, 1:] < x[:, :-1], 32 * g.supers)
     if not torch.equal(sign, dbp[:, 0]):
         raise CorruptDataError("bpc: the sign plane does not match the decoded words")
     return x

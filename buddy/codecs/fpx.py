@@ -60,8 +60,8 @@ The decoder rejects (:class:`CorruptDataError`) a ``b`` out of range, a
 code that points below exponent 0, a stream whose length disagrees with
 ``k`` and set bits after the stream.
 
-Implementation: batched over entries (blocks of about 2 MiB, see
-:mod:`buddy.codecs._bitstream`). The stream length for every zmode and
+Implementation: batched over a block of entries (the format layer's
+blocks, see :mod:`buddy.format`). The stream length for every zmode and
 ``b`` comes from one per-entry histogram of ``bit_length(emax - x_i + 1)``
 (a word escapes for code widths below it). The words of an entry are then
 fields at ``start + rank * (b + 1 + m)``, written with one scatter; the rare
@@ -76,10 +76,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptDataError
-from ._bitstream import StreamWriter, bits_after, blocks, copy_rows, pack_bools, read_bits, stream_windows
-from .base import Codec, Encoded
+from ._bitstream import StreamWriter, bits_after, pack_bools, read_bits, stream_windows
+from .base import Analysis, Codec, bits_to_sectors
 
-__all__ = ["FPXCodec", "Analysis", "header_geometry", "SPLITS"]
+__all__ = ["FPXCodec", "header_geometry", "SPLITS"]
 
 #: (exponent bits, mantissa bits) by word size
 SPLITS: dict[int, tuple[int, int]] = {1: (4, 3), 2: (8, 7), 4: (8, 23), 8: (11, 52)}
@@ -116,11 +116,6 @@ def _bit_length(v: torch.Tensor) -> torch.Tensor:
     """``int.bit_length`` of non-negative integers below ``2**24`` (int32 result)."""
     # exact in float32; the biased exponent of v is bit_length(v) + 126
     return (v.to(torch.float32).view(torch.int32) >> 23).sub_(126).clamp_(min=0)
-
-
-def _sectors(total_bits: torch.Tensor, nonzero: torch.Tensor, entry_bytes: int) -> torch.Tensor:
-    k = torch.clamp((total_bits + 255) // 256, max=entry_bytes // 32).to(torch.int32)
-    return torch.where(nonzero, k, 0)
 
 
 class _Choice:
@@ -162,27 +157,30 @@ class _Choice:
         return {k: getattr(self, k).index_select(0, rows) for k in ("b", "zmode", "emax", "nz")}
 
 
+def _write_header(writer: StreamWriter, c: dict, n_words: int, hg: HeaderGeometry):
+    """Headers (and bitmaps, in zmode 1) of every entry; returns ``(listed words or None, their ranks)``."""
+    n, device = c["zmode"].shape[0], c["zmode"].device
+    header = c["zmode"] | (c["emax"] << 1) | (c["b"] << (1 + hg.e))
+    if not bool(c["zmode"].any()):
+        writer.add(header.unsqueeze(1), torch.zeros(n, 1, dtype=torch.int64, device=device))
+        return None, torch.arange(n_words, device=device)
+    zmode = c["zmode"].unsqueeze(1)
+    n_bm = -(-n_words // 32)
+    bitmap = pack_bools(c["nz"], 32 * n_bm) * zmode  # nothing in zmode 0
+    bm_pos = hg.bits + 32 * torch.arange(n_bm, device=device).expand(n, n_bm)
+    writer.add(torch.cat([header.unsqueeze(1), bitmap], 1), torch.cat([torch.zeros_like(bm_pos[:, :1]), bm_pos], 1))
+    listed = c["nz"] | (zmode == 0)
+    return listed, torch.cumsum(listed, 1).sub_(1).clamp_(min=0)
+
+
 def _write_streams(x: torch.Tensor, c: dict, word_bytes: int) -> torch.Tensor:
     """The payloads ``(n, E)`` of the coded entries ``x`` given their choices ``c``."""
     n, n_words = x.shape
     hg = header_geometry(word_bytes)
     e, m = hg.e, hg.m
-    device = x.device
-    writer = StreamWriter(n, n_words * word_bytes, device)
-    zmode, b, emax, nz = c["zmode"].unsqueeze(1), c["b"].unsqueeze(1), c["emax"].unsqueeze(1), c["nz"]
-
-    header = c["zmode"] | (c["emax"] << 1) | (c["b"] << (1 + e))
-    if bool(c["zmode"].any()):
-        n_bm = -(-n_words // 32)
-        bitmap = pack_bools(nz, 32 * n_bm) * zmode  # nothing in zmode 0
-        bm_pos = hg.bits + 32 * torch.arange(n_bm, device=device).expand(n, n_bm)
-        writer.add(torch.cat([header.unsqueeze(1), bitmap], 1), torch.cat([torch.zeros_like(bm_pos[:, :1]), bm_pos], 1))
-        listed = nz | (zmode == 0)
-        rank = torch.cumsum(listed, 1).sub_(1).clamp_(min=0)
-    else:
-        writer.add(header.unsqueeze(1), torch.zeros(n, 1, dtype=torch.int64, device=device))
-        listed = None
-        rank = torch.arange(n_words, device=device)
+    writer = StreamWriter(n, n_words * word_bytes, x.device)
+    zmode, b, emax = c["zmode"].unsqueeze(1), c["b"].unsqueeze(1), c["emax"].unsqueeze(1)
+    listed, rank = _write_header(writer, c, n_words, hg)
 
     exp = (x >> m).bitwise_and_((1 << e) - 1)
     # fields of 2-byte words fit 9 + 1 + 7 bits: build them in int32, the rest in int64
@@ -220,46 +218,43 @@ def _write_streams(x: torch.Tensor, c: dict, word_bytes: int) -> torch.Tensor:
         n_listed = n_words if listed is None else listed.sum(1)
         esc_start = (start.squeeze(1) + n_listed * per_word.squeeze(1)).index_select(0, r)
         # escapes come in row order: an escape's rank is its index minus that of its row's first
-        esc_rank = torch.arange(r.numel(), device=device) - torch.searchsorted(r, r)
+        esc_rank = torch.arange(r.numel(), device=x.device) - torch.searchsorted(r, r)
         writer.add_rows(r, exp[r, col].to(torch.int64), esc_start + esc_rank * e)
     return writer.payload()
 
 
-class Analysis:
-    """The sizes of a block of entries, and what it takes to write their streams.
-
-    ``entries`` must be contiguous. :mod:`buddy.codecs.auto` uses this to size
-    entries once and write only the streams it keeps.
-    """
+class _Chosen(Analysis):
+    """fpx's analysis of a block: each entry's best zmode and ``b``, and so its size."""
 
     def __init__(self, entries: torch.Tensor, word_bytes: int):
         self.word_bytes = word_bytes
         self.x = entries.view(_INT_DTYPE[word_bytes])
         self.choice = _Choice(self.x, word_bytes)
-        self.sectors = _sectors(self.choice.total_bits, self.choice.nnz > 0, entries.shape[1])
+        self.sectors = bits_to_sectors(self.choice.total_bits)
+        self.modes = torch.zeros_like(self.sectors)
 
     def streams(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Payloads of the entries ``rows`` (all when ``None``); they must be coded (``0 < k < E/32``)."""
         if rows is None:
             return _write_streams(self.x, vars(self.choice), self.word_bytes)
         return _write_streams(self.x.index_select(0, rows), self.choice.select(rows), self.word_bytes)
 
 
-def _encode_block(entries: torch.Tensor, word_bytes: int, payload: torch.Tensor | None) -> torch.Tensor:
-    """Sectors of a block; with ``payload`` (its ``(n, E)`` rows, zeros), the streams of the coded entries too."""
-    n, entry_bytes = entries.shape
-    analysis = Analysis(entries, word_bytes)
-    sectors = analysis.sectors
-    if payload is None:
-        return sectors
-    coded = (sectors > 0) & (sectors < entry_bytes // 32)
-    count = int(coded.sum())
-    if count == n:
-        payload.copy_(analysis.streams())
-    elif count:
-        index = coded.nonzero().view(-1)
-        payload.index_copy_(0, index, analysis.streams(index))
-    return sectors
+def _read_header(windows: torch.Tensor, n_words: int, hg: HeaderGeometry):
+    """``(zmode, emax, b, listed words or None, their ranks, how many)`` of every entry's stream."""
+    n, device = windows.shape[0], windows.device
+    head = read_bits(windows, torch.zeros(n, 1, dtype=torch.int64, device=device), hg.bits)
+    zmode = head & 1
+    emax = (head >> 1) & ((1 << hg.e) - 1)
+    b = head >> (1 + hg.e)
+    if bool((b > hg.e + 1).any()):
+        raise CorruptDataError("fpx: code width out of range")
+    if not bool(zmode.any()):
+        return zmode, emax, b, None, torch.arange(n_words, device=device), n_words
+    n_bm = -(-n_words // 32)
+    bm = read_bits(windows, hg.bits + 32 * torch.arange(n_bm, device=device).expand(n, n_bm), 32)
+    bits = (bm.unsqueeze(-1) >> torch.arange(32, device=device)).bitwise_and_(1)
+    listed = bits.view(n, 32 * n_bm)[:, :n_words].bool() | (zmode == 0)
+    return zmode, emax, b, listed, torch.cumsum(listed, 1).sub_(1).clamp_(min=0), listed.sum(1, keepdim=True)
 
 
 def _decode_block(payload: torch.Tensor, sectors: torch.Tensor, word_bytes: int) -> torch.Tensor:
@@ -268,26 +263,8 @@ def _decode_block(payload: torch.Tensor, sectors: torch.Tensor, word_bytes: int)
     hg = header_geometry(word_bytes)
     e, m = hg.e, hg.m
     n_words = entry_bytes // word_bytes
-    device = payload.device
     windows = stream_windows(payload)
-    head = read_bits(windows, torch.zeros(n, 1, dtype=torch.int64, device=device), hg.bits)
-    zmode = head & 1
-    emax = (head >> 1) & ((1 << e) - 1)
-    b = head >> (1 + e)
-    if bool((b > e + 1).any()):
-        raise CorruptDataError("fpx: code width out of range")
-
-    if bool(zmode.any()):
-        n_bm = -(-n_words // 32)
-        bm = read_bits(windows, hg.bits + 32 * torch.arange(n_bm, device=device).expand(n, n_bm), 32)
-        bits = (bm.unsqueeze(-1) >> torch.arange(32, device=device)).bitwise_and_(1)
-        listed = bits.view(n, 32 * n_bm)[:, :n_words].bool() | (zmode == 0)
-        rank = torch.cumsum(listed, 1).sub_(1).clamp_(min=0)
-        n_listed = listed.sum(1, keepdim=True)
-    else:
-        listed = None
-        rank = torch.arange(n_words, device=device)
-        n_listed = n_words
+    zmode, emax, b, listed, rank, n_listed = _read_header(windows, n_words, hg)
     per_word = b + 1 + m
     start = hg.bits + zmode * n_words
     pos = rank * per_word + start
@@ -338,41 +315,12 @@ class FPXCodec(Codec):
 
     name = "fpx"
 
-    def sizes(self, entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
-        n, entry_bytes = entries.shape
-        header_geometry(word_bytes)
-        entries = entries.contiguous()
-        out = torch.empty(n, dtype=torch.int32, device=entries.device)
-        for a, z in blocks(n, entry_bytes):
-            out[a:z] = _encode_block(entries[a:z], word_bytes, None)
-        return out
-
-    def encode(self, entries: torch.Tensor, word_bytes: int) -> Encoded:
-        n, entry_bytes = entries.shape
-        header_geometry(word_bytes)
-        entries = entries.contiguous()
-        payload = torch.zeros(n, entry_bytes, dtype=torch.uint8, device=entries.device)
-        sectors = torch.empty(n, dtype=torch.int32, device=entries.device)
-        for a, z in blocks(n, entry_bytes):
-            sectors[a:z] = _encode_block(entries[a:z], word_bytes, payload[a:z])
-        copy_rows(payload, sectors == entry_bytes // 32, entries)
-        return Encoded(payload, sectors, torch.zeros_like(sectors))
+    def analyse(self, entries: torch.Tensor, word_bytes: int) -> Analysis:
+        header_geometry(word_bytes)  # a clear error for a word size fpx does not know
+        return _Chosen(entries, word_bytes)
 
     def decode(self, payload, sectors, modes, word_bytes):
-        self.check_modes(modes)
         n, entry_bytes = payload.shape
         header_geometry(word_bytes)
-        out = torch.zeros(n, entry_bytes, dtype=torch.uint8, device=payload.device)
-        raw = sectors == entry_bytes // 32
-        copy_rows(out, raw, payload)
-        coded = (sectors > 0) & ~raw
-        if int(coded.sum()) == n:
-            for a, z in blocks(n, entry_bytes):
-                out[a:z] = _decode_block(payload[a:z], sectors[a:z], word_bytes).view(torch.uint8).view(-1, entry_bytes)
-            return out
-        index = coded.nonzero().view(-1)
-        for a, z in blocks(index.numel(), entry_bytes):
-            rows = index[a:z]
-            words = _decode_block(payload.index_select(0, rows), sectors.index_select(0, rows), word_bytes)
-            out.index_copy_(0, rows, words.view(torch.uint8).view(-1, entry_bytes))
-        return out
+        words = _decode_block(payload.contiguous(), sectors, word_bytes)
+        return words.view(torch.uint8).view(n, entry_bytes)

@@ -16,9 +16,9 @@ zero padding to ``k`` sectors. ``k = 0`` is an all-zero entry and
 ``k = E/32`` the entry itself, as for every codec. One metadata mode (0).
 nvcomp has no size-only pass, so sizing encodes.
 
-They are registered when ``import buddy`` finds both nvcomp and a CUDA
-device; elsewhere their names are unknown to :func:`buddy.get_codec`, which
-then says why.
+They are registered with their own implementation (backend ``"nvcomp"``,
+CUDA tensors only; see :mod:`buddy.dispatch`); where nvcomp or a CUDA device
+is missing, :func:`buddy.get_codec` refuses their names and says why.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from __future__ import annotations
 import torch
 
 from .. import spec
-from .._deps import available, require, require_cuda
+from ..deps import available, require, require_cuda
+from ..engine import BlockEngine
 from ..errors import CorruptDataError, MissingDependencyError
-from .base import Codec, Encoded
+from .base import Analysis, Codec
 
-__all__ = ["NvcompCodec", "ALGORITHMS", "NAMES", "usable", "why_unusable"]
+__all__ = ["NvcompCodec", "NvcompEngine", "ALGORITHMS", "NAMES", "usable", "why_unusable"]
 
 #: nvcomp algorithm names (as its Python API spells them) by buddy codec name
 ALGORITHMS = {
@@ -59,11 +60,50 @@ def usable() -> bool:
     return why_unusable() is None
 
 
-class NvcompCodec(Codec):
-    """One nvcomp algorithm as a buddy codec (entry = chunk); CUDA tensors only."""
+class _Compressed(Analysis):
+    """nvcomp has no size-only pass: the analysis of a block is its compressed streams."""
 
-    modes = frozenset({0})
-    devices = frozenset({"cuda"})
+    def __init__(self, codec: NvcompCodec, entries: torch.Tensor):
+        n, e = entries.shape
+        spe = spec.sectors_per_entry(e)
+        self.entry_bytes = e
+        self.sectors = torch.full((n,), spe, dtype=torch.int32, device=entries.device)
+        self.modes = torch.zeros_like(self.sectors)
+        self._streams: dict[int, torch.Tensor] = {}
+        rows = (entries != 0).any(dim=1).nonzero().view(-1).tolist()
+        if not rows:
+            return
+        nvcomp, coder = codec._nvcomp(entries)
+        coded, ks = [], []
+        for i, stream in zip(rows, coder.encode([nvcomp.as_array(entries[i]) for i in rows])):
+            data = torch.as_tensor(stream, device=entries.device).reshape(-1).view(torch.uint8)
+            k = -(-(data.numel() + _LENGTH_BYTES) // spec.SECTOR_BYTES)
+            if k < spe:
+                self._streams[i] = data
+                coded.append(i)
+                ks.append(k)
+        if coded:  # the sector counts in one transfer
+            self.sectors[torch.tensor(coded, device=entries.device)] = torch.tensor(ks, dtype=torch.int32).to(
+                entries.device
+            )
+
+    def streams(self, rows=None):
+        rows = list(range(self.sectors.numel())) if rows is None else rows.tolist()
+        device = self.sectors.device
+        payload = torch.zeros(len(rows), self.entry_bytes, dtype=torch.uint8, device=device)
+        lengths = []
+        for j, i in enumerate(rows):
+            data = self._streams[i]
+            payload[j, _LENGTH_BYTES : _LENGTH_BYTES + data.numel()] = data
+            lengths.append(data.numel())
+        if lengths:  # the length headers in one transfer
+            heads = torch.tensor(lengths, dtype=torch.int32).view(torch.uint8).view(-1, _LENGTH_BYTES)
+            payload[:, :_LENGTH_BYTES] = heads.to(device)
+        return payload
+
+
+class NvcompCodec(Codec):
+    """One nvcomp algorithm as a buddy codec (entry = chunk); CUDA tensors only, run by :class:`NvcompEngine`."""
 
     def __init__(self, name: str):
         if name not in ALGORITHMS:
@@ -99,63 +139,39 @@ class NvcompCodec(Codec):
         return nvcomp, codec
 
     # -- the codec interface -------------------------------------------------------
-    def encode(self, entries: torch.Tensor, word_bytes: int) -> Encoded:
+    def analyse(self, entries: torch.Tensor, word_bytes: int) -> Analysis:
         self._check(entries)
-        n, e = entries.shape
-        spe = spec.sectors_per_entry(e)
-        payload = torch.zeros_like(entries)
-        sectors = torch.full((n,), spe, dtype=torch.int32, device=entries.device)
-        nonzero = (entries != 0).any(dim=1)
-        sectors[~nonzero] = 0
-        rows = nonzero.nonzero().view(-1).tolist()
-        if rows:
-            nvcomp, codec = self._nvcomp(entries)
-            streams = codec.encode([nvcomp.as_array(entries[i]) for i in rows])
-            coded, lengths, ks = [], [], []
-            for i, stream in zip(rows, streams):
-                data = torch.as_tensor(stream, device=entries.device).reshape(-1).view(torch.uint8)
-                k = -(-(data.numel() + _LENGTH_BYTES) // spec.SECTOR_BYTES)
-                if k >= spe:
-                    payload[i] = entries[i]  # does not shrink: raw escape
-                    continue
-                payload[i, _LENGTH_BYTES : _LENGTH_BYTES + data.numel()] = data
-                coded.append(i)
-                lengths.append(data.numel())
-                ks.append(k)
-            if coded:  # the length headers and sector counts in one transfer each
-                index = torch.tensor(coded, device=entries.device)
-                heads = torch.tensor(lengths, dtype=torch.int32).view(torch.uint8).view(-1, _LENGTH_BYTES)
-                payload[index, :_LENGTH_BYTES] = heads.to(entries.device)
-                sectors[index] = torch.tensor(ks, dtype=torch.int32, device=entries.device)
-        return Encoded(payload, sectors, torch.zeros_like(sectors))
+        return _Compressed(self, entries)
 
     def decode(self, payload, sectors, modes, word_bytes):
-        self.check_modes(modes)
         self._check(payload)
         n, e = payload.shape
-        spe = spec.sectors_per_entry(e)
-        out = torch.zeros_like(payload)
-        raw = sectors == spe
-        out[raw] = payload[raw]
-        coded = ((sectors > 0) & ~raw).nonzero().view(-1)
-        if coded.numel() == 0:
-            return out
-        rows = coded.tolist()
-        heads = payload.index_select(0, coded)[:, :_LENGTH_BYTES].contiguous().view(torch.int32).view(-1)
+        heads = payload[:, :_LENGTH_BYTES].contiguous().view(torch.int32).view(-1)
         lengths = heads.tolist()
-        ks = sectors.index_select(0, coded).tolist()
-        for length, k in zip(lengths, ks):
+        for length, k in zip(lengths, sectors.tolist()):
             if not 0 < length <= k * spec.SECTOR_BYTES - _LENGTH_BYTES:
                 raise CorruptDataError(f"codec {self.name!r}: stream length {length} does not fit {k} sectors")
         nvcomp, codec = self._nvcomp(payload)
-        streams = [nvcomp.as_array(payload[i, _LENGTH_BYTES : _LENGTH_BYTES + m]) for i, m in zip(rows, lengths)]
+        streams = [nvcomp.as_array(payload[i, _LENGTH_BYTES : _LENGTH_BYTES + m]) for i, m in enumerate(lengths)]
         try:
             decoded = codec.decode(streams)
         except Exception as exc:  # nvcomp reports a bad stream by raising; say which codec and why
             raise CorruptDataError(f"codec {self.name!r}: nvcomp could not decode an entry ({exc})") from exc
-        for i, entry in zip(rows, decoded):
+        out = torch.empty_like(payload)
+        for i, entry in enumerate(decoded):
             data = torch.as_tensor(entry, device=payload.device).reshape(-1).view(torch.uint8)
             if data.numel() != e:
                 raise CorruptDataError(f"codec {self.name!r}: an entry decoded to {data.numel()} bytes, not {e}")
             out[i] = data
         return out
+
+
+class NvcompEngine(BlockEngine):
+    """nvcomp's codecs under the format layer (entry = chunk), on CUDA tensors."""
+
+    backend = "nvcomp"
+
+    def __init__(self, codec: Codec):
+        if not isinstance(codec, NvcompCodec):
+            raise ValueError(f"the nvcomp engine runs nvcomp codecs, not {codec!r}")
+        super().__init__(codec)

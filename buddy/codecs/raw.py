@@ -1,29 +1,33 @@
-"""``raw``: the identity codec. Every entry is stored raw (``E/32`` sectors)."""
+"""``raw``: the identity codec. Every entry is stored raw (``E/32`` sectors), all-zero ones included."""
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import CorruptDataError
-from .base import Codec, Encoded
+from .base import Analysis, Codec
 
 __all__ = ["RawCodec"]
+
+
+class _Whole(Analysis):
+    def __init__(self, entries: torch.Tensor):
+        n, entry_bytes = entries.shape
+        self.sectors = torch.full((n,), entry_bytes // 32, dtype=torch.int32, device=entries.device)
+        self.modes = torch.zeros_like(self.sectors)
+
+    def streams(self, rows=None):
+        raise AssertionError("raw codes no entry: every one is stored whole")
 
 
 class RawCodec(Codec):
     """Stores entries unchanged; the worst case and the baseline for tests."""
 
     name = "raw"
+    coded_modes = frozenset()
+    zero_escape = False
 
-    def sizes(self, entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
-        return torch.full((entries.shape[0],), self.raw_sectors(entries), dtype=torch.int32, device=entries.device)
-
-    def encode(self, entries: torch.Tensor, word_bytes: int) -> Encoded:
-        zeros = torch.zeros(entries.shape[0], dtype=torch.int32, device=entries.device)
-        return Encoded(entries, self.sizes(entries, word_bytes), zeros)
+    def analyse(self, entries: torch.Tensor, word_bytes: int) -> Analysis:
+        return _Whole(entries)
 
     def decode(self, payload, sectors, modes, word_bytes):
-        self.check_modes(modes)
-        if sectors.numel() and not bool((sectors == self.raw_sectors(payload)).all()):
-            raise CorruptDataError("raw codec: every entry must be stored raw")
-        return payload
+        raise AssertionError("raw codes no entry: the format layer copies raw entries")

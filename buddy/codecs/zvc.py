@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CorruptDataError
-from .base import Codec, Encoded
+from .base import Analysis, Codec
 
 __all__ = ["ZVCCodec", "bitmap_geometry"]
 
@@ -37,10 +37,10 @@ def bitmap_geometry(entry_bytes: int, word_bytes: int) -> tuple[int, int, int]:
 
 
 def _sectors(nnz: torch.Tensor, entry_bytes: int, word_bytes: int) -> torch.Tensor:
+    """Sectors of an entry with ``nnz`` non-zero words (0 for none), before the raw clamp."""
     _, _, padded = bitmap_geometry(entry_bytes, word_bytes)
-    raw = entry_bytes // 32
-    k = torch.clamp((padded + nnz * word_bytes + 31) // 32, max=raw)
-    return torch.where(nnz == 0, torch.zeros_like(k), k)
+    k = ((padded + nnz * word_bytes + 31) // 32).to(torch.int32)
+    return torch.where(nnz == 0, 0, k)
 
 
 def _pack_bits(mask: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -60,11 +60,34 @@ def _unpack_bits(bitmap: torch.Tensor, words: int) -> torch.Tensor:
     return bits.view(n, -1)[:, :words].view(torch.bool)
 
 
-def _copy_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[rows] = src[rows]`` for a bool row mask, cheap when few rows are set."""
-    index = rows.nonzero().view(-1)
-    if index.numel():
-        dst.index_copy_(0, index, src.index_select(0, index))
+class _Counted(Analysis):
+    """zvc's analysis: the non-zero words of each entry; streams are written from the entries."""
+
+    def __init__(self, entries: torch.Tensor, word_bytes: int):
+        self.entries, self.word_bytes = entries, word_bytes
+        nnz = (entries.view(_WORD_DTYPE[word_bytes]) != 0).sum(1, dtype=torch.int32)
+        self.sectors = _sectors(nnz, entries.shape[1], word_bytes)
+        self.modes = torch.zeros_like(self.sectors)
+
+    def streams(self, rows=None):
+        return _encode(self.entries if rows is None else self.entries.index_select(0, rows), self.word_bytes)
+
+
+def _encode(entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
+    """The zvc payloads of ``(n, E)`` entries (zero past the stream)."""
+    n, entry_bytes = entries.shape
+    n_words, n_bitmap, padded = bitmap_geometry(entry_bytes, word_bytes)
+    words = entries.view(_WORD_DTYPE[word_bytes])
+    nz = words != 0
+    # Word j goes to position (non-zero words before and at j) - 1; zero words
+    # all go to a spare column n_words that is cut off, so the packed words
+    # land in order and everything after them stays zero.
+    dest = torch.cumsum(nz, 1)
+    dest.sub_(1).masked_fill_(~nz, n_words)
+    payload = torch.zeros(n, padded + entry_bytes + word_bytes, dtype=torch.uint8, device=entries.device)
+    payload[:, padded:].view(_WORD_DTYPE[word_bytes]).scatter_(1, dest, words)
+    payload[:, :n_bitmap] = _pack_bits(nz, n_bitmap)
+    return payload[:, :entry_bytes].contiguous()
 
 
 class ZVCCodec(Codec):
@@ -72,50 +95,23 @@ class ZVCCodec(Codec):
 
     name = "zvc"
 
-    def sizes(self, entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
-        nnz = (entries.view(_WORD_DTYPE[word_bytes]) != 0).sum(1, dtype=torch.int32)
-        return _sectors(nnz, entries.shape[1], word_bytes)
+    def analyse(self, entries: torch.Tensor, word_bytes: int) -> Analysis:
+        return _Counted(entries, word_bytes)
 
-    def encode(self, entries: torch.Tensor, word_bytes: int) -> Encoded:
-        n, entry_bytes = entries.shape
-        n_words, n_bitmap, padded = bitmap_geometry(entry_bytes, word_bytes)
-        words = entries.view(_WORD_DTYPE[word_bytes])
-        nz = words != 0
-        # Word j goes to position (non-zero words before and at j) - 1; zero
-        # words all go to a spare column n_words that is cut off, so the
-        # packed words land in order and everything after them stays zero.
-        dest = torch.cumsum(nz, 1)
-        nnz = (dest[:, -1] if n_words else dest.sum(1)).to(torch.int32)
-        dest.sub_(1).masked_fill_(~nz, n_words)
-        payload = torch.zeros(n, padded + entry_bytes + word_bytes, dtype=torch.uint8, device=entries.device)
-        payload[:, padded:].view(_WORD_DTYPE[word_bytes]).scatter_(1, dest, words)
-        payload[:, :n_bitmap] = _pack_bits(nz, n_bitmap)
-        payload = payload[:, :entry_bytes].contiguous()
-
-        sectors = _sectors(nnz, entry_bytes, word_bytes)
-        _copy_rows(payload, sectors == entry_bytes // 32, entries)
-        return Encoded(payload, sectors, torch.zeros_like(sectors))
+    def encode(self, entries: torch.Tensor, word_bytes: int, modes: torch.Tensor) -> torch.Tensor:
+        return _encode(entries, word_bytes)  # no sizing needed to write the stream
 
     def decode(self, payload, sectors, modes, word_bytes):
-        self.check_modes(modes)
         n, entry_bytes = payload.shape
         n_words, n_bitmap, padded = bitmap_geometry(entry_bytes, word_bytes)
         nz = _unpack_bits(payload[:, :n_bitmap], n_words)
         source = torch.cumsum(nz, 1)
-        nnz = (source[:, -1] if n_words else source.sum(1)).to(torch.int32)
-        raw = sectors == entry_bytes // 32
+        nnz = source[:, -1].to(torch.int32)
         # A coded entry's bitmap must agree with its k: catches damaged
         # metadata or slots before any word is read from the wrong place.
-        coded = (sectors > 0) & ~raw
-        if bool((coded & (_sectors(nnz, entry_bytes, word_bytes) != sectors)).any()):
+        if bool((_sectors(nnz, entry_bytes, word_bytes) != sectors).any()):
             raise CorruptDataError("zvc: bitmap population does not match the entry sizes in the metadata")
-
         body = torch.nn.functional.pad(payload[:, padded:], (0, padded))
         words = body.view(_WORD_DTYPE[word_bytes]).gather(1, source.sub_(1).clamp_(min=0))
         words.masked_fill_(~nz, 0)
-        out = words.view(torch.uint8)
-        _copy_rows(out, raw, payload)
-        empty = (sectors == 0).nonzero().view(-1)
-        if empty.numel():
-            out.index_fill_(0, empty, 0)  # k = 0 means zeros, whatever the slot holds
-        return out
+        return words.view(torch.uint8)

@@ -11,7 +11,8 @@ import struct
 
 import pytest
 import torch
-from conftest import field, raw_bytes, stream_bytes
+from conftest import decode, field, raw_bytes, sizes, stream_bytes
+from conftest import encode as encode_entries
 
 import buddy
 from buddy import spec
@@ -44,9 +45,9 @@ def encode(values: torch.Tensor, entry_bytes: int = 128):
     """One entry of ``values``; checks decode and sizes, returns (entries, Encoded)."""
     w = spec.word_bytes(values.dtype)
     entries = raw_bytes(values).view(-1, entry_bytes)
-    enc = CODEC.encode(entries, w)
-    assert torch.equal(CODEC.sizes(entries, w), enc.sectors)
-    assert torch.equal(CODEC.decode(enc.payload, enc.sectors, enc.modes, w), entries)
+    enc = encode_entries(CODEC, entries, w)
+    assert torch.equal(sizes(CODEC, entries, w), enc.sectors)
+    assert torch.equal(decode(CODEC, enc.payload, enc.sectors, enc.modes, w), entries)
     assert enc.modes.tolist() == [0] * entries.shape[0]
     return entries, enc
 
@@ -209,7 +210,9 @@ def _payload(bits: str, entry_bytes: int = 128) -> torch.Tensor:
 
 
 def _decode(payload: torch.Tensor, k: int, word_bytes: int = 4):
-    return CODEC.decode(payload, torch.tensor([k], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), word_bytes)
+    return decode(
+        CODEC, payload, torch.tensor([k], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), word_bytes
+    )
 
 
 def test_decoding_a_hand_made_stream():
@@ -241,9 +244,9 @@ def test_damaged_streams_raise(bits, k):
 def test_damaged_stream_among_good_ones_raises():
     values = torch.arange(32 * 8, dtype=torch.int32) * 3
     entries = raw_bytes(values).view(-1, 128)
-    enc = CODEC.encode(entries, 4)
+    enc = encode_entries(CODEC, entries, 4)
     assert enc.sectors.tolist() == [1] * 8
     payload = enc.payload.clone()
     payload[3, 4] ^= 0x01  # the first code of entry 3: a zero run becomes a raw plane
     with pytest.raises(buddy.CorruptDataError):
-        CODEC.decode(payload, enc.sectors, enc.modes, 4)
+        decode(CODEC, payload, enc.sectors, enc.modes, 4)

@@ -36,17 +36,23 @@ def test_unusable_here_is_refused_by_name_with_the_reason():
 @pytest.mark.parametrize("name", nvcomp.NAMES)
 def test_cpu_tensors_are_refused_before_any_work(name, store):
     codec = nvcomp.NvcompCodec(name)
-    assert codec.devices == {"cuda"}
+    assert {(i.device, i.backend) for i in buddy.implementations(name)} == {("cuda", "nvcomp")}
     with pytest.raises(buddy.MissingDependencyError, match="GPU"):
         buddy.compress(torch.randn(4096), codec=codec, entry_bytes=4096, store=store)
     assert store.bytes_held == 0
     with pytest.raises(buddy.MissingDependencyError):
-        codec.decode(
-            torch.zeros(1, 4096, dtype=torch.uint8),
-            torch.ones(1, dtype=torch.int32),
-            torch.zeros(1, dtype=torch.int32),
-            4,
+        buddy.unpack(
+            torch.full((2,), 1, dtype=torch.uint8),
+            torch.zeros(4096, dtype=torch.uint8),
+            torch.zeros(0, dtype=torch.uint8),
+            codec=codec,
+            entry_bytes=4096,
+            slot_sectors=128,
+            shape=(1024,),
+            dtype=torch.float32,
         )
+    with pytest.raises(buddy.MissingDependencyError, match="GPU"):  # the codec itself refuses CPU tensors too
+        codec.analyse(torch.ones(1, 4096, dtype=torch.uint8), 4)
 
 
 def test_device_filter_of_the_registry():

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_data, raw_bytes
+from conftest import decode, encode, make_data, raw_bytes, sizes
 
 import buddy
-from buddy.codecs.auto import MODE_BPC, MODE_FPX, MODE_RAW, MODE_ZERO, MODE_ZVC
+from buddy.spec import AUTO_MODES
 
+MODE_ZERO, MODE_RAW, MODE_ZVC, MODE_FPX, MODE_BPC = (AUTO_MODES[m] for m in ("zero", "raw", "zvc", "fpx", "bpc"))
 AUTO = buddy.get_codec("auto")
 SUBCODECS = {MODE_ZVC: "zvc", MODE_FPX: "fpx", MODE_BPC: "bpc"}
 
@@ -33,16 +34,16 @@ def test_modes_are_declared():
 
 def test_each_entry_takes_the_smallest_mode():
     entries = _mixed_entries()
-    enc = AUTO.encode(entries, 4)
+    enc = encode(AUTO, entries, 4)
     assert enc.modes.tolist() == [MODE_ZERO, MODE_RAW, MODE_ZVC, MODE_BPC, MODE_FPX]
     assert enc.sectors.tolist() == [0, 4, 1, 1, 1]
-    assert torch.equal(AUTO.sizes(entries, 4), enc.sectors)
-    assert torch.equal(AUTO.decode(enc.payload, enc.sectors, enc.modes, 4), entries)
+    assert torch.equal(sizes(AUTO, entries, 4), enc.sectors)
+    assert torch.equal(decode(AUTO, enc.payload, enc.sectors, enc.modes, 4), entries)
     assert not bool(enc.payload[0].any())
     assert torch.equal(enc.payload[1], entries[1])
     # a coded entry's payload is exactly its sub-codec's payload
     for i in (2, 3, 4):
-        sub = buddy.get_codec(SUBCODECS[int(enc.modes[i])]).encode(entries[i : i + 1], 4)
+        sub = encode(SUBCODECS[int(enc.modes[i])], entries[i : i + 1], 4)
         assert torch.equal(enc.payload[i], sub.payload[0])
 
 
@@ -52,8 +53,8 @@ def test_sizes_are_the_minimum_of_the_subcodecs(kind, dtype):
     t = make_data(kind, 4096, dtype, torch.Generator().manual_seed(1))
     entries = raw_bytes(t).view(-1, 128)
     w = buddy.spec.word_bytes(dtype)
-    subs = torch.stack([buddy.get_codec(n).sizes(entries, w) for n in ("zvc", "fpx", "bpc")])
-    assert torch.equal(AUTO.sizes(entries, w), subs.min(0).values.to(torch.int32))
+    subs = torch.stack([sizes(n, entries, w) for n in ("zvc", "fpx", "bpc")])
+    assert torch.equal(sizes(AUTO, entries, w), subs.min(0).values.to(torch.int32))
 
 
 @pytest.mark.parametrize(
@@ -70,11 +71,11 @@ def test_sizes_are_the_minimum_of_the_subcodecs(kind, dtype):
 )
 def test_damaged_metadata_raises(entry, k, mode):
     entries = _mixed_entries()
-    enc = AUTO.encode(entries, 4)
+    enc = encode(AUTO, entries, 4)
     sectors, modes = enc.sectors.clone(), enc.modes.clone()
     sectors[entry], modes[entry] = k, mode
     with pytest.raises(buddy.CorruptDataError):
-        AUTO.decode(enc.payload, sectors, modes, 4)
+        decode(AUTO, enc.payload, sectors, modes, 4)
 
 
 def test_end_to_end_through_compress(store):

@@ -11,7 +11,8 @@ import struct
 
 import pytest
 import torch
-from conftest import field, raw_bytes, stream_bytes
+from conftest import decode, field, raw_bytes, sizes, stream_bytes
+from conftest import encode as encode_entries
 
 import buddy
 from buddy import spec
@@ -27,9 +28,9 @@ def bf16(x: float) -> int:
 def encode(values: torch.Tensor, entry_bytes: int = 128):
     w = spec.word_bytes(values.dtype)
     entries = raw_bytes(values).view(-1, entry_bytes)
-    enc = CODEC.encode(entries, w)
-    assert torch.equal(CODEC.sizes(entries, w), enc.sectors)
-    assert torch.equal(CODEC.decode(enc.payload, enc.sectors, enc.modes, w), entries)
+    enc = encode_entries(CODEC, entries, w)
+    assert torch.equal(sizes(CODEC, entries, w), enc.sectors)
+    assert torch.equal(decode(CODEC, enc.payload, enc.sectors, enc.modes, w), entries)
     return entries, enc
 
 
@@ -134,7 +135,7 @@ def test_dense_bfloat16_normal_values_mostly_fit_three_sectors():
 def _decode(bits: str, k: int, word_bytes: int = 2, entry_bytes: int = 128):
     payload = torch.tensor([stream_bytes(bits, entry_bytes)], dtype=torch.uint8)
     one = torch.tensor([k], dtype=torch.int32)
-    return CODEC.decode(payload, one, torch.zeros_like(one), word_bytes)
+    return decode(CODEC, payload, one, torch.zeros_like(one), word_bytes)
 
 
 def test_decoding_a_hand_made_stream():

@@ -1,0 +1,348 @@
+"""The compress pipeline, one straight line: measure, decide, pack -- and unpack back.
+
+::
+
+    measured = buddy.measure(t, "auto", entry_bytes=512)   # every entry's size: metadata + histogram
+    slot = ...                                              # the caller decides (a ratio, an overflow bound, the tracker)
+    bt = buddy.pack(measured, slot, store=store)            # slots + metadata on the device, overflow to buddy memory
+    t2 = bt.decompress()                                    # bit-identical
+
+:func:`compress` is exactly these three steps with the slot from
+``target_ratio`` or from ``max_overflow``; the training session
+(:mod:`buddy.autograd`) and :func:`buddy.wrap` decide with the tracker.
+Sizes are computed once (by :func:`measure`); :func:`pack` writes from them.
+Every argument is checked before anything is allocated: wrong types raise
+``TypeError``, wrong values ``ValueError``, each saying what is accepted.
+
+Arguments shared by the functions here:
+
+* ``codec``: name or :class:`~buddy.codecs.Codec` (default ``"auto"``, or
+  what :func:`buddy.set_defaults` set; see :func:`buddy.available_codecs`);
+* ``entry_bytes``: ``E``, a power of two in [32, 65536] (default 512);
+* ``backend``: who runs the codec: ``"reference"`` (torch ops), ``"cuda"``
+  (its CUDA kernels; off by default), ``"nvcomp"``, or ``"auto"``/``None``
+  (the default for the codec and device); see :mod:`buddy.dispatch`;
+* ``store``: the :class:`~buddy.BuddyStore` taking the overflow (default
+  :func:`buddy.default_store`);
+* ``on_full``: when the store cannot take the overflow: ``"raise"``
+  :class:`~buddy.errors.HostStoreFull` (default) before anything is written,
+  or ``"device"``: the smallest slot with no overflow, the tensor whole on
+  the device;
+* ``checksum``: ``True`` stores a 64-bit checksum of each buffer, checked
+  before decoding (:mod:`buddy.integrity`); ``None``: the process default;
+* ``ledger``: the :class:`~buddy.DeviceLedger` the device bytes are held on
+  (default :func:`buddy.default_ledger`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import config, dispatch, integrity, spec
+from .codecs import Codec, get_codec
+from .engine import Engine, Measurement
+from .errors import CorruptDataError, HostStoreFull
+from .integrity import Checksum
+from .ledger import DeviceLedger, default_ledger
+from .slots import DEFAULT_MAX_OVERFLOW, check_max_overflow, overflow_sectors, slot_for_overflow, tightest_slot
+from .store import BuddyStore, default_store
+from .tensor import BuddyTensor, as_tensor, check_tensor, dense_strides, memory_bytes
+
+__all__ = ["Measured", "measure", "pack", "compress", "unpack", "size_histogram"]
+
+_ON_FULL = ("raise", "device")
+
+
+@dataclass(frozen=True, eq=False)
+class Measured:
+    """A tensor whose entries have been sized (made by :func:`measure`): all :func:`pack` needs.
+
+    ``histogram[k]`` entries compress to ``k`` sectors; :meth:`overflow_bytes`
+    gives the buddy bytes of any slot, which is all a slot choice needs.
+    """
+
+    tensor: torch.Tensor
+    flat: torch.Tensor  # the tensor's bytes in memory order (uint8, 1-D)
+    stride: tuple[int, ...]  # strides the decompressed tensor gets
+    codec: Codec
+    engine: Engine
+    entry_bytes: int
+    word_bytes: int
+    measurement: Measurement
+
+    @property
+    def histogram(self) -> tuple[int, ...]:
+        return self.measurement.histogram
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel()
+
+    @property
+    def n_entries(self) -> int:
+        return -(-self.nbytes // self.entry_bytes)
+
+    @property
+    def backend(self) -> str:
+        return self.engine.backend
+
+    def overflow_bytes(self, slot: int) -> int:
+        """Buddy bytes with a slot of ``slot`` sectors."""
+        return overflow_sectors(self.histogram, slot) * spec.SECTOR_BYTES
+
+    def __repr__(self) -> str:
+        return (
+            f"Measured({tuple(self.tensor.shape)} {self.tensor.dtype}, codec={self.codec.name!r}, "
+            f"entry_bytes={self.entry_bytes}, backend={self.backend!r}, histogram={list(self.histogram)})"
+        )
+
+
+class _PackOptions(NamedTuple):
+    store: BuddyStore
+    on_full: str
+    checksum: bool
+    ledger: DeviceLedger
+
+
+def _resolve(tensor, codec, entry_bytes, backend) -> tuple[Codec, int, Engine]:
+    """The tensor checked; codec, entry size and engine resolved from arguments and defaults."""
+    check_tensor(tensor)
+    codec = get_codec(config.defaults().codec if codec is None else codec)
+    entry_bytes = spec.check_entry_bytes(config.defaults().entry_bytes if entry_bytes is None else entry_bytes)
+    return codec, entry_bytes, dispatch.engine(codec, tensor.device, backend)
+
+
+def _pack_options(store, on_full, checksum, ledger) -> _PackOptions:
+    if store is not None and not isinstance(store, BuddyStore):
+        raise TypeError(f"store must be a buddy.BuddyStore (or None for the default), got {type(store).__name__}")
+    if not isinstance(on_full, str) or on_full not in _ON_FULL:
+        raise ValueError(f"on_full must be one of {_ON_FULL}, got {on_full!r}")
+    if ledger is not None and not isinstance(ledger, DeviceLedger):
+        raise TypeError(f"ledger must be a buddy.DeviceLedger (or None for the default), got {type(ledger).__name__}")
+    checksum = config.defaults().checksum if checksum is None else config.check_checksum(checksum)
+    return _PackOptions(store or default_store(), on_full, checksum, ledger or default_ledger())
+
+
+def _measure(tensor: torch.Tensor, codec: Codec, entry_bytes: int, engine: Engine) -> Measured:
+    flat, stride = memory_bytes(tensor)
+    word = spec.word_bytes(tensor.dtype)
+    return Measured(tensor, flat, stride, codec, engine, entry_bytes, word, engine.measure(flat, entry_bytes, word))
+
+
+def measure(
+    tensor: torch.Tensor,
+    codec: str | Codec | None = None,
+    *,
+    entry_bytes: int | None = None,
+    backend: str | None = None,
+) -> Measured:
+    """Size every entry of ``tensor`` (nothing is stored): the first step of :func:`compress`.
+
+    ``tensor``: any dense tensor on any device (see :func:`compress`). The
+    result holds the metadata on the tensor's device and the size histogram
+    on the host (one device-to-host read), and keeps ``tensor`` alive until
+    it is packed or dropped.
+    """
+    return _measure(tensor, *_resolve(tensor, codec, entry_bytes, backend))
+
+
+def size_histogram(
+    tensor: torch.Tensor, codec: str | Codec | None = None, *, entry_bytes: int | None = None, backend=None
+) -> list[int]:
+    """How compressible ``tensor`` is: ``h[k]`` of its entries compress to ``k`` sectors (see :func:`measure`).
+
+    ``sum(k * h[k]) * 32`` is the compacted size; :func:`buddy.slots.overflow_sectors`
+    gives the overflow of any slot.
+    """
+    return list(measure(tensor, codec, entry_bytes=entry_bytes, backend=backend).histogram)
+
+
+def _check_slot(slot, entry_bytes: int) -> int:
+    spe = spec.sectors_per_entry(entry_bytes)
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot <= spe:
+        raise ValueError(f"slot must be an int in [0, {spe}] sectors for {entry_bytes}-byte entries, got {slot!r}")
+    return slot
+
+
+def pack(
+    measured: Measured,
+    slot: int,
+    *,
+    store: BuddyStore | None = None,
+    on_full: str = "raise",
+    checksum: bool | None = None,
+    ledger: DeviceLedger | None = None,
+) -> BuddyTensor:
+    """Store a measured tensor with slots of ``slot`` sectors: the last step of :func:`compress`.
+
+    ``slot`` is ``0 .. E/32`` (``E / (32 * slot)`` is the target ratio). The
+    other arguments are described in the module doc. Nothing is sized again.
+    """
+    if not isinstance(measured, Measured):
+        raise TypeError(f"pack takes what buddy.measure returns, got {type(measured).__name__}")
+    options = _pack_options(store, on_full, checksum, ledger)
+    return _pack(measured, _check_slot(slot, measured.entry_bytes), options)
+
+
+def _pack(measured: Measured, slot: int, options: _PackOptions) -> BuddyTensor:
+    store = options.store
+    try:  # buddy memory for the overflow, before anything is written
+        overflow = store.allocate(measured.overflow_bytes(slot))
+    except HostStoreFull:
+        if options.on_full == "raise":
+            raise
+        slot = tightest_slot(measured.histogram)
+        overflow = store.allocate(0)
+    try:
+        engine, t = measured.engine, measured.tensor
+        slots, staged = engine.pack(
+            measured.flat, measured.measurement, slot, measured.entry_bytes, measured.word_bytes
+        )
+        if staged.numel() != overflow.nbytes:
+            raise RuntimeError(
+                f"{engine!r} wrote {staged.numel()} overflow bytes where its sizes said {overflow.nbytes}"
+            )
+        overflow.data.copy_(staged, non_blocking=True)  # D2H into pinned memory, on the current stream
+        if t.is_cuda:
+            overflow.record()  # the store must not reuse the range before the copy lands
+        meta = measured.measurement.meta
+        sums = Checksum(*(integrity.buffer_checksum(b) for b in (meta, slots, staged))) if options.checksum else None
+        # built inside the try: an interrupt as the tensor counts itself in must not strand its overflow
+        return BuddyTensor(
+            shape=t.shape, stride=measured.stride, dtype=t.dtype, device=t.device, codec=measured.codec,
+            entry_bytes=measured.entry_bytes, slot_sectors=slot, original_bytes=measured.nbytes,
+            histogram=measured.histogram, slots=slots, meta=meta, overflow=overflow, store=store,
+            ledger=options.ledger, backend=engine.backend, checksum=sums,
+        )  # fmt: skip
+    except BaseException:
+        store.release(overflow)  # nothing half-written survives, KeyboardInterrupt included
+        raise
+
+
+def compress(
+    tensor: torch.Tensor,
+    target_ratio: float | None = None,
+    codec: str | Codec | None = None,
+    *,
+    entry_bytes: int | None = None,
+    max_overflow: float = DEFAULT_MAX_OVERFLOW,
+    store: BuddyStore | None = None,
+    on_full: str = "raise",
+    backend: str | None = None,
+    checksum: bool | None = None,
+    ledger: DeviceLedger | None = None,
+) -> BuddyTensor:
+    """Compress ``tensor`` into slots on its device and overflow in buddy memory: measure, decide, pack.
+
+    ``tensor``: any dense (strided) tensor on any device, read in memory
+    order (copied to contiguous only if it has gaps); it is not modified and
+    may be dropped afterwards. One that requires grad is compressed as its
+    detached data (for what autograd saves, use
+    :func:`buddy.compressed_activations`). Sparse, quantized, nested, meta,
+    fake and vmap-batched tensors raise :class:`~buddy.errors.UnsupportedTensorError`.
+
+    ``target_ratio``: ``E / (32 s)`` for a slot of ``s`` sectors (E = 512:
+    16/16 ... 16/1 and ``inf``; others round to the nearest slot within 1 %,
+    else to the larger). ``None``: the most aggressive slot whose overflow
+    stays within ``max_overflow`` (a fraction in [0, 1], checked even when
+    unused) of the tensor's bytes. Other arguments: see the module doc.
+
+    Returns a :class:`BuddyTensor`; the size pass needs one device-to-host read.
+    """
+    codec, entry_bytes, engine = _resolve(tensor, codec, entry_bytes, backend)
+    max_overflow = check_max_overflow(max_overflow)
+    fixed = None if target_ratio is None else spec.slot_for_ratio(target_ratio, entry_bytes)
+    options = _pack_options(store, on_full, checksum, ledger)
+    measured = _measure(tensor, codec, entry_bytes, engine)
+    slot = fixed if fixed is not None else slot_for_overflow(measured.histogram, max_overflow, measured.nbytes)
+    return _pack(measured, slot, options)
+
+
+def unpack(
+    meta: torch.Tensor,
+    slots: torch.Tensor,
+    overflow: torch.Tensor,
+    *,
+    codec: str | Codec,
+    entry_bytes: int,
+    slot_sectors: int,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    stride: Sequence[int] | None = None,
+    backend: str | None = None,
+    checksum: Checksum | None = None,
+) -> torch.Tensor:
+    """Decode the three buffers of the format into a tensor on ``slots``' device.
+
+    The bytes are laid out in memory order with ``stride`` (a dense layout;
+    default contiguous). ``meta`` and ``slots`` live on the same device;
+    ``overflow`` may live on any device (host buddy memory); all three are
+    ``uint8`` tensors of any shape, read in C order.
+
+    Damaged or hostile buffers never crash the process, read or write out of
+    bounds or hang: every buffer must be exactly as large as the format says,
+    and anything inconsistent raises :class:`~buddy.errors.CorruptDataError`.
+    Without a ``checksum``, damage the format cannot see (a changed mantissa
+    bit) decodes to a tensor of the right shape with wrong values; with one
+    (:attr:`BuddyTensor.checksum`), the buffers are checked before anything
+    is decoded.
+    """
+    codec = get_codec(codec)
+    entry_bytes = spec.check_entry_bytes(entry_bytes)
+    slot_sectors = _check_slot(slot_sectors, entry_bytes)
+    shape = _check_shape(shape)
+    stride = None if stride is None else _check_stride(stride, shape)
+    word = spec.word_bytes(dtype)  # TypeError / ValueError for anything that is not a dtype buddy stores
+    meta, slots, overflow = (_byte_buffer(n, b) for n, b in (("meta", meta), ("slots", slots), ("overflow", overflow)))
+    if meta.device != slots.device:
+        raise ValueError(f"meta and slots must be on the same device, got {meta.device} and {slots.device}")
+    engine = dispatch.engine(codec, slots.device, backend)
+    if checksum is not None:
+        integrity.verify(meta, slots, overflow, checksum)  # before anything is decoded
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    n_entries = -(-nbytes // entry_bytes)
+    if slots.numel() != n_entries * slot_sectors * spec.SECTOR_BYTES:
+        raise CorruptDataError(
+            f"slots hold {slots.numel()} bytes, expected {n_entries * slot_sectors * spec.SECTOR_BYTES}"
+        )
+    flat = engine.unpack(meta, slots, overflow, slot_sectors, entry_bytes, word, nbytes)
+    return as_tensor(flat, shape, dtype, stride)
+
+
+def _byte_buffer(name: str, buffer) -> torch.Tensor:
+    """A buffer given to :func:`unpack`, checked and flattened."""
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of uint8 bytes, got {type(buffer).__name__}")
+    if buffer.dtype != torch.uint8:
+        raise CorruptDataError(f"{name} must be a buffer of uint8 bytes, got a tensor of {buffer.dtype}")
+    if buffer.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device: it holds no bytes to decode")
+    return buffer.reshape(-1)
+
+
+def _check_shape(shape) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints (``TypeError``/``ValueError`` otherwise)."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise TypeError(f"shape must be a sequence of ints (a torch.Size), got {type(shape).__name__}")
+    if any(isinstance(n, bool) or not isinstance(n, int) for n in shape):
+        raise TypeError(f"shape must hold ints, got {tuple(shape)!r}")
+    if any(n < 0 for n in shape):
+        raise ValueError(f"shape must not have negative sizes, got {tuple(shape)}")
+    return tuple(shape)
+
+
+def _check_stride(stride, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``stride`` as a tuple of ints forming a dense layout of ``shape`` (``ValueError`` otherwise)."""
+    if isinstance(stride, (str, bytes)) or not isinstance(stride, Sequence):
+        raise TypeError(f"stride must be a sequence of ints, got {type(stride).__name__}")
+    stride = tuple(stride)
+    if len(stride) != len(shape) or any(isinstance(n, bool) or not isinstance(n, int) for n in stride):
+        raise ValueError(f"stride {stride!r} does not fit shape {shape}: one int per dimension")
+    if not dense_strides(shape, stride):
+        raise ValueError(f"stride {stride} is not a dense layout of shape {shape}")
+    return stride

@@ -1,0 +1,245 @@
+"""One dispatch place: (codec, device, backend) -> an engine, selected through the public registry.
+
+The CUDA kernels are registered but not the default until they have run on a
+GPU; an explicit backend that does not exist is an error, never a silent
+fallback; a BuddyTensor records what ran; and everything the pipeline does
+goes through the engine the registry picked.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MiB, assert_roundtrip, ids, make_data
+
+import buddy
+from buddy import dispatch
+from buddy.codecs.zvc import ZVCCodec
+from buddy.engine import BlockEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+ZVC = buddy.get_codec("zvc")
+
+
+@pytest.fixture
+def restore_defaults():
+    previous = buddy.defaults()
+    yield
+    buddy.set_defaults(codec=previous.codec, entry_bytes=previous.entry_bytes, backend=previous.backend)
+
+
+@pytest.fixture
+def temporary_implementation():
+    """``temporary_implementation(codec, device, backend, factory, **kw)``: registered for one test only."""
+    added = []
+
+    def register(codec, device, backend, factory, **kwargs):
+        before = dispatch.implementations(codec, device=device)
+        added.append(((codec, device, backend), before))
+        return buddy.register_implementation(codec, device, backend, factory, replace=True, **kwargs)
+
+    yield register
+    for (codec, device, backend), before in reversed(added):
+        buddy.unregister_implementation(codec, device, backend)
+        for impl in before:  # the defaults as they were
+            buddy.register_implementation(
+                impl.codec, impl.device, impl.backend, impl.factory, default=impl.default, requires=impl.requires,
+                replace=True,
+            )  # fmt: skip
+
+
+def test_the_table_by_default():
+    assert buddy.defaults().backend == "reference"
+    for codec in ("raw", "zvc", "fpx", "bpc", "auto"):
+        for device in ("cpu", "cuda"):
+            (impl,) = [i for i in buddy.implementations(codec, device=device) if i.default]
+            assert impl.backend == "reference" and impl.factory is BlockEngine
+    cuda = buddy.implementations(backend="cuda")
+    assert [(i.codec, i.device, i.default) for i in cuda] == [("zvc", "cuda", False)]  # not run on a GPU yet
+    nvcomp = buddy.implementations(backend="nvcomp")
+    assert {i.codec for i in nvcomp} == set(buddy.codecs.nvcomp.NAMES)
+    assert all(i.device == "cuda" and i.default for i in nvcomp)
+
+
+def test_auto_picks_the_default_and_explicit_picks_that_one():
+    assert isinstance(dispatch.engine(ZVC, "cpu"), BlockEngine)
+    assert dispatch.engine(ZVC, "cpu").backend == "reference"
+    assert dispatch.engine(ZVC, torch.device("cpu"), "auto").backend == "reference"
+    assert dispatch.engine(ZVC, "cpu", "reference").backend == "reference"
+
+
+def test_reference_backend_round_trip(store, gen):
+    t = make_data("relu", 50_001, torch.float32, gen)
+    bt = buddy.compress(t, target_ratio=2.0, store=store, backend="reference")
+    assert bt.backend == "reference"
+    assert_roundtrip(bt, t)
+    assert torch.equal(bt.decompress(backend="reference"), bt.decompress(backend="auto"))
+    meta, slots, overflow = bt.buffers()
+    kw = dict(codec="zvc", entry_bytes=128, slot_sectors=bt.slot_sectors, shape=t.shape, dtype=t.dtype)
+    assert torch.equal(buddy.unpack(meta, slots, overflow, backend="reference", **kw), t)
+
+
+def test_cuda_backend_rejects_cpu_tensors(store):
+    t = torch.ones(1000)
+    with pytest.raises(ValueError, match="CUDA device"):
+        buddy.compress(t, store=store, backend="cuda")
+    with pytest.raises(ValueError, match="CUDA device"):
+        buddy.measure(t, backend="cuda")
+    bt = buddy.compress(t, store=store)
+    with pytest.raises(ValueError, match="CUDA device"):
+        bt.decompress(backend="cuda")
+    with pytest.raises(ValueError, match="CUDA device"):
+        dispatch.engine(ZVC, "cpu", "cuda")
+    assert store.bytes_held == bt.buddy_bytes  # nothing leaked by the failed calls
+
+
+def test_cuda_backend_needs_a_codec_with_kernels():
+    with pytest.raises(ValueError, match="no CUDA kernels"):
+        dispatch.engine(buddy.get_codec("raw"), "cuda", "cuda")
+
+    class Tweaked(ZVCCodec):
+        name = "zvc"
+
+    # the name has kernels, but they reproduce ZVCCodec only: the engine refuses a subclass
+    with pytest.raises(ValueError, match="no CUDA kernels"):
+        buddy.cuda.CudaEngine(Tweaked())
+    with pytest.raises(ValueError, match="no CUDA kernels"):
+        buddy.cuda.CudaEngine(buddy.get_codec("raw"))
+
+
+@pytest.mark.parametrize("bad", ids("bad", ["gpu", "CUDA", "", 1], repr))
+def test_unknown_backend_rejected(bad, store, restore_defaults):
+    t = torch.ones(100)
+    with pytest.raises(ValueError, match="backend"):
+        buddy.compress(t, store=store, backend=bad)
+    with pytest.raises(ValueError, match="backend"):
+        dispatch.engine(ZVC, "cpu", bad)
+    with pytest.raises(ValueError, match="backend"):
+        buddy.set_defaults(backend=bad if bad else "auto")
+    bt = buddy.compress(t, store=store)
+    with pytest.raises(ValueError, match="backend"):
+        bt.decompress(backend=bad)
+    assert store.bytes_held == bt.buddy_bytes
+
+
+def test_default_cuda_backend_prefers_kernels_only_where_they_exist(store, gen, restore_defaults):
+    previous = buddy.set_defaults(backend="cuda")
+    assert previous.backend == "reference" and buddy.defaults().backend == "cuda"
+    t = make_data("relu", 10_000, torch.float32, gen)
+    bt = buddy.compress(t, store=store)  # a CPU tensor: no kernels here, the default runs, no error
+    assert bt.backend == "reference"
+    assert_roundtrip(bt, t)
+    assert dispatch.engine(buddy.get_codec("raw"), "cuda").backend == "reference"  # raw has no kernels
+
+
+class _Spy(BlockEngine):
+    """The reference, counting which format operations the pipeline asked for."""
+
+    calls: list[str] = []
+
+    def measure(self, *args):
+        self.calls.append("measure")
+        return super().measure(*args)
+
+    def pack(self, *args):
+        self.calls.append("pack")
+        return super().pack(*args)
+
+    def unpack(self, *args):
+        self.calls.append("unpack")
+        return super().unpack(*args)
+
+
+def test_the_pipeline_runs_the_registered_engine(store, gen, temporary_implementation, monkeypatch):
+    """measure, pack and decompress all go through the engine the registry gives; the tensor records it."""
+    _Spy.calls = []
+    temporary_implementation("zvc", "cpu", "reference", _Spy, default=True)
+    monkeypatch.setattr(buddy.format, "BLOCK_BYTES", 64 * 1024)  # several blocks
+    t = make_data("relu", 100_000, torch.float32, gen)
+    bt = buddy.compress(t, target_ratio=2.0, store=store)
+    assert bt.backend == "reference" and _Spy.calls == ["measure", "pack"]
+    assert_roundtrip(bt, t)  # decompress: the backend it recorded, the engine registered for it
+    assert _Spy.calls == ["measure", "pack", "unpack"]
+
+
+def test_one_default_per_codec_and_device(temporary_implementation):
+    temporary_implementation("zvc", "cpu", "cuda", BlockEngine, default=True)
+    defaults = [i for i in buddy.implementations("zvc", device="cpu") if i.default]
+    assert [i.backend for i in defaults] == ["cuda"]  # the reference stopped being the default
+    assert dispatch.engine(ZVC, "cpu").backend == "cuda"  # an engine carries the registry's name for it
+
+
+def test_registering_checks_its_arguments():
+    with pytest.raises(ValueError, match="device"):
+        buddy.register_implementation("zvc", "tpu", "reference", BlockEngine)
+    with pytest.raises(ValueError, match="backend"):
+        buddy.register_implementation("zvc", "cpu", "auto", BlockEngine)
+    with pytest.raises(ValueError, match="already registered"):
+        buddy.register_implementation("zvc", "cpu", "reference", BlockEngine)
+    with pytest.raises(TypeError, match="factory"):
+        buddy.register_implementation("zvc", "cpu", "nvcomp", "not callable")
+
+
+def test_an_implementation_that_cannot_run_here_says_why(temporary_implementation):
+    temporary_implementation("zvc", "cpu", "nvcomp", BlockEngine, requires=lambda: "no such library: pip install it")
+    with pytest.raises(buddy.MissingDependencyError, match="no such library"):
+        dispatch.engine(ZVC, "cpu", "nvcomp")
+
+
+def test_codecs_without_an_implementation_here(store):
+    cpu = buddy.available_codecs("cpu")
+    assert {"raw", "zvc", "fpx", "bpc", "auto"} <= set(cpu)
+    assert not any(name.startswith("nvcomp-") for name in cpu)
+    assert buddy.available_codecs(torch.device("cpu")) == cpu
+    codec = buddy.codecs.nvcomp.NvcompCodec("nvcomp-lz4")
+    with pytest.raises(buddy.MissingDependencyError, match="GPU"):  # no implementation for CPU tensors
+        buddy.compress(torch.randn(4096), codec=codec, entry_bytes=4096, store=store)
+    assert store.bytes_held == 0
+
+
+def test_import_without_cupy_then_cuda_backend_raises():
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["cupy"] = None  # CuPy not importable
+        import torch, buddy
+        assert "cupy" not in [m for m in sys.modules if sys.modules[m] is not None]
+        t = torch.relu(torch.randn(10_000))
+        assert torch.equal(buddy.compress(t).decompress(), t)
+        try:
+            buddy.dispatch.engine(buddy.get_codec("zvc"), torch.device("cuda"), "cuda")
+        except buddy.MissingDependencyError as exc:
+            message = str(exc)
+        else:
+            raise SystemExit("no MissingDependencyError")
+        assert "CuPy" in message and "pip install" in message, message
+        try:
+            buddy.cuda._cupy()
+        except buddy.MissingDependencyError:
+            pass
+        else:
+            raise SystemExit("no MissingDependencyError from the loader")
+        print("ok")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_default_store_untouched_by_dispatch_errors(fresh_default_store):
+    with pytest.raises(ValueError):
+        buddy.compress(torch.ones(2 * MiB // 4), backend="cuda")
+    assert buddy.default_store().bytes_held == 0
