@@ -29,19 +29,23 @@
 // alike (a ballot gives its piece), for ws = 16 it is lane 16's plane.
 //
 //   measure  one pass over the chunks accumulates, per plane, what picks its
-//            code (set bits, first set bit, adjacent pairs, all ones; DBP = 0
-//            from an OR of the deltas); zero runs come from a ballot of the
-//            non-zero planes, and a warp sum of the code lengths gives T.
+//            code (set bits, first and last set bit, all ones; DBP = 0 from
+//            an OR of the deltas over the warp); zero runs come from a ballot
+//            of the non-zero planes, and a warp sum of the code lengths is T.
 //   encode   the same pass, code offsets by a warp scan of the lengths
-//            (stream order is top plane first: highest lane first), the short
-//            codes OR-ed into a zeroed payload, then a second pass writes the
-//            raw planes' pieces (a shifted 32-bit word per plane per chunk).
+//            (stream order is top plane first: the highest lane first), the
+//            short codes OR-ed into a zeroed payload, then the raw planes'
+//            pieces, one shifted 32-bit word per raw plane per chunk: kept in
+//            registers from the first pass for small entries (C * slots <=
+//            16), from a second pass over the entry otherwise.
 //   decode   one walk over the codes, uniform on every lane (a code's position
-//            depends on the previous ones), records each plane's code with the
-//            lane that owns it; then per chunk the lanes rebuild their DBX
-//            pieces, transpose back (lane i: the DBX bits of delta i), undo
-//            the XOR chain with a bit-parallel scan inside the word, prefix-sum
-//            the deltas from the base over the lanes, and check the sign plane.
+//            depends on the previous ones; at most P steps), records each
+//            plane's code with the lane that owns it; then per chunk the lanes
+//            rebuild their DBX pieces, transpose back (lane i: the DBX bits of
+//            delta i), undo the XOR chain with a bit-parallel segmented scan
+//            inside that row, prefix-sum the deltas from the base over the
+//            lanes, and check the sign plane against the words.
+// Reads of the payload are clamped to its 32k bytes, whatever the stream says.
 #pragma once
 
 #include "buddy_format.h"
@@ -77,8 +81,7 @@ struct BuddyBpc {
   static constexpr uint32_t G = WS == 64 ? 2u : 1u;                    // lane-owned plane slots
   static constexpr bool UTOP = WS >= 32;                               // the sign plane is a uniform slot
   static constexpr uint32_t NS = G + (UTOP ? 1u : 0u);                 // slots per lane
-  static constexpr uint32_t NLP = UTOP ? WS : WS + 1;                  // lane-owned planes
-  static constexpr uint32_t ROW = UTOP ? WS : WS + 1;                  // DBX bits in a delta's row
+  static constexpr uint32_t ROW = UTOP ? WS : WS + 1;                  // lane-owned planes: DBX bits of a delta's row
   static constexpr uint32_t STEPS = bit_length(ROW - 1);               // log steps of a scan over a row
   static constexpr word_t SIGN = (word_t)((word_t)1 << (WS - 1));
   // Small entries keep the first pass's DBX pieces in registers for encode's
@@ -87,7 +90,8 @@ struct BuddyBpc {
   static constexpr uint32_t KC = KEEP ? C : 1;
 
   static_assert(W >= 4 && W * WS == entry * 8, "an entry is at least 4 whole BPC words");
-  static_assert(PB + 5 <= 29 && 2 + RB <= 32, "a code other than a raw plane fits 32 bits, a position 29");
+  static_assert(PB + 5 <= 32 && 2 + RB <= 32, "a code other than a raw plane fits 32 bits");
+  static_assert(WS + P * RAW_BITS < (1u << 29), "a walk's bit offsets fit 29 bits (kind | offset << 3)");
 
   // Plane kinds; 1 + bits 3-4 of a 5-bit code's field value gives the middle four.
   enum : uint32_t { K_ZERO = 0, K_ONES, K_TWO, K_DBP0, K_ONE, K_RAW };
@@ -116,7 +120,7 @@ struct BuddyBpc {
   // Plane of slot s on this lane: 32s + lane, the sign plane WS for the
   // uniform slot, and ~0 where the slot holds none (ws = 16: lanes 17..31).
   static BUDDY_HD uint32_t plane_of(uint32_t s, uint32_t lane) {
-    return s >= G ? WS : 32u * s + lane < NLP ? 32u * s + lane : ~0u;
+    return s >= G ? WS : 32u * s + lane < ROW ? 32u * s + lane : ~0u;
   }
 
   // x < y for the ws-bit two's-complement words x and y.

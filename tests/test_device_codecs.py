@@ -569,3 +569,44 @@ def test_bpc_damaged_streams(host_exe, entry_bytes, word, tmp_path):
         else:
             assert err == 0 and torch.equal(got["decoded"][i], expected), f"row {i}: decodes differently"
     assert 0 < flagged < len(rows)
+
+
+# ---------------------------------------------------------------------------
+# the device codecs instantiated for the GPU (tests/test_csrc.py compiles each
+# header alone, where templates are never instantiated)
+# ---------------------------------------------------------------------------
+_CODEC_CLASSES = {"zvc": "BuddyZvc", "bpc": "BuddyBpc"}
+
+_INSTANTIATION = r"""
+#include "buddy_entry.h"
+{includes}
+template <class Codec>
+__device__ __forceinline__ void round_trip(const uint8_t* entry, uint8_t* payload, uint8_t* out, int* result) {{
+  const BuddyCudaWarp warp;
+  uint32_t mode;
+  const uint32_t k = buddy_entry_measure<Codec>(warp, entry, &mode);
+  buddy_entry_encode<Codec>(warp, entry, k, mode, payload);
+  const uint32_t err = buddy_entry_decode<Codec>(warp, payload, k, mode, out);
+  if (warp.lane() == 0) *result = (int)(k | err << 16);
+}}
+{kernels}
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize(
+    ("arch", "entry_bytes"), [("sm_80", spec.DEFAULT_ENTRY_BYTES), ("sm_90", 32), ("sm_90", spec.MAX_ENTRY_BYTES)]
+)
+def test_device_codecs_compile_for_the_gpu(tmp_path, arch, entry_bytes):
+    """Every codec and word size instantiated in a kernel: no warning with -Werror all-warnings."""
+    includes = "\n".join(f'#include "codec_{c}.h"' for c in DEVICE_CODECS)
+    kernels = "\n".join(
+        f'extern "C" __global__ void {c}_{w}(const uint8_t* e, uint8_t* p, uint8_t* o, int* r) '
+        f"{{ round_trip<{_CODEC_CLASSES[c]}<{w}>>(e, p, o, r); }}"
+        for c in DEVICE_CODECS
+        for w in WORDS
+    )
+    unit = tmp_path / "codecs.cu"
+    unit.write_text(_INSTANTIATION.format(includes=includes, kernels=kernels))
+    cmd = ["nvcc", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings", f"-I{CSRC}", *_defines(entry_bytes)]
+    subprocess.run([*cmd, "-ptx", str(unit), "-o", str(tmp_path / "codecs.ptx")], check=True)
