@@ -64,7 +64,12 @@ struct BuddyBpc {
   static constexpr uint32_t ZERO_MODE = 0;
   static constexpr uint32_t RAW_MODE = 0;
 
-  static constexpr uint32_t bit_length(uint32_t x) { return x ? 1u + bit_length(x >> 1) : 0u; }
+  // Bits needed to write x (for the constants below; annotated, as NVRTC has no host functions).
+  static constexpr BUDDY_HD uint32_t bit_length(uint32_t x) {
+    uint32_t n = 0;
+    for (; x; x >>= 1) ++n;
+    return n;
+  }
 
   static constexpr uint32_t entry = BUDDY_ENTRY_BYTES;                 // bytes per entry, E
   static constexpr uint32_t WS = WB == 2 ? 16u : WB == 8 ? 64u : 32u;  // BPC word bits (1-byte data: 32)

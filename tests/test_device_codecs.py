@@ -12,6 +12,8 @@ payload's ``k`` sectors, crashes the harness.
 
 from __future__ import annotations
 
+import ctypes
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -440,7 +442,9 @@ def test_bpc_codec_without_the_format_rules(host_exe, entry_bytes, word, tmp_pat
     _assert_rows_equal(got["decoded"][fits], entries[fits], "decode of its own stream")
     assert not got["err"].any()
     if entry_bytes == 32 and word == 8:
-        raw_planes = sum(kind == "raw" for i in fits.nonzero().view(-1).tolist() for kind, _, _ in bpc_codes(stream[i], 8, 32))
+        raw_planes = sum(
+            kind == "raw" for i in fits.nonzero().view(-1).tolist() for kind, _, _ in bpc_codes(stream[i], 8, 32)
+        )
         assert raw_planes > 0, "3-bit planes: a raw plane (4 bits) is shorter than every 5-bit code"
 
 
@@ -526,7 +530,9 @@ def test_bpc_hostile_streams(host_exe, entry_bytes, word, tmp_path):
         if raises is not None:
             assert (expected is None) == raises, f"{name}: the reference {'decodes' if raises else 'raises'}"
         names.append(name), rows.append(row), ks.append(k)
-    got = run_decode(host_exe(entry_bytes), "bpc", torch.stack(rows), torch.tensor(ks), torch.zeros(len(ks)), word, tmp_path)
+    got = run_decode(
+        host_exe(entry_bytes), "bpc", torch.stack(rows), torch.tensor(ks), torch.zeros(len(ks)), word, tmp_path
+    )
     for i, name in enumerate(names):
         expected = _reference_entry("bpc", rows[i], ks[i], 0, word, entry_bytes)
         err = int(got["err"][i])
@@ -565,7 +571,9 @@ def test_bpc_damaged_streams(host_exe, entry_bytes, word, tmp_path):
         err = int(got["err"][i])
         if expected is None:
             flagged += 1
-            assert err == 2 and not got["decoded"][i].any(), f"row {i}: the reference raises, the device code gives {err:#x}"
+            assert err == 2 and not got["decoded"][i].any(), (
+                f"row {i}: the reference raises, the device code gives {err:#x}"
+            )
         else:
             assert err == 0 and torch.equal(got["decoded"][i], expected), f"row {i}: decodes differently"
     assert 0 < flagged < len(rows)
@@ -599,14 +607,58 @@ __device__ __forceinline__ void round_trip(const uint8_t* entry, uint8_t* payloa
 )
 def test_device_codecs_compile_for_the_gpu(tmp_path, arch, entry_bytes):
     """Every codec and word size instantiated in a kernel: no warning with -Werror all-warnings."""
-    includes = "\n".join(f'#include "codec_{c}.h"' for c in DEVICE_CODECS)
+    unit = tmp_path / "codecs.cu"
+    unit.write_text(_instantiation_unit())
+    cmd = ["nvcc", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings", f"-I{CSRC}", *_defines(entry_bytes)]
+    subprocess.run([*cmd, "-ptx", str(unit), "-o", str(tmp_path / "codecs.ptx")], check=True)
+
+
+def _instantiation_unit() -> str:
+    """The instantiation above with the local headers inlined, as NVRTC takes it (one string)."""
     kernels = "\n".join(
         f'extern "C" __global__ void {c}_{w}(const uint8_t* e, uint8_t* p, uint8_t* o, int* r) '
         f"{{ round_trip<{_CODEC_CLASSES[c]}<{w}>>(e, p, o, r); }}"
         for c in DEVICE_CODECS
         for w in WORDS
     )
-    unit = tmp_path / "codecs.cu"
-    unit.write_text(_INSTANTIATION.format(includes=includes, kernels=kernels))
-    cmd = ["nvcc", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings", f"-I{CSRC}", *_defines(entry_bytes)]
-    subprocess.run([*cmd, "-ptx", str(unit), "-o", str(tmp_path / "codecs.ptx")], check=True)
+    includes = "\n".join(f'#include "codec_{c}.h"' for c in DEVICE_CODECS)
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        def include(match: re.Match) -> str:
+            header = match.group(1)
+            if header in seen:
+                return ""
+            seen.add(header)
+            return expand((CSRC / header).read_text().replace("#pragma once", ""))
+
+        return re.sub(r'#include "([^"]+)"', include, text)
+
+    return expand(_INSTANTIATION.format(includes=includes, kernels=kernels))
+
+
+def test_device_codecs_compile_with_nvrtc():
+    """NVRTC (what CuPy uses) takes every codec and word size: no host-only function, no standard header."""
+    from test_cuda_core import _find_nvrtc
+
+    path = _find_nvrtc()
+    if path is None:
+        pytest.skip("needs libnvrtc (pip install nvidia-cuda-nvrtc, or set BUDDY_TEST_NVRTC)")
+    here = Path(path).parent if "/" in path else None
+    for builtins in sorted(here.glob("libnvrtc-builtins.so*")) if here else []:
+        if ".alt." not in builtins.name:
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+            break
+    nvrtc = ctypes.CDLL(path)
+    source = _instantiation_unit().encode()
+    for entry_bytes in (32, spec.DEFAULT_ENTRY_BYTES, spec.MAX_ENTRY_BYTES):
+        prog = ctypes.c_void_p()
+        assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source, b"codecs.cu", 0, None, None) == 0
+        options = [o.encode() for o in ("-std=c++17", *_defines(entry_bytes), "-arch=compute_80")]
+        result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+        assert result == 0, f"NVRTC failed for E={entry_bytes}:\n{log.value.decode(errors='replace')}"
