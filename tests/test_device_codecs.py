@@ -8,6 +8,12 @@ mode and payload, decode its own payloads (with garbage after their ``k``
 sectors), and flag damaged metadata or payloads exactly where the reference
 raises. Buffers are guarded: a read or write past an entry, or past a
 payload's ``k`` sectors, crashes the harness.
+
+bpc has cases of its own: entries built plane by plane so that every plane
+code turns up, the codec without the format rules (E = 32, where the format
+stores every non-zero entry raw), hand-made hostile streams and damaged ones.
+Last, every codec is instantiated in kernels and compiled with nvcc (and
+NVRTC where libnvrtc is found) with warnings as errors.
 """
 
 from __future__ import annotations
