@@ -8,10 +8,18 @@ mode and payload, decode its own payloads (with garbage after their ``k``
 sectors), and flag damaged metadata or payloads exactly where the reference
 raises. Buffers are guarded: a read or write past an entry, or past a
 payload's ``k`` sectors, crashes the harness.
+
+bpc has cases of its own: entries built plane by plane so that every plane
+code turns up, the codec without the format rules (E = 32, where the format
+stores every non-zero entry raw), hand-made hostile streams and damaged ones.
+Last, every codec is instantiated in kernels and compiled with nvcc (and
+NVRTC where libnvrtc is found) with warnings as errors.
 """
 
 from __future__ import annotations
 
+import ctypes
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,13 +27,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ALL_DTYPES, DATA_KINDS, ids, make_data
+from conftest import ALL_DTYPES, DATA_KINDS, field, ids, make_data, stream_bytes
 
 import buddy
 from buddy import spec
+from buddy.codecs._bitstream import write_fields
+from buddy.codecs.bpc import Analysis, geometry
 
 #: codecs whose device functions the harness runs (its CODEC argument)
-DEVICE_CODECS = ("zvc",)
+DEVICE_CODECS = ("zvc", "bpc")
 ENTRY_SIZES = (32, 128, 256, 512, 4096)
 WORDS = (1, 2, 4, 8)
 
@@ -266,3 +276,366 @@ def _reference_entry(codec, payload_row, k, mode, word, entry_bytes):
     row[k * spec.SECTOR_BYTES :] = 0  # the reference sees exactly k sectors, zero after
     got = reference_decodes(codec, row.view(1, -1), torch.tensor([k]), torch.tensor([mode]), word)
     return None if got is None else got[0]
+
+
+# ---------------------------------------------------------------------------
+# bpc: every plane code, the codec without the format rules, hostile streams
+# ---------------------------------------------------------------------------
+_BPC_CODES = ("ones", "two", "dbp0", "one")  # the 5-bit codes by bits 3-4 of their field value
+
+
+def bpc_codes(row: torch.Tensor, word: int, entry_bytes: int) -> list[tuple[str, int, int]]:
+    """The codes of a bpc stream as ``(kind, stream plane, run length or position)``, by the module docstring."""
+    g = geometry(entry_bytes, word)
+    bits = int.from_bytes(bytes(row.tolist()), "little")
+    off, plane, codes = g.word_bits, 0, []
+    while plane < g.planes:
+        h = bits >> off
+        if h & 1:
+            codes.append(("raw", plane, 0))
+            off, plane = off + 1 + g.deltas, plane + 1
+        elif h & 2:
+            n = 2 + ((h >> 2) & ((1 << g.run_bits) - 1))
+            codes.append(("run", plane, n))
+            off, plane = off + 2 + g.run_bits, plane + n
+        elif h & 4:
+            codes.append(("run", plane, 1))
+            off, plane = off + 3, plane + 1
+        else:
+            kind = _BPC_CODES[(h >> 3) & 3]
+            codes.append((kind, plane, (h >> 5) & ((1 << g.pos_bits) - 1)))
+            off, plane = off + 5 + (g.pos_bits if kind in ("two", "one") else 0), plane + 1
+    return codes
+
+
+def bpc_plane_entries(word: int, entry_bytes: int, n: int, g: torch.Generator) -> torch.Tensor:
+    """Entries built plane by plane, so that every plane code turns up.
+
+    DBP_ws (the signs) follows from the words, but DBP_{ws-1} .. DBP_0 can be
+    chosen: each DBX plane below is picked as zero (runs of every length,
+    down to DBX_0), all ones, one or two set bits (first, last, straddling
+    positions), "DBP = 0", or random bits; the words are the prefix sums.
+    """
+    geo = geometry(entry_bytes, word)
+    ws, L = geo.word_bits, geo.deltas
+    rows = []
+    for e in range(n):
+        zero_share = (0.2, 0.5, 0.8, 0.95)[e % 4]  # the longer the zero runs, the shorter the stream
+        dbp = torch.zeros(ws + 1, L, dtype=torch.bool)  # dbp[ws] (the signs) stays zero here
+        for j in range(ws - 1, -1, -1):
+            above = dbp[j + 1]
+            dbx = torch.zeros(L, dtype=torch.bool)
+            r = float(torch.rand((), generator=g))
+            if j < ws - 1 and r < zero_share:
+                pass  # a zero DBX plane
+            elif r < zero_share + 0.05:
+                dbx[:] = True
+            elif r < zero_share + 0.15:
+                pos = int(torch.randint(0, L, (), generator=g))
+                dbx[(0, L - 1, min(31, L - 1), pos)[int(torch.randint(0, 4, (), generator=g))]] = True
+            elif r < zero_share + 0.25:
+                pos = int(torch.randint(0, L - 1, (), generator=g))
+                p = (0, L - 2, min(31, L - 2), pos)[int(torch.randint(0, 4, (), generator=g))]
+                dbx[p : p + 2] = True
+            elif r < zero_share + 0.35:
+                dbx = above.clone()  # DBP_j = 0
+            else:
+                dbx = torch.rand(L, generator=g) < (0.5 if r < 0.9 else 0.1)
+            dbp[j] = dbx ^ above
+        shifts = torch.arange(ws, dtype=torch.int64).unsqueeze(1)
+        deltas = (dbp[:ws].to(torch.int64) << shifts).sum(0)  # disjoint bits: the sum is the OR (int64 wraps)
+        base = int(torch.randint(-(1 << 62), 1 << 62, (), generator=g)) if e % 3 else 0
+        x = torch.cat([torch.tensor([base]), deltas]).cumsum(0).numpy().astype(np.uint64)
+        as_words = {16: np.uint16, 32: np.uint32, 64: np.uint64}[ws]
+        rows.append(torch.from_numpy((x & np.uint64((1 << ws) - 1)).astype(as_words).view(np.uint8).copy()))
+    return torch.stack(rows)
+
+
+def _bpc_coverage(payload: torch.Tensor, k: torch.Tensor, word: int, entry_bytes: int) -> set[str]:
+    """What the coded streams of a batch exercise."""
+    geo = geometry(entry_bytes, word)
+    seen = set()
+    for i in ((k > 0) & (k < entry_bytes // spec.SECTOR_BYTES)).nonzero().view(-1).tolist():
+        for kind, plane, arg in bpc_codes(payload[i], word, entry_bytes):
+            seen.add(kind)
+            if kind == "run":
+                seen.add("run1" if arg == 1 else "long run")
+                if plane + arg == geo.planes:
+                    seen.add("run to DBX_0")
+            if (kind, arg) in (("one", geo.deltas - 1), ("two", geo.deltas - 2)):
+                seen.add(f"{kind} at the end")
+            if kind == "two" and arg % 32 == 31:
+                seen.add("two straddling")
+    return seen
+
+
+@pytest.mark.parametrize("word", ids("w", WORDS))
+@pytest.mark.parametrize("entry_bytes", ids("E", (128, 512, 4096)))
+def test_bpc_every_plane_code(host_exe, entry_bytes, word, tmp_path):
+    g = torch.Generator().manual_seed(entry_bytes + word)
+    entries = bpc_plane_entries(word, entry_bytes, 48 if entry_bytes < 4096 else 16, g)
+    k, mode, payload = reference_encode("bpc", entries, word)
+    got = run_encode(host_exe(entry_bytes), "bpc", entries, word, tmp_path)
+    _assert_rows_equal(got["k"], k, "k")
+    _assert_rows_equal(got["payload"], payload, "payload")
+    _assert_rows_equal(got["decoded"], entries, "decode of its own payload")
+    assert not got["err"].any()
+    seen = _bpc_coverage(payload, k, word, entry_bytes)
+    wanted = {"raw", "ones", "dbp0", "two", "one", "run1", "long run", "run to DBX_0", "one at the end"}
+    wanted |= {"two at the end"}
+    if geometry(entry_bytes, word).deltas > 32:
+        wanted.add("two straddling")
+    assert wanted <= seen, f"not exercised: {sorted(wanted - seen)}"
+
+
+@pytest.mark.parametrize("word", ids("w", WORDS))
+@pytest.mark.parametrize("entry_bytes", ids("E", (32, 128)))
+def test_bpc_codec_without_the_format_rules(host_exe, entry_bytes, word, tmp_path):
+    """measure, encode and decode alone: k not clamped, streams as long as 2E bytes.
+
+    At E = 32 the format stores every non-zero entry raw, so only this shows
+    the codec's own choices there, e.g. raw planes beating the 5-bit codes
+    when planes have 3 bits (8-byte words).
+    """
+    g = torch.Generator().manual_seed(3 * entry_bytes + word)
+    entries = torch.cat([bpc_plane_entries(word, entry_bytes, 64, g), all_entries(word, entry_bytes, seed=word)])
+    entries = entries[(entries != 0).any(1)]
+    analysis = Analysis(entries, word)
+    bits = analysis.plan.total_bits
+    k = ((bits + 255) // 256).to(torch.int32)
+    stream = write_fields(analysis.plan.values(), analysis.plan.offsets, 2 * entry_bytes)
+    exe = host_exe(entry_bytes)
+    src, dst = tmp_path / "entries.bin", tmp_path / "out.bin"
+    entries.numpy().tofile(src)
+    n, e = entries.shape
+    subprocess.run([str(exe), "bpc", "stream", str(word), str(n), str(src), str(dst)], check=True, timeout=900)
+    r = _Reader(np.fromfile(dst, dtype=np.uint8))
+    got = {"k": r.int32(n), "mode": r.int32(n), "payload": r.rows(n, 2 * e), "decoded": r.rows(n, e), "err": r.int32(n)}
+    r.done()
+    _assert_rows_equal(got["k"], k, "k")
+    fits = k <= 2 * entry_bytes // spec.SECTOR_BYTES
+    assert fits.sum() > n // 2
+    _assert_rows_equal(got["payload"][fits], stream[fits], "stream")
+    _assert_rows_equal(got["decoded"][fits], entries[fits], "decode of its own stream")
+    assert not got["err"].any()
+    if entry_bytes == 32 and word == 8:
+        raw_planes = sum(
+            kind == "raw" for i in fits.nonzero().view(-1).tolist() for kind, _, _ in bpc_codes(stream[i], 8, 32)
+        )
+        assert raw_planes > 0, "3-bit planes: a raw plane (4 bits) is shorter than every 5-bit code"
+
+
+class _BpcStream:
+    """Hand-made bpc streams for one geometry, as strings of stream bits."""
+
+    def __init__(self, entry_bytes: int, word: int):
+        g = geometry(entry_bytes, word)
+        self.ws, self.L, self.P, self.pb, self.rb = g.word_bits, g.deltas, g.planes, g.pos_bits, g.run_bits
+        self.ones, self.dbp0 = "00000", "00001"
+
+    def base(self, v: int = 0) -> str:
+        return field(v, self.ws)
+
+    def run(self, n: int) -> str:
+        return "001" if n == 1 else "01" + field(n - 2, self.rb)
+
+    def two(self, pos: int) -> str:
+        return "00010" + field(pos, self.pb)
+
+    def one(self, pos: int) -> str:
+        return "00011" + field(pos, self.pb)
+
+    def raw(self, plane: int) -> str:
+        return "1" + field(plane, self.L)
+
+
+def bpc_hostile_streams(entry_bytes: int, word: int) -> list[tuple[str, str, int, bool]]:
+    """``(name, bits, k, the reference raises)`` of valid, odd and damaged streams (None: the reference decides).
+
+    k is the stream's own sector count unless the case says otherwise; the
+    bits are cut at the entry's end (a payload row) and a test puts garbage
+    after k sectors.
+    """
+    s = _BpcStream(entry_bytes, word)
+    P, L, ws = s.P, s.L, s.ws
+    odd = int("10" * L, 2) & ((1 << L) - 1)
+    # more than a sector, and valid: a raw sign plane of zeros, then DBX_{m-1} .. DBX_0 raw, so
+    # DBP_{m-1}, DBP_{m-3}, ... are `odd`: small non-negative deltas
+    m = max(1, 400 // (L + 1))
+    long = s.base() + s.raw(0) + s.run(P - 1 - m) + s.raw(odd) * m
+    cases = [
+        ("constant words", s.base(12345) + s.run(P), 0, False),
+        ("ramp", s.base(7) + s.run(P - 1) + s.ones, 0, False),
+        ("all ones everywhere", s.base() + s.ones * P, 0, None),
+        ("two runs in a row", s.base(1) + s.run(3) + s.run(P - 3), 0, False),
+        ("runs of one plane", s.base(1) + s.run(1) * P, 0, False),
+        ("the longest run field", s.base(3) + "01" + "1" * s.rb, 0, False),
+        ("a short stream read on into zero bits", s.base(3) + s.run(P - 1), 0, False),
+        ("raw planes", long, 0, False),
+        ("raw top plane", s.base() + s.raw(odd) + s.run(P - 2) + s.raw(odd), 0, None),
+        ("one at the last position", s.base() + s.one(L - 1) + s.run(P - 2) + s.one(L - 1), 0, None),
+        ("two at the last positions", s.base() + s.two(L - 2) + s.run(P - 1), 0, None),
+        ("dbp0 after a non-zero plane", s.base() + s.one(3) + s.dbp0 + s.run(P - 3) + s.one(3), 0, True),
+        ("run past the last plane", s.base() + s.ones + s.run(P), 0, True),
+        ("run past the last plane by one", s.base() + s.run(P - 1) + s.run(2), 0, True),
+        ("position outside the plane", s.base() + s.one(L) + s.run(P - 1), 0, True),
+        ("pair from the last position", s.base() + s.run(P - 1) + s.two(L - 1), 0, True),
+        ("dbp0 on the top plane", s.base() + s.dbp0 + s.run(P - 1), 0, True),
+        ("dbp0 below a zero plane", s.base() + s.run(1) + s.dbp0 + s.run(P - 2), 0, True),
+        ("dbp0 below a zero DBP plane", s.base() + s.one(5) + s.one(5) + s.dbp0 + s.run(P - 3), 0, True),
+        ("dbp0 on the last plane below a zero plane", s.base() + s.run(P - 2) + s.dbp0, 0, True),
+        ("k one too large", s.base(7) + s.run(P - 1) + s.ones, 1, True),
+        ("k one too small", long, -1, True),
+        ("bit set right after the stream", s.base(12345) + s.run(P) + "1", 0, True),
+        ("bit set at the end of the last sector", s.base(12345) + s.run(P) + "0" * 200 + "1", 0, None),
+        ("raw planes past the sectors", s.base() + s.raw(0) * P, 1 - (ws + P * (L + 1) + 255) // 256, True),
+    ]
+    return [(name, bits[: 8 * entry_bytes], -(-len(bits) // 256) + dk, raises) for name, bits, dk, raises in cases]
+
+
+@pytest.mark.parametrize("word", ids("w", WORDS))
+@pytest.mark.parametrize("entry_bytes", ids("E", (128, 512)))
+def test_bpc_hostile_streams(host_exe, entry_bytes, word, tmp_path):
+    raw = entry_bytes // spec.SECTOR_BYTES
+    g = torch.Generator().manual_seed(entry_bytes * word)
+    names, rows, ks = [], [], []
+    for name, bits, k, raises in bpc_hostile_streams(entry_bytes, word):
+        row = torch.tensor(stream_bytes(bits, entry_bytes), dtype=torch.uint8)
+        row[k * spec.SECTOR_BYTES :] = torch.randint(0, 256, (entry_bytes - k * spec.SECTOR_BYTES,), generator=g)
+        assert 0 < k < raw, f"{name}: k = {k} is not a coded entry's"
+        expected = _reference_entry("bpc", row, k, 0, word, entry_bytes)
+        if raises is not None:
+            assert (expected is None) == raises, f"{name}: the reference {'decodes' if raises else 'raises'}"
+        names.append(name), rows.append(row), ks.append(k)
+    got = run_decode(
+        host_exe(entry_bytes), "bpc", torch.stack(rows), torch.tensor(ks), torch.zeros(len(ks)), word, tmp_path
+    )
+    for i, name in enumerate(names):
+        expected = _reference_entry("bpc", rows[i], ks[i], 0, word, entry_bytes)
+        err = int(got["err"][i])
+        if expected is None:
+            assert err == 2, f"{name}: the reference raises, the device code gives {err:#x}"
+            assert not got["decoded"][i].any(), f"{name}: a flagged entry decodes to zeros"
+        else:
+            assert err == 0, f"{name}: the device code flags {err:#x}, the reference decodes"
+            assert torch.equal(got["decoded"][i], expected), f"{name}: decodes differently"
+
+
+@pytest.mark.parametrize("word", ids("w", WORDS))
+@pytest.mark.parametrize("entry_bytes", ids("E", (128, 512)))
+def test_bpc_damaged_streams(host_exe, entry_bytes, word, tmp_path):
+    """Valid streams with a few bits flipped, or cut short: flagged exactly where the reference raises."""
+    raw = entry_bytes // spec.SECTOR_BYTES
+    g = torch.Generator().manual_seed(entry_bytes + 17 * word)
+    entries = bpc_plane_entries(word, entry_bytes, 24, g)
+    k, _, payload = reference_encode("bpc", entries, word)
+    coded = ((k > 0) & (k < raw)).nonzero().view(-1)
+    assert coded.numel() >= 8
+    rows, ks = [], []
+    for i in coded.tolist():
+        nbits = int(k[i]) * 256
+        for flips in (1, 1, 2, 3):
+            row = payload[i].clone()
+            for t in torch.randint(0, nbits, (flips,), generator=g).tolist():
+                row[t // 8] ^= 1 << (t % 8)
+            rows.append(row), ks.append(int(k[i]))
+        rows.append(payload[i].clone()), ks.append(int(k[i]) % (raw - 1) + 1)  # k of another size
+    payload_rows = torch.stack(rows)
+    got = run_decode(host_exe(entry_bytes), "bpc", payload_rows, torch.tensor(ks), torch.zeros(len(ks)), word, tmp_path)
+    flagged = 0
+    for i in range(len(rows)):
+        expected = _reference_entry("bpc", payload_rows[i], ks[i], 0, word, entry_bytes)
+        err = int(got["err"][i])
+        if expected is None:
+            flagged += 1
+            assert err == 2 and not got["decoded"][i].any(), (
+                f"row {i}: the reference raises, the device code gives {err:#x}"
+            )
+        else:
+            assert err == 0 and torch.equal(got["decoded"][i], expected), f"row {i}: decodes differently"
+    assert 0 < flagged < len(rows)
+
+
+# ---------------------------------------------------------------------------
+# the device codecs instantiated for the GPU (tests/test_csrc.py compiles each
+# header alone, where templates are never instantiated)
+# ---------------------------------------------------------------------------
+_CODEC_CLASSES = {"zvc": "BuddyZvc", "bpc": "BuddyBpc"}
+
+_INSTANTIATION = r"""
+#include "buddy_entry.h"
+{includes}
+template <class Codec>
+__device__ __forceinline__ void round_trip(const uint8_t* entry, uint8_t* payload, uint8_t* out, int* result) {{
+  const BuddyCudaWarp warp;
+  uint32_t mode;
+  const uint32_t k = buddy_entry_measure<Codec>(warp, entry, &mode);
+  buddy_entry_encode<Codec>(warp, entry, k, mode, payload);
+  const uint32_t err = buddy_entry_decode<Codec>(warp, payload, k, mode, out);
+  if (warp.lane() == 0) *result = (int)(k | err << 16);
+}}
+{kernels}
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize(
+    ("arch", "entry_bytes"), [("sm_80", spec.DEFAULT_ENTRY_BYTES), ("sm_90", 32), ("sm_90", spec.MAX_ENTRY_BYTES)]
+)
+def test_device_codecs_compile_for_the_gpu(tmp_path, arch, entry_bytes):
+    """Every codec and word size instantiated in a kernel: no warning with -Werror all-warnings."""
+    unit = tmp_path / "codecs.cu"
+    unit.write_text(_instantiation_unit())
+    cmd = ["nvcc", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings", f"-I{CSRC}", *_defines(entry_bytes)]
+    subprocess.run([*cmd, "-ptx", str(unit), "-o", str(tmp_path / "codecs.ptx")], check=True)
+
+
+def _instantiation_unit() -> str:
+    """The instantiation above with the local headers inlined, as NVRTC takes it (one string)."""
+    kernels = "\n".join(
+        f'extern "C" __global__ void {c}_{w}(const uint8_t* e, uint8_t* p, uint8_t* o, int* r) '
+        f"{{ round_trip<{_CODEC_CLASSES[c]}<{w}>>(e, p, o, r); }}"
+        for c in DEVICE_CODECS
+        for w in WORDS
+    )
+    includes = "\n".join(f'#include "codec_{c}.h"' for c in DEVICE_CODECS)
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        def include(match: re.Match) -> str:
+            header = match.group(1)
+            if header in seen:
+                return ""
+            seen.add(header)
+            return expand((CSRC / header).read_text().replace("#pragma once", ""))
+
+        return re.sub(r'#include "([^"]+)"', include, text)
+
+    return expand(_INSTANTIATION.format(includes=includes, kernels=kernels))
+
+
+def test_device_codecs_compile_with_nvrtc():
+    """NVRTC (what CuPy uses) takes every codec and word size: no host-only function, no standard header."""
+    from test_cuda_core import _find_nvrtc
+
+    path = _find_nvrtc()
+    if path is None:
+        pytest.skip("needs libnvrtc (pip install nvidia-cuda-nvrtc, or set BUDDY_TEST_NVRTC)")
+    here = Path(path).parent if "/" in path else None
+    for builtins in sorted(here.glob("libnvrtc-builtins.so*")) if here else []:
+        if ".alt." not in builtins.name:
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+            break
+    nvrtc = ctypes.CDLL(path)
+    source = _instantiation_unit().encode()
+    for entry_bytes in (32, spec.DEFAULT_ENTRY_BYTES, spec.MAX_ENTRY_BYTES):
+        prog = ctypes.c_void_p()
+        assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source, b"codecs.cu", 0, None, None) == 0
+        options = [o.encode() for o in ("-std=c++17", *_defines(entry_bytes), "-arch=compute_80")]
+        result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+        assert result == 0, f"NVRTC failed for E={entry_bytes}:\n{log.value.decode(errors='replace')}"

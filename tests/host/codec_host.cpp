@@ -20,7 +20,14 @@
 //        codec_host CODEC decode WORD_BYTES N IN OUT
 //          IN:  k (N int32) | mode (N int32) | payload (N * E)
 //          OUT: decoded (N * E) | errors (N uint32)
-// CODEC: zvc
+//        codec_host CODEC stream WORD_BYTES N IN OUT
+//          the codec's functions alone, without the format rules: k is what
+//          measure gives (no raw clamp); entries with 1 <= k <= 2E/32 are
+//          encoded into exactly 32k bytes and decoded from exactly those
+//          IN:  N * E bytes of non-zero entries
+//          OUT: k (N int32) | mode (N int32) | payload (N * 2E: the 32k bytes
+//               encode wrote, zeros after) | decoded (N * E) | errors (N uint32)
+// CODEC: zvc | bpc
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +39,7 @@
 #include <vector>
 
 #include "buddy_entry.h"
+#include "codec_bpc.h"
 #include "codec_zvc.h"
 
 static const uint32_t E = BUDDY_ENTRY_BYTES;
@@ -226,14 +234,64 @@ static void decode(size_t n, const uint8_t* in, FILE* out) {
   fwrite(errs.data(), 4, n, out);
 }
 
+template <class Codec>
+static void stream(size_t n, const uint8_t* in, FILE* out) {
+  const uint32_t kmax = 2 * BUDDY_SECTORS_PER_ENTRY;
+  uint8_t* entry = guarded(E);
+  uint8_t* decoded = guarded(E);
+  std::vector<uint8_t*> payload(kmax + 1);  // payload[k]: exactly 32k bytes, for encode and decode alike
+  for (uint32_t k = 1; k <= kmax; ++k) payload[k] = guarded(k * BUDDY_SECTOR_BYTES);
+  std::vector<int32_t> ks(n), modes(n);
+  std::vector<uint32_t> errs(n, 0);
+  std::vector<uint8_t> pay(n * 2 * E, 0), dec(n * E, 0);
+
+  run_warp([&](uint32_t l) {
+    const HostWarp warp{l};
+    for (size_t i = 0; i < n; ++i) {
+      if (l == 0) memcpy(entry, in + i * E, E);
+      warp.sync();
+      uint32_t mode;
+      const uint32_t k = Codec::measure(warp, entry, &mode);
+      const bool coded = k >= 1 && k <= kmax;
+      if (l == 0 && coded) {
+        memset(payload[k], 0xAB, k * BUDDY_SECTOR_BYTES);
+        memset(decoded, 0xAB, E);
+      }
+      warp.sync();
+      uint32_t err = 0;
+      if (coded) {
+        Codec::encode(warp, entry, k, mode, payload[k]);
+        warp.sync();
+        err = Codec::decode(warp, payload[k], k, mode, decoded);
+        warp.sync();
+      }
+      if (l == 0) {
+        ks[i] = (int32_t)k;
+        modes[i] = (int32_t)mode;
+        errs[i] = err;
+        if (coded) {
+          memcpy(&pay[i * 2 * E], payload[k], k * BUDDY_SECTOR_BYTES);
+          memcpy(&dec[i * E], decoded, E);
+        }
+      }
+      warp.sync();
+    }
+  });
+  fwrite(ks.data(), 4, n, out);
+  fwrite(modes.data(), 4, n, out);
+  fwrite(pay.data(), 1, n * 2 * E, out);
+  fwrite(dec.data(), 1, n * E, out);
+  fwrite(errs.data(), 4, n, out);
+}
+
 template <template <int> class Codec>
 static int run(const char* op, int word, size_t n, const uint8_t* in, FILE* out) {
   void (*fn[4])(size_t, const uint8_t*, FILE*);
-  const bool enc = strcmp(op, "encode") == 0;
-  fn[0] = enc ? encode<Codec<1>> : decode<Codec<1>>;
-  fn[1] = enc ? encode<Codec<2>> : decode<Codec<2>>;
-  fn[2] = enc ? encode<Codec<4>> : decode<Codec<4>>;
-  fn[3] = enc ? encode<Codec<8>> : decode<Codec<8>>;
+  const bool enc = strcmp(op, "encode") == 0, dec = strcmp(op, "decode") == 0;
+  fn[0] = enc ? encode<Codec<1>> : dec ? decode<Codec<1>> : stream<Codec<1>>;
+  fn[1] = enc ? encode<Codec<2>> : dec ? decode<Codec<2>> : stream<Codec<2>>;
+  fn[2] = enc ? encode<Codec<4>> : dec ? decode<Codec<4>> : stream<Codec<4>>;
+  fn[3] = enc ? encode<Codec<8>> : dec ? decode<Codec<8>> : stream<Codec<8>>;
   switch (word) {
     case 1: fn[0](n, in, out); return 0;
     case 2: fn[1](n, in, out); return 0;
@@ -244,15 +302,16 @@ static int run(const char* op, int word, size_t n, const uint8_t* in, FILE* out)
 }
 
 int main(int argc, char** argv) {
-  if (argc != 7 || (strcmp(argv[2], "encode") != 0 && strcmp(argv[2], "decode") != 0)) {
-    fprintf(stderr, "usage: %s CODEC encode|decode WORD_BYTES N IN OUT\n", argv[0]);
+  if (argc != 7 ||
+      (strcmp(argv[2], "encode") != 0 && strcmp(argv[2], "decode") != 0 && strcmp(argv[2], "stream") != 0)) {
+    fprintf(stderr, "usage: %s CODEC encode|decode|stream WORD_BYTES N IN OUT\n", argv[0]);
     return 2;
   }
   const char* codec = argv[1];
   const int word = atoi(argv[3]);
   const size_t n = (size_t)strtoull(argv[4], nullptr, 10);
   const std::vector<uint8_t> in = read_file(argv[5]);
-  const size_t expected = strcmp(argv[2], "encode") == 0 ? n * E : n * (8 + E);
+  const size_t expected = strcmp(argv[2], "decode") == 0 ? n * (8 + E) : n * E;
   if (in.size() != expected) {
     fprintf(stderr, "input holds %zu bytes, expected %zu\n", in.size(), expected);
     return 2;
@@ -265,6 +324,8 @@ int main(int argc, char** argv) {
   int rc;
   if (strcmp(codec, "zvc") == 0)
     rc = run<BuddyZvc>(argv[2], word, n, in.data(), out);
+  else if (strcmp(codec, "bpc") == 0)
+    rc = run<BuddyBpc>(argv[2], word, n, in.data(), out);
   else {
     fprintf(stderr, "unknown codec %s\n", codec);
     rc = 2;
