@@ -32,7 +32,14 @@ from conftest import ALL_DTYPES, DATA_KINDS, field, ids, make_data, stream_bytes
 import buddy
 from buddy import spec
 from buddy.codecs._bitstream import write_fields
-from buddy.codecs.bpc import Analysis, geometry
+from buddy.codecs.bpc import geometry
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+
+
+def _defines(entry_bytes: int) -> list[str]:
+    return [f"-D{k}={v}" for k, v in spec.c_defines(entry_bytes).items()]
+
 
 #: codecs whose device functions the harness runs (its CODEC argument)
 DEVICE_CODECS = ("zvc", "bpc")
@@ -400,7 +407,7 @@ def test_bpc_codec_without_the_format_rules(host_exe, entry_bytes, word, tmp_pat
     g = torch.Generator().manual_seed(3 * entry_bytes + word)
     entries = torch.cat([bpc_plane_entries(word, entry_bytes, 64, g), all_entries(word, entry_bytes, seed=word)])
     entries = entries[(entries != 0).any(1)]
-    analysis = Analysis(entries, word)
+    analysis = buddy.get_codec("bpc").analyse(entries, word)  # the codec alone: no format rules
     bits = analysis.plan.total_bits
     k = ((bits + 255) // 256).to(torch.int32)
     stream = write_fields(analysis.plan.values(), analysis.plan.offsets, 2 * entry_bytes)
