@@ -200,6 +200,16 @@ def decode(codec, payload: torch.Tensor, sectors: torch.Tensor, modes: torch.Ten
     )
 
 
+def encode_values(codec, values: torch.Tensor, entry_bytes: int) -> tuple[torch.Tensor, Encoded]:
+    """``(entries, Encoded)`` of a 1-D tensor filling whole entries, after checking sizes and the round trip."""
+    w = buddy.spec.word_bytes(values.dtype)
+    entries = raw_bytes(values).view(-1, entry_bytes)
+    enc = encode(codec, entries, w)
+    assert torch.equal(sizes(codec, entries, w), enc.sectors)
+    assert torch.equal(decode(codec, enc.payload, enc.sectors, enc.modes, w), entries)
+    return entries, enc
+
+
 def entry_payloads(t: torch.Tensor, codec: str, entry_bytes: int):
     """Independent reference: the entry-level encoding of ``t``'s zero-padded entries."""
     data = raw_bytes(t).to(t.device)

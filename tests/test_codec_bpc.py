@@ -11,11 +11,10 @@ import struct
 
 import pytest
 import torch
-from conftest import decode, field, raw_bytes, sizes, stream_bytes
+from conftest import decode, encode_values, field, raw_bytes, stream_bytes
 from conftest import encode as encode_entries
 
 import buddy
-from buddy import spec
 from buddy.codecs.bpc import geometry
 
 CODEC = buddy.get_codec("bpc")
@@ -43,11 +42,7 @@ def raw_plane(bits: int, width: int) -> str:
 
 def encode(values: torch.Tensor, entry_bytes: int = 128):
     """One entry of ``values``; checks decode and sizes, returns (entries, Encoded)."""
-    w = spec.word_bytes(values.dtype)
-    entries = raw_bytes(values).view(-1, entry_bytes)
-    enc = encode_entries(CODEC, entries, w)
-    assert torch.equal(sizes(CODEC, entries, w), enc.sectors)
-    assert torch.equal(decode(CODEC, enc.payload, enc.sectors, enc.modes, w), entries)
+    entries, enc = encode_values(CODEC, values, entry_bytes)
     assert enc.modes.tolist() == [0] * entries.shape[0]
     return entries, enc
 

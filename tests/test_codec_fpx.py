@@ -11,11 +11,9 @@ import struct
 
 import pytest
 import torch
-from conftest import decode, field, raw_bytes, sizes, stream_bytes
-from conftest import encode as encode_entries
+from conftest import decode, encode_values, field, stream_bytes
 
 import buddy
-from buddy import spec
 from buddy.codecs.fpx import header_geometry
 
 CODEC = buddy.get_codec("fpx")
@@ -26,12 +24,8 @@ def bf16(x: float) -> int:
 
 
 def encode(values: torch.Tensor, entry_bytes: int = 128):
-    w = spec.word_bytes(values.dtype)
-    entries = raw_bytes(values).view(-1, entry_bytes)
-    enc = encode_entries(CODEC, entries, w)
-    assert torch.equal(sizes(CODEC, entries, w), enc.sectors)
-    assert torch.equal(decode(CODEC, enc.payload, enc.sectors, enc.modes, w), entries)
-    return entries, enc
+    """One entry of ``values``; checks decode and sizes, returns (entries, Encoded)."""
+    return encode_values(CODEC, values, entry_bytes)
 
 
 def check_stream(values: torch.Tensor, bits: str, entry_bytes: int = 128) -> None:
