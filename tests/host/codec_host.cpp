@@ -20,7 +20,7 @@
 //        codec_host CODEC decode WORD_BYTES N IN OUT
 //          IN:  k (N int32) | mode (N int32) | payload (N * E)
 //          OUT: decoded (N * E) | errors (N uint32)
-// CODEC: zvc
+// CODEC: zvc | fpx
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "buddy_entry.h"
+#include "codec_fpx.h"
 #include "codec_zvc.h"
 
 static const uint32_t E = BUDDY_ENTRY_BYTES;
@@ -265,6 +266,8 @@ int main(int argc, char** argv) {
   int rc;
   if (strcmp(codec, "zvc") == 0)
     rc = run<BuddyZvc>(argv[2], word, n, in.data(), out);
+  else if (strcmp(codec, "fpx") == 0)
+    rc = run<BuddyFpx>(argv[2], word, n, in.data(), out);
   else {
     fprintf(stderr, "unknown codec %s\n", codec);
     rc = 2;
