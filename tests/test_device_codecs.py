@@ -33,6 +33,7 @@ import buddy
 from buddy import spec
 from buddy.codecs._bitstream import write_fields
 from buddy.codecs.bpc import geometry
+from buddy.codecs.fpx import _write_streams, header_geometry
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
@@ -42,7 +43,7 @@ def _defines(entry_bytes: int) -> list[str]:
 
 
 #: codecs whose device functions the harness runs (its CODEC argument)
-DEVICE_CODECS = ("zvc", "bpc")
+DEVICE_CODECS = ("zvc", "fpx", "bpc")
 ENTRY_SIZES = (32, 128, 256, 512, 4096)
 WORDS = (1, 2, 4, 8)
 
@@ -564,10 +565,313 @@ def test_bpc_damaged_streams(host_exe, entry_bytes, word, tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# fpx: the choices, code widths and damage that the generic data may miss
+# ---------------------------------------------------------------------------
+FPX_ENTRY_SIZES = (128, 512, 4096)
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fpx_pack(exp: torch.Tensor, g: torch.Generator, word: int) -> torch.Tensor:
+    """Entries ``(n, E)`` of words with exponent fields ``exp`` ``(n, W)`` (-1: a zero word), random sign and mantissa."""
+    m = header_geometry(word).m
+    mant = torch.randint(0, 1 << m, exp.shape, generator=g, dtype=torch.int64)
+    mant = torch.where(exp == 0, mant | 1, mant)  # exponent 0 is a denormal, never a zero word
+    sign = torch.randint(0, 2, exp.shape, generator=g, dtype=torch.int64)
+    x = (exp.clamp(min=0) << m) | mant | (sign << (8 * word - 1))  # int64 wraps for word 8
+    x = torch.where(exp < 0, 0, x)
+    return x.to(_INT[word]).view(torch.uint8).view(exp.shape[0], -1)
+
+
+def fpx_crafted_entries(word: int, entry_bytes: int, g: torch.Generator) -> torch.Tensor:
+    """Entries aimed at each choice: b = 0 in both zmodes, escapes in both, b = e, NaN/inf and denormal exponents."""
+    e = header_geometry(word).e
+    top, n_words = (1 << e) - 1, entry_bytes // word
+    rows = []
+
+    def add(exp: torch.Tensor, zeros: float = 0.0) -> None:
+        exp = exp.clone()
+        exp[torch.rand(n_words, generator=g) < zeros] = -1
+        rows.append(exp)
+
+    def uniform(lo: int, hi: int) -> torch.Tensor:
+        return torch.randint(lo, hi + 1, (n_words,), generator=g)
+
+    for zeros in (0.0, 0.6, 0.95):
+        add(torch.full((n_words,), 3 * top // 4), zeros)  # one exponent: b = 0
+        add(torch.zeros(n_words, dtype=torch.int64), zeros)  # denormals (exponent 0): b = 0 even with zeros
+        add(uniform(1, top - 1).index_fill_(0, torch.tensor([0]), top), zeros)  # spread out: b = e
+        near = top - 2 - (torch.rand(n_words, generator=g) * 3).exp2().floor().long()
+        far = torch.rand(n_words, generator=g) < 0.1
+        add(torch.where(far, 0, near).index_fill_(0, torch.tensor([1]), top), zeros)  # NaN/inf, escaped denormals
+        add(torch.where(far, (near - top // 2).clamp(min=1), near), zeros)  # escapes with b > 0
+    # activation-like: offsets below a random emax, a random spread and share of zeros per entry
+    for _ in range(24):
+        emax = int(torch.randint(0, top + 1, (1,), generator=g))
+        spread = float(torch.rand(1, generator=g)) * e
+        off = (torch.rand(n_words, generator=g) * spread).exp2().floor().long() - 1
+        add((emax - off).clamp(min=0), float(torch.rand(1, generator=g)) * 0.9)
+    return _fpx_pack(torch.stack(rows), g, word)
+
+
+def fpx_boundary_entries(word: int, entry_bytes: int, g: torch.Generator) -> torch.Tensor:
+    """Entries whose stream is one bit short of, exactly at, or one bit past a sector boundary (when the
+    reference picks the choice they are built for: zmode 1 with b = 1, or b = 0)."""
+    hg = header_geometry(word)
+    e, m, n_words, raw = hg.e, hg.m, entry_bytes // word, entry_bytes // 32
+    top = (1 << e) - 1
+    rows = []
+    for delta in (-1, 0, 1):
+        found = 0
+        for j in range(1, raw):
+            target = 256 * j + delta
+            # zmode 1, nnz words of exponent emax = top but `esc` of exponent 1 (escapes for b < e):
+            # T = H + W + nnz (b + 1 + m) + esc e with b = 1 (shorter than b = e: esc e < (e - 1) nnz),
+            # or with b = 0 when esc = 0
+            for nnz in range(1, n_words + 1):
+                rest = target - hg.bits - n_words - nnz * (2 + m)
+                flat = target - hg.bits - n_words - nnz * (1 + m)
+                if flat == 0:
+                    esc, b1 = 0, False
+                elif rest > 0 and rest % e == 0 and rest // e < nnz and e * (rest // e) < (e - 1) * nnz:
+                    esc, b1 = rest // e, True
+                else:
+                    continue
+                exp = torch.full((n_words,), -1, dtype=torch.int64)
+                exp[:nnz] = top
+                if b1:
+                    exp[nnz - esc : nnz] = 1
+                rows.append(exp[torch.randperm(n_words, generator=g)])
+                found += 1
+                break
+            if found >= 2:
+                break
+    return _fpx_pack(torch.stack(rows), g, word) if rows else torch.zeros(0, entry_bytes, dtype=torch.uint8)
+
+
+def _fpx_escapes(x: torch.Tensor, emax: torch.Tensor, b: torch.Tensor, zmode: torch.Tensor, word: int) -> torch.Tensor:
+    """Per entry of words ``x`` (int64), the words that escape for the choice (emax, b, zmode), all ``(n,)``."""
+    e, m = header_geometry(word).e, header_geometry(word).m
+    exp = (x >> m) & ((1 << e) - 1)
+    listed = (x != 0) | (zmode == 0).unsqueeze(1)
+    d = emax.unsqueeze(1) - exp
+    esc = listed & (b > 0).unsqueeze(1) & (d >= (1 << b).unsqueeze(1) - 1)
+    return esc.sum(1)
+
+
+def _fpx_bits(x: torch.Tensor, emax: torch.Tensor, b: torch.Tensor, zmode: torch.Tensor, word: int) -> torch.Tensor:
+    """Per entry, the stream length T of the choice (the module docstring's formula)."""
+    hg = header_geometry(word)
+    n_words = x.shape[1]
+    listed = torch.where(zmode == 1, (x != 0).sum(1), n_words)
+    escapes = _fpx_escapes(x, emax, b, zmode, word)
+    return hg.bits + zmode * n_words + listed * (b + 1 + hg.m) + escapes * hg.e
+
+
+#: (word, E): (emax, zero words, words at emax - 1) of an entry whose best streams in zmode 0 and 1
+#: have the same length (found by a search over such entries; none was found for fp64)
+_FPX_ZMODE_TIES = {
+    (1, 128): (0, 32, 0),
+    (1, 512): (1, 60, 75),
+    (2, 512): (1, 16, 18),
+    (2, 4096): (1, 128, 144),
+    (4, 4096): (1, 32, 100),
+}
+
+
+def fpx_tie_entries(word: int, entry_bytes: int, g: torch.Generator) -> torch.Tensor:
+    """Entries with equally long streams for two choices: b = 1 and 2 (when e divides the listed
+    count), zmode 0 and 1 (see _FPX_ZMODE_TIES). The reference keeps zmode 0, then the smaller b."""
+    e = header_geometry(word).e
+    n_words = entry_bytes // word
+    shapes = [(5, 0, n_words // e), (5, n_words // 2, n_words // 2 // e)] if n_words % (2 * e) == 0 else []
+    shapes += [_FPX_ZMODE_TIES[word, entry_bytes]] if (word, entry_bytes) in _FPX_ZMODE_TIES else []
+    rows = []
+    for emax, zeros, lower in shapes:  # b = 1 costs `lower` escapes of e bits, b = 2 one bit a listed word
+        exp = torch.full((n_words,), emax, dtype=torch.int64)
+        exp[zeros : zeros + lower] = emax - 1
+        exp[:zeros] = -1
+        rows.append(exp[torch.randperm(n_words, generator=g)])
+    return _fpx_pack(torch.stack(rows), g, word) if rows else torch.zeros(0, entry_bytes, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("word", ids("w", WORDS))
+def test_fpx_device_reaches_every_choice(host_exe, word, tmp_path):
+    """Byte identity on data that reaches every kind of choice, ties included; the coverage is checked."""
+    e = header_geometry(word).e
+    seen = set()
+    for entry_bytes in FPX_ENTRY_SIZES:
+        g = torch.Generator().manual_seed(entry_bytes + word)
+        parts = [fpx_crafted_entries, fpx_boundary_entries, fpx_tie_entries]
+        entries = torch.cat([part(word, entry_bytes, g) for part in parts])
+        k, mode, payload = reference_encode("fpx", entries, word)
+        got = run_encode(host_exe(entry_bytes), "fpx", entries, word, tmp_path)
+        _assert_rows_equal(got["k"], k, f"E={entry_bytes} k")
+        _assert_rows_equal(got["payload"], payload, f"E={entry_bytes} payload")
+        _assert_rows_equal(got["decoded"], entries, f"E={entry_bytes} decode")
+        assert not got["err"].any()
+        # every choice's stream length, in the reference's order of preference (None: b = 0 impossible)
+        c = buddy.get_codec("fpx").analyse(entries, word).choice
+        x = entries.view(_INT[word]).to(torch.int64)
+        options = [(z, b) for z in (0, 1) for b in range(e + 2)]
+        bits = {}
+        for z, b in options:
+            zm, bs = torch.full_like(c.b, z), torch.full_like(c.b, b)
+            possible = _fpx_escapes(x, c.emax, bs + 1, zm, word) == 0 if b == 0 else torch.ones_like(c.nz[:, 0])
+            bits[z, b] = torch.where(possible, _fpx_bits(x, c.emax, bs, zm, word), -1)
+        escapes = _fpx_escapes(x, c.emax, c.b, c.zmode, word)
+        exp = (x >> header_geometry(word).m) & ((1 << e) - 1)
+        for i in ((k > 0) & (k < entry_bytes // 32)).nonzero().view(-1).tolist():
+            z, b, t = int(c.zmode[i]), int(c.b[i]), int(c.total_bits[i])
+            assert int(bits[z, b][i]) == t, "the test's formula gives the reference's length"
+            later = options[options.index((z, b)) + 1 :]
+            seen.update(("tie", "zmode" if z2 != z else "b") for z2, b2 in later if int(bits[z2, b2][i]) == t)
+            seen.add(("zmode", z))
+            seen.add(("b", z, min(b, 1)))  # b = 0 and b > 0 in either zmode
+            seen.add(("escapes", z, bool(escapes[i])))
+            if b == e:
+                seen.add("b = e")
+            if int(c.emax[i]) == (1 << e) - 1:
+                seen.add("NaN/inf exponent")
+            if bool(((exp[i] == 0) & (x[i] != 0)).any()) and int(c.emax[i]) > 0:
+                seen.add("denormal below emax")
+            if t % 256 == 0:
+                seen.add("T at a sector boundary")
+    wanted = {("zmode", 0), ("zmode", 1), ("escapes", 0, True), ("escapes", 1, True), "b = e", "NaN/inf exponent"}
+    wanted |= {("b", z, b) for z in (0, 1) for b in (0, 1)} | {"denormal below emax", "T at a sector boundary"}
+    if word != 8:  # fp64: e = 11 divides no W, and the search found no zmode tie
+        wanted |= {("tie", "b"), ("tie", "zmode")}
+    assert wanted <= seen, f"not reached: {wanted - seen}"
+
+
+@pytest.mark.parametrize("word", ids("w", WORDS))
+def test_fpx_device_decodes_every_code_width(host_exe, word, tmp_path):
+    """Streams of every (zmode, b) that fits, written by the reference's stream writer, decode to their
+    entries; b = e + 1 included, valid though the encoder never picks it (b = 1 is never longer)."""
+    hg = header_geometry(word)
+    written = set()
+    for entry_bytes in (128, 512):
+        g = torch.Generator().manual_seed(3 * entry_bytes + word)
+        raw = entry_bytes // 32
+        entries = fpx_crafted_entries(word, entry_bytes, g)
+        x = entries.view(_INT[word])
+        base = buddy.get_codec("fpx").analyse(entries, word).choice
+        rows, ks = [], []
+        for zmode in (0, 1):
+            for b in range(hg.n_b):
+                zm, bs = torch.full_like(base.b, zmode), torch.full_like(base.b, b)
+                total = _fpx_bits(x.to(torch.int64), base.emax, bs, zm, word)
+                ok = (base.nnz > 0) & ((total + 255) // 256 < raw)
+                if b == 0:  # b = 0 codes nothing: only entries whose listed words all have exponent emax
+                    ok &= _fpx_escapes(x.to(torch.int64), base.emax, bs + 1, zm, word) == 0
+                pick = ok.nonzero().view(-1)[:4]
+                if pick.numel() == 0:
+                    continue
+                c = {"zmode": zm[pick], "b": bs[pick], "emax": base.emax[pick], "nz": base.nz[pick]}
+                rows.append((_write_streams(x[pick], c, word), entries[pick]))
+                ks.append(((total[pick] + 255) // 256).to(torch.int32))
+                written.add((zmode, b))
+        payload, expected = (torch.cat(t) for t in zip(*rows))
+        k = torch.cat(ks)
+        modes = torch.zeros_like(k)
+        assert torch.equal(buddy.get_codec("fpx").decode(payload, k, modes, word), expected)
+        got = run_decode(host_exe(entry_bytes), "fpx", payload, k, modes, word, tmp_path)
+        assert not got["err"].any()
+        _assert_rows_equal(got["decoded"], expected, f"E={entry_bytes} decode")
+    # (zmode 0 with b >= e is longer than the entry: H + W (1 + e + m) > 8 E)
+    assert {(0, 0), (0, 1), (1, 0), (1, hg.e + 1)} <= written, written
+
+
+def _set_bits(row: torch.Tensor, pos: int, width: int, value: int) -> None:
+    """Stream bits [pos, pos + width) of a payload row := value (LSB first)."""
+    for t in range(width):
+        byte, bit = (pos + t) // 8, (pos + t) % 8
+        row[byte] = (int(row[byte]) & ~(1 << bit)) | (((value >> t) & 1) << bit)
+
+
+def fpx_damaged_cases(word: int, entry_bytes: int, g: torch.Generator):
+    """``(payload, k)`` rows: valid coded payloads and damaged copies of every kind the reference rejects."""
+    hg = header_geometry(word)
+    entries = torch.cat([fpx_crafted_entries(word, entry_bytes, g), fpx_boundary_entries(word, entry_bytes, g)])
+    k, _, payload = reference_encode("fpx", entries, word)
+    total = buddy.get_codec("fpx").analyse(entries, word).choice.total_bits
+    coded = ((k > 0) & (k < entry_bytes // 32)).nonzero().view(-1)
+    coded = coded[torch.randperm(coded.numel(), generator=g)[:10]]
+    rows, ks = [], []
+
+    def add(row: torch.Tensor, ki: int) -> None:
+        rows.append(row)
+        ks.append(ki)
+
+    for i in coded.tolist():
+        ki, t, emax = int(k[i]), int(total[i]), int(payload[i, 0]) >> 1 | int(payload[i, 1]) << 7
+        emax &= (1 << hg.e) - 1
+        add(payload[i].clone(), ki)
+        for b in range(hg.e + 2, 1 << hg.b_bits):  # code widths out of range
+            row = payload[i].clone()
+            _set_bits(row, 1 + hg.e, hg.b_bits, b)
+            add(row, ki)
+        for lower in {0, emax // 2, max(emax - 1, 0)}:  # a smaller emax: codes may point below 0
+            row = payload[i].clone()
+            _set_bits(row, 1, hg.e, lower)
+            add(row, ki)
+        row = payload[i].clone()
+        _set_bits(row, 0, 1, 1 - (int(row[0]) & 1))  # the other zmode
+        add(row, ki)
+        for after in {t, 256 * ki - 1}:  # a set bit after the stream
+            if after >= t:
+                row = payload[i].clone()
+                _set_bits(row, after, 1, 1)
+                add(row, ki)
+        for pos in torch.randint(0, t, (4,), generator=g).tolist():  # one flipped bit in the stream
+            row = payload[i].clone()
+            row[pos // 8] ^= 1 << (pos % 8)
+            add(row, ki)
+    # streams consistent in every other way, written with b = e + 2 (as if that width were allowed)
+    c = buddy.get_codec("fpx").analyse(entries, word).choice
+    x = entries.view(_INT[word])
+    ones, wide = torch.ones_like(c.b), torch.full_like(c.b, hg.e + 2)
+    bits = _fpx_bits(x.to(torch.int64), c.emax, wide, ones, word)
+    fits = ((c.nnz > 0) & ((bits + 255) // 256 < entry_bytes // 32)).nonzero().view(-1)[:3]
+    if fits.numel():
+        choice = {"zmode": ones[fits], "b": wide[fits], "emax": c.emax[fits], "nz": c.nz[fits]}
+        rows += list(_write_streams(x[fits], choice, word))
+        ks += ((bits[fits] + 255) // 256).tolist()
+    return torch.stack(rows), torch.tensor(ks, dtype=torch.int32)
+
+
+#: the reference decoder's reasons to raise, as its messages word them
+_FPX_REASONS = ("code width out of range", "stream length", "bits set after", "below exponent 0")
+
+
+@pytest.mark.parametrize("word", ids("w", WORDS))
+def test_fpx_device_flags_damage_like_reference(host_exe, word, tmp_path):
+    """Damaged fpx streams: flagged exactly where the reference raises, for each of its reasons."""
+    reasons = set()
+    for entry_bytes in (128, 512, 4096):
+        g = torch.Generator().manual_seed(5 * entry_bytes + word)
+        payload, k = fpx_damaged_cases(word, entry_bytes, g)
+        modes = torch.zeros_like(k)
+        got = run_decode(host_exe(entry_bytes), "fpx", payload, k, modes, word, tmp_path)
+        for i in range(k.numel()):
+            row = payload[i].clone()
+            row[int(k[i]) * spec.SECTOR_BYTES :] = 0  # the reference sees exactly k sectors
+            try:
+                expected = buddy.get_codec("fpx").decode(row.view(1, -1), k[i : i + 1], modes[i : i + 1], word)[0]
+            except buddy.CorruptDataError as exc:
+                reasons.update(r for r in _FPX_REASONS if r in str(exc))
+                assert got["err"][i] != 0, f"E={entry_bytes} row {i}: the reference raises ({exc}), the device passes"
+                assert not got["decoded"][i].any(), f"E={entry_bytes} row {i}: a flagged entry decodes to zeros"
+            else:
+                assert got["err"][i] == 0, f"E={entry_bytes} row {i}: the device flags, the reference decodes"
+                assert torch.equal(got["decoded"][i], expected), f"E={entry_bytes} row {i}: decodes differently"
+    assert reasons == set(_FPX_REASONS), f"not reached: {set(_FPX_REASONS) - reasons}"
+
+
+# ---------------------------------------------------------------------------
 # the device codecs instantiated for the GPU (tests/test_csrc.py compiles each
 # header alone, where templates are never instantiated)
 # ---------------------------------------------------------------------------
-_CODEC_CLASSES = {"zvc": "BuddyZvc", "bpc": "BuddyBpc"}
+_CODEC_CLASSES = {"zvc": "BuddyZvc", "fpx": "BuddyFpx", "bpc": "BuddyBpc"}
 
 _INSTANTIATION = r"""
 #include "buddy_entry.h"

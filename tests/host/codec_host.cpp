@@ -27,7 +27,7 @@
 //          IN:  N * E bytes of non-zero entries
 //          OUT: k (N int32) | mode (N int32) | payload (N * 2E: the 32k bytes
 //               encode wrote, zeros after) | decoded (N * E) | errors (N uint32)
-// CODEC: zvc | bpc
+// CODEC: zvc | fpx | bpc
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +40,7 @@
 
 #include "buddy_entry.h"
 #include "codec_bpc.h"
+#include "codec_fpx.h"
 #include "codec_zvc.h"
 
 static const uint32_t E = BUDDY_ENTRY_BYTES;
@@ -324,6 +325,8 @@ int main(int argc, char** argv) {
   int rc;
   if (strcmp(codec, "zvc") == 0)
     rc = run<BuddyZvc>(argv[2], word, n, in.data(), out);
+  else if (strcmp(codec, "fpx") == 0)
+    rc = run<BuddyFpx>(argv[2], word, n, in.data(), out);
   else if (strcmp(codec, "bpc") == 0)
     rc = run<BuddyBpc>(argv[2], word, n, in.data(), out);
   else {

@@ -1,0 +1,384 @@
+// fpx (float-aware exponent offsets with escapes) of one entry, one warp per
+// entry: the device codec the kernels run, host-compilable so the tests check
+// it byte for byte against the torch reference (buddy/codecs/fpx.py, whose
+// module docstring specifies the format) under an emulated warp. The
+// interface is the one every device codec has (see codec_zvc.h).
+//
+// An entry of E = BUDDY_ENTRY_BYTES bytes is W = E / w words of w bytes; a
+// word is sign | exponent field x (e bits) | mantissa (m bits), with
+// (e, m) = (4, 3), (8, 7), (8, 23), (11, 52) for w = 1, 2, 4, 8. Payload: a
+// little-endian bit stream (stream bit t is bit t % 8 of byte t / 8, a
+// field's bit 0 first):
+//   header   zmode (1) | emax (e) | b (BB = 3, 4, 4, 4 bits)         H bits
+//   bitmap   W bits, bit i set iff word i is non-zero         (zmode 1 only)
+//   words    per listed word (all in zmode 0, the non-zero ones in zmode 1),
+//            in order: code (b bits: emax - x, or all ones: escape) |
+//            sign-mantissa (1 + m bits: sign << m | mantissa)
+//   escapes  per escaped word, in order: x (e bits)
+// A word escapes iff b > 0 and emax - x >= 2^b - 1. The encoder picks the
+// zmode and b (0 <= b <= e + 1) of the shortest stream, T bits (ties: zmode
+// 0, then the smaller b; b = 0 only when no listed word would escape at
+// b = 1), and k = ceil(T / 256); only mode 0 is used. (b = e + 1 is never
+// picked, as b = 1 is never longer, but the decoder accepts it.)
+//
+// Warp decomposition: a round is 32 consecutive words, lane l holding word
+// 32 r + l, so a ballot over a round is 32 bits of the bitmap and a popc of
+// a ballot under the lane's mask is its rank among the listed (or escaped)
+// words of the round.
+//   measure  two passes over the entry: emax (warp max) and the non-zero
+//            count (ballots); then per lane a histogram of how far below
+//            emax its words lie (one shift and add per word), turned into
+//            the number of escapes at every code width b and summed over the
+//            warp, two 16-bit counters per shuffle. Every T(zmode, b)
+//            follows from these.
+//   encode   the same choice (mode 0 carries neither zmode nor b, so encode
+//            repeats measure's work), then per round every lane ORs its fields
+//            (code | sign-mantissa at start + rank * (b + 1 + m), an escape
+//            at escape start + escape rank * e) as 32-bit words into the
+//            zeroed payload; lane 0 ORs the header and the round's bitmap.
+//   decode   one pass: ranks from the bitmap (read by every lane) or the
+//            word index, each lane reads its field and, for an escape, its
+//            escape; the checks (stream length against k, zero bits after
+//            the stream, codes not below exponent 0) come after the pass,
+//            and a failed entry is zeroed. Reads past 32k bytes give zero
+//            bits and are never made.
+#pragma once
+
+#include "buddy_format.h"
+#include "buddy_warp.h"
+
+// Loops over an fpx word's code widths: unrolled on the device so per-width
+// counters live in registers (their indices are then constants).
+#if defined(__CUDACC__)
+#define BUDDY_FPX_UNROLL _Pragma("unroll")
+#else
+#define BUDDY_FPX_UNROLL
+#endif
+
+template <int WB>
+struct BuddyFpx {
+  static_assert(WB == 1 || WB == 2 || WB == 4 || WB == 8, "fpx words are 1, 2, 4 or 8 bytes");
+  typedef typename buddy_uint<WB>::type word_t;
+  typedef typename buddy_uint<WB == 8 ? 8 : 4>::type wide_t;  // holds a sign-mantissa (1 + m bits)
+  static constexpr uint32_t ZERO_MODE = 0;
+  static constexpr uint32_t RAW_MODE = 0;
+  static constexpr uint32_t entry = BUDDY_ENTRY_BYTES;  // bytes per entry, E
+  static constexpr uint32_t words = entry / WB;          // words per entry, W
+  static constexpr uint32_t rounds = (words + BUDDY_WARP_SIZE - 1) / BUDDY_WARP_SIZE;  // 32 words each
+  // the split (e, m) and the header: zmode (1) | emax (e) | b (bb bits, bb = bit_length(e + 1))
+  static constexpr uint32_t e = WB == 1 ? 4 : WB == 8 ? 11 : 8;
+  static constexpr uint32_t m = WB == 1 ? 3 : WB == 2 ? 7 : WB == 4 ? 23 : 52;
+  static constexpr uint32_t bb = WB == 1 ? 3 : 4;
+  static constexpr uint32_t header = 1 + e + bb;  // H
+  static constexpr uint32_t max_b = e + 1;         // largest code width: never escapes
+  static constexpr uint32_t never = 0xFFFFFFFFu;  // the length of a stream that cannot be written
+
+  static_assert(words * WB == entry, "an entry is a whole number of words");
+  static_assert(words % BUDDY_WARP_SIZE == 0 || words < BUDDY_WARP_SIZE, "only a lone round is partial");
+  static_assert(max_b < (1u << bb) && (1u + e + m) == 8u * WB, "the split fills the word");
+
+  static BUDDY_HD bool coded_mode(uint32_t mode) { return mode == 0; }
+
+  // ---------------------------------------------------------------------------
+  // fields of a word
+  // ---------------------------------------------------------------------------
+  static BUDDY_HD uint32_t exponent(word_t x) { return (uint32_t)(x >> m) & ((1u << e) - 1u); }
+
+  // sign << m | mantissa
+  static BUDDY_HD wide_t sign_mantissa(word_t x) {
+    const wide_t w = (wide_t)x;
+    return (w & (((wide_t)1 << m) - 1u)) | ((w >> (8u * WB - 1u)) << m);
+  }
+
+  // the word of an exponent field and a sign-mantissa
+  static BUDDY_HD word_t compose(uint32_t exp, wide_t sm) {
+    const wide_t mantissa = sm & (((wide_t)1 << m) - 1u);
+    const wide_t sign = (sm >> m) & 1u;
+    return (word_t)(((wide_t)exp << m) | mantissa | (sign << (8u * WB - 1u)));
+  }
+
+  // Word i of the entry for lane-strided rounds; zero past the entry (a
+  // partial round only exists when W < 32).
+  static BUDDY_HD word_t word_at(const uint8_t* entry_bytes, uint32_t i) {
+    return i < words ? buddy_load<word_t>(entry_bytes + i * WB) : (word_t)0;
+  }
+
+  // Lanes below this one.
+  template <class Warp>
+  static BUDDY_WARP_FN uint32_t below(const Warp& warp) {
+    return (1u << warp.lane()) - 1u;
+  }
+
+  // ---------------------------------------------------------------------------
+  // the bit stream
+  // ---------------------------------------------------------------------------
+  // ORs the value v (its set bits must lie inside the stream) into the stream
+  // at bit pos. Lanes may share a 32-bit word, hence the atomics; zero words
+  // are skipped, so nothing past the stream is touched.
+  static BUDDY_HD void put32(uint32_t* stream, uint32_t pos, uint32_t v) {
+    const uint32_t s = pos & 31u;
+    const uint32_t lo = v << s;
+    const uint32_t hi = (v >> 1) >> (31u - s);  // v >> (32 - s), 0 for s = 0
+    if (lo) buddy_atomic_or(stream + (pos >> 5), lo);
+    if (hi) buddy_atomic_or(stream + (pos >> 5) + 1, hi);
+  }
+
+  static BUDDY_HD void put64(uint32_t* stream, uint32_t pos, uint64_t v) {
+    const uint32_t s = pos & 31u;
+    const uint64_t lo = v << s;
+    const uint32_t spill = (uint32_t)((v >> 1) >> (63u - s));  // v >> (64 - s), 0 for s = 0
+    if ((uint32_t)lo) buddy_atomic_or(stream + (pos >> 5), (uint32_t)lo);
+    if (lo >> 32) buddy_atomic_or(stream + (pos >> 5) + 1, (uint32_t)(lo >> 32));
+    if (spill) buddy_atomic_or(stream + (pos >> 5) + 2, spill);
+  }
+
+  // The 64 stream bits from bit pos of a payload of n64 8-byte words; bits
+  // past the payload read as zero (and are not read).
+  static BUDDY_HD uint64_t peek(const uint8_t* payload, uint32_t n64, uint32_t pos) {
+    const uint32_t q = pos >> 6, s = pos & 63u;
+    const uint64_t lo = q < n64 ? buddy_load<uint64_t>(payload + 8u * q) : 0u;
+    const uint64_t hi = q + 1u < n64 ? buddy_load<uint64_t>(payload + 8u * (q + 1u)) : 0u;
+    return (lo >> s) | ((hi << 1) << (63u - s));  // hi << (64 - s), 0 for s = 0
+  }
+
+  // ---------------------------------------------------------------------------
+  // the choice of zmode and b
+  // ---------------------------------------------------------------------------
+  struct Choice {
+    uint32_t emax;     // largest exponent field of the entry
+    uint32_t zmode;    // 0: every word listed; 1: bitmap, non-zero words listed
+    uint32_t b;        // code width
+    uint32_t listed;   // listed words: W or the non-zero count
+    uint32_t escapes;  // escaped words
+    uint32_t bits;     // stream length T
+  };
+
+  template <class Warp>
+  static BUDDY_WARP_FN Choice choose(const Warp& warp, const uint8_t* entry_bytes) {
+    const uint32_t lane = warp.lane();
+    // pass 1: emax (zero words have exponent 0: no harm) and the non-zero count
+    uint32_t top = 0, nnz = 0;
+    for (uint32_t r = 0; r < rounds; ++r) {
+      const word_t x = word_at(entry_bytes, r * BUDDY_WARP_SIZE + lane);
+      top = buddy_max(top, exponent(x));
+      nnz += buddy_popc(warp.ballot(x != 0));
+    }
+    const uint32_t emax = buddy_warp_max(warp, top);
+
+    // pass 2: the non-zero words that escape at each code width b. With
+    // v = emax - x + 1 (0 for a zero word: those are counted apart) a word
+    // escapes at b iff v >= 2^b, i.e. iff bit_length(v) > b (never at
+    // b = e + 1, as v <= 2^e). Each lane histograms bit_length(v) <= 12 in
+    // 4-bit fields of one 64-bit word, a shift and an add per word; every 15
+    // rounds, before a field can overflow, suffix sums turn the histogram into
+    // counts of bit_length(v) >= i, added to 16-bit counters two to a word:
+    // esc2[p] counts the escapes at b = 2p + 1 (low half) and b = 2p + 2.
+    constexpr uint32_t pairs = (e + 1) / 2;
+    uint32_t esc2[pairs];
+    BUDDY_FPX_UNROLL
+    for (uint32_t p = 0; p < pairs; ++p) esc2[p] = 0;
+    for (uint32_t r0 = 0; r0 < rounds; r0 += 15) {
+      uint64_t hist = 0;
+      const uint32_t r1 = buddy_min(r0 + 15u, rounds);
+      for (uint32_t r = r0; r < r1; ++r) {
+        const word_t x = word_at(entry_bytes, r * BUDDY_WARP_SIZE + lane);
+        const uint32_t v = x != 0 ? emax - exponent(x) + 1u : 0u;
+        hist += (uint64_t)1 << (4u * buddy_bit_length(v));
+      }
+      // field i += fields above it: 1, 2, 4, then 8 fields (sums <= 15: no carries)
+      hist += hist >> 4;
+      hist += hist >> 8;
+      hist += hist >> 16;
+      hist += hist >> 32;
+      BUDDY_FPX_UNROLL
+      for (uint32_t p = 0; p < pairs; ++p) {  // fields 2p + 2 and 2p + 3: bit_length(v) > 2p + 1, > 2p + 2
+        const uint32_t two = (uint32_t)(hist >> (8u * p + 8u)) & 0xFFu;
+        esc2[p] += (two & 0xFu) | ((two & 0xF0u) << 12);
+      }
+    }
+    // Warp sums of the 16-bit counters: a lane counts at most W/32 <= 2048
+    // words, and the entry at most W - 1 <= 65535 (the word holding emax
+    // never escapes).
+    BUDDY_FPX_UNROLL
+    for (uint32_t p = 0; p < pairs; ++p) esc2[p] = buddy_warp_sum(warp, esc2[p]);
+
+    // T(zmode, b) for every b, the first minimum of zmode 0, then of zmode 1.
+    // In zmode 0 the zero words are listed too, with offset emax: they escape
+    // at b iff emax + 1 >= 2^b.
+    const uint32_t zeros = words - nnz;
+    const bool flat = (esc2[0] & 0xFFFFu) == 0;  // every non-zero word has exponent emax: b = 0 possible
+    Choice c;
+    c.emax = emax;
+    uint32_t dense_bits = flat && (zeros == 0 || emax == 0) ? header + words * (1u + m) : never;
+    uint32_t dense_b = 0, dense_esc = 0;
+    uint32_t sparse_bits = flat ? header + words + nnz * (1u + m) : never;
+    uint32_t sparse_b = 0, sparse_esc = 0;
+    BUDDY_FPX_UNROLL
+    for (uint32_t b = 1; b <= max_b; ++b) {
+      const uint32_t escaped = b <= e ? (esc2[(b - 1) / 2] >> (16u * ((b - 1) % 2))) & 0xFFFFu : 0u;
+      const uint32_t escaped_zeros = emax + 1u >= (1u << b) ? zeros : 0u;
+      const uint32_t dense = header + words * (b + 1u + m) + e * (escaped + escaped_zeros);
+      const uint32_t sparse = header + words + nnz * (b + 1u + m) + e * escaped;
+      if (dense < dense_bits) {
+        dense_bits = dense;
+        dense_b = b;
+        dense_esc = escaped + escaped_zeros;
+      }
+      if (sparse < sparse_bits) {
+        sparse_bits = sparse;
+        sparse_b = b;
+        sparse_esc = escaped;
+      }
+    }
+    const bool sparse = sparse_bits < dense_bits;
+    c.zmode = sparse ? 1u : 0u;
+    c.b = sparse ? sparse_b : dense_b;
+    c.listed = sparse ? nnz : words;
+    c.escapes = sparse ? sparse_esc : dense_esc;
+    c.bits = sparse ? sparse_bits : dense_bits;
+    return c;
+  }
+
+  // ---------------------------------------------------------------------------
+  // the interface
+  // ---------------------------------------------------------------------------
+  template <class Warp>
+  static BUDDY_WARP_FN uint32_t measure(const Warp& warp, const uint8_t* entry_bytes, uint32_t* mode) {
+    *mode = 0;
+    return (choose(warp, entry_bytes).bits + 8u * BUDDY_SECTOR_BYTES - 1u) / (8u * BUDDY_SECTOR_BYTES);
+  }
+
+  template <class Warp>
+  static BUDDY_WARP_FN void encode(const Warp& warp, const uint8_t* entry_bytes, uint32_t k, uint32_t mode,
+                                   uint8_t* payload) {
+    (void)mode;
+    const uint32_t lane = warp.lane();
+    // the mode does not carry zmode and b: choose again
+    const Choice c = choose(warp, entry_bytes);
+    // zero bits first: the fields are ORed in, and everything after the stream stays zero
+    buddy_warp_fill(warp, nullptr, payload, k * BUDDY_SECTOR_BYTES);
+    warp.sync();
+    uint32_t* stream = reinterpret_cast<uint32_t*>(payload);
+    if (lane == 0) put32(stream, 0, c.zmode | (c.emax << 1) | (c.b << (1u + e)));
+
+    const uint32_t per_word = c.b + 1u + m;
+    const uint32_t start = header + (c.zmode ? words : 0u);
+    const uint32_t esc_start = start + c.listed * per_word;
+    const uint32_t esc_code = (1u << c.b) - 1u;  // all ones; no word escapes at b = 0
+    uint32_t listed_before = 0, esc_before = 0;   // in earlier rounds
+    for (uint32_t r = 0; r < rounds; ++r) {
+      const uint32_t i = r * BUDDY_WARP_SIZE + lane;
+      const word_t x = word_at(entry_bytes, i);
+      const uint32_t exp = exponent(x);
+      const uint32_t offset = c.emax - exp;
+      bool listed = i < words;
+      uint32_t rank = i;
+      if (c.zmode) {  // the round's bitmap bits are a ballot; ranks count them
+        const uint32_t bits = warp.ballot(x != 0);
+        if (lane == 0) put32(stream, header + r * BUDDY_WARP_SIZE, bits);
+        listed = x != 0;
+        rank = listed_before + buddy_popc(bits & below(warp));
+        listed_before += buddy_popc(bits);
+      }
+      const bool escaped = listed && c.b > 0 && offset >= esc_code;
+      if (c.escapes) {  // escapes are in word order: their rank is a ballot's count too
+        const uint32_t bits = warp.ballot(escaped);
+        if (escaped) put32(stream, esc_start + (esc_before + buddy_popc(bits & below(warp))) * e, exp);
+        esc_before += buddy_popc(bits);
+      }
+      if (listed) {
+        const uint32_t code = escaped ? esc_code : offset;  // < 2^b (offset = 0 when b = 0)
+        const uint32_t pos = start + rank * per_word;
+        if constexpr (WB <= 2) {  // b + 1 + m <= 17 bits
+          put32(stream, pos, code | ((uint32_t)sign_mantissa(x) << c.b));
+        } else if constexpr (WB == 4) {  // <= 33 bits
+          put64(stream, pos, code | ((uint64_t)sign_mantissa(x) << c.b));
+        } else {  // <= 65 bits: the code, then the 53-bit sign-mantissa
+          put32(stream, pos, code);
+          put64(stream, pos + c.b, sign_mantissa(x));
+        }
+      }
+    }
+  }
+
+  template <class Warp>
+  static BUDDY_WARP_FN uint32_t decode(const Warp& warp, const uint8_t* payload, uint32_t k, uint32_t mode,
+                                       uint8_t* out) {
+    (void)mode;
+    const uint32_t lane = warp.lane();
+    const uint32_t n64 = k * (BUDDY_SECTOR_BYTES / 8u);  // 8-byte words of the payload
+    const uint32_t limit = k * 8u * BUDDY_SECTOR_BYTES;  // bits of the payload
+    const uint32_t head = (uint32_t)peek(payload, n64, 0);
+    const uint32_t zmode = head & 1u;
+    const uint32_t emax = (head >> 1) & ((1u << e) - 1u);
+    const uint32_t b = (head >> (1u + e)) & ((1u << bb) - 1u);
+    if (b > max_b) {
+      buddy_warp_fill(warp, nullptr, out, entry);
+      return BUDDY_ERR_STREAM;
+    }
+    const uint32_t per_word = b + 1u + m;
+    const uint32_t start = header + (zmode ? words : 0u);
+    const uint32_t esc_code = (1u << b) - 1u;
+    // bitmap bits that name words (all 32 unless W < 32)
+    const uint32_t round_mask = words < BUDDY_WARP_SIZE ? (1u << (words % BUDDY_WARP_SIZE)) - 1u : 0xFFFFFFFFu;
+
+    // listed words: their count places the escapes
+    uint32_t listed_total = words;
+    if (zmode) {
+      uint32_t mine = 0;
+      for (uint32_t r = lane; r < rounds; r += BUDDY_WARP_SIZE)
+        mine += buddy_popc((uint32_t)peek(payload, n64, header + r * BUDDY_WARP_SIZE) & round_mask);
+      listed_total = buddy_warp_sum(warp, mine);
+    }
+    const uint32_t esc_start = start + listed_total * per_word;
+
+    // one pass over the words; a damaged stream reads garbage inside the
+    // payload (or zeros past it), and the checks below reject it
+    uint32_t listed_before = 0, esc_before = 0;  // in earlier rounds
+    bool below_zero = false;                     // a code points below exponent 0
+    for (uint32_t r = 0; r < rounds; ++r) {
+      const uint32_t i = r * BUDDY_WARP_SIZE + lane;
+      bool listed = i < words;
+      uint32_t rank = i;
+      if (zmode) {  // every lane reads the round's 32 bitmap bits
+        const uint32_t bits = (uint32_t)peek(payload, n64, header + r * BUDDY_WARP_SIZE) & round_mask;
+        listed = (bits >> lane) & 1u;
+        rank = listed_before + buddy_popc(bits & below(warp));
+        listed_before += buddy_popc(bits);
+      }
+      const uint32_t pos = start + rank * per_word;
+      const uint64_t field = peek(payload, n64, pos);
+      const uint32_t code = (uint32_t)field & esc_code;
+      wide_t sm;
+      if constexpr (WB == 8)  // b + 1 + m can exceed 64 bits
+        sm = peek(payload, n64, pos + b);
+      else
+        sm = (wide_t)(field >> b);
+      const bool escaped = listed && b > 0 && code == esc_code;
+      uint32_t exp = emax - code;
+      if (b > 0) {  // escapes are in word order: their rank is a ballot's count
+        const uint32_t bits = warp.ballot(escaped);
+        if (escaped)
+          exp = (uint32_t)peek(payload, n64, esc_start + (esc_before + buddy_popc(bits & below(warp))) * e) &
+                ((1u << e) - 1u);
+        esc_before += buddy_popc(bits);
+      }
+      below_zero |= listed && !escaped && code > emax;
+      if (i < words) buddy_store<word_t>(out + i * WB, listed ? compose(exp, sm) : (word_t)0);
+    }
+
+    // the stream's length must give k, and nothing may follow it
+    const uint32_t total = esc_start + esc_before * e;
+    bool bad = below_zero || (total + 8u * BUDDY_SECTOR_BYTES - 1u) / (8u * BUDDY_SECTOR_BYTES) != k;
+    if (total < limit) {  // the 8-byte words from the one holding stream bit `total`
+      for (uint32_t u = total / 64u + lane; u < n64; u += BUDDY_WARP_SIZE) {
+        const uint64_t after = u == total / 64u ? ~(uint64_t)0 << (total % 64u) : ~(uint64_t)0;
+        bad |= (buddy_load<uint64_t>(payload + 8u * u) & after) != 0;
+      }
+    }
+    if (warp.ballot(bad) == 0) return 0;
+    warp.sync();  // every lane's words are written before any lane zeroes them
+    buddy_warp_fill(warp, nullptr, out, entry);
+    return BUDDY_ERR_STREAM;
+  }
+};
