@@ -3,24 +3,30 @@
 **Not yet validated on a GPU, so off by default**: the pipeline uses these
 kernels only when asked (``buddy.compress(t, backend="cuda")``, or
 ``buddy.set_defaults(backend="cuda")``); see :mod:`buddy.dispatch`, where
-:class:`CudaEngine` is registered as the ``"cuda"`` implementation of the
-codecs that have kernels. The
-per-entry logic they run (``csrc/zvc_core.h``) is tested byte for byte
-against the torch reference on the host.
+:class:`CudaEngine` is registered as the ``"cuda"`` implementation of
+``zvc``, ``fpx``, ``bpc`` and ``auto``. The per-entry device code
+(``csrc/codec_*.h`` inside the format rules of ``csrc/buddy_entry.h`` and the
+operations of ``csrc/buddy_ops.h``) is tested byte for byte against the torch
+reference on the host, under an emulated warp.
+
+One kernel per format operation over the whole tensor, the codec a template
+parameter (``csrc/buddy_kernels.cu``): ``measure`` (metadata + size
+histogram), ``pack`` (slots + overflow compacted in entry order, written
+directly) and ``unpack``. A compress reads one small thing back to the host
+-- the histogram, which the slot choice needs -- and a decompress none
+(:meth:`CudaEngine.unpack` reads the kernel's error flag only when asked to
+check). The prefix sum that places each entry's overflow is one torch
+``cumsum`` on the device.
 
 The sources ship as package data (``buddy.csrc``, the repository's
-``csrc/``). They are compiled once per process for each (source, options,
+``csrc/``). They are compiled once per process for each (codec, entry size,
 device architecture); the format constants arrive as ``-D`` defines from
-:func:`buddy.spec.c_defines`, so there is one module per entry size.
-Kernels run on PyTorch's current CUDA stream of the tensors' device, with
-no synchronisation added, except that :meth:`Kernels.decode` reads its error
-flag back (one sync, as the torch reference's own checks do).
-
-``import buddy`` never imports CuPy; the first launch does, and raises
-:class:`~buddy.errors.MissingDependencyError` without it.
+:func:`buddy.spec.c_defines`. Kernels run on PyTorch's current CUDA stream of
+the tensors' device. ``import buddy`` never imports CuPy; the first launch
+does, and raises :class:`~buddy.errors.MissingDependencyError` without it.
 
 Every argument is checked before anything is launched (device, dtype,
-shape, contiguity, 8-byte alignment of data pointers): a bad one raises
+shape, contiguity, alignment of data pointers): a bad one raises
 ``ValueError``, never an out-of-bounds access on the device.
 """
 
@@ -35,14 +41,17 @@ from pathlib import Path
 import torch
 
 from . import dispatch, spec
+from .codecs.auto import AutoCodec
 from .codecs.base import Codec
+from .codecs.bpc import BPCCodec
+from .codecs.fpx import FPXCodec
 from .codecs.zvc import ZVCCodec
 from .deps import available, require
-from .engine import BlockEngine
+from .engine import Engine, Measurement
 from .errors import CorruptDataError
+from .slots import overflow_sectors
 
 __all__ = [
-    "BLOCK_THREADS",
     "ALIGN_BYTES",
     "CudaEngine",
     "Kernels",
@@ -51,21 +60,22 @@ __all__ = [
     "compile_options",
     "read_source",
     "translation_unit",
+    "launch_config",
 ]
 
-#: threads per block of every launch (8 warps: one entry per warp at a time)
-BLOCK_THREADS = 256
-#: alignment (bytes) the kernels need of every data pointer
-ALIGN_BYTES = 8
+#: alignment (bytes) the kernels need of the tensor's data (every other buffer is allocated here)
+ALIGN_BYTES = 16
 #: most blocks of one launch; warps stride over further entries
 MAX_BLOCKS = 1 << 20
+#: shared memory (bytes) a block of pack or unpack stages payloads in: one entry per warp
+STAGING_BYTES = 32 << 10
 
 _WARP = 32
 _FEATURE = "buddy's CUDA backend (backend='cuda')"
 _SOURCE = "buddy_kernels.cu"
 
-# error bits of a decode (csrc/buddy_format.h, BUDDY_ERR_*)
-_ERR_K, _ERR_STREAM, _ERR_MODE, _ERR_WORD = 1, 2, 4, 8
+# error bits of unpack (csrc/buddy_format.h, BUDDY_ERR_*)
+_ERR_K, _ERR_STREAM, _ERR_MODE, _ERR_WORD, _ERR_OVERFLOW = 1, 2, 4, 8, 16
 
 # ---------------------------------------------------------------------------
 # sources
@@ -113,17 +123,30 @@ def translation_unit(name: str = _SOURCE) -> str:
     return f"// buddy: {name}, local includes inlined\n{expand(name)}"
 
 
-def compile_options(entry_bytes: int) -> tuple[str, ...]:
-    """NVRTC options: C++17 and the format constants of this entry size."""
+def compile_options(entry_bytes: int, codec: str = "all") -> tuple[str, ...]:
+    """NVRTC options: C++17, the format constants of this entry size, and which codec's kernels to build."""
     defines = spec.c_defines(spec.check_entry_bytes(entry_bytes))
-    return ("-std=c++17", *(f"-D{k}={v}" for k, v in defines.items()))
+    return ("-std=c++17", *(f"-D{k}={v}" for k, v in defines.items()), f"-DBUDDY_CODEC_{codec.upper()}=1")
+
+
+def launch_config(op: str, entry_bytes: int, n_entries: int) -> tuple[int, int, int]:
+    """``(blocks, threads per block, dynamic shared bytes)`` of a launch of ``op`` over ``n_entries``.
+
+    One warp per entry; pack and unpack give each warp ``E`` bytes of shared
+    memory to stage a payload in (at most :data:`STAGING_BYTES` a block, at
+    least one warp); measure stages nothing and runs 8 warps a block.
+    """
+    staged = op != "measure"
+    warps = max(1, min(8, STAGING_BYTES // entry_bytes)) if staged else 8
+    blocks = max(1, min(MAX_BLOCKS, -(-n_entries // warps)))
+    return blocks, warps * _WARP, warps * entry_bytes if staged else 0
 
 
 # ---------------------------------------------------------------------------
 # compilation, memoised per process
 # ---------------------------------------------------------------------------
 _modules: dict[tuple[str, tuple[str, ...], str], object] = {}
-_kernels: dict[tuple[int, int, str], object] = {}
+_kernels: dict[tuple[str, str, int, int], object] = {}
 _lock = threading.Lock()
 
 
@@ -147,36 +170,34 @@ def _module(source: str, options: tuple[str, ...], device: torch.device):
     return module
 
 
-def _kernel(name: str, entry_bytes: int, device: torch.device):
-    """Kernel ``name`` of ``buddy_kernels.cu`` for this entry size, compiled for ``device``."""
-    key = (entry_bytes, device.index, name)
+def _kernel(codec: str, op: str, entry_bytes: int, device: torch.device, shared_bytes: int):
+    """Kernel ``buddy_<codec>_<op>`` for this entry size, compiled for ``device`` (and allowed its shared memory)."""
+    key = (codec, op, entry_bytes, device.index)
     kernel = _kernels.get(key)
     if kernel is None:
         cupy = _cupy()
-        module = _module(translation_unit(_SOURCE), compile_options(entry_bytes), device)
+        module = _module(translation_unit(_SOURCE), compile_options(entry_bytes, codec), device)
         with cupy.cuda.Device(device.index):
-            kernel = module.get_function(name)  # compiles (NVRTC) on first use
+            kernel = module.get_function(f"buddy_{codec}_{op}")  # compiles (NVRTC) on first use
+            if shared_bytes > 48 << 10:  # beyond the default a block may ask for: opt in
+                kernel.max_dynamic_shared_size_bytes = shared_bytes
         with _lock:
             kernel = _kernels.setdefault(key, kernel)
     return kernel
 
 
-def _launch(name: str, entry_bytes: int, device: torch.device, n_entries: int, args: tuple) -> None:
-    """Launch ``name`` over ``n_entries`` on the device's current torch stream."""
+def _launch(codec: str, op: str, entry_bytes: int, device: torch.device, n_entries: int, args: tuple) -> None:
+    """Launch ``buddy_<codec>_<op>`` over ``n_entries`` on the device's current torch stream."""
     import numpy
 
     cupy = _cupy()
-    kernel = _kernel(name, entry_bytes, device)
-    warps_per_block = BLOCK_THREADS // _WARP
-    blocks = max(1, min(MAX_BLOCKS, -(-n_entries // warps_per_block)))
+    blocks, threads, shared = launch_config(op, entry_bytes, n_entries)
+    kernel = _kernel(codec, op, entry_bytes, device, shared)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
     # pointers and sizes as fixed-width scalars: exactly the kernel's parameter types
-    c_args = tuple(
-        numpy.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a  # tensors: their device pointers
-        for a in args
-    )
+    c_args = tuple(numpy.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
     with cupy.cuda.Device(device.index):
-        kernel((blocks,), (BLOCK_THREADS,), c_args, stream=stream)
+        kernel((blocks,), (threads,), c_args, stream=stream, shared_mem=shared)
 
 
 # ---------------------------------------------------------------------------
@@ -207,105 +228,10 @@ def _check_tensor(
             )
 
 
-def _check_entries(what: str, t, device_type: str) -> tuple[torch.device, int, int]:
-    """``(device, n_entries, entry_bytes)`` of an ``(n, E)`` uint8 tensor on a ``device_type`` device."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != device_type:
-        raise ValueError(f"{what} must be on a CUDA device for the CUDA kernels, got one on {t.device}")
-    if t.dim() != 2:
-        raise ValueError(f"{what} must be (n_entries, entry_bytes), got shape {tuple(t.shape)}")
-    n, entry_bytes = t.shape
-    try:
-        spec.check_entry_bytes(int(entry_bytes))
-    except ValueError as exc:
-        raise ValueError(f"{what}: {exc}") from None
-    _check_tensor(what, t, device=t.device, dtype=torch.uint8)
-    return t.device, int(n), int(entry_bytes)
-
-
 def _check_word(word_bytes) -> int:
     if isinstance(word_bytes, bool) or not isinstance(word_bytes, int) or word_bytes not in (1, 2, 4, 8):
         raise ValueError(f"word_bytes must be 1, 2, 4 or 8, got {word_bytes!r}")
     return word_bytes
-
-
-# ---------------------------------------------------------------------------
-# the kernels of one codec: strict (no copies), checked before any launch
-# ---------------------------------------------------------------------------
-class Kernels:
-    """The entry kernels of codec ``name`` (``buddy_<name>_measure/encode/decode``), arguments checked.
-
-    ``launch(name, entry_bytes, device, n_entries, args)`` runs a kernel
-    (default: compiled through CuPy, on torch's current stream);
-    ``device_type`` is the device the tensors must live on. Tests run the
-    same glue with the kernels emulated on the host by passing both.
-    """
-
-    def __init__(self, name: str, *, launch=None, device_type: str = "cuda"):
-        self.name = name
-        self.launch = _launch if launch is None else launch
-        self.device_type = device_type
-
-    def measure(self, entries: torch.Tensor, word_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k, modes)`` of ``(n, E)`` uint8 entries (contiguous, 8-byte aligned): ``(n,)`` int32 each."""
-        device, n, entry_bytes = _check_entries("entries", entries, self.device_type)
-        word = _check_word(word_bytes)
-        sectors = torch.empty(n, dtype=torch.int32, device=device)
-        modes = torch.empty(n, dtype=torch.int32, device=device)
-        if n:
-            self.launch(
-                f"buddy_{self.name}_measure", entry_bytes, device, n, (entries, sectors, modes, _i64(n), _i32(word))
-            )
-        return sectors, modes
-
-    def encode(self, entries: torch.Tensor, word_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(payload, k, modes)`` of each entry, as the format layer and the codec write them (byte for byte)."""
-        device, n, entry_bytes = _check_entries("entries", entries, self.device_type)
-        word = _check_word(word_bytes)
-        payload = torch.empty(n, entry_bytes, dtype=torch.uint8, device=device)  # every byte is written
-        sectors = torch.empty(n, dtype=torch.int32, device=device)
-        modes = torch.empty(n, dtype=torch.int32, device=device)
-        if n:
-            args = (entries, payload, sectors, modes, _i64(n), _i32(word))
-            self.launch(f"buddy_{self.name}_encode", entry_bytes, device, n, args)
-        return payload, sectors, modes
-
-    def decode(
-        self, payload: torch.Tensor, sectors: torch.Tensor, modes: torch.Tensor, word_bytes: int
-    ) -> torch.Tensor:
-        """Entries back from payloads, ``k`` and modes (``(n,)`` int32 on the payload's device).
-
-        Raises :class:`~buddy.errors.CorruptDataError` when a ``k`` exceeds
-        ``E/32``, a payload disagrees with its ``k`` or a mode does not fit;
-        such entries are never read past their ``k`` sectors.
-        """
-        device, n, entry_bytes = _check_entries("payload", payload, self.device_type)
-        _check_tensor("sectors", sectors, device=device, dtype=torch.int32, shape=(n,))
-        _check_tensor("modes", modes, device=device, dtype=torch.int32, shape=(n,))
-        word = _check_word(word_bytes)
-        out = torch.empty(n, entry_bytes, dtype=torch.uint8, device=device)  # every byte is written
-        if not n:
-            return out
-        error = torch.zeros(1, dtype=torch.int32, device=device)
-        args = (payload, sectors, modes, out, error, _i64(n), _i32(word))
-        self.launch(f"buddy_{self.name}_decode", entry_bytes, device, n, args)
-        _raise_decode_error(self.name, int(error.item()))  # the one sync: corrupt data must not pass silently
-        return out
-
-
-def _raise_decode_error(codec: str, bits: int) -> None:
-    if not bits:
-        return
-    if bits & _ERR_MODE:
-        raise CorruptDataError(f"metadata holds modes that codec {codec!r} never writes for such entries")
-    if bits & _ERR_K:
-        raise CorruptDataError(f"{codec}: metadata claims more sectors than an entry has")
-    if bits & _ERR_STREAM:
-        raise CorruptDataError(
-            f"{codec}: a payload (its bitmap or stream) does not match the entry sizes in the metadata"
-        )
-    raise CorruptDataError(f"{codec} CUDA decode failed (error bits {bits:#x})")
 
 
 def _i64(v: int):
@@ -321,6 +247,94 @@ def _i32(v: int):
 
 
 # ---------------------------------------------------------------------------
+# the kernels of one codec: strict (no copies), checked before any launch
+# ---------------------------------------------------------------------------
+class Kernels:
+    """The three kernels of codec ``name`` (``buddy_<name>_measure/pack/unpack``), arguments checked.
+
+    ``launch(codec, op, entry_bytes, device, n_entries, args)`` runs a kernel
+    (default: compiled through CuPy, on torch's current stream);
+    ``device_type`` is the device the tensors must live on. Tests run the
+    same glue with the kernels emulated on the host by passing both.
+    Buffers: ``data`` the tensor's ``n_full`` whole entries (16-byte
+    aligned), ``tail`` the last entry zero-padded (``E`` bytes), ``meta``
+    ``n * META_BYTES`` bytes, ``ends`` ``(n,)`` int64 (see csrc/buddy_ops.h).
+    """
+
+    def __init__(self, name: str, *, launch=None, device_type: str = "cuda"):
+        self.name = name
+        self.launch = _launch if launch is None else launch
+        self.device_type = device_type
+
+    def _check(self, entry_bytes: int, n: int, word_bytes: int, **buffers) -> torch.device:
+        """The buffers' common device; ``ValueError`` for any that is not what the kernels need."""
+        spec.check_entry_bytes(entry_bytes)
+        _check_word(word_bytes)
+        device = None
+        for what, (t, dtype, numel) in buffers.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device.type != self.device_type:
+                raise ValueError(f"{what} must be on a CUDA device for the CUDA kernels, got one on {t.device}")
+            device = device or t.device
+            _check_tensor(what, t, device=device, dtype=dtype, shape=(numel,))
+        return device
+
+    def measure(self, data, tail, n_full: int, n: int, meta, histogram, entry_bytes: int, word_bytes: int) -> None:
+        """Every entry's metadata word into ``meta``; entries of ``k`` sectors added to ``histogram[k]``."""
+        mb, spe = spec.meta_bytes(entry_bytes), spec.sectors_per_entry(entry_bytes)
+        device = self._check(
+            entry_bytes, n, word_bytes, data=(data, torch.uint8, n_full * entry_bytes),
+            tail=(tail, torch.uint8, entry_bytes), meta=(meta, torch.uint8, n * mb),
+            histogram=(histogram, torch.int64, spe + 1),
+        )  # fmt: skip
+        args = (data, tail, _i64(n_full), _i64(n), meta, histogram, _i32(word_bytes))
+        self.launch(self.name, "measure", entry_bytes, device, n, args)
+
+    def pack(self, data, tail, n_full, n, meta, ends, slot, slots, overflow, entry_bytes, word_bytes) -> None:
+        """Every entry's slot (``slot`` sectors) into ``slots``, its overflow into ``overflow`` at its place."""
+        mb = spec.meta_bytes(entry_bytes)
+        device = self._check(
+            entry_bytes, n, word_bytes, data=(data, torch.uint8, n_full * entry_bytes),
+            tail=(tail, torch.uint8, entry_bytes), meta=(meta, torch.uint8, n * mb), ends=(ends, torch.int64, n),
+            slots=(slots, torch.uint8, n * slot * spec.SECTOR_BYTES), overflow=(overflow, torch.uint8, overflow.numel()),
+        )  # fmt: skip
+        args = (data, tail, _i64(n_full), _i64(n), meta, ends, _i32(slot), slots, overflow, _i32(word_bytes))
+        self.launch(self.name, "pack", entry_bytes, device, n, args)
+
+    def unpack(self, meta, ends, slot, slots, overflow, out, error, n, entry_bytes, word_bytes) -> None:
+        """The ``n`` entries into ``out`` (``n * E`` bytes); ``error`` (one int32) ORed with what was flagged."""
+        mb = spec.meta_bytes(entry_bytes)
+        if overflow.numel() % spec.SECTOR_BYTES:
+            raise CorruptDataError(f"overflow holds {overflow.numel()} bytes, not a whole number of sectors")
+        device = self._check(
+            entry_bytes, n, word_bytes, meta=(meta, torch.uint8, n * mb), ends=(ends, torch.int64, n),
+            slots=(slots, torch.uint8, n * slot * spec.SECTOR_BYTES), overflow=(overflow, torch.uint8, overflow.numel()),
+            out=(out, torch.uint8, n * entry_bytes), error=(error, torch.int32, 1),
+        )  # fmt: skip
+        m = overflow.numel() // spec.SECTOR_BYTES
+        args = (meta, ends, _i32(slot), slots, overflow, _i64(m), out, error, _i64(n), _i32(word_bytes))
+        self.launch(self.name, "unpack", entry_bytes, device, n, args)
+
+
+def raise_for_errors(codec: str, bits: int) -> None:
+    """:class:`~buddy.errors.CorruptDataError` for an unpack's error bits (nothing for 0)."""
+    if not bits:
+        return
+    if bits & _ERR_MODE:
+        raise CorruptDataError(f"metadata holds modes that codec {codec!r} never writes for such entries")
+    if bits & _ERR_K:
+        raise CorruptDataError(f"{codec}: metadata claims more sectors than an entry has")
+    if bits & _ERR_OVERFLOW:
+        raise CorruptDataError(f"{codec}: the overflow is not the size the metadata needs")
+    if bits & _ERR_STREAM:
+        raise CorruptDataError(
+            f"{codec}: a payload (its bitmap or stream) does not match the entry sizes in the metadata"
+        )
+    raise CorruptDataError(f"{codec} CUDA unpack failed (error bits {bits:#x})")
+
+
+# ---------------------------------------------------------------------------
 # the engine the pipeline calls (registered in buddy.dispatch)
 # ---------------------------------------------------------------------------
 def why_unusable() -> str | None:
@@ -333,58 +347,96 @@ def why_unusable() -> str | None:
 
 
 #: codecs with kernels: the exact class the kernels reproduce, by registry name
-KERNEL_CODECS: dict[str, type] = {"zvc": ZVCCodec}
+KERNEL_CODECS: dict[str, type] = {"zvc": ZVCCodec, "fpx": FPXCodec, "bpc": BPCCodec, "auto": AutoCodec}
+_AUTO_MEMBERS = [(spec.AUTO_MODES[c.name], c) for c in (ZVCCodec, FPXCodec, BPCCodec)]
 
 
-class CudaEngine(BlockEngine):
-    """The format operations with the codec's CUDA kernels per block: the same bytes as the reference.
+def has_kernels(codec: Codec) -> bool:
+    """Whether the kernels reproduce ``codec``: exactly buddy's class of that name (auto: with its own members)."""
+    if type(codec) is not KERNEL_CODECS.get(codec.name):
+        return False
+    return not isinstance(codec, AutoCodec) or [(m, type(c)) for m, c in codec.members] == _AUTO_MEMBERS
 
-    Accepts what the pipeline hands it (views at any offset, int64 sizes)
-    and copies only when a tensor is not already dense and aligned.
-    ``decode`` syncs once per block to check its error flag. ``launch`` and
-    ``device_type``: see :class:`Kernels`.
+
+class CudaEngine(Engine):
+    """The format operations as one kernel each over the whole tensor: the same bytes as the reference.
+
+    ``launch`` and ``device_type``: see :class:`Kernels`. :attr:`readbacks`
+    counts the device-to-host reads made (one per compress: the histogram;
+    none per decompress unless ``check=True``).
     """
 
     backend = "cuda"
 
     def __init__(self, codec: Codec, *, launch=None, device_type: str = "cuda"):
-        if type(codec) is not KERNEL_CODECS.get(codec.name):  # the kernels reproduce that class, not a subclass
+        if not has_kernels(codec):
             have = ", ".join(sorted(KERNEL_CODECS))
             raise ValueError(
                 f"codec {codec.name!r} ({type(codec).__name__}) has no CUDA kernels (codecs with them: {have})"
             )
         super().__init__(codec)
         self.kernels = Kernels(codec.name, launch=launch, device_type=device_type)
+        self.readbacks = 0
 
-    def measure_block(self, entries, word_bytes):
-        k, modes = self.kernels.measure(_dense(entries), word_bytes)
-        return k, modes, None
+    def _read(self, t: torch.Tensor) -> list:
+        """A small device tensor on the host: the one place this engine waits for the device."""
+        self.readbacks += 1
+        return t.tolist()
 
-    def encode_block(self, entries, word_bytes, k, modes, reuse):
-        return self.kernels.encode(_dense(entries), word_bytes)[0]
+    @staticmethod
+    def _entries(flat: torch.Tensor, entry_bytes: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """``(data, tail, n_full, n)``: the whole entries in place (aligned), the last one zero-padded."""
+        n_full, rest = divmod(flat.numel(), entry_bytes)
+        if flat.numel() and flat.data_ptr() % ALIGN_BYTES:
+            flat = flat.clone()  # a view at an odd offset: the kernels load 16 bytes at a time
+        tail = torch.zeros(entry_bytes, dtype=torch.uint8, device=flat.device)
+        if rest:
+            tail[:rest] = flat[n_full * entry_bytes :]
+        return flat[: n_full * entry_bytes], tail, n_full, n_full + (rest > 0)
 
-    def decode_block(self, payload, k, modes, word_bytes):
-        return self.kernels.decode(_dense(payload), _dense(k, torch.int32), _dense(modes, torch.int32), word_bytes)
+    @staticmethod
+    def _ends(meta: torch.Tensor, slot: int, entry_bytes: int, n: int) -> torch.Tensor:
+        """Per entry, the overflow sectors of entries 0..i: the prefix sum that places each entry's overflow."""
+        mb, k_bits, _ = spec.meta_fields(entry_bytes)
+        words = meta.to(torch.int32) if mb == 1 else meta.view(n, 2).to(torch.int32)
+        k = (words if mb == 1 else words[:, 0] | (words[:, 1] << 8)) & ((1 << k_bits) - 1)
+        return torch.cumsum(k.sub_(slot).clamp_(min=0), 0)
 
+    def measure(self, flat, entry_bytes, word_bytes):
+        data, tail, n_full, n = self._entries(flat, entry_bytes)
+        meta = torch.empty(n * spec.meta_bytes(entry_bytes), dtype=torch.uint8, device=flat.device)
+        histogram = torch.zeros(spec.sectors_per_entry(entry_bytes) + 1, dtype=torch.int64, device=flat.device)
+        if n:
+            self.kernels.measure(data, tail, n_full, n, meta, histogram, entry_bytes, word_bytes)
+        return Measurement(meta, tuple(self._read(histogram)), reuse=(data, tail, n_full, n))
 
-def _dense(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``t`` contiguous and aligned (and integer sizes/modes as ``dtype``), copying only when needed.
+    def pack(self, flat, measured, slot, entry_bytes, word_bytes):
+        data, tail, n_full, n = measured.reuse or self._entries(flat, entry_bytes)
+        spilled = overflow_sectors(measured.histogram, slot) * spec.SECTOR_BYTES  # known on the host: no read
+        slots = torch.empty(n * slot * spec.SECTOR_BYTES, dtype=torch.uint8, device=flat.device)
+        overflow = torch.empty(spilled, dtype=torch.uint8, device=flat.device)
+        if n:
+            ends = self._ends(measured.meta, slot, entry_bytes, n)
+            self.kernels.pack(
+                data, tail, n_full, n, measured.meta, ends, slot, slots, overflow, entry_bytes, word_bytes
+            )
+        return slots, overflow
 
-    Anything else (a wrong dtype for entries, a CPU tensor) is left for the
-    strict checks of the launchers to name.
-    """
-    if not isinstance(t, torch.Tensor):
-        return t
-    if dtype is not None and t.dtype != dtype and t.dtype in _INTEGER_DTYPES:
-        t = t.to(dtype)
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.numel() and t.data_ptr() % ALIGN_BYTES:
-        t = t.clone()  # a fresh allocation is aligned
-    return t
+    def unpack(self, meta, slots, overflow, slot, entry_bytes, word_bytes, nbytes, *, check=True):
+        n = -(-nbytes // entry_bytes)
+        if meta.numel() != n * spec.meta_bytes(entry_bytes):
+            raise CorruptDataError(f"metadata holds {meta.numel()} bytes, expected {n * spec.meta_bytes(entry_bytes)}")
+        out = torch.empty(n * entry_bytes, dtype=torch.uint8, device=slots.device)
+        if n:
+            meta = meta if meta.data_ptr() % 2 == 0 else meta.clone()  # 2-byte words are read aligned
+            overflow = overflow.to(slots.device, non_blocking=True)  # H2D from pinned memory, on the current stream
+            error = torch.zeros(1, dtype=torch.int32, device=slots.device)
+            ends = self._ends(meta, slot, entry_bytes, n)
+            self.kernels.unpack(meta, ends, slot, slots, overflow, out, error, n, entry_bytes, word_bytes)
+            if check:
+                raise_for_errors(self.codec.name, self._read(error)[0])
+        return out[:nbytes]
 
-
-_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 for _name in KERNEL_CODECS:  # not the default: the kernels have not yet run on a GPU
     dispatch.register(_name, "cuda", "cuda", CudaEngine, requires=why_unusable)

@@ -74,11 +74,16 @@ class Engine(abc.ABC):
         entry_bytes: int,
         word_bytes: int,
         nbytes: int,
+        *,
+        check: bool = True,
     ) -> torch.Tensor:
         """The ``nbytes`` bytes back, on ``slots``' device (``overflow`` may live on the host).
 
         Raises :class:`~buddy.errors.CorruptDataError` for buffers the
-        format cannot have produced (the overflow's size included).
+        format cannot have produced (the overflow's size included). An engine
+        whose checks run on the device (the CUDA kernels) reads their verdict
+        back -- a host sync -- only with ``check``; without it, entries that
+        failed a check decode to zeros. The torch reference always checks.
         """
 
     def __repr__(self) -> str:
@@ -144,7 +149,7 @@ class BlockEngine(Engine):
         overflow = torch.cat(pieces) if len(pieces) > 1 else (pieces[0] if pieces else slots.new_empty(0))
         return slots, overflow
 
-    def unpack(self, meta, slots, overflow, slot, entry_bytes, word_bytes, nbytes):
+    def unpack(self, meta, slots, overflow, slot, entry_bytes, word_bytes, nbytes, *, check=True):
         n = -(-nbytes // entry_bytes)
         slot_bytes = slot * spec.SECTOR_BYTES
         k_all, modes_all = format.decode_meta(meta, entry_bytes, n)

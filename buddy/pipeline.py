@@ -310,7 +310,7 @@ def unpack(
         raise CorruptDataError(
             f"slots hold {slots.numel()} bytes, expected {n_entries * slot_sectors * spec.SECTOR_BYTES}"
         )
-    flat = engine.unpack(meta, slots, overflow, slot_sectors, entry_bytes, word, nbytes)
+    flat = engine.unpack(meta, slots, overflow, slot_sectors, entry_bytes, word, nbytes, check=True)
     return as_tensor(flat, shape, dtype, stride)
 
 

@@ -263,13 +263,16 @@ class BuddyTensor:
             self._overflow.event.synchronize()
 
     # ---- lifecycle ----------------------------------------------------------
-    def decompress(self, *, backend: str | None = None) -> torch.Tensor:
+    def decompress(self, *, backend: str | None = None, check: bool = False) -> torch.Tensor:
         """A new tensor bit-identical to the one compressed (same device; same strides if it was dense).
 
         ``backend``: see :mod:`buddy.dispatch`; default: :attr:`backend`, the
         one that compressed it. With a :attr:`checksum`, the buffers are
         checked first: :class:`~buddy.errors.CorruptDataError` if any changed
-        (see :meth:`verify`), and nothing is decoded.
+        (see :meth:`verify`), and nothing is decoded. The CUDA kernels check
+        the format on the device and read the verdict back only with
+        ``check=True`` (a host sync; a decompress otherwise makes none); the
+        torch reference always checks.
         """
         self._check_alive("decompress")
         if self.checksum is not None:
@@ -287,6 +290,7 @@ class BuddyTensor:
             self.entry_bytes,
             self.word_bytes,
             self.original_bytes,
+            check=check,
         )
         return as_tensor(flat, self.shape, self.dtype, self.stride)
 

@@ -62,3 +62,4 @@ BUDDY_HD uint32_t buddy_overflow_sectors(uint32_t k, uint32_t s) { return k > s 
 #define BUDDY_ERR_STREAM 2u  // the coded payload disagrees with its k (damaged slots or metadata)
 #define BUDDY_ERR_MODE 4u    // a metadata mode the codec never writes for an entry of this k
 #define BUDDY_ERR_WORD 8u    // word size not 1, 2, 4 or 8 (a launch error, not the data's)
+#define BUDDY_ERR_OVERFLOW 16u  // the overflow buffer is not the size the metadata needs

@@ -1,20 +1,38 @@
-// Kernels per entry operation, with the codec as a template parameter: one
-// warp per entry (warps stride over the entries), the format rules of
-// buddy_entry.h around the codec's device functions (codec_*.h).
+// Kernels per format operation over a whole tensor, with the codec as a
+// template parameter: measure (sizes -> metadata + histogram), pack (slots +
+// compacted overflow) and unpack (slots + overflow -> the tensor). Each runs
+// the per-entry bodies of buddy_ops.h, one warp per entry, warps striding
+// over the entries.
 //
 // Compiled at run time (buddy/cuda.py, through CuPy/NVRTC) once per entry
 // size: E = BUDDY_ENTRY_BYTES and the other format constants arrive as -D
 // defines from buddy.spec.c_defines(entry_bytes). The word size is a kernel
-// argument (the switch picks the instantiation once per launch).
+// argument (a switch picks the instantiation once per launch).
 //
-// Launch: blockDim.x a multiple of 32, any gridDim.x >= 1, on the caller's
-// stream. Every buffer is dense, 8-byte aligned and does not alias another;
-// the loader checks all of this before launching. Every output byte is
-// written (outputs may be allocated uninitialised).
-#include "buddy_entry.h"
-#include "codec_zvc.h"
+// Launch: blockDim.x = 32 * warps per block; pack and unpack need
+// (warps per block) * E bytes of dynamic shared memory (each warp's staging
+// buffer). Any gridDim.x >= 1, on the caller's stream. Buffers are dense,
+// 8-byte aligned (metadata: aligned to its word) and do not alias; the loader
+// checks all of this before launching. Every output byte is written, so
+// outputs may be allocated uninitialised (the histogram excepted: it is added to).
+//
+// Where an entry's E bytes are: entry i < n_full is at data + i * E; the last
+// entry, when the tensor ends inside it, is a zero-padded copy at `tail`
+// (the loader makes it), so no kernel reads past the tensor. The per-entry
+// work is buddy_ops.h's; here are only the loops, the staging buffers and
+// the histogram.
+#include "buddy_ops.h"
+// the codecs: auto, and zvc, fpx and bpc, which it composes
+#include "codec_auto.h"
 
-// This warp's first entry and the warp stride over entries.
+// Each module instantiates the kernels of one codec (templates not
+// instantiated cost nearly nothing to compile): the loader compiles with
+// -DBUDDY_CODEC_<NAME>, the tests with -DBUDDY_CODEC_ALL.
+#if !defined(BUDDY_CODEC_ZVC) && !defined(BUDDY_CODEC_FPX) && !defined(BUDDY_CODEC_BPC) && \
+    !defined(BUDDY_CODEC_AUTO) && !defined(BUDDY_CODEC_ALL)
+#error "compile with -DBUDDY_CODEC_<NAME> for the codec whose kernels to build"
+#endif
+
 __device__ __forceinline__ long long buddy_first_warp() {
   return ((long long)blockIdx.x * blockDim.x + threadIdx.x) / BUDDY_WARP_SIZE;
 }
@@ -22,106 +40,123 @@ __device__ __forceinline__ long long buddy_warp_stride() {
   return (long long)gridDim.x * blockDim.x / BUDDY_WARP_SIZE;
 }
 
-template <class Codec>
-__device__ __forceinline__ void buddy_measure_body(const uint8_t* __restrict__ entries, int32_t* __restrict__ sectors,
-                                                   int32_t* __restrict__ modes, long long n_entries) {
-  const BuddyCudaWarp warp;
-  for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride()) {
-    uint32_t mode;
-    const uint32_t k = buddy_entry_measure<Codec>(warp, entries + i * BUDDY_ENTRY_BYTES, &mode);
-    if (warp.lane() == 0) {
-      sectors[i] = (int32_t)k;
-      modes[i] = (int32_t)mode;
-    }
-  }
+// This warp's staging buffer: E bytes of the block's dynamic shared memory.
+__device__ __forceinline__ uint8_t* buddy_staging() {
+  extern __shared__ uint64_t buddy_shared[];
+  return reinterpret_cast<uint8_t*>(buddy_shared) + (threadIdx.x / BUDDY_WARP_SIZE) * BUDDY_ENTRY_BYTES;
 }
 
 template <class Codec>
-__device__ __forceinline__ void buddy_encode_body(const uint8_t* __restrict__ entries, uint8_t* __restrict__ payload,
-                                                  int32_t* __restrict__ sectors, int32_t* __restrict__ modes,
+__device__ __forceinline__ void buddy_measure_body(const uint8_t* __restrict__ data, const uint8_t* __restrict__ tail,
+                                                   long long n_full, long long n_entries,
+                                                   buddy_meta_t* __restrict__ meta,
+                                                   unsigned long long* __restrict__ histogram) {
+  // the block counts its entries per size in shared memory, then adds them to the tensor's histogram once
+  __shared__ unsigned int counts[BUDDY_SECTORS_PER_ENTRY + 1];
+  for (uint32_t j = threadIdx.x; j <= BUDDY_SECTORS_PER_ENTRY; j += blockDim.x) counts[j] = 0;
+  __syncthreads();
+  const BuddyCudaWarp warp;
+  for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride()) {
+    const uint32_t k = buddy_measure_entry<Codec>(warp, i, data, tail, n_full, meta);
+    if (warp.lane() == 0) atomicAdd(&counts[k], 1u);
+  }
+  __syncthreads();
+  for (uint32_t j = threadIdx.x; j <= BUDDY_SECTORS_PER_ENTRY; j += blockDim.x)
+    if (counts[j]) atomicAdd(&histogram[j], (unsigned long long)counts[j]);
+}
+
+template <class Codec>
+__device__ __forceinline__ void buddy_pack_body(const uint8_t* __restrict__ data, const uint8_t* __restrict__ tail,
+                                                long long n_full, long long n_entries,
+                                                const buddy_meta_t* __restrict__ meta,
+                                                const long long* __restrict__ ends, uint32_t s,
+                                                uint8_t* __restrict__ slots, uint8_t* __restrict__ overflow) {
+  const BuddyCudaWarp warp;
+  uint8_t* staging = buddy_staging();
+  for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride())
+    buddy_pack_entry<Codec>(warp, i, data, tail, n_full, meta, ends, s, slots, overflow, staging);
+}
+
+template <class Codec>
+__device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict__ meta,
+                                                  const long long* __restrict__ ends, uint32_t s,
+                                                  const uint8_t* __restrict__ slots,
+                                                  const uint8_t* __restrict__ overflow, long long overflow_sectors,
+                                                  uint8_t* __restrict__ out, int* __restrict__ error,
                                                   long long n_entries) {
   const BuddyCudaWarp warp;
-  for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride()) {
-    const uint8_t* entry = entries + i * BUDDY_ENTRY_BYTES;
-    uint8_t* out = payload + i * BUDDY_ENTRY_BYTES;
-    uint32_t mode;
-    const uint32_t k = buddy_entry_measure<Codec>(warp, entry, &mode);
-    buddy_entry_encode<Codec>(warp, entry, k, mode, out);
-    // the rest of the E-byte row is zero (the torch reference's payload rows)
-    buddy_warp_fill(warp, nullptr, out + k * BUDDY_SECTOR_BYTES, (BUDDY_SECTORS_PER_ENTRY - k) * BUDDY_SECTOR_BYTES);
-    if (warp.lane() == 0) {
-      sectors[i] = (int32_t)k;
-      modes[i] = (int32_t)mode;
-    }
-  }
-}
-
-template <class Codec>
-__device__ __forceinline__ void buddy_decode_body(const uint8_t* __restrict__ payload,
-                                                  const int32_t* __restrict__ sectors,
-                                                  const int32_t* __restrict__ modes, uint8_t* __restrict__ out,
-                                                  int* __restrict__ error, long long n_entries) {
-  const BuddyCudaWarp warp;
+  uint8_t* staging = buddy_staging();
   uint32_t err = 0;
-  for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride()) {
-    err |= buddy_entry_decode<Codec>(warp, payload + i * BUDDY_ENTRY_BYTES, (uint32_t)sectors[i],
-                                     (uint32_t)modes[i], out + i * BUDDY_ENTRY_BYTES);
-  }
+  for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride())
+    err |= buddy_unpack_entry<Codec>(warp, i, n_entries, meta, ends, s, slots, overflow, overflow_sectors, staging,
+                                     out);
   if (err && warp.lane() == 0) atomicOr(error, (int)err);
 }
 
-// Fills `sectors` with -1 when the word size is not one the codecs take.
-__device__ __forceinline__ void buddy_bad_word(int32_t* sectors, long long n_entries) {
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n_entries;
-       i += (long long)gridDim.x * blockDim.x)
-    sectors[i] = -1;
-}
-
-#define BUDDY_WORD_SWITCH(CODEC, BODY, BAD, ...) \
-  switch (word_bytes) {                          \
-    case 1: BODY<CODEC<1>>(__VA_ARGS__); break;  \
-    case 2: BODY<CODEC<2>>(__VA_ARGS__); break;  \
-    case 4: BODY<CODEC<4>>(__VA_ARGS__); break;  \
-    case 8: BODY<CODEC<8>>(__VA_ARGS__); break;  \
-    default: BAD;                                \
+#define BUDDY_WORD_SWITCH(CODEC, BODY, ...)     \
+  switch (word_bytes) {                         \
+    case 1: BODY<CODEC<1>>(__VA_ARGS__); break; \
+    case 2: BODY<CODEC<2>>(__VA_ARGS__); break; \
+    case 4: BODY<CODEC<4>>(__VA_ARGS__); break; \
+    case 8: BODY<CODEC<8>>(__VA_ARGS__); break; \
+    default: break; /* the loader only launches with 1, 2, 4 or 8 */ \
   }
 
 // The extern "C" entry points of one codec (NAME: its registry name).
-#define BUDDY_ENTRY_KERNELS(NAME, CODEC)                                                                             \
-  /* k and mode of each entry (the size pass; no payload is written) */                                             \
+#define BUDDY_FORMAT_KERNELS(NAME, CODEC)                                                                            \
+  /* k and mode of every entry into the metadata; the histogram of k (added to: zero it first) */                  \
   extern "C" __global__ void buddy_##NAME##_measure(                                                                \
-      const uint8_t* __restrict__ entries, /* in: n_entries * E bytes, the entries */                               \
-      int32_t* __restrict__ sectors,       /* out: n_entries int32, k of each entry (-1: bad word_bytes) */         \
-      int32_t* __restrict__ modes,         /* out: n_entries int32, metadata mode of each entry */                  \
-      long long n_entries,                 /* number of entries, not bytes */                                       \
-      int word_bytes) {                    /* word size in bytes: 1, 2, 4 or 8 */                                   \
-    BUDDY_WORD_SWITCH(CODEC, buddy_measure_body, buddy_bad_word(sectors, n_entries), entries, sectors, modes,       \
-                      n_entries)                                                                                    \
+      const uint8_t* __restrict__ data,          /* in: the tensor's bytes, n_full * E of whole entries */          \
+      const uint8_t* __restrict__ tail,          /* in: E bytes, the last entry zero-padded (if n_full < n) */      \
+      long long n_full,                          /* entries wholly inside data */                                    \
+      long long n_entries,                       /* entries of the tensor */                                         \
+      uint8_t* __restrict__ meta,                /* out: n_entries metadata words */                                 \
+      unsigned long long* __restrict__ histogram, /* in/out: E/32 + 1 counts, entries of k sectors added to [k] */  \
+      int word_bytes) {                          /* word size in bytes: 1, 2, 4 or 8 */                              \
+    BUDDY_WORD_SWITCH(CODEC, buddy_measure_body, data, tail, n_full, n_entries,                                     \
+                      reinterpret_cast<buddy_meta_t*>(meta), histogram)                                            \
   }                                                                                                                 \
-  /* payload (E bytes per entry, zeros after k sectors), k and mode of each entry */                                \
-  extern "C" __global__ void buddy_##NAME##_encode(                                                                 \
-      const uint8_t* __restrict__ entries, /* in: n_entries * E bytes, the entries */                               \
-      uint8_t* __restrict__ payload,       /* out: n_entries * E bytes, entry i's payload at byte i * E */          \
-      int32_t* __restrict__ sectors,       /* out: n_entries int32, k of each entry (-1: bad word_bytes) */         \
-      int32_t* __restrict__ modes,         /* out: n_entries int32, metadata mode of each entry */                  \
-      long long n_entries,                 /* number of entries, not bytes */                                       \
-      int word_bytes) {                    /* word size in bytes: 1, 2, 4 or 8 */                                   \
-    BUDDY_WORD_SWITCH(CODEC, buddy_encode_body, buddy_bad_word(sectors, n_entries), entries, payload, sectors,      \
-                      modes, n_entries)                                                                             \
+  /* every entry's slot, and its overflow compacted in entry order */                                              \
+  extern "C" __global__ void buddy_##NAME##_pack(                                                                   \
+      const uint8_t* __restrict__ data,   /* in: the tensor's bytes, n_full * E of whole entries */                 \
+      const uint8_t* __restrict__ tail,   /* in: E bytes, the last entry zero-padded (if n_full < n) */             \
+      long long n_full,                   /* entries wholly inside data */                                           \
+      long long n_entries,                /* entries of the tensor */                                                \
+      const uint8_t* __restrict__ meta,   /* in: n_entries metadata words (from measure) */                         \
+      const long long* __restrict__ ends, /* in: n_entries, overflow sectors of entries 0..i (inclusive sum) */     \
+      int slot,                           /* s: sectors per slot, 0 .. E/32 */                                       \
+      uint8_t* __restrict__ slots,        /* out: n_entries * s * 32 bytes */                                        \
+      uint8_t* __restrict__ overflow,     /* out: ends[n - 1] * 32 bytes */                                          \
+      int word_bytes) {                   /* word size in bytes: 1, 2, 4 or 8 */                                     \
+    BUDDY_WORD_SWITCH(CODEC, buddy_pack_body, data, tail, n_full, n_entries,                                        \
+                      reinterpret_cast<const buddy_meta_t*>(meta), ends, (uint32_t)slot, slots, overflow)          \
   }                                                                                                                 \
-  /* entries back from payloads; damaged metadata never causes an out-of-bounds read: the entry decodes to zeros    \
-     and *error gets its BUDDY_ERR_* bits (the caller zeroes *error before and raises when it is not 0 after) */    \
-  extern "C" __global__ void buddy_##NAME##_decode(                                                                 \
-      const uint8_t* __restrict__ payload, /* in: n_entries * E bytes, entry i's payload at byte i * E */           \
-      const int32_t* __restrict__ sectors, /* in: n_entries int32, k of each entry (metadata) */                    \
-      const int32_t* __restrict__ modes,   /* in: n_entries int32, mode of each entry (metadata) */                 \
-      uint8_t* __restrict__ out,           /* out: n_entries * E bytes, the decoded entries */                      \
-      int* __restrict__ error,             /* in/out: one int, ORed with BUDDY_ERR_* bits */                        \
-      long long n_entries,                 /* number of entries, not bytes */                                       \
-      int word_bytes) {                    /* word size in bytes: 1, 2, 4 or 8 */                                   \
-    BUDDY_WORD_SWITCH(CODEC, buddy_decode_body,                                                                     \
-                      if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(error, (int)BUDDY_ERR_WORD), payload,       \
-                      sectors, modes, out, error, n_entries)                                                        \
+  /* the tensor's entries back; inconsistent buffers never cause an out-of-bounds access: flagged entries decode   \
+     to zeros and *error gets their BUDDY_ERR_* bits (the caller zeroes it before the launch) */                   \
+  extern "C" __global__ void buddy_##NAME##_unpack(                                                                 \
+      const uint8_t* __restrict__ meta,     /* in: n_entries metadata words */                                      \
+      const long long* __restrict__ ends,   /* in: n_entries, overflow sectors of entries 0..i (inclusive sum) */   \
+      int slot,                             /* s: sectors per slot, 0 .. E/32 */                                     \
+      const uint8_t* __restrict__ slots,    /* in: n_entries * s * 32 bytes */                                       \
+      const uint8_t* __restrict__ overflow, /* in: overflow_sectors * 32 bytes, on the device */                     \
+      long long overflow_sectors,           /* sectors in overflow */                                                \
+      uint8_t* __restrict__ out,            /* out: n_entries * E bytes */                                           \
+      int* __restrict__ error,              /* in/out: one int, ORed with BUDDY_ERR_* bits */                        \
+      long long n_entries,                  /* entries of the tensor */                                              \
+      int word_bytes) {                     /* word size in bytes: 1, 2, 4 or 8 */                                   \
+    BUDDY_WORD_SWITCH(CODEC, buddy_unpack_body, reinterpret_cast<const buddy_meta_t*>(meta), ends, (uint32_t)slot, \
+                      slots, overflow, overflow_sectors, out, error, n_entries)                                    \
   }
 
-BUDDY_ENTRY_KERNELS(zvc, BuddyZvc)
+#if defined(BUDDY_CODEC_ZVC) || defined(BUDDY_CODEC_ALL)
+BUDDY_FORMAT_KERNELS(zvc, BuddyZvc)
+#endif
+#if defined(BUDDY_CODEC_FPX) || defined(BUDDY_CODEC_ALL)
+BUDDY_FORMAT_KERNELS(fpx, BuddyFpx)
+#endif
+#if defined(BUDDY_CODEC_BPC) || defined(BUDDY_CODEC_ALL)
+BUDDY_FORMAT_KERNELS(bpc, BuddyBpc)
+#endif
+#if defined(BUDDY_CODEC_AUTO) || defined(BUDDY_CODEC_ALL)
+BUDDY_FORMAT_KERNELS(auto, BuddyAuto)
+#endif

@@ -156,9 +156,12 @@ struct BuddyZvc {
                                        uint8_t* out) {
     (void)mode;
     const uint32_t lane = warp.lane();
-    // The bitmap must give k before any word is read through it. A bitmap that
-    // reaches past 32k bytes always fails this (it alone needs more sectors),
-    // so bytes after the payload never matter.
+    if (padded > k * BUDDY_SECTOR_BYTES) {  // the bitmap alone needs more sectors: read nothing past 32k
+      buddy_warp_fill(warp, nullptr, out, entry);
+      return BUDDY_ERR_STREAM;
+    }
+    // The bitmap must give k before any word is read through it; it lies
+    // inside the payload's 32k bytes, and so do the words it lists.
     uint32_t mine = 0;
     if constexpr (words >= 8) {
       for (uint32_t b = lane; b < words / 8; b += BUDDY_WARP_SIZE) mine += buddy_popc(payload[b]);

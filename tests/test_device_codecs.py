@@ -43,7 +43,7 @@ def _defines(entry_bytes: int) -> list[str]:
 
 
 #: codecs whose device functions the harness runs (its CODEC argument)
-DEVICE_CODECS = ("zvc", "fpx", "bpc")
+DEVICE_CODECS = ("zvc", "fpx", "bpc", "auto")
 ENTRY_SIZES = (32, 128, 256, 512, 4096)
 WORDS = (1, 2, 4, 8)
 
@@ -91,6 +91,68 @@ def run_decode(exe, codec, payload, sectors, modes, word, tmp_path) -> dict[str,
     out = {"decoded": r.rows(n, e), "err": r.int32(n)}
     r.done()
     return out
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def run_tensor(exe: Path, codec: str, op: str, word: int, sizes: tuple[int, ...], inputs, tmp_path: Path) -> _Reader:
+    """The kernel ``op`` (measure, pack, unpack) of ``codec`` over a whole tensor in the harness.
+
+    ``sizes``: the op's integers after the word size (see tests/host/codec_host.cpp);
+    ``inputs``: tensors whose bytes are concatenated as its input.
+    """
+    src, dst = tmp_path / f"{op}.in", tmp_path / f"{op}.out"
+    np.concatenate([_bytes(t) for t in inputs] or [np.zeros(0, np.uint8)]).tofile(src)
+    cmd = [str(exe), codec, op, str(word), *(str(v) for v in sizes), str(src), str(dst)]
+    subprocess.run(cmd, check=True, timeout=900)
+    return _Reader(np.fromfile(dst, dtype=np.uint8))
+
+
+def tensor_measure(exe, codec, data: torch.Tensor, entry_bytes: int, word: int, tmp_path):
+    """``(meta, histogram)`` of a tensor's bytes by the measure kernel's per-entry work."""
+    n_full, rest = divmod(data.numel(), entry_bytes)
+    tail = torch.zeros(entry_bytes, dtype=torch.uint8)
+    tail[:rest] = data[n_full * entry_bytes :]
+    n = n_full + (rest > 0)
+    r = run_tensor(exe, codec, "measure", word, (n, n_full), [data[: n_full * entry_bytes], tail], tmp_path)
+    meta = r.take(n * spec.meta_bytes(entry_bytes))
+    histogram = r.take(8 * (spec.sectors_per_entry(entry_bytes) + 1)).view(torch.int64)
+    r.done()
+    return meta, histogram
+
+
+def tensor_ends(meta: torch.Tensor, slot: int, entry_bytes: int) -> torch.Tensor:
+    """What the engine computes on the device: per entry, the overflow sectors of entries 0..i."""
+    k, _ = buddy.format.decode_meta(meta, entry_bytes, meta.numel() // spec.meta_bytes(entry_bytes), check=False)
+    return torch.cumsum((k - slot).clamp(min=0), 0)
+
+
+def tensor_pack(exe, codec, data, meta, slot: int, entry_bytes: int, word: int, tmp_path):
+    """``(slots, overflow)`` by the pack kernel's per-entry work."""
+    n_full, rest = divmod(data.numel(), entry_bytes)
+    tail = torch.zeros(entry_bytes, dtype=torch.uint8)
+    tail[:rest] = data[n_full * entry_bytes :]
+    n = n_full + (rest > 0)
+    ends = tensor_ends(meta, slot, entry_bytes)
+    inputs = [data[: n_full * entry_bytes], tail, meta, ends]
+    r = run_tensor(exe, codec, "pack", word, (n, n_full, slot), inputs, tmp_path)
+    slots = r.take(n * slot * spec.SECTOR_BYTES)
+    overflow = r.take(int(ends[-1]) * spec.SECTOR_BYTES if n else 0)
+    r.done()
+    return slots, overflow
+
+
+def tensor_unpack(exe, codec, meta, slots, overflow, slot: int, n: int, entry_bytes: int, word: int, tmp_path):
+    """``(entries (n * E bytes), error bits)`` by the unpack kernel's per-entry work."""
+    ends = tensor_ends(meta, slot, entry_bytes)
+    m = overflow.numel() // spec.SECTOR_BYTES
+    r = run_tensor(exe, codec, "unpack", word, (n, slot, m), [meta, ends, slots, overflow], tmp_path)
+    out = r.take(n * entry_bytes)
+    error = int(r.int32(1)[0])
+    r.done()
+    return out, error
 
 
 # ---------------------------------------------------------------------------
@@ -871,7 +933,7 @@ def test_fpx_device_flags_damage_like_reference(host_exe, word, tmp_path):
 # the device codecs instantiated for the GPU (tests/test_csrc.py compiles each
 # header alone, where templates are never instantiated)
 # ---------------------------------------------------------------------------
-_CODEC_CLASSES = {"zvc": "BuddyZvc", "fpx": "BuddyFpx", "bpc": "BuddyBpc"}
+_CODEC_CLASSES = {"zvc": "BuddyZvc", "fpx": "BuddyFpx", "bpc": "BuddyBpc", "auto": "BuddyAuto"}
 
 _INSTANTIATION = r"""
 #include "buddy_entry.h"
@@ -950,3 +1012,78 @@ def test_device_codecs_compile_with_nvrtc():
         nvrtc.nvrtcGetProgramLog(prog, log)
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
         assert result == 0, f"NVRTC failed for E={entry_bytes}:\n{log.value.decode(errors='replace')}"
+
+
+# ---------------------------------------------------------------------------
+# the kernels over whole tensors: measure, pack, unpack (csrc/buddy_ops.h)
+# ---------------------------------------------------------------------------
+TENSOR_CASES = [
+    pytest.param(torch.float32, 512, id="dtype=f32-E=512"),
+    pytest.param(torch.bfloat16, 512, id="dtype=bf16-E=512"),
+    pytest.param(torch.float16, 256, id="dtype=f16-E=256"),
+    pytest.param(torch.uint8, 128, id="dtype=u8-E=128"),
+    pytest.param(torch.float64, 4096, id="dtype=f64-E=4096"),
+    pytest.param(torch.int32, 32, id="dtype=i32-E=32"),
+]
+
+
+def _mixed_tensor(dtype: torch.dtype, entry_bytes: int, g: torch.Generator) -> torch.Tensor:
+    """Seven entries and a bit of every kind of data, so the last entry is partial."""
+    size = torch.empty((), dtype=dtype).element_size()
+    per = entry_bytes // size
+    parts = [make_data(kind, 2 * per, dtype, g) for kind in ("relu", "zeros", "special", "random_bytes")]
+    return torch.cat(parts)[: 7 * per + max(1, per // 3)]
+
+
+@pytest.mark.parametrize("codec", ids("codec", DEVICE_CODECS))
+@pytest.mark.parametrize(("dtype", "entry_bytes"), TENSOR_CASES)
+def test_tensor_kernels_write_the_reference_buffers(host_exe, codec, dtype, entry_bytes, tmp_path, store):
+    """measure -> metadata and histogram, pack -> slots and compacted overflow, unpack -> the tensor: all as the reference."""
+    t = _mixed_tensor(dtype, entry_bytes, torch.Generator().manual_seed(entry_bytes))
+    data = t.view(torch.uint8)
+    word = spec.word_bytes(dtype)
+    exe = host_exe(entry_bytes)
+    meta, histogram = tensor_measure(exe, codec, data, entry_bytes, word, tmp_path)
+    spe = spec.sectors_per_entry(entry_bytes)
+    for slot in sorted({0, 1, spe // 2, spe}):
+        ref = buddy.compress(t, spec.ratio_for_slot(slot, entry_bytes), codec, entry_bytes=entry_bytes, store=store)
+        ref_meta, ref_slots, ref_overflow = ref.buffers()
+        assert torch.equal(meta, ref_meta), "metadata"
+        assert tuple(histogram.tolist()) == ref.histogram
+        slots, overflow = tensor_pack(exe, codec, data, meta, slot, entry_bytes, word, tmp_path)
+        assert torch.equal(slots, ref_slots), f"slots (slot {slot})"
+        assert torch.equal(overflow, ref_overflow), f"overflow (slot {slot})"
+        out, error = tensor_unpack(exe, codec, meta, slots, overflow, slot, ref.n_entries, entry_bytes, word, tmp_path)
+        assert error == 0
+        assert torch.equal(out[: data.numel()], data)
+        ref.free()
+
+
+@pytest.mark.parametrize("codec", ids("codec", ("zvc", "auto")))
+def test_tensor_unpack_flags_inconsistent_buffers(host_exe, codec, tmp_path):
+    """Damaged metadata, an overflow too short or too long: flagged, never read out of bounds (guarded buffers)."""
+    e, word = 512, 4
+    t = make_data("relu", 7 * 128 + 5, torch.float32, torch.Generator().manual_seed(1)).view(torch.uint8)
+    exe = host_exe(e)
+    meta, _ = tensor_measure(exe, codec, t, e, word, tmp_path)
+    slot = 4
+    slots, overflow = tensor_pack(exe, codec, t, meta, slot, e, word, tmp_path)
+    n = meta.numel() // 2
+    assert overflow.numel() >= 2 * spec.SECTOR_BYTES, "the data must overflow"
+
+    def unpack(m=meta, s=slots, o=overflow):
+        return tensor_unpack(exe, codec, m, s, o, slot, n, e, word, tmp_path)
+
+    assert unpack()[1] == 0
+    too_large = meta.clone()
+    too_large[1] |= 0x0F  # k = 3855 (bits 0-11: 0x0F0F...): beyond 16 sectors
+    out, error = unpack(m=too_large)
+    assert error & 1 and not out[e : 2 * e].any()
+    assert unpack(o=overflow[: -spec.SECTOR_BYTES])[1] & 16, "an overflow one sector short"
+    assert unpack(o=torch.cat([overflow, torch.zeros(spec.SECTOR_BYTES, dtype=torch.uint8)]))[1] & 16, "one too long"
+    assert unpack(o=overflow[:0])[1] & 16, "no overflow at all"
+    coded = (meta.view(torch.int16) & 0xFFF).to(torch.int32)
+    i = int(((coded > 0) & (coded < 16)).nonzero()[0])
+    damaged = slots.clone()
+    damaged[i * slot * spec.SECTOR_BYTES : (i + 1) * slot * spec.SECTOR_BYTES] = 0xFF  # its bitmap or header
+    assert unpack(s=damaged)[1] & 2, "a payload that disagrees with its k"

@@ -27,7 +27,20 @@
 //          IN:  N * E bytes of non-zero entries
 //          OUT: k (N int32) | mode (N int32) | payload (N * 2E: the 32k bytes
 //               encode wrote, zeros after) | decoded (N * E) | errors (N uint32)
-// CODEC: zvc | fpx | bpc
+//        codec_host CODEC measure WORD_BYTES N N_FULL IN OUT
+//        codec_host CODEC pack WORD_BYTES N N_FULL S IN OUT
+//        codec_host CODEC unpack WORD_BYTES N S M IN OUT
+//          the kernels of buddy_kernels.cu over a whole tensor of N entries,
+//          entry by entry as buddy_ops.h has them (one warp; the GPU runs
+//          many): data holds the N_FULL whole entries, tail the last one
+//          zero-padded; metadata words are META_BYTES each; ends are int64.
+//          measure  IN:  data (N_FULL * E) | tail (E)
+//                   OUT: metadata (N words) | histogram (E/32 + 1 uint64)
+//          pack     IN:  data | tail | metadata | ends (N)
+//                   OUT: slots (N * S * 32) | overflow (ends[N-1] * 32)
+//          unpack   IN:  metadata | ends | slots (N * S * 32) | overflow (M * 32)
+//                   OUT: entries (N * E) | the ORed error bits (uint32)
+// CODEC: zvc | fpx | bpc | auto
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,10 +51,8 @@
 #include <functional>
 #include <vector>
 
-#include "buddy_entry.h"
-#include "codec_bpc.h"
-#include "codec_fpx.h"
-#include "codec_zvc.h"
+#include "buddy_ops.h"
+#include "codec_auto.h"
 
 static const uint32_t E = BUDDY_ENTRY_BYTES;
 
@@ -285,6 +296,145 @@ static void stream(size_t n, const uint8_t* in, FILE* out) {
   fwrite(errs.data(), 4, n, out);
 }
 
+// ---------------------------------------------------------------------------
+// the kernels' per-entry work over whole tensors (buddy_ops.h)
+// ---------------------------------------------------------------------------
+struct Tensors {  // the sizes of one tensor-level call (see the usage)
+  size_t n, n_full, s, m;
+};
+
+static const size_t META = BUDDY_META_BYTES;
+
+// A guarded copy of `n` bytes of `in` (advanced past them).
+static uint8_t* take(const uint8_t*& in, size_t n) {
+  uint8_t* p = guarded(n);
+  memcpy(p, in, n);
+  in += n;
+  return p;
+}
+
+template <class Codec>
+static void tensor_measure(const Tensors& t, const uint8_t* in, FILE* out) {
+  const uint8_t* data = take(in, t.n_full * E);
+  const uint8_t* tail = take(in, E);
+  buddy_meta_t* meta = (buddy_meta_t*)guarded(t.n * META);
+  std::vector<uint64_t> histogram(BUDDY_SECTORS_PER_ENTRY + 1, 0);
+  run_warp([&](uint32_t l) {
+    const HostWarp warp{l};
+    for (size_t i = 0; i < t.n; ++i) {
+      const uint32_t k = buddy_measure_entry<Codec>(warp, (long long)i, data, tail, (long long)t.n_full, meta);
+      if (l == 0) ++histogram[k];
+    }
+  });
+  fwrite(meta, META, t.n, out);
+  fwrite(histogram.data(), 8, histogram.size(), out);
+}
+
+template <class Codec>
+static void tensor_pack(const Tensors& t, const uint8_t* in, FILE* out) {
+  const uint8_t* data = take(in, t.n_full * E);
+  const uint8_t* tail = take(in, E);
+  const buddy_meta_t* meta = (const buddy_meta_t*)take(in, t.n * META);
+  const long long* ends = (const long long*)take(in, t.n * 8);
+  const size_t m = t.n ? (size_t)ends[t.n - 1] : 0;
+  uint8_t* slots = guarded(t.n * t.s * BUDDY_SECTOR_BYTES);
+  uint8_t* overflow = guarded(m * BUDDY_SECTOR_BYTES);
+  uint8_t* staging = guarded(E);
+  memset(slots, 0xAB, t.n * t.s * BUDDY_SECTOR_BYTES);  // a byte left unwritten shows up
+  memset(overflow, 0xAB, m * BUDDY_SECTOR_BYTES);
+  run_warp([&](uint32_t l) {
+    const HostWarp warp{l};
+    for (size_t i = 0; i < t.n; ++i)
+      buddy_pack_entry<Codec>(warp, (long long)i, data, tail, (long long)t.n_full, meta, ends, (uint32_t)t.s, slots,
+                              overflow, staging);
+  });
+  fwrite(slots, 1, t.n * t.s * BUDDY_SECTOR_BYTES, out);
+  fwrite(overflow, 1, m * BUDDY_SECTOR_BYTES, out);
+}
+
+template <class Codec>
+static void tensor_unpack(const Tensors& t, const uint8_t* in, FILE* out) {
+  const buddy_meta_t* meta = (const buddy_meta_t*)take(in, t.n * META);
+  const long long* ends = (const long long*)take(in, t.n * 8);
+  const uint8_t* slots = take(in, t.n * t.s * BUDDY_SECTOR_BYTES);
+  const uint8_t* overflow = take(in, t.m * BUDDY_SECTOR_BYTES);
+  uint8_t* entries = guarded(t.n * E);
+  uint8_t* staging = guarded(E);
+  memset(entries, 0xAB, t.n * E);
+  uint32_t err = 0;
+  run_warp([&](uint32_t l) {
+    const HostWarp warp{l};
+    uint32_t mine = 0;
+    for (size_t i = 0; i < t.n; ++i)
+      mine |= buddy_unpack_entry<Codec>(warp, (long long)i, (long long)t.n, meta, ends, (uint32_t)t.s, slots,
+                                        overflow, (long long)t.m, staging, entries);
+    if (l == 0) err = mine;
+  });
+  fwrite(entries, 1, t.n * E, out);
+  fwrite(&err, 4, 1, out);
+}
+
+template <template <int> class Codec, int WB>
+static void tensor_op(const char* op, const Tensors& t, const uint8_t* in, FILE* out) {
+  if (strcmp(op, "measure") == 0)
+    tensor_measure<Codec<WB>>(t, in, out);
+  else if (strcmp(op, "pack") == 0)
+    tensor_pack<Codec<WB>>(t, in, out);
+  else
+    tensor_unpack<Codec<WB>>(t, in, out);
+}
+
+template <template <int> class Codec>
+static int run_tensor(const char* op, int word, const Tensors& t, const uint8_t* in, FILE* out) {
+  switch (word) {
+    case 1: tensor_op<Codec, 1>(op, t, in, out); return 0;
+    case 2: tensor_op<Codec, 2>(op, t, in, out); return 0;
+    case 4: tensor_op<Codec, 4>(op, t, in, out); return 0;
+    case 8: tensor_op<Codec, 8>(op, t, in, out); return 0;
+    default: fprintf(stderr, "word size must be 1, 2, 4 or 8, got %d\n", word); return 2;
+  }
+}
+
+// The tensor-level operations: measure | pack | unpack (see the usage).
+static int tensor_main(int argc, char** argv) {
+  const char* op = argv[2];
+  const bool unpack = strcmp(op, "unpack") == 0;
+  const int want = strcmp(op, "measure") == 0 ? 8 : 9;
+  if (argc != want) {
+    fprintf(stderr, "%s: wrong number of arguments (see the usage at the top of codec_host.cpp)\n", op);
+    return 2;
+  }
+  Tensors t{};
+  t.n = (size_t)strtoull(argv[4], nullptr, 10);
+  if (unpack) {
+    t.s = (size_t)strtoull(argv[5], nullptr, 10);
+    t.m = (size_t)strtoull(argv[6], nullptr, 10);
+  } else {
+    t.n_full = (size_t)strtoull(argv[5], nullptr, 10);
+    if (want == 9) t.s = (size_t)strtoull(argv[6], nullptr, 10);
+  }
+  const std::vector<uint8_t> in = read_file(argv[want - 2]);
+  FILE* out = fopen(argv[want - 1], "wb");
+  if (!out) {
+    perror(argv[want - 1]);
+    return 2;
+  }
+  const char* codec = argv[1];
+  const int word = atoi(argv[3]);
+  int rc = 2;
+  if (strcmp(codec, "zvc") == 0)
+    rc = run_tensor<BuddyZvc>(op, word, t, in.data(), out);
+  else if (strcmp(codec, "fpx") == 0)
+    rc = run_tensor<BuddyFpx>(op, word, t, in.data(), out);
+  else if (strcmp(codec, "bpc") == 0)
+    rc = run_tensor<BuddyBpc>(op, word, t, in.data(), out);
+  else if (strcmp(codec, "auto") == 0)
+    rc = run_tensor<BuddyAuto>(op, word, t, in.data(), out);
+  else
+    fprintf(stderr, "unknown codec %s\n", codec);
+  return fclose(out) == 0 ? rc : 2;
+}
+
 template <template <int> class Codec>
 static int run(const char* op, int word, size_t n, const uint8_t* in, FILE* out) {
   void (*fn[4])(size_t, const uint8_t*, FILE*);
@@ -303,6 +453,8 @@ static int run(const char* op, int word, size_t n, const uint8_t* in, FILE* out)
 }
 
 int main(int argc, char** argv) {
+  if (argc > 2 && (strcmp(argv[2], "measure") == 0 || strcmp(argv[2], "pack") == 0 || strcmp(argv[2], "unpack") == 0))
+    return tensor_main(argc, argv);
   if (argc != 7 ||
       (strcmp(argv[2], "encode") != 0 && strcmp(argv[2], "decode") != 0 && strcmp(argv[2], "stream") != 0)) {
     fprintf(stderr, "usage: %s CODEC encode|decode|stream WORD_BYTES N IN OUT\n", argv[0]);
@@ -329,6 +481,8 @@ int main(int argc, char** argv) {
     rc = run<BuddyFpx>(argv[2], word, n, in.data(), out);
   else if (strcmp(codec, "bpc") == 0)
     rc = run<BuddyBpc>(argv[2], word, n, in.data(), out);
+  else if (strcmp(codec, "auto") == 0)
+    rc = run<BuddyAuto>(argv[2], word, n, in.data(), out);
   else {
     fprintf(stderr, "unknown codec %s\n", codec);
     rc = 2;

@@ -1,0 +1,134 @@
+// The three format operations on one entry -- measure, pack, unpack -- with
+// the codec as a template parameter: the bodies the kernels of
+// buddy_kernels.cu run for each entry, host-compilable so that the host
+// harness (tests/host/codec_host.cpp) runs them under an emulated warp over
+// whole tensors.
+//
+// measure  entry -> (k, mode): its size in sectors and its metadata mode.
+// pack     entry, (k, mode), slot s -> the first min(k, s) sectors into the
+//          entry's slot (the rest of the slot zero), the other max(k - s, 0)
+//          sectors into the overflow at the entry's offset. The payload is
+//          written first into a staging buffer of E bytes (shared memory on
+//          the GPU), then copied out a sector at a time.
+// unpack   slot, overflow, (k, mode) -> the E bytes of the entry. The payload
+//          is gathered into the staging buffer first; every read of the slot
+//          and the overflow stays inside the bounds it is given.
+//
+// All lanes of a warp call these together (see buddy_warp.h). Pointers are
+// 8-byte aligned; slot, overflow and out pointers address exactly the bytes
+// their arguments say.
+#pragma once
+
+#include "buddy_entry.h"
+
+// 8-byte units of one sector
+#define BUDDY_SECTOR_UNITS (BUDDY_SECTOR_BYTES / 8)
+
+// Copies `sectors` sectors from src to dst (both 8-byte aligned), 8 bytes per lane store.
+template <class Warp>
+BUDDY_WARP_FN void buddy_warp_copy_sectors(const Warp& warp, const uint8_t* src, uint8_t* dst, uint32_t sectors) {
+  buddy_warp_fill(warp, src, dst, sectors * BUDDY_SECTOR_BYTES);
+}
+
+// k and metadata mode of an entry (E bytes at `entry`).
+template <class Codec, class Warp>
+BUDDY_WARP_FN uint32_t buddy_op_measure(const Warp& warp, const uint8_t* entry, uint32_t* mode) {
+  return buddy_entry_measure<Codec>(warp, entry, mode);
+}
+
+// Stores an entry measured at (k, mode) in a slot of s sectors:
+//   slot      s * 32 bytes: sectors [0, min(k, s)) of the payload, then zeros
+//   overflow  max(k - s, 0) * 32 bytes: sectors [s, k) of the payload
+// `staging` holds E bytes of scratch (the warp's own).
+template <class Codec, class Warp>
+BUDDY_WARP_FN void buddy_op_pack(const Warp& warp, const uint8_t* entry, uint32_t k, uint32_t mode, uint32_t s,
+                                 uint8_t* slot, uint8_t* overflow, uint8_t* staging) {
+  const uint8_t* payload = entry;  // a raw entry is its own payload: no staging
+  if (k != 0 && k != BUDDY_SECTORS_PER_ENTRY) {
+    buddy_entry_encode<Codec>(warp, entry, k, mode, staging);
+    warp.sync();  // the codec's lanes wrote the staging buffer; every lane copies from it
+    payload = staging;
+  }
+  const uint32_t in_slot = k < s ? k : s;
+  buddy_warp_copy_sectors(warp, payload, slot, in_slot);
+  buddy_warp_fill(warp, nullptr, slot + in_slot * BUDDY_SECTOR_BYTES, (s - in_slot) * BUDDY_SECTOR_BYTES);
+  if (k > s) buddy_warp_copy_sectors(warp, payload + s * BUDDY_SECTOR_BYTES, overflow, k - s);
+  warp.sync();  // the staging buffer is read before the warp's next entry writes it
+}
+
+// The E bytes of an entry from its metadata word, its slot of s sectors and
+// its overflow: `available` sectors of overflow start at `overflow` (what is
+// left of the buffer from the entry's offset on), of which it reads
+// max(k - s, 0). Returns BUDDY_ERR_* bits; a flagged entry decodes to zeros
+// and nothing is read out of bounds.
+template <class Codec, class Warp>
+BUDDY_WARP_FN uint32_t buddy_op_unpack(const Warp& warp, buddy_meta_t word, uint32_t s, const uint8_t* slot,
+                                       const uint8_t* overflow, uint64_t available, uint8_t* staging, uint8_t* out) {
+  const uint32_t k = buddy_meta_k(word), mode = buddy_meta_mode(word);
+  if (k > BUDDY_SECTORS_PER_ENTRY || (k > s && available < k - s)) {
+    buddy_warp_fill(warp, nullptr, out, BUDDY_ENTRY_BYTES);
+    return k > BUDDY_SECTORS_PER_ENTRY ? BUDDY_ERR_K : BUDDY_ERR_OVERFLOW;
+  }
+  const uint32_t in_slot = k < s ? k : s;
+  buddy_warp_copy_sectors(warp, slot, staging, in_slot);
+  if (k > s) buddy_warp_copy_sectors(warp, overflow, staging + s * BUDDY_SECTOR_BYTES, k - s);
+  warp.sync();  // the gathered payload is complete before any lane decodes from it
+  const uint32_t err = buddy_entry_decode<Codec>(warp, staging, k, mode, out);
+  warp.sync();  // the staging buffer is read before the warp's next entry writes it
+  return err;
+}
+
+// ---------------------------------------------------------------------------
+// Entry i of a whole tensor: what one warp of each kernel does per entry (the
+// kernels of buddy_kernels.cu loop warps over i; the host harness loops i).
+//   data, tail  entry i < n_full is at data + i * E, the last entry (when the
+//               tensor ends inside it) is a zero-padded copy at tail
+//   meta        one metadata word per entry
+//   ends        per entry, the overflow sectors of entries 0..i (inclusive
+//               prefix sum of max(k - s, 0)), so entry i's overflow starts at
+//               ends[i] - max(k_i - s, 0)
+// ---------------------------------------------------------------------------
+BUDDY_HD const uint8_t* buddy_entry_at(const uint8_t* data, const uint8_t* tail, long long n_full, long long i) {
+  return i < n_full ? data + i * BUDDY_ENTRY_BYTES : tail;
+}
+
+// Measures entry i into meta[i]; returns its k (on every lane).
+template <class Codec, class Warp>
+BUDDY_WARP_FN uint32_t buddy_measure_entry(const Warp& warp, long long i, const uint8_t* data, const uint8_t* tail,
+                                           long long n_full, buddy_meta_t* meta) {
+  uint32_t mode;
+  const uint32_t k = buddy_op_measure<Codec>(warp, buddy_entry_at(data, tail, n_full, i), &mode);
+  if (warp.lane() == 0) meta[i] = buddy_meta_pack(k, mode);
+  return k;
+}
+
+// Packs entry i into its slot and its place in the overflow.
+template <class Codec, class Warp>
+BUDDY_WARP_FN void buddy_pack_entry(const Warp& warp, long long i, const uint8_t* data, const uint8_t* tail,
+                                    long long n_full, const buddy_meta_t* meta, const long long* ends, uint32_t s,
+                                    uint8_t* slots, uint8_t* overflow, uint8_t* staging) {
+  const buddy_meta_t word = meta[i];
+  const uint32_t k = buddy_meta_k(word);
+  const long long start = ends[i] - buddy_overflow_sectors(k, s);  // overflow sectors of the entries before it
+  buddy_op_pack<Codec>(warp, buddy_entry_at(data, tail, n_full, i), k, buddy_meta_mode(word), s,
+                       slots + i * s * BUDDY_SECTOR_BYTES, overflow + start * BUDDY_SECTOR_BYTES, staging);
+}
+
+// Unpacks entry i of n into out + i * E, reading the overflow (overflow_sectors
+// sectors) only inside its bounds; returns BUDDY_ERR_* bits. The last entry
+// also checks that the overflow holds no more than the metadata needs.
+template <class Codec, class Warp>
+BUDDY_WARP_FN uint32_t buddy_unpack_entry(const Warp& warp, long long i, long long n, const buddy_meta_t* meta,
+                                          const long long* ends, uint32_t s, const uint8_t* slots,
+                                          const uint8_t* overflow, long long overflow_sectors, uint8_t* staging,
+                                          uint8_t* out) {
+  const buddy_meta_t word = meta[i];
+  const long long start = ends[i] - buddy_overflow_sectors(buddy_meta_k(word), s);
+  const bool inside = start >= 0 && start <= overflow_sectors;
+  const uint64_t available = inside ? (uint64_t)(overflow_sectors - start) : 0u;
+  uint32_t err = buddy_op_unpack<Codec>(warp, word, s, slots + i * s * BUDDY_SECTOR_BYTES,
+                                        overflow + (inside ? start : 0) * BUDDY_SECTOR_BYTES, available, staging,
+                                        out + i * BUDDY_ENTRY_BYTES);
+  if (i == n - 1 && ends[i] != overflow_sectors) err |= BUDDY_ERR_OVERFLOW;
+  return err;
+}
