@@ -272,7 +272,7 @@ def cpu_baselines() -> list[Baseline]:
 
 
 #: nvcomp's lossless codecs compared against (names as nvcomp's Python API spells them)
-NVCOMP_ALGORITHMS = ("ANS", "Bitcomp", "Cascaded", "LZ4")
+NVCOMP_ALGORITHMS = ("ANS", "Bitcomp", "Cascaded", "LZ4", "GDeflate")
 
 
 def nvcomp_baselines(device: torch.device) -> list[Baseline]:

@@ -1,28 +1,34 @@
-"""CUDA benchmark: buddy's zvc kernels next to the torch reference on the GPU, memcpy and nvcomp.
+"""CUDA benchmark: every codec's kernels next to the torch reference, memcpy and nvcomp, on real activations.
 
-GPU only (exits with a message without one). On the activations of
-:func:`experiments.data.activation_tensors` (fp32 and bf16, moved to the GPU)
-and one large tensor (``--big-mib``, default 256 MiB: the ``cnn.relu``
-activation tiled), it measures, in GB/s of input bytes:
+GPU only (exits with a message without one). On ``--mib`` MiB (default 256)
+of real activations per dtype -- what the experiment workloads save for
+backward at full size (``resnet-fp32`` for fp32, ``gpt-bf16`` for bf16),
+concatenated in saving order and repeated up to the size -- it measures, in
+GB/s of input bytes:
 
-* ``buddy:zvc/cuda`` and ``buddy:zvc/reference``: ``buddy.compress`` (size
-  pass, pack, overflow D2H) and ``decompress`` with each backend; the CUDA
-  path's buffers must equal the reference's byte for byte and both must round
-  trip, or the run stops;
+* ``buddy:<codec>/cuda`` for every codec with kernels (zvc, fpx, bpc, auto)
+  at its default entry size, and ``buddy:<codec>/reference`` (the torch
+  reference on the GPU, ``--reference``): ``buddy.compress`` (measure, the
+  slot the default policy picks, pack, the overflow's copy to pinned memory)
+  and ``decompress``; the CUDA path's buffers must equal the reference's byte
+  for byte and both must round trip, or the run stops; each row also counts
+  the kernel launches and host synchronisations of one compress and one
+  decompress (torch profiler, CUDA activity);
 * ``memcpy``: a device-to-device copy of the same bytes (the floor);
-* nvcomp's ANS, Bitcomp, Cascaded and LZ4 (``experiments.bench_codecs.nvcomp_baselines``)
-  when nvcomp is importable;
+* nvcomp's ANS, Bitcomp, Cascaded, LZ4 and GDeflate on the same bytes
+  (``experiments.bench_codecs.nvcomp_baselines``), when nvcomp is importable;
 
-and, for the overflow path, the PCIe rate of a pinned host <-> device copy of
-each tensor's overflow size (D2H and H2D; the staging-copy design is kept
-for now). Timing: CUDA events on the current stream, ``--warmup`` untimed
-runs, the median of ``--repeats``.
+and the PCIe rate of a pinned host <-> device copy of each overflow size.
+Timing: CUDA events on the current stream, ``--warmup`` untimed runs, the
+median of ``--repeats``.
 
     python -m experiments.bench_cuda
-    python experiments/bench_cuda.py --scale quick --repeats 5
+    python -m experiments.bench_cuda --mib 64 --repeats 5 --reference
 
-Prints the environment first; writes ``results.json`` to ``--out``
-(default ``results/bench_cuda/``).
+Prints the environment first; writes ``results.json`` to ``--out`` (default
+``results/bench_cuda/``): rows with ``method``, ``dtype``, ``ratio``,
+``compress_gbps``, ``decompress_gbps`` (and more), the device, the library
+versions and the command.
 """
 
 from __future__ import annotations
@@ -48,13 +54,14 @@ from buddy.deps import require_cuda
 from buddy.errors import MissingDependencyError
 from experiments.bench_codecs import RoundTripError, timed
 
-__all__ = ["main", "run", "pcie_rates"]
+__all__ = ["main", "run", "pcie_rates", "activation_bytes"]
 
 GB = 1e9  # decimal GB/s
 MiB = 1 << 20
-BACKENDS = ("cuda", "reference")
-#: the codec whose CUDA kernels are measured (the library's default codec has none)
-CODEC = "zvc"
+#: the codecs measured: those with kernels (buddy.cuda.KERNEL_CODECS)
+CODECS = ("zvc", "fpx", "bpc", "auto")
+#: the workload whose saved activations make each dtype's tensor
+WORKLOADS = {torch.float32: "resnet-fp32", torch.bfloat16: "gpt-bf16"}
 
 
 def _summary(times: list[float]) -> dict[str, float]:
@@ -74,10 +81,11 @@ def _row(name: str, x: torch.Tensor, method: str, comp: list[float], decomp: lis
         "shape": list(x.shape),
         "bytes": nbytes,
         "method": method,
+        "device": str(x.device),
         "comp": c,
         "decomp": d,
-        "comp_gbps": _gbps(nbytes, c["median_s"]),
-        "decomp_gbps": _gbps(nbytes, d["median_s"]),
+        "compress_gbps": _gbps(nbytes, c["median_s"]),
+        "decompress_gbps": _gbps(nbytes, d["median_s"]),
         **extra,
     }
 
@@ -86,6 +94,20 @@ def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
     a = x.detach().contiguous().reshape(-1).view(torch.uint8)
     b = y.detach().contiguous().reshape(-1).view(torch.uint8).to(a.device)
     return a.numel() == b.numel() and torch.equal(a, b)
+
+
+def launches_and_syncs(fn: Callable[[], Any], device: torch.device) -> dict[str, int] | None:
+    """Kernel launches and host synchronisations of one call of ``fn`` (CUDA only; ``None`` elsewhere)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize(device)  # (the profiler's own: not counted below, it is the last one)
+    names = [e.name for e in prof.events()]
+    syncs = sum("Synchronize" in n for n in names) - 1
+    return {"launches": sum("LaunchKernel" in n for n in names), "syncs": max(0, syncs)}
 
 
 # ---- methods ------------------------------------------------------------------------------
@@ -97,30 +119,33 @@ def bench_memcpy(name: str, x: torch.Tensor, repeats: int, warmup: int) -> dict[
 
 
 def bench_buddy(
-    name: str, x: torch.Tensor, backend: str, entry_bytes: int, store: buddy.BuddyStore, repeats: int, warmup: int
+    name: str, x: torch.Tensor, codec: str, backend: str, store: buddy.BuddyStore, repeats: int, warmup: int
 ) -> tuple[dict[str, Any], buddy.BuddyTensor]:
-    """compress / decompress with :data:`CODEC`, ``backend`` and the default slot; returns the row and one tensor."""
+    """compress / decompress with ``codec`` and ``backend`` at the default entry size and policy."""
 
     def compress():
-        return buddy.compress(x, codec=CODEC, entry_bytes=entry_bytes, store=store, backend=backend)
+        return buddy.compress(x, codec=codec, store=store, backend=backend)
 
     bt = compress()
-    if not _same_bytes(bt.decompress(), x):
-        raise RoundTripError(f"buddy backend {backend!r} on {name!r}: round trip is not exact")
+    if not _same_bytes(bt.decompress(check=True), x):
+        raise RoundTripError(f"buddy {codec}/{backend} on {name!r}: round trip is not exact")
     comp = timed(compress, repeats, x.device, after=lambda b: b.free(), warmup=warmup)
     decomp = timed(bt.decompress, repeats, x.device, warmup=warmup)
     row = _row(
         name,
         x,
-        f"buddy:{CODEC}/{backend}",
+        f"buddy:{codec}/{backend}",
         comp,
         decomp,
         ratio=bt.original_bytes / max(1, bt.compressed_bytes),
         eff_ratio=bt.effective_ratio,
         target_ratio=bt.target_ratio,
+        entry_bytes=bt.entry_bytes,
         device_bytes=bt.device_bytes,
         buddy_bytes=bt.buddy_bytes,
         backend=bt.backend,
+        compress_counts=launches_and_syncs(lambda: compress().free(), x.device),
+        decompress_counts=launches_and_syncs(bt.decompress, x.device),
     )
     return row, bt
 
@@ -173,8 +198,8 @@ def pcie_rates(nbytes: int, device: torch.device, repeats: int, warmup: int) -> 
 def run(
     tensors: dict[str, torch.Tensor],
     *,
-    backends: tuple[str, ...] = BACKENDS,
-    entry_bytes: int = 128,
+    codecs: tuple[str, ...] = CODECS,
+    backends: tuple[str, ...] = ("cuda",),
     repeats: int = 10,
     warmup: int = 2,
     nvcomp: bool = True,
@@ -196,46 +221,51 @@ def run(
     store = buddy.BuddyStore(capacity_bytes=max(1 << 30, 2 * total), pin=device.type == "cuda")
     for name, x in tensors.items():
         rows.append(bench_memcpy(name, x, repeats, warmup))
-        kept = {}
-        for backend in backends:
-            row, kept[backend] = bench_buddy(name, x, backend, entry_bytes, store, repeats, warmup)
-            rows.append(row)
-            log(_line(rows[-1]))
-        if len(kept) > 1:
+        log(_line(rows[-1]))
+        overflow = 0
+        for codec in codecs:
+            kept = {}
+            for backend in backends:
+                row, kept[backend] = bench_buddy(name, x, codec, backend, store, repeats, warmup)
+                rows.append(row)
+                log(_line(rows[-1]))
             first, *others = kept.values()
             for other in others:
                 check_backends_agree(name, first, other)
-        overflow = max(bt.buddy_bytes for bt in kept.values()) if kept else 0
-        for bt in kept.values():
-            bt.free()
+            overflow = max(overflow, *(bt.buddy_bytes for bt in kept.values()))
+            for bt in kept.values():
+                bt.free()
         for baseline in baselines:
             rows.append(bench_nvcomp(name, x, baseline, repeats, warmup))
             log(_line(rows[-1]))
         if pcie and device.type == "cuda" and overflow:
-            rates = {"tensor": name, **pcie_rates(overflow, device, repeats, warmup)}
-            pcie_rows.append(rates)
-            log(
-                f"{name:>22}  PCIe pinned copy of the overflow ({overflow / MiB:.2f} MiB): "
-                f"D2H {rates['d2h_gbps']:.2f} GB/s, H2D {rates['h2d_gbps']:.2f} GB/s"
-            )
+            pcie_rows.append({"tensor": name, **pcie_rates(overflow, device, repeats, warmup)})
     return {"rows": rows, "pcie": pcie_rows, "notes": notes}
 
 
 def _line(row: dict[str, Any]) -> str:
+    counts = row.get("compress_counts")
+    extra = f"  launches {counts['launches']}, syncs {counts['syncs']}" if counts else ""
     return (
-        f"{row['tensor']:>22} {row['dtype']:>9} {row['method']:>22}  "
-        f"comp {row['comp_gbps']:8.2f} GB/s  decomp {row['decomp_gbps']:8.2f} GB/s  ratio {row['ratio']:.3f}"
+        f"{row['tensor']:>14} {row['dtype']:>9} {row['method']:>24}  comp {row['compress_gbps']:8.2f} GB/s  "
+        f"decomp {row['decompress_gbps']:8.2f} GB/s  ratio {row['ratio']:.3f}{extra}"
     )
 
 
 def format_table(result: dict[str, Any]) -> str:
     """Rows as a fixed-width table, then the PCIe rates."""
-    head = f"{'tensor':>22} {'dtype':>9} {'MiB':>8} {'method':>22} {'ratio':>7} {'comp GB/s':>10} {'decomp GB/s':>12}"
+    head = (
+        f"{'tensor':>14} {'dtype':>9} {'MiB':>7} {'method':>24} {'ratio':>6} {'comp GB/s':>10} {'decomp GB/s':>12} "
+        f"{'launches c/d':>13} {'syncs c/d':>10}"
+    )
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
+        c, d = r.get("compress_counts"), r.get("decompress_counts")
+        launches = f"{c['launches']}/{d['launches']}" if c and d else ""
+        syncs = f"{c['syncs']}/{d['syncs']}" if c and d else ""
         lines.append(
-            f"{r['tensor']:>22} {r['dtype']:>9} {r['bytes'] / MiB:8.1f} {r['method']:>22} {r['ratio']:7.3f} "
-            f"{r['comp_gbps']:10.2f} {r['decomp_gbps']:12.2f}"
+            f"{r['tensor']:>14} {r['dtype']:>9} {r['bytes'] / MiB:7.1f} {r['method']:>24} {r['ratio']:6.3f} "
+            f"{r['compress_gbps']:10.2f} {r['decompress_gbps']:12.2f} {launches:>13} {syncs:>10}"
         )
     if result["pcie"]:
         lines += ["", f"{'PCIe, pinned, overflow size':>40} {'MiB':>8} {'D2H GB/s':>9} {'H2D GB/s':>9}"]
@@ -244,32 +274,38 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def gpu_tensors(scale: str, big_mib: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The fp32/bf16 activations on ``device``, and ``cnn.relu`` tiled to ``big_mib`` MiB."""
-    from experiments.data import activation_tensors
+def activation_bytes(dtype: torch.dtype, mib: int, device, *, size: str = "full", point: int = 30) -> torch.Tensor:
+    """``mib`` MiB of what a workload saves for backward, ``point`` steps into training, as one ``dtype`` tensor.
 
-    acts = activation_tensors(scale)
-    out = {n: t.to(device) for n, t in acts.items() if t.dtype in (torch.float32, torch.bfloat16)}
-    if big_mib > 0:
-        base = acts["cnn.relu"].reshape(-1)
-        reps = -(-big_mib * MiB // (base.numel() * base.element_size()))
-        big = base.to(device).repeat(reps)[: big_mib * MiB // base.element_size()]
-        out[f"cnn.relu.x{reps}"] = big.contiguous()
-    return out
+    The saved tensors of one step (``WORKLOADS[dtype]``), each in the bytes
+    buddy compresses, concatenated in saving order and repeated up to the
+    size (the last copy cut).
+    """
+    from experiments.workloads import capture
+
+    (cap,) = capture(WORKLOADS[dtype], size=size, points=(point,), device=device)
+    parts = [t.tensor.detach().reshape(-1).view(torch.uint8) for t in cap.tensors if t.tensor.dtype == dtype]
+    if not parts:
+        raise RuntimeError(f"{WORKLOADS[dtype]} saved no {dtype} tensor")
+    step = torch.cat([p.to(device) for p in parts])
+    want = mib * MiB
+    whole = step.repeat(-(-want // step.numel()))[:want]
+    return whole.view(dtype)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_cuda", description=__doc__.split("\n\n")[0])
-    p.add_argument("--scale", default="full", help="activation scale (experiments.data.SCALES; default full)")
-    p.add_argument("--big-mib", type=int, default=256, help="size of the large tensor in MiB (0: none)")
-    p.add_argument("--entry-bytes", type=int, default=128)
+    p.add_argument("--mib", type=int, default=256, help="MiB of activations per dtype (default 256)")
+    p.add_argument("--size", default="full", help="workload size the activations come from (default full)")
+    p.add_argument("--codecs", nargs="+", default=list(CODECS), help="codecs with kernels to measure")
+    p.add_argument("--reference", action="store_true", help="also time the torch reference on the GPU (slow)")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per measurement (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed ones")
     p.add_argument("--no-nvcomp", action="store_true", help="skip nvcomp's codecs")
     p.add_argument("--out", type=Path, default=Path("results/bench_cuda"))
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0:
-        p.error("--repeats must be >= 1 and --warmup >= 0")
+    if args.repeats < 1 or args.warmup < 0 or args.mib < 1:
+        p.error("--repeats and --mib must be >= 1 and --warmup >= 0")
     return args
 
 
@@ -282,10 +318,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except MissingDependencyError as exc:
         raise SystemExit(f"bench_cuda: nothing to measure without a GPU. {exc}") from None
     device = torch.device("cuda", torch.cuda.current_device())
-    tensors = gpu_tensors(args.scale, args.big_mib, device)
+    tensors = {
+        f"{WORKLOADS[d]}.{args.mib}MiB": activation_bytes(d, args.mib, device, size=args.size) for d in WORKLOADS
+    }
     result = run(
         tensors,
-        entry_bytes=args.entry_bytes,
+        codecs=tuple(args.codecs),
+        backends=("cuda", "reference") if args.reference else ("cuda",),
         repeats=args.repeats,
         warmup=args.warmup,
         nvcomp=not args.no_nvcomp,
@@ -296,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path = args.out / "results.json"
     payload = {
         "environment": env.environment(),
+        "device": torch.cuda.get_device_name(device),
         "command": shlex.join([sys.executable, "-m", "experiments.bench_cuda", *(argv or sys.argv[1:])]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         **result,

@@ -37,17 +37,26 @@ def test_run_on_cpu_tensors(gen):
         "relu.bf16": make_data("relu", 70_001, torch.bfloat16, gen),
     }
     lines = []
-    result = bench_cuda.run(tensors, backends=("reference",), repeats=2, warmup=0, nvcomp=False, log=lines.append)
+    result = bench_cuda.run(
+        tensors, codecs=("zvc", "auto"), backends=("reference",), repeats=2, warmup=0, nvcomp=False, log=lines.append
+    )
     methods = [(r["tensor"], r["method"]) for r in result["rows"]]
-    assert methods == [(n, m) for n in tensors for m in ("memcpy", "buddy:zvc/reference")]
+    expected = ("memcpy", "buddy:zvc/reference", "buddy:auto/reference")
+    assert methods == [(n, m) for n in tensors for m in expected]
     for row in result["rows"]:
-        assert row["comp_gbps"] > 0 and row["decomp_gbps"] > 0
+        assert row["compress_gbps"] > 0 and row["decompress_gbps"] > 0
         assert row["bytes"] == 70_001 * tensors[row["tensor"]].element_size()
+        assert {"method", "dtype", "ratio", "compress_gbps", "decompress_gbps", "device"} <= row.keys()
+    auto = [r for r in result["rows"] if r["method"] == "buddy:auto/reference"]
+    assert all(
+        r["entry_bytes"] == bench_cuda.buddy.defaults().entry_bytes and r["backend"] == "reference" for r in auto
+    )
+    assert all(r["compress_counts"] is None for r in auto)  # launches and syncs: counted on CUDA only
     assert result["pcie"] == []  # CUDA only
     table = bench_cuda.format_table(result)
-    assert "buddy:zvc/reference" in table and "memcpy" in table
+    assert "buddy:auto/reference" in table and "memcpy" in table
     json.dumps(result)
-    assert len(lines) == 2
+    assert len(lines) == 6
 
 
 def test_backends_must_agree(gen, monkeypatch):
@@ -64,6 +73,17 @@ def test_backends_must_agree(gen, monkeypatch):
 
 def test_args():
     args = bench_cuda.parse_args([])
-    assert (args.scale, args.big_mib, args.entry_bytes) == ("full", 256, 128)
+    assert (args.mib, args.size, args.codecs, args.reference) == (256, "full", ["zvc", "fpx", "bpc", "auto"], False)
     with pytest.raises(SystemExit):
         bench_cuda.parse_args(["--repeats", "0"])
+
+
+def test_activation_bytes_are_a_workloads_saved_tensors():
+    """The benchmark's data: one training step's saved activations, in saving order, repeated to the size."""
+    x = bench_cuda.activation_bytes(torch.float32, 1, "cpu", size="tiny", point=0)
+    assert x.dtype == torch.float32 and x.numel() * 4 == 1 << 20
+    from experiments.workloads import capture
+
+    (cap,) = capture("resnet-fp32", size="tiny", points=(0,))
+    first = cap.tensors[0].tensor.reshape(-1)
+    assert torch.equal(x[: first.numel()].view(torch.int32), first.view(torch.int32))

@@ -61,7 +61,8 @@ def test_the_table_by_default():
             (impl,) = [i for i in buddy.implementations(codec, device=device) if i.default]
             assert impl.backend == "reference" and impl.factory is BlockEngine
     cuda = buddy.implementations(backend="cuda")
-    assert [(i.codec, i.device, i.default) for i in cuda] == [("zvc", "cuda", False)]  # not run on a GPU yet
+    kernels = [("zvc", "cuda", False), ("fpx", "cuda", False), ("bpc", "cuda", False), ("auto", "cuda", False)]
+    assert [(i.codec, i.device, i.default) for i in cuda] == kernels  # registered, not the default: not run on a GPU
     nvcomp = buddy.implementations(backend="nvcomp")
     assert {i.codec for i in nvcomp} == set(buddy.codecs.nvcomp.NAMES)
     assert all(i.device == "cuda" and i.default for i in nvcomp)
@@ -151,9 +152,9 @@ class _Spy(BlockEngine):
         self.calls.append("pack")
         return super().pack(*args)
 
-    def unpack(self, *args):
+    def unpack(self, *args, **kwargs):
         self.calls.append("unpack")
-        return super().unpack(*args)
+        return super().unpack(*args, **kwargs)
 
 
 def test_the_pipeline_runs_the_registered_engine(store, gen, temporary_implementation, monkeypatch):
