@@ -74,5 +74,12 @@ def test_cuda_sources_compile(tmp_path, source, arch):
         unit.write_text(f'#include "{source}"\n')
         path = unit
     # every codec's kernels: the loader builds one codec's per module
-    cmd = ["nvcc", f"-arch={arch}", "-std=c++17", f"-I{CSRC}", *_defines(spec.DEFAULT_ENTRY_BYTES), "-DBUDDY_CODEC_ALL=1"]
+    cmd = [
+        "nvcc",
+        f"-arch={arch}",
+        "-std=c++17",
+        f"-I{CSRC}",
+        *_defines(spec.DEFAULT_ENTRY_BYTES),
+        "-DBUDDY_CODEC_ALL=1",
+    ]
     subprocess.run([*cmd, "-c", str(path), "-o", str(tmp_path / "out.o")], check=True)
