@@ -44,6 +44,7 @@ from .errors import (
 )
 from .ledger import DeviceLedger, Hold, LedgerStats, default_ledger, set_default_ledger
 from .pipeline import Measured, compress, measure, pack, size_histogram, unpack
+from .prefetch import Prefetch, PrefetchStats
 from .slots import DEFAULT_MAX_OVERFLOW
 from .stats import KeyRow, SessionStats
 from .store import BuddyAllocation, BuddyStore, StoreStats, default_store, set_default_store
@@ -51,6 +52,7 @@ from .tensor import BuddyTensor
 from .tracker import (
     BuddyThreshold,
     BudgetExceededWarning,
+    CompressedOffload,
     DeviceBudget,
     FixedRatio,
     Placement,
@@ -99,6 +101,8 @@ __all__ = [
     "RecordedTensor",
     "SessionStats",
     "KeyRow",
+    "Prefetch",
+    "PrefetchStats",
     "DEFAULT_MIN_BYTES",
     "wrap",
     "Policy",
@@ -106,6 +110,7 @@ __all__ = [
     "FixedRatio",
     "BuddyThreshold",
     "DeviceBudget",
+    "CompressedOffload",
     "Tracker",
     "BudgetExceededWarning",
     "default_tracker",

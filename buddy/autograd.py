@@ -67,9 +67,10 @@ from typing import NamedTuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import spec
+from . import spec, streams
 from .errors import UnsupportedTensorError
 from .pipeline import measure, pack
+from .prefetch import Ahead, Prefetch, PrefetchStats, Schedule, as_prefetch
 from .stats import KeyRow, SessionStats
 from .store import BuddyStore, default_store
 from .tensor import BuddyTensor, check_tensor, dense_strides
@@ -143,24 +144,41 @@ class _Compressed:
     to nothing of the user's: the session only weakly. Were the session (and
     its policy) held strongly, a session or policy referring back to the
     graph -- ``policy.trainer.loss`` -- would make a cycle through C++ that
-    keeps the graph and its buddy memory alive for good.
+    keeps the graph and its buddy memory alive for good. The step's
+    :class:`~buddy.prefetch.Schedule` refers to no one's objects but its
+    entries, weakly.
     """
 
-    __slots__ = ("bt", "session", "row", "cache", "__weakref__")
+    __slots__ = ("bt", "session", "row", "cache", "kept", "uses_left", "schedule", "position", "ahead", "__weakref__")
 
-    def __init__(self, bt: BuddyTensor, session: Session, row: KeyRow):
+    def __init__(self, bt: BuddyTensor, session: Session, row: KeyRow, schedule: Schedule):
         self.bt = bt
         self.session = weakref.ref(session)  # for its counters only; see above
         self.row = row  # the session's stats row, counting deduplicated saves
         self.cache = None  # weakref to the last decompressed tensor, shared by deduplicated saves
+        self.kept = None  # that tensor, held until every save of it has been unpacked
+        self.uses_left = 0
+        self.schedule = schedule
+        self.position = schedule.add(self)
+        self.ahead: Ahead | None = None  # decompressed ahead of use by the look-ahead
+
+    def cached(self) -> torch.Tensor | None:
+        return self.cache() if self.cache is not None else None
 
     def unpack(self) -> torch.Tensor:
-        t = self.cache() if self.cache is not None else None
+        t = self.cached()
         if t is not None:
+            self.uses_left -= 1
+            if self.uses_left <= 0:
+                self.kept = None
             return t
+        _look_ahead(self.schedule, self.position)  # the next tensors' copies start before this one decodes
         start = time.perf_counter()
+        ahead, self.ahead = self.ahead, None
+        ready = ahead is not None or self.bt.prefetched
+        device = self.bt.device
         try:
-            t = self.bt.decompress()
+            t = ahead.take(streams.for_device(device).current(device)) if ahead else self.bt.decompress()
         except BaseException as exc:  # keep its type (an out-of-memory error stays one); say what failed
             _add_note(
                 exc,
@@ -169,11 +187,47 @@ class _Compressed:
                 f"pass cannot finish: drop the graph and run the step again.",
             )
             raise
+        self.schedule.used(self.position, ready)
         session = self.session()
         if session is not None:  # no one can read the counters of a session that is gone
             session._count_unpack(time.perf_counter() - start)
         self.cache = weakref.ref(t)
+        # Several ops saved it (a ReLU's output is also the next layer's input): their backward
+        # nodes run one after the other, each unpacking it. Held until the last has, it is
+        # decompressed once -- and holds no more than the graph held without buddy.
+        self.uses_left = self.row.saves - 1
+        self.kept = t if self.uses_left > 0 else None
         return t
+
+    def unpack_ahead(self) -> None:
+        """Decompress on the device's copy stream now; :meth:`unpack` hands the result over."""
+        bt = self.bt
+        ops = streams.for_device(bt.device)
+        if isinstance(ops, streams.HostStreams):  # nothing runs beside the host's work
+            return
+        copy = ops.copy_stream(bt.device)
+        issued = ops.record(ops.current(bt.device))
+        with ops.activate(copy):
+            ops.wait(copy, issued)  # the slots were written by kernels queued on the compute stream
+            t = bt.decompress()
+            self.ahead = Ahead(t, ops.record(copy), ops)
+
+    def drop_ahead(self) -> None:
+        """Give back what the look-ahead prepared (the tensor was not asked for in time)."""
+        self.ahead = None  # allocated and written on the copy stream only: reused in that stream's order
+        self.bt.drop_prefetch()
+
+
+def _look_ahead(schedule: Schedule, position: int) -> None:
+    """Prepare the next tensors of backward; a failure there costs the look-ahead, never the step."""
+    try:
+        schedule.advance(position)
+    except Exception as exc:
+        _warn_once(
+            f"prefetch {type(exc).__name__}: {exc}"[:200],
+            f"buddy could not prefetch saved activations ({type(exc).__name__}: {exc}); backward goes on "
+            f"without look-ahead for them. This warning is shown once per cause.",
+        )
 
 
 # ---- torch.compile -------------------------------------------------------------------
@@ -435,18 +489,30 @@ class Session(_SavedTensorHooks):
         exclude=None,
         key_prefix: str = "",
         enabled: bool = True,
+        prefetch: Prefetch | bool = True,
     ):
         if policy is not None and not isinstance(policy, Policy):
-            raise TypeError(f"policy must be a buddy Policy (FixedRatio, BuddyThreshold, DeviceBudget), got {policy!r}")
+            raise TypeError(
+                f"policy must be a buddy Policy (FixedRatio, BuddyThreshold, DeviceBudget, CompressedOffload), "
+                f"got {policy!r}"
+            )
         self.policy = policy
         self.tracker = tracker if tracker is not None else default_tracker()
         self.store = store if store is not None else default_store()
         self.codec = codec
         self.entry_bytes = spec.check_entry_bytes(entry_bytes) if entry_bytes is not None else None
+        self.prefetch = as_prefetch(prefetch)
+        self._schedule = Schedule(self.prefetch)
         super().__init__(min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, enabled=enabled)
 
     def _begin(self) -> None:
         self.tracker.begin_step(self.policy)
+        self._schedule = Schedule(self.prefetch)  # one per step: the old one lives on with the old graph
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        if exc[0] is None:  # forward is done: backward will first ask for what was packed last
+            _look_ahead(self._schedule, len(self._schedule))
 
     def _take(self, t: torch.Tensor, key: str):
         start = time.perf_counter()
@@ -462,7 +528,9 @@ class Session(_SavedTensorHooks):
             )
             return None
         row = self._row(t, result, key, time.perf_counter() - start)
-        packed = _Kept(t.detach(), self.tracker) if result.bt is None else _Compressed(result.bt, self, row)
+        packed = (
+            _Kept(t.detach(), self.tracker) if result.bt is None else _Compressed(result.bt, self, row, self._schedule)
+        )
         return packed, row
 
     def _row(self, t, result: _Packed, key: str, elapsed: float) -> KeyRow:
@@ -501,12 +569,16 @@ class Session(_SavedTensorHooks):
             st = self._stats
             return SessionStats(
                 rows=[KeyRow(**vars(r)) for r in st.rows],
-                **{k: v for k, v in vars(st).items() if k != "rows"},
+                **{k: v for k, v in vars(st).items() if k not in ("rows", "prefetch")},
+                prefetch=PrefetchStats(**vars(self._schedule.stats)),
             )
 
     def __repr__(self) -> str:
         state = "open" if self._hooks is not None else "closed"
-        return f"<buddy Session {state}: policy={self.policy or self.tracker.policy!r}, min_bytes={self.min_bytes}>"
+        return (
+            f"<buddy Session {state}: policy={self.policy or self.tracker.policy!r}, min_bytes={self.min_bytes}, "
+            f"prefetch={self.prefetch}>"
+        )
 
 
 class _Packed(NamedTuple):
@@ -584,6 +656,11 @@ def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:
         key_prefix: prepended to every key (distinct per thread or model when
             they share a tracker).
         enabled: ``False`` makes the block a no-op (for A/B runs).
+        prefetch: how far backward looks ahead (:class:`~buddy.Prefetch`):
+            while autograd unpacks one tensor, the next ones' overflow is
+            copied back to the device on a side stream (and, within
+            ``unpack_bytes``, decompressed there). ``True`` (default): the
+            defaults; ``False``: no look-ahead. Nothing to do on the host.
 
     Returns:
         A :class:`Session`; ``session.stats()`` reports what it held.

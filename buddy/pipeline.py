@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import config, dispatch, integrity, spec
+from . import config, dispatch, integrity, spec, streams
 from .codecs import Codec, get_codec
 from .engine import Engine, Measurement
 from .errors import CorruptDataError, HostStoreFull
@@ -207,9 +207,7 @@ def _pack(measured: Measured, slot: int, options: _PackOptions) -> BuddyTensor:
             raise RuntimeError(
                 f"{engine!r} wrote {staged.numel()} overflow bytes where its sizes said {overflow.nbytes}"
             )
-        overflow.data.copy_(staged, non_blocking=True)  # D2H into pinned memory, on the current stream
-        if t.is_cuda:
-            overflow.record()  # the store must not reuse the range before the copy lands
+        _offload(staged, overflow, t.device)
         meta = measured.measurement.meta
         sums = Checksum(*(integrity.buffer_checksum(b) for b in (meta, slots, staged))) if options.checksum else None
         # built inside the try: an interrupt as the tensor counts itself in must not strand its overflow
@@ -222,6 +220,20 @@ def _pack(measured: Measured, slot: int, options: _PackOptions) -> BuddyTensor:
     except BaseException:
         store.release(overflow)  # nothing half-written survives, KeyboardInterrupt included
         raise
+
+
+def _offload(staged: torch.Tensor, overflow, device: torch.device) -> None:
+    """Copy the packed overflow into buddy memory on the device's copy stream; the compute stream never waits."""
+    if not overflow.nbytes:
+        return
+    ops = streams.for_device(device)
+    compute, copy = ops.current(device), ops.copy_stream(device)
+    packed = ops.record(compute)  # the pack wrote `staged` on the compute stream
+    with ops.activate(copy):
+        ops.wait(copy, packed)  # the copy reads `staged` only after the pack has written it
+        overflow.data.copy_(staged, non_blocking=True)  # device -> pinned host memory
+        overflow.written_on(ops, copy)  # readers wait for it; the store reuses the range only after it
+    ops.keep_for(staged, copy)  # allocated on the compute stream: not reused before the copy has read it
 
 
 def compress(

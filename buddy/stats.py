@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from .prefetch import PrefetchStats
+
 __all__ = ["KeyRow", "SessionStats", "format_bytes"]
 
 
@@ -71,6 +73,8 @@ class SessionStats:
     compress_seconds: float = 0.0
     decompress_seconds: float = 0.0
     decompressions: int = 0
+    #: backward's look-ahead (:mod:`buddy.prefetch`): what was brought back or decompressed ahead of use
+    prefetch: PrefetchStats = field(default_factory=PrefetchStats)
 
     @property
     def effective_capacity(self) -> float:
@@ -123,4 +127,11 @@ class SessionStats:
             f"compress {self.compress_seconds * 1e3:.1f} ms, decompress {self.decompress_seconds * 1e3:.1f} ms "
             f"({self.decompressions} unpacks); ideal ratio {self.ideal_ratio:.2f}x"
         )
+        p = self.prefetch
+        if p.prefetched or p.unpacked_ahead:
+            lines.append(
+                f"look-ahead: {p.prefetched} overflows prefetched ({format_bytes(p.prefetched_bytes)}), "
+                f"{p.unpacked_ahead} tensors decompressed ahead, {p.ready} unpacks found them ready, "
+                f"{p.dropped} dropped unused"
+            )
         return "\n".join(lines)

@@ -1,9 +1,14 @@
 """The buddy store: the one owner of buddy memory (host RAM).
 
-Buddy memory is host RAM that holds overflow sectors. With CUDA it is pinned,
-allocated in large blocks once and sub-allocated per tensor (pinning is slow
-and fragments the OS's page tables, so it never happens per tensor); without
-CUDA it is ordinary host memory with the same accounting.
+Buddy memory is host RAM that holds overflow sectors, allocated in large
+blocks once and sub-allocated per tensor. A block is an anonymous memory
+mapping of exactly its size; with CUDA it is page-locked with
+``cudaHostRegister`` -- once, when the block is made, never per tensor --
+so the pinned bytes are exactly the blocks' bytes (torch's pinned-memory
+allocator would round each request up to a power of two and keep it for
+good). :meth:`BuddyStore.trim` unregisters and unmaps unused blocks: their
+memory goes back to the OS. Without CUDA the blocks are plain host memory
+with the same accounting.
 
 Capacity: the store never holds more than ``capacity_bytes`` of blocks. An
 allocation that cannot fit -- or a block the OS will not give (pinned memory
@@ -16,6 +21,7 @@ Nothing is ever dropped silently.
 from __future__ import annotations
 
 import bisect
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -43,14 +49,44 @@ def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
+_CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def _cuda_call(name: str, *args) -> None:
+    err = getattr(torch.cuda.cudart(), name)(*args)
+    if int(err) != 0:
+        raise RuntimeError(f"{name} failed: {err}")
+
+
 class _Block:
-    """One large host buffer and the free ranges inside it, sorted by offset."""
+    """One large host buffer -- an anonymous mapping, pinned with CUDA -- and its free ranges, sorted by offset."""
 
     def __init__(self, nbytes: int, pin: bool):
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._map = mmap.mmap(-1, nbytes)  # page-aligned, exactly nbytes, unmapped with its last reference
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.pinned = False
+        if pin:
+            try:
+                _cuda_call("cudaHostRegister", self.buffer.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE)
+            except BaseException:
+                self.release()
+                raise
+            self.pinned = True
         self.nbytes = nbytes
         self.free_starts = [0]
         self.free_sizes = [nbytes]
+
+    def release(self) -> None:
+        """Unpin, and give the memory back to the OS as soon as no view of it is left.
+
+        Never unmapped by hand: a view handed out earlier (``BuddyTensor.buffers()``) would
+        point at nothing. The mapping goes when its last reference does -- at once when the
+        block is unused and no one kept a view.
+        """
+        if self.pinned:
+            _cuda_call("cudaHostUnregister", self.buffer.data_ptr())
+            self.pinned = False
+        self.buffer = self._map = None
 
     @property
     def unused(self) -> bool:
@@ -89,12 +125,15 @@ class _Block:
 class BuddyAllocation:
     """A range of buddy memory owned by one BuddyTensor.
 
-    ``data`` is a ``uint8`` view of exactly ``nbytes`` bytes. After an
-    asynchronous copy touches it, the writer calls :meth:`record` so the store
-    does not hand the range to someone else before the copy is done.
+    ``data`` is a ``uint8`` view of exactly ``nbytes`` bytes. Every
+    asynchronous copy that touches it is recorded (:meth:`written_on` for the
+    copy that fills it, :meth:`used_on` for any that reads it), so that
+    readers wait for the write and the store hands the range to no one else
+    before every such copy is done. Events come from the
+    :class:`~buddy.streams.StreamOps` of the tensor's own device.
     """
 
-    __slots__ = ("store", "block", "offset", "nbytes", "data", "event")
+    __slots__ = ("store", "block", "offset", "nbytes", "data", "ops", "written", "uses")
 
     def __init__(self, store: BuddyStore, block: _Block | None, offset: int, nbytes: int):
         self.store = store
@@ -102,18 +141,41 @@ class BuddyAllocation:
         self.offset = offset
         self.nbytes = nbytes
         self.data = block.buffer[offset : offset + nbytes] if block is not None else torch.empty(0, dtype=torch.uint8)
-        self.event = None
+        self.ops = None
+        self.written = None  # the event of the copy that fills the range
+        self.uses: list = []  # events of every copy touching the range that may not have completed
 
-    def record(self, stream=None) -> None:
-        """Mark the range busy until the work queued so far on ``stream`` ends."""
-        if torch.cuda.is_available():
-            self.event = torch.cuda.Event()
-            self.event.record(stream)
+    def written_on(self, ops, stream) -> None:
+        """The copy that fills the range was just issued on ``stream``."""
+        self.ops = ops
+        self.written = ops.record(stream)
+        self.uses.append(self.written)
 
-    def wait(self, stream=None) -> None:
-        """Make ``stream`` (default: current) wait for the last recorded copy."""
-        if self.event is not None:
-            (stream or torch.cuda.current_stream()).wait_event(self.event)
+    def used_on(self, ops, stream) -> None:
+        """A copy reading the range was just issued on ``stream``: the range stays busy until it ends."""
+        self.ops = ops
+        self.uses = [e for e in self.uses if not ops.done(e)]
+        self.uses.append(ops.record(stream))
+
+    def wait_written(self, stream) -> None:
+        """Make ``stream``'s later work wait until the range has been filled (no host wait)."""
+        if self.ops is not None:
+            self.ops.wait(stream, self.written)
+
+    def synchronize_written(self) -> None:
+        """Wait on the host until the range has been filled (before the host reads it)."""
+        if self.ops is not None:
+            self.ops.synchronize(self.written)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a copy touching the range may still be in flight."""
+        return self.ops is not None and not all(self.ops.done(e) for e in self.uses)
+
+    def synchronize(self) -> None:
+        """Wait on the host until no copy touches the range."""
+        for event in self.uses:
+            self.ops.synchronize(event)
 
     def __repr__(self) -> str:
         return f"BuddyAllocation(nbytes={self.nbytes}, offset={self.offset})"
@@ -130,6 +192,8 @@ class StoreStats:
     buddy_reserved_bytes: int
     buddy_blocks: int
     pinned: bool
+    #: host bytes page-locked for the store: exactly its blocks' bytes when pinned, else 0
+    buddy_pinned_bytes: int = 0
 
     def __str__(self) -> str:
         mib = lambda b: f"{b / MiB:,.2f} MiB"  # noqa: E731 - local formatter
@@ -138,6 +202,7 @@ class StoreStats:
             f"{mib(self.buddy_free_bytes)} free of {mib(self.buddy_capacity_bytes)}, "
             f"{mib(self.buddy_reserved_bytes)} reserved in {self.buddy_blocks} "
             f"{'pinned' if self.pinned else 'pageable'} block(s)"
+            + (f", {mib(self.buddy_pinned_bytes)} page-locked" if self.pinned else "")
         )
 
 
@@ -222,8 +287,8 @@ class BuddyStore:
 
     def _apply_release(self, alloc: BuddyAllocation) -> None:
         if alloc.block is not None and not any(p is alloc for p in self._pending):
-            if alloc.event is not None and not alloc.event.query():
-                self._pending.append(alloc)  # reused once its copy has finished
+            if alloc.busy:
+                self._pending.append(alloc)  # reused once its copies have finished
             else:
                 self._give(alloc)
 
@@ -252,7 +317,7 @@ class BuddyStore:
             )
         try:
             block = _Block(new_bytes, self.pin)
-        except (RuntimeError, MemoryError) as exc:  # the OS refused the memory (pinning is limited): full too
+        except (RuntimeError, MemoryError, OSError) as exc:  # the OS refused the memory (pinning is limited): full too
             raise HostStoreFull(
                 f"buddy store could not get a block of {new_bytes:,} bytes of "
                 f"{'pinned' if self.pin else 'host'} memory ({type(exc).__name__}: {exc}); "
@@ -273,8 +338,8 @@ class BuddyStore:
         still = []
         for alloc in self._pending:
             if wait:
-                alloc.event.synchronize()  # the store is out of room: wait for in-flight copies
-            if wait or alloc.event.query():
+                alloc.synchronize()  # the store is out of room: wait for in-flight copies
+            if wait or not alloc.busy:
                 self._give(alloc)
             else:
                 still.append(alloc)
@@ -288,9 +353,11 @@ class BuddyStore:
     def _trim(self) -> int:
         self._reclaim(wait=False)
         keep = [b for b in self._blocks if not b.unused]
-        released = self._reserved() - sum(b.nbytes for b in keep)
+        released = [b for b in self._blocks if b.unused]
         self._blocks = keep
-        return released
+        for block in released:  # unpinned and unmapped: back to the OS
+            block.release()
+        return sum(b.nbytes for b in released)
 
     def _reserved(self) -> int:
         return sum(b.nbytes for b in self._blocks)
@@ -334,6 +401,7 @@ class BuddyStore:
                 buddy_reserved_bytes=self._reserved(),
                 buddy_blocks=len(self._blocks),
                 pinned=self.pin,
+                buddy_pinned_bytes=sum(b.nbytes for b in self._blocks if b.pinned),
             )
 
     def __repr__(self) -> str:

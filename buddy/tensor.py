@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import dispatch, integrity, spec
+from . import dispatch, integrity, spec, streams
 from .codecs import Codec
 from .errors import FreedTensorError, UnsupportedTensorError
 from .integrity import Checksum
@@ -198,6 +198,7 @@ class BuddyTensor:
         self._slots = slots
         self._meta = meta
         self._overflow = overflow
+        self._prefetched = None  # (overflow on the device, the event of its arrival) from prefetch()
         self.store = store
         self.ledger = ledger
         self.device_bytes = slots.numel() + meta.numel()
@@ -235,8 +236,10 @@ class BuddyTensor:
         """``(metadata, slots, overflow)``: the three buffers of the format, exactly sized.
 
         They are the tensor's own memory, not copies: do not write to them.
+        The overflow's copy to buddy memory has landed by the time this returns.
         """
         self._check_alive("read the buffers of")
+        self._overflow_ready_on_host()
         return self._meta, self._slots, self._overflow.data
 
     def verify(self) -> None:
@@ -258,9 +261,41 @@ class BuddyTensor:
         integrity.verify(self._meta, self._slots, self._overflow.data, self.checksum)
 
     def _overflow_ready_on_host(self) -> None:
-        # the checksum reads the overflow on the host: its copy there must have landed
-        if self._overflow.event is not None:
-            self._overflow.event.synchronize()
+        # the host is about to read the overflow: its copy there must have landed
+        self._overflow.synchronize_written()
+
+    def prefetch(self) -> int:
+        """Start bringing the overflow back to the device, on the device's copy stream; returns its bytes.
+
+        Does nothing (returns 0) for a tensor with no overflow, one already
+        prefetched, or one whose device is the host. :meth:`decompress` then
+        uses the device copy instead of reading buddy memory on the critical
+        path; a prefetch never used costs the copy and its device bytes until
+        the tensor is freed, nothing else.
+        """
+        self._check_alive("prefetch")
+        ops = streams.for_device(self.device)
+        if self._prefetched is not None or not self.buddy_bytes or isinstance(ops, streams.HostStreams):
+            return 0
+        copy = ops.copy_stream(self.device)
+        with ops.activate(copy):
+            self._overflow.wait_written(copy)  # the overflow is in buddy memory before it is read back
+            on_device = self._overflow.data.to(self.device, non_blocking=True, copy=True)
+            self._overflow.used_on(ops, copy)  # the store must not reuse the range before this copy has read it
+            self._prefetched = (on_device, ops.record(copy))
+        return self.buddy_bytes
+
+    def drop_prefetch(self) -> int:
+        """Give back the device copy :meth:`prefetch` made, unused; returns its bytes."""
+        if self._prefetched is None:
+            return 0
+        self._prefetched = None  # made and only read on the copy stream: its memory is reused in that order
+        return self.buddy_bytes
+
+    @property
+    def prefetched(self) -> bool:
+        """Whether the overflow has been brought back to the device ahead of :meth:`decompress`."""
+        return self._prefetched is not None
 
     # ---- lifecycle ----------------------------------------------------------
     def decompress(self, *, backend: str | None = None, check: bool = False) -> torch.Tensor:
@@ -275,30 +310,38 @@ class BuddyTensor:
         torch reference always checks.
         """
         self._check_alive("decompress")
-        if self.checksum is not None:
-            self._overflow_ready_on_host()
-        if self._overflow.event is not None:
-            self._overflow.wait()  # the overflow's copy to host may still be in flight
         engine = dispatch.engine(self._codec, self.device, self.backend if backend is None else backend)
         if self.checksum is not None:
+            self._overflow_ready_on_host()
             integrity.verify(self._meta, self._slots, self._overflow.data, self.checksum)  # before decoding
+        ops = streams.for_device(self.device)
+        stream = ops.current(self.device)
+        overflow = self._overflow_for(ops, stream)
         flat = engine.unpack(
-            self._meta,
-            self._slots,
-            self._overflow.data,
-            self.slot_sectors,
-            self.entry_bytes,
-            self.word_bytes,
-            self.original_bytes,
-            check=check,
-        )
+            self._meta, self._slots, overflow, self.slot_sectors, self.entry_bytes, self.word_bytes,
+            self.original_bytes, check=check,
+        )  # fmt: skip
+        if overflow is self._overflow.data:
+            self._overflow.used_on(ops, stream)  # read (copied to the device) on this stream: busy until it ends
+        for buffer in (self._meta, self._slots, overflow):
+            ops.keep_for(buffer, stream)  # read on this stream: their memory outlives that work
         return as_tensor(flat, self.shape, self.dtype, self.stride)
+
+    def _overflow_for(self, ops, stream) -> torch.Tensor:
+        """The overflow, ready for ``stream`` to read: the prefetched device copy, or buddy memory."""
+        if self._prefetched is not None:
+            on_device, arrived = self._prefetched
+            self._prefetched = None  # used once: a second decompress reads buddy memory again
+            ops.wait(stream, arrived)  # the copy back to the device has landed before the decode reads it
+            return on_device
+        self._overflow.wait_written(stream)  # the overflow's copy to buddy memory may still be in flight
+        return self._overflow.data
 
     def free(self) -> None:
         """Return the slots and buddy memory now. A second call raises."""
         self._check_alive("free")
         self._finalizer()
-        self._slots = self._meta = None
+        self._slots = self._meta = self._prefetched = None
 
     def _check_alive(self, action: str) -> None:
         if self.freed:

@@ -18,6 +18,14 @@ Policies:
   paper's per-allocation policy).
 * :class:`DeviceBudget` -- all slots chosen together so the device bytes of
   everything held fit ``budget_bytes`` with the least overflow.
+* :class:`CompressedOffload` -- the zero slot for every tensor: only metadata
+  stays on the device, every compressed sector goes to buddy memory (like
+  ``save_on_cpu``, moving ``ratio`` times fewer bytes over the link).
+
+From "keep on the device" to "offload everything" is one continuum:
+``DeviceBudget(budget_bytes)`` spends whatever device memory it is given on
+the tensors where it saves the most link traffic and puts the rest in buddy
+memory, down to the zero slot when the budget demands it.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ __all__ = [
     "FixedRatio",
     "BuddyThreshold",
     "DeviceBudget",
+    "CompressedOffload",
     "Decision",
     "Placement",
     "KeyHistory",
@@ -212,6 +221,20 @@ class DeviceBudget(Policy):
                 stacklevel=2,
             )
         return slot
+
+
+class CompressedOffload(Policy):
+    """Offload every tensor, compressed: the zero slot, only metadata on the device.
+
+    All of a tensor's compressed sectors go to buddy memory, so the link
+    carries the compressed bytes -- ``ratio`` times fewer than an
+    uncompressed offload (``torch.autograd.graph.save_on_cpu``). In a
+    :func:`~buddy.compressed_activations` session, backward's look-ahead
+    (:class:`~buddy.Prefetch`) brings them back before they are needed.
+    """
+
+    def choose(self, decision: Decision, tracker: Tracker) -> int:
+        return 0
 
 
 @dataclass

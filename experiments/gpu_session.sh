@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: set up, run one phase, write everything under $OUT.
 #
-#   bash experiments/gpu_session.sh PHASE      PHASE: check | tests | sanitize | bench | all
+#   bash experiments/gpu_session.sh PHASE      PHASE: check | tests | sanitize | bench | step | all
 #
 #   check     the environment (GPU, driver, versions) and a first CUDA compress/decompress per codec
 #   tests     the whole suite, GPU-marked tests included, on the GPU machine's 16 cores
 #   sanitize  compute-sanitizer memcheck and racecheck over the kernel tests (small sizes)
 #   bench     experiments.bench_cuda on 256 MiB of real activations, fp32 and bf16 (JSON under $OUT/bench)
-#   all       check, tests, sanitize, bench (longer than one call's 10 minutes: use the phases)
+#   step      experiments.step_time: ResNet-50 and GPT-2-small steps under every method (JSON, PNG under $OUT/step_time)
+#   all       check, tests, sanitize, bench, step (longer than one call's 10 minutes: use the phases)
 #
 # The machine is bare and cannot reach a registry: wheels it lacks travel in .whl/ (git ignores it)
 # and are installed from there. Fill it once, here, with (Python 3.12, x86-64):
@@ -72,13 +73,17 @@ bench() {
   python3 -m experiments.bench_cuda --out "$OUT/bench" --repeats 10 --warmup 2
 }
 
+step() {
+  python3 -m experiments.step_time --device cuda --out "$OUT/step_time" --no-progress
+}
+
 environment
 status=0
-for step in $([ "$phase" = all ] && echo check tests sanitize bench || echo "$phase"); do
+for step in $([ "$phase" = all ] && echo check tests sanitize bench step || echo "$phase"); do
   case "$step" in
-  check | tests | sanitize | bench) "$step" 2>&1 | tee "$OUT/$step.log" || status=$? ;;
+  check | tests | sanitize | bench | step) "$step" 2>&1 | tee "$OUT/$step.log" || status=$? ;;
   *)
-    echo "unknown phase $step: check | tests | sanitize | bench | all" >&2
+    echo "unknown phase $step: check | tests | sanitize | bench | step | all" >&2
     exit 2
     ;;
   esac

@@ -19,6 +19,7 @@ What is defined (see ``BuddyStore`` and :mod:`buddy.autograd`):
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import threading
 import time
@@ -374,3 +375,113 @@ def test_threads_with_their_own_streams_share_a_pinned_store(cuda):
     run_threads(work, 2)
     torch.cuda.synchronize()
     assert_clean(store)
+
+
+def _warm(store: buddy.BuddyStore, device) -> None:
+    """Grow the store and load the kernels first: nothing below may block for a first-time set-up."""
+    warm = buddy.compress(torch.rand(MiB, device=device), target_ratio=4.0, store=store)
+    torch.cuda.synchronize(device)
+    warm.free()
+
+
+@pytest.mark.gpu
+def test_forward_never_waits_for_its_offload(cuda):
+    """The copy stream is held up on purpose: the compute stream runs ahead of it."""
+    store = buddy.BuddyStore(capacity_bytes=256 * MiB, block_bytes=64 * MiB, pin=True)
+    _warm(store, cuda)
+    t = make_data("random_bytes", 8 * MiB // 4, torch.float32, torch.Generator().manual_seed(3)).to(cuda)
+    expected = t.cpu()
+    copy = buddy.streams.for_device(cuda).copy_stream(cuda)
+    with torch.cuda.stream(copy):
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of the copy stream's time
+    bt = buddy.compress(t, target_ratio=4.0, store=store)
+    assert bt.buddy_bytes > 0
+    y = t * 2  # more forward work
+    torch.cuda.current_stream().synchronize()  # forward is done ...
+    assert not copy.query()  # ... while its offload still waits behind the sleep: forward did not wait
+    del t, y
+    assert_bitexact(bt.decompress().cpu(), expected)  # waits for the copy on the device, by itself
+    torch.cuda.synchronize()
+    bt.free()
+    assert_clean(store)
+
+
+@pytest.mark.gpu
+def test_a_tensor_on_a_non_current_device(cuda):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    store = buddy.BuddyStore(capacity_bytes=256 * MiB, block_bytes=4 * MiB, pin=True)
+    g = torch.Generator().manual_seed(9)
+    other = torch.device("cuda", 1)
+    t = make_data("relu", 3 << 20, torch.float32, g).to(other)
+    expected = t.cpu()
+    with torch.cuda.device(0):  # cuda:0 current, the tensor on cuda:1
+        bt = buddy.compress(t, target_ratio=4.0, store=store)
+        assert bt.device == other and bt.buddy_bytes > 0
+        assert bt.prefetch() == bt.buddy_bytes
+        out = bt.decompress()
+        assert out.device == other
+    assert_bitexact(out.cpu(), expected)
+    torch.cuda.synchronize(other)
+    bt.free()
+    assert_clean(store)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "policy, prefetch",
+    [
+        (buddy.FixedRatio(4.0), buddy.Prefetch()),
+        (buddy.FixedRatio(4.0), buddy.Prefetch(tensors=3, unpack_bytes=64 * MiB)),
+        (buddy.CompressedOffload(), buddy.Prefetch(tensors=4)),
+        (buddy.CompressedOffload(), False),
+    ],
+    ids=["prefetch", "unpack-ahead", "offload", "offload-no-prefetch"],
+)
+def test_backward_with_look_ahead_is_bit_exact_on_the_gpu(cuda, policy, prefetch):
+    store = buddy.BuddyStore(capacity_bytes=1 << 30, block_bytes=64 * MiB, pin=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(1024, 1024), torch.nn.ReLU())]).to(cuda)
+    x = torch.randn(2048, 1024, device=cuda)
+
+    def step(session=None):
+        model.zero_grad()
+        with session if session is not None else contextlib.nullcontext():
+            loss = model(x).square().sum()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    expected = step()
+    s = buddy.compressed_activations(
+        policy, tracker=buddy.Tracker(), store=store, prefetch=prefetch, min_bytes=MIN_BYTES
+    )
+    got = step(s)
+    for a, b in zip(got, expected):
+        assert_bitexact(a, b)
+    st = s.stats()
+    assert st.buddy_bytes > 0
+    if prefetch is not False:
+        assert st.prefetch.ready >= st.decompressions - 1
+    torch.cuda.synchronize()
+    store.trim()  # ranges freed during backward, busy then, are reclaimed once their copies are done
+    assert_clean(store)
+
+
+@pytest.mark.gpu
+def test_pinned_bytes_are_what_the_store_reserves(cuda):
+    store = buddy.BuddyStore(capacity_bytes=256 * MiB, block_bytes=3 * MiB + 96, pin=True)
+    g = torch.Generator().manual_seed(4)
+    bts = [
+        buddy.compress(make_data("random_bytes", MiB // 4, torch.float32, g).to(cuda), 4.0, store=store)
+        for _ in range(8)
+    ]
+    st = store.stats()
+    assert st.buddy_pinned_bytes == st.buddy_reserved_bytes > 0
+    overflow = bts[0].buffers()[2]
+    assert overflow.is_pinned()
+    torch.cuda.synchronize()
+    for bt in bts:
+        bt.free()
+    del overflow
+    assert store.trim() == st.buddy_reserved_bytes
+    assert store.stats().buddy_pinned_bytes == 0

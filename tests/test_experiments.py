@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -175,3 +176,39 @@ def test_capture_cache_reuses_and_keys_on_arguments(tmp_path, capsys):
         assert torch.equal(data_bytes(a.tensor), data_bytes(b.tensor))
     capture_all(["gpt-bf16"], **{**kw, "seed": 1})
     assert len(list(tmp_path.glob("*.pt"))) == 2  # another seed, another entry
+
+
+def test_step_time_tiny(tmp_path, capsys):
+    from experiments import step_time
+
+    argv = ["--device", "cpu", "--models", "resnet50", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)]
+    rows = step_time.main([*argv, "--methods", "none", "buddy-offload", "checkpoint", "--no-progress"])
+    assert [r["method"] for r in rows] == ["none", "buddy-offload", "checkpoint"]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["device"] == "cpu" and r["peak_bytes"] is None and r["capacity"] is None
+    offload = rows[1]["buddy"]
+    assert offload["original_bytes"] > 0 and offload["device_bytes"] < offload["original_bytes"] / 50
+    out = capsys.readouterr().out
+    assert "CPU RUN" in out and "not GPU times" in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["cpu_run"] and results["experiment"] == "step_time" and len(results["rows"]) == 3
+    assert (tmp_path / "step_time.png").stat().st_size > 10_000
+
+
+@pytest.mark.gpu
+def test_side_stream_offload_is_exact(cuda):
+    from experiments.step_time import SideStreamOffload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(1024, 1024), torch.nn.GELU())]).to(cuda)
+    x = torch.randn(1024, 1024, device=cuda)
+
+    def grads(context):
+        model.zero_grad()
+        with context:
+            loss = model(x).square().sum()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for a, b in zip(grads(SideStreamOffload()), grads(contextlib.nullcontext())):
+        assert torch.equal(a, b)

@@ -1,0 +1,458 @@
+"""Step time and peak device memory: buddy against what users would pick instead.
+
+For a ResNet-50-class CNN at 224 px (fp32) and a GPT-2-small-class decoder
+(bf16 autocast, sequence 1024), one training step -- forward, backward,
+optimizer -- under each method, on the same model, data and device:
+
+* ``none``: plain PyTorch;
+* ``buddy``: ``buddy.compressed_activations()`` with the tracker's default
+  policy (after warm-up steps, so the tracker has history);
+* ``buddy-offload``: ``buddy.CompressedOffload()``: every saved activation
+  compressed to buddy memory, brought back by backward's look-ahead;
+* ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
+* ``side-stream``: an offload in the style of torchtune's
+  ``OffloadActivations``: copies to pinned memory on a side stream, one
+  tensor prefetched ahead in backward (:class:`SideStreamOffload`);
+* ``checkpoint``: ``torch.utils.checkpoint`` around every block.
+
+Per row: ``step_ms`` (median of the timed steps), ``peak_bytes``
+(``torch.cuda.max_memory_allocated`` over a step), ``capacity`` (the memory
+a plain step adds above the model's state -- parameters and optimizer
+state -- divided by what this method's step adds: how many times more
+activations fit), ``device``.
+
+    python -m experiments.step_time --device cuda          # the real measurement (a GPU)
+    python -m experiments.step_time                        # small, on the CPU: runs, measures nothing real
+
+On the CPU the models are shrunk so a step takes about a second, there is no
+device memory to measure (``peak_bytes`` and ``capacity`` are empty), the
+offloads have nothing to overlap with, and the times are CPU times: they say
+nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import statistics
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import buddy
+from buddy.autograd import is_parameter
+from experiments.common import format_table, progress, start, write_results
+from experiments.workloads import _GPT, TextSize
+
+__all__ = ["METHODS", "MODELS", "SideStreamOffload", "measure", "main"]
+
+METHODS = ("none", "buddy", "buddy-offload", "save_on_cpu", "side-stream", "checkpoint")
+MIN_BYTES = buddy.DEFAULT_MIN_BYTES
+
+
+# ---- models -------------------------------------------------------------------------------
+class _Bottleneck(nn.Module):
+    """ResNet-50's block: 1x1 down, 3x3 (strided), 1x1 up (4x), batch norm after each, projected shortcut."""
+
+    def __init__(self, cin: int, width: int, stride: int):
+        super().__init__()
+        cout = 4 * width
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, width, 1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, cout, 1, bias=False),
+            nn.BatchNorm2d(cout),
+        )
+        self.shortcut = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.body(x) + self.shortcut(x))
+
+
+class ResNet50(nn.Module):
+    """ResNet-50 (stages of 3, 4, 6, 3 bottlenecks; 25.6 M parameters at 1000 classes)."""
+
+    def __init__(self, classes: int = 1000, stages=(3, 4, 6, 3)):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 64, 7, 2, padding=3, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2, padding=1),
+        )
+        blocks, cin = [], 64
+        for stage, count in enumerate(stages):
+            width = 64 << stage
+            for i in range(count):
+                blocks.append(_Bottleneck(cin, width, 2 if stage and not i else 1))
+                cin = 4 * width
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model at one size, its batch and its loss."""
+
+    name: str
+    description: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.device, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    autocast: torch.dtype | None
+
+
+def _resnet(batch: int, side: int) -> Model:
+    def make(device, gen):
+        images = torch.randn(batch, 3, side, side, generator=gen).to(device)
+        return images, torch.randint(0, 1000, (batch,), generator=gen).to(device)
+
+    return Model("resnet50", f"ResNet-50, {batch}x3x{side}x{side}, fp32", ResNet50, make, None)
+
+
+def _gpt(batch: int, seq: int, width: int, layers: int, heads: int, vocab: int = 50304) -> Model:
+    size = TextSize(batch=batch, seq_len=seq, width=width, layers=layers, heads=heads)
+
+    def make(device, gen):
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+    description = f"GPT-2-class decoder, {layers}x{width}, {batch}x{seq} tokens, vocabulary {vocab}, bf16 autocast"
+    return Model("gpt2", description, lambda: _GPT(size, vocab=vocab), make, torch.bfloat16)
+
+
+#: per device kind: what fills an 80 GB GPU, and what takes about a second per step on a CPU
+MODELS: dict[str, dict[str, Callable[[int | None], Model]]] = {
+    "cuda": {
+        "resnet50": lambda b: _resnet(b or 128, 224),
+        "gpt2": lambda b: _gpt(b or 16, 1024, 768, 12, 12),
+    },
+    "cpu": {
+        "resnet50": lambda b: _resnet(b or 4, 64),
+        "gpt2": lambda b: _gpt(b or 4, 128, 128, 2, 4),
+    },
+}
+
+
+def _loss(model: nn.Module, spec: Model, batch) -> torch.Tensor:
+    inputs, targets = batch
+    with torch.autocast(inputs.device.type, dtype=spec.autocast, enabled=spec.autocast is not None):
+        out = model(inputs)
+        return F.cross_entropy(out.flatten(0, -2).float(), targets.flatten())
+
+
+# ---- the side-stream offload ---------------------------------------------------------------
+class _Offloaded:
+    """One saved tensor in pinned host memory; ``ready`` completes when its copy there has."""
+
+    __slots__ = ("host", "ready", "device", "position", "back", "__weakref__")
+
+    def __init__(self, host, ready, device, position):
+        self.host, self.ready, self.device, self.position = host, ready, device, position
+        self.back = None  # (device tensor, event) when prefetched
+
+
+class SideStreamOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Saved activations to pinned host memory on a side stream; in backward, the next one prefetched.
+
+    What a user would write after torchtune's ``OffloadActivations``: forward
+    never waits for a copy (the device tensor's memory is kept for the side
+    stream with ``record_stream``), and while autograd uses one tensor the
+    next is copied back. Parameters and tensors under ``min_bytes`` stay on
+    the device.
+    """
+
+    def __init__(self, min_bytes: int = MIN_BYTES):
+        self.min_bytes = min_bytes
+        self.stream = torch.cuda.Stream()
+        self.order: list[weakref.ref] = []
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        if not t.is_cuda or is_parameter(t) or t.numel() * t.element_size() < self.min_bytes:
+            return t
+        self.stream.wait_stream(torch.cuda.current_stream())  # t is written on the compute stream
+        with torch.cuda.stream(self.stream):
+            host = torch.empty_like(t, device="cpu", pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            ready = self.stream.record_event()
+        t.record_stream(self.stream)  # its memory is not reused before the copy has read it
+        item = _Offloaded(host, ready, t.device, len(self.order))
+        self.order.append(weakref.ref(item))
+        return item
+
+    def _bring_back(self, item: _Offloaded) -> None:
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(item.ready)
+            back = item.host.to(item.device, non_blocking=True)
+            item.back = (back, self.stream.record_event())
+
+    def _unpack(self, item):
+        if not isinstance(item, _Offloaded):
+            return item
+        if item.back is None:
+            self._bring_back(item)
+        if item.position > 0:  # the next one backward will want
+            following = self.order[item.position - 1]()
+            if following is not None and following.back is None:
+                self._bring_back(following)
+        (t, arrived), item.back = item.back, None
+        compute = torch.cuda.current_stream()
+        compute.wait_event(arrived)
+        t.record_stream(compute)  # allocated on the side stream, used on the compute stream
+        return t
+
+
+# ---- one method's steps ----------------------------------------------------------------------
+class _Checkpointed(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _context(method: str, device: torch.device, store: buddy.BuddyStore | None, tracker: buddy.Tracker):
+    if method == "buddy":
+        return buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN_BYTES)
+    if method == "buddy-offload":
+        return buddy.compressed_activations(
+            buddy.CompressedOffload(), tracker=tracker, store=store, min_bytes=MIN_BYTES
+        )
+    if method == "save_on_cpu":
+        return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+    if method == "side-stream":
+        if device.type != "cuda":
+            return contextlib.nullcontext()  # nothing to overlap on the host: the same as none
+        return SideStreamOffload()
+    return contextlib.nullcontext()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclasses.dataclass
+class Measurement:
+    method: str
+    model: str
+    step_ms: float
+    step_ms_all: list[float]
+    peak_bytes: int | None
+    state_bytes: int | None
+    device: str
+    buddy: dict | None = None  # what the last buddy session held
+
+
+def measure(spec: Model, method: str, *, device, steps: int, warmup: int, seed: int = 0) -> Measurement:
+    """``warmup`` untimed steps, then ``steps`` timed ones, each synchronised; peak memory over the timed ones."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = spec.build().to(device).train()
+    if method == "checkpoint":
+        model.blocks = nn.Sequential(*(_Checkpointed(b) for b in model.blocks))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    batch = spec.batch(device, gen)
+    store = buddy.BuddyStore() if method.startswith("buddy") else None
+    tracker = buddy.Tracker()
+    times, peak, state = [], None, None
+    for i in range(warmup + steps):
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        if device.type == "cuda" and i == warmup:
+            torch.cuda.reset_peak_memory_stats(device)
+            state = torch.cuda.memory_allocated(device)  # parameters and optimizer state
+        start_s = time.perf_counter()
+        with _context(method, device, store, tracker) as session:
+            loss = _loss(model, spec, batch)
+        loss.backward()
+        optimizer.step()
+        _sync(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - start_s) * 1e3)
+        del loss
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    held = session.stats().to_dict() if isinstance(session, buddy.Session) else None
+    if held is not None:
+        held = {k: held[k] for k in ("original_bytes", "device_bytes", "buddy_bytes", "effective_capacity")}
+    return Measurement(method, spec.name, statistics.median(times), times, peak, state, str(device), held)
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--models", nargs="+", choices=sorted(MODELS["cuda"]), default=sorted(MODELS["cuda"]))
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--batch", type=int, default=None, help="batch size (default: per model and device kind)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per method")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (the tracker learns; kernels compile)")
+    p.add_argument(
+        "--backend", default=None, help="buddy's backend (default: the CUDA kernels on a GPU, else the reference)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("results/step_time"))
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+COLUMNS = [
+    ("model", "model", ""),
+    ("method", "method", ""),
+    ("step_ms", "step ms", ".1f"),
+    ("vs_none", "time vs none", ".3f"),
+    ("peak_gib", "peak GiB", ".2f"),
+    ("capacity", "capacity", ".2f"),
+    ("buddy_capacity", "buddy ratio", ".2f"),
+]
+
+
+def _rows(measurements: list[Measurement]) -> list[dict]:
+    """Rows with each method set against ``none`` on the same model."""
+    rows = [dataclasses.asdict(m) for m in measurements]
+    for r in rows:
+        none = next((x for x in rows if x["model"] == r["model"] and x["method"] == "none"), None)
+        r["vs_none"] = r["step_ms"] / none["step_ms"] if none else None
+        r["peak_gib"] = r["peak_bytes"] / 2**30 if r["peak_bytes"] is not None else None
+        added = r["peak_bytes"] - r["state_bytes"] if r["peak_bytes"] is not None else None
+        base = none["peak_bytes"] - none["state_bytes"] if none and none["peak_bytes"] is not None else None
+        r["capacity"] = base / added if added and base else None
+        r["buddy_capacity"] = r["buddy"]["effective_capacity"] if r["buddy"] else None
+    return rows
+
+
+def _verdicts(rows: list[dict]) -> list[str]:
+    """The targets, checked on this run's numbers."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        by = {r["method"]: r for r in rows if r["model"] == model}
+        b, offload, soc = by.get("buddy"), by.get("buddy-offload"), by.get("save_on_cpu")
+        if b and b["vs_none"] is not None:
+            ok = b["vs_none"] <= 1.05 and (b["capacity"] or 0) >= 1.4
+            lines.append(
+                f"  {model}: buddy {100 * (b['vs_none'] - 1):+.1f} % step time, capacity "
+                f"{b['capacity'] or float('nan'):.2f}x (target <= +5 %, >= 1.4x): {'met' if ok else 'NOT met'}"
+            )
+        if offload and soc:
+            faster = offload["step_ms"] < soc["step_ms"]
+            lines.append(
+                f"  {model}: compressed offload {offload['step_ms']:.1f} ms vs save_on_cpu {soc['step_ms']:.1f} ms: "
+                f"{'faster' if faster else 'NOT faster'}"
+            )
+    return lines
+
+
+def plot(results_path: Path, out_dir: Path) -> list[Path]:
+    """One PNG: per model, step time (bars) and peak memory (bars) for each method."""
+    import json
+
+    from experiments.plot import _pyplot, _save
+
+    plt = _pyplot()
+    results = json.loads(Path(results_path).read_text())
+    rows = results["rows"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    with_memory = any(r["peak_bytes"] for r in rows)
+    fig, axes = plt.subplots(len(models), 2 if with_memory else 1, figsize=(9, 2.8 * len(models)), squeeze=False)
+    colors = {m: f"C{i}" for i, m in enumerate(METHODS)}
+    for row_axes, model in zip(axes, models):
+        pts = [r for r in rows if r["model"] == model]
+        names = [r["method"] for r in pts]
+        ax = row_axes[0]
+        ax.barh(names, [r["step_ms"] for r in pts], color=[colors[n] for n in names])
+        for i, r in enumerate(pts):
+            label = f" {r['step_ms']:.0f} ms" + (f" ({r['vs_none']:.2f}x)" if r.get("vs_none") else "")
+            ax.annotate(label, (r["step_ms"], i), va="center", fontsize=7)
+        ax.set_xlabel("step time (ms, median)")
+        ax.set_title(f"{model}: step time", fontsize=9)
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+        if with_memory:
+            ax = row_axes[1]
+            ax.barh(names, [(r["peak_bytes"] or 0) / 2**30 for r in pts], color=[colors[n] for n in names])
+            for i, r in enumerate(pts):
+                if r["capacity"]:
+                    ax.annotate(f" {r['capacity']:.2f}x", ((r["peak_bytes"] or 0) / 2**30, i), va="center", fontsize=7)
+            ax.set_xlabel("peak device memory (GiB); label: capacity vs none")
+            ax.set_title(f"{model}: peak memory", fontsize=9)
+            ax.invert_yaxis()
+            ax.grid(axis="x", alpha=0.3)
+    if results.get("cpu_run"):
+        fig.suptitle("CPU run: small models, CPU times -- not GPU times, no device memory", fontsize=9, color="tab:red")
+    path = _save(plt, fig, results, Path(out_dir) / "step_time.png", dpi=150, bottom=0.04)
+    return [path]
+
+
+def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    header = start("step_time", argv)
+    backend = args.backend or ("cuda" if device.type == "cuda" and buddy.cuda.has_kernels() else "reference")
+    buddy.set_defaults(backend=backend)
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    specs = [MODELS[kind][name](args.batch) for name in args.models]
+    if kind == "cpu":
+        print("  CPU RUN: small models, CPU times (not GPU times), no device memory to measure")
+    for spec in specs:
+        print(f"  {spec.name}: {spec.description}")
+    print(f"  buddy backend: {backend}; {args.warmup} warm-up + {args.steps} timed steps per method")
+    measurements = []
+    jobs = [(s, m) for s in specs for m in args.methods]
+    for spec, method in progress(jobs, desc="step time", enabled=not args.no_progress):
+        measurements.append(measure(spec, method, device=device, steps=args.steps, warmup=args.warmup, seed=args.seed))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    rows = _rows(measurements)
+    print()
+    print(format_table(rows, COLUMNS))
+    verdicts = _verdicts(rows) if kind == "cuda" else ["  (targets are checked on a GPU only)"]
+    print("\n".join(verdicts))
+    path = write_results(
+        args.out,
+        header,
+        rows,
+        experiment="step_time",
+        backend=backend,
+        models={s.name: s.description for s in specs},
+        cpu_run=kind == "cpu",
+        verdicts=verdicts,
+    )
+    print(f"\nwrote {path}")
+    if not args.no_plot:
+        for png in plot(path, args.out):
+            print(f"wrote {png}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
