@@ -55,8 +55,8 @@ def mixed(entry_bytes: int, entries: int, gen: torch.Generator, dtype=torch.floa
     per = entry_bytes // torch.empty((), dtype=dtype).element_size()
 
     def entry(i: int) -> torch.Tensor:
-        if i % 5 == 4:  # what every nvcomp algorithm shrinks
-            return (torch.arange(per) % 16).to(dtype)
+        if i % 5 == 4:  # what every nvcomp algorithm shrinks (Cascaded included): small 32-bit integers
+            return (torch.arange(entry_bytes // 4, dtype=torch.int32) % 16).view(torch.uint8).view(dtype)
         return make_data(KINDS[i % 5], per, dtype, gen)
 
     return torch.cat([*(entry(i) for i in range(entries)), make_data("relu", per // 3 + 1, dtype, gen)])
@@ -806,9 +806,10 @@ def test_gpu_every_slot_and_the_payload_layout(name, pinned_store, gen):
 @on_gpu
 @pytest.mark.parametrize("name", nvcomp.NAMES)
 def test_gpu_truncated_and_damaged_buffers(name, pinned_store, gen):
-    e, slot = 4096, 4
+    e, slot = 4096, 1
     x = mixed(e, 8, gen).cuda()
     bt = buddy.compress(x, e / (32 * slot), name, entry_bytes=e, store=pinned_store)
+    assert bt.slot_sectors == slot
     meta, slots, overflow = (b.clone() for b in bt.buffers())
     kw = dict(codec=name, entry_bytes=e, slot_sectors=slot, shape=x.shape, dtype=x.dtype)
     k, _ = format.decode_meta(meta, e, meta.numel() // 2)
@@ -821,7 +822,7 @@ def test_gpu_truncated_and_damaged_buffers(name, pinned_store, gen):
         return bad
 
     header = slots.clone()
-    header[coded * 128 : coded * 128 + 4] = 0xFF
+    header[coded * 32 : coded * 32 + 4] = 0xFF  # the length, at the start of the entry's one-sector slot
     cases = [
         (meta, slots, overflow[:-32], "overflow is not"),
         (meta, slots, overflow[:-1], "whole number"),
@@ -836,7 +837,7 @@ def test_gpu_truncated_and_damaged_buffers(name, pinned_store, gen):
         with pytest.raises(buddy.CorruptDataError, match=match):
             buddy.unpack(m, s, o, **kw)
     garbage = slots.clone()
-    garbage[coded * 128 + 8 : coded * 128 + 64] ^= 0x5A  # nvcomp may or may not notice: never a crash
+    garbage[coded * 32 + 4 : coded * 32 + 32] ^= 0x5A  # nvcomp may or may not notice: never a crash
     with contextlib.suppress(buddy.CorruptDataError):
         assert buddy.unpack(meta, garbage, overflow, **kw).shape == x.shape
     assert_bitexact(buddy.unpack(meta, slots, overflow, **kw), x)  # the stream is still fine
