@@ -12,7 +12,10 @@
   (:func:`decode_entries`);
 * **metadata words** (:func:`encode_meta`, :func:`decode_meta`) and the
   **slot + overflow split** of payloads (:func:`split_payload`,
-  :func:`join_payload`).
+  :func:`join_payload`), also as device-side pieces that never read back to
+  the host (:func:`overflow_starts`, :func:`scatter_overflow`,
+  :func:`gather_overflow`: prefix sums, scatters and gathers, a block of
+  entries at a time).
 
 A codec (:class:`~buddy.codecs.Codec`) only codes the entries that are
 neither zero nor raw. The torch reference engine (:mod:`buddy.engine`) is
@@ -47,6 +50,9 @@ __all__ = [
     "overflow_mask",
     "split_payload",
     "join_payload",
+    "overflow_starts",
+    "scatter_overflow",
+    "gather_overflow",
 ]
 
 #: entries are processed in blocks of about this many bytes, so temporaries stay in cache
@@ -302,3 +308,66 @@ def join_payload(
         )
     payload.view(n, -1, spec.SECTOR_BYTES)[mask] = ov.view(-1, spec.SECTOR_BYTES).to(payload.device)
     return payload
+
+
+# ---------------------------------------------------------------------------
+# slots and overflow on the device: no host reads, any block of entries
+# ---------------------------------------------------------------------------
+def overflow_starts(sectors: torch.Tensor, slot_sectors: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(starts, total)``: the sector at which each entry's overflow begins, and the overflow's size.
+
+    The exclusive prefix sum of ``max(k - s, 0)`` (``int64``) and its total
+    (a 0-dim tensor), on ``sectors``' device: nothing is read back.
+    """
+    spill = (sectors.to(torch.int64) - slot_sectors).clamp_(min=0)
+    ends = torch.cumsum(spill, 0)
+    total = ends[-1] if ends.numel() else ends.new_zeros(())
+    return ends - spill, total
+
+
+def _overflow_index(sectors: torch.Tensor, slot_sectors: int, starts: torch.Tensor, spe: int, spare: int):
+    """``(n, spe - s)`` int64: the overflow sector of each payload sector past the slot; ``spare`` where it has none."""
+    j = torch.arange(slot_sectors, spe, dtype=torch.int64, device=sectors.device)
+    index = starts.to(torch.int64).unsqueeze(1) + (j - slot_sectors).unsqueeze(0)
+    index = torch.where(j.unsqueeze(0) < sectors.to(torch.int64).unsqueeze(1), index, spare)
+    return index.clamp_(0, spare)  # damaged sizes read or write the wrong sector, never out of bounds
+
+
+def scatter_overflow(
+    payload: torch.Tensor, sectors: torch.Tensor, slot_sectors: int, starts: torch.Tensor, overflow: torch.Tensor
+) -> None:
+    """The device side of :func:`split_payload`: payload sectors past the slot written into ``overflow``.
+
+    ``payload``: ``(n, E)`` rows, any block of a tensor's entries (zero past
+    ``k`` sectors); ``sectors`` and ``starts`` (:func:`overflow_starts` of
+    the whole tensor) the same rows'. ``overflow``: ``(m + 1) * 32`` bytes,
+    the tensor's ``m`` overflow sectors and a spare one after them that
+    takes every write belonging nowhere. One scatter, no host read.
+    """
+    n, entry_bytes = payload.shape
+    spe = spec.sectors_per_entry(entry_bytes)
+    if n == 0 or slot_sectors >= spe:
+        return
+    out = overflow.view(-1, spec.SECTOR_BYTES)
+    index = _overflow_index(sectors, slot_sectors, starts, spe, out.shape[0] - 1)
+    past = payload.reshape(n, spe, spec.SECTOR_BYTES)[:, slot_sectors:]
+    out.index_copy_(0, index.reshape(-1), past.reshape(-1, spec.SECTOR_BYTES))
+
+
+def gather_overflow(
+    overflow: torch.Tensor, sectors: torch.Tensor, slot_sectors: int, starts: torch.Tensor, entry_bytes: int
+) -> torch.Tensor:
+    """The device side of :func:`join_payload`: ``(n, E - s*32)`` payload bytes past the slot, from ``overflow``.
+
+    ``overflow``: ``(m + 1) * 32`` bytes, the ``m`` overflow sectors and a
+    spare sector of zeros after them, which every sector past an entry's
+    ``k`` reads. One gather, no host read; sizes that do not add up to ``m``
+    (damaged metadata) read wrong sectors, never out of bounds -- check
+    :func:`overflow_starts`' total against ``m``.
+    """
+    n, spe = sectors.numel(), spec.sectors_per_entry(entry_bytes)
+    src = overflow.view(-1, spec.SECTOR_BYTES)
+    if n == 0 or slot_sectors >= spe:
+        return src.new_zeros((n, max(spe - slot_sectors, 0) * spec.SECTOR_BYTES))
+    index = _overflow_index(sectors, slot_sectors, starts, spe, src.shape[0] - 1)
+    return src[index].view(n, (spe - slot_sectors) * spec.SECTOR_BYTES)

@@ -1,58 +1,120 @@
-"""nvcomp chunk codecs: every entry is one nvcomp chunk, inside buddy's slot format.
+"""nvcomp chunk codecs: every entry one nvcomp chunk, a whole tensor in one batched nvcomp call.
 
 ``nvcomp-lz4``, ``nvcomp-ans``, ``nvcomp-bitcomp``, ``nvcomp-cascaded``,
-``nvcomp-gdeflate`` and ``nvcomp-zstd`` run nvcomp's batched GPU compressors
-(through its Python API, the ``nvidia-nvcomp-cu12`` / ``-cu13`` wheels) with
-one entry per chunk, so a tensor keeps buddy's layout: a fixed slot per entry
-on the device, the rest of the entry's stream in buddy memory, the sector
-count in the metadata. They are meant for entries of 4-64 KiB (nvcomp's
-chunk sizes; at 128 B a chunk's own framing costs more than it saves), run on
-CUDA tensors only, and raise :class:`~buddy.errors.MissingDependencyError`
-anywhere else, before any work.
+``nvcomp-gdeflate`` and ``nvcomp-zstd`` compress each entry as one chunk of
+nvcomp's batched GPU compressors (all six have a batched C API in every nvcomp
+bound here), inside buddy's slot format: a fixed slot per entry on the
+device, the rest of its payload in buddy memory, its sector count in the
+metadata. They take entries of 4-64 KiB (nvcomp's chunk sizes: below, a
+chunk's own framing costs more than it saves; GDeflate takes at most 64 KiB)
+and raise ``ValueError`` for others before any work; they run on CUDA tensors
+only and raise :class:`~buddy.errors.MissingDependencyError` anywhere else.
 
-Payload of an entry (``0 < k < E/32``): the stream's length as a
-little-endian ``uint32``, then nvcomp's raw stream (no nvcomp header), then
-zero padding to ``k`` sectors. ``k = 0`` is an all-zero entry and
-``k = E/32`` the entry itself, as for every codec. One metadata mode (0).
-nvcomp has no size-only pass, so sizing encodes.
+Payload of an entry (the zero and raw rules are every codec's)::
 
-They are registered with their own implementation (backend ``"nvcomp"``,
-CUDA tensors only; see :mod:`buddy.dispatch`); where nvcomp or a CUDA device
-is missing, :func:`buddy.get_codec` refuses their names and says why.
+    k = 0           an all-zero entry: no payload
+    k = E/32        the entry itself (nvcomp did not shrink it, or failed on it)
+    0 < k < E/32    the stream's length L as a little-endian uint32, then
+                    nvcomp's raw chunk stream (L bytes, no nvcomp container
+                    header), then zeros up to k sectors: k = ceil((4 + L) / 32)
+
+One metadata mode (0).
+
+:class:`NvcompEngine` (backend ``"nvcomp"``, the default for these codecs on
+CUDA tensors; see :mod:`buddy.dispatch`) runs the format operations over the
+whole tensor:
+
+* ``measure`` compresses every entry in one batched call into a device
+  staging buffer (kept in :attr:`~buddy.engine.Measurement.reuse`); the
+  sizes, metadata and histogram are computed on the device, and the
+  histogram is the one device-to-host read of a compress.
+* ``pack`` writes the payloads from the staged streams, a block of entries
+  at a time, and splits them into slots and the compacted overflow on the
+  device (a prefix sum and a scatter: :func:`buddy.format.scatter_overflow`).
+  It reads nothing back.
+* ``unpack`` gathers the payloads from slots and overflow on the device
+  (:func:`buddy.format.gather_overflow`), decompresses the coded entries in
+  one batched call over every entry (the others' chunks are empty, over
+  zeros, and write to a scratch entry: no host read picks the coded ones
+  out), copies the raw entries and zeroes the zero entries. Sizes,
+  modes, stream lengths, nvcomp's statuses and decoded sizes are checked on
+  the device; the error flag is read back only with ``check=True`` (the
+  public :func:`buddy.unpack` passes it), otherwise entries that failed a
+  check decode to zeros.
+
+nvcomp is called through its batched C API (``nvcompBatched<Algo>CompressAsync``
+and ``DecompressAsync``, device arrays of chunk pointers computed with torch as
+``base + i * stride``), bound with ctypes for nvcomp 4.x, 5.x and 6.x -- what
+``buddy[cuda12]`` / ``buddy[cuda13]`` install -- in
+:mod:`buddy.codecs._nvcomp_capi`. nvcomp's Python API is not used: before
+nvcomp 6 it batches only a Python list of per-entry arrays, and it reads
+compressed sizes back to the host. The C API keeps no state, so threads share
+nothing but the loaded library. Every call runs with the tensor's device
+current, on torch's current stream of that device (passed explicitly: the
+legacy default stream is passed as the handle torch reports for it), and
+every device buffer -- temp space, staging, pointer and size arrays -- is a
+torch allocation on that stream. ``import buddy`` loads nothing of nvcomp:
+the library is found on disk when asked whether it can run and loaded on first use.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import NamedTuple
+
 import torch
 
-from .. import spec
-from ..deps import available, require, require_cuda
-from ..engine import BlockEngine
+from .. import format, spec
+from ..deps import require_cuda
+from ..engine import Engine, Measurement
 from ..errors import CorruptDataError, MissingDependencyError
-from .base import Analysis, Codec
+from ..slots import overflow_sectors
+from . import _nvcomp_capi as capi
+from .base import Codec
 
-__all__ = ["NvcompCodec", "NvcompEngine", "ALGORITHMS", "NAMES", "usable", "why_unusable"]
+__all__ = [
+    "NvcompCodec",
+    "NvcompEngine",
+    "ALGORITHMS",
+    "NAMES",
+    "MIN_ENTRY_BYTES",
+    "usable",
+    "why_unusable",
+    "check_entry_bytes",
+    "chunk_pointers",
+    "entry_sectors",
+    "sector_histogram",
+    "length_bytes",
+    "read_lengths",
+    "coded_payloads",
+    "raise_for_errors",
+]
 
-#: nvcomp algorithm names (as its Python API spells them) by buddy codec name
+#: nvcomp algorithms (as its C API spells them) by buddy codec name
 ALGORITHMS = {
     "nvcomp-lz4": "LZ4",
     "nvcomp-ans": "ANS",
     "nvcomp-bitcomp": "Bitcomp",
     "nvcomp-cascaded": "Cascaded",
-    "nvcomp-gdeflate": "GDeflate",
+    "nvcomp-gdeflate": "Gdeflate",
     "nvcomp-zstd": "Zstd",
 }
 NAMES = tuple(ALGORITHMS)
+#: the smallest entry the nvcomp codecs take (the largest is the format's, 64 KiB)
+MIN_ENTRY_BYTES = 4096
+#: payload bytes built at a time by pack and unpack: bounds their temporaries
+BLOCK_BYTES = 64 << 20
+
 _LENGTH_BYTES = 4
+# error bits of unpack
+_ERR_K, _ERR_STREAM, _ERR_MODE, _ERR_OVERFLOW = 1, 2, 4, 16
 
 
 def why_unusable() -> str | None:
     """Why the nvcomp codecs cannot run here, or ``None`` when they can."""
     if not torch.cuda.is_available():
         return "they run on CUDA tensors and PyTorch sees no CUDA device"
-    if not available("nvidia.nvcomp"):
-        return "nvcomp is not installed: pip install 'buddy[cuda12]' or 'buddy[cuda13]'"
-    return None
+    return capi.why_unusable()
 
 
 def usable() -> bool:
@@ -60,118 +122,323 @@ def usable() -> bool:
     return why_unusable() is None
 
 
-class _Compressed(Analysis):
-    """nvcomp has no size-only pass: the analysis of a block is its compressed streams."""
-
-    def __init__(self, codec: NvcompCodec, entries: torch.Tensor):
-        n, e = entries.shape
-        spe = spec.sectors_per_entry(e)
-        self.entry_bytes = e
-        self.sectors = torch.full((n,), spe, dtype=torch.int32, device=entries.device)
-        self.modes = torch.zeros_like(self.sectors)
-        self._streams: dict[int, torch.Tensor] = {}
-        rows = (entries != 0).any(dim=1).nonzero().view(-1).tolist()
-        if not rows:
-            return
-        nvcomp, coder = codec._nvcomp(entries)
-        coded, ks = [], []
-        for i, stream in zip(rows, coder.encode([nvcomp.as_array(entries[i]) for i in rows])):
-            data = torch.as_tensor(stream, device=entries.device).reshape(-1).view(torch.uint8)
-            k = -(-(data.numel() + _LENGTH_BYTES) // spec.SECTOR_BYTES)
-            if k < spe:
-                self._streams[i] = data
-                coded.append(i)
-                ks.append(k)
-        if coded:  # the sector counts in one transfer
-            self.sectors[torch.tensor(coded, device=entries.device)] = torch.tensor(ks, dtype=torch.int32).to(
-                entries.device
-            )
-
-    def streams(self, rows=None):
-        rows = list(range(self.sectors.numel())) if rows is None else rows.tolist()
-        device = self.sectors.device
-        payload = torch.zeros(len(rows), self.entry_bytes, dtype=torch.uint8, device=device)
-        lengths = []
-        for j, i in enumerate(rows):
-            data = self._streams[i]
-            payload[j, _LENGTH_BYTES : _LENGTH_BYTES + data.numel()] = data
-            lengths.append(data.numel())
-        if lengths:  # the length headers in one transfer
-            heads = torch.tensor(lengths, dtype=torch.int32).view(torch.uint8).view(-1, _LENGTH_BYTES)
-            payload[:, :_LENGTH_BYTES] = heads.to(device)
-        return payload
+def check_entry_bytes(entry_bytes: int) -> int:
+    """A valid entry size of 4-64 KiB (``ValueError`` otherwise: one nvcomp chunk per entry)."""
+    spec.check_entry_bytes(entry_bytes)
+    if entry_bytes < MIN_ENTRY_BYTES:
+        raise ValueError(
+            f"nvcomp codecs take entries of 4-64 KiB (one nvcomp chunk per entry), got entry_bytes={entry_bytes}; "
+            f"pass entry_bytes=4096, 8192, ... or 65536"
+        )
+    return entry_bytes
 
 
+# ---------------------------------------------------------------------------
+# the device-side pieces (torch ops: tested on CPU tensors too)
+# ---------------------------------------------------------------------------
+def chunk_pointers(base: int, stride: int, n: int, device, *, last: int | None = None) -> torch.Tensor:
+    """``(n,)`` int64 addresses ``base + i * stride``, the last one ``last`` when given: computed on the device."""
+    ptrs = torch.arange(n, dtype=torch.int64, device=device).mul_(stride).add_(base)
+    if last is not None and n:
+        ptrs[n - 1] = last  # a fill on the device: nothing is read back
+    return ptrs
+
+
+def entry_sectors(nonzero: torch.Tensor, lengths: torch.Tensor, ok: torch.Tensor, entry_bytes: int) -> torch.Tensor:
+    """Every entry's ``k`` (int32) from nvcomp's stream lengths: ``ceil((4 + L) / 32)``, by the format's rules.
+
+    All-zero entries (``~nonzero``) are ``k = 0``; entries whose stream does
+    not shrink them, is empty or failed (``~ok``) are stored raw, ``k = E/32``.
+    """
+    spe = spec.sectors_per_entry(entry_bytes)
+    coded = torch.div(
+        lengths.to(torch.int64) + (_LENGTH_BYTES + spec.SECTOR_BYTES - 1), spec.SECTOR_BYTES, rounding_mode="floor"
+    )
+    k = torch.where(ok & (lengths > 0), coded.clamp(max=spe), spe)
+    return torch.where(nonzero, k, 0).to(torch.int32)
+
+
+def sector_histogram(sectors: torch.Tensor, entry_bytes: int) -> torch.Tensor:
+    """``(E/32 + 1,)`` int64: how many entries have each ``k`` -- a sort and a search, no host read (bincount syncs)."""
+    bins = torch.arange(spec.sectors_per_entry(entry_bytes) + 2, dtype=torch.int64, device=sectors.device)
+    return torch.searchsorted(torch.sort(sectors.to(torch.int64)).values, bins).diff()
+
+
+def length_bytes(lengths: torch.Tensor) -> torch.Tensor:
+    """``(n, 4)`` uint8: stream lengths as little-endian uint32 (the payload's header)."""
+    shifts = torch.arange(0, 8 * _LENGTH_BYTES, 8, dtype=torch.int64, device=lengths.device)
+    return ((lengths.to(torch.int64).unsqueeze(1) >> shifts) & 0xFF).to(torch.uint8)
+
+
+def read_lengths(payload: torch.Tensor) -> torch.Tensor:
+    """``(n,)`` int64: the little-endian uint32 at the start of each payload row."""
+    shifts = torch.arange(0, 8 * _LENGTH_BYTES, 8, dtype=torch.int64, device=payload.device)
+    return (payload[:, :_LENGTH_BYTES].to(torch.int64) << shifts).sum(1)
+
+
+def coded_payloads(streams: torch.Tensor, lengths: torch.Tensor, entry_bytes: int) -> torch.Tensor:
+    """``(n, E)`` payloads of coded entries: the length, the stream (``streams``' rows, cut at ``L``), zeros."""
+    body = torch.cat([length_bytes(lengths), streams[:, : entry_bytes - _LENGTH_BYTES]], dim=1)
+    used = torch.arange(entry_bytes, device=streams.device).unsqueeze(0) < (lengths + _LENGTH_BYTES).unsqueeze(1)
+    return torch.where(used, body, 0)
+
+
+def raise_for_errors(codec: str, bits: int) -> None:
+    """:class:`~buddy.errors.CorruptDataError` for unpack's error bits (nothing for 0)."""
+    if not bits:
+        return
+    if bits & _ERR_MODE:
+        raise CorruptDataError(f"metadata holds modes that codec {codec!r} never writes")
+    if bits & _ERR_K:
+        raise CorruptDataError(f"{codec}: metadata claims more sectors than an entry has")
+    if bits & _ERR_OVERFLOW:
+        raise CorruptDataError(f"{codec}: the overflow is not the size the metadata needs")
+    raise CorruptDataError(
+        f"{codec}: a stream's length or what nvcomp decoded from it does not match the metadata (the buffers are "
+        f"damaged or were not written by this codec)"
+    )
+
+
+def _ranges(n: int, entry_bytes: int) -> list[tuple[int, int]]:
+    step = max(1, BLOCK_BYTES // entry_bytes)
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def _flag(bad: torch.Tensor, bit: int) -> torch.Tensor:
+    """``bit`` if any of ``bad`` is set, as a 0-dim int32 tensor on its device."""
+    return bad.any().to(torch.int32) * bit
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------
+# the codec and its engine
+# ---------------------------------------------------------------------------
 class NvcompCodec(Codec):
-    """One nvcomp algorithm as a buddy codec (entry = chunk); CUDA tensors only, run by :class:`NvcompEngine`."""
+    """One nvcomp algorithm as a buddy codec (entry = chunk); CUDA tensors only, run by :class:`NvcompEngine`.
+
+    It has no per-block torch code: :meth:`analyse` and :meth:`decode`
+    refuse, and its engine implements the payload rules of the module doc.
+    """
 
     def __init__(self, name: str):
         if name not in ALGORITHMS:
             raise ValueError(f"unknown nvcomp codec {name!r}; one of {', '.join(NAMES)}")
         self.name = name
         self.algorithm = ALGORITHMS[name]
-        self._codecs: dict[tuple, object] = {}
 
-    # -- nvcomp plumbing ---------------------------------------------------------
-    def _check(self, entries: torch.Tensor) -> None:
-        if entries.device.type != "cuda":
+    def refuse(self, t: torch.Tensor):
+        """Raise: CPU tensors are refused with a diagnosis; CUDA tensors go through the engine."""
+        if t.device.type != "cuda":
             require_cuda(f"codec {self.name!r}")  # a clear diagnosis on a machine without a GPU
             raise MissingDependencyError(
                 f"codec {self.name!r} runs nvcomp on the GPU: move the tensor to CUDA first "
-                f"(got a {entries.device.type} tensor), or use a reference codec such as 'auto' on the CPU"
+                f"(got a {t.device.type} tensor), or use a reference codec such as 'auto' on the CPU"
             )
+        raise TypeError(
+            f"codec {self.name!r} has no per-block torch code: nvcomp compresses whole tensors through its engine "
+            f"(buddy.compress(t, codec={self.name!r}, entry_bytes=4096 ... 65536))"
+        )
 
-    def _nvcomp(self, entries: torch.Tensor):
-        """nvcomp's module and a Codec for this algorithm and chunk size on the current stream."""
-        nvcomp = require("nvidia.nvcomp", f"codec {self.name!r}")
-        stream = torch.cuda.current_stream(entries.device)
-        key = (entries.device.index, stream.cuda_stream, entries.shape[1])
-        codec = self._codecs.get(key)
-        if codec is None:
-            codec = nvcomp.Codec(
-                algorithm=self.algorithm,
-                device_id=entries.device.index,
-                cuda_stream=stream.cuda_stream,
-                uncomp_chunk_size=entries.shape[1],
-                bitstream_kind=nvcomp.BitstreamKind.RAW,
-            )
-            self._codecs[key] = codec
-        return nvcomp, codec
-
-    # -- the codec interface -------------------------------------------------------
-    def analyse(self, entries: torch.Tensor, word_bytes: int) -> Analysis:
-        self._check(entries)
-        return _Compressed(self, entries)
+    def analyse(self, entries, word_bytes):
+        self.refuse(entries)
 
     def decode(self, payload, sectors, modes, word_bytes):
-        self._check(payload)
-        n, e = payload.shape
-        heads = payload[:, :_LENGTH_BYTES].contiguous().view(torch.int32).view(-1)
-        lengths = heads.tolist()
-        for length, k in zip(lengths, sectors.tolist()):
-            if not 0 < length <= k * spec.SECTOR_BYTES - _LENGTH_BYTES:
-                raise CorruptDataError(f"codec {self.name!r}: stream length {length} does not fit {k} sectors")
-        nvcomp, codec = self._nvcomp(payload)
-        streams = [nvcomp.as_array(payload[i, _LENGTH_BYTES : _LENGTH_BYTES + m]) for i, m in enumerate(lengths)]
-        try:
-            decoded = codec.decode(streams)
-        except Exception as exc:  # nvcomp reports a bad stream by raising; say which codec and why
-            raise CorruptDataError(f"codec {self.name!r}: nvcomp could not decode an entry ({exc})") from exc
-        out = torch.empty_like(payload)
-        for i, entry in enumerate(decoded):
-            data = torch.as_tensor(entry, device=payload.device).reshape(-1).view(torch.uint8)
-            if data.numel() != e:
-                raise CorruptDataError(f"codec {self.name!r}: an entry decoded to {data.numel()} bytes, not {e}")
-            out[i] = data
-        return out
+        self.refuse(payload)
 
 
-class NvcompEngine(BlockEngine):
-    """nvcomp's codecs under the format layer (entry = chunk), on CUDA tensors."""
+class _Staged(NamedTuple):
+    """What measure leaves for pack: nvcomp's streams ``(n, stride)``, their lengths, every entry's ``k``."""
+
+    streams: torch.Tensor
+    lengths: torch.Tensor
+    sectors: torch.Tensor
+
+
+class NvcompEngine(Engine):
+    """The format operations over a whole tensor with one batched nvcomp call each way (see the module doc).
+
+    ``batch``: what runs nvcomp's batched calls (default: nvcomp's library,
+    :class:`buddy.codecs._nvcomp_capi.Batched`); ``device_type``: the device
+    the tensors must live on. Tests run the same glue on CPU tensors by
+    passing both. :attr:`readbacks` counts the device-to-host reads (one per
+    compress: the histogram; none per decompress unless ``check=True``).
+    """
 
     backend = "nvcomp"
 
-    def __init__(self, codec: Codec):
+    def __init__(self, codec: Codec, *, batch=None, device_type: str = "cuda"):
         if not isinstance(codec, NvcompCodec):
             raise ValueError(f"the nvcomp engine runs nvcomp codecs, not {codec!r}")
         super().__init__(codec)
+        self._batch = batch
+        self.device_type = device_type
+        self.readbacks = 0
+
+    # -- plumbing ----------------------------------------------------------------
+    def _batched(self):
+        return self._batch if self._batch is not None else capi.library().algorithm(self.codec.algorithm)
+
+    def _check(self, t: torch.Tensor, entry_bytes: int) -> None:
+        check_entry_bytes(entry_bytes)
+        if t.device.type != self.device_type:
+            if self.device_type == "cuda":
+                self.codec.refuse(t)
+            raise ValueError(f"this nvcomp engine takes {self.device_type} tensors, got one on {t.device}")
+
+    @staticmethod
+    def _on(device: torch.device):
+        """The device current for nvcomp (it runs on the CUDA runtime's current device)."""
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+    @staticmethod
+    def _stream(device: torch.device) -> int:
+        """torch's current stream of ``device`` as nvcomp takes it (the legacy default stream is what torch reports)."""
+        return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+    def _read(self, t: torch.Tensor):
+        """A small device tensor on the host: the one place this engine waits for the device."""
+        self.readbacks += 1
+        return t.tolist()
+
+    @staticmethod
+    def _entries(flat: torch.Tensor, entry_bytes: int, align: int):
+        """``(data, tail, n_full, n)``: the whole entries in place (aligned for nvcomp), the last one zero-padded."""
+        n_full, rest = divmod(flat.numel(), entry_bytes)
+        if flat.numel() and flat.data_ptr() % align:
+            flat = flat.clone()  # a view at an odd offset: nvcomp needs its chunks aligned
+        tail = torch.zeros(entry_bytes, dtype=torch.uint8, device=flat.device)
+        if rest:
+            tail[:rest] = flat[n_full * entry_bytes :]
+        return flat[: n_full * entry_bytes], tail, n_full, n_full + (rest > 0)
+
+    # -- compress ----------------------------------------------------------------
+    def _stage(self, flat: torch.Tensor, entry_bytes: int) -> _Staged:
+        """Every entry compressed in one batched call into a staging buffer; sizes on the device."""
+        batch, device = self._batched(), flat.device
+        data, tail, n_full, n = self._entries(flat, entry_bytes, batch.alignment())
+        stride = _round_up(max(batch.max_compressed_bytes(entry_bytes), entry_bytes), max(64, batch.alignment()))
+        streams = torch.empty(n * stride, dtype=torch.uint8, device=device)
+        lengths = torch.zeros(n, dtype=torch.int64, device=device)
+        statuses = torch.zeros(n, dtype=torch.int32, device=device)  # nvcomp 4.x reports none: success
+        with self._on(device):
+            batch.compress(
+                device=device, stream=self._stream(device),
+                in_ptrs=chunk_pointers(data.data_ptr(), entry_bytes, n, device, last=tail.data_ptr() if n > n_full else None),
+                in_bytes=torch.full((n,), entry_bytes, dtype=torch.int64, device=device), chunk_bytes=entry_bytes,
+                out_ptrs=chunk_pointers(streams.data_ptr(), stride, n, device), out_bytes=lengths, statuses=statuses,
+            )  # fmt: skip
+        nonzero = torch.cat([data.view(n_full, entry_bytes).amax(1), tail.amax().view(1)[: n - n_full]]) != 0
+        k = entry_sectors(nonzero, lengths, (statuses == 0) & (lengths <= stride), entry_bytes)
+        return _Staged(streams.view(n, stride), lengths, k)
+
+    def measure(self, flat, entry_bytes, word_bytes):
+        self._check(flat, entry_bytes)
+        n, spe = -(-flat.numel() // entry_bytes), spec.sectors_per_entry(entry_bytes)
+        if n == 0:
+            return Measurement(torch.empty(0, dtype=torch.uint8, device=flat.device), (0,) * (spe + 1), None)
+        staged = self._stage(flat, entry_bytes)
+        meta = format.encode_meta(staged.sectors, torch.zeros_like(staged.sectors), entry_bytes)
+        histogram = self._read(sector_histogram(staged.sectors, entry_bytes))
+        return Measurement(meta, tuple(histogram), staged)
+
+    @staticmethod
+    def _payloads(flat: torch.Tensor, staged: _Staged, a: int, b: int, entry_bytes: int) -> torch.Tensor:
+        """``(b - a, E)`` payloads of entries ``[a, b)``: zeros, the entries themselves (raw), length + stream."""
+        spe = spec.sectors_per_entry(entry_bytes)
+        k = staged.sectors[a:b].unsqueeze(1)
+        coded = coded_payloads(staged.streams[a:b], staged.lengths[a:b], entry_bytes)
+        payload = torch.where((k > 0) & (k < spe), coded, 0)
+        return torch.where(k == spe, format.entry_rows(flat, a, b, entry_bytes), payload)
+
+    def pack(self, flat, measured, slot, entry_bytes, word_bytes):
+        self._check(flat, entry_bytes)
+        n, slot_bytes = -(-flat.numel() // entry_bytes), slot * spec.SECTOR_BYTES
+        m = overflow_sectors(measured.histogram, slot)  # known on the host: no read
+        slots = torch.empty(n * slot_bytes, dtype=torch.uint8, device=flat.device)
+        overflow = torch.empty((m + 1) * spec.SECTOR_BYTES, dtype=torch.uint8, device=flat.device)  # + a spare sector
+        if n:
+            staged = measured.reuse if isinstance(measured.reuse, _Staged) else self._stage(flat, entry_bytes)
+            starts, _ = format.overflow_starts(staged.sectors, slot)
+            for a, b in _ranges(n, entry_bytes):
+                payload = self._payloads(flat, staged, a, b, entry_bytes)
+                slots[a * slot_bytes : b * slot_bytes].view(b - a, slot_bytes).copy_(payload[:, :slot_bytes])
+                format.scatter_overflow(payload, staged.sectors[a:b], slot, starts[a:b], overflow)
+        return slots, overflow[: m * spec.SECTOR_BYTES]
+
+    # -- decompress --------------------------------------------------------------
+    def unpack(self, meta, slots, overflow, slot, entry_bytes, word_bytes, nbytes, *, check=True):
+        self._check(slots, entry_bytes)
+        n, mb = -(-nbytes // entry_bytes), spec.meta_bytes(entry_bytes)
+        if meta.numel() != n * mb:
+            raise CorruptDataError(f"metadata holds {meta.numel()} bytes, expected {n * mb}")
+        if slots.numel() != n * slot * spec.SECTOR_BYTES:
+            raise CorruptDataError(f"slots hold {slots.numel()} bytes, expected {n * slot * spec.SECTOR_BYTES}")
+        if overflow.numel() % spec.SECTOR_BYTES:
+            raise CorruptDataError(f"overflow holds {overflow.numel()} bytes, not a whole number of sectors")
+        out = torch.empty(n * entry_bytes, dtype=torch.uint8, device=slots.device)
+        if n:
+            error = self._decode(meta.reshape(-1), slots.reshape(-1), overflow.reshape(-1), slot, entry_bytes, out)
+            if check:
+                raise_for_errors(self.codec.name, self._read(error))
+        return out[:nbytes]
+
+    def _decode(self, meta, slots, overflow, slot, entry_bytes, out) -> torch.Tensor:
+        """Decode into ``out`` (``n * E`` bytes); the error bits as a 0-dim int32 tensor on the device."""
+        batch, device = self._batched(), out.device
+        n, spe = out.numel() // entry_bytes, spec.sectors_per_entry(entry_bytes)
+        m = overflow.numel() // spec.SECTOR_BYTES
+        spared = torch.empty((m + 1) * spec.SECTOR_BYTES, dtype=torch.uint8, device=device)
+        spared[: m * spec.SECTOR_BYTES].copy_(overflow, non_blocking=True)  # H2D from pinned memory, this stream
+        spared[m * spec.SECTOR_BYTES :].zero_()  # the spare sector: what sectors past k read
+        k, modes = format.decode_meta(meta, entry_bytes, n, check=False)
+        bad = (k > spe) | (modes != 0)  # such entries decode to zeros (flagged)
+        error = _flag(k > spe, _ERR_K) | _flag(modes != 0, _ERR_MODE)
+        k = k.clamp(max=spe)
+        starts, total = format.overflow_starts(k, slot)
+        error = error | ((total != m).to(torch.int32) * _ERR_OVERFLOW)
+        raw = (k == spe) & ~bad
+        streams, lengths = self._gather(slots, spared, k, raw, starts, slot, entry_bytes, out)
+        coded = (k > 0) & (k < spe) & ~bad
+        return error | self._decompress(batch, streams, lengths, k, coded, entry_bytes, out)
+
+    @staticmethod
+    def _gather(slots, spared, k, raw, starts, slot, entry_bytes, out):
+        """Payloads from slots and overflow, a block at a time: raw and zero entries into ``out``, streams aligned."""
+        n, slot_bytes, device = k.numel(), slot * spec.SECTOR_BYTES, out.device
+        streams = torch.empty(n, entry_bytes, dtype=torch.uint8, device=device)
+        lengths = torch.empty(n, dtype=torch.int64, device=device)
+        rows = out.view(n, entry_bytes)
+        for a, b in _ranges(n, entry_bytes):
+            payload = torch.empty(b - a, entry_bytes, dtype=torch.uint8, device=device)
+            payload[:, :slot_bytes] = slots[a * slot_bytes : b * slot_bytes].view(b - a, slot_bytes)
+            payload[:, slot_bytes:] = format.gather_overflow(spared, k[a:b], slot, starts[a:b], entry_bytes)
+            lengths[a:b] = read_lengths(payload)
+            streams[a:b, : entry_bytes - _LENGTH_BYTES] = payload[:, _LENGTH_BYTES:]  # nvcomp wants streams aligned
+            streams[a:b, entry_bytes - _LENGTH_BYTES :] = 0
+            rows[a:b] = torch.where(raw[a:b].unsqueeze(1), payload, 0)  # coded rows: written by nvcomp next
+        return streams, lengths
+
+    def _decompress(self, batch, streams, lengths, k, coded, entry_bytes, out) -> torch.Tensor:
+        """The coded entries decompressed into their rows of ``out`` in one call; the error bit of those that failed."""
+        n, device = k.numel(), out.device
+        fits = coded & (lengths > 0) & (lengths + _LENGTH_BYTES <= k.to(torch.int64) * spec.SECTOR_BYTES)
+        # the other chunks are empty, over zeros, and write to a scratch entry
+        nothing = torch.zeros(entry_bytes, dtype=torch.uint8, device=device)
+        scratch = torch.empty(entry_bytes, dtype=torch.uint8, device=device)
+        decoded = torch.zeros(n, dtype=torch.int64, device=device)
+        statuses = torch.full((n,), -1, dtype=torch.int32, device=device)
+        with self._on(device):
+            batch.decompress(
+                device=device, stream=self._stream(device),
+                in_ptrs=torch.where(fits, chunk_pointers(streams.data_ptr(), entry_bytes, n, device), nothing.data_ptr()),
+                in_bytes=torch.where(fits, lengths, 0),
+                out_capacity=torch.full((n,), entry_bytes, dtype=torch.int64, device=device), out_bytes=decoded,
+                out_ptrs=torch.where(coded, chunk_pointers(out.data_ptr(), entry_bytes, n, device), scratch.data_ptr()),
+                statuses=statuses, chunk_bytes=entry_bytes,
+            )  # fmt: skip
+        failed = coded & ~(fits & (statuses == 0) & (decoded == entry_bytes))
+        out.view(n, entry_bytes).masked_fill_(failed.unsqueeze(1), 0)
+        return _flag(failed, _ERR_STREAM)
