@@ -600,7 +600,8 @@ class _UNet(nn.Module):
         super().__init__()
         w, temb = size.width, 4 * size.width
         widths = (w, 2 * w, 2 * w)
-        self.time = nn.Sequential(nn.Linear(w, temb), nn.SiLU(), nn.Linear(temb, temb))
+        # the time MLP as two layers, not an nn.Sequential: max_batch checkpoints a model's longest Sequential
+        self.time_in, self.time_out = nn.Linear(w, temb), nn.Linear(temb, temb)
         self.stem = nn.Conv2d(3, w, 3, padding=1)
         self.down, self.downsample = nn.ModuleList(), nn.ModuleList()
         skips, cin = [w], w
@@ -626,7 +627,7 @@ class _UNet(nn.Module):
         self.depth, self.levels = size.depth, len(widths)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        temb = self.time(_timestep_embedding(t, self.stem.out_channels))
+        temb = self.time_out(F.silu(self.time_in(_timestep_embedding(t, self.stem.out_channels))))
         h = self.stem(x)
         skips, blocks = [h], iter(self.down)
         for level in range(self.levels):
