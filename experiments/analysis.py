@@ -9,6 +9,7 @@ bytes without re-running the model.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -17,9 +18,18 @@ import torch
 import buddy
 from buddy import spec
 from buddy.deps import available, require
+from buddy.format import decode_meta
+from buddy.slots import slot_for_overflow
 from buddy.tensor import memory_bytes
 
 __all__ = [
+    "entry_sectors",
+    "histogram",
+    "REGION_BYTES",
+    "region_histograms",
+    "Placed",
+    "place_per_tensor",
+    "place_per_region",
     "tensor_bytes",
     "data_bytes",
     "byte_entropy_bits",
@@ -36,6 +46,138 @@ __all__ = [
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes of a tensor's data."""
     return t.numel() * t.element_size()
+
+
+# ---- entry sizes, measured once per tensor, codec and entry size --------------------------------
+_SECTORS: dict[tuple[int, str, int], tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def entry_sectors(t: torch.Tensor, codec: str, entry_bytes: int) -> torch.Tensor:
+    """Every entry's compressed size in sectors (``k``, int32, on the CPU), as ``buddy.measure`` finds it.
+
+    Read from the metadata ``buddy.measure`` writes (its layout is
+    documented in :mod:`buddy.spec`). Remembered while ``t`` lives, so the
+    experiments size a captured tensor once per codec and entry size however
+    many tables they draw from it; captured tensors are never modified, which
+    this relies on.
+    """
+    key = (id(t), codec, entry_bytes)
+    hit = _SECTORS.get(key)
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    measured = buddy.measure(t, codec, entry_bytes=entry_bytes)
+    k, _ = decode_meta(measured.measurement.meta, entry_bytes, measured.n_entries, check=False)
+    k = k.cpu()
+    _SECTORS[key] = (weakref.ref(t, lambda _, key=key: _SECTORS.pop(key, None)), k)
+    return k
+
+
+def histogram(t: torch.Tensor, codec: str, entry_bytes: int) -> list[int]:
+    """``h[k]``: entries of ``t`` that compress to ``k`` sectors (what :func:`buddy.size_histogram` returns)."""
+    k = entry_sectors(t, codec, entry_bytes)
+    return torch.bincount(k.to(torch.int64), minlength=spec.sectors_per_entry(entry_bytes) + 1).tolist()
+
+
+# ---- one slot per tensor against one slot per region -----------------------------------------------
+#: bytes of a tensor that share one slot size in the per-region variant
+REGION_BYTES = 64 << 10
+#: device bytes of the region table: one slot size per region
+REGION_TABLE_BYTES = 1
+
+
+def region_histograms(sectors: torch.Tensor, entry_bytes: int, region_bytes: int = REGION_BYTES) -> torch.Tensor:
+    """``(regions, E/32 + 1)`` int64: the entry-size histogram of every ``region_bytes`` piece of a tensor.
+
+    ``sectors`` are the tensor's per-entry sizes (:func:`entry_sectors`), in
+    memory order; the last region holds what is left.
+    """
+    if region_bytes % entry_bytes:
+        raise ValueError(f"region_bytes ({region_bytes}) must be a multiple of entry_bytes ({entry_bytes})")
+    per = region_bytes // entry_bytes
+    bins = spec.sectors_per_entry(entry_bytes) + 1
+    region = torch.arange(sectors.numel()) // per
+    n_regions = -(-sectors.numel() // per)
+    flat = torch.bincount(region * bins + sectors.to(torch.int64), minlength=n_regions * bins)
+    return flat.view(n_regions, bins)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a tensor's bytes go under one slot choice (bytes)."""
+
+    original_bytes: int
+    device_bytes: int  # slots + metadata (+ the region table), or the original bytes when kept as it is
+    buddy_bytes: int
+
+
+def place_per_tensor(sectors: torch.Tensor, nbytes: int, entry_bytes: int, max_overflow: float) -> Placed:
+    """One slot for the whole tensor: ``BuddyThreshold(max_overflow)`` on its own histogram."""
+    hist = torch.bincount(sectors.to(torch.int64), minlength=spec.sectors_per_entry(entry_bytes) + 1).tolist()
+    slot = slot_for_overflow(hist, max_overflow, nbytes)
+    buddy_bytes = sum((k - slot) * n for k, n in enumerate(hist) if k > slot) * spec.SECTOR_BYTES
+    if slot == spec.sectors_per_entry(entry_bytes):
+        return Placed(nbytes, nbytes, buddy_bytes)  # kept as it is
+    n = sectors.numel()
+    return Placed(nbytes, n * (slot * spec.SECTOR_BYTES + spec.meta_bytes(entry_bytes)), buddy_bytes)
+
+
+def _tail_counts(hists: torch.Tensor) -> torch.Tensor:
+    """``tail[r, s]``: entries of region ``r`` larger than ``s`` sectors, for ``s = 0 .. E/32 - 1``."""
+    return hists.flip(1).cumsum(1).flip(1)[:, 1:]
+
+
+def place_per_region(
+    sectors: torch.Tensor,
+    nbytes: int,
+    entry_bytes: int,
+    max_overflow: float | None = None,
+    region_bytes: int = REGION_BYTES,
+    *,
+    budget_bytes: int | None = None,
+) -> Placed:
+    """One slot per ``region_bytes`` region of a tensor; give ``max_overflow`` or ``budget_bytes``.
+
+    ``max_overflow``: each region's slot is ``BuddyThreshold(max_overflow)``
+    on the region's own histogram (each region's overflow within that
+    fraction of its bytes). ``budget_bytes``: the regions share one overflow
+    budget -- the slots with the fewest device bytes whose overflow together
+    stays within ``budget_bytes`` (pass what one slot per tensor spilled to
+    compare the two at the same traffic). They are found greedily: a step up
+    of a region's slot saves ``tail / entries`` overflow sectors per device
+    sector (``tail``: its entries larger than the slot), which only falls as
+    the slot grows, so taking steps best first is optimal up to the last one.
+
+    Device bytes are the regions' slots, every entry's metadata and
+    :data:`REGION_TABLE_BYTES` per region; a tensor whose regions all take
+    the raw slot is kept as it is, as with one slot per tensor.
+    """
+    if (max_overflow is None) == (budget_bytes is None):
+        raise ValueError("give exactly one of max_overflow and budget_bytes")
+    hists = region_histograms(sectors, entry_bytes, region_bytes).double()
+    spe = spec.sectors_per_entry(entry_bytes)
+    entries = hists.sum(1)
+    tail = _tail_counts(hists)  # overflow saved by the step from slot s to s + 1, in sectors
+    if budget_bytes is not None:
+        limit = budget_bytes / spec.SECTOR_BYTES
+        order = torch.sort(-(tail / entries[:, None]).flatten(), stable=True).indices
+        left = float(tail.sum()) - torch.cumsum(tail.flatten()[order], 0)  # overflow after each step
+        fits = (left <= limit + 1e-9).nonzero()
+        taken = order[: int(fits[0]) + 1] if float(tail.sum()) > limit else order[:0]
+        slots = torch.bincount(taken // spe, minlength=len(entries)).double()
+    else:
+        region_size = torch.full_like(entries, float(region_bytes))
+        region_size[-1] = nbytes - region_bytes * (len(entries) - 1)
+        # overflow with slot s = sum of the steps above it
+        overflow = torch.cat([tail.flip(1).cumsum(1).flip(1), torch.zeros_like(entries)[:, None]], 1)
+        fits = overflow * spec.SECTOR_BYTES <= max_overflow * region_size[:, None]
+        slots = fits.double().argmax(1).double()  # the smallest slot that fits (the raw slot always does)
+    steps = torch.arange(spe, dtype=torch.float64)
+    buddy_bytes = int(round(float((tail * (steps[None, :] >= slots[:, None])).sum()))) * spec.SECTOR_BYTES
+    if bool((slots == spe).all()):
+        return Placed(nbytes, nbytes, buddy_bytes)
+    slot_bytes = int(round(float((entries * slots).sum()))) * spec.SECTOR_BYTES
+    device = slot_bytes + sectors.numel() * spec.meta_bytes(entry_bytes) + len(entries) * REGION_TABLE_BYTES
+    return Placed(nbytes, device, buddy_bytes)
 
 
 def data_bytes(t: torch.Tensor, device="cpu") -> torch.Tensor:

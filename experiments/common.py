@@ -62,17 +62,24 @@ CACHE_ENV = "BUDDY_CAPTURE_CACHE"
 def _cache_path(cache: Path, name: str, size: str, points: Sequence[int], device: str, seed: int) -> Path:
     """Where one workload's captures are cached: keyed on everything that changes them.
 
-    The key covers the arguments, torch's version and the source of the
+    The key covers the arguments, torch's version, the source of the
     modules that build the workloads and their data and of buddy's recorder
-    (its skip, dedup and key rules), so an edit to a model, its data, its
-    training loop or what is recorded never reads a stale capture.
+    (its skip, dedup and key rules), and the pretrained package's version, so
+    an edit to a model, its data, its training loop or what is recorded never
+    reads a stale capture.
     """
-    from experiments import data, workloads
+    from importlib.metadata import PackageNotFoundError, version
 
+    from experiments import data, pretrained, workloads
+
+    try:
+        weights = version(pretrained.MINILM_PACKAGE)
+    except PackageNotFoundError:
+        weights = None
     h = hashlib.sha256()
-    for part in (name, size, tuple(points), device, seed, torch.__version__):
+    for part in (name, size, tuple(points), device, seed, torch.__version__, weights):
         h.update(repr(part).encode())
-    for module in (data, workloads, buddy.autograd):
+    for module in (data, workloads, pretrained, buddy.autograd):
         h.update(Path(module.__file__).read_bytes())
     return cache / f"{name}-{size}-{h.hexdigest()[:16]}.pt"
 

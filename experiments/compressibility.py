@@ -28,6 +28,7 @@ from experiments.analysis import (
     compacted_bytes,
     data_bytes,
     general_purpose_sizes,
+    histogram,
     ratio,
     tensor_bytes,
 )
@@ -54,7 +55,7 @@ def analyse(
         t = saved.tensor
         original = tensor_bytes(t)
         sizes = [
-            (codec, entry_bytes, compacted_bytes(buddy.size_histogram(t, codec, entry_bytes=entry_bytes)))
+            (codec, entry_bytes, compacted_bytes(histogram(t, codec, entry_bytes)))
             for codec in codecs
             for entry_bytes in entry_sizes
         ]

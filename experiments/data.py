@@ -2,7 +2,8 @@
 
 Nothing here is downloaded and nothing is random noise: images are
 scikit-learn's bundled sample photographs and handwritten digits, text is
-this Python's own standard library source. Random choices (which crops,
+this Python's own standard library: its source, and the English of its
+docstrings. Random choices (which crops,
 where the text starts, the networks' initial weights) are seeded, so a given
 ``seed`` gives the same tensors on the same software versions.
 
@@ -12,6 +13,7 @@ where the text starts, the networks' initial weights) are seeded, so a given
 
 from __future__ import annotations
 
+import ast
 import functools
 import os
 import sysconfig
@@ -22,7 +24,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["Scale", "SCALES", "sample_image_crops", "digit_images", "stdlib_text_bytes", "activation_tensors"]
+__all__ = [
+    "Scale",
+    "SCALES",
+    "sample_image_crops",
+    "digit_images",
+    "stdlib_text_bytes",
+    "stdlib_docstrings",
+    "activation_tensors",
+]
 
 _EXTRAS_HINT = "pip install 'buddy[experiments]'"
 
@@ -148,6 +158,50 @@ def stdlib_text_bytes(nbytes: int, seed: int = 0) -> torch.Tensor:
     if len(data) < nbytes:
         raise ValueError(f"the standard library holds only {len(data)} bytes of source, {nbytes} asked")
     return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+#: test folders inside stdlib packages: their docstrings describe tests, not the package
+_TEST_DIRS = {"test", "tests", "idle_test"}
+
+
+@functools.lru_cache(maxsize=8)
+def stdlib_docstrings(packages: tuple[str, ...], max_bytes: int) -> dict[str, str]:
+    """English prose: the docstrings of standard library packages, per package.
+
+    For each name in ``packages`` (a package folder of the standard library,
+    e.g. ``"email"``), the module, class and function docstrings of its
+    ``.py`` files (test folders skipped), files in sorted path order, each
+    docstring as :func:`inspect.cleandoc` leaves it, joined by blank lines
+    and cut at whole docstrings once ``max_bytes`` (UTF-8) are reached.
+    Deterministic; raises ``ValueError`` for a package that is missing or has
+    no docstrings.
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    out = {}
+    for package in packages:
+        folder = os.path.join(root, package)
+        if not os.path.isdir(folder):
+            raise ValueError(f"the standard library has no package {package!r} (looked in {folder!r})")
+        paths = []
+        for sub, dirs, files in os.walk(folder):
+            dirs[:] = [d for d in dirs if d not in _TEST_DIRS and d != "__pycache__"]
+            paths.extend(os.path.join(sub, f) for f in files if f.endswith(".py"))
+        docs, size = [], 0
+        for path in sorted(paths):
+            if size >= max_bytes:
+                break
+            with open(path, "rb") as f:
+                tree = ast.parse(f.read(), filename=path)
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc and size < max_bytes:
+                        docs.append(doc)
+                        size += len(doc.encode()) + 2
+        if not docs:
+            raise ValueError(f"no docstrings in the standard library's {package!r}")
+        out[package] = "\n\n".join(docs)
+    return out
 
 
 # ---- activations -------------------------------------------------------------

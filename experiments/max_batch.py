@@ -195,7 +195,7 @@ def measure(workload: str, method: str, *, size: str, batch: int, device: str = 
         activation = account.outside
     elif method == "buddy":
         store = buddy.BuddyStore(pin=False if device == "cpu" else None)
-        min_bytes = 1024 if size == "tiny" else buddy.DEFAULT_MIN_BYTES
+        min_bytes = run.workload.min_bytes(size)
         with buddy.compressed_activations(tracker=buddy.Tracker(), store=store, min_bytes=min_bytes) as session:
             loss = run.workload.loss(run.model, data)
     elif method == "save_on_cpu":

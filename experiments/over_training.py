@@ -37,7 +37,7 @@ def track(name: str, *, size: str, steps: int, every: int, policy, device: str, 
 
     run = make_run(name, size=size, device=device, seed=seed)
     tracker, store = buddy.Tracker(policy), buddy.BuddyStore(pin=False if device == "cpu" else None)
-    min_bytes = 1024 if size == "tiny" else buddy.DEFAULT_MIN_BYTES
+    min_bytes = run.workload.min_bytes(size)
     rows = []
     for step in progress(range(steps), desc=f"{name} over training", enabled=show):
         if step % every:

@@ -46,32 +46,159 @@ def _save(plt, fig, results: dict, path: Path, *, dpi: int, fontsize: int = 5, b
     return path
 
 
-def _capacity_axes(ax, rows, workload):
+#: the region of the capacity-vs-traffic plots that matters: buddy traffic up to this (%) ...
+TRAFFIC_LIMIT = 30.0
+#: ... and capacity up to this (x); points beyond are counted in a note, not drawn
+CAPACITY_LIMIT = 4.0
+#: Buddy Compression's headline for deep learning: 1.5x capacity at a 1-2 % slowdown
+PAPER_DL = 1.5
+#: the tracker's default policy, marked in every plot
+DEFAULT_POLICY = ("BuddyThreshold", "10%")
+
+
+def _overlaps(box, placed) -> bool:
+    return any(box.overlaps(other) for other in placed)
+
+
+def _marker_boxes(ax, xys, pad: float = 3.0) -> list:
+    """Display-space boxes around data points, so that labels keep off the markers."""
+    from matplotlib.transforms import Bbox
+
+    out = []
+    for x, y in xys:
+        px, py = ax.transData.transform((x, y))
+        out.append(Bbox.from_extents(px - pad, py - pad, px + pad, py + pad))
+    return out
+
+
+def _label(ax, text, xy, placed, renderer, *, fontsize=6, color="0.25", weight="normal") -> bool:
+    """Annotate ``xy`` with ``text`` at the first offset where it overlaps no placed label nor leaves the axes."""
+    frame = ax.get_window_extent(renderer)
+    for dx, dy in ((5, 2), (5, -9), (-5, 2), (-5, -9), (5, 9), (-5, 9), (5, -15), (-5, -15)):
+        note = ax.annotate(
+            text,
+            xy,
+            xytext=(dx, dy),
+            textcoords="offset points",
+            fontsize=fontsize,
+            color=color,
+            weight=weight,
+            ha="left" if dx > 0 else "right",
+        )
+        box = note.get_window_extent(renderer)
+        if not _overlaps(box, placed) and frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1):
+            placed.append(box)
+            return True
+        note.remove()
+    return False
+
+
+def _reference_lines(ax, *, legend: bool = True):
+    """The paper's deep-learning point (as a capacity line) and the tracker's 10 % overflow bound."""
+    ax.axhline(PAPER_DL, color="tab:red", linewidth=0.8, linestyle=":", label="paper, DL: 1.5x at 1-2 % slowdown")
+    ax.axvline(10, color="black", linewidth=0.6, linestyle=":", label="10 % overflow (the default bound)")
+
+
+def _capacity_axes(ax, rows, workload, *, fontsize=6):
+    """Capacity against buddy traffic, one line per policy family, clipped to the region that matters.
+
+    Axes stop at :data:`TRAFFIC_LIMIT` % traffic and :data:`CAPACITY_LIMIT`
+    x capacity (the points beyond are counted in a note); the default
+    policy's point is ringed; labels are drawn only where they overlap
+    nothing, the default's first.
+    """
+    fig = ax.figure
+    visible = [r for r in rows if 100 * r["overflow_fraction"] <= TRAFFIC_LIMIT and r["capacity"] <= CAPACITY_LIMIT]
+    top = max([PAPER_DL, *(r["capacity"] for r in visible)]) * 1.08
+    ax.set_xlim(-0.5, TRAFFIC_LIMIT)
+    ax.set_ylim(min(0.95, min((r["capacity"] for r in visible), default=1.0) - 0.03), min(CAPACITY_LIMIT, top))
     for family, style in _FAMILY_STYLE.items():
-        pts = [r for r in rows if r["family"] == family]
-        if not pts:
+        pts = sorted((r for r in rows if r["family"] == family), key=lambda r: r["overflow_fraction"])
+        if pts:
+            xs, ys = [100 * r["overflow_fraction"] for r in pts], [r["capacity"] for r in pts]
+            ax.plot(xs, ys, label=family, markersize=4, linewidth=1.0, **style)
+    _reference_lines(ax)
+    default = next((r for r in rows if (r["family"], r["policy"]) == DEFAULT_POLICY), None)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    placed = _marker_boxes(ax, [(100 * r["overflow_fraction"], r["capacity"]) for r in visible])
+    if default is not None:
+        xy = (100 * default["overflow_fraction"], default["capacity"])
+        ax.plot(*xy, marker="o", markersize=11, markerfacecolor="none", markeredgecolor="tab:blue", linewidth=0)
+        _label(
+            ax,
+            f"default: {default['capacity']:.2f}x",
+            xy,
+            placed,
+            renderer,
+            fontsize=fontsize + 1,
+            color="tab:blue",
+            weight="bold",
+        )
+    order = {"BuddyThreshold": 0, "FixedRatio": 1, "DeviceBudget": 2}
+    for r in sorted(visible, key=lambda r: order.get(r["family"], 3)):
+        if r is default:
             continue
-        pts.sort(key=lambda r: r["overflow_fraction"])
-        ax.plot([100 * r["overflow_fraction"] for r in pts], [r["capacity"] for r in pts], label=family, **style)
-        for r in pts:
-            ax.annotate(
-                r["policy"],
-                (100 * r["overflow_fraction"], r["capacity"]),
-                fontsize=6,
-                alpha=0.7,
-                xytext=(3, 3),
-                textcoords="offset points",
-            )
-    ax.axhline(1.5, color="tab:red", linewidth=0.8, linestyle=":", label="paper, DL (1.5x)")
-    ax.axvline(10, color="black", linewidth=0.6, linestyle=":", label="10 % overflow")
+        prefix = {"BuddyThreshold": "<=", "DeviceBudget": "budget "}.get(r["family"], "")
+        _label(
+            ax, prefix + r["policy"], (100 * r["overflow_fraction"], r["capacity"]), placed, renderer, fontsize=fontsize
+        )
+    hidden = [r for r in rows if r not in visible]
+    if hidden:
+        far = max(hidden, key=lambda r: r["capacity"])
+        ax.text(
+            0.99,
+            0.02,
+            f"{len(hidden)} points beyond the axes (up to {far['capacity']:.1f}x at {100 * far['overflow_fraction']:.0f} % traffic)",
+            transform=ax.transAxes,
+            ha="right",
+            va="bottom",
+            fontsize=fontsize,
+            color="0.4",
+        )
     ax.set_title(f"{workload} ({rows[0]['codec']}, E={rows[0]['entry_bytes']} B)", fontsize=9)
     ax.set_xlabel("buddy traffic: overflow bytes / activation bytes (%)")
     ax.set_ylabel("effective capacity (x)")
     ax.grid(alpha=0.3)
 
 
+def _sets_axes(ax, headline: list[dict], codec: str, entry_bytes: int):
+    """Every workload's default-policy point, tuning and check sets apart, with each set's geometric mean."""
+    styles = {"tuning": dict(marker="o", color="tab:blue"), "check": dict(marker="s", color="tab:orange")}
+    fig = ax.figure
+    points = [r for r in headline if not r.get("summary")]
+    summary = {r["set"]: r for r in headline if r.get("summary")}
+    for name in dict.fromkeys(r.get("set", "other") for r in points):
+        mine = [r for r in points if r.get("set", "other") == name]
+        style = styles.get(name, dict(marker="^", color="tab:gray"))
+        label = f"{name} set"
+        if name in summary:
+            label += f": geomean {summary[name]['capacity']:.2f}x, worst overflow {100 * summary[name]['overflow_fraction']:.1f} %"
+            ax.axhline(summary[name]["capacity"], color=style["color"], linewidth=1.0, linestyle="--", alpha=0.8)
+        ax.scatter(
+            [100 * r["overflow_fraction"] for r in mine], [r["capacity"] for r in mine], s=28, label=label, **style
+        )
+    _reference_lines(ax)
+    caps = [r["capacity"] for r in points]
+    ax.set_xlim(0, max(12.0, 1.15 * max(100 * r["overflow_fraction"] for r in points)))
+    ax.set_ylim(min(0.95, min(caps) - 0.05), max(PAPER_DL, *caps) * 1.1)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    placed = _marker_boxes(ax, [(100 * r["overflow_fraction"], r["capacity"]) for r in points], pad=4)
+    for r in sorted(points, key=lambda r: -r["capacity"]):
+        _label(ax, r["workload"], (100 * r["overflow_fraction"], r["capacity"]), placed, renderer, fontsize=7)
+    ax.set_title(
+        f"{codec}, E={entry_bytes} B, BuddyThreshold 10 %: chosen on the tuning set, checked on the check set",
+        fontsize=9,
+    )
+    ax.set_xlabel("buddy traffic: overflow bytes / activation bytes (%)")
+    ax.set_ylabel("effective capacity (x)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
+
+
 def plot_capacity(results_path: Path, out_dir: Path) -> list[Path]:
-    """One PNG per workload (capacity against buddy traffic, a line per policy) and an overview."""
+    """One PNG per workload (capacity against buddy traffic, a line per policy), an overview, and the two sets."""
     plt = _pyplot()
     results = json.loads(Path(results_path).read_text())
     rows = results["rows"]
@@ -80,19 +207,24 @@ def plot_capacity(results_path: Path, out_dir: Path) -> list[Path]:
     for workload in workloads:
         fig, ax = plt.subplots(figsize=(6, 4.2))
         _capacity_axes(ax, [r for r in rows if r["workload"] == workload], workload)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6.5, loc="upper left")
         path = _save(plt, fig, results, Path(out_dir) / f"capacity_{workload}.png", dpi=130)
         written.append(path)
     cols = min(3, len(workloads))
     nrows = -(-len(workloads) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.8 * nrows), squeeze=False)
     for ax, workload in zip(axes.flat, workloads):
-        _capacity_axes(ax, [r for r in rows if r["workload"] == workload], workload)
+        _capacity_axes(ax, [r for r in rows if r["workload"] == workload], workload, fontsize=5.5)
     for ax in list(axes.flat)[len(workloads) :]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
-    path = _save(plt, fig, results, Path(out_dir) / "capacity_overview.png", dpi=110, fontsize=6)
-    return written + [path]
+    axes.flat[0].legend(fontsize=6.5, loc="upper left")
+    written.append(_save(plt, fig, results, Path(out_dir) / "capacity_overview.png", dpi=110, fontsize=6))
+    headline = results.get("headline")
+    if headline and any(r.get("summary") for r in headline):
+        fig, ax = plt.subplots(figsize=(7.5, 5.4))
+        _sets_axes(ax, headline, rows[0]["codec"], rows[0]["entry_bytes"])
+        written.append(_save(plt, fig, results, Path(out_dir) / "capacity_sets.png", dpi=130))
+    return written
 
 
 def plot_over_training(results_path: Path, out_dir: Path) -> list[Path]:
@@ -159,6 +291,7 @@ def plot_decision(results_path: Path, out_dir: Path) -> list[Path]:
     rows = [r for r in results["rows"] if "ideal_ratio" in r]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     per_entry = list(dict.fromkeys(r["method"] for r in rows if r["entry_bytes"] is not None))
+    check = set(results.get("sets", {}).get("check", ()))
     fig, axes = plt.subplots(2, len(workloads), figsize=(3.3 * len(workloads), 6.4), squeeze=False, sharex=True)
     for col, workload in enumerate(workloads):
         mine = [r for r in rows if r["workload"] == workload]
@@ -192,7 +325,7 @@ def plot_decision(results_path: Path, out_dir: Path) -> list[Path]:
             if col == 0:
                 ax.set_ylabel(label)
             if row == 0:
-                ax.set_title(workload, fontsize=9)
+                ax.set_title(workload + (" (check set)" if workload in check else ""), fontsize=9)
             else:
                 ax.set_xlabel("entry size E (bytes)")
     axes[0][0].legend(fontsize=6)

