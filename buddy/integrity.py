@@ -76,18 +76,24 @@ _WHERE = {
     "meta": "the metadata (on the device)",
     "slots": "the slots (on the device)",
     "overflow": "the overflow (in buddy memory)",
+    "table": "the codec table (on the device)",
 }
 
 
 class Checksum(NamedTuple):
-    """The 64-bit checksums of a compressed tensor's three buffers (see :mod:`buddy.integrity`)."""
+    """The 64-bit checksums of a compressed tensor's buffers (see :mod:`buddy.integrity`).
+
+    ``table``: that of the codec table (format version 2), ``None`` for a tensor without one.
+    """
 
     meta: int
     slots: int
     overflow: int
+    table: int | None = None
 
     def __repr__(self) -> str:
-        return f"Checksum(meta={self.meta:#018x}, slots={self.slots:#018x}, overflow={self.overflow:#018x})"
+        table = "" if self.table is None else f", table={self.table:#018x}"
+        return f"Checksum(meta={self.meta:#018x}, slots={self.slots:#018x}, overflow={self.overflow:#018x}{table})"
 
 
 @functools.cache
@@ -158,17 +164,26 @@ def buffer_checksum(buffer: torch.Tensor) -> int:
     return Accumulator().add(buffer).value()
 
 
-def checksums(meta: torch.Tensor, slots: torch.Tensor, overflow: torch.Tensor) -> Checksum:
-    """The :class:`Checksum` of the three buffers of a compressed tensor."""
-    return Checksum(buffer_checksum(meta), buffer_checksum(slots), buffer_checksum(overflow))
+def checksums(
+    meta: torch.Tensor, slots: torch.Tensor, overflow: torch.Tensor, table: torch.Tensor | None = None
+) -> Checksum:
+    """The :class:`Checksum` of the buffers of a compressed tensor (``table``: format version 2's fourth)."""
+    sums = (buffer_checksum(b) for b in (meta, slots, overflow))
+    return Checksum(*sums, table=None if table is None else buffer_checksum(table))
 
 
-def verify(meta: torch.Tensor, slots: torch.Tensor, overflow: torch.Tensor, expected: Checksum) -> None:
+def verify(
+    meta: torch.Tensor,
+    slots: torch.Tensor,
+    overflow: torch.Tensor,
+    expected: Checksum,
+    table: torch.Tensor | None = None,
+) -> None:
     """Raise :class:`~buddy.errors.CorruptDataError` unless the buffers have the ``expected`` checksums."""
     if not isinstance(expected, Checksum):
         raise TypeError(f"checksum must be a buddy.integrity.Checksum, got {type(expected).__name__}")
-    actual = checksums(meta, slots, overflow)
-    bad = [name for name in _BUFFERS if getattr(actual, name) != getattr(expected, name)]
+    actual = checksums(meta, slots, overflow, table)
+    bad = [name for name in _BUFFERS + ("table",) if getattr(actual, name) != getattr(expected, name)]
     if bad:
         where = " and ".join(_WHERE[name] for name in bad)
         raise CorruptDataError(

@@ -91,6 +91,16 @@ class Measured:
     def backend(self) -> str:
         return self.engine.backend
 
+    @property
+    def table(self) -> torch.Tensor | None:
+        """The table the codec fitted to the tensor (format version 2), or ``None``."""
+        return self.codec.table
+
+    @property
+    def statistics(self) -> torch.Tensor | None:
+        """The tensor's symbol statistics, for a tracker to learn the key's table from (codecs with a table)."""
+        return self.codec.statistics
+
     def overflow_bytes(self, slot: int) -> int:
         """Buddy bytes with a slot of ``slot`` sectors."""
         return overflow_sectors(self.histogram, slot) * spec.SECTOR_BYTES
@@ -128,10 +138,13 @@ def _pack_options(store, on_full, checksum, ledger) -> _PackOptions:
     return _PackOptions(store or default_store(), on_full, checksum, ledger or default_ledger())
 
 
-def _measure(tensor: torch.Tensor, codec: Codec, entry_bytes: int, engine: Engine) -> Measured:
+def _measure(tensor: torch.Tensor, codec: Codec, entry_bytes: int, engine: Engine, prior=None) -> Measured:
     flat, stride = memory_bytes(tensor)
     word = spec.word_bytes(tensor.dtype)
-    return Measured(tensor, flat, stride, codec, engine, entry_bytes, word, engine.measure(flat, entry_bytes, word))
+    fitted = codec.fit(flat, word, prior)  # a codec with a table fits it to the tensor (or to the prior)
+    if fitted is not codec:
+        engine = dispatch.engine(fitted, tensor.device, engine.backend)
+    return Measured(tensor, flat, stride, fitted, engine, entry_bytes, word, engine.measure(flat, entry_bytes, word))
 
 
 def measure(
@@ -140,15 +153,18 @@ def measure(
     *,
     entry_bytes: int | None = None,
     backend: str | None = None,
+    prior: torch.Tensor | None = None,
 ) -> Measured:
     """Size every entry of ``tensor`` (nothing is stored): the first step of :func:`compress`.
 
     ``tensor``: any dense tensor on any device (see :func:`compress`). The
     result holds the metadata on the tensor's device and the size histogram
     on the host (one device-to-host read), and keeps ``tensor`` alive until
-    it is packed or dropped.
+    it is packed or dropped. A codec with a table (``fpe``, ``auto2``) fits
+    it to the tensor's own statistics, or to ``prior`` -- statistics learned
+    over earlier steps (:meth:`buddy.Tracker.prior`) -- when given.
     """
-    return _measure(tensor, *_resolve(tensor, codec, entry_bytes, backend))
+    return _measure(tensor, *_resolve(tensor, codec, entry_bytes, backend), prior=prior)
 
 
 def size_histogram(
@@ -209,13 +225,14 @@ def _pack(measured: Measured, slot: int, options: _PackOptions) -> BuddyTensor:
             )
         _offload(staged, overflow, t.device)
         meta = measured.measurement.meta
-        sums = Checksum(*(integrity.buffer_checksum(b) for b in (meta, slots, staged))) if options.checksum else None
+        table = None if measured.table is None else measured.table.to(t.device)  # decoding reads it there
+        sums = integrity.checksums(meta, slots, staged, table) if options.checksum else None
         # built inside the try: an interrupt as the tensor counts itself in must not strand its overflow
         return BuddyTensor(
             shape=t.shape, stride=measured.stride, dtype=t.dtype, device=t.device, codec=measured.codec,
             entry_bytes=measured.entry_bytes, slot_sectors=slot, original_bytes=measured.nbytes,
             histogram=measured.histogram, slots=slots, meta=meta, overflow=overflow, store=store,
-            ledger=options.ledger, backend=engine.backend, checksum=sums,
+            ledger=options.ledger, backend=engine.backend, checksum=sums, table=table,
         )  # fmt: skip
     except BaseException:
         store.release(overflow)  # nothing half-written survives, KeyboardInterrupt included
@@ -288,8 +305,9 @@ def unpack(
     stride: Sequence[int] | None = None,
     backend: str | None = None,
     checksum: Checksum | None = None,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode the three buffers of the format into a tensor on ``slots``' device.
+    """Decode the buffers of the format into a tensor on ``slots``' device.
 
     The bytes are laid out in memory order with ``stride`` (a dense layout;
     default contiguous). ``meta`` and ``slots`` live on the same device;
@@ -302,7 +320,8 @@ def unpack(
     Without a ``checksum``, damage the format cannot see (a changed mantissa
     bit) decodes to a tensor of the right shape with wrong values; with one
     (:attr:`BuddyTensor.checksum`), the buffers are checked before anything
-    is decoded.
+    is decoded. ``table``: the codec table of a format version 2 tensor
+    (:attr:`BuddyTensor.table`); codecs without one refuse it.
     """
     codec = get_codec(codec)
     entry_bytes = spec.check_entry_bytes(entry_bytes)
@@ -313,9 +332,11 @@ def unpack(
     meta, slots, overflow = (_byte_buffer(n, b) for n, b in (("meta", meta), ("slots", slots), ("overflow", overflow)))
     if meta.device != slots.device:
         raise ValueError(f"meta and slots must be on the same device, got {meta.device} and {slots.device}")
-    engine = dispatch.engine(codec, slots.device, backend)
+    table = None if table is None else _byte_buffer("table", table)
     if checksum is not None:
-        integrity.verify(meta, slots, overflow, checksum)  # before anything is decoded
+        integrity.verify(meta, slots, overflow, checksum, table)  # before anything is decoded
+    codec = codec.bind(table, word)  # CorruptDataError for a damaged table, or one the codec does not take
+    engine = dispatch.engine(codec, slots.device, backend)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     n_entries = -(-nbytes // entry_bytes)
     if slots.numel() != n_entries * slot_sectors * spec.SECTOR_BYTES:

@@ -41,6 +41,17 @@ Buddy side (host memory, pinned when CUDA is present):
   ``sum_{j < i} max(k_j - s, 0)``. Its size is exactly what is reported as the
   tensor's buddy bytes.
 
+Format version 2: codec tables
+------------------------------
+Version 2 adds one buffer: a codec may fit a **table** to the tensor
+(``fpe``'s prefix code for signs and exponents; ``auto2``, which has ``fpe``
+among its members). The table is the tensor's fourth buffer, on its device
+beside the metadata (a few hundred bytes); its layout is the codec's
+(:mod:`buddy.codecs.fpe`), and a tensor decodes with nothing but its four
+buffers. Everything above is unchanged: tensors of the codecs without a
+table (``zvc``, ``fpx``, ``bpc``, ``auto``, ``raw``, nvcomp's) are version 1
+tensors, byte for byte, and decode as before.
+
 Integrity (optional)
 --------------------
 With ``checksum=True`` a tensor also carries one 64-bit checksum per buffer,
@@ -84,7 +95,8 @@ __all__ = [
     "c_defines",
 ]
 
-FORMAT_VERSION = 1
+#: the newest format version buddy reads and writes (a tensor is version 1 unless its codec carries a table)
+FORMAT_VERSION = 2
 SECTOR_BYTES = 32
 DEFAULT_ENTRY_BYTES = 512
 MIN_ENTRY_BYTES = 32
@@ -150,8 +162,8 @@ def ratio_for_slot(slot_sectors: int, entry_bytes: int) -> float:
     return math.inf if slot_sectors == 0 else entry_bytes / (SECTOR_BYTES * slot_sectors)
 
 
-#: metadata modes of the ``auto`` codec (format version 1): the escapes, then one per member codec
-AUTO_MODES = {"zero": 0, "raw": 1, "zvc": 2, "fpx": 3, "bpc": 4}
+#: metadata modes of the ``auto`` codecs: the escapes, then one per member codec (``fpe`` in ``auto2`` only)
+AUTO_MODES = {"zero": 0, "raw": 1, "zvc": 2, "fpx": 3, "bpc": 4, "fpe": 5}
 
 _COMPLEX_WORD = {torch.complex32: 2, torch.complex64: 4, torch.complex128: 8}
 _QUANTIZED = frozenset(

@@ -141,7 +141,7 @@ class BuddyTensor:
 
     Attributes (bytes unless said otherwise):
         original_bytes: bytes of the tensor's data.
-        device_bytes: slots + metadata on the device.
+        device_bytes: slots + metadata (+ the codec table, format version 2) on the device.
         buddy_bytes: overflow held in buddy memory.
         compressed_bytes: ``sum(k) * 32``, the size if entries were compacted.
         target_ratio: ``E / (32 * slot_sectors)``; ``inf`` for the zero slot.
@@ -178,6 +178,7 @@ class BuddyTensor:
         ledger: DeviceLedger,
         backend: str = "reference",
         checksum: Checksum | None = None,
+        table: torch.Tensor | None = None,
     ):
         self.shape = torch.Size(shape)
         #: strides the decompressed tensor gets (the original's when it was dense, else contiguous)
@@ -192,16 +193,17 @@ class BuddyTensor:
         self.n_entries = -(-original_bytes // entry_bytes)
         #: entries per size: ``histogram[k]`` entries compress to ``k`` sectors
         self.histogram = tuple(int(n) for n in histogram)
-        self.format_version = spec.FORMAT_VERSION
+        self.format_version = codec.format_version
         #: per-buffer checksums taken at compress time, or ``None`` (see :mod:`buddy.integrity`)
         self.checksum = checksum
         self._slots = slots
         self._meta = meta
         self._overflow = overflow
+        self._table = table
         self._prefetched = None  # (overflow on the device, the event of its arrival) from prefetch()
         self.store = store
         self.ledger = ledger
-        self.device_bytes = slots.numel() + meta.numel()
+        self.device_bytes = slots.numel() + meta.numel() + (0 if table is None else table.numel())
         self.buddy_bytes = overflow.nbytes
         hold = ledger.hold(self.device_bytes)
         self._finalizer = weakref.finalize(self, _release, store, overflow, hold)
@@ -210,6 +212,11 @@ class BuddyTensor:
     @property
     def codec(self) -> str:
         return self._codec.name
+
+    @property
+    def table(self) -> torch.Tensor | None:
+        """The codec table on the device (format version 2: ``fpe``, ``auto2``), else ``None``. Do not write to it."""
+        return self._table
 
     @property
     def target_ratio(self) -> float:
@@ -258,7 +265,7 @@ class BuddyTensor:
                 "(or call buddy.set_defaults(checksum=True)) to be able to verify it"
             )
         self._overflow_ready_on_host()
-        integrity.verify(self._meta, self._slots, self._overflow.data, self.checksum)
+        integrity.verify(self._meta, self._slots, self._overflow.data, self.checksum, self._table)
 
     def _overflow_ready_on_host(self) -> None:
         # the host is about to read the overflow: its copy there must have landed
@@ -313,7 +320,9 @@ class BuddyTensor:
         engine = dispatch.engine(self._codec, self.device, self.backend if backend is None else backend)
         if self.checksum is not None:
             self._overflow_ready_on_host()
-            integrity.verify(self._meta, self._slots, self._overflow.data, self.checksum)  # before decoding
+            integrity.verify(
+                self._meta, self._slots, self._overflow.data, self.checksum, self._table
+            )  # before decoding
         ops = streams.for_device(self.device)
         stream = ops.current(self.device)
         overflow = self._overflow_for(ops, stream)

@@ -35,6 +35,8 @@ import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from . import spec
 from ._process_default import ProcessDefault
 from .ledger import DeviceLedger, default_ledger
@@ -259,6 +261,10 @@ class KeyHistory:
     window: int
     histograms: deque = field(default_factory=deque)
     observations: list[Observation] = field(default_factory=list)
+    #: symbol statistics learned over the steps (a codec with a table fits it to them), or ``None``
+    statistics: torch.Tensor | None = None
+    #: GPU statistics on their way to the host: (pinned copy, event), oldest first
+    _pending: deque = field(default_factory=deque, repr=False)
 
     @property
     def steps(self) -> int:
@@ -274,11 +280,42 @@ class KeyHistory:
         total = sum(weights)
         return tuple(m / total for m in mixed)
 
-    def add(self, histogram, observation: Observation) -> None:
+    def add(self, histogram, observation: Observation, statistics: torch.Tensor | None = None) -> None:
         self.histograms.append(tuple(histogram))
         while len(self.histograms) > self.window:
             self.histograms.popleft()
         self.observations.append(observation)
+        if statistics is not None:
+            self.learn(statistics)
+
+    def learn(self, statistics: torch.Tensor) -> None:
+        """Mix a step's symbol statistics into the key's: frequencies, the newest weighing ``1 / decay`` as much.
+
+        Statistics on a GPU come to the host on their own (a non-blocking
+        copy and an event): the step that recorded them never waits, and a
+        later step mixes them in once the copy has landed (:attr:`learned`).
+        """
+        if statistics.device.type == "cuda":
+            host = torch.empty(statistics.shape, dtype=statistics.dtype, pin_memory=True)
+            host.copy_(statistics, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(statistics.device))  # the copy above was queued on this stream
+            self._pending.append((host, done))
+        else:
+            self._mix(statistics)
+
+    def _mix(self, statistics: torch.Tensor) -> None:
+        new = statistics.to(torch.float64)
+        new = new / new.sum().clamp(min=1)
+        old = self.statistics
+        self.statistics = new if old is None or old.shape != new.shape else (new + self.decay * old) / (1 + self.decay)
+
+    @property
+    def learned(self) -> torch.Tensor | None:
+        """The statistics learned so far (host, float64 frequencies), with every landed GPU copy mixed in."""
+        while self._pending and self._pending[0][1].query():
+            self._mix(self._pending.popleft()[0])
+        return self.statistics
 
     @property
     def last_slot(self) -> int | None:
@@ -351,6 +388,12 @@ class Tracker:
     def history(self, key: str) -> KeyHistory | None:
         return self._keys.get(key)
 
+    def prior(self, key: str) -> torch.Tensor | None:
+        """The symbol statistics learned for ``key`` over earlier steps (for :func:`buddy.measure`), or ``None``."""
+        with self._lock:
+            hist = self._keys.get(key)
+            return None if hist is None else hist.learned
+
     def histories(self) -> list[KeyHistory]:
         with self._lock:
             return list(self._keys.values())
@@ -387,9 +430,17 @@ class Tracker:
             return slot, int(round(overflow_sectors(predicted, slot) * spec.SECTOR_BYTES))
 
     def record(
-        self, key: str, histogram, *, slot: int, entry_bytes: int, original_bytes: int, predicted_overflow_bytes
+        self,
+        key: str,
+        histogram,
+        *,
+        slot: int,
+        entry_bytes: int,
+        original_bytes: int,
+        predicted_overflow_bytes,
+        statistics: torch.Tensor | None = None,
     ):
-        """Add what happened when ``key`` was packed with ``slot``."""
+        """Add what happened when ``key`` was packed with ``slot`` (``statistics``: its symbol statistics, if any)."""
         observation = Observation(
             slot=slot,
             predicted_overflow_bytes=predicted_overflow_bytes,
@@ -404,7 +455,7 @@ class Tracker:
                 # a new key, or the same name for a different tensor: start over
                 hist = KeyHistory(key, entry_bytes, n_entries, self.decay, self.window)
                 self._keys[key] = hist
-            hist.add(histogram, observation)
+            hist.add(histogram, observation, statistics)
         return observation
 
     def forget(self) -> None:

@@ -64,7 +64,7 @@ from experiments.common import capture_all, format_table, geomean, progress, sta
 
 __all__ = ["CODECS", "ENTRY_SIZES", "POLICY_OVERFLOW", "analyse", "speeds", "decide", "main"]
 
-CODECS = ("zvc", "bpc", "fpx", "auto")
+CODECS = ("zvc", "bpc", "fpx", "fpe", "auto", "auto2")
 ENTRY_SIZES = (128, 256, 512, 1024, 2048, 4096)
 #: the policy the capacity column runs: the tracker's default
 POLICY_OVERFLOW = 0.10

@@ -145,7 +145,8 @@ def assert_bitexact(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def unpack_like(bt: buddy.BuddyTensor, meta, slots, overflow, **kwargs) -> torch.Tensor:
-    """``buddy.unpack`` of the given buffers with ``bt``'s codec, entry size, slot, shape and dtype."""
+    """``buddy.unpack`` of the given buffers with ``bt``'s codec, entry size, slot, shape, dtype (and table)."""
+    kwargs.setdefault("table", None if bt.table is None else bt.table.clone())
     return buddy.unpack(
         meta,
         slots,
@@ -210,8 +211,9 @@ def encode_values(codec, values: torch.Tensor, entry_bytes: int) -> tuple[torch.
     return entries, enc
 
 
-def entry_payloads(t: torch.Tensor, codec: str, entry_bytes: int):
-    """Independent reference: the entry-level encoding of ``t``'s zero-padded entries."""
+def entry_payloads(t: torch.Tensor, codec: str, entry_bytes: int, table: torch.Tensor | None = None):
+    """Independent reference: the entry-level encoding of ``t``'s zero-padded entries (with a tensor's ``table``)."""
+    codec = buddy.get_codec(codec).bind(table, buddy.spec.word_bytes(t.dtype))
     data = raw_bytes(t).to(t.device)
     n = -(-data.numel() // entry_bytes)
     padded = torch.zeros(n * entry_bytes, dtype=torch.uint8, device=t.device)

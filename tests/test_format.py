@@ -41,7 +41,7 @@ def test_buffers_cut_to_reported_sizes_decode(kind, dtype, ratio, e, overflows, 
     meta, slots, overflow = _clones(bt)
     for b in (meta, slots, overflow):
         assert b.dtype == torch.uint8 and b.dim() == 1
-    assert meta.numel() + slots.numel() == bt.device_bytes
+    assert meta.numel() + slots.numel() + (0 if bt.table is None else bt.table.numel()) == bt.device_bytes
     assert overflow.numel() == bt.buddy_bytes
     assert meta.device == slots.device == t.device
     if codec == "zvc" or kind != "zeros":
@@ -68,7 +68,7 @@ def test_slots_and_overflow_hold_the_payload(kind, slot, codec, store, gen):
     t[:64] = 0  # one all-zero entry
     bt = buddy.compress(t, target_ratio=spec.ratio_for_slot(slot, e), codec=codec, store=store)
     meta, slots, overflow = _clones(bt)
-    entries, enc = entry_payloads(t, codec, e)
+    entries, enc = entry_payloads(t, codec, e, table=bt.table)
     n = entries.shape[0]
     k, modes = layout.decode_meta(meta, e, n)
     assert torch.equal(k, enc.sectors.to(torch.int32))

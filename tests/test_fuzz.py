@@ -274,7 +274,7 @@ def _check_format(bt: buddy.BuddyTensor, nbytes: int) -> None:
     assert meta.numel() == n * spec.meta_bytes(e) and meta.dtype == torch.uint8
     assert slots.numel() == n * s * spec.SECTOR_BYTES
     assert overflow.numel() == bt.buddy_bytes == overflow_sectors(bt.histogram, s) * spec.SECTOR_BYTES
-    assert bt.device_bytes == meta.numel() + slots.numel()
+    assert bt.device_bytes == meta.numel() + slots.numel() + (0 if bt.table is None else bt.table.numel())
     assert bt.compressed_bytes == sum(k * c for k, c in enumerate(bt.histogram)) * spec.SECTOR_BYTES
 
 
@@ -385,7 +385,7 @@ def test_fuzz_many_chunks(codec, data):
         bt = buddy.compress(t, spec.ratio_for_slot(slot, e), codec, entry_bytes=e, store=store, checksum=True)
         try:
             buddy.format.BLOCK_BYTES, integrity.STEP_BYTES = chunk_bytes, step_bytes
-            whole = integrity.checksums(*bt.buffers())  # one piece, the default step
+            whole = integrity.checksums(*bt.buffers(), table=bt.table)  # one piece, the default step
             assert whole == bt.checksum
             _check_format(bt, t.numel() * t.element_size())
             assert_roundtrip(bt, t)

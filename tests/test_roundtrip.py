@@ -40,7 +40,9 @@ def _check_accounting(bt: buddy.BuddyTensor, t: torch.Tensor, store: buddy.Buddy
     assert bt.original_bytes == t.numel() * t.element_size()
     assert len(bt.histogram) == e // spec.SECTOR_BYTES + 1
     assert sum(bt.histogram) == n_entries
-    assert bt.device_bytes == n_entries * (bt.slot_sectors * spec.SECTOR_BYTES + spec.meta_bytes(e))
+    table = 0 if bt.table is None else bt.table.numel()  # format version 2: the codec's table
+    assert (table > 0) == (bt.format_version == 2)
+    assert bt.device_bytes == n_entries * (bt.slot_sectors * spec.SECTOR_BYTES + spec.meta_bytes(e)) + table
     assert bt.buddy_bytes == overflow_sectors(bt.histogram, bt.slot_sectors) * spec.SECTOR_BYTES
     assert bt.compressed_bytes == sum(k * c for k, c in enumerate(bt.histogram)) * spec.SECTOR_BYTES
     assert store.bytes_held == bt.buddy_bytes
@@ -286,7 +288,7 @@ def test_multi_chunk_matches_single_chunk(codec, kind, slot_frac, e, chunk_bytes
     assert_roundtrip(multi, t)
     # the single-chunk buffers decode with the chunked decoder too
     assert_roundtrip(single, t)
-    out = buddy.unpack(*ref, codec=codec, entry_bytes=e, slot_sectors=slot, shape=t.shape, dtype=t.dtype)
+    out = buddy.unpack(*ref, codec=codec, entry_bytes=e, slot_sectors=slot, shape=t.shape, dtype=t.dtype, table=single.table)
     assert_bitexact(out, t)
 
 

@@ -15,9 +15,10 @@ from .. import dispatch
 from ..engine import BlockEngine
 from ..errors import MissingDependencyError
 from . import nvcomp
-from .auto import AutoCodec
+from .auto import AUTO2_MEMBERS, AutoCodec
 from .base import Analysis, Codec
 from .bpc import BPCCodec
+from .fpe import FPECodec
 from .fpx import FPXCodec
 from .raw import RawCodec
 from .zvc import ZVCCodec
@@ -101,6 +102,8 @@ register_codec(ZVCCodec())
 register_codec(BPCCodec())
 register_codec(FPXCodec())
 register_codec(AutoCodec())
+register_codec(FPECodec())
+register_codec(AutoCodec(AUTO2_MEMBERS, name="auto2"))
 for _name in nvcomp.NAMES:  # nvcomp's chunk codecs: CUDA tensors only, run by nvcomp itself
     register_codec(nvcomp.NvcompCodec(_name), reference=False)
     dispatch.register(_name, "cuda", "nvcomp", nvcomp.NvcompEngine, default=True, requires=nvcomp.why_unusable)

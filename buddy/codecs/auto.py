@@ -18,6 +18,10 @@ with ``k > 0``, raw with ``k < E/32``, a member with ``k`` of 0 or ``E/32``)
 is :class:`~buddy.errors.CorruptDataError`, as are modes 5-15 (checked by
 the format layer).
 
+``auto2`` (format version 2) adds one member, ``fpe`` (mode 5), the last
+to be tried: its table -- fitted to the tensor when it is measured -- is
+the table the tensor carries. The other modes are ``auto``'s.
+
 :class:`AutoCodec` composes any single-mode codecs through the codec
 interface: the first member sizes every entry; each later one sizes only the
 entries still above one sector (the least a non-zero entry can take), and
@@ -34,10 +38,14 @@ import torch
 from .. import spec
 from .base import Analysis, Codec
 from .bpc import BPCCodec
+from .fpe import FPECodec
 from .fpx import FPXCodec
 from .zvc import ZVCCodec
 
-__all__ = ["AutoCodec"]
+__all__ = ["AutoCodec", "AUTO2_MEMBERS"]
+
+#: ``auto2`` (format version 2): ``auto``'s members and ``fpe``, whose table the tensor carries
+AUTO2_MEMBERS = tuple((spec.AUTO_MODES[c.name], c) for c in (ZVCCodec(), FPXCodec(), BPCCodec(), FPECodec()))
 
 
 class _Best(Analysis):
@@ -103,9 +111,43 @@ class AutoCodec(Codec):
         for _, member in members:
             if member.coded_modes != frozenset({0}) or not member.zero_escape:
                 raise ValueError(f"auto composes single-mode codecs with the zero escape; {member!r} is not one")
+        if sum(member.format_version >= 2 for _, member in members) > 1:
+            raise ValueError("auto composes at most one codec that carries a table")
         self.name = name
         self.members = members
         self.coded_modes = frozenset(codes)
+
+    @property
+    def format_version(self) -> int:
+        return max(member.format_version for _, member in self.members)
+
+    @property
+    def _tabled(self) -> Codec | None:
+        """The member that carries a table (at most one does), or ``None``."""
+        return next((member for _, member in self.members if member.format_version >= 2), None)
+
+    @property
+    def table(self) -> torch.Tensor | None:
+        member = self._tabled
+        return None if member is None else member.table
+
+    @property
+    def statistics(self) -> torch.Tensor | None:
+        member = self._tabled
+        return None if member is None else member.statistics
+
+    def _with(self, member: Codec) -> AutoCodec:
+        """A copy with the tabled member replaced by ``member`` (fitted or bound)."""
+        tabled = self._tabled
+        return AutoCodec([(code, member if m is tabled else m) for code, m in self.members], name=self.name)
+
+    def fit(self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None) -> Codec:
+        tabled = self._tabled
+        return self if tabled is None else self._with(tabled.fit(flat, word_bytes, prior))
+
+    def bind(self, table: torch.Tensor | None, word_bytes: int) -> Codec:
+        tabled = self._tabled
+        return super().bind(table, word_bytes) if tabled is None else self._with(tabled.bind(table, word_bytes))
 
     def analyse(self, entries: torch.Tensor, word_bytes: int) -> Analysis:
         return _Best(self.members, entries, word_bytes)

@@ -26,6 +26,8 @@ import abc
 
 import torch
 
+from ..errors import CorruptDataError
+
 __all__ = ["Codec", "Analysis", "bits_to_sectors"]
 
 
@@ -78,11 +80,35 @@ class Codec(abc.ABC):
     coded_modes: frozenset[int] = frozenset({0})
     #: whether all-zero entries are stored as ``k = 0`` (``raw`` stores every entry whole)
     zero_escape: bool = True
+    #: the format version of what it writes: 2 for a codec that carries a table (see :meth:`fit`)
+    format_version: int = 1
+    #: symbol statistics of the tensor it was fitted to (for a tracker to learn from), else ``None``
+    statistics: torch.Tensor | None = None
 
     @property
     def modes(self) -> frozenset[int]:
         """Every metadata mode this codec writes."""
         return self.coded_modes | {self.zero_mode, self.raw_mode}
+
+    @property
+    def table(self) -> torch.Tensor | None:
+        """The table a tensor coded with this codec carries (uint8, format version 2), or ``None``."""
+        return None
+
+    def fit(self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None) -> Codec:
+        """This codec fitted to a tensor's bytes ``flat`` (default: itself, nothing to fit).
+
+        A codec with a table returns a copy holding the table fitted to the
+        tensor -- or to ``prior``, symbol statistics learned over earlier
+        steps -- and the tensor's own :attr:`statistics`.
+        """
+        return self
+
+    def bind(self, table: torch.Tensor | None, word_bytes: int) -> Codec:
+        """This codec with a stored ``table`` (what decoding a tensor needs); default: no table taken."""
+        if table is not None and table.numel():
+            raise CorruptDataError(f"codec {self.name!r} takes no table, got one of {table.numel()} bytes")
+        return self
 
     @abc.abstractmethod
     def analyse(self, entries: torch.Tensor, word_bytes: int) -> Analysis:

@@ -1,8 +1,8 @@
-"""Write the golden vectors of format version 1: ``python tests/golden/make_golden.py``.
+"""Write the golden vectors of a format version: ``python tests/golden/make_golden.py [1|2]``.
 
 The vectors pin the bytes every codec writes: for each input (a dtype, an
-entry size and a kind of data) and each codec, the metadata, and for two
-slots the slot and overflow bytes. ``tests/test_golden.py`` compresses the
+entry size and a kind of data) and each codec of the version, the metadata,
+the table (format version 2), and for two slots the slot and overflow bytes. ``tests/test_golden.py`` compresses the
 stored inputs again and compares byte for byte, and decodes the stored
 buffers back to the inputs. Run this only to add cases: regenerating over
 existing cases after a change to a codec would hide that the format moved.
@@ -26,7 +26,8 @@ sys.path.insert(0, str(HERE.parents[1]))
 import buddy  # noqa: E402
 from buddy import spec  # noqa: E402
 
-CODECS = ("raw", "zvc", "fpx", "bpc", "auto")
+#: the codecs of each format version (version 1's file was written before version 2 existed)
+CODECS = {1: ("raw", "zvc", "fpx", "bpc", "auto"), 2: ("fpe", "auto2")}
 #: (dtype name, entry bytes): every word size, E from 32 B to 4 KiB
 LAYOUTS = (
     ("float32", 128),
@@ -88,7 +89,7 @@ def slots_for(entry_bytes: int) -> tuple[int, int]:
     return spec.sectors_per_entry(entry_bytes) // 2, 1
 
 
-def main() -> None:
+def main(version: int) -> None:
     store = buddy.BuddyStore(capacity_bytes=1 << 30, pin=False)
     arrays: dict[str, np.ndarray] = {}
     cases = []
@@ -99,26 +100,30 @@ def main() -> None:
             name = f"{dtype_name}-E{entry_bytes}-{kind}"
             t = make_input(dtype_name, kind, seed)
             arrays[f"{name}/input"] = t.view(torch.uint8).numpy().copy()
-            for codec in CODECS:
+            for codec in CODECS[version]:
                 case = {"input": name, "dtype": dtype_name, "entry_bytes": entry_bytes, "codec": codec, "slots": []}
                 for slot in slots_for(entry_bytes):
                     ratio = spec.ratio_for_slot(slot, entry_bytes)
                     bt = buddy.compress(t, target_ratio=ratio, codec=codec, entry_bytes=entry_bytes, store=store)
-                    assert bt.slot_sectors == slot
+                    assert bt.slot_sectors == slot and bt.format_version == version
                     meta, slots, overflow = (b.clone().numpy() for b in bt.buffers())
                     key = f"{name}/{codec}"
                     arrays[f"{key}/meta"] = meta
+                    if bt.table is not None:
+                        arrays[f"{key}/table"] = bt.table.clone().numpy()
                     arrays[f"{key}/s{slot}/slots"] = slots
                     arrays[f"{key}/s{slot}/overflow"] = overflow
                     case["slots"].append(slot)
                     bt.free()
                 cases.append(case)
-    np.savez_compressed(HERE / "format_v1.npz", **arrays)
-    (HERE / "format_v1.json").write_text(
-        json.dumps({"format_version": spec.FORMAT_VERSION, "cases": cases}, indent=1) + "\n"
+    np.savez_compressed(HERE / f"format_v{version}.npz", **arrays)
+    (HERE / f"format_v{version}.json").write_text(
+        json.dumps({"format_version": version, "cases": cases}, indent=1) + "\n"
     )
     print(f"{len(cases)} cases, {sum(a.nbytes for a in arrays.values()):,} bytes")
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) != 2 or sys.argv[1] not in ("1", "2"):
+        sys.exit("usage: python tests/golden/make_golden.py 1|2  (the format version whose vectors to write)")
+    main(int(sys.argv[1]))

@@ -1,0 +1,403 @@
+"""``fpe``: float fields with an entropy-coded sign and exponent (format version 2).
+
+A word is ``sign | exponent (e bits) | mantissa (m bits)``, split by word
+size as :mod:`~buddy.codecs.fpx` splits it (bfloat16 and float32: ``e = 8``).
+Its **symbol** is its top ``1 + e`` bits, sign and exponent together. In
+activations few symbols are common -- a handful of binades, often one sign
+-- so a prefix code fitted to the tensor codes them in about as many bits as
+they carry (3-4 instead of 9 on the measured workloads), while the mantissa,
+which is close to uniform, is passed through.
+
+Symbols (``S = 2 ** (1 + e)``)::
+
+    0 .. S-1   a sign and exponent; the word's mantissa follows (m bits)
+    S          ZERO: the word is all zero bits (nothing follows)
+    S + 1      ESC: a symbol the table has no code for follows, 1 + e bits,
+               then the mantissa
+
+The table
+---------
+Every compressed tensor carries its **table** (format version 2: the
+tensor's fourth buffer, on its device): a canonical prefix code of lengths
+1 .. :data:`MAX_CODE_BITS` over at most :data:`MAX_CODED` regular symbols,
+ZERO (when the tensor has zero words) and ESC (always)::
+
+    byte 0        table format (1)
+    byte 1        word bytes the table is for
+    bytes 2-3     n, little-endian: how many symbols have codes
+    3 n bytes     per symbol, in canonical order (by code length, then
+                  symbol): the symbol (uint16, little-endian), its code length
+
+Canonical codes: the first symbol gets code 0; each next one gets
+``(previous + 1) << (its length - previous length)``. The code is written
+most significant bit first. :meth:`Table.from_counts` fits the table to
+symbol counts: the :data:`MAX_CODED` most frequent regular symbols (ties:
+smaller symbol), ZERO, and ESC weighted by the count of all the others
+(at least 1), Huffman lengths limited by halving the counts until they fit
+(ties broken by symbol, so equal counts give equal tables). The counts are
+the tensor's own unless a session passes those its tracker learned for the
+key over earlier steps (:meth:`FPECodec.fit`), which a GPU can use without
+a pass of its own.
+
+Payload of an entry
+-------------------
+The little-endian bit stream of :mod:`buddy.codecs._bitstream`; for each of
+the ``W = E / word_bytes`` words in order: its code (ZERO for an all-zero
+word when the table has ZERO; its symbol when the table has it; else ESC),
+then, after ESC, the symbol (``1 + e`` bits), then, unless ZERO, the
+mantissa (``m`` bits). ``k = ceil(T / 256)`` for a stream of ``T`` bits,
+zeros after it. One metadata mode (0).
+
+The decoder rejects (:class:`~buddy.errors.CorruptDataError`) a code the
+table does not have, ESC followed by a symbol the table has (the encoder
+would have coded it), a stream whose length disagrees with ``k`` and bits
+set after it. Decoding is serial within an entry (a code's length is known
+once it is read) and independent across entries: on a GPU, table lookups
+per word, entries side by side.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+
+import torch
+
+from ..errors import CorruptDataError
+from ._bitstream import StreamWriter, bits_after, lookup, read_bits, stream_windows
+from .base import Analysis, Codec, bits_to_sectors
+from .fpx import SPLITS
+
+__all__ = ["FPECodec", "Table", "default_table", "symbol_counts", "MAX_CODE_BITS", "MAX_CODED", "TABLE_FORMAT"]
+
+#: the longest code (bits): the decoder's lookup table has 2**MAX_CODE_BITS rows
+MAX_CODE_BITS = 12
+#: regular symbols with codes at most (the rest escape)
+MAX_CODED = 255
+#: byte 0 of a serialized table
+TABLE_FORMAT = 1
+
+_INT_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@functools.cache
+def _split(word_bytes: int) -> tuple[int, int]:
+    if word_bytes not in SPLITS:
+        raise ValueError(f"fpe word size must be 1, 2, 4 or 8 bytes, got {word_bytes}")
+    return SPLITS[word_bytes]
+
+
+def n_symbols(word_bytes: int) -> int:
+    """``S + 2``: the regular symbols, ZERO and ESC."""
+    e, _ = _split(word_bytes)
+    return (1 << (1 + e)) + 2
+
+
+def _words(entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
+    """``(n, W)`` int64 words, unsigned."""
+    x = entries.contiguous().view(_INT_DTYPE[word_bytes]).to(torch.int64)
+    return x if word_bytes == 8 else x & ((1 << (8 * word_bytes)) - 1)
+
+
+def _symbols(x: torch.Tensor, word_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(symbol, zero)`` of int64 words: their top ``1 + e`` bits, and whether the word is all zero."""
+    e, m = _split(word_bytes)
+    return (x >> m) & ((1 << (1 + e)) - 1), x == 0
+
+
+def symbol_counts(flat: torch.Tensor, word_bytes: int) -> torch.Tensor:
+    """``(S + 2,)`` int64 counts of a tensor's bytes, on its device: regular symbols of non-zero words, ZERO, 0 for ESC."""
+    s = n_symbols(word_bytes)
+    usable = flat.numel() - flat.numel() % word_bytes
+    if usable == 0:
+        return torch.zeros(s, dtype=torch.int64, device=flat.device)
+    sym, zero = _symbols(_words(flat[:usable].view(1, -1), word_bytes).view(-1), word_bytes)
+    return torch.bincount(torch.where(zero, s - 2, sym), minlength=s)
+
+
+def _huffman_lengths(weights: dict[int, int]) -> dict[int, int]:
+    """Code lengths (at most :data:`MAX_CODE_BITS`) of a prefix code for positive ``weights``; deterministic."""
+    while True:
+        if len(weights) == 1:
+            return {next(iter(weights)): 1}
+        # (weight, tie-break, symbols below): leaves break ties by symbol, merged nodes after every leaf
+        heap = [(w, s, (s,)) for s, w in sorted(weights.items())]
+        heapq.heapify(heap)
+        depth = dict.fromkeys(weights, 0)
+        order = max(weights) + 1
+        while len(heap) > 1:
+            w1, _, a = heapq.heappop(heap)
+            w2, _, b = heapq.heappop(heap)
+            for s in a + b:
+                depth[s] += 1
+            heapq.heappush(heap, (w1 + w2, order, a + b))
+            order += 1
+        if max(depth.values()) <= MAX_CODE_BITS:
+            return depth
+        weights = {s: max(1, w >> 1) for s, w in weights.items()}  # flatter: shorter longest code
+
+
+class Table:
+    """A canonical prefix code over one word size's symbols (see the module doc)."""
+
+    def __init__(self, word_bytes: int, lengths: dict[int, int]):
+        self.word_bytes = word_bytes
+        s = n_symbols(word_bytes)
+        self.zero, self.esc = s - 2, s - 1
+        if self.esc not in lengths:
+            raise CorruptDataError("fpe table: no code for ESC")
+        for sym, length in lengths.items():
+            if not 0 <= sym < s or not 1 <= length <= MAX_CODE_BITS:
+                raise CorruptDataError(f"fpe table: symbol {sym} with a code of {length} bits is out of range")
+        if len(lengths) - 1 - (self.zero in lengths) > MAX_CODED:
+            raise CorruptDataError(f"fpe table: more than {MAX_CODED} regular symbols")
+        if sum(1 << (MAX_CODE_BITS - n) for n in lengths.values()) > 1 << MAX_CODE_BITS:
+            raise CorruptDataError("fpe table: the code lengths do not form a prefix code")
+        self.order = sorted(lengths, key=lambda sym: (lengths[sym], sym))  # canonical order
+        self.lengths = dict(lengths)
+        self.codes = {}
+        code, previous = 0, lengths[self.order[0]]
+        for sym in self.order:
+            code <<= lengths[sym] - previous
+            self.codes[sym] = code
+            code, previous = code + 1, lengths[sym]
+        self._device_tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    # ---- making one -------------------------------------------------------------
+    @classmethod
+    def from_counts(cls, counts: torch.Tensor, word_bytes: int) -> Table:
+        """The table fitted to symbol ``counts`` (``(S + 2,)``, any non-negative numbers)."""
+        s = n_symbols(word_bytes)
+        counts = torch.as_tensor(counts).detach().to("cpu", torch.float64)
+        if counts.shape != (s,) or bool((counts < 0).any()) or not bool(torch.isfinite(counts).all()):
+            raise ValueError(f"fpe: symbol counts must be {s} non-negative numbers for {word_bytes}-byte words")
+        total = float(counts.sum())
+        scale = (1 << 30) / total if total > 0 else 1.0  # counts or frequencies alike: integers summing to ~2**30
+        c = [max(1, round(v * scale)) if v > 0 else 0 for v in counts.tolist()]
+        regular = sorted((sym for sym in range(s - 2) if c[sym] > 0), key=lambda sym: (-c[sym], sym))
+        coded = regular[:MAX_CODED]
+        weights = {sym: c[sym] for sym in coded}
+        if c[s - 2] > 0:
+            weights[s - 2] = c[s - 2]
+        weights[s - 1] = max(1, sum(c[sym] for sym in regular[MAX_CODED:]))
+        return cls(word_bytes, _huffman_lengths(weights))
+
+    @classmethod
+    def from_bytes(cls, data: torch.Tensor, word_bytes: int) -> Table:
+        """The table serialized in ``data`` (uint8); :class:`CorruptDataError` for anything else."""
+        if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
+            raise CorruptDataError("fpe table: expected a uint8 tensor")
+        raw = bytes(data.detach().reshape(-1).cpu().tolist())
+        if len(raw) < 4 or raw[0] != TABLE_FORMAT:
+            raise CorruptDataError(f"fpe table: not a table of format {TABLE_FORMAT}")
+        if raw[1] != word_bytes:
+            raise CorruptDataError(f"fpe table is for {raw[1]}-byte words, the tensor has {word_bytes}-byte words")
+        n = raw[2] | raw[3] << 8
+        if len(raw) != 4 + 3 * n:
+            raise CorruptDataError(f"fpe table: {len(raw)} bytes for {n} symbols")
+        lengths = {}
+        for i in range(n):
+            sym, length = raw[4 + 3 * i] | raw[5 + 3 * i] << 8, raw[6 + 3 * i]
+            if sym in lengths:
+                raise CorruptDataError(f"fpe table: symbol {sym} twice")
+            lengths[sym] = length
+        table = cls(word_bytes, lengths)
+        if [s for s in table.order] != [raw[4 + 3 * i] | raw[5 + 3 * i] << 8 for i in range(n)]:
+            raise CorruptDataError("fpe table: symbols not in canonical order")
+        return table
+
+    def to_bytes(self) -> torch.Tensor:
+        """The serialized table (uint8, on the CPU)."""
+        out = [TABLE_FORMAT, self.word_bytes, len(self.order) & 0xFF, len(self.order) >> 8]
+        for sym in self.order:
+            out += [sym & 0xFF, sym >> 8, self.lengths[sym]]
+        return torch.tensor(out, dtype=torch.uint8)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Table) and (self.word_bytes, self.lengths) == (other.word_bytes, other.lengths)
+
+    def __repr__(self) -> str:
+        return f"fpe.Table({self.word_bytes}-byte words, {len(self.order)} codes of {min(self.lengths.values())}-{max(self.lengths.values())} bits)"
+
+    # ---- lookups ------------------------------------------------------------------
+    def lookups(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(length, stream code)`` per symbol (length 0: no code) and ``(symbol, length)`` per next-12-bits."""
+        device = torch.device(device)
+        found = self._device_tables.get(device)
+        if found is None:
+            s = n_symbols(self.word_bytes)
+            enc_len, enc_code = [0] * s, [0] * s
+            dec_sym, dec_len = [0] * (1 << MAX_CODE_BITS), [0] * (1 << MAX_CODE_BITS)
+            for sym in self.order:
+                n = self.lengths[sym]
+                stream = int(f"{self.codes[sym]:0{n}b}"[::-1], 2)  # first code bit = first stream bit = bit 0
+                enc_len[sym], enc_code[sym] = n, stream
+                for index in range(stream, 1 << MAX_CODE_BITS, 1 << n):
+                    dec_sym[index], dec_len[index] = sym, n
+            found = tuple(
+                torch.tensor(v, dtype=torch.int64, device=device) for v in (enc_len, enc_code, dec_sym, dec_len)
+            )
+            self._device_tables[device] = found
+        return found
+
+
+# ---------------------------------------------------------------------------
+# encoding
+# ---------------------------------------------------------------------------
+class _Coded(Analysis):
+    """fpe's analysis of a block: each word's code, and so each entry's length."""
+
+    def __init__(self, entries: torch.Tensor, word_bytes: int, table: Table):
+        e, m = _split(word_bytes)
+        self.word_bytes, self.entry_bytes = word_bytes, entries.shape[1]
+        x = _words(entries, word_bytes)
+        sym, zero = _symbols(x, word_bytes)
+        enc_len, enc_code, _, _ = table.lookups(x.device)
+        if table.zero in table.lengths:
+            sym = torch.where(zero, table.zero, sym)
+        code_len = lookup(enc_len, sym)
+        esc = code_len == 0
+        coded = torch.where(esc, table.esc, sym)
+        code_len = lookup(enc_len, coded)
+        has_mantissa = coded != table.zero
+        bits = code_len + esc * (1 + e) + has_mantissa * m
+        self.offsets = torch.cumsum(bits, 1) - bits
+        self.total_bits = bits.sum(1)
+        self.sectors = bits_to_sectors(self.total_bits)
+        self.modes = torch.zeros_like(self.sectors)
+        # the fields, ready for the streams: code | escaped symbol << length, and the mantissa after them
+        self.head = lookup(enc_code, coded) | (sym * esc) << code_len
+        self.mantissa = (x & ((1 << m) - 1)) * has_mantissa
+        self.mantissa_at = self.offsets + code_len + esc * (1 + e)
+
+    def streams(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+        head, offsets, mantissa, at = (pick(t) for t in (self.head, self.offsets, self.mantissa, self.mantissa_at))
+        writer = StreamWriter(head.shape[0], self.entry_bytes, head.device)
+        writer.add(head, offsets)
+        writer.add(mantissa, at)
+        return writer.payload()
+
+
+# ---------------------------------------------------------------------------
+# decoding
+# ---------------------------------------------------------------------------
+def _read_wide(windows: torch.Tensor, at: torch.Tensor, width: int) -> torch.Tensor:
+    """A field of up to 63 bits (two reads past 32)."""
+    if width <= 32:
+        return read_bits(windows, at, width)
+    return read_bits(windows, at, 32) | read_bits(windows, at + 32, width - 32) << 32
+
+
+def _decode_block(payload: torch.Tensor, sectors: torch.Tensor, word_bytes: int, table: Table) -> torch.Tensor:
+    """Coded entries -> ``(n, W)`` int64 words; raises :class:`CorruptDataError`."""
+    e, m = _split(word_bytes)
+    n, entry_bytes = payload.shape
+    n_words = entry_bytes // word_bytes
+    enc_len, _, dec_sym, dec_len = table.lookups(payload.device)
+    windows = stream_windows(payload.contiguous())
+    pos = torch.zeros(n, 1, dtype=torch.int64, device=payload.device)
+    words = torch.empty(n, n_words, dtype=torch.int64, device=payload.device)
+    bad = torch.zeros(n, 1, dtype=torch.bool, device=payload.device)
+    end = entry_bytes * 8
+    for i in range(n_words):  # serial within an entry, every entry at once
+        peek = read_bits(windows, pos, MAX_CODE_BITS)
+        sym, length = lookup(dec_sym, peek), lookup(dec_len, peek)
+        bad |= length == 0
+        pos += length
+        esc = sym == table.esc
+        raw = read_bits(windows, pos, 1 + e)
+        bad |= esc & (lookup(enc_len, raw) > 0)  # an escaped symbol the table has a code for
+        sym = torch.where(esc, raw, sym)
+        pos += esc * (1 + e)
+        zero = sym == table.zero
+        mantissa = _read_wide(windows, pos, m)
+        pos += ~zero * m
+        words[:, i : i + 1] = torch.where(zero, 0, sym << m | mantissa)
+        pos.clamp_(max=end)  # a damaged stream reads garbage inside the payload, never past it
+    if bool(bad.any()):
+        raise CorruptDataError("fpe: a code the table does not have, or an escape of a symbol it has")
+    total = pos.squeeze(1)
+    if bool((bits_to_sectors(total) != sectors).any()):
+        raise CorruptDataError("fpe: stream length does not match the entry sizes in the metadata")
+    if bool(bits_after(windows, total).any()):
+        raise CorruptDataError("fpe: bits set after the end of the bit stream")
+    return words
+
+
+@functools.cache
+def default_table(word_bytes: int) -> Table:
+    """The table of an unfitted codec: a fixed prior, for the format layer's tools and tests.
+
+    Zero words and the binades just below 1 (``2**-1 .. 2**-12``, both signs,
+    each half as likely as the one above) have codes; everything else
+    escapes. :func:`buddy.compress` never codes with it: it fits a table to
+    each tensor.
+    """
+    e, _ = _split(word_bytes)
+    bias = (1 << (e - 1)) - 1
+    counts = torch.zeros(n_symbols(word_bytes), dtype=torch.float64)
+    for step in range(min(12, bias)):
+        for sign in (0, 1 << e):
+            counts[sign | (bias - 1 - step)] = 2.0 ** -step
+    counts[-2] = 1.0
+    return Table.from_counts(counts, word_bytes)
+
+
+class FPECodec(Codec):
+    """Sign and exponent entropy-coded with the tensor's own prefix code, mantissa passed through.
+
+    ``get_codec("fpe")`` has no table of its own and codes with
+    :func:`default_table` (format-level tools); :meth:`fit` returns the codec
+    fitted to a tensor (what :func:`buddy.measure` does), :meth:`bind` the
+    codec of a stored table (what decoding does).
+    """
+
+    name = "fpe"
+    format_version = 2
+
+    def __init__(self, table: Table | None = None, statistics: torch.Tensor | None = None):
+        self._table = table
+        self.statistics = statistics
+
+    @property
+    def fitted(self) -> Table | None:
+        """The :class:`Table` (``None`` before :meth:`fit` or :meth:`bind`)."""
+        return self._table
+
+    @property
+    def table(self) -> torch.Tensor | None:
+        return None if self._table is None else self._table.to_bytes()
+
+    def fit(self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None) -> FPECodec:
+        """The codec with a table fitted to ``flat``'s symbols, or to ``prior`` (then no device-to-host read).
+
+        :attr:`statistics` are the tensor's own symbol counts either way,
+        left on its device.
+        """
+        counts = symbol_counts(flat, word_bytes)
+        return FPECodec(Table.from_counts(counts if prior is None else prior, word_bytes), counts)
+
+    def bind(self, table: torch.Tensor | None, word_bytes: int) -> FPECodec:
+        if table is None or table.numel() == 0:
+            raise CorruptDataError("fpe: a compressed fpe tensor needs its table (format version 2)")
+        return FPECodec(Table.from_bytes(table, word_bytes))
+
+    def _table_for(self, word_bytes: int) -> Table:
+        _split(word_bytes)  # a clear error for a word size fpe does not know
+        if self._table is None:
+            return default_table(word_bytes)
+        if self._table.word_bytes != word_bytes:
+            raise ValueError(f"this fpe table is for {self._table.word_bytes}-byte words, got {word_bytes}-byte words")
+        return self._table
+
+    def analyse(self, entries: torch.Tensor, word_bytes: int) -> Analysis:
+        return _Coded(entries, word_bytes, self._table_for(word_bytes))
+
+    def decode(self, payload, sectors, modes, word_bytes):
+        n, entry_bytes = payload.shape
+        words = _decode_block(payload, sectors, word_bytes, self._table_for(word_bytes))
+        return words.to(_INT_DTYPE[word_bytes]).view(torch.uint8).view(n, entry_bytes)
+
+    def __repr__(self) -> str:
+        return f"<buddy codec 'fpe' {self._table!r}>" if self._table is not None else "<buddy codec 'fpe' (no table)>"

@@ -1,0 +1,363 @@
+"""``fpe`` worked by hand: tables, exact payload bits, escapes, damaged streams and tables, learned tables.
+
+Expected streams are strings of bits in stream order (the first character is
+bit 0 of payload byte 0). A prefix code is written most significant bit
+first, so its bits appear in the string as its binary digits; the other
+fields (an escaped symbol, the mantissa) are LSB-first, as ``field`` makes
+them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_bitexact, decode, field, make_data, raw_bytes, stream_bytes
+
+import buddy
+from buddy.codecs.fpe import MAX_CODE_BITS, MAX_CODED, FPECodec, Table, default_table, n_symbols, symbol_counts
+from buddy.errors import CorruptDataError
+from buddy.spec import AUTO_MODES
+
+# bfloat16: S = 2**9 symbols (sign << 8 | exponent), ZERO = 512, ESC = 513
+ZERO, ESC = 512, 513
+
+
+def bf16(x: float) -> int:
+    return int(torch.tensor(x, dtype=torch.bfloat16).view(torch.int16)) & 0xFFFF
+
+
+def code(table: Table, sym: int) -> str:
+    """The code of ``sym`` as stream bits (most significant first)."""
+    return f"{table.codes[sym]:0{table.lengths[sym]}b}"
+
+
+def encode_with(codec: FPECodec, values: torch.Tensor, entry_bytes: int):
+    entries = raw_bytes(values).view(-1, entry_bytes)
+    w = buddy.spec.word_bytes(values.dtype)
+    payload, k, modes = buddy.format.encode(codec, entries, w)
+    assert torch.equal(decode(codec, payload, k, modes, w), entries)
+    return entries, payload, k, modes
+
+
+# ---------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------
+def test_canonical_codes_from_lengths():
+    t = Table(2, {127: 1, 126: 2, ZERO: 3, ESC: 3})
+    assert t.order == [127, 126, ZERO, ESC]
+    assert [code(t, s) for s in t.order] == ["0", "10", "110", "111"]
+    # equal lengths: by symbol
+    t = Table(2, {ESC: 2, 5: 2, 3: 2, 256: 2})
+    assert t.order == [3, 5, 256, ESC] and [code(t, s) for s in t.order] == ["00", "01", "10", "11"]
+
+
+def test_from_counts_is_huffman_and_scale_free():
+    counts = torch.zeros(n_symbols(2), dtype=torch.int64)
+    counts[127], counts[126], counts[125], counts[ZERO] = 50, 25, 13, 12
+    t = Table.from_counts(counts, 2)
+    # ESC weighs 1 (no regular symbol escapes): 127 gets 1 bit, 126 2, then 125 and ZERO 4, ESC 4...
+    assert t.lengths == {127: 1, 126: 2, 125: 3, ZERO: 4, ESC: 4}
+    assert Table.from_counts(counts * 1000, 2) == t
+    assert Table.from_counts(counts.double() / counts.sum(), 2) == t
+    # no zero words: no ZERO code
+    counts[ZERO] = 0
+    assert ZERO not in Table.from_counts(counts, 2).lengths
+
+
+def test_from_counts_limits_lengths_and_coded_symbols():
+    counts = torch.zeros(n_symbols(4), dtype=torch.float64)
+    counts[:40] = torch.tensor([2.0**-i for i in range(40)])  # a Huffman code of 40 lengths 1..39
+    t = Table.from_counts(counts, 4)
+    assert max(t.lengths.values()) == MAX_CODE_BITS
+    assert sum(2.0 ** -n for n in t.lengths.values()) <= 1.0
+    many = torch.arange(n_symbols(4), 0, -1, dtype=torch.float64)  # every symbol, the first most often
+    many[-2:] = 0
+    t = Table.from_counts(many, 4)
+    assert len(t.lengths) == MAX_CODED + 1  # 255 regular symbols and ESC
+    assert all(s < MAX_CODED for s in t.lengths if s != t.esc), "the most frequent symbols keep their codes"
+
+
+def test_from_counts_rejects_bad_counts():
+    for bad in (torch.zeros(10), -torch.ones(n_symbols(2)), torch.full((n_symbols(2),), float("nan"))):
+        with pytest.raises(ValueError, match="non-negative"):
+            Table.from_counts(bad, 2)
+    # no counts at all: a table of ESC alone, which codes everything as an escape
+    assert Table.from_counts(torch.zeros(n_symbols(2)), 2).lengths == {ESC: 1}
+
+
+@pytest.mark.parametrize("word", [1, 2, 4, 8])
+def test_table_bytes_round_trip(word):
+    g = torch.Generator().manual_seed(word)
+    counts = torch.randint(0, 1000, (n_symbols(word),), generator=g)
+    t = Table.from_counts(counts, word)
+    data = t.to_bytes()
+    assert data.dtype == torch.uint8 and data.numel() == 4 + 3 * len(t.order)
+    assert data[:2].tolist() == [1, word]
+    assert Table.from_bytes(data, word) == t
+
+
+def _bytes(t: Table) -> list[int]:
+    return t.to_bytes().tolist()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda b: [2] + b[1:], "format"),
+        (lambda b: b[:-1], "bytes for"),
+        (lambda b: b[:4] + b[4:7] + b[4:], "bytes for|twice"),
+        (lambda b: b[:6] + [13] + b[7:], "out of range|canonical"),
+        (lambda b: b[:6] + [0] + b[7:], "out of range|canonical"),
+        (lambda b: b[:4] + [0xFF, 0x7F] + b[6:], "out of range|canonical"),
+        (lambda b: b[:4] + b[7:10] + b[4:7] + b[10:], "canonical"),
+    ],
+    ids=["format", "short", "duplicate", "too-long", "zero-length", "symbol", "order"],
+)
+def test_damaged_tables_are_refused(damage, message):
+    t = Table(2, {127: 1, 126: 2, ZERO: 3, ESC: 3})
+    bad = torch.tensor(damage(_bytes(t)), dtype=torch.uint8)
+    with pytest.raises(CorruptDataError, match=message):
+        Table.from_bytes(bad, 2)
+
+
+def test_tables_that_are_not_codes_are_refused():
+    with pytest.raises(CorruptDataError, match="ESC"):
+        Table(2, {127: 1})
+    with pytest.raises(CorruptDataError, match="prefix code"):
+        Table(2, {127: 1, 126: 1, ESC: 2})
+    with pytest.raises(CorruptDataError, match="more than"):
+        Table(4, {**{s: 12 for s in range(MAX_CODED + 1)}, ESC: 12})
+    with pytest.raises(CorruptDataError, match="2-byte words"):
+        Table.from_bytes(Table(2, {ESC: 1}).to_bytes(), 4)
+    with pytest.raises(CorruptDataError, match="uint8"):
+        Table.from_bytes(torch.zeros(7, dtype=torch.int32), 2)
+
+
+# ---------------------------------------------------------------------------
+# streams worked by hand
+# ---------------------------------------------------------------------------
+def test_bfloat16_entry_by_hand():
+    # E = 128: 64 words -- 1.0 (sym 127), 0.5 (126), 0.0 (ZERO), -1.0 (256 | 127 = 383: escapes)
+    table = Table(2, {127: 1, 126: 2, ZERO: 3, ESC: 3})
+    codec = FPECodec(table)
+    values = torch.tensor([1.0, 0.5, 0.0, -1.0] * 16, dtype=torch.bfloat16)
+    one = code(table, 127) + field(0, 7) + code(table, 126) + field(0, 7) + code(table, ZERO)
+    one += code(table, ESC) + field(383, 9) + field(0, 7)
+    assert one == "0" + "0000000" + "10" + "0000000" + "110" + "111" + "111111101" + "0000000"
+    bits = one * 16
+    assert len(bits) == 16 * ((1 + 7) + (2 + 7) + 3 + (3 + 9 + 7))
+    _, payload, k, modes = encode_with(codec, values, 128)
+    assert k.tolist() == [-(-len(bits) // 256)] == [3] and modes.tolist() == [0]
+    assert payload[0].tolist() == stream_bytes(bits, 128)
+
+
+def test_a_table_without_zero_codes_zero_words_as_symbol_zero():
+    table = Table(2, {0: 1, ESC: 1})  # symbol 0: +0.0 and the tiny positives
+    codec = FPECodec(table)
+    values = torch.zeros(64, dtype=torch.bfloat16)
+    values[0] = 1.0
+    bits = code(table, ESC) + field(127, 9) + field(0, 7) + (code(table, 0) + field(0, 7)) * 63
+    _, payload, k, _ = encode_with(codec, values, 128)
+    assert k.tolist() == [3] and payload[0].tolist() == stream_bytes(bits, 128)
+
+
+@pytest.mark.parametrize("word", [1, 2, 4, 8])
+@pytest.mark.parametrize("kind", ["relu", "zeros", "special", "random_bytes"])
+def test_fitted_and_default_tables_round_trip(word, kind):
+    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[word]
+    t = make_data(kind, 4096 // word * 3, dtype, torch.Generator().manual_seed(word))
+    entries = raw_bytes(t).view(-1, 256)
+    for codec in (buddy.get_codec("fpe").fit(entries.reshape(-1), word), buddy.get_codec("fpe")):
+        payload, k, modes = buddy.format.encode(codec, entries, word)
+        assert torch.equal(decode(codec, payload, k, modes, word), entries)
+    assert buddy.get_codec("fpe").fitted is None and repr(buddy.get_codec("fpe")).endswith("(no table)>")
+
+
+def test_the_fitted_table_beats_fpx_on_activations():
+    t = make_data("relu", 1 << 16, torch.float32, torch.Generator().manual_seed(3))
+    entries = raw_bytes(t).view(-1, 512)
+    fpe = buddy.get_codec("fpe").fit(entries.reshape(-1), 4)
+    k_fpe = buddy.format.encode(fpe, entries, 4)[1]
+    k_fpx = buddy.format.encode(buddy.get_codec("fpx"), entries, 4)[1]
+    assert int(k_fpe.sum()) < int(k_fpx.sum())
+
+
+def test_fit_counts_symbols_and_follows_a_prior():
+    values = torch.tensor([1.0, 1.0, 1.5, -2.0, 0.0, 0.0, 0.0, 0.25], dtype=torch.bfloat16)
+    counts = symbol_counts(raw_bytes(values), 2)
+    assert counts.sum() == 8 and counts[127] == 3 and counts[256 | 128] == 1 and counts[125] == 1
+    assert counts[ZERO] == 3 and counts[ESC] == 0
+    fitted = buddy.get_codec("fpe").fit(raw_bytes(values), 2)
+    assert torch.equal(fitted.statistics, counts) and fitted.fitted == Table.from_counts(counts, 2)
+    prior = torch.zeros(n_symbols(2))
+    prior[126] = 1.0
+    guided = buddy.get_codec("fpe").fit(raw_bytes(values), 2, prior=prior)
+    assert guided.fitted.lengths == {126: 1, ESC: 1}, "the prior, not the tensor, decides the table"
+    assert torch.equal(guided.statistics, counts), "the tensor's own counts are still reported"
+
+
+# ---------------------------------------------------------------------------
+# damage
+# ---------------------------------------------------------------------------
+def _one_entry(table: Table, bits: str, entry_bytes: int = 128):
+    payload = torch.tensor([stream_bytes(bits, entry_bytes)], dtype=torch.uint8)
+    k = torch.tensor([-(-len(bits) // 256)], dtype=torch.int32)
+    return payload, k, torch.zeros(1, dtype=torch.int32)
+
+
+def test_damaged_streams_are_refused():
+    table = Table(2, {127: 1, ZERO: 3, ESC: 3})  # "0", "100", "101": no code starts "11"
+    codec = FPECodec(table)
+    ok = code(table, 127) + field(0, 7) + code(table, ZERO) * 63  # 1.0 and 63 zeros: 197 bits
+    out = decode(codec, *_one_entry(table, ok), 2).view(torch.int16)
+    assert out[0].tolist() == [bf16(1.0)] + [0] * 63
+    with pytest.raises(CorruptDataError, match="does not have"):
+        decode(codec, *_one_entry(table, "11" + ok), 2)
+    escaped_known = code(table, ESC) + field(127, 9) + field(0, 7) + code(table, ZERO) * 63
+    with pytest.raises(CorruptDataError, match="escape of a symbol"):
+        decode(codec, *_one_entry(table, escaped_known), 2)
+    payload, _, modes = _one_entry(table, ok)
+    with pytest.raises(CorruptDataError, match="length"):
+        decode(codec, payload, torch.tensor([2], dtype=torch.int32), modes, 2)  # 197 bits are 1 sector
+    payload[0, 230 // 8] |= 1 << (230 % 8)  # a bit after the stream, inside its sector
+    with pytest.raises(CorruptDataError, match="after the end"):
+        decode(codec, payload, torch.tensor([1], dtype=torch.int32), modes, 2)
+
+
+@pytest.mark.parametrize("word", [2, 4])
+def test_random_damage_never_reads_out_of_bounds(word):
+    g = torch.Generator().manual_seed(7)
+    dtype = torch.bfloat16 if word == 2 else torch.float32
+    t = make_data("relu", 64 * 128 // word, dtype, g)
+    entries = raw_bytes(t).view(-1, 128)
+    codec = buddy.get_codec("fpe").fit(entries.reshape(-1), word)
+    payload, k, modes = buddy.format.encode(codec, entries, word)
+    coded = (k > 0) & (k < 4)
+    flips = torch.randint(0, 8 * 128, (payload.shape[0],), generator=g)
+    damaged = payload.clone()
+    rows = torch.arange(payload.shape[0])
+    damaged[rows, flips // 8] ^= (1 << (flips % 8)).to(torch.uint8)
+    damaged[k.long().unsqueeze(1) * 32 <= torch.arange(128)] = 0  # keep the format's zero tail
+    for i in torch.nonzero(coded).flatten().tolist():
+        try:
+            out = decode(codec, damaged[i : i + 1], k[i : i + 1], modes[i : i + 1], word)
+        except CorruptDataError:
+            continue
+        assert out.shape == (1, 128)  # an undetected flip decodes to some bytes, within the entry
+
+
+# ---------------------------------------------------------------------------
+# through the pipeline: the table travels with the tensor
+# ---------------------------------------------------------------------------
+def test_compressed_tensor_carries_its_table(store, gen):
+    t = make_data("relu", 30_001, torch.float32, gen)
+    bt = buddy.compress(t, target_ratio=1.5, codec="fpe", store=store, checksum=True)
+    assert bt.format_version == 2 and bt.table.device == t.device
+    assert Table.from_bytes(bt.table, 4) == Table.from_counts(symbol_counts(raw_bytes(t), 4), 4)
+    assert bt.device_bytes == bt.buffers()[0].numel() + bt.buffers()[1].numel() + bt.table.numel()
+    assert_bitexact(bt.decompress(), t)
+    kwargs = dict(codec="fpe", entry_bytes=bt.entry_bytes, slot_sectors=bt.slot_sectors, shape=t.shape, dtype=t.dtype)
+    with pytest.raises(CorruptDataError, match="needs its table"):
+        buddy.unpack(*bt.buffers(), **kwargs)
+    with pytest.raises(CorruptDataError, match="takes no table"):
+        buddy.unpack(*bt.buffers(), **dict(kwargs, codec="fpx"), table=bt.table)
+    damaged = bt.table.clone()
+    damaged[-1] = 0  # a code length of 0
+    with pytest.raises(CorruptDataError):
+        buddy.unpack(*bt.buffers(), **kwargs, table=damaged)
+    with pytest.raises(CorruptDataError, match="checksum mismatch in the codec table"):
+        buddy.unpack(*bt.buffers(), **kwargs, table=damaged, checksum=bt.checksum)
+
+
+def test_compress_is_deterministic(store, gen):
+    t = make_data("special", 20_000, torch.bfloat16, gen)
+    a = buddy.compress(t, target_ratio=2.0, codec="auto2", store=store)
+    b = buddy.compress(t.clone(), target_ratio=2.0, codec="auto2", store=store)
+    assert torch.equal(a.table, b.table)
+    for x, y in zip(a.buffers(), b.buffers()):
+        assert torch.equal(x, y)
+
+
+# ---------------------------------------------------------------------------
+# auto2: auto's members, then fpe
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_auto2_is_never_larger_than_auto_and_uses_fpe(dtype):
+    t = make_data("relu", 1 << 15, dtype, torch.Generator().manual_seed(4))
+    entries = raw_bytes(t).view(-1, 512)
+    w = buddy.spec.word_bytes(dtype)
+    auto2 = buddy.get_codec("auto2").fit(entries.reshape(-1), w)
+    payload, k2, modes = buddy.format.encode(auto2, entries, w)
+    k1 = buddy.format.encode(buddy.get_codec("auto"), entries, w)[1]
+    assert bool((k2 <= k1).all()) and int(k2.sum()) < int(k1.sum())
+    fpe_rows = modes == AUTO_MODES["fpe"]
+    assert bool(fpe_rows.any())
+    # an fpe entry's payload is exactly what fpe with the same table writes
+    alone = buddy.format.encode(FPECodec(auto2.members[-1][1].fitted), entries[fpe_rows], w)[0]
+    assert torch.equal(payload[fpe_rows], alone)
+    assert torch.equal(decode(auto2, payload, k2, modes, w), entries)
+
+
+def test_auto2_takes_and_gives_the_fpe_table():
+    auto2 = buddy.get_codec("auto2")
+    assert auto2.format_version == 2 and auto2.table is None
+    fitted = auto2.fit(raw_bytes(torch.ones(64)), 4)
+    assert fitted.table is not None and fitted is not auto2
+    bound = auto2.bind(fitted.table, 4)
+    assert torch.equal(bound.table, fitted.table)
+    with pytest.raises(CorruptDataError, match="needs its table"):
+        auto2.bind(None, 4)
+    with pytest.raises(ValueError, match="at most one"):
+        buddy.codecs.AutoCodec([(2, FPECodec()), (3, FPECodec())], name="two-tables")
+
+
+# ---------------------------------------------------------------------------
+# tables learned across steps
+# ---------------------------------------------------------------------------
+def test_tracker_learns_statistics_across_steps():
+    tracker = buddy.Tracker(decay=0.5)
+    a = torch.zeros(n_symbols(2), dtype=torch.int64)
+    a[127] = 30
+    b = torch.zeros(n_symbols(2), dtype=torch.int64)
+    b[126] = 10
+    kw = dict(slot=2, entry_bytes=128, original_bytes=4096, predicted_overflow_bytes=0)
+    assert tracker.prior("x") is None
+    tracker.record("x", (0, 32, 0, 0, 0), **kw, statistics=a)
+    assert tracker.prior("x")[127] == 1.0
+    tracker.record("x", (0, 32, 0, 0, 0), **kw, statistics=b)
+    learned = tracker.prior("x")
+    assert learned[126] == pytest.approx(1 / 1.5) and learned[127] == pytest.approx(0.5 / 1.5)
+    assert tracker.prior("y") is None
+
+
+def test_measure_fits_to_a_prior():
+    t = torch.relu(torch.randn(4096))
+    prior = torch.zeros(n_symbols(4))
+    prior[126] = 1.0
+    m = buddy.measure(t, "fpe", entry_bytes=512, prior=prior)
+    assert Table.from_bytes(m.table, 4) == Table.from_counts(prior, 4)
+    assert torch.equal(m.statistics, symbol_counts(raw_bytes(t), 4))
+    assert buddy.measure(t, "fpx", entry_bytes=512).table is None
+
+
+def test_session_passes_learned_statistics_to_the_next_step(store, monkeypatch):
+    priors = []
+
+    def spy(t, codec, **kwargs):
+        priors.append(kwargs.get("prior"))
+        return buddy.pipeline.measure(t, codec, **kwargs)
+
+    monkeypatch.setattr(buddy.autograd, "measure", spy)
+    tracker = buddy.Tracker()
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    steps = []
+    for _ in range(2):
+        priors.clear()
+        with buddy.compressed_activations(tracker=tracker, store=store, codec="auto2", min_bytes=1024):
+            (torch.relu(lin(x)) * 2).sum().backward()
+        steps.append(list(priors))
+    assert steps[0] and all(p is None for p in steps[0]), "the first step fits each tensor's own table"
+    assert steps[1] and all(p is not None for p in steps[1]), "later steps fit the learned table"
+    learned = [h.learned for h in tracker.histories()]
+    assert all(p is not None and float(p.sum()) == pytest.approx(1.0) for p in learned)
