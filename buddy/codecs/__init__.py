@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: codec used when none is given (see README, "Choosing the codec")
-DEFAULT_CODEC = "auto"
+DEFAULT_CODEC = "auto2"
 
 _REGISTRY: dict[str, Codec] = {}
 
