@@ -4,7 +4,7 @@
 kernels only when asked (``buddy.compress(t, backend="cuda")``, or
 ``buddy.set_defaults(backend="cuda")``); see :mod:`buddy.dispatch`, where
 :class:`CudaEngine` is registered as the ``"cuda"`` implementation of
-``zvc``, ``fpx``, ``bpc`` and ``auto``. The per-entry device code
+``zvc``, ``fpx``, ``bpc``, ``auto``, ``fpe`` and ``auto2``. The per-entry device code
 (``csrc/codec_*.h`` inside the format rules of ``csrc/buddy_entry.h`` and the
 operations of ``csrc/buddy_ops.h``) is tested byte for byte against the torch
 reference on the host, under an emulated warp.
@@ -17,6 +17,12 @@ directly) and ``unpack``. A compress reads one small thing back to the host
 (:meth:`CudaEngine.unpack` reads the kernel's error flag only when asked to
 check). The prefix sum that places each entry's overflow is one torch
 ``cumsum`` on the device.
+
+Codecs with a table (format version 2: ``fpe``, and ``auto2`` through its
+``fpe`` member) code with the fitted codec's :class:`~buddy.codecs.fpe.Table`:
+:func:`device_table` lays out its lookups as the kernels read them
+(``BuddyFpeTable`` in ``csrc/codec_fpe.h``), and every kernel takes it by
+pointer (null for the other codecs).
 
 The sources ship as package data (``buddy.csrc``, the repository's
 ``csrc/``). They are compiled once per process for each (codec, entry size,
@@ -35,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import re
+import struct
 import threading
 from pathlib import Path
 
@@ -44,6 +51,7 @@ from . import dispatch, spec
 from .codecs.auto import AutoCodec
 from .codecs.base import Codec
 from .codecs.bpc import BPCCodec
+from .codecs.fpe import MAX_CODE_BITS, FPECodec, Table, default_table, n_symbols
 from .codecs.fpx import FPXCodec
 from .codecs.zvc import ZVCCodec
 from .deps import available, require
@@ -56,6 +64,10 @@ __all__ = [
     "CudaEngine",
     "Kernels",
     "KERNEL_CODECS",
+    "TABLED_KERNELS",
+    "DEVICE_TABLE_BYTES",
+    "device_table",
+    "codec_table",
     "why_unusable",
     "compile_options",
     "read_source",
@@ -247,6 +259,68 @@ def _i32(v: int):
 
 
 # ---------------------------------------------------------------------------
+# codec tables: the device form of an fpe Table
+# ---------------------------------------------------------------------------
+#: codecs whose kernels code with a table (their ``table`` argument is a device table, not null)
+TABLED_KERNELS = frozenset({"fpe", "auto2"})
+#: bytes of a device table (``sizeof(BuddyFpeTable)``): a decode row per value of the next
+#: MAX_CODE_BITS stream bits (uint32), an encode entry per symbol of the widest words (uint16)
+DEVICE_TABLE_BYTES = 4 * (1 << MAX_CODE_BITS) + 2 * n_symbols(8)
+_HOST_TABLES: dict[tuple, torch.Tensor] = {}  # by (word bytes, code lengths), oldest first
+_HOST_TABLES_KEPT = 64
+
+
+def device_table(table: Table) -> torch.Tensor:
+    """An fpe ``table`` laid out as the kernels read it: :data:`DEVICE_TABLE_BYTES` uint8 on the host.
+
+    ``BuddyFpeTable`` (csrc/codec_fpe.h): ``dec[v]`` = symbol | code length << 16 for
+    the next 12 stream bits ``v``, then ``enc[symbol]`` = stream code | code length <<
+    12 (0: no code), both from :meth:`Table.lookups`, little-endian. Pinned when CUDA
+    is present (its copy to the device is then asynchronous); kept for the last 64
+    tables -- a tracker's learned table comes back step after step -- and never
+    written again.
+    """
+    key = (table.word_bytes, tuple(sorted(table.lengths.items())))
+    with _lock:
+        found = _HOST_TABLES.pop(key, None)
+        if found is not None:
+            _HOST_TABLES[key] = found  # the newest again
+            return found
+    enc_len, enc_code, dec_sym, dec_len = (t.tolist() for t in table.lookups("cpu"))
+    enc = [code | length << 12 for code, length in zip(enc_code, enc_len)]
+    enc += [0] * (n_symbols(8) - len(enc))  # the layout has room for the widest words' symbols
+    dec = [sym | length << 16 for sym, length in zip(dec_sym, dec_len)]
+    raw = struct.pack(f"<{len(dec)}I{len(enc)}H", *dec, *enc)
+    out = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if torch.cuda.is_available():
+        out = out.pin_memory()
+    with _lock:
+        _HOST_TABLES[key] = out
+        while len(_HOST_TABLES) > _HOST_TABLES_KEPT:
+            del _HOST_TABLES[next(iter(_HOST_TABLES))]
+    return out
+
+
+def codec_table(codec: Codec, word_bytes: int) -> Table | None:
+    """The fpe table the kernels of ``codec`` code with, ``None`` for a codec without one.
+
+    ``fpe``'s own, or ``auto2``'s fpe member's: the table it was fitted to or bound
+    to, else (an unfitted codec, as the reference) the word size's default table.
+    """
+    fpe = codec if isinstance(codec, FPECodec) else None
+    if isinstance(codec, AutoCodec):
+        fpe = next((member for _, member in codec.members if isinstance(member, FPECodec)), None)
+    if fpe is None:
+        return None
+    table = fpe.fitted
+    if table is None:
+        return default_table(word_bytes)
+    if table.word_bytes != word_bytes:
+        raise ValueError(f"this fpe table is for {table.word_bytes}-byte words, got {word_bytes}-byte words")
+    return table
+
+
+# ---------------------------------------------------------------------------
 # the kernels of one codec: strict (no copies), checked before any launch
 # ---------------------------------------------------------------------------
 class Kernels:
@@ -258,7 +332,9 @@ class Kernels:
     same glue with the kernels emulated on the host by passing both.
     Buffers: ``data`` the tensor's ``n_full`` whole entries (16-byte
     aligned), ``tail`` the last entry zero-padded (``E`` bytes), ``meta``
-    ``n * META_BYTES`` bytes, ``ends`` ``(n,)`` int64 (see csrc/buddy_ops.h).
+    ``n * META_BYTES`` bytes, ``ends`` ``(n,)`` int64 (see csrc/buddy_ops.h);
+    ``table`` the codec's device table for the codecs that code with one
+    (:data:`TABLED_KERNELS`), else ``None``.
     """
 
     def __init__(self, name: str, *, launch=None, device_type: str = "cuda"):
@@ -280,7 +356,20 @@ class Kernels:
             _check_tensor(what, t, device=device, dtype=dtype, shape=(numel,))
         return device
 
-    def measure(self, data, tail, n_full: int, n: int, meta, histogram, entry_bytes: int, word_bytes: int) -> None:
+    def _table(self, table, device: torch.device) -> torch.Tensor:
+        """The kernels' ``table`` argument: the codec's device table (:func:`device_table`), checked; for a
+        codec without one, nothing (an empty tensor: a null pointer)."""
+        want = DEVICE_TABLE_BYTES if self.name in TABLED_KERNELS else 0
+        if table is None:
+            if want:
+                raise ValueError(f"codec {self.name!r} codes with a table: pass its device table (device_table)")
+            table = torch.empty(0, dtype=torch.uint8, device=device)
+        _check_tensor("table", table, device=device, dtype=torch.uint8, shape=(want,))
+        return table
+
+    def measure(
+        self, data, tail, n_full: int, n: int, meta, histogram, entry_bytes: int, word_bytes: int, table=None
+    ) -> None:
         """Every entry's metadata word into ``meta``; entries of ``k`` sectors added to ``histogram[k]``."""
         mb, spe = spec.meta_bytes(entry_bytes), spec.sectors_per_entry(entry_bytes)
         device = self._check(
@@ -288,10 +377,11 @@ class Kernels:
             tail=(tail, torch.uint8, entry_bytes), meta=(meta, torch.uint8, n * mb),
             histogram=(histogram, torch.int64, spe + 1),
         )  # fmt: skip
-        args = (data, tail, _i64(n_full), _i64(n), meta, histogram, _i32(word_bytes))
+        table = self._table(table, device)
+        args = (data, tail, _i64(n_full), _i64(n), meta, histogram, table, _i32(word_bytes))
         self.launch(self.name, "measure", entry_bytes, device, n, args)
 
-    def pack(self, data, tail, n_full, n, meta, ends, slot, slots, overflow, entry_bytes, word_bytes) -> None:
+    def pack(self, data, tail, n_full, n, meta, ends, slot, slots, overflow, entry_bytes, word_bytes, table=None):
         """Every entry's slot (``slot`` sectors) into ``slots``, its overflow into ``overflow`` at its place."""
         mb = spec.meta_bytes(entry_bytes)
         device = self._check(
@@ -299,10 +389,11 @@ class Kernels:
             tail=(tail, torch.uint8, entry_bytes), meta=(meta, torch.uint8, n * mb), ends=(ends, torch.int64, n),
             slots=(slots, torch.uint8, n * slot * spec.SECTOR_BYTES), overflow=(overflow, torch.uint8, overflow.numel()),
         )  # fmt: skip
-        args = (data, tail, _i64(n_full), _i64(n), meta, ends, _i32(slot), slots, overflow, _i32(word_bytes))
+        table = self._table(table, device)
+        args = (data, tail, _i64(n_full), _i64(n), meta, ends, _i32(slot), slots, overflow, table, _i32(word_bytes))
         self.launch(self.name, "pack", entry_bytes, device, n, args)
 
-    def unpack(self, meta, ends, slot, slots, overflow, out, error, n, entry_bytes, word_bytes) -> None:
+    def unpack(self, meta, ends, slot, slots, overflow, out, error, n, entry_bytes, word_bytes, table=None) -> None:
         """The ``n`` entries into ``out`` (``n * E`` bytes); ``error`` (one int32) ORed with what was flagged."""
         mb = spec.meta_bytes(entry_bytes)
         if overflow.numel() % spec.SECTOR_BYTES:
@@ -313,7 +404,8 @@ class Kernels:
             out=(out, torch.uint8, n * entry_bytes), error=(error, torch.int32, 1),
         )  # fmt: skip
         m = overflow.numel() // spec.SECTOR_BYTES
-        args = (meta, ends, _i32(slot), slots, overflow, _i64(m), out, error, _i64(n), _i32(word_bytes))
+        table = self._table(table, device)
+        args = (meta, ends, _i32(slot), slots, overflow, _i64(m), out, error, _i64(n), table, _i32(word_bytes))
         self.launch(self.name, "unpack", entry_bytes, device, n, args)
 
 
@@ -329,7 +421,8 @@ def raise_for_errors(codec: str, bits: int) -> None:
         raise CorruptDataError(f"{codec}: the overflow is not the size the metadata needs")
     if bits & _ERR_STREAM:
         raise CorruptDataError(
-            f"{codec}: a payload (its bitmap or stream) does not match the entry sizes in the metadata"
+            f"{codec}: a payload (its bitmap or stream) does not match the entry sizes in the metadata "
+            f"(or, for a codec with a table, holds codes the table does not give)"
         )
     raise CorruptDataError(f"{codec} CUDA unpack failed (error bits {bits:#x})")
 
@@ -347,15 +440,22 @@ def why_unusable() -> str | None:
 
 
 #: codecs with kernels: the exact class the kernels reproduce, by registry name
-KERNEL_CODECS: dict[str, type] = {"zvc": ZVCCodec, "fpx": FPXCodec, "bpc": BPCCodec, "auto": AutoCodec}
-_AUTO_MEMBERS = [(spec.AUTO_MODES[c.name], c) for c in (ZVCCodec, FPXCodec, BPCCodec)]
+KERNEL_CODECS: dict[str, type] = {
+    "zvc": ZVCCodec, "fpx": FPXCodec, "bpc": BPCCodec, "auto": AutoCodec, "fpe": FPECodec, "auto2": AutoCodec,
+}  # fmt: skip
+#: the members (mode, class) the kernels of each auto codec compose, in order
+_AUTO_MEMBERS = {
+    name: [(spec.AUTO_MODES[c.name], c) for c in members]
+    for name, members in (("auto", (ZVCCodec, FPXCodec, BPCCodec)), ("auto2", (ZVCCodec, FPXCodec, BPCCodec, FPECodec)))
+}
 
 
 def has_kernels(codec: Codec) -> bool:
-    """Whether the kernels reproduce ``codec``: exactly buddy's class of that name (auto: with its own members)."""
+    """Whether the kernels reproduce ``codec``: exactly buddy's class of that name (auto codecs: with their own
+    members, in order)."""
     if type(codec) is not KERNEL_CODECS.get(codec.name):
         return False
-    return not isinstance(codec, AutoCodec) or [(m, type(c)) for m, c in codec.members] == _AUTO_MEMBERS
+    return not isinstance(codec, AutoCodec) or [(m, type(c)) for m, c in codec.members] == _AUTO_MEMBERS[codec.name]
 
 
 class CudaEngine(Engine):
@@ -377,6 +477,22 @@ class CudaEngine(Engine):
         super().__init__(codec)
         self.kernels = Kernels(codec.name, launch=launch, device_type=device_type)
         self.readbacks = 0
+        self._tables: dict[tuple[torch.device, int], torch.Tensor | None] = {}
+
+    def _table(self, device: torch.device, word_bytes: int) -> torch.Tensor | None:
+        """The codec's device table for the kernels (``None`` for a codec without one), once per engine.
+
+        The pipeline makes an engine for each compress (for the codec fitted to the
+        tensor) and each decompress (for the codec bound to the stored table), so this
+        is one small host-to-device copy (:data:`DEVICE_TABLE_BYTES`) per compress --
+        measure and pack share it -- and per decompress: from pinned memory,
+        non-blocking, on the current stream, which the kernels reading it follow.
+        """
+        key = (device, word_bytes)
+        if key not in self._tables:
+            table = codec_table(self.codec, word_bytes)
+            self._tables[key] = None if table is None else device_table(table).to(device, non_blocking=True)
+        return self._tables[key]
 
     def _read(self, t: torch.Tensor) -> list:
         """A small device tensor on the host: the one place this engine waits for the device."""
@@ -407,7 +523,8 @@ class CudaEngine(Engine):
         meta = torch.empty(n * spec.meta_bytes(entry_bytes), dtype=torch.uint8, device=flat.device)
         histogram = torch.zeros(spec.sectors_per_entry(entry_bytes) + 1, dtype=torch.int64, device=flat.device)
         if n:
-            self.kernels.measure(data, tail, n_full, n, meta, histogram, entry_bytes, word_bytes)
+            table = self._table(flat.device, word_bytes)
+            self.kernels.measure(data, tail, n_full, n, meta, histogram, entry_bytes, word_bytes, table)
         return Measurement(meta, tuple(self._read(histogram)), reuse=(data, tail, n_full, n))
 
     def pack(self, flat, measured, slot, entry_bytes, word_bytes):
@@ -417,8 +534,9 @@ class CudaEngine(Engine):
         overflow = torch.empty(spilled, dtype=torch.uint8, device=flat.device)
         if n:
             ends = self._ends(measured.meta, slot, entry_bytes, n)
+            table = self._table(flat.device, word_bytes)
             self.kernels.pack(
-                data, tail, n_full, n, measured.meta, ends, slot, slots, overflow, entry_bytes, word_bytes
+                data, tail, n_full, n, measured.meta, ends, slot, slots, overflow, entry_bytes, word_bytes, table
             )
         return slots, overflow
 
@@ -432,7 +550,8 @@ class CudaEngine(Engine):
             overflow = overflow.to(slots.device, non_blocking=True)  # H2D from pinned memory, on the current stream
             error = torch.zeros(1, dtype=torch.int32, device=slots.device)
             ends = self._ends(meta, slot, entry_bytes, n)
-            self.kernels.unpack(meta, ends, slot, slots, overflow, out, error, n, entry_bytes, word_bytes)
+            table = self._table(slots.device, word_bytes)
+            self.kernels.unpack(meta, ends, slot, slots, overflow, out, error, n, entry_bytes, word_bytes, table)
             if check:
                 raise_for_errors(self.codec.name, self._read(error)[0])
         return out[:nbytes]

@@ -21,15 +21,21 @@
 // (the loader makes it), so no kernel reads past the tensor. The per-entry
 // work is buddy_ops.h's; here are only the loops, the staging buffers and
 // the histogram.
+//
+// Codec tables (format version 2): every kernel takes a `table` pointer, the
+// device table of a codec that codes with one (fpe and auto2: a
+// BuddyFpeTable, csrc/codec_fpe.h, built by buddy.cuda.device_table) and
+// null for the others. Each warp builds its codec object from it
+// (buddy_codec); the table stays in global memory, read through the cache.
 #include "buddy_ops.h"
-// the codecs: auto, and zvc, fpx and bpc, which it composes
-#include "codec_auto.h"
+// the codecs: auto2 and auto, and zvc, fpx, bpc and fpe, which they compose
+#include "codec_auto2.h"
 
 // Each module instantiates the kernels of one codec (templates not
 // instantiated cost nearly nothing to compile): the loader compiles with
 // -DBUDDY_CODEC_<NAME>, the tests with -DBUDDY_CODEC_ALL.
 #if !defined(BUDDY_CODEC_ZVC) && !defined(BUDDY_CODEC_FPX) && !defined(BUDDY_CODEC_BPC) && \
-    !defined(BUDDY_CODEC_AUTO) && !defined(BUDDY_CODEC_ALL)
+    !defined(BUDDY_CODEC_AUTO) && !defined(BUDDY_CODEC_FPE) && !defined(BUDDY_CODEC_AUTO2) && !defined(BUDDY_CODEC_ALL)
 #error "compile with -DBUDDY_CODEC_<NAME> for the codec whose kernels to build"
 #endif
 
@@ -50,14 +56,16 @@ template <class Codec>
 __device__ __forceinline__ void buddy_measure_body(const uint8_t* __restrict__ data, const uint8_t* __restrict__ tail,
                                                    long long n_full, long long n_entries,
                                                    buddy_meta_t* __restrict__ meta,
-                                                   unsigned long long* __restrict__ histogram) {
+                                                   unsigned long long* __restrict__ histogram,
+                                                   const uint8_t* __restrict__ table) {
   // the block counts its entries per size in shared memory, then adds them to the tensor's histogram once
   __shared__ unsigned int counts[BUDDY_SECTORS_PER_ENTRY + 1];
   for (uint32_t j = threadIdx.x; j <= BUDDY_SECTORS_PER_ENTRY; j += blockDim.x) counts[j] = 0;
   __syncthreads();
   const BuddyCudaWarp warp;
+  const Codec codec = buddy_codec<Codec>(table);
   for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride()) {
-    const uint32_t k = buddy_measure_entry<Codec>(warp, i, data, tail, n_full, meta);
+    const uint32_t k = buddy_measure_entry<Codec>(warp, codec, i, data, tail, n_full, meta);
     if (warp.lane() == 0) atomicAdd(&counts[k], 1u);
   }
   __syncthreads();
@@ -70,11 +78,13 @@ __device__ __forceinline__ void buddy_pack_body(const uint8_t* __restrict__ data
                                                 long long n_full, long long n_entries,
                                                 const buddy_meta_t* __restrict__ meta,
                                                 const long long* __restrict__ ends, uint32_t s,
-                                                uint8_t* __restrict__ slots, uint8_t* __restrict__ overflow) {
+                                                uint8_t* __restrict__ slots, uint8_t* __restrict__ overflow,
+                                                const uint8_t* __restrict__ table) {
   const BuddyCudaWarp warp;
+  const Codec codec = buddy_codec<Codec>(table);
   uint8_t* staging = buddy_staging();
   for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride())
-    buddy_pack_entry<Codec>(warp, i, data, tail, n_full, meta, ends, s, slots, overflow, staging);
+    buddy_pack_entry<Codec>(warp, codec, i, data, tail, n_full, meta, ends, s, slots, overflow, staging);
 }
 
 template <class Codec>
@@ -83,13 +93,14 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
                                                   const uint8_t* __restrict__ slots,
                                                   const uint8_t* __restrict__ overflow, long long overflow_sectors,
                                                   uint8_t* __restrict__ out, int* __restrict__ error,
-                                                  long long n_entries) {
+                                                  long long n_entries, const uint8_t* __restrict__ table) {
   const BuddyCudaWarp warp;
+  const Codec codec = buddy_codec<Codec>(table);
   uint8_t* staging = buddy_staging();
   uint32_t err = 0;
   for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride())
-    err |= buddy_unpack_entry<Codec>(warp, i, n_entries, meta, ends, s, slots, overflow, overflow_sectors, staging,
-                                     out);
+    err |= buddy_unpack_entry<Codec>(warp, codec, i, n_entries, meta, ends, s, slots, overflow, overflow_sectors,
+                                     staging, out);
   if (err && warp.lane() == 0) atomicOr(error, (int)err);
 }
 
@@ -112,9 +123,10 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
       long long n_entries,                       /* entries of the tensor */                                         \
       uint8_t* __restrict__ meta,                /* out: n_entries metadata words */                                 \
       unsigned long long* __restrict__ histogram, /* in/out: E/32 + 1 counts, entries of k sectors added to [k] */  \
+      const uint8_t* __restrict__ table,         /* in: the codec's device table, or null (see above) */            \
       int word_bytes) {                          /* word size in bytes: 1, 2, 4 or 8 */                              \
     BUDDY_WORD_SWITCH(CODEC, buddy_measure_body, data, tail, n_full, n_entries,                                     \
-                      reinterpret_cast<buddy_meta_t*>(meta), histogram)                                            \
+                      reinterpret_cast<buddy_meta_t*>(meta), histogram, table)                                     \
   }                                                                                                                 \
   /* every entry's slot, and its overflow compacted in entry order */                                              \
   extern "C" __global__ void buddy_##NAME##_pack(                                                                   \
@@ -127,9 +139,10 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
       int slot,                           /* s: sectors per slot, 0 .. E/32 */                                       \
       uint8_t* __restrict__ slots,        /* out: n_entries * s * 32 bytes */                                        \
       uint8_t* __restrict__ overflow,     /* out: ends[n - 1] * 32 bytes */                                          \
+      const uint8_t* __restrict__ table,  /* in: the codec's device table, or null (see above) */                    \
       int word_bytes) {                   /* word size in bytes: 1, 2, 4 or 8 */                                     \
     BUDDY_WORD_SWITCH(CODEC, buddy_pack_body, data, tail, n_full, n_entries,                                        \
-                      reinterpret_cast<const buddy_meta_t*>(meta), ends, (uint32_t)slot, slots, overflow)          \
+                      reinterpret_cast<const buddy_meta_t*>(meta), ends, (uint32_t)slot, slots, overflow, table)   \
   }                                                                                                                 \
   /* the tensor's entries back; inconsistent buffers never cause an out-of-bounds access: flagged entries decode   \
      to zeros and *error gets their BUDDY_ERR_* bits (the caller zeroes it before the launch) */                   \
@@ -143,9 +156,10 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
       uint8_t* __restrict__ out,            /* out: n_entries * E bytes */                                           \
       int* __restrict__ error,              /* in/out: one int, ORed with BUDDY_ERR_* bits */                        \
       long long n_entries,                  /* entries of the tensor */                                              \
+      const uint8_t* __restrict__ table,    /* in: the codec's device table, or null (see above) */                  \
       int word_bytes) {                     /* word size in bytes: 1, 2, 4 or 8 */                                   \
     BUDDY_WORD_SWITCH(CODEC, buddy_unpack_body, reinterpret_cast<const buddy_meta_t*>(meta), ends, (uint32_t)slot, \
-                      slots, overflow, overflow_sectors, out, error, n_entries)                                    \
+                      slots, overflow, overflow_sectors, out, error, n_entries, table)                             \
   }
 
 #if defined(BUDDY_CODEC_ZVC) || defined(BUDDY_CODEC_ALL)
@@ -159,4 +173,10 @@ BUDDY_FORMAT_KERNELS(bpc, BuddyBpc)
 #endif
 #if defined(BUDDY_CODEC_AUTO) || defined(BUDDY_CODEC_ALL)
 BUDDY_FORMAT_KERNELS(auto, BuddyAuto)
+#endif
+#if defined(BUDDY_CODEC_FPE) || defined(BUDDY_CODEC_ALL)
+BUDDY_FORMAT_KERNELS(fpe, BuddyFpe)
+#endif
+#if defined(BUDDY_CODEC_AUTO2) || defined(BUDDY_CODEC_ALL)
+BUDDY_FORMAT_KERNELS(auto2, BuddyAuto2)
 #endif

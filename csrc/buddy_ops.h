@@ -14,7 +14,8 @@
 //          is gathered into the staging buffer first; every read of the slot
 //          and the overflow stays inside the bounds it is given.
 //
-// All lanes of a warp call these together (see buddy_warp.h). Pointers are
+// All lanes of a warp call these together (see buddy_warp.h), with the codec
+// object the kernel built (buddy_codec in buddy_entry.h). Pointers are
 // 8-byte aligned; slot, overflow and out pointers address exactly the bytes
 // their arguments say.
 #pragma once
@@ -32,8 +33,8 @@ BUDDY_WARP_FN void buddy_warp_copy_sectors(const Warp& warp, const uint8_t* src,
 
 // k and metadata mode of an entry (E bytes at `entry`).
 template <class Codec, class Warp>
-BUDDY_WARP_FN uint32_t buddy_op_measure(const Warp& warp, const uint8_t* entry, uint32_t* mode) {
-  return buddy_entry_measure<Codec>(warp, entry, mode);
+BUDDY_WARP_FN uint32_t buddy_op_measure(const Warp& warp, const Codec& codec, const uint8_t* entry, uint32_t* mode) {
+  return buddy_entry_measure<Codec>(warp, codec, entry, mode);
 }
 
 // Stores an entry measured at (k, mode) in a slot of s sectors:
@@ -41,11 +42,11 @@ BUDDY_WARP_FN uint32_t buddy_op_measure(const Warp& warp, const uint8_t* entry, 
 //   overflow  max(k - s, 0) * 32 bytes: sectors [s, k) of the payload
 // `staging` holds E bytes of scratch (the warp's own).
 template <class Codec, class Warp>
-BUDDY_WARP_FN void buddy_op_pack(const Warp& warp, const uint8_t* entry, uint32_t k, uint32_t mode, uint32_t s,
-                                 uint8_t* slot, uint8_t* overflow, uint8_t* staging) {
+BUDDY_WARP_FN void buddy_op_pack(const Warp& warp, const Codec& codec, const uint8_t* entry, uint32_t k, uint32_t mode,
+                                 uint32_t s, uint8_t* slot, uint8_t* overflow, uint8_t* staging) {
   const uint8_t* payload = entry;  // a raw entry is its own payload: no staging
   if (k != 0 && k != BUDDY_SECTORS_PER_ENTRY) {
-    buddy_entry_encode<Codec>(warp, entry, k, mode, staging);
+    buddy_entry_encode<Codec>(warp, codec, entry, k, mode, staging);
     warp.sync();  // the codec's lanes wrote the staging buffer; every lane copies from it
     payload = staging;
   }
@@ -62,8 +63,9 @@ BUDDY_WARP_FN void buddy_op_pack(const Warp& warp, const uint8_t* entry, uint32_
 // max(k - s, 0). Returns BUDDY_ERR_* bits; a flagged entry decodes to zeros
 // and nothing is read out of bounds.
 template <class Codec, class Warp>
-BUDDY_WARP_FN uint32_t buddy_op_unpack(const Warp& warp, buddy_meta_t word, uint32_t s, const uint8_t* slot,
-                                       const uint8_t* overflow, uint64_t available, uint8_t* staging, uint8_t* out) {
+BUDDY_WARP_FN uint32_t buddy_op_unpack(const Warp& warp, const Codec& codec, buddy_meta_t word, uint32_t s,
+                                       const uint8_t* slot, const uint8_t* overflow, uint64_t available,
+                                       uint8_t* staging, uint8_t* out) {
   const uint32_t k = buddy_meta_k(word), mode = buddy_meta_mode(word);
   if (k > BUDDY_SECTORS_PER_ENTRY || (k > s && available < k - s)) {
     buddy_warp_fill(warp, nullptr, out, BUDDY_ENTRY_BYTES);
@@ -73,7 +75,7 @@ BUDDY_WARP_FN uint32_t buddy_op_unpack(const Warp& warp, buddy_meta_t word, uint
   buddy_warp_copy_sectors(warp, slot, staging, in_slot);
   if (k > s) buddy_warp_copy_sectors(warp, overflow, staging + s * BUDDY_SECTOR_BYTES, k - s);
   warp.sync();  // the gathered payload is complete before any lane decodes from it
-  const uint32_t err = buddy_entry_decode<Codec>(warp, staging, k, mode, out);
+  const uint32_t err = buddy_entry_decode<Codec>(warp, codec, staging, k, mode, out);
   warp.sync();  // the staging buffer is read before the warp's next entry writes it
   return err;
 }
@@ -94,23 +96,24 @@ BUDDY_HD const uint8_t* buddy_entry_at(const uint8_t* data, const uint8_t* tail,
 
 // Measures entry i into meta[i]; returns its k (on every lane).
 template <class Codec, class Warp>
-BUDDY_WARP_FN uint32_t buddy_measure_entry(const Warp& warp, long long i, const uint8_t* data, const uint8_t* tail,
-                                           long long n_full, buddy_meta_t* meta) {
+BUDDY_WARP_FN uint32_t buddy_measure_entry(const Warp& warp, const Codec& codec, long long i, const uint8_t* data,
+                                           const uint8_t* tail, long long n_full, buddy_meta_t* meta) {
   uint32_t mode;
-  const uint32_t k = buddy_op_measure<Codec>(warp, buddy_entry_at(data, tail, n_full, i), &mode);
+  const uint32_t k = buddy_op_measure<Codec>(warp, codec, buddy_entry_at(data, tail, n_full, i), &mode);
   if (warp.lane() == 0) meta[i] = buddy_meta_pack(k, mode);
   return k;
 }
 
 // Packs entry i into its slot and its place in the overflow.
 template <class Codec, class Warp>
-BUDDY_WARP_FN void buddy_pack_entry(const Warp& warp, long long i, const uint8_t* data, const uint8_t* tail,
-                                    long long n_full, const buddy_meta_t* meta, const long long* ends, uint32_t s,
-                                    uint8_t* slots, uint8_t* overflow, uint8_t* staging) {
+BUDDY_WARP_FN void buddy_pack_entry(const Warp& warp, const Codec& codec, long long i, const uint8_t* data,
+                                    const uint8_t* tail, long long n_full, const buddy_meta_t* meta,
+                                    const long long* ends, uint32_t s, uint8_t* slots, uint8_t* overflow,
+                                    uint8_t* staging) {
   const buddy_meta_t word = meta[i];
   const uint32_t k = buddy_meta_k(word);
   const long long start = ends[i] - buddy_overflow_sectors(k, s);  // overflow sectors of the entries before it
-  buddy_op_pack<Codec>(warp, buddy_entry_at(data, tail, n_full, i), k, buddy_meta_mode(word), s,
+  buddy_op_pack<Codec>(warp, codec, buddy_entry_at(data, tail, n_full, i), k, buddy_meta_mode(word), s,
                        slots + i * s * BUDDY_SECTOR_BYTES, overflow + start * BUDDY_SECTOR_BYTES, staging);
 }
 
@@ -118,15 +121,15 @@ BUDDY_WARP_FN void buddy_pack_entry(const Warp& warp, long long i, const uint8_t
 // sectors) only inside its bounds; returns BUDDY_ERR_* bits. The last entry
 // also checks that the overflow holds no more than the metadata needs.
 template <class Codec, class Warp>
-BUDDY_WARP_FN uint32_t buddy_unpack_entry(const Warp& warp, long long i, long long n, const buddy_meta_t* meta,
-                                          const long long* ends, uint32_t s, const uint8_t* slots,
-                                          const uint8_t* overflow, long long overflow_sectors, uint8_t* staging,
-                                          uint8_t* out) {
+BUDDY_WARP_FN uint32_t buddy_unpack_entry(const Warp& warp, const Codec& codec, long long i, long long n,
+                                          const buddy_meta_t* meta, const long long* ends, uint32_t s,
+                                          const uint8_t* slots, const uint8_t* overflow, long long overflow_sectors,
+                                          uint8_t* staging, uint8_t* out) {
   const buddy_meta_t word = meta[i];
   const long long start = ends[i] - buddy_overflow_sectors(buddy_meta_k(word), s);
   const bool inside = start >= 0 && start <= overflow_sectors;
   const uint64_t available = inside ? (uint64_t)(overflow_sectors - start) : 0u;
-  uint32_t err = buddy_op_unpack<Codec>(warp, word, s, slots + i * s * BUDDY_SECTOR_BYTES,
+  uint32_t err = buddy_op_unpack<Codec>(warp, codec, word, s, slots + i * s * BUDDY_SECTOR_BYTES,
                                         overflow + (inside ? start : 0) * BUDDY_SECTOR_BYTES, available, staging,
                                         out + i * BUDDY_ENTRY_BYTES);
   if (i == n - 1 && ends[i] != overflow_sectors) err |= BUDDY_ERR_OVERFLOW;

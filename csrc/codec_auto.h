@@ -7,7 +7,8 @@
 // that member's payload, decoded as if it had written the entry alone.
 // Choice, as the reference: zvc sizes the entry; fpx, then bpc, size it only
 // while it is still above one sector (the least a non-zero entry takes), and
-// a later member wins only when strictly smaller.
+// a later member wins only when strictly smaller. auto2 (codec_auto2.h) is
+// this choice followed by fpe.
 #pragma once
 
 #include "codec_bpc.h"
@@ -24,6 +25,7 @@ struct BuddyAuto {
   typedef BuddyZvc<WB> Zvc;
   typedef BuddyFpx<WB> Fpx;
   typedef BuddyBpc<WB> Bpc;
+  static constexpr bool TABLED = false;
   static constexpr uint32_t ZERO_MODE = BUDDY_AUTO_MODE_ZERO;
   static constexpr uint32_t RAW_MODE = BUDDY_AUTO_MODE_RAW;
 

@@ -44,8 +44,8 @@
 //            bits and are never made.
 #pragma once
 
+#include "buddy_bits.h"
 #include "buddy_format.h"
-#include "buddy_warp.h"
 
 // Loops over an fpx word's code widths: unrolled on the device so per-width
 // counters live in registers (their indices are then constants).
@@ -60,6 +60,7 @@ struct BuddyFpx {
   static_assert(WB == 1 || WB == 2 || WB == 4 || WB == 8, "fpx words are 1, 2, 4 or 8 bytes");
   typedef typename buddy_uint<WB>::type word_t;
   typedef typename buddy_uint<WB == 8 ? 8 : 4>::type wide_t;  // holds a sign-mantissa (1 + m bits)
+  static constexpr bool TABLED = false;
   static constexpr uint32_t ZERO_MODE = 0;
   static constexpr uint32_t RAW_MODE = 0;
   static constexpr uint32_t entry = BUDDY_ENTRY_BYTES;  // bytes per entry, E
@@ -107,38 +108,6 @@ struct BuddyFpx {
   template <class Warp>
   static BUDDY_WARP_FN uint32_t below(const Warp& warp) {
     return (1u << warp.lane()) - 1u;
-  }
-
-  // ---------------------------------------------------------------------------
-  // the bit stream
-  // ---------------------------------------------------------------------------
-  // ORs the value v (its set bits must lie inside the stream) into the stream
-  // at bit pos. Lanes may share a 32-bit word, hence the atomics; zero words
-  // are skipped, so nothing past the stream is touched.
-  static BUDDY_HD void put32(uint32_t* stream, uint32_t pos, uint32_t v) {
-    const uint32_t s = pos & 31u;
-    const uint32_t lo = v << s;
-    const uint32_t hi = (v >> 1) >> (31u - s);  // v >> (32 - s), 0 for s = 0
-    if (lo) buddy_atomic_or(stream + (pos >> 5), lo);
-    if (hi) buddy_atomic_or(stream + (pos >> 5) + 1, hi);
-  }
-
-  static BUDDY_HD void put64(uint32_t* stream, uint32_t pos, uint64_t v) {
-    const uint32_t s = pos & 31u;
-    const uint64_t lo = v << s;
-    const uint32_t spill = (uint32_t)((v >> 1) >> (63u - s));  // v >> (64 - s), 0 for s = 0
-    if ((uint32_t)lo) buddy_atomic_or(stream + (pos >> 5), (uint32_t)lo);
-    if (lo >> 32) buddy_atomic_or(stream + (pos >> 5) + 1, (uint32_t)(lo >> 32));
-    if (spill) buddy_atomic_or(stream + (pos >> 5) + 2, spill);
-  }
-
-  // The 64 stream bits from bit pos of a payload of n64 8-byte words; bits
-  // past the payload read as zero (and are not read).
-  static BUDDY_HD uint64_t peek(const uint8_t* payload, uint32_t n64, uint32_t pos) {
-    const uint32_t q = pos >> 6, s = pos & 63u;
-    const uint64_t lo = q < n64 ? buddy_load<uint64_t>(payload + 8u * q) : 0u;
-    const uint64_t hi = q + 1u < n64 ? buddy_load<uint64_t>(payload + 8u * (q + 1u)) : 0u;
-    return (lo >> s) | ((hi << 1) << (63u - s));  // hi << (64 - s), 0 for s = 0
   }
 
   // ---------------------------------------------------------------------------
@@ -259,7 +228,7 @@ struct BuddyFpx {
     buddy_warp_fill(warp, nullptr, payload, k * BUDDY_SECTOR_BYTES);
     warp.sync();
     uint32_t* stream = reinterpret_cast<uint32_t*>(payload);
-    if (lane == 0) put32(stream, 0, c.zmode | (c.emax << 1) | (c.b << (1u + e)));
+    if (lane == 0) buddy_put32(stream, 0, c.zmode | (c.emax << 1) | (c.b << (1u + e)));
 
     const uint32_t per_word = c.b + 1u + m;
     const uint32_t start = header + (c.zmode ? words : 0u);
@@ -275,7 +244,7 @@ struct BuddyFpx {
       uint32_t rank = i;
       if (c.zmode) {  // the round's bitmap bits are a ballot; ranks count them
         const uint32_t bits = warp.ballot(x != 0);
-        if (lane == 0) put32(stream, header + r * BUDDY_WARP_SIZE, bits);
+        if (lane == 0) buddy_put32(stream, header + r * BUDDY_WARP_SIZE, bits);
         listed = x != 0;
         rank = listed_before + buddy_popc(bits & below(warp));
         listed_before += buddy_popc(bits);
@@ -283,19 +252,19 @@ struct BuddyFpx {
       const bool escaped = listed && c.b > 0 && offset >= esc_code;
       if (c.escapes) {  // escapes are in word order: their rank is a ballot's count too
         const uint32_t bits = warp.ballot(escaped);
-        if (escaped) put32(stream, esc_start + (esc_before + buddy_popc(bits & below(warp))) * e, exp);
+        if (escaped) buddy_put32(stream, esc_start + (esc_before + buddy_popc(bits & below(warp))) * e, exp);
         esc_before += buddy_popc(bits);
       }
       if (listed) {
         const uint32_t code = escaped ? esc_code : offset;  // < 2^b (offset = 0 when b = 0)
         const uint32_t pos = start + rank * per_word;
         if constexpr (WB <= 2) {  // b + 1 + m <= 17 bits
-          put32(stream, pos, code | ((uint32_t)sign_mantissa(x) << c.b));
+          buddy_put32(stream, pos, code | ((uint32_t)sign_mantissa(x) << c.b));
         } else if constexpr (WB == 4) {  // <= 33 bits
-          put64(stream, pos, code | ((uint64_t)sign_mantissa(x) << c.b));
+          buddy_put64(stream, pos, code | ((uint64_t)sign_mantissa(x) << c.b));
         } else {  // <= 65 bits: the code, then the 53-bit sign-mantissa
-          put32(stream, pos, code);
-          put64(stream, pos + c.b, sign_mantissa(x));
+          buddy_put32(stream, pos, code);
+          buddy_put64(stream, pos + c.b, sign_mantissa(x));
         }
       }
     }
@@ -307,8 +276,7 @@ struct BuddyFpx {
     (void)mode;
     const uint32_t lane = warp.lane();
     const uint32_t n64 = k * (BUDDY_SECTOR_BYTES / 8u);  // 8-byte words of the payload
-    const uint32_t limit = k * 8u * BUDDY_SECTOR_BYTES;  // bits of the payload
-    const uint32_t head = (uint32_t)peek(payload, n64, 0);
+    const uint32_t head = (uint32_t)buddy_peek(payload, n64, 0);
     const uint32_t zmode = head & 1u;
     const uint32_t emax = (head >> 1) & ((1u << e) - 1u);
     const uint32_t b = (head >> (1u + e)) & ((1u << bb) - 1u);
@@ -327,7 +295,7 @@ struct BuddyFpx {
     if (zmode) {
       uint32_t mine = 0;
       for (uint32_t r = lane; r < rounds; r += BUDDY_WARP_SIZE)
-        mine += buddy_popc((uint32_t)peek(payload, n64, header + r * BUDDY_WARP_SIZE) & round_mask);
+        mine += buddy_popc((uint32_t)buddy_peek(payload, n64, header + r * BUDDY_WARP_SIZE) & round_mask);
       listed_total = buddy_warp_sum(warp, mine);
     }
     const uint32_t esc_start = start + listed_total * per_word;
@@ -341,17 +309,17 @@ struct BuddyFpx {
       bool listed = i < words;
       uint32_t rank = i;
       if (zmode) {  // every lane reads the round's 32 bitmap bits
-        const uint32_t bits = (uint32_t)peek(payload, n64, header + r * BUDDY_WARP_SIZE) & round_mask;
+        const uint32_t bits = (uint32_t)buddy_peek(payload, n64, header + r * BUDDY_WARP_SIZE) & round_mask;
         listed = (bits >> lane) & 1u;
         rank = listed_before + buddy_popc(bits & below(warp));
         listed_before += buddy_popc(bits);
       }
       const uint32_t pos = start + rank * per_word;
-      const uint64_t field = peek(payload, n64, pos);
+      const uint64_t field = buddy_peek(payload, n64, pos);
       const uint32_t code = (uint32_t)field & esc_code;
       wide_t sm;
       if constexpr (WB == 8)  // b + 1 + m can exceed 64 bits
-        sm = peek(payload, n64, pos + b);
+        sm = buddy_peek(payload, n64, pos + b);
       else
         sm = (wide_t)(field >> b);
       const bool escaped = listed && b > 0 && code == esc_code;
@@ -359,7 +327,7 @@ struct BuddyFpx {
       if (b > 0) {  // escapes are in word order: their rank is a ballot's count
         const uint32_t bits = warp.ballot(escaped);
         if (escaped)
-          exp = (uint32_t)peek(payload, n64, esc_start + (esc_before + buddy_popc(bits & below(warp))) * e) &
+          exp = (uint32_t)buddy_peek(payload, n64, esc_start + (esc_before + buddy_popc(bits & below(warp))) * e) &
                 ((1u << e) - 1u);
         esc_before += buddy_popc(bits);
       }
@@ -370,12 +338,7 @@ struct BuddyFpx {
     // the stream's length must give k, and nothing may follow it
     const uint32_t total = esc_start + esc_before * e;
     bool bad = below_zero || (total + 8u * BUDDY_SECTOR_BYTES - 1u) / (8u * BUDDY_SECTOR_BYTES) != k;
-    if (total < limit) {  // the 8-byte words from the one holding stream bit `total`
-      for (uint32_t u = total / 64u + lane; u < n64; u += BUDDY_WARP_SIZE) {
-        const uint64_t after = u == total / 64u ? ~(uint64_t)0 << (total % 64u) : ~(uint64_t)0;
-        bad |= (buddy_load<uint64_t>(payload + 8u * u) & after) != 0;
-      }
-    }
+    bad |= buddy_bits_after(warp, payload, n64, total);
     if (warp.ballot(bad) == 0) return 0;
     warp.sync();  // every lane's words are written before any lane zeroes them
     buddy_warp_fill(warp, nullptr, out, entry);

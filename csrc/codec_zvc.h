@@ -14,8 +14,13 @@
 // all-zero entries as k = 0 and entries with k >= E/32 raw.
 //
 // Every device codec (codec_*.h) is a class template over the word size WB
-// with this interface (all lanes of a warp call each function together):
+// with this interface (all lanes of a warp call each function together, on a
+// codec object; see buddy_codec() in buddy_entry.h):
 //
+//   static constexpr bool TABLED                    whether it codes with a
+//       table the tensor carries (format version 2; codec_fpe.h). Such a codec
+//       is built from the kernels' table argument, Codec(table), and its
+//       functions read the table; a codec without one is empty, Codec().
 //   static constexpr uint32_t ZERO_MODE, RAW_MODE   metadata modes of an
 //                                                   all-zero and a raw entry
 //   static bool coded_mode(uint32_t mode)           modes of coded entries
@@ -40,6 +45,7 @@ template <int WB>
 struct BuddyZvc {
   static_assert(WB == 1 || WB == 2 || WB == 4 || WB == 8, "zvc words are 1, 2, 4 or 8 bytes");
   typedef typename buddy_uint<WB>::type word_t;
+  static constexpr bool TABLED = false;
   static constexpr uint32_t ZERO_MODE = 0;
   static constexpr uint32_t RAW_MODE = 0;
   static constexpr uint32_t entry = BUDDY_ENTRY_BYTES;            // bytes per entry, E

@@ -64,9 +64,17 @@ def test_header_rejects_missing_defines(tmp_path):
     assert result.returncode != 0 and "buddy.spec.c_defines" in result.stderr
 
 
+#: sources compiled elsewhere: every codec's kernels, for both architectures with warnings as errors, as the loader
+#: hands them to NVRTC (tests/test_cuda_core.py, test_translation_unit_compiles_without_warnings)
+_COMPILED_ELSEWHERE = {"buddy_kernels.cu"}
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cu")) + sorted(p.name for p in CSRC.glob("*.h")))
+@pytest.mark.parametrize(
+    "source",
+    [p.name for p in sorted(CSRC.glob("*.cu")) + sorted(CSRC.glob("*.h")) if p.name not in _COMPILED_ELSEWHERE],
+)
 def test_cuda_sources_compile(tmp_path, source, arch):
     path = CSRC / source
     if path.suffix == ".h":  # each header on its own, as a translation unit

@@ -52,7 +52,8 @@ def test_translation_unit_inlines_local_headers():
     tu = bcuda.translation_unit()
     assert '#include "' not in tu and "#pragma once" not in tu
     headers = ("buddy_format.h", "buddy_device.h", "buddy_warp.h", "buddy_entry.h", "buddy_ops.h")
-    for header in (*headers, "codec_zvc.h", "codec_fpx.h", "codec_bpc.h", "codec_auto.h"):
+    codecs = ("codec_zvc.h", "codec_fpx.h", "codec_bpc.h", "codec_auto.h", "codec_fpe.h", "codec_auto2.h")
+    for header in (*headers, *codecs):
         assert tu.count(f"// ---- begin {header}") == 1, header
     assert bcuda.read_source("buddy_kernels.cu") == (CSRC / "buddy_kernels.cu").read_text()
 
@@ -85,7 +86,7 @@ def test_launch_configuration():
         pytest.param(512, "all", "sm_80", id="E=512-every-codec-sm_80"),
         pytest.param(512, "all", "sm_90", id="E=512-every-codec-sm_90"),
         pytest.param(32, "auto", "sm_90", id="E=32-auto-sm_90"),
-        pytest.param(65536, "auto", "sm_90", id="E=65536-auto-sm_90"),
+        pytest.param(65536, "auto2", "sm_90", id="E=65536-auto2-sm_90"),
         pytest.param(4096, "zvc", "sm_80", id="E=4096-zvc-sm_80"),
     ],
 )
@@ -236,7 +237,7 @@ def test_tensor_check_names_each_problem():
 
 
 def test_codecs_with_kernels():
-    assert set(bcuda.KERNEL_CODECS) == {"zvc", "fpx", "bpc", "auto"}
+    assert set(bcuda.KERNEL_CODECS) == {"zvc", "fpx", "bpc", "auto", "fpe", "auto2"}
     for name in bcuda.KERNEL_CODECS:
         assert bcuda.has_kernels(buddy.get_codec(name))
     assert not bcuda.has_kernels(buddy.get_codec("raw"))
@@ -297,16 +298,19 @@ class HostKernels:
 
     def _run(self, codec, op, entry_bytes, args):
         exe, word = self.host_exe(entry_bytes), int(args[-1])
+        table = args[-2] if args[-2].numel() else None  # the device table of a codec with one
         if op == "measure":
             data, tail, n_full, n_, meta, histogram = args[:6]
             full = torch.cat([data, tail])[: int(n_) * entry_bytes] if int(n_full) < int(n_) else data
-            got_meta, got_hist = tensor_measure(exe, codec, full, entry_bytes, word, self.tmp_path)
+            got_meta, got_hist = tensor_measure(exe, codec, full, entry_bytes, word, self.tmp_path, table)
             meta.copy_(got_meta)
             histogram += got_hist
         elif op == "pack":
             data, tail, n_full, n_, meta, ends, slot, slots, overflow = args[:9]
             full = torch.cat([data, tail])[: int(n_) * entry_bytes] if int(n_full) < int(n_) else data
-            got_slots, got_overflow = tensor_pack(exe, codec, full, meta, int(slot), entry_bytes, word, self.tmp_path)
+            got_slots, got_overflow = tensor_pack(
+                exe, codec, full, meta, int(slot), entry_bytes, word, self.tmp_path, table
+            )
             assert torch.equal(ends, tensor_ends(meta, int(slot), entry_bytes))
             slots.copy_(got_slots)
             overflow.copy_(got_overflow)
@@ -314,7 +318,7 @@ class HostKernels:
             meta, ends, slot, slots, overflow, m, out, error, n_ = args[:9]
             assert torch.equal(ends, tensor_ends(meta, int(slot), entry_bytes))
             got, bits = tensor_unpack(
-                exe, codec, meta, slots, overflow, int(slot), int(n_), entry_bytes, word, self.tmp_path
+                exe, codec, meta, slots, overflow, int(slot), int(n_), entry_bytes, word, self.tmp_path, table
             )
             out.copy_(got)
             error |= bits
@@ -340,19 +344,21 @@ def emulated_gpu(host_exe, tmp_path):
 def test_kernel_signatures_parsed():
     sigs = _kernel_signatures()
     for codec in bcuda.KERNEL_CODECS:
+        # the last pointer: the codec's device table (null for a codec without one)
         assert sigs[f"buddy_{codec}_measure"] == [
-            "uint8_t*", "uint8_t*", "long long", "long long", "uint8_t*", "unsigned long long*", "int",
+            "uint8_t*", "uint8_t*", "long long", "long long", "uint8_t*", "unsigned long long*", "uint8_t*", "int",
         ]  # fmt: skip
         assert sigs[f"buddy_{codec}_pack"] == [
             "uint8_t*", "uint8_t*", "long long", "long long", "uint8_t*", "long long*", "int", "uint8_t*", "uint8_t*",
-            "int",
+            "uint8_t*", "int",
         ]  # fmt: skip
         assert sigs[f"buddy_{codec}_unpack"] == [
-            "uint8_t*", "long long*", "int", "uint8_t*", "uint8_t*", "long long", "uint8_t*", "int*", "long long", "int",
+            "uint8_t*", "long long*", "int", "uint8_t*", "uint8_t*", "long long", "uint8_t*", "int*", "long long",
+            "uint8_t*", "int",
         ]  # fmt: skip
 
 
-@pytest.mark.parametrize("codec", ids("codec", ("zvc", "auto")))
+@pytest.mark.parametrize("codec", ids("codec", ("zvc", "auto", "auto2")))
 @pytest.mark.parametrize(
     "dtype",
     [

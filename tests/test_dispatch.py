@@ -56,12 +56,12 @@ def temporary_implementation():
 
 def test_the_table_by_default():
     assert buddy.defaults().backend == "reference"
-    for codec in ("raw", "zvc", "fpx", "bpc", "auto"):
+    for codec in ("raw", "zvc", "fpx", "bpc", "auto", "fpe", "auto2"):
         for device in ("cpu", "cuda"):
             (impl,) = [i for i in buddy.implementations(codec, device=device) if i.default]
             assert impl.backend == "reference" and impl.factory is BlockEngine
     cuda = buddy.implementations(backend="cuda")
-    kernels = [("zvc", "cuda", False), ("fpx", "cuda", False), ("bpc", "cuda", False), ("auto", "cuda", False)]
+    kernels = [(name, "cuda", False) for name in ("zvc", "fpx", "bpc", "auto", "fpe", "auto2")]
     assert [(i.codec, i.device, i.default) for i in cuda] == kernels  # registered, not the default: not run on a GPU
     nvcomp = buddy.implementations(backend="nvcomp")
     assert {i.codec for i in nvcomp} == set(buddy.codecs.nvcomp.NAMES)

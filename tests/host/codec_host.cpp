@@ -20,7 +20,7 @@
 //        codec_host CODEC decode WORD_BYTES N IN OUT
 //          IN:  k (N int32) | mode (N int32) | payload (N * E)
 //          OUT: decoded (N * E) | errors (N uint32)
-//        codec_host CODEC stream WORD_BYTES N IN OUT
+//        codec_host CODEC stream WORD_BYTES N IN OUT      (CODEC: bpc or fpe)
 //          the codec's functions alone, without the format rules: k is what
 //          measure gives (no raw clamp); entries with 1 <= k <= 2E/32 are
 //          encoded into exactly 32k bytes and decoded from exactly those
@@ -40,7 +40,9 @@
 //                   OUT: slots (N * S * 32) | overflow (ends[N-1] * 32)
 //          unpack   IN:  metadata | ends | slots (N * S * 32) | overflow (M * 32)
 //                   OUT: entries (N * E) | the ORed error bits (uint32)
-// CODEC: zvc | fpx | bpc | auto
+// CODEC: zvc | fpx | bpc | auto | fpe | auto2. The codecs with a table (fpe,
+// auto2) take it first: for them IN starts with the device table the kernels
+// get (sizeof(BuddyFpeTable) bytes, buddy.cuda.device_table), then the above.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,10 +51,11 @@
 #include <unistd.h>
 
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #include "buddy_ops.h"
-#include "codec_auto.h"
+#include "codec_auto2.h"
 
 static const uint32_t E = BUDDY_ENTRY_BYTES;
 
@@ -170,7 +173,7 @@ static std::vector<uint8_t> read_file(const char* path) {
 // the operations, per codec
 // ---------------------------------------------------------------------------
 template <class Codec>
-static void encode(size_t n, const uint8_t* in, FILE* out) {
+static void encode(const Codec& codec, size_t n, const uint8_t* in, FILE* out) {
   uint8_t* entry = guarded(E);
   uint8_t* decoded = guarded(E);
   std::vector<uint8_t*> payload(BUDDY_SECTORS_PER_ENTRY + 1);  // payload[k]: exactly 32k bytes
@@ -186,10 +189,10 @@ static void encode(size_t n, const uint8_t* in, FILE* out) {
       if (l == 0) memcpy(entry, in + i * E, E);
       warp.sync();
       uint32_t mode;
-      const uint32_t k = buddy_entry_measure<Codec>(warp, entry, &mode);
+      const uint32_t k = buddy_entry_measure<Codec>(warp, codec, entry, &mode);
       if (l == 0 && k) memset(payload[k], 0xAB, k * BUDDY_SECTOR_BYTES);
       warp.sync();
-      buddy_entry_encode<Codec>(warp, entry, k, mode, payload[k]);
+      buddy_entry_encode<Codec>(warp, codec, entry, k, mode, payload[k]);
       warp.sync();
       if (l == 0) {
         memset(staged, 0xAB, E);
@@ -197,7 +200,7 @@ static void encode(size_t n, const uint8_t* in, FILE* out) {
         memset(decoded, 0xAB, E);
       }
       warp.sync();
-      const uint32_t err = buddy_entry_decode<Codec>(warp, staged, k, mode, decoded);
+      const uint32_t err = buddy_entry_decode<Codec>(warp, codec, staged, k, mode, decoded);
       warp.sync();
       if (l == 0) {
         ks[i] = (int32_t)k;
@@ -217,7 +220,7 @@ static void encode(size_t n, const uint8_t* in, FILE* out) {
 }
 
 template <class Codec>
-static void decode(size_t n, const uint8_t* in, FILE* out) {
+static void decode(const Codec& codec, size_t n, const uint8_t* in, FILE* out) {
   const int32_t* ks = (const int32_t*)in;
   const int32_t* modes = ks + n;
   const uint8_t* payloads = (const uint8_t*)(modes + n);
@@ -233,7 +236,8 @@ static void decode(size_t n, const uint8_t* in, FILE* out) {
         memset(decoded, 0xAB, E);
       }
       warp.sync();
-      const uint32_t err = buddy_entry_decode<Codec>(warp, payload, (uint32_t)ks[i], (uint32_t)modes[i], decoded);
+      const uint32_t err =
+          buddy_entry_decode<Codec>(warp, codec, payload, (uint32_t)ks[i], (uint32_t)modes[i], decoded);
       warp.sync();
       if (l == 0) {
         errs[i] = err;
@@ -247,7 +251,7 @@ static void decode(size_t n, const uint8_t* in, FILE* out) {
 }
 
 template <class Codec>
-static void stream(size_t n, const uint8_t* in, FILE* out) {
+static void stream(const Codec& codec, size_t n, const uint8_t* in, FILE* out) {
   const uint32_t kmax = 2 * BUDDY_SECTORS_PER_ENTRY;
   uint8_t* entry = guarded(E);
   uint8_t* decoded = guarded(E);
@@ -263,7 +267,7 @@ static void stream(size_t n, const uint8_t* in, FILE* out) {
       if (l == 0) memcpy(entry, in + i * E, E);
       warp.sync();
       uint32_t mode;
-      const uint32_t k = Codec::measure(warp, entry, &mode);
+      const uint32_t k = codec.measure(warp, entry, &mode);
       const bool coded = k >= 1 && k <= kmax;
       if (l == 0 && coded) {
         memset(payload[k], 0xAB, k * BUDDY_SECTOR_BYTES);
@@ -272,9 +276,9 @@ static void stream(size_t n, const uint8_t* in, FILE* out) {
       warp.sync();
       uint32_t err = 0;
       if (coded) {
-        Codec::encode(warp, entry, k, mode, payload[k]);
+        codec.encode(warp, entry, k, mode, payload[k]);
         warp.sync();
-        err = Codec::decode(warp, payload[k], k, mode, decoded);
+        err = codec.decode(warp, payload[k], k, mode, decoded);
         warp.sync();
       }
       if (l == 0) {
@@ -314,7 +318,7 @@ static uint8_t* take(const uint8_t*& in, size_t n) {
 }
 
 template <class Codec>
-static void tensor_measure(const Tensors& t, const uint8_t* in, FILE* out) {
+static void tensor_measure(const Codec& codec, const Tensors& t, const uint8_t* in, FILE* out) {
   const uint8_t* data = take(in, t.n_full * E);
   const uint8_t* tail = take(in, E);
   buddy_meta_t* meta = (buddy_meta_t*)guarded(t.n * META);
@@ -322,7 +326,8 @@ static void tensor_measure(const Tensors& t, const uint8_t* in, FILE* out) {
   run_warp([&](uint32_t l) {
     const HostWarp warp{l};
     for (size_t i = 0; i < t.n; ++i) {
-      const uint32_t k = buddy_measure_entry<Codec>(warp, (long long)i, data, tail, (long long)t.n_full, meta);
+      const uint32_t k =
+          buddy_measure_entry<Codec>(warp, codec, (long long)i, data, tail, (long long)t.n_full, meta);
       if (l == 0) ++histogram[k];
     }
   });
@@ -331,7 +336,7 @@ static void tensor_measure(const Tensors& t, const uint8_t* in, FILE* out) {
 }
 
 template <class Codec>
-static void tensor_pack(const Tensors& t, const uint8_t* in, FILE* out) {
+static void tensor_pack(const Codec& codec, const Tensors& t, const uint8_t* in, FILE* out) {
   const uint8_t* data = take(in, t.n_full * E);
   const uint8_t* tail = take(in, E);
   const buddy_meta_t* meta = (const buddy_meta_t*)take(in, t.n * META);
@@ -345,15 +350,15 @@ static void tensor_pack(const Tensors& t, const uint8_t* in, FILE* out) {
   run_warp([&](uint32_t l) {
     const HostWarp warp{l};
     for (size_t i = 0; i < t.n; ++i)
-      buddy_pack_entry<Codec>(warp, (long long)i, data, tail, (long long)t.n_full, meta, ends, (uint32_t)t.s, slots,
-                              overflow, staging);
+      buddy_pack_entry<Codec>(warp, codec, (long long)i, data, tail, (long long)t.n_full, meta, ends, (uint32_t)t.s,
+                              slots, overflow, staging);
   });
   fwrite(slots, 1, t.n * t.s * BUDDY_SECTOR_BYTES, out);
   fwrite(overflow, 1, m * BUDDY_SECTOR_BYTES, out);
 }
 
 template <class Codec>
-static void tensor_unpack(const Tensors& t, const uint8_t* in, FILE* out) {
+static void tensor_unpack(const Codec& codec, const Tensors& t, const uint8_t* in, FILE* out) {
   const buddy_meta_t* meta = (const buddy_meta_t*)take(in, t.n * META);
   const long long* ends = (const long long*)take(in, t.n * 8);
   const uint8_t* slots = take(in, t.n * t.s * BUDDY_SECTOR_BYTES);
@@ -366,7 +371,7 @@ static void tensor_unpack(const Tensors& t, const uint8_t* in, FILE* out) {
     const HostWarp warp{l};
     uint32_t mine = 0;
     for (size_t i = 0; i < t.n; ++i)
-      mine |= buddy_unpack_entry<Codec>(warp, (long long)i, (long long)t.n, meta, ends, (uint32_t)t.s, slots,
+      mine |= buddy_unpack_entry<Codec>(warp, codec, (long long)i, (long long)t.n, meta, ends, (uint32_t)t.s, slots,
                                         overflow, (long long)t.m, staging, entries);
     if (l == 0) err = mine;
   });
@@ -374,25 +379,80 @@ static void tensor_unpack(const Tensors& t, const uint8_t* in, FILE* out) {
   fwrite(&err, 4, 1, out);
 }
 
-template <template <int> class Codec, int WB>
-static void tensor_op(const char* op, const Tensors& t, const uint8_t* in, FILE* out) {
-  if (strcmp(op, "measure") == 0)
-    tensor_measure<Codec<WB>>(t, in, out);
-  else if (strcmp(op, "pack") == 0)
-    tensor_pack<Codec<WB>>(t, in, out);
-  else
-    tensor_unpack<Codec<WB>>(t, in, out);
+// ---------------------------------------------------------------------------
+// the command line: codec name, word size and table -> the codec object
+// ---------------------------------------------------------------------------
+// The codecs `stream` runs (the tests use it for these; fewer instantiations compile faster).
+template <class Codec>
+struct streamed {
+  static constexpr bool value = false;
+};
+template <int WB>
+struct streamed<BuddyBpc<WB>> {
+  static constexpr bool value = true;
+};
+template <int WB>
+struct streamed<BuddyFpe<WB>> {
+  static constexpr bool value = true;
+};
+
+// Calls op(codec) with the codec object of this name and word size (built
+// from `table` for a codec that has one); 2 for an unknown name or size.
+template <int WB, class Op>
+static int with_codec_of(const char* name, const uint8_t* table, Op op) {
+  if (strcmp(name, "zvc") == 0)
+    op(buddy_codec<BuddyZvc<WB>>(table));
+  else if (strcmp(name, "fpx") == 0)
+    op(buddy_codec<BuddyFpx<WB>>(table));
+  else if (strcmp(name, "bpc") == 0)
+    op(buddy_codec<BuddyBpc<WB>>(table));
+  else if (strcmp(name, "auto") == 0)
+    op(buddy_codec<BuddyAuto<WB>>(table));
+  else if (strcmp(name, "fpe") == 0)
+    op(buddy_codec<BuddyFpe<WB>>(table));
+  else if (strcmp(name, "auto2") == 0)
+    op(buddy_codec<BuddyAuto2<WB>>(table));
+  else {
+    fprintf(stderr, "unknown codec %s\n", name);
+    return 2;
+  }
+  return 0;
 }
 
-template <template <int> class Codec>
-static int run_tensor(const char* op, int word, const Tensors& t, const uint8_t* in, FILE* out) {
+template <class Op>
+static int with_codec(const char* name, int word, const uint8_t* table, Op op) {
   switch (word) {
-    case 1: tensor_op<Codec, 1>(op, t, in, out); return 0;
-    case 2: tensor_op<Codec, 2>(op, t, in, out); return 0;
-    case 4: tensor_op<Codec, 4>(op, t, in, out); return 0;
-    case 8: tensor_op<Codec, 8>(op, t, in, out); return 0;
+    case 1: return with_codec_of<1>(name, table, op);
+    case 2: return with_codec_of<2>(name, table, op);
+    case 4: return with_codec_of<4>(name, table, op);
+    case 8: return with_codec_of<8>(name, table, op);
     default: fprintf(stderr, "word size must be 1, 2, 4 or 8, got %d\n", word); return 2;
   }
+}
+
+// IN of a command: for a codec with a table (fpe, auto2) a guarded copy of
+// the device table comes off its front (see the usage).
+struct Input {
+  std::vector<uint8_t> bytes;
+  const uint8_t* table = nullptr;
+  size_t skip = 0;  // bytes of the table
+  const uint8_t* data() const { return bytes.data() + skip; }
+  size_t size() const { return bytes.size() - skip; }
+};
+
+static Input read_input(const char* codec, const char* path) {
+  Input in;
+  in.bytes = read_file(path);
+  if (strcmp(codec, "fpe") == 0 || strcmp(codec, "auto2") == 0) {
+    if (in.bytes.size() < sizeof(BuddyFpeTable)) {
+      fprintf(stderr, "%s: %zu bytes, too few for the codec's table\n", path, in.bytes.size());
+      exit(2);
+    }
+    const uint8_t* front = in.bytes.data();
+    in.table = take(front, sizeof(BuddyFpeTable));
+    in.skip = sizeof(BuddyFpeTable);
+  }
+  return in;
 }
 
 // The tensor-level operations: measure | pack | unpack (see the usage).
@@ -413,43 +473,21 @@ static int tensor_main(int argc, char** argv) {
     t.n_full = (size_t)strtoull(argv[5], nullptr, 10);
     if (want == 9) t.s = (size_t)strtoull(argv[6], nullptr, 10);
   }
-  const std::vector<uint8_t> in = read_file(argv[want - 2]);
+  const Input in = read_input(argv[1], argv[want - 2]);
   FILE* out = fopen(argv[want - 1], "wb");
   if (!out) {
     perror(argv[want - 1]);
     return 2;
   }
-  const char* codec = argv[1];
-  const int word = atoi(argv[3]);
-  int rc = 2;
-  if (strcmp(codec, "zvc") == 0)
-    rc = run_tensor<BuddyZvc>(op, word, t, in.data(), out);
-  else if (strcmp(codec, "fpx") == 0)
-    rc = run_tensor<BuddyFpx>(op, word, t, in.data(), out);
-  else if (strcmp(codec, "bpc") == 0)
-    rc = run_tensor<BuddyBpc>(op, word, t, in.data(), out);
-  else if (strcmp(codec, "auto") == 0)
-    rc = run_tensor<BuddyAuto>(op, word, t, in.data(), out);
-  else
-    fprintf(stderr, "unknown codec %s\n", codec);
+  const int rc = with_codec(argv[1], atoi(argv[3]), in.table, [&](const auto& codec) {
+    if (strcmp(op, "measure") == 0)
+      tensor_measure(codec, t, in.data(), out);
+    else if (strcmp(op, "pack") == 0)
+      tensor_pack(codec, t, in.data(), out);
+    else
+      tensor_unpack(codec, t, in.data(), out);
+  });
   return fclose(out) == 0 ? rc : 2;
-}
-
-template <template <int> class Codec>
-static int run(const char* op, int word, size_t n, const uint8_t* in, FILE* out) {
-  void (*fn[4])(size_t, const uint8_t*, FILE*);
-  const bool enc = strcmp(op, "encode") == 0, dec = strcmp(op, "decode") == 0;
-  fn[0] = enc ? encode<Codec<1>> : dec ? decode<Codec<1>> : stream<Codec<1>>;
-  fn[1] = enc ? encode<Codec<2>> : dec ? decode<Codec<2>> : stream<Codec<2>>;
-  fn[2] = enc ? encode<Codec<4>> : dec ? decode<Codec<4>> : stream<Codec<4>>;
-  fn[3] = enc ? encode<Codec<8>> : dec ? decode<Codec<8>> : stream<Codec<8>>;
-  switch (word) {
-    case 1: fn[0](n, in, out); return 0;
-    case 2: fn[1](n, in, out); return 0;
-    case 4: fn[2](n, in, out); return 0;
-    case 8: fn[3](n, in, out); return 0;
-    default: fprintf(stderr, "word size must be 1, 2, 4 or 8, got %d\n", word); return 2;
-  }
 }
 
 int main(int argc, char** argv) {
@@ -460,11 +498,10 @@ int main(int argc, char** argv) {
     fprintf(stderr, "usage: %s CODEC encode|decode|stream WORD_BYTES N IN OUT\n", argv[0]);
     return 2;
   }
-  const char* codec = argv[1];
-  const int word = atoi(argv[3]);
+  const char* op = argv[2];
   const size_t n = (size_t)strtoull(argv[4], nullptr, 10);
-  const std::vector<uint8_t> in = read_file(argv[5]);
-  const size_t expected = strcmp(argv[2], "decode") == 0 ? n * (8 + E) : n * E;
+  const Input in = read_input(argv[1], argv[5]);
+  const size_t expected = strcmp(op, "decode") == 0 ? n * (8 + E) : n * E;
   if (in.size() != expected) {
     fprintf(stderr, "input holds %zu bytes, expected %zu\n", in.size(), expected);
     return 2;
@@ -474,18 +511,17 @@ int main(int argc, char** argv) {
     perror(argv[6]);
     return 2;
   }
-  int rc;
-  if (strcmp(codec, "zvc") == 0)
-    rc = run<BuddyZvc>(argv[2], word, n, in.data(), out);
-  else if (strcmp(codec, "fpx") == 0)
-    rc = run<BuddyFpx>(argv[2], word, n, in.data(), out);
-  else if (strcmp(codec, "bpc") == 0)
-    rc = run<BuddyBpc>(argv[2], word, n, in.data(), out);
-  else if (strcmp(codec, "auto") == 0)
-    rc = run<BuddyAuto>(argv[2], word, n, in.data(), out);
-  else {
-    fprintf(stderr, "unknown codec %s\n", codec);
-    rc = 2;
-  }
-  return fclose(out) == 0 ? rc : 2;
+  bool ran = true;
+  const int rc = with_codec(argv[1], atoi(argv[3]), in.table, [&](const auto& codec) {
+    if (strcmp(op, "encode") == 0)
+      encode(codec, n, in.data(), out);
+    else if (strcmp(op, "decode") == 0)
+      decode(codec, n, in.data(), out);
+    else if constexpr (streamed<std::decay_t<decltype(codec)>>::value)
+      stream(codec, n, in.data(), out);
+    else
+      ran = false;
+  });
+  if (!ran) fprintf(stderr, "stream: only for bpc and fpe\n");
+  return fclose(out) == 0 && ran ? rc : 2;
 }
