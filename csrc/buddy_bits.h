@@ -11,6 +11,15 @@
 
 #include "buddy_warp.h"
 
+// The float split of a word of WB bytes, shared by fpx and fpe (SPLITS in
+// buddy/codecs/fpx.py): sign (1 bit) | exponent (e) | mantissa (m); 1-byte
+// words as e4m3, 2-byte words as bfloat16 (float16 included).
+template <int WB>
+struct buddy_float_split {
+  static constexpr uint32_t e = WB == 1 ? 4 : WB == 8 ? 11 : 8;
+  static constexpr uint32_t m = 8u * WB - 1u - e;
+};
+
 // ORs v (its set bits inside the stream) into the stream at bit pos.
 BUDDY_HD void buddy_put32(uint32_t* stream, uint32_t pos, uint32_t v) {
   const uint32_t s = pos & 31u;

@@ -77,8 +77,8 @@ struct BuddyFpe {
   static constexpr uint32_t RAW_MODE = 0;
   static constexpr uint32_t entry = BUDDY_ENTRY_BYTES;  // bytes per entry, E
   static constexpr uint32_t words = entry / WB;          // words per entry, W
-  static constexpr uint32_t e = WB == 1 ? 4 : WB == 8 ? 11 : 8;
-  static constexpr uint32_t m = 8u * WB - 1u - e;
+  static constexpr uint32_t e = buddy_float_split<WB>::e;
+  static constexpr uint32_t m = buddy_float_split<WB>::m;
   static constexpr uint32_t sym_bits = 1u + e;             // a symbol: sign and exponent
   static constexpr uint32_t ZERO = 1u << sym_bits;         // the symbol of an all-zero word
   static constexpr uint32_t ESC = ZERO + 1u;               // a symbol without a code follows

@@ -67,8 +67,8 @@ struct BuddyFpx {
   static constexpr uint32_t words = entry / WB;          // words per entry, W
   static constexpr uint32_t rounds = (words + BUDDY_WARP_SIZE - 1) / BUDDY_WARP_SIZE;  // 32 words each
   // the split (e, m) and the header: zmode (1) | emax (e) | b (bb bits, bb = bit_length(e + 1))
-  static constexpr uint32_t e = WB == 1 ? 4 : WB == 8 ? 11 : 8;
-  static constexpr uint32_t m = WB == 1 ? 3 : WB == 2 ? 7 : WB == 4 ? 23 : 52;
+  static constexpr uint32_t e = buddy_float_split<WB>::e;
+  static constexpr uint32_t m = buddy_float_split<WB>::m;
   static constexpr uint32_t bb = WB == 1 ? 3 : 4;
   static constexpr uint32_t header = 1 + e + bb;  // H
   static constexpr uint32_t max_b = e + 1;         // largest code width: never escapes

@@ -161,7 +161,6 @@ class Table:
             code <<= lengths[sym] - previous
             self.codes[sym] = code
             code, previous = code + 1, lengths[sym]
-        self._device_tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     # ---- making one -------------------------------------------------------------
     @classmethod
@@ -221,24 +220,27 @@ class Table:
 
     # ---- lookups ------------------------------------------------------------------
     def lookups(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(length, stream code)`` per symbol (length 0: no code) and ``(symbol, length)`` per next-12-bits."""
-        device = torch.device(device)
-        found = self._device_tables.get(device)
-        if found is None:
-            s = n_symbols(self.word_bytes)
-            enc_len, enc_code = [0] * s, [0] * s
-            dec_sym, dec_len = [0] * (1 << MAX_CODE_BITS), [0] * (1 << MAX_CODE_BITS)
-            for sym in self.order:
-                n = self.lengths[sym]
-                stream = int(f"{self.codes[sym]:0{n}b}"[::-1], 2)  # first code bit = first stream bit = bit 0
-                enc_len[sym], enc_code[sym] = n, stream
-                for index in range(stream, 1 << MAX_CODE_BITS, 1 << n):
-                    dec_sym[index], dec_len[index] = sym, n
-            found = tuple(
-                torch.tensor(v, dtype=torch.int64, device=device) for v in (enc_len, enc_code, dec_sym, dec_len)
-            )
-            self._device_tables[device] = found
-        return found
+        """``(length, stream code)`` per symbol (length 0: no code) and ``(symbol, length)`` per next-12-bits.
+
+        Shared by equal tables (a key's table is often the same step after
+        step), so each is built once per device.
+        """
+        codes = tuple((sym, self.lengths[sym], self.codes[sym]) for sym in self.order)
+        return _lookups(self.word_bytes, codes, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _lookups(word_bytes: int, codes: tuple[tuple[int, int, int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """:meth:`Table.lookups` of ``(symbol, length, code)`` in canonical order."""
+    s = n_symbols(word_bytes)
+    enc_len, enc_code = [0] * s, [0] * s
+    dec_sym, dec_len = [0] * (1 << MAX_CODE_BITS), [0] * (1 << MAX_CODE_BITS)
+    for sym, n, code in codes:
+        stream = int(f"{code:0{n}b}"[::-1], 2)  # first code bit = first stream bit = bit 0
+        enc_len[sym], enc_code[sym] = n, stream
+        for index in range(stream, 1 << MAX_CODE_BITS, 1 << n):
+            dec_sym[index], dec_len[index] = sym, n
+    return tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (enc_len, enc_code, dec_sym, dec_len))
 
 
 # ---------------------------------------------------------------------------
