@@ -462,8 +462,9 @@ class CudaEngine(Engine):
     """The format operations as one kernel each over the whole tensor: the same bytes as the reference.
 
     ``launch`` and ``device_type``: see :class:`Kernels`. :attr:`readbacks`
-    counts the device-to-host reads made (one per compress: the histogram;
-    none per decompress unless ``check=True``).
+    counts the device-to-host reads made (per compress: the histogram, and
+    a table codec's symbol counts when it has no prior; none per decompress
+    unless ``check=True``).
     """
 
     backend = "cuda"
@@ -476,7 +477,6 @@ class CudaEngine(Engine):
             )
         super().__init__(codec)
         self.kernels = Kernels(codec.name, launch=launch, device_type=device_type)
-        self.readbacks = 0
         self._tables: dict[tuple[torch.device, int], torch.Tensor | None] = {}
 
     def _table(self, device: torch.device, word_bytes: int) -> torch.Tensor | None:
@@ -493,11 +493,6 @@ class CudaEngine(Engine):
             table = codec_table(self.codec, word_bytes)
             self._tables[key] = None if table is None else device_table(table).to(device, non_blocking=True)
         return self._tables[key]
-
-    def _read(self, t: torch.Tensor) -> list:
-        """A small device tensor on the host: the one place this engine waits for the device."""
-        self.readbacks += 1
-        return t.tolist()
 
     @staticmethod
     def _entries(flat: torch.Tensor, entry_bytes: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -525,7 +520,7 @@ class CudaEngine(Engine):
         if n:
             table = self._table(flat.device, word_bytes)
             self.kernels.measure(data, tail, n_full, n, meta, histogram, entry_bytes, word_bytes, table)
-        return Measurement(meta, tuple(self._read(histogram)), reuse=(data, tail, n_full, n))
+        return Measurement(meta, tuple(self.read(histogram).tolist()), reuse=(data, tail, n_full, n))
 
     def pack(self, flat, measured, slot, entry_bytes, word_bytes):
         data, tail, n_full, n = measured.reuse or self._entries(flat, entry_bytes)
@@ -553,7 +548,7 @@ class CudaEngine(Engine):
             table = self._table(slots.device, word_bytes)
             self.kernels.unpack(meta, ends, slot, slots, overflow, out, error, n, entry_bytes, word_bytes, table)
             if check:
-                raise_for_errors(self.codec.name, self._read(error)[0])
+                raise_for_errors(self.codec.name, int(self.read(error)[0]))
         return out[:nbytes]
 
 

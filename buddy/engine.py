@@ -53,6 +53,13 @@ class Engine(abc.ABC):
 
     def __init__(self, codec: Codec):
         self.codec = codec
+        #: device-to-host reads this engine made (the compress and decompress it ran, and codec fits)
+        self.readbacks = 0
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        """A small tensor on the host: the one place an engine waits for the device (counted)."""
+        self.readbacks += 1
+        return t.cpu()
 
     @abc.abstractmethod
     def measure(self, flat: torch.Tensor, entry_bytes: int, word_bytes: int) -> Measurement:

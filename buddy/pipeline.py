@@ -141,9 +141,10 @@ def _pack_options(store, on_full, checksum, ledger) -> _PackOptions:
 def _measure(tensor: torch.Tensor, codec: Codec, entry_bytes: int, engine: Engine, prior=None) -> Measured:
     flat, stride = memory_bytes(tensor)
     word = spec.word_bytes(tensor.dtype)
-    fitted = codec.fit(flat, word, prior)  # a codec with a table fits it to the tensor (or to the prior)
+    fitted = codec.fit(flat, word, prior, engine.read)  # a codec with a table fits it to the tensor (or the prior)
     if fitted is not codec:
-        engine = dispatch.engine(fitted, tensor.device, engine.backend)
+        reads, engine = engine.readbacks, dispatch.engine(fitted, tensor.device, engine.backend)
+        engine.readbacks += reads  # the fit's read of the tensor's statistics counts toward this compress
     return Measured(tensor, flat, stride, fitted, engine, entry_bytes, word, engine.measure(flat, entry_bytes, word))
 
 

@@ -8,13 +8,13 @@ U-Net, a ViT). A default that only does well on the tuning set shows here.
 
 Quick (default; about two minutes of CPU on 2 cores): train every workload
 briefly on real data, capture what autograd saves at a few points of
-training, then report each codec's ideal ratio next to zstd-3, lz4 and the
-byte-entropy bound (compressibility), every policy's effective capacity
+training, then report the ideal ratio of the codecs compared (the default
+and zvc) next to zstd-3, lz4 and the byte-entropy bound (compressibility), every policy's effective capacity
 against its buddy traffic (capacity) with each set's geometric mean and
 worst overflow, and what one slot per 64 KiB region would gain over one per
 tensor (regions); print the tables and write plots. ``--full`` runs every
-experiment at full size for the record: compressibility over all entry
-sizes, capacity, the tracker over training, and the largest batch under a
+experiment at full size for the record: compressibility of every codec
+over all entry sizes, capacity, the tracker over training, and the largest batch under a
 memory budget.
 
     python -m experiments.run                 # quick
@@ -91,7 +91,8 @@ def main(argv=None) -> dict:
     names = list(dict.fromkeys(n for members in sets.values() for n in members))
     captures = capture_all(names, size=size, points=points, device=args.device, seed=args.seed, show=show)
 
-    codecs = [c for c in buddy.available_codecs("cpu") if c != "raw"]
+    # quick: the codecs of the capacity runs (decide.py compares every codec); --full: every codec and entry size
+    codecs = [c for c in buddy.available_codecs("cpu") if c != "raw"] if args.full else list(args.codecs)
     entry_sizes = FULL_ENTRY_SIZES if args.full else (buddy.defaults().entry_bytes,)
     comp_rows = compressibility.analyse(captures, codecs=codecs, entry_sizes=entry_sizes, show=show)
     summary = compressibility.summarise(comp_rows)

@@ -436,6 +436,26 @@ def test_launches_and_host_reads_do_not_grow_with_the_tensor(emulated_gpu, codec
     assert max(len(measure_ops), len(pack_ops), len(unpack_ops)) <= 10, (measure_ops, pack_ops, unpack_ops)
 
 
+@pytest.mark.parametrize("codec", ids("codec", ("fpe", "auto2")))
+def test_host_reads_of_codecs_with_a_table(emulated_gpu, codec, gen):
+    """A codec with a table: one read per compress with a prior (a session's steady state), two without, none back.
+
+    Without a prior the tensor's symbol counts come to the host to fit the
+    table before the size pass (a key's first step in a session, a
+    standalone compress); with one, the histogram is the only read.
+    """
+    t = make_data("relu", 40_003, torch.float32, gen)
+    first = buddy.measure(t, codec, entry_bytes=512, backend="cuda")
+    assert first.engine.readbacks == 2, "symbol counts, then the histogram"
+    again = buddy.measure(t, codec, entry_bytes=512, backend="cuda", prior=first.statistics.to(torch.float64))
+    assert again.engine.readbacks == 1, "the histogram alone"
+    assert again.histogram == first.histogram  # the same statistics fit the same table
+    engine = again.engine
+    slots, overflow = engine.pack(again.flat, again.measurement, 4, 512, 4)
+    out = engine.unpack(again.measurement.meta, slots, overflow, 4, 512, 4, again.nbytes, check=False)
+    assert torch.equal(out, again.flat) and engine.readbacks == 1, "none in pack or decompress"
+
+
 @contextlib.contextmanager
 def _profiled(into: list):
     """Appends the torch ops the block ran (on a GPU each is at most one launch), allocations and views left out."""

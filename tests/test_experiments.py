@@ -302,3 +302,17 @@ def test_side_stream_offload_is_exact(cuda):
 
     for a, b in zip(grads(SideStreamOffload()), grads(contextlib.nullcontext())):
         assert torch.equal(a, b)
+
+
+def test_learned_tables_tiny(tmp_path, capsys):
+    from experiments import learned_tables
+
+    rows = learned_tables.main(["--size", "tiny", "--workloads", "gpt-bf16", "--no-progress", "--out", str(tmp_path)])
+    (row,) = rows
+    assert row["codec"] == "auto2" and row["tensors"] > 0  # the suite's default (zvc) has no table; keys seen twice
+    assert row["cost"] == pytest.approx(row["own_ratio"] / row["learned_ratio"] - 1)
+    assert abs(row["cost"]) < 0.2  # two steps apart, the key's statistics barely move
+    assert json.loads((tmp_path / "results.json").read_text())["rows"][0]["tensors"] == row["tensors"]
+    assert "previous point's table" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        learned_tables.main(["--codec", "zvc"])  # a codec without a table has nothing to learn

@@ -95,12 +95,15 @@ class Codec(abc.ABC):
         """The table a tensor coded with this codec carries (uint8, format version 2), or ``None``."""
         return None
 
-    def fit(self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None) -> Codec:
+    def fit(self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None, read=None) -> Codec:
         """This codec fitted to a tensor's bytes ``flat`` (default: itself, nothing to fit).
 
         A codec with a table returns a copy holding the table fitted to the
         tensor -- or to ``prior``, symbol statistics learned over earlier
-        steps -- and the tensor's own :attr:`statistics`.
+        steps -- and the tensor's own :attr:`statistics`. ``read``: how it
+        brings the tensor's statistics to the host when there is no prior
+        (the engine's :meth:`~buddy.engine.Engine.read`, which counts it;
+        default ``Tensor.cpu``).
         """
         return self
 

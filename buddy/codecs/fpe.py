@@ -371,14 +371,15 @@ class FPECodec(Codec):
     def table(self) -> torch.Tensor | None:
         return None if self._table is None else self._table.to_bytes()
 
-    def fit(self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None) -> FPECodec:
-        """The codec with a table fitted to ``flat``'s symbols, or to ``prior`` (then no device-to-host read).
+    def fit(self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None, read=None) -> FPECodec:
+        """The codec with a table fitted to ``flat``'s symbols (read with ``read``), or to ``prior`` (no read).
 
         :attr:`statistics` are the tensor's own symbol counts either way,
         left on its device.
         """
         counts = symbol_counts(flat, word_bytes)
-        return FPECodec(Table.from_counts(counts if prior is None else prior, word_bytes), counts)
+        fitted_to = prior if prior is not None else (read or torch.Tensor.cpu)(counts)
+        return FPECodec(Table.from_counts(fitted_to, word_bytes), counts)
 
     def bind(self, table: torch.Tensor | None, word_bytes: int) -> FPECodec:
         if table is None or table.numel() == 0:

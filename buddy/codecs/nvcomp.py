@@ -275,7 +275,6 @@ class NvcompEngine(Engine):
         super().__init__(codec)
         self._batch = batch
         self.device_type = device_type
-        self.readbacks = 0
 
     # -- plumbing ----------------------------------------------------------------
     def _batched(self):
@@ -297,11 +296,6 @@ class NvcompEngine(Engine):
     def _stream(device: torch.device) -> int:
         """torch's current stream of ``device`` as nvcomp takes it (the legacy default stream is what torch reports)."""
         return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-
-    def _read(self, t: torch.Tensor):
-        """A small device tensor on the host: the one place this engine waits for the device."""
-        self.readbacks += 1
-        return t.tolist()
 
     @staticmethod
     def _entries(flat: torch.Tensor, entry_bytes: int, align: int):
@@ -341,7 +335,7 @@ class NvcompEngine(Engine):
             return Measurement(torch.empty(0, dtype=torch.uint8, device=flat.device), (0,) * (spe + 1), None)
         staged = self._stage(flat, entry_bytes)
         meta = format.encode_meta(staged.sectors, torch.zeros_like(staged.sectors), entry_bytes)
-        histogram = self._read(sector_histogram(staged.sectors, entry_bytes))
+        histogram = self.read(sector_histogram(staged.sectors, entry_bytes)).tolist()
         return Measurement(meta, tuple(histogram), staged)
 
     @staticmethod
@@ -382,7 +376,7 @@ class NvcompEngine(Engine):
         if n:
             error = self._decode(meta.reshape(-1), slots.reshape(-1), overflow.reshape(-1), slot, entry_bytes, out)
             if check:
-                raise_for_errors(self.codec.name, self._read(error))
+                raise_for_errors(self.codec.name, self.read(error).tolist())
         return out[:nbytes]
 
     def _decode(self, meta, slots, overflow, slot, entry_bytes, out) -> torch.Tensor:
