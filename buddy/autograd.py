@@ -596,7 +596,7 @@ def _tracked(t, key, tracker: Tracker, policy, store, codec, entry_bytes, *, kee
     the tensor whole on the device by default (``on_full="device"``): a full
     store must not cost a training step.
     """
-    measured = measure(t, codec, entry_bytes=entry_bytes, prior=tracker.prior(key))
+    measured = measure(t, codec, entry_bytes=entry_bytes, prior=tracker.prior(key), keep=tracker.fitted(key))
     place = tracker.plan(
         key, measured.histogram, entry_bytes=measured.entry_bytes, original_bytes=measured.nbytes, policy=policy
     )
@@ -611,6 +611,7 @@ def _tracked(t, key, tracker: Tracker, policy, store, codec, entry_bytes, *, kee
         original_bytes=measured.nbytes,
         predicted_overflow_bytes=place.predicted_overflow_bytes,
         statistics=measured.statistics,
+        fitted=measured.codec,
     )
     return _Packed(bt, measured.histogram, place.predicted_overflow_bytes)
 

@@ -16,7 +16,7 @@ Every argument is checked before anything is allocated: wrong types raise
 
 Arguments shared by the functions here:
 
-* ``codec``: name or :class:`~buddy.codecs.Codec` (default ``"auto"``, or
+* ``codec``: name or :class:`~buddy.codecs.Codec` (default ``"auto2"``, or
   what :func:`buddy.set_defaults` set; see :func:`buddy.available_codecs`);
 * ``entry_bytes``: ``E``, a power of two in [32, 65536] (default 512);
 * ``backend``: who runs the codec: ``"reference"`` (torch ops), ``"cuda"``
@@ -138,10 +138,12 @@ def _pack_options(store, on_full, checksum, ledger) -> _PackOptions:
     return _PackOptions(store or default_store(), on_full, checksum, ledger or default_ledger())
 
 
-def _measure(tensor: torch.Tensor, codec: Codec, entry_bytes: int, engine: Engine, prior=None) -> Measured:
+def _measure(
+    tensor: torch.Tensor, codec: Codec, entry_bytes: int, engine: Engine, prior=None, keep=None
+) -> Measured:
     flat, stride = memory_bytes(tensor)
     word = spec.word_bytes(tensor.dtype)
-    fitted = codec.fit(flat, word, prior, engine.read)  # a codec with a table fits it to the tensor (or the prior)
+    fitted = codec.fit(flat, word, prior, engine.read, keep)  # a codec with a table fits it (to the tensor or prior)
     if fitted is not codec:
         reads, engine = engine.readbacks, dispatch.engine(fitted, tensor.device, engine.backend)
         engine.readbacks += reads  # the fit's read of the tensor's statistics counts toward this compress
@@ -155,6 +157,7 @@ def measure(
     entry_bytes: int | None = None,
     backend: str | None = None,
     prior: torch.Tensor | None = None,
+    keep: Codec | None = None,
 ) -> Measured:
     """Size every entry of ``tensor`` (nothing is stored): the first step of :func:`compress`.
 
@@ -163,9 +166,11 @@ def measure(
     on the host (one device-to-host read), and keeps ``tensor`` alive until
     it is packed or dropped. A codec with a table (``fpe``, ``auto2``) fits
     it to the tensor's own statistics, or to ``prior`` -- statistics learned
-    over earlier steps (:meth:`buddy.Tracker.prior`) -- when given.
+    over earlier steps (:meth:`buddy.Tracker.prior`) -- when given; then
+    ``keep``, the codec measured for the same key before (:meth:`buddy.Tracker.fitted`),
+    lends its table while the prior still fits it, and nothing is fitted.
     """
-    return _measure(tensor, *_resolve(tensor, codec, entry_bytes, backend), prior=prior)
+    return _measure(tensor, *_resolve(tensor, codec, entry_bytes, backend), prior=prior, keep=keep)
 
 
 def size_histogram(

@@ -34,6 +34,7 @@ import threading
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from . import spec
 from ._process_default import ProcessDefault
 from .ledger import DeviceLedger, default_ledger
 from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, slot_for_overflow
+
+if TYPE_CHECKING:
+    from .codecs.base import Codec
 
 __all__ = [
     "Policy",
@@ -263,6 +267,8 @@ class KeyHistory:
     observations: list[Observation] = field(default_factory=list)
     #: symbol statistics learned over the steps (a codec with a table fits it to them), or ``None``
     statistics: torch.Tensor | None = None
+    #: the codec the last step was measured with (a codec with a table keeps it while it fits), or ``None``
+    fitted: Codec | None = None
     #: GPU statistics on their way to the host: (pinned copy, event), oldest first
     _pending: deque = field(default_factory=deque, repr=False)
 
@@ -280,7 +286,10 @@ class KeyHistory:
         total = sum(weights)
         return tuple(m / total for m in mixed)
 
-    def add(self, histogram, observation: Observation, statistics: torch.Tensor | None = None) -> None:
+    def add(
+        self, histogram, observation: Observation, statistics: torch.Tensor | None = None, fitted=None
+    ) -> None:
+        self.fitted = fitted
         self.histograms.append(tuple(histogram))
         while len(self.histograms) > self.window:
             self.histograms.popleft()
@@ -394,6 +403,12 @@ class Tracker:
             hist = self._keys.get(key)
             return None if hist is None else hist.learned
 
+    def fitted(self, key: str) -> Codec | None:
+        """The codec ``key``'s last step was measured with (``keep`` of :func:`buddy.measure`), or ``None``."""
+        with self._lock:
+            hist = self._keys.get(key)
+            return None if hist is None else hist.fitted
+
     def histories(self) -> list[KeyHistory]:
         with self._lock:
             return list(self._keys.values())
@@ -439,8 +454,13 @@ class Tracker:
         original_bytes: int,
         predicted_overflow_bytes,
         statistics: torch.Tensor | None = None,
+        fitted: Codec | None = None,
     ):
-        """Add what happened when ``key`` was packed with ``slot`` (``statistics``: its symbol statistics, if any)."""
+        """Add what happened when ``key`` was packed with ``slot``.
+
+        ``statistics``: the tensor's symbol statistics, if any; ``fitted``: the
+        codec it was measured with (:attr:`buddy.Measured.codec`), for the next step to keep its table.
+        """
         observation = Observation(
             slot=slot,
             predicted_overflow_bytes=predicted_overflow_bytes,
@@ -455,7 +475,7 @@ class Tracker:
                 # a new key, or the same name for a different tensor: start over
                 hist = KeyHistory(key, entry_bytes, n_entries, self.decay, self.window)
                 self._keys[key] = hist
-            hist.add(histogram, observation, statistics)
+            hist.add(histogram, observation, statistics, fitted)
         return observation
 
     def forget(self) -> None:

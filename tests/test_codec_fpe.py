@@ -14,7 +14,9 @@ import torch
 from conftest import assert_bitexact, decode, field, make_data, raw_bytes, stream_bytes
 
 import buddy
-from buddy.codecs.fpe import MAX_CODE_BITS, MAX_CODED, FPECodec, Table, default_table, n_symbols, symbol_counts
+from buddy.codecs.fpe import (
+    MAX_CODE_BITS, MAX_CODED, REFIT_BITS, FPECodec, Table, default_table, fit_table, n_symbols, symbol_counts,
+)  # fmt: skip
 from buddy.errors import CorruptDataError
 from buddy.spec import AUTO_MODES
 
@@ -361,3 +363,62 @@ def test_session_passes_learned_statistics_to_the_next_step(store, monkeypatch):
     assert steps[1] and all(p is not None for p in steps[1]), "later steps fit the learned table"
     learned = [h.learned for h in tracker.histories()]
     assert all(p is not None and float(p.sum()) == pytest.approx(1.0) for p in learned)
+
+
+@pytest.mark.parametrize("word", [1, 2, 4, 8])
+def test_slack_is_what_a_prefix_code_costs_over_the_entropy(word, gen):
+    """Never below the entropy (Kraft), zero for a dyadic distribution the code matches, by hand for one case."""
+    s = n_symbols(word)
+    for trial in range(20):
+        counts = torch.zeros(s, dtype=torch.int64)
+        used = torch.randperm(s - 1, generator=gen)[: 1 + trial * 7]  # regular symbols and ZERO, never ESC
+        counts[used] = torch.randint(1, 1 << (trial % 20 + 1), (used.numel(),), generator=gen)
+        table = Table.from_counts(counts, word)
+        assert table.fit_slack == table.slack(counts) >= -1e-9
+    halves = torch.zeros(s)
+    halves[[3, 4]] = 1.0  # two symbols, half each: codes of 2 bits (ESC takes one), entropy 1 bit
+    t = Table.from_counts(halves, word)
+    assert t.slack(halves) == pytest.approx(sum(t.lengths[x] for x in (3, 4)) / 2 - 1)
+    assert Table.from_bytes(t.to_bytes(), word).fit_slack is None  # a stored table: nothing known of its fit
+
+
+def test_fit_table_keeps_a_table_that_still_fits():
+    base = torch.zeros(n_symbols(4), dtype=torch.float64)
+    base[[120, 121, 122, 123, 124, 125, 126]] = torch.tensor([1.0, 2, 4, 8, 16, 32, 64], dtype=torch.float64)
+    table = fit_table(base, 4)
+    assert table == Table.from_counts(base, 4)
+    drifted = base.clone()
+    drifted[126] *= 1.01  # a step later: nearly the same statistics
+    assert fit_table(drifted, 4, keep=table) is table, "kept: no fit"
+    assert table.slack(drifted) <= table.fit_slack + REFIT_BITS
+    moved = base.roll(-8)  # every value eight binades smaller: the table escapes them all
+    refit = fit_table(moved, 4, keep=table)
+    assert refit is not table and refit == Table.from_counts(moved, 4)
+    assert fit_table(base, 2, keep=table) == Table.from_counts(base, 2), "a table of another word size is not kept"
+    stored = Table.from_bytes(table.to_bytes(), 4)
+    assert fit_table(base, 4, keep=stored) is not stored, "a table read from bytes is fitted again"
+
+
+def test_session_keeps_a_keys_table_while_it_fits(store):
+    """Steps on the same data: one fit per key, its table kept after; bit-exact whichever table codes it."""
+    tracker = buddy.Tracker()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    grads, tables = [], []
+    for step in range(5):
+        lin.zero_grad()
+        data = x if step < 3 else x * 2.0**-20  # other binades: learned from step 3 on, refitted at step 4
+        with buddy.compressed_activations(tracker=tracker, store=store, codec="auto2", min_bytes=1024):
+            (torch.relu(lin(data)) * 2).sum().backward()
+        grads.append(lin.weight.grad.clone())
+        fitted = {h.key: h.fitted for h in tracker.histories()}
+        assert fitted and all(c is not None and c.table is not None for c in fitted.values())
+        tables.append({k: c._tabled.fitted for k, c in fitted.items()})
+    keys = tables[0].keys()
+    assert all(tables[2][k] is tables[1][k] for k in keys), "same data, learned statistics: the table is kept"
+    assert all(tables[3][k] is tables[2][k] for k in keys), "the step the data moved still codes with the prior"
+    assert any(tables[4][k] is not tables[3][k] for k in keys), "statistics that moved: fitted again"
+    lin.zero_grad()
+    (torch.relu(lin(x)) * 2).sum().backward()
+    assert_bitexact(grads[2], lin.weight.grad)

@@ -141,9 +141,14 @@ class AutoCodec(Codec):
         tabled = self._tabled
         return AutoCodec([(code, member if m is tabled else m) for code, m in self.members], name=self.name)
 
-    def fit(self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None, read=None) -> Codec:
+    def fit(
+        self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None, read=None, keep=None
+    ) -> Codec:
         tabled = self._tabled
-        return self if tabled is None else self._with(tabled.fit(flat, word_bytes, prior, read))
+        if tabled is None:
+            return self
+        kept = keep._tabled if isinstance(keep, AutoCodec) else keep
+        return self._with(tabled.fit(flat, word_bytes, prior, read, kept))
 
     def bind(self, table: torch.Tensor | None, word_bytes: int) -> Codec:
         tabled = self._tabled

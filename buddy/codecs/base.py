@@ -95,7 +95,9 @@ class Codec(abc.ABC):
         """The table a tensor coded with this codec carries (uint8, format version 2), or ``None``."""
         return None
 
-    def fit(self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None, read=None) -> Codec:
+    def fit(
+        self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None, read=None, keep=None
+    ) -> Codec:
         """This codec fitted to a tensor's bytes ``flat`` (default: itself, nothing to fit).
 
         A codec with a table returns a copy holding the table fitted to the
@@ -103,7 +105,8 @@ class Codec(abc.ABC):
         steps -- and the tensor's own :attr:`statistics`. ``read``: how it
         brings the tensor's statistics to the host when there is no prior
         (the engine's :meth:`~buddy.engine.Engine.read`, which counts it;
-        default ``Tensor.cpu``).
+        default ``Tensor.cpu``). ``keep``: the codec fitted for the same key
+        before, whose table a prior may keep (see :func:`buddy.codecs.fpe.fit_table`).
         """
         return self
 

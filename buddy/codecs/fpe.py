@@ -37,7 +37,10 @@ smaller symbol), ZERO, and ESC weighted by the count of all the others
 (ties broken by symbol, so equal counts give equal tables). The counts are
 the tensor's own unless a session passes those its tracker learned for the
 key over earlier steps (:meth:`FPECodec.fit`), which a GPU can use without
-a pass of its own.
+a pass of its own. Fitting costs the host about a millisecond, so a session
+keeps a key's table from step to step (:func:`fit_table`) until it codes the
+learned statistics :data:`REFIT_BITS` bits per word worse, against their
+entropy, than it coded the counts it was fitted to.
 
 Payload of an entry
 -------------------
@@ -68,7 +71,10 @@ from ._bitstream import StreamWriter, bits_after, lookup, read_bits, stream_wind
 from .base import Analysis, Codec, bits_to_sectors
 from .fpx import SPLITS
 
-__all__ = ["FPECodec", "Table", "default_table", "symbol_counts", "MAX_CODE_BITS", "MAX_CODED", "TABLE_FORMAT"]
+__all__ = [
+    "FPECodec", "Table", "default_table", "fit_table", "symbol_counts", "MAX_CODE_BITS", "MAX_CODED", "TABLE_FORMAT",
+    "REFIT_BITS",
+]  # fmt: skip
 
 #: the longest code (bits): the decoder's lookup table has 2**MAX_CODE_BITS rows
 MAX_CODE_BITS = 12
@@ -76,6 +82,8 @@ MAX_CODE_BITS = 12
 MAX_CODED = 255
 #: byte 0 of a serialized table
 TABLE_FORMAT = 1
+#: bits per word a kept table may lose against the entropy, beyond what it lost on the counts it was fitted to
+REFIT_BITS = 0.02
 
 _INT_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -142,6 +150,8 @@ class Table:
 
     def __init__(self, word_bytes: int, lengths: dict[int, int]):
         self.word_bytes = word_bytes
+        #: :meth:`slack` on the counts :meth:`from_counts` fitted it to (``None``: a table read from bytes)
+        self.fit_slack: float | None = None
         s = n_symbols(word_bytes)
         self.zero, self.esc = s - 2, s - 1
         if self.esc not in lengths:
@@ -179,7 +189,9 @@ class Table:
         if c[s - 2] > 0:
             weights[s - 2] = c[s - 2]
         weights[s - 1] = max(1, sum(c[sym] for sym in regular[MAX_CODED:]))
-        return cls(word_bytes, _huffman_lengths(weights))
+        table = cls(word_bytes, _huffman_lengths(weights))
+        table.fit_slack = table.slack(counts)
+        return table
 
     @classmethod
     def from_bytes(cls, data: torch.Tensor, word_bytes: int) -> Table:
@@ -217,6 +229,27 @@ class Table:
 
     def __repr__(self) -> str:
         return f"fpe.Table({self.word_bytes}-byte words, {len(self.order)} codes of {min(self.lengths.values())}-{max(self.lengths.values())} bits)"
+
+    # ---- cost -----------------------------------------------------------------------
+    @functools.cached_property
+    def word_bits(self) -> torch.Tensor:
+        """``(S + 2,)`` float64: the bits a word of each symbol takes (code, escaped symbol, mantissa); ESC 0."""
+        e, m = _split(self.word_bytes)
+        escaped = self.lengths[self.esc] + 1 + e
+        bits = [self.lengths.get(sym, escaped) + m for sym in range(self.zero)]
+        bits += [self.lengths.get(self.zero, bits[0]), 0]  # a zero word without ZERO: symbol 0 and its mantissa
+        return torch.tensor(bits, dtype=torch.float64)
+
+    def slack(self, counts) -> float:
+        """Bits per word this table spends on words of symbol ``counts`` beyond their entropy (mantissas as they are)."""
+        counts = torch.as_tensor(counts).detach().to("cpu", torch.float64)
+        total = float(counts.sum())
+        if total <= 0:
+            return 0.0
+        p = counts / total
+        _, m = _split(self.word_bytes)
+        entropy = float(-(p[p > 0] * p[p > 0].log2()).sum()) + m * (1 - float(p[self.zero]))
+        return float(p @ self.word_bits) - entropy
 
     # ---- lookups ------------------------------------------------------------------
     def lookups(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -327,6 +360,20 @@ def _decode_block(payload: torch.Tensor, sectors: torch.Tensor, word_bytes: int,
     return words
 
 
+def fit_table(counts, word_bytes: int, keep: Table | None = None) -> Table:
+    """:meth:`Table.from_counts`, or ``keep`` while it codes ``counts`` nearly as well as those it was fitted to.
+
+    ``keep`` (a table fitted earlier, e.g. to the same key's statistics a
+    step before) is returned when its :meth:`~Table.slack` on ``counts`` is
+    within :data:`REFIT_BITS` of its slack on its own counts: the fit (about
+    a millisecond of Python) is skipped, at most that many bits per word lost.
+    """
+    if keep is not None and keep.word_bytes == word_bytes and keep.fit_slack is not None:
+        if keep.slack(counts) <= keep.fit_slack + REFIT_BITS:
+            return keep
+    return Table.from_counts(counts, word_bytes)
+
+
 @functools.cache
 def default_table(word_bytes: int) -> Table:
     """The table of an unfitted codec: a fixed prior, for the format layer's tools and tests.
@@ -371,15 +418,21 @@ class FPECodec(Codec):
     def table(self) -> torch.Tensor | None:
         return None if self._table is None else self._table.to_bytes()
 
-    def fit(self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None, read=None) -> FPECodec:
+    def fit(
+        self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None, read=None, keep=None
+    ) -> FPECodec:
         """The codec with a table fitted to ``flat``'s symbols (read with ``read``), or to ``prior`` (no read).
 
-        :attr:`statistics` are the tensor's own symbol counts either way,
-        left on its device.
+        With a ``prior``, ``keep`` (an fpe codec fitted before, e.g. for the
+        same key a step earlier) lends its table while it still fits
+        (:func:`fit_table`). :attr:`statistics` are the tensor's own symbol
+        counts either way, left on its device.
         """
         counts = symbol_counts(flat, word_bytes)
-        fitted_to = prior if prior is not None else (read or torch.Tensor.cpu)(counts)
-        return FPECodec(Table.from_counts(fitted_to, word_bytes), counts)
+        if prior is None:
+            return FPECodec(Table.from_counts((read or torch.Tensor.cpu)(counts), word_bytes), counts)
+        kept = keep.fitted if isinstance(keep, FPECodec) else None
+        return FPECodec(fit_table(prior, word_bytes, kept), counts)
 
     def bind(self, table: torch.Tensor | None, word_bytes: int) -> FPECodec:
         if table is None or table.numel() == 0:
