@@ -45,18 +45,23 @@ check() {
   python3 - <<'EOF'
 import torch, buddy
 x = torch.relu(torch.randn(1 << 22, device="cuda"))
-for codec in ("zvc", "fpx", "bpc", "auto"):
+for codec in ("zvc", "fpx", "bpc", "auto", "fpe", "auto2"):
     bt = buddy.compress(x, codec=codec, backend="cuda")
     ref = buddy.compress(x, codec=codec, backend="reference")
     same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(bt.buffers(), ref.buffers()))
+    same = same and (bt.table is None) == (ref.table is None) and (bt.table is None or torch.equal(bt.table, ref.table))
     exact = torch.equal(bt.decompress(check=True).view(torch.int32), x.view(torch.int32))
     print(f"{codec}: buffers equal to the reference {same}, round trip exact {exact}, ratio {bt.effective_ratio:.3f}")
 EOF
 }
 
 tests() {
-  # -n 8: xdist is on the image; each file's tests stay in one worker (fixtures at module scope)
-  python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile -ra --timeout 900 tests/
+  # -n 8 where xdist is installed; each file's tests stay in one worker (fixtures at module scope)
+  local parallel=()
+  python3 -c "import xdist" 2>/dev/null && parallel=(-n 8 --dist loadfile)
+  local timeout=()
+  python3 -c "import pytest_timeout" 2>/dev/null && timeout=(--timeout 900)
+  python3 -m pytest -q -p no:cacheprovider "${parallel[@]}" "${timeout[@]}" -ra tests/
 }
 
 sanitize() {
