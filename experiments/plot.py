@@ -162,9 +162,31 @@ def _capacity_axes(ax, rows, workload, *, fontsize=6):
     ax.grid(alpha=0.3)
 
 
+def _coincident(ax, points: list[dict], pixels: float = 4.0) -> list[tuple[list[str], tuple[float, float]]]:
+    """Workloads whose points lie within ``pixels`` of each other, grouped: one label names them all.
+
+    (Markers drawn on top of each other would otherwise leave all but one
+    name unplaced, or place a name beside a marker of the other set.)
+    """
+    groups: list[tuple[list[str], tuple[float, float], tuple[float, float]]] = []
+    for r in points:
+        xy = (100 * r["overflow_fraction"], r["capacity"])
+        px = ax.transData.transform(xy)
+        for names, _, at in groups:
+            if abs(px[0] - at[0]) <= pixels and abs(px[1] - at[1]) <= pixels:
+                names.append(r["workload"])
+                break
+        else:
+            groups.append(([r["workload"]], xy, tuple(px)))
+    return [(names, xy) for names, xy, _ in groups]
+
+
 def _sets_axes(ax, headline: list[dict], codec: str, entry_bytes: int):
     """Every workload's default-policy point, tuning and check sets apart, with each set's geometric mean."""
-    styles = {"tuning": dict(marker="o", color="tab:blue"), "check": dict(marker="s", color="tab:orange")}
+    colors = {"tuning": "tab:blue", "check": "tab:orange"}
+    # check-set squares hollow: a tuning-set point under one stays visible
+    styles = {"tuning": dict(marker="o", color=colors["tuning"])}
+    styles["check"] = dict(marker="s", facecolors="none", edgecolors=colors["check"], linewidths=1.4)
     fig = ax.figure
     points = [r for r in headline if not r.get("summary")]
     summary = {r["set"]: r for r in headline if r.get("summary")}
@@ -174,7 +196,8 @@ def _sets_axes(ax, headline: list[dict], codec: str, entry_bytes: int):
         label = f"{name} set"
         if name in summary:
             label += f": geomean {summary[name]['capacity']:.2f}x, worst overflow {100 * summary[name]['overflow_fraction']:.1f} %"
-            ax.axhline(summary[name]["capacity"], color=style["color"], linewidth=1.0, linestyle="--", alpha=0.8)
+            color = colors.get(name, "tab:gray")
+            ax.axhline(summary[name]["capacity"], color=color, linewidth=1.0, linestyle="--", alpha=0.8)
         ax.scatter(
             [100 * r["overflow_fraction"] for r in mine], [r["capacity"] for r in mine], s=28, label=label, **style
         )
@@ -185,8 +208,8 @@ def _sets_axes(ax, headline: list[dict], codec: str, entry_bytes: int):
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     placed = _marker_boxes(ax, [(100 * r["overflow_fraction"], r["capacity"]) for r in points], pad=4)
-    for r in sorted(points, key=lambda r: -r["capacity"]):
-        _label(ax, r["workload"], (100 * r["overflow_fraction"], r["capacity"]), placed, renderer, fontsize=7)
+    for names, xy in sorted(_coincident(ax, points), key=lambda group: -group[1][1]):
+        _label(ax, ", ".join(names), xy, placed, renderer, fontsize=7)
     ax.set_title(
         f"{codec}, E={entry_bytes} B, BuddyThreshold 10 %: chosen on the tuning set, checked on the check set",
         fontsize=9,
