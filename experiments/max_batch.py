@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,9 @@ __all__ = ["METHODS", "measure", "max_batch", "main"]
 METHODS = ("none", "buddy", "save_on_cpu", "checkpoint")
 #: the search stops at this multiple of the workload's own batch
 MAX_BATCH_FACTOR = 16
+#: an accounting run (no GPU) holds every saved tensor in host memory whatever the method, plus the
+#: accounting forward's: it measures no batch whose saved bytes would pass this share of physical memory
+HOST_MEMORY_SHARE = 0.25
 
 
 # ---- a training step at a given batch, under a method ---------------------------------------
@@ -120,6 +124,7 @@ class Measurement:
     state_bytes: int
     activation_bytes: int
     seconds: float
+    saved_bytes: int = 0  # every unique saved storage of the step (what an accounting run holds in host memory)
 
     @property
     def total_bytes(self) -> int:
@@ -212,7 +217,8 @@ def measure(workload: str, method: str, *, size: str, batch: int, device: str = 
         stats = session.stats()
         activation = stats.device_bytes + stats.kept_bytes
     activation += plain.largest
-    return Measurement(workload, method, batch, _state_bytes(run.model, run.optimizer), activation, seconds)
+    state = _state_bytes(run.model, run.optimizer)
+    return Measurement(workload, method, batch, state, activation, seconds, plain.outside)
 
 
 def _search(fits, start: int, cap: int) -> Measurement | None:
@@ -252,7 +258,20 @@ def _largest_accounted(workload, method, *, size, base, budget, device, seed) ->
         m = measure(workload, method, size=size, batch=batch, device=device, seed=seed)
         return m if m.total_bytes <= budget else None
 
-    return _search(fits, guess, MAX_BATCH_FACTOR * base)
+    return _search(fits, guess, min(MAX_BATCH_FACTOR * base, host_batch_cap(b)))
+
+
+def host_batch_cap(m: Measurement, memory: int | None = None) -> int:
+    """The largest batch an accounting run measures: its saved bytes within :data:`HOST_MEMORY_SHARE` of memory.
+
+    ``m`` is a measurement at some batch (its saved bytes grow with the
+    batch in proportion); ``memory``: the host's physical memory (default:
+    this machine's).
+    """
+    if memory is None:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    per_sample = max(m.saved_bytes / m.batch, 1.0)
+    return max(m.batch, int(HOST_MEMORY_SHARE * memory // per_sample))
 
 
 def _largest_cuda(workload, method, *, size, base, budget, device, seed) -> Measurement | None:
@@ -337,6 +356,8 @@ def main(argv=None) -> list[dict]:
             note = "" if m else "no batch fits"
             if m and m.batch >= MAX_BATCH_FACTOR * WORKLOADS[workload].size(args.size).batch:
                 note = f"search capped at {MAX_BATCH_FACTOR}x the base batch"
+            elif m and accounting and m.batch >= host_batch_cap(m):
+                note = f"search capped by host memory ({HOST_MEMORY_SHARE:.0%} of it for the saved tensors)"
         except ValueError as exc:  # e.g. no stack to checkpoint
             m, note = None, str(exc)
         rows.append(

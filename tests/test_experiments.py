@@ -316,3 +316,12 @@ def test_learned_tables_tiny(tmp_path, capsys):
     assert "previous point's table" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         learned_tables.main(["--codec", "zvc"])  # a codec without a table has nothing to learn
+
+
+def test_accounting_search_stays_within_host_memory():
+    from experiments.max_batch import HOST_MEMORY_SHARE, Measurement, host_batch_cap
+
+    m = Measurement("w", "save_on_cpu", batch=16, state_bytes=0, activation_bytes=0, seconds=0.0, saved_bytes=16 << 20)
+    assert host_batch_cap(m, memory=1 << 30) == int(HOST_MEMORY_SHARE * (1 << 30)) // (1 << 20)  # 1 MiB a sample
+    assert host_batch_cap(m, memory=1 << 20) == 16, "never below the batch already measured"
+    assert host_batch_cap(m) >= 16  # this machine's memory
