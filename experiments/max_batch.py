@@ -59,6 +59,9 @@ __all__ = ["METHODS", "measure", "max_batch", "main"]
 METHODS = ("none", "buddy", "save_on_cpu", "checkpoint")
 #: the search stops at this multiple of the workload's own batch
 MAX_BATCH_FACTOR = 16
+#: an accounting run searches at most this many times the base batch: it trains on the host, and some
+#: models (lstm-fp32 at full size) need far more host memory than their saved tensors at 16x
+ACCOUNTING_FACTOR = 4
 #: an accounting run (no GPU) holds every saved tensor in host memory whatever the method, plus the
 #: accounting forward's: it measures no batch whose saved bytes would pass this share of physical memory
 HOST_MEMORY_SHARE = 0.25
@@ -258,7 +261,7 @@ def _largest_accounted(workload, method, *, size, base, budget, device, seed) ->
         m = measure(workload, method, size=size, batch=batch, device=device, seed=seed)
         return m if m.total_bytes <= budget else None
 
-    return _search(fits, guess, min(MAX_BATCH_FACTOR * base, host_batch_cap(b)))
+    return _search(fits, guess, min(ACCOUNTING_FACTOR * base, host_batch_cap(b)))
 
 
 def host_batch_cap(m: Measurement, memory: int | None = None) -> int:
@@ -354,8 +357,9 @@ def main(argv=None) -> list[dict]:
         try:
             m = max_batch(workload, method, size=args.size, budget=budget, device=args.device, seed=args.seed)
             note = "" if m else "no batch fits"
-            if m and m.batch >= MAX_BATCH_FACTOR * WORKLOADS[workload].size(args.size).batch:
-                note = f"search capped at {MAX_BATCH_FACTOR}x the base batch"
+            factor = ACCOUNTING_FACTOR if accounting else MAX_BATCH_FACTOR
+            if m and m.batch >= factor * WORKLOADS[workload].size(args.size).batch:
+                note = f"search capped at {factor}x the base batch"
             elif m and accounting and m.batch >= host_batch_cap(m):
                 note = f"search capped by host memory ({HOST_MEMORY_SHARE:.0%} of it for the saved tensors)"
         except ValueError as exc:  # e.g. no stack to checkpoint
