@@ -22,7 +22,13 @@ Codecs with a table (format version 2: ``fpe``, and ``auto2`` through its
 ``fpe`` member) code with the fitted codec's :class:`~buddy.codecs.fpe.Table`:
 :func:`device_table` lays out its lookups as the kernels read them
 (``BuddyFpeTable`` in ``csrc/codec_fpe.h``), and every kernel takes it by
-pointer (null for the other codecs).
+pointer (null for the other codecs). Their engine fits the table itself
+(:meth:`CudaEngine.fit_measure`): a ``count`` kernel gives the tensor's
+symbol counts, and when no learned statistics (a prior) are given a ``fit``
+kernel -- one warp, :meth:`~buddy.codecs.fpe.Table.from_counts` byte for byte
+(``csrc/codec_fpe_fit.h``) -- writes the device table and the serialized
+table, which comes back in the histogram's read. So a compress reads the
+device once with or without a prior.
 
 The sources ship as package data (``buddy.csrc``, the repository's
 ``csrc/``). They are compiled once per process for each (codec, entry size,
@@ -51,7 +57,7 @@ from . import dispatch, spec
 from .codecs.auto import AutoCodec
 from .codecs.base import Codec
 from .codecs.bpc import BPCCodec
-from .codecs.fpe import MAX_CODE_BITS, FPECodec, Table, default_table, n_symbols
+from .codecs.fpe import MAX_CODE_BITS, MAX_CODED, FPECodec, Table, default_table, n_symbols
 from .codecs.fpx import FPXCodec
 from .codecs.zvc import ZVCCodec
 from .deps import available, require
@@ -66,6 +72,8 @@ __all__ = [
     "KERNEL_CODECS",
     "TABLED_KERNELS",
     "DEVICE_TABLE_BYTES",
+    "FIT_SERIAL_BYTES",
+    "FIT_WORK_BYTES",
     "device_table",
     "codec_table",
     "why_unusable",
@@ -146,8 +154,14 @@ def launch_config(op: str, entry_bytes: int, n_entries: int) -> tuple[int, int, 
 
     One warp per entry; pack and unpack give each warp ``E`` bytes of shared
     memory to stage a payload in (at most :data:`STAGING_BYTES` a block, at
-    least one warp); measure stages nothing and runs 8 warps a block.
+    least one warp); measure stages nothing and runs 8 warps a block. A table
+    codec's ``count`` runs a thread per 8 bytes (``n_entries``: the 8-byte
+    units), 256 a block; its ``fit`` is one warp.
     """
+    if op == "fit":
+        return 1, _WARP, 0
+    if op == "count":
+        return max(1, min(MAX_BLOCKS, -(-n_entries // 256))), 256, 0
     staged = op != "measure"
     warps = max(1, min(8, STAGING_BYTES // entry_bytes)) if staged else 8
     blocks = max(1, min(MAX_BLOCKS, -(-n_entries // warps)))
@@ -266,6 +280,10 @@ TABLED_KERNELS = frozenset({"fpe", "auto2"})
 #: bytes of a device table (``sizeof(BuddyFpeTable)``): a decode row per value of the next
 #: MAX_CODE_BITS stream bits (uint32), an encode entry per symbol of the widest words (uint16)
 DEVICE_TABLE_BYTES = 4 * (1 << MAX_CODE_BITS) + 2 * n_symbols(8)
+#: bytes of the serialized table a fit writes: the longest :meth:`Table.to_bytes` (``BUDDY_FPE_SERIAL_BYTES``)
+FIT_SERIAL_BYTES = 4 + 3 * (MAX_CODED + 2)
+#: scratch bytes of a fit (``sizeof(BuddyFpeFitWork)``, csrc/codec_fpe_fit.h)
+FIT_WORK_BYTES = 93496
 _HOST_TABLES: dict[tuple, torch.Tensor] = {}  # by (word bytes, code lengths), oldest first
 _HOST_TABLES_KEPT = 64
 
@@ -381,6 +399,35 @@ class Kernels:
         args = (data, tail, _i64(n_full), _i64(n), meta, histogram, table, _i32(word_bytes))
         self.launch(self.name, "measure", entry_bytes, device, n, args)
 
+    def count(self, data, n_units: int, tail, tail_words: int, counts, entry_bytes: int, word_bytes: int) -> None:
+        """A table codec's symbol counts of the tensor's whole words added to ``counts`` (``S + 2`` int64):
+        ``n_units`` 8-byte units of ``data`` and ``tail_words`` words of ``tail`` (the last entry, E bytes)."""
+        self._tabled()
+        device = self._check(
+            entry_bytes, 0, word_bytes, data=(data, torch.uint8, n_units * 8), tail=(tail, torch.uint8, entry_bytes),
+            counts=(counts, torch.int64, n_symbols(word_bytes)),
+        )  # fmt: skip
+        if not 0 <= tail_words * word_bytes <= entry_bytes:
+            raise ValueError(f"{tail_words} words of {word_bytes} bytes do not fit a {entry_bytes}-byte tail")
+        args = (data, _i64(n_units), tail, _i32(tail_words), counts, _i32(word_bytes))
+        self.launch(self.name, "count", entry_bytes, device, n_units, args)
+
+    def fit(self, counts, work, table, serial, entry_bytes: int, word_bytes: int) -> None:
+        """The table fitted to ``counts`` (:meth:`Table.from_counts`): the device table into ``table``
+        (:data:`DEVICE_TABLE_BYTES`), the serialized one into ``serial`` (:data:`FIT_SERIAL_BYTES`, zeros
+        after it); ``work``: :data:`FIT_WORK_BYTES` of scratch."""
+        self._tabled()
+        device = self._check(
+            entry_bytes, 0, word_bytes, counts=(counts, torch.int64, n_symbols(word_bytes)),
+            work=(work, torch.uint8, FIT_WORK_BYTES), table=(table, torch.uint8, DEVICE_TABLE_BYTES),
+            serial=(serial, torch.uint8, FIT_SERIAL_BYTES),
+        )  # fmt: skip
+        self.launch(self.name, "fit", entry_bytes, device, 1, (counts, work, table, serial, _i32(word_bytes)))
+
+    def _tabled(self) -> None:
+        if self.name not in TABLED_KERNELS:
+            raise ValueError(f"codec {self.name!r} codes without a table: it has no count or fit kernel")
+
     def pack(self, data, tail, n_full, n, meta, ends, slot, slots, overflow, entry_bytes, word_bytes, table=None):
         """Every entry's slot (``slot`` sectors) into ``slots``, its overflow into ``overflow`` at its place."""
         mb = spec.meta_bytes(entry_bytes)
@@ -462,9 +509,9 @@ class CudaEngine(Engine):
     """The format operations as one kernel each over the whole tensor: the same bytes as the reference.
 
     ``launch`` and ``device_type``: see :class:`Kernels`. :attr:`readbacks`
-    counts the device-to-host reads made (per compress: the histogram, and
-    a table codec's symbol counts when it has no prior; none per decompress
-    unless ``check=True``).
+    counts the device-to-host reads made (per compress one: the histogram,
+    with a table codec's fitted table when it has no prior; none per
+    decompress unless ``check=True``).
     """
 
     backend = "cuda"
@@ -513,14 +560,64 @@ class CudaEngine(Engine):
         k = (words if mb == 1 else words[:, 0] | (words[:, 1] << 8)) & ((1 << k_bits) - 1)
         return torch.cumsum(k.sub_(slot).clamp_(min=0), 0)
 
-    def measure(self, flat, entry_bytes, word_bytes):
-        data, tail, n_full, n = self._entries(flat, entry_bytes)
+    @property
+    def fits_tables(self) -> bool:
+        """A codec with a table: counted and fitted on the device (:meth:`fit_measure`)."""
+        return self.codec.name in TABLED_KERNELS
+
+    def _measure(self, flat, entries, entry_bytes, word_bytes, histogram) -> torch.Tensor:
+        """The metadata of ``entries`` (:meth:`_entries`); sizes added to the device ``histogram``."""
+        data, tail, n_full, n = entries
         meta = torch.empty(n * spec.meta_bytes(entry_bytes), dtype=torch.uint8, device=flat.device)
-        histogram = torch.zeros(spec.sectors_per_entry(entry_bytes) + 1, dtype=torch.int64, device=flat.device)
         if n:
             table = self._table(flat.device, word_bytes)
             self.kernels.measure(data, tail, n_full, n, meta, histogram, entry_bytes, word_bytes, table)
-        return Measurement(meta, tuple(self.read(histogram).tolist()), reuse=(data, tail, n_full, n))
+        return meta
+
+    def measure(self, flat, entry_bytes, word_bytes):
+        entries = self._entries(flat, entry_bytes)
+        histogram = torch.zeros(spec.sectors_per_entry(entry_bytes) + 1, dtype=torch.int64, device=flat.device)
+        meta = self._measure(flat, entries, entry_bytes, word_bytes, histogram)
+        return Measurement(meta, tuple(self.read(histogram).tolist()), reuse=entries)
+
+    def fit_measure(self, flat, entry_bytes, word_bytes, prior=None, keep=None):
+        """The codec fitted to ``flat`` and its sizes, with one read of the device (see the module doc).
+
+        The ``count`` kernel gives the tensor's symbol counts (the fitted
+        codec's :attr:`~buddy.codecs.base.Codec.statistics`, left on the
+        device). With a ``prior`` the host fits the table to it (nothing read;
+        ``keep`` as in :meth:`~buddy.codecs.base.Codec.fit`); without one the
+        ``fit`` kernel fits it to the counts, and the serialized table comes
+        back with the histogram, from which the host rebuilds the same
+        :class:`~buddy.codecs.fpe.Table` (:meth:`~buddy.codecs.fpe.Table.from_bytes`).
+        """
+        device, codec = flat.device, self.codec
+        entries = self._entries(flat, entry_bytes)
+        data, tail, n_full, _ = entries
+        counts = torch.zeros(n_symbols(word_bytes), dtype=torch.int64, device=device)
+        tail_words = (flat.numel() - n_full * entry_bytes) // word_bytes
+        self.kernels.count(data, n_full * entry_bytes // 8, tail, tail_words, counts, entry_bytes, word_bytes)
+        spe = spec.sectors_per_entry(entry_bytes)
+        if prior is not None:
+            self.codec = codec.fit(flat, word_bytes, prior, self.read, keep, counts)
+            self._tables.clear()  # the fitted table, not the unfitted codec's
+            return self.codec, self.measure(flat, entry_bytes, word_bytes)
+        # one buffer for what comes back: the histogram, then (16-byte aligned) the serialized table
+        at = -(-(spe + 1) // 2) * 2
+        readout = torch.zeros(at + -(-FIT_SERIAL_BYTES // 8), dtype=torch.int64, device=device)
+        serial = readout[at:].view(torch.uint8)[:FIT_SERIAL_BYTES]
+        table = torch.empty(DEVICE_TABLE_BYTES, dtype=torch.uint8, device=device)
+        work = torch.empty(FIT_WORK_BYTES, dtype=torch.uint8, device=device)
+        self.kernels.fit(counts, work, table, serial, entry_bytes, word_bytes)
+        self._tables[(device, word_bytes)] = table
+        meta = self._measure(flat, entries, entry_bytes, word_bytes, readout[: spe + 1])
+        host = self.read(readout)
+        raw = host[at:].view(torch.uint8)[:FIT_SERIAL_BYTES]
+        n = int(raw[2]) | int(raw[3]) << 8
+        if n > MAX_CODED + 2:
+            raise RuntimeError(f"the fit kernel wrote a table of {n} codes (at most {MAX_CODED + 2})")
+        self.codec = codec.with_table(Table.from_bytes(raw[: 4 + 3 * n].clone(), word_bytes), counts)
+        return self.codec, Measurement(meta, tuple(host[: spe + 1].tolist()), reuse=entries)
 
     def pack(self, flat, measured, slot, entry_bytes, word_bytes):
         data, tail, n_full, n = measured.reuse or self._entries(flat, entry_bytes)

@@ -50,6 +50,8 @@ class Engine(abc.ABC):
 
     #: what runs the codec: "reference", "cuda", "nvcomp" (recorded in every BuddyTensor)
     backend: str = ""
+    #: whether :meth:`fit_measure` fits the codec's table itself (else :meth:`Codec.fit` does, then :meth:`measure`)
+    fits_tables: bool = False
 
     def __init__(self, codec: Codec):
         self.codec = codec
@@ -64,6 +66,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def measure(self, flat: torch.Tensor, entry_bytes: int, word_bytes: int) -> Measurement:
         """Sizes of the entries of ``flat`` (a 1-D ``uint8`` tensor, the tensor's bytes in memory order)."""
+
+    def fit_measure(
+        self, flat: torch.Tensor, entry_bytes: int, word_bytes: int, prior=None, keep=None
+    ) -> tuple[Codec, Measurement]:
+        """The codec fitted to ``flat`` (see :meth:`Codec.fit`) and its :meth:`measure`, by an engine that
+        :attr:`fits_tables`: it counts and fits where the tensor is, reading back only what measure reads."""
+        raise NotImplementedError(f"{type(self).__name__} does not fit tables (fits_tables is False)")
 
     @abc.abstractmethod
     def pack(

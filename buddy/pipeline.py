@@ -143,6 +143,9 @@ def _measure(
 ) -> Measured:
     flat, stride = memory_bytes(tensor)
     word = spec.word_bytes(tensor.dtype)
+    if engine.fits_tables:  # counted and fitted on the device, read back with the histogram
+        fitted, measurement = engine.fit_measure(flat, entry_bytes, word, prior, keep)
+        return Measured(tensor, flat, stride, fitted, engine, entry_bytes, word, measurement)
     fitted = codec.fit(flat, word, prior, engine.read, keep)  # a codec with a table fits it (to the tensor or prior)
     if fitted is not codec:
         reads, engine = engine.readbacks, dispatch.engine(fitted, tensor.device, engine.backend)

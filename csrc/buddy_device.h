@@ -14,6 +14,7 @@ typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
 typedef unsigned long long uint64_t;
 #else
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #endif
@@ -100,6 +101,18 @@ BUDDY_HD uint32_t buddy_ctz64(uint64_t x) {
   return (uint32_t)__builtin_ctzll(x);
 #endif
 }
+
+// *p += v, atomically on the device (shared or global memory); a plain add on the host.
+BUDDY_HD void buddy_atomic_add(uint32_t* p, uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  atomicAdd(p, v);
+#else
+  *p += v;
+#endif
+}
+
+// x rounded to an integer, halves to even (Python's round of a float).
+BUDDY_HD double buddy_rint(double x) { return rint(x); }
 
 template <class T>
 BUDDY_HD T buddy_min(T a, T b) {

@@ -30,6 +30,8 @@
 #include "buddy_ops.h"
 // the codecs: auto2 and auto, and zvc, fpx, bpc and fpe, which they compose
 #include "codec_auto2.h"
+// fpe's table counted and fitted on the device
+#include "codec_fpe_fit.h"
 
 // Each module instantiates the kernels of one codec (templates not
 // instantiated cost nearly nothing to compile): the loader compiles with
@@ -162,6 +164,57 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
                       slots, overflow, overflow_sectors, out, error, n_entries, table)                             \
   }
 
+// A codec with a table fits it where the tensor is: its symbol counts (one
+// pass over the tensor), then the table (one warp). Launch: count, any grid,
+// 256 threads a block, no dynamic shared memory; fit, one block of 32 threads.
+template <int WB>
+__device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ data, long long n_units,
+                                                 const uint8_t* __restrict__ tail, int tail_words,
+                                                 unsigned long long* __restrict__ counts, uint32_t* local) {
+  // the block counts in shared memory (local: S + 2 words), then adds its counts to the tensor's once
+  const uint32_t symbols = BuddyFpe<WB>::ESC + 1u;
+  for (uint32_t j = threadIdx.x; j < symbols; j += blockDim.x) local[j] = 0;
+  __syncthreads();
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < n_units; u += stride)
+    buddy_fpe_count_unit<WB>(buddy_load<uint64_t>(data + 8 * u), local);
+  if (blockIdx.x == 0)
+    for (int w = threadIdx.x; w < tail_words; w += blockDim.x) buddy_fpe_count_word<WB>(tail + WB * w, local);
+  __syncthreads();
+  for (uint32_t j = threadIdx.x; j < symbols; j += blockDim.x)
+    if (local[j]) atomicAdd(&counts[j], (unsigned long long)local[j]);
+}
+
+#define BUDDY_FIT_KERNELS(NAME)                                                                                    \
+  /* symbol counts of the tensor's whole words (fpe.symbol_counts; added to: zero them first) */                   \
+  extern "C" __global__ void buddy_##NAME##_count(                                                                 \
+      const uint8_t* __restrict__ data,          /* in: n_units * 8 bytes, the tensor's whole entries */           \
+      long long n_units,                         /* 8-byte units in data */                                         \
+      const uint8_t* __restrict__ tail,          /* in: the last, partial entry (zero-padded) */                    \
+      int tail_words,                            /* whole words of the tensor in tail */                            \
+      unsigned long long* __restrict__ counts,   /* in/out: S + 2 counts (ESC's stays 0) */                         \
+      int word_bytes) {                          /* word size in bytes: 1, 2, 4 or 8 */                             \
+    __shared__ uint32_t local[BUDDY_FPE_SYMBOLS];                                                                  \
+    switch (word_bytes) {                                                                                          \
+      case 1: buddy_count_body<1>(data, n_units, tail, tail_words, counts, local); break;                          \
+      case 2: buddy_count_body<2>(data, n_units, tail, tail_words, counts, local); break;                          \
+      case 4: buddy_count_body<4>(data, n_units, tail, tail_words, counts, local); break;                          \
+      case 8: buddy_count_body<8>(data, n_units, tail, tail_words, counts, local); break;                          \
+      default: break;                                                                                              \
+    }                                                                                                              \
+  }                                                                                                                \
+  /* the table fitted to the counts (fpe.Table.from_counts): its device table and its serialized bytes */          \
+  extern "C" __global__ void buddy_##NAME##_fit(                                                                   \
+      const long long* __restrict__ counts, /* in: S + 2 symbol counts */                                          \
+      uint8_t* __restrict__ work,           /* scratch: sizeof(BuddyFpeFitWork) bytes, 8-byte aligned */           \
+      uint8_t* __restrict__ table,          /* out: the device table (sizeof(BuddyFpeTable) bytes) */              \
+      uint8_t* __restrict__ serial,         /* out: fpe.Table.to_bytes, zeros after (BUDDY_FPE_SERIAL_BYTES) */    \
+      int word_bytes) {                     /* word size in bytes: 1, 2, 4 or 8 */                                 \
+    if (blockIdx.x != 0 || threadIdx.x >= BUDDY_WARP_SIZE) return;                                                 \
+    buddy_fpe_fit(BuddyCudaWarp(), reinterpret_cast<const int64_t*>(counts), (uint32_t)word_bytes,                 \
+                  reinterpret_cast<BuddyFpeFitWork*>(work), reinterpret_cast<BuddyFpeTable*>(table), serial);       \
+  }
+
 #if defined(BUDDY_CODEC_ZVC) || defined(BUDDY_CODEC_ALL)
 BUDDY_FORMAT_KERNELS(zvc, BuddyZvc)
 #endif
@@ -176,7 +229,9 @@ BUDDY_FORMAT_KERNELS(auto, BuddyAuto)
 #endif
 #if defined(BUDDY_CODEC_FPE) || defined(BUDDY_CODEC_ALL)
 BUDDY_FORMAT_KERNELS(fpe, BuddyFpe)
+BUDDY_FIT_KERNELS(fpe)
 #endif
 #if defined(BUDDY_CODEC_AUTO2) || defined(BUDDY_CODEC_ALL)
 BUDDY_FORMAT_KERNELS(auto2, BuddyAuto2)
+BUDDY_FIT_KERNELS(auto2)
 #endif

@@ -52,6 +52,13 @@ for codec in ("zvc", "fpx", "bpc", "auto", "fpe", "auto2"):
     same = same and (bt.table is None) == (ref.table is None) and (bt.table is None or torch.equal(bt.table, ref.table))
     exact = torch.equal(bt.decompress(check=True).view(torch.int32), x.view(torch.int32))
     print(f"{codec}: buffers equal to the reference {same}, round trip exact {exact}, ratio {bt.effective_ratio:.3f}")
+# the table fitted on the GPU (one read) against the host's, on other word sizes and an awkward size
+for dtype in (torch.bfloat16, torch.float64, torch.uint8):
+    y = torch.relu(torch.randn(1_000_003, device="cuda")).to(dtype)
+    m = buddy.measure(y, "auto2", backend="cuda")
+    r = buddy.measure(y, "auto2", backend="reference")
+    print(f"auto2 {dtype}: table equal {torch.equal(m.table, r.table)}, histogram equal {m.histogram == r.histogram}, "
+          f"reads {m.engine.readbacks}")
 EOF
 }
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_roundtrip, ids, make_data
-from test_device_codecs import tensor_ends, tensor_measure, tensor_pack, tensor_unpack
+from test_device_codecs import device_fit, run_tensor, tensor_ends, tensor_measure, tensor_pack, tensor_unpack
 
 import buddy
 from buddy import cuda as bcuda
@@ -236,6 +236,16 @@ def test_tensor_check_names_each_problem():
         bcuda._check_word(True)
 
 
+def test_table_sizes_agree_with_the_sources():
+    """The buffer sizes the loader allocates for the table kernels are the sources' (static_asserts hold them there)."""
+    fit = bcuda.read_source("codec_fpe_fit.h")
+    assert int(re.search(r"#define BUDDY_FPE_FIT_WORK_BYTES (\d+)u", fit).group(1)) == bcuda.FIT_WORK_BYTES
+    assert bcuda.FIT_SERIAL_BYTES == 4 + 3 * (255 + 2) == 775
+    fpe_h = bcuda.read_source("codec_fpe.h")
+    assert "4u * BUDDY_FPE_ROWS + 2u * BUDDY_FPE_SYMBOLS" in fpe_h
+    assert bcuda.DEVICE_TABLE_BYTES == 4 * 4096 + 2 * 4098
+
+
 def test_codecs_with_kernels():
     assert set(bcuda.KERNEL_CODECS) == {"zvc", "fpx", "bpc", "auto", "fpe", "auto2"}
     for name in bcuda.KERNEL_CODECS:
@@ -298,6 +308,19 @@ class HostKernels:
 
     def _run(self, codec, op, entry_bytes, args):
         exe, word = self.host_exe(entry_bytes), int(args[-1])
+        if op == "count":
+            data, n_units, tail, tail_words, counts = args[:5]
+            sizes = (int(n_units), int(tail_words))
+            r = run_tensor(exe, "fpe", "count", word, sizes, [data, tail], self.tmp_path)
+            counts += r.take(8 * counts.numel()).view(torch.int64)
+            r.done()
+            return
+        if op == "fit":
+            counts, _, table, serial = args[:4]
+            got_table, got_serial = device_fit(exe, counts, word, self.tmp_path)
+            table.copy_(got_table)
+            serial.copy_(got_serial)
+            return
         table = args[-2] if args[-2].numel() else None  # the device table of a codec with one
         if op == "measure":
             data, tail, n_full, n_, meta, histogram = args[:6]
@@ -380,7 +403,8 @@ def test_cuda_path_emulated(emulated_gpu, codec, dtype, store, gen):
         assert torch.equal(b.decompress(backend="cuda", check=True), t)
         a.free()
         b.free()
-    assert set(emulated_gpu.launches) == {"measure", "pack", "unpack"}
+    tabled = {"count", "fit"} if codec in bcuda.TABLED_KERNELS else set()
+    assert set(emulated_gpu.launches) == {"measure", "pack", "unpack"} | tabled
 
 
 def test_cuda_path_emulated_views_and_damage(emulated_gpu, store, gen):
@@ -438,22 +462,36 @@ def test_launches_and_host_reads_do_not_grow_with_the_tensor(emulated_gpu, codec
 
 @pytest.mark.parametrize("codec", ids("codec", ("fpe", "auto2")))
 def test_host_reads_of_codecs_with_a_table(emulated_gpu, codec, gen):
-    """A codec with a table: one read per compress with a prior (a session's steady state), two without, none back.
+    """A codec with a table: one read per compress with a prior or without, none in pack or decompress.
 
-    Without a prior the tensor's symbol counts come to the host to fit the
-    table before the size pass (a key's first step in a session, a
-    standalone compress); with one, the histogram is the only read.
+    Without a prior (a key's first step in a session, a standalone compress)
+    the table is fitted on the device and comes back with the histogram; with
+    one the host fits it to the prior. Either way the reference's table and
+    buffers, and the tensor's symbol counts as its statistics.
     """
-    t = make_data("relu", 40_003, torch.float32, gen)
-    first = buddy.measure(t, codec, entry_bytes=512, backend="cuda")
-    assert first.engine.readbacks == 2, "symbol counts, then the histogram"
-    again = buddy.measure(t, codec, entry_bytes=512, backend="cuda", prior=first.statistics.to(torch.float64))
-    assert again.engine.readbacks == 1, "the histogram alone"
-    assert again.histogram == first.histogram  # the same statistics fit the same table
-    engine = again.engine
-    slots, overflow = engine.pack(again.flat, again.measurement, 4, 512, 4)
-    out = engine.unpack(again.measurement.meta, slots, overflow, 4, 512, 4, again.nbytes, check=False)
-    assert torch.equal(out, again.flat) and engine.readbacks == 1, "none in pack or decompress"
+    for numel in (40_003, 777):
+        t = make_data("relu", numel, torch.float32, gen)
+        reference = buddy.measure(t, codec, entry_bytes=512, backend="reference")
+        emulated_gpu.launches.clear()
+        first = buddy.measure(t, codec, entry_bytes=512, backend="cuda")
+        assert emulated_gpu.launches == ["count", "fit", "measure"]
+        assert first.engine.readbacks == 1, "the histogram and the table, together"
+        assert torch.equal(first.table, reference.table)
+        assert torch.equal(first.statistics, reference.statistics)
+        assert first.histogram == reference.histogram
+        assert torch.equal(first.measurement.meta, reference.measurement.meta)
+        emulated_gpu.launches.clear()
+        again = buddy.measure(t, codec, entry_bytes=512, backend="cuda", prior=first.statistics.to(torch.float64))
+        assert emulated_gpu.launches == ["count", "measure"]
+        assert again.engine.readbacks == 1, "the histogram alone"
+        assert torch.equal(again.table, first.table) and again.histogram == first.histogram
+        engine = again.engine
+        slots, overflow = engine.pack(again.flat, again.measurement, 4, 512, 4)
+        out = engine.unpack(again.measurement.meta, slots, overflow, 4, 512, 4, again.nbytes, check=False)
+        assert torch.equal(out, again.flat) and engine.readbacks == 1, "none in pack or decompress"
+        bt = buddy.compress(t, target_ratio=2.0, codec=codec, backend="cuda")
+        assert torch.equal(bt.table, reference.table) and torch.equal(bt.decompress(), t)
+        bt.free()
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ from buddy import cuda as bcuda
 from buddy import spec
 from buddy.codecs._bitstream import StreamWriter, write_fields
 from buddy.codecs.bpc import geometry
-from buddy.codecs.fpe import FPECodec, Table, default_table, n_symbols, symbol_counts
+from buddy.codecs.fpe import MAX_CODE_BITS, FPECodec, Table, default_table, n_symbols, symbol_counts
 from buddy.codecs.fpx import _write_streams, header_geometry
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
@@ -1216,6 +1216,114 @@ def test_fpe_device_flags_damage_like_reference(host_exe, word, tmp_path):
         got = run_decode(host_exe(entry_bytes), name, payload, k, torch.zeros_like(k), word, tmp_path, table)
         assert 0 < check_damage(got, codec, payload, k, torch.zeros_like(k), word, entry_bytes) < len(rows)
     assert len(names) >= 12, names
+
+
+# ---------------------------------------------------------------------------
+# fpe's table on the device: symbol counts and the fit (csrc/codec_fpe_fit.h)
+# ---------------------------------------------------------------------------
+def device_fit(exe: Path, counts: torch.Tensor, word: int, tmp_path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(device table, serialized table)`` the fit kernel's warp writes for ``counts`` (int64, ``S + 2``)."""
+    src, dst = tmp_path / "fit.in", tmp_path / "fit.out"
+    counts.to(torch.int64).numpy().tofile(src)
+    subprocess.run([str(exe), "fpe", "fit", str(word), str(src), str(dst)], check=True, timeout=120)
+    r = _Reader(np.fromfile(dst, dtype=np.uint8))
+    table, serial = r.take(bcuda.DEVICE_TABLE_BYTES), r.take(bcuda.FIT_SERIAL_BYTES)
+    r.done()
+    return table, serial
+
+
+def _unlimited_depth(counts: torch.Tensor, word: int) -> int:
+    """The longest Huffman code of the reference's weights for ``counts`` before any halving."""
+    from buddy.codecs import fpe as fpe_module
+
+    table = Table.from_counts(counts, word)
+    total = float(counts.sum())
+    c = [max(1, round(v * (1 << 30) / total)) if v > 0 else 0 for v in counts.double().tolist()]
+    regular = sorted((s for s in range(len(c) - 2) if c[s]), key=lambda s: (-c[s], s))
+    weights = {s: c[s] for s in regular[: fpe_module.MAX_CODED]}
+    weights |= {table.zero: c[table.zero]} if c[table.zero] else {}
+    weights[table.esc] = max(1, sum(c[s] for s in regular[fpe_module.MAX_CODED :]))
+    saved = fpe_module.MAX_CODE_BITS
+    fpe_module.MAX_CODE_BITS = 64
+    try:
+        return max(fpe_module._huffman_lengths(weights).values())
+    finally:
+        fpe_module.MAX_CODE_BITS = saved
+
+
+def fit_cases(word: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Symbol counts of every shape a fit meets, by name."""
+    s = n_symbols(word)
+    zero, esc = s - 2, s - 1
+
+    def counts(pairs) -> torch.Tensor:
+        c = torch.zeros(s, dtype=torch.int64)
+        for sym, n in pairs:
+            c[sym] = n
+        return c
+
+    cases = {
+        "nothing": torch.zeros(s, dtype=torch.int64),
+        "one symbol": counts([(s // 3, 7)]),
+        "zero words only": counts([(zero, 1000)]),
+        "an ESC count (only in the total)": counts([(1, 5), (2, 9), (esc, 100)]),
+        "every symbol once": torch.ones(s, dtype=torch.int64).index_fill_(0, torch.tensor([esc]), 0),
+        "ties": counts([(sym, 64) for sym in range(0, zero, 3)] + [(zero, 64)]),
+        "huge counts": counts([(sym, (1 << 40) + sym) for sym in range(0, zero, 5)]),
+        "halves": counts([(i, 1 << (40 - i)) for i in range(min(zero, 40))]),  # needs halving rounds
+        # scale 1/2: 5 -> 2.5, rounded to even (2), not up (3), which would tie it with 6 -> 3 and change the code
+        "rounded halves": counts([(9, 5), (1, 6), (3, (1 << 31) - 11)]),
+    }
+    for i in range(6):
+        c = torch.zeros(s, dtype=torch.int64)
+        present = torch.randperm(zero, generator=g)[: int(torch.randint(1, zero + 1, (1,), generator=g))]
+        c[present] = (2.0 ** (torch.rand(present.numel(), generator=g, dtype=torch.float64) * 34)).long()
+        c[zero] = int(torch.randint(0, 1 << 24, (1,), generator=g)) * (i % 2)
+        cases[f"random {i}"] = c
+    if word > 1:
+        cases["more than MAX_CODED symbols"] = counts([(sym, 1 + (sym * 7919) % 5000) for sym in range(zero)])
+    for kind in DATA_KINDS:  # the statistics of real-looking tensors
+        dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[word]
+        cases[f"data {kind}"] = symbol_counts(make_data(kind, 30_001, dtype, g).reshape(-1).view(torch.uint8), word)
+    return cases
+
+
+@pytest.mark.parametrize("word", ids("w", WORDS))
+def test_fpe_table_fitted_on_the_device(host_exe, word, tmp_path):
+    """The fit kernel's table is Table.from_counts's, byte for byte: the device table and the serialized one."""
+    g = torch.Generator().manual_seed(3 + word)
+    exe, halved = host_exe(512), []
+    for name, counts in fit_cases(word, g).items():
+        want = Table.from_counts(counts, word)
+        table, serial = device_fit(exe, counts, word, tmp_path)
+        expected = want.to_bytes()
+        assert torch.equal(serial[: expected.numel()], expected), f"{name}: serialized table"
+        assert not serial[expected.numel() :].any(), f"{name}: bytes after the serialized table"
+        assert torch.equal(table, bcuda.device_table(want)), f"{name}: device table"
+        assert Table.from_bytes(serial[: expected.numel()], word) == want
+        if _unlimited_depth(counts, word) > MAX_CODE_BITS:
+            halved.append(name)
+    assert "halves" in halved and len(halved) >= 2, f"cases that needed halving rounds: {halved}"
+
+
+@pytest.mark.parametrize("word", ids("w", WORDS))
+@pytest.mark.parametrize("entry_bytes", ids("E", (32, 512)))
+def test_fpe_symbols_counted_on_the_device(host_exe, entry_bytes, word, tmp_path):
+    """The count kernel's per-unit work gives fpe.symbol_counts of the tensor's whole words, on awkward sizes."""
+    g = torch.Generator().manual_seed(entry_bytes + word)
+    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[word]
+    for kind in DATA_KINDS:
+        for numel in (1, 7, entry_bytes // word, 3_001):
+            flat = make_data(kind, numel, dtype, g).reshape(-1).view(torch.uint8)
+            flat = torch.cat([flat, torch.randint(0, 256, (word - 1,), dtype=torch.uint8, generator=g)])  # a part word
+            n_full, rest = divmod(flat.numel(), entry_bytes)
+            tail = torch.zeros(entry_bytes, dtype=torch.uint8)
+            tail[:rest] = flat[n_full * entry_bytes :]
+            sizes = (n_full * entry_bytes // 8, rest // word)
+            r = run_tensor(host_exe(entry_bytes), "fpe", "count", word, sizes, [flat[: n_full * entry_bytes], tail], tmp_path)
+            got = r.take(8 * n_symbols(word)).view(torch.int64)
+            r.done()
+            assert torch.equal(got, symbol_counts(flat, word)), f"{kind}, {numel} words"
 
 
 # ---------------------------------------------------------------------------

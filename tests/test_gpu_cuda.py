@@ -46,6 +46,8 @@ def _same_buffers(t: torch.Tensor, codec: str, slot: int, e: int, store) -> budd
     assert a.slot_sectors == b.slot_sectors == slot and a.histogram == b.histogram
     for name, x, y in zip(("meta", "slots", "overflow"), a.buffers(), b.buffers()):
         assert torch.equal(x.cpu(), y.cpu()), f"{codec}: {name} differs (slot {slot}, E {e})"
+    assert (a.table is None) == (b.table is None), codec
+    assert a.table is None or torch.equal(a.table.cpu(), b.table.cpu()), f"{codec}: the fitted table differs"
     b.free()
     return a
 
@@ -153,6 +155,35 @@ def test_one_host_read_per_compress_none_per_decompress(cuda, pinned_store, gen)
     engine = buddy.dispatch.engine(buddy.get_codec("auto"), cuda, "cuda")
     engine.unpack(*bt.buffers(), bt.slot_sectors, bt.entry_bytes, 4, bt.original_bytes, check=False)
     assert engine.readbacks == 0
+
+
+@pytest.mark.parametrize("codec", ids("codec", ("fpe", "auto2")))
+def test_table_codecs_read_once(codec, cuda, pinned_store, gen):
+    """Without a prior the table is fitted on the GPU and read back with the histogram: one read."""
+    t = make_data("relu", 4 * MiB, torch.bfloat16, gen).to(cuda)
+    measured = buddy.measure(t, codec, backend="cuda")
+    reference = buddy.measure(t, codec, backend="reference")
+    assert measured.engine.readbacks == 1
+    assert torch.equal(measured.table, reference.table) and measured.histogram == reference.histogram
+    assert torch.equal(measured.statistics.cpu(), reference.statistics.cpu())
+
+
+@pytest.mark.parametrize("word", ids("w", (1, 2, 4, 8)))
+def test_table_fitted_on_the_gpu(word, cuda, gen):
+    """The fit kernel against Table.from_counts on every shape of counts the host tests use."""
+    from test_device_codecs import fit_cases
+
+    kernels = bcuda.Kernels("fpe")
+    for name, counts in fit_cases(word, torch.Generator().manual_seed(word)).items():
+        want = buddy.codecs.fpe.Table.from_counts(counts, word)
+        table = torch.empty(bcuda.DEVICE_TABLE_BYTES, dtype=torch.uint8, device=cuda)
+        serial = torch.empty(bcuda.FIT_SERIAL_BYTES, dtype=torch.uint8, device=cuda)
+        work = torch.empty(bcuda.FIT_WORK_BYTES, dtype=torch.uint8, device=cuda)
+        kernels.fit(counts.to(cuda), work, table, serial, 512, word)
+        expected = want.to_bytes()
+        assert torch.equal(serial.cpu()[: expected.numel()], expected), name
+        assert not serial.cpu()[expected.numel() :].any(), name
+        assert torch.equal(table.cpu(), bcuda.device_table(want)), name
 
 
 def test_compile_cache(cuda, gen):

@@ -142,13 +142,25 @@ class AutoCodec(Codec):
         return AutoCodec([(code, member if m is tabled else m) for code, m in self.members], name=self.name)
 
     def fit(
-        self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None, read=None, keep=None
+        self,
+        flat: torch.Tensor,
+        word_bytes: int,
+        prior: torch.Tensor | None = None,
+        read=None,
+        keep=None,
+        counts: torch.Tensor | None = None,
     ) -> Codec:
         tabled = self._tabled
         if tabled is None:
             return self
         kept = keep._tabled if isinstance(keep, AutoCodec) else keep
-        return self._with(tabled.fit(flat, word_bytes, prior, read, kept))
+        return self._with(tabled.fit(flat, word_bytes, prior, read, kept, counts))
+
+    def with_table(self, table, statistics: torch.Tensor) -> Codec:
+        tabled = self._tabled
+        if tabled is None:
+            return super().with_table(table, statistics)
+        return self._with(tabled.with_table(table, statistics))
 
     def bind(self, table: torch.Tensor | None, word_bytes: int) -> Codec:
         tabled = self._tabled

@@ -96,7 +96,13 @@ class Codec(abc.ABC):
         return None
 
     def fit(
-        self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None, read=None, keep=None
+        self,
+        flat: torch.Tensor,
+        word_bytes: int,
+        prior: torch.Tensor | None = None,
+        read=None,
+        keep=None,
+        counts: torch.Tensor | None = None,
     ) -> Codec:
         """This codec fitted to a tensor's bytes ``flat`` (default: itself, nothing to fit).
 
@@ -107,8 +113,15 @@ class Codec(abc.ABC):
         (the engine's :meth:`~buddy.engine.Engine.read`, which counts it;
         default ``Tensor.cpu``). ``keep``: the codec fitted for the same key
         before, whose table a prior may keep (see :func:`buddy.codecs.fpe.fit_table`).
+        ``counts``: the tensor's statistics when an engine has counted them
+        already (on the tensor's device), else they are counted here.
         """
         return self
+
+    def with_table(self, table, statistics: torch.Tensor) -> Codec:
+        """This codec holding a ``table`` fitted elsewhere (an engine fits it on the tensor's device) and the
+        tensor's ``statistics``; only for a codec that carries a table."""
+        raise ValueError(f"codec {self.name!r} carries no table")
 
     def bind(self, table: torch.Tensor | None, word_bytes: int) -> Codec:
         """This codec with a stored ``table`` (what decoding a tensor needs); default: no table taken."""

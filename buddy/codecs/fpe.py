@@ -419,20 +419,32 @@ class FPECodec(Codec):
         return None if self._table is None else self._table.to_bytes()
 
     def fit(
-        self, flat: torch.Tensor, word_bytes: int, prior: torch.Tensor | None = None, read=None, keep=None
+        self,
+        flat: torch.Tensor,
+        word_bytes: int,
+        prior: torch.Tensor | None = None,
+        read=None,
+        keep=None,
+        counts: torch.Tensor | None = None,
     ) -> FPECodec:
         """The codec with a table fitted to ``flat``'s symbols (read with ``read``), or to ``prior`` (no read).
 
         With a ``prior``, ``keep`` (an fpe codec fitted before, e.g. for the
         same key a step earlier) lends its table while it still fits
         (:func:`fit_table`). :attr:`statistics` are the tensor's own symbol
-        counts either way, left on its device.
+        counts either way (``counts`` when given), left on its device.
         """
-        counts = symbol_counts(flat, word_bytes)
+        _split(word_bytes)  # a clear error for a word size fpe does not know
+        counts = symbol_counts(flat, word_bytes) if counts is None else counts
         if prior is None:
             return FPECodec(Table.from_counts((read or torch.Tensor.cpu)(counts), word_bytes), counts)
         kept = keep.fitted if isinstance(keep, FPECodec) else None
         return FPECodec(fit_table(prior, word_bytes, kept), counts)
+
+    def with_table(self, table: Table, statistics: torch.Tensor) -> FPECodec:
+        if not isinstance(table, Table):
+            raise TypeError(f"fpe: a table is an fpe.Table, got {type(table).__name__}")
+        return FPECodec(table, statistics)
 
     def bind(self, table: torch.Tensor | None, word_bytes: int) -> FPECodec:
         if table is None or table.numel() == 0:

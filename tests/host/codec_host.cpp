@@ -40,6 +40,15 @@
 //                   OUT: slots (N * S * 32) | overflow (ends[N-1] * 32)
 //          unpack   IN:  metadata | ends | slots (N * S * 32) | overflow (M * 32)
 //                   OUT: entries (N * E) | the ORed error bits (uint32)
+//        codec_host fpe count WORD_BYTES N_UNITS TAIL_WORDS IN OUT
+//          fpe's symbol counts (csrc/codec_fpe_fit.h) of N_UNITS 8-byte
+//          units and TAIL_WORDS words of a partial last entry
+//          IN:  units (N_UNITS * 8) | tail (E)     OUT: counts (S + 2 uint64)
+//        codec_host fpe fit WORD_BYTES IN OUT
+//          the table fitted to symbol counts by one warp (codec_fpe_fit.h)
+//          IN:  counts (S + 2 int64)
+//          OUT: device table (sizeof(BuddyFpeTable)) | serialized table
+//               (BUDDY_FPE_SERIAL_BYTES)
 // CODEC: zvc | fpx | bpc | auto | fpe | auto2. The codecs with a table (fpe,
 // auto2) take it first: for them IN starts with the device table the kernels
 // get (sizeof(BuddyFpeTable) bytes, buddy.cuda.device_table), then the above.
@@ -56,6 +65,7 @@
 
 #include "buddy_ops.h"
 #include "codec_auto2.h"
+#include "codec_fpe_fit.h"
 
 static const uint32_t E = BUDDY_ENTRY_BYTES;
 
@@ -490,7 +500,81 @@ static int tensor_main(int argc, char** argv) {
   return fclose(out) == 0 ? rc : 2;
 }
 
+// ---------------------------------------------------------------------------
+// fpe's table on the device: count | fit (see the usage)
+// ---------------------------------------------------------------------------
+static uint32_t fpe_symbols(int word) {  // S + 2, 0 for a word size fpe does not know
+  return word == 1 ? 34u : word == 2 || word == 4 ? 514u : word == 8 ? 4098u : 0u;
+}
+
+template <int WB>
+static void count_words(const uint8_t* units, size_t n_units, const uint8_t* tail, size_t tail_words,
+                        uint32_t* counts) {
+  for (size_t u = 0; u < n_units; ++u) buddy_fpe_count_unit<WB>(buddy_load<uint64_t>(units + 8 * u), counts);
+  for (size_t w = 0; w < tail_words; ++w) buddy_fpe_count_word<WB>(tail + WB * w, counts);
+}
+
+static int table_main(int argc, char** argv) {
+  const bool count = strcmp(argv[2], "count") == 0;
+  if (strcmp(argv[1], "fpe") != 0 || argc != (count ? 8 : 6)) {
+    fprintf(stderr, "%s: usage at the top of codec_host.cpp (codec fpe only)\n", argv[2]);
+    return 2;
+  }
+  const int word = atoi(argv[3]);
+  const uint32_t symbols = fpe_symbols(word);
+  if (!symbols) {
+    fprintf(stderr, "word size %d: fpe words are 1, 2, 4 or 8 bytes\n", word);
+    return 2;
+  }
+  const std::vector<uint8_t> in = read_file(argv[argc - 2]);
+  FILE* out = fopen(argv[argc - 1], "wb");
+  if (!out) {
+    perror(argv[argc - 1]);
+    return 2;
+  }
+  if (count) {
+    const size_t n_units = (size_t)strtoull(argv[4], nullptr, 10), tail_words = (size_t)strtoull(argv[5], nullptr, 10);
+    if (in.size() != n_units * 8 + E || tail_words * word > E) {
+      fprintf(stderr, "count: %zu input bytes for %zu units and %zu tail words\n", in.size(), n_units, tail_words);
+      return 2;
+    }
+    const uint8_t* p = in.data();
+    uint8_t* units = take(p, n_units * 8);
+    uint8_t* tail = take(p, E);
+    std::vector<uint32_t> counts(symbols, 0);
+    switch (word) {
+      case 1: count_words<1>(units, n_units, tail, tail_words, counts.data()); break;
+      case 2: count_words<2>(units, n_units, tail, tail_words, counts.data()); break;
+      case 4: count_words<4>(units, n_units, tail, tail_words, counts.data()); break;
+      default: count_words<8>(units, n_units, tail, tail_words, counts.data()); break;
+    }
+    std::vector<uint64_t> wide(counts.begin(), counts.end());
+    fwrite(wide.data(), 8, wide.size(), out);
+    return fclose(out) == 0 ? 0 : 2;
+  }
+  if (in.size() != symbols * 8u) {
+    fprintf(stderr, "fit: %zu input bytes, expected %u counts\n", in.size(), symbols);
+    return 2;
+  }
+  // counts end at a guard page; every output is pre-filled with 0xAB
+  int64_t* counts = reinterpret_cast<int64_t*>(guarded(symbols * 8u));
+  memcpy(counts, in.data(), in.size());
+  BuddyFpeFitWork* work = reinterpret_cast<BuddyFpeFitWork*>(guarded(sizeof(BuddyFpeFitWork)));
+  uint8_t* table = guarded(sizeof(BuddyFpeTable));
+  uint8_t* serial = guarded(BUDDY_FPE_SERIAL_BYTES);
+  memset(work, 0xAB, sizeof(BuddyFpeFitWork));
+  memset(table, 0xAB, sizeof(BuddyFpeTable));
+  memset(serial, 0xAB, BUDDY_FPE_SERIAL_BYTES);
+  run_warp([&](uint32_t l) {
+    buddy_fpe_fit(HostWarp{l}, counts, (uint32_t)word, work, reinterpret_cast<BuddyFpeTable*>(table), serial);
+  });
+  fwrite(table, 1, sizeof(BuddyFpeTable), out);
+  fwrite(serial, 1, BUDDY_FPE_SERIAL_BYTES, out);
+  return fclose(out) == 0 ? 0 : 2;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 2 && (strcmp(argv[2], "count") == 0 || strcmp(argv[2], "fit") == 0)) return table_main(argc, argv);
   if (argc > 2 && (strcmp(argv[2], "measure") == 0 || strcmp(argv[2], "pack") == 0 || strcmp(argv[2], "unpack") == 0))
     return tensor_main(argc, argv);
   if (argc != 7 ||

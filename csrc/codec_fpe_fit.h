@@ -1,0 +1,277 @@
+// The fpe table fitted on the device: the tensor's symbol counts
+// (buddy.codecs.fpe.symbol_counts) and buddy.codecs.fpe.Table.from_counts --
+// the same table, byte for byte -- by one warp, so a compress with nothing
+// learned needs no read of the tensor's symbol counts (the kernels' table and
+// the serialized table come back with the size histogram, in the one read a
+// compress makes). Host-compilable: tests/host/codec_host.cpp runs it under
+// the emulated warp and the tests compare it with the reference on many count
+// vectors.
+//
+// The reference, step by step (buddy/codecs/fpe.py, Table.from_counts and
+// _huffman_lengths), and how the warp does each:
+//   scale    c = max(1, round(count * 2^30 / total)) for count > 0, else 0
+//            (double; round half to even: rint). Exact: counts are integers
+//            below 2^53, so the total is exact in any order of summation.
+//   coded    the MAX_CODED regular symbols of largest (c, -symbol); the
+//            others' c summed is ESC's weight (at least 1). The 255th largest
+//            key c << 12 | (4095 - symbol) is found by a radix select, a bit
+//            at a time from the top (43 warp counts), when more than 255
+//            regular symbols occur.
+//   leaves   coded symbols, ZERO (when c > 0) and ESC, sorted by (weight,
+//            symbol): each lane ranks its leaves against all the others.
+//   lengths  Huffman by two queues -- leaves in sorted order, merged nodes in
+//            creation order, a leaf first on equal weights -- which pops what
+//            the reference's heap pops; a leaf's length is its depth. While
+//            the longest code passes MAX_CODE_BITS the reference halves every
+//            weight (max(1, w >> 1)) and starts again: after t rounds the
+//            weights are max(1, w >> t). Lane t builds the tree of round t at
+//            once (t = 0..31: at t = 31 every weight is 1, so the longest code
+//            is 9 bits and lane 31 always fits) and keeps only its height; a
+//            tree's shape does not depend on how leaves of equal weight are
+//            ordered, so the lanes share one order. The first t that fits is
+//            the reference's; lane 0 then builds that tree again with the
+//            leaves in the reference's order (ties by symbol) and reads every
+//            leaf's depth.
+//   codes    canonical: the leaves ranked by (length, symbol); a code is the
+//            Kraft sum of the codes before it (a warp scan) at its length.
+// Cost: two serial passes of at most 256 merges (the 32 round trees side by
+// side, then lane 0 alone) and O(L^2 / 32) compares per ranking (L <= 257
+// leaves) -- tens of microseconds of one warp, estimated, not measured on a
+// GPU; the kernel runs once per compress that has no learned table.
+#pragma once
+
+#include "buddy_warp.h"
+#include "codec_fpe.h"
+
+#define BUDDY_FPE_MAX_CODED 255u                            // regular symbols with codes at most (fpe.MAX_CODED)
+#define BUDDY_FPE_MAX_LEAVES (BUDDY_FPE_MAX_CODED + 2u)      // and ZERO and ESC
+#define BUDDY_FPE_SERIAL_BYTES (4u + 3u * BUDDY_FPE_MAX_LEAVES)  // the longest serialized table: 775 bytes
+#define BUDDY_FPE_TABLE_FORMAT 1u                            // byte 0 of a serialized table (fpe.TABLE_FORMAT)
+
+// Scratch of one fit (buddy.cuda.FIT_WORK_BYTES), in global memory.
+struct BuddyFpeFitWork {
+  uint64_t node[(BUDDY_FPE_MAX_LEAVES - 1u) * BUDDY_WARP_SIZE];  // lane t's merged nodes: weight | height << 40
+  uint64_t part[BUDDY_WARP_SIZE];                                // a 64-bit warp sum's lane partials
+  uint32_t c[BUDDY_FPE_SYMBOLS];                                 // scaled counts
+  uint32_t leaf_w[BUDDY_FPE_MAX_LEAVES], leaf_s[BUDDY_FPE_MAX_LEAVES];  // the leaves, by symbol
+  uint32_t w[BUDDY_FPE_MAX_LEAVES], s[BUDDY_FPE_MAX_LEAVES];            // the leaves sorted (weight, symbol)
+  uint32_t len[BUDDY_FPE_MAX_LEAVES];                                    // code length per sorted leaf
+  uint32_t parent[2u * BUDDY_FPE_MAX_LEAVES], depth[2u * BUDDY_FPE_MAX_LEAVES];
+  uint32_t canon_s[BUDDY_FPE_MAX_LEAVES], canon_len[BUDDY_FPE_MAX_LEAVES];  // canonical order
+};
+#define BUDDY_FPE_FIT_WORK_BYTES 93496u  // buddy.cuda.FIT_WORK_BYTES
+static_assert(sizeof(BuddyFpeFitWork) == BUDDY_FPE_FIT_WORK_BYTES, "the loader allocates this many bytes");
+
+// Counting: adds the symbols of the words of one 8-byte unit (ZERO for an
+// all-zero word) to counts (S + 2 uint32, atomically: a block's shared counts).
+template <int WB>
+BUDDY_HD void buddy_fpe_count_unit(uint64_t unit, uint32_t* counts) {
+  typedef BuddyFpe<WB> Fpe;
+  for (uint32_t i = 0; i < 8u / WB; ++i) {
+    const typename Fpe::word_t x = Fpe::unit_word(unit, i);
+    buddy_atomic_add(&counts[x == 0 ? Fpe::ZERO : (uint32_t)(x >> Fpe::m) & (Fpe::ZERO - 1u)], 1u);
+  }
+}
+
+// The same for one word of a tensor's last, partial entry.
+template <int WB>
+BUDDY_HD void buddy_fpe_count_word(const uint8_t* p, uint32_t* counts) {
+  typedef BuddyFpe<WB> Fpe;
+  const typename Fpe::word_t x = buddy_load<typename Fpe::word_t>(p);
+  buddy_atomic_add(&counts[x == 0 ? Fpe::ZERO : (uint32_t)(x >> Fpe::m) & (Fpe::ZERO - 1u)], 1u);
+}
+
+// Sum over the warp of a 64-bit value, on every lane.
+template <class Warp>
+BUDDY_WARP_FN uint64_t buddy_fit_sum64(const Warp& warp, uint64_t* part, uint64_t v) {
+  part[warp.lane()] = v;
+  warp.sync();
+  uint64_t sum = 0;
+  for (uint32_t l = 0; l < BUDDY_WARP_SIZE; ++l) sum += part[l];
+  warp.sync();  // every lane has read the partials before they are written again
+  return sum;
+}
+
+// Ranks the n leaves (weight max(1, from_w >> t), symbol from_s) by (weight,
+// symbol) and writes them in that order to to_w (the shifted weights) and to_s.
+template <class Warp>
+BUDDY_WARP_FN void buddy_fit_sort(const Warp& warp, const uint32_t* from_w, const uint32_t* from_s, uint32_t n,
+                                  uint32_t t, uint32_t* to_w, uint32_t* to_s) {
+  for (uint32_t i = warp.lane(); i < n; i += BUDDY_WARP_SIZE) {
+    const uint64_t mine = (uint64_t)buddy_max(1u, from_w[i] >> t) << 13 | from_s[i];
+    uint32_t rank = 0;
+    for (uint32_t j = 0; j < n; ++j) rank += ((uint64_t)buddy_max(1u, from_w[j] >> t) << 13 | from_s[j]) < mine;
+    to_w[rank] = (uint32_t)(mine >> 13);
+    to_s[rank] = from_s[i];
+  }
+  warp.sync();
+}
+
+// The two queues of a Huffman build: each pick takes the next leaf (weights
+// sorted) unless the oldest unmerged node is lighter.
+struct BuddyFitQueues {
+  uint32_t leaf, node, made;  // next leaf, next unmerged node, nodes made
+};
+
+// The height of the tree over the n sorted weights max(1, w >> t); node: this
+// lane's merged nodes, stride apart.
+BUDDY_HD uint32_t buddy_fit_height(const uint32_t* w, uint32_t n, uint32_t t, uint64_t* node, uint32_t stride) {
+  BuddyFitQueues q = {0, 0, 0};
+  for (uint32_t m = 0; m + 1 < n; ++m) {
+    uint64_t sum = 0, height = 0;
+    for (int pick = 0; pick < 2; ++pick) {
+      uint64_t pw, ph;
+      const bool leaf = q.leaf < n && (q.node >= q.made || buddy_max(1u, w[q.leaf] >> t) <= (node[q.node * stride] & 0xFFFFFFFFFFull));
+      if (leaf) {
+        pw = buddy_max(1u, w[q.leaf++] >> t);
+        ph = 0;
+      } else {
+        pw = node[q.node * stride] & 0xFFFFFFFFFFull;
+        ph = node[q.node++ * stride] >> 40;
+      }
+      sum += pw;
+      height = buddy_max(height, ph + 1u);
+    }
+    node[q.made++ * stride] = sum | height << 40;
+  }
+  return n > 1 ? (uint32_t)(node[(n - 2) * stride] >> 40) : 1u;
+}
+
+// The code lengths of the sorted leaves (weights w, already shifted) into len:
+// each leaf's depth in the two-queue tree (lane 0 alone; 1 for a single leaf).
+BUDDY_HD void buddy_fit_lengths(BuddyFpeFitWork* wk, uint32_t n) {
+  if (n == 1) {
+    wk->len[0] = 1;
+    return;
+  }
+  uint64_t* node = wk->node;  // lane 0's column, contiguous here: ids n, n + 1, ... are nodes 0, 1, ...
+  BuddyFitQueues q = {0, 0, 0};
+  for (uint32_t m = 0; m + 1 < n; ++m) {
+    uint64_t sum = 0;
+    for (int pick = 0; pick < 2; ++pick) {
+      const bool leaf = q.leaf < n && (q.node >= q.made || wk->w[q.leaf] <= node[q.node]);
+      const uint32_t id = leaf ? q.leaf : n + q.node;
+      sum += leaf ? wk->w[q.leaf++] : node[q.node++];
+      wk->parent[id] = n + q.made;
+    }
+    node[q.made++] = sum;
+  }
+  const uint32_t root = 2u * n - 2u;
+  wk->depth[root] = 0;
+  for (uint32_t x = root; x-- > 0;) wk->depth[x] = wk->depth[wk->parent[x]] + 1u;
+  for (uint32_t i = 0; i < n; ++i) wk->len[i] = wk->depth[i];
+}
+
+// Fits the fpe table of word size word_bytes to counts (S + 2 int64: the
+// regular symbols, ZERO, ESC (only in the total); non-negative) as Table.from_counts
+// does. Writes the kernels' device table (every byte) and the serialized
+// table (fpe.Table.to_bytes; BUDDY_FPE_SERIAL_BYTES bytes, zeros after it).
+template <class Warp>
+BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32_t word_bytes, BuddyFpeFitWork* wk,
+                                 BuddyFpeTable* table, uint8_t* serial) {
+  const uint32_t lane = warp.lane();
+  const uint32_t e = word_bytes == 1 ? 4u : word_bytes == 8 ? 11u : 8u;
+  const uint32_t S = 1u << (1u + e), ZERO = S, ESC = S + 1u;
+
+  // scale the counts to integers summing to about 2^30
+  uint64_t mine = 0;
+  for (uint32_t i = lane; i < S + 2u; i += BUDDY_WARP_SIZE) mine += (uint64_t)counts[i];  // ESC's too, as the reference
+  const uint64_t total = buddy_fit_sum64(warp, wk->part, mine);
+  const double scale = total > 0 ? 1073741824.0 / (double)total : 1.0;
+  uint32_t nonzero = 0;
+  for (uint32_t i = lane; i < S + 1u; i += BUDDY_WARP_SIZE) {
+    const int64_t v = counts[i];
+    wk->c[i] = v > 0 ? buddy_max(1u, (uint32_t)buddy_rint((double)v * scale)) : 0u;
+    nonzero += i < S && v > 0;
+  }
+  nonzero = buddy_warp_sum(warp, nonzero);
+  warp.sync();
+
+  // which regular symbols get codes: all, or the 255 of largest key c << 12 | (4095 - symbol)
+  uint64_t threshold = 0;
+  if (nonzero > BUDDY_FPE_MAX_CODED) {
+    for (int bit = 42; bit >= 0; --bit) {
+      const uint64_t candidate = threshold | (uint64_t)1 << bit;
+      uint32_t above = 0;
+      for (uint32_t i = lane; i < S; i += BUDDY_WARP_SIZE)
+        above += wk->c[i] && ((uint64_t)wk->c[i] << 12 | (4095u - i)) >= candidate;
+      if (buddy_warp_sum(warp, above) >= BUDDY_FPE_MAX_CODED) threshold = candidate;
+    }
+  }
+  // the leaves in symbol order (a ballot per 32 symbols), the others' weight for ESC
+  uint32_t n = 0, rest = 0;
+  for (uint32_t base = 0; base < S; base += BUDDY_WARP_SIZE) {
+    const uint32_t i = base + lane;
+    const uint32_t c = i < S ? wk->c[i] : 0u;
+    const bool coded = c && ((uint64_t)c << 12 | (4095u - i)) >= threshold;
+    rest += c && !coded ? c : 0u;
+    const uint32_t ballot = warp.ballot(coded);
+    if (coded) {
+      const uint32_t at = n + buddy_popc(ballot & ((1u << lane) - 1u));
+      wk->leaf_w[at] = c;
+      wk->leaf_s[at] = i;
+    }
+    n += buddy_popc(ballot);
+  }
+  rest = buddy_warp_sum(warp, rest);
+  const uint32_t zero = wk->c[ZERO] ? 1u : 0u;
+  if (lane == 0) {
+    if (zero) {
+      wk->leaf_w[n] = wk->c[ZERO];
+      wk->leaf_s[n] = ZERO;
+    }
+    wk->leaf_w[n + zero] = buddy_max(1u, rest);
+    wk->leaf_s[n + zero] = ESC;
+  }
+  n += zero + 1u;
+  warp.sync();
+
+  // the first round of halving whose longest code fits: lane t tries round t
+  buddy_fit_sort(warp, wk->leaf_w, wk->leaf_s, n, 0u, wk->w, wk->s);
+  const uint32_t height = buddy_fit_height(wk->w, n, lane, wk->node + lane, BUDDY_WARP_SIZE);
+  const uint32_t t = buddy_ctz64(warp.ballot(height <= BUDDY_FPE_CODE_BITS));
+  warp.sync();
+  // that round's tree with the leaves in the reference's order: every leaf's length
+  buddy_fit_sort(warp, wk->leaf_w, wk->leaf_s, n, t, wk->w, wk->s);
+  if (lane == 0) buddy_fit_lengths(wk, n);
+  // meanwhile the table is cleared: a row or symbol no code reaches reads 0
+  for (uint32_t v = lane; v < BUDDY_FPE_ROWS; v += BUDDY_WARP_SIZE) table->dec[v] = 0;
+  for (uint32_t i = lane; i < BUDDY_FPE_SYMBOLS; i += BUDDY_WARP_SIZE) table->enc[i] = 0;
+  for (uint32_t b = lane; b < BUDDY_FPE_SERIAL_BYTES; b += BUDDY_WARP_SIZE) serial[b] = 0;
+  warp.sync();
+
+  // canonical order: by (length, symbol)
+  for (uint32_t i = lane; i < n; i += BUDDY_WARP_SIZE) {
+    const uint32_t key = wk->len[i] << 13 | wk->s[i];
+    uint32_t rank = 0;
+    for (uint32_t j = 0; j < n; ++j) rank += (wk->len[j] << 13 | wk->s[j]) < key;
+    wk->canon_s[rank] = wk->s[i];
+    wk->canon_len[rank] = wk->len[i];
+  }
+  warp.sync();
+  // codes: the Kraft sum before each, at its length; written most significant bit first
+  uint32_t kraft = 0;
+  for (uint32_t base = 0; base < n; base += BUDDY_WARP_SIZE) {
+    const uint32_t i = base + lane;
+    const uint32_t len = i < n ? wk->canon_len[i] : BUDDY_FPE_CODE_BITS;
+    uint32_t sum;
+    const uint32_t before = kraft + buddy_warp_exclusive_scan(warp, i < n ? 1u << (BUDDY_FPE_CODE_BITS - len) : 0u, &sum);
+    kraft += sum;
+    if (i < n) {
+      const uint32_t sym = wk->canon_s[i], code = before >> (BUDDY_FPE_CODE_BITS - len);
+      uint32_t stream = 0;  // the code bit-reversed: its first bit is the stream's bit 0
+      for (uint32_t b = 0; b < len; ++b) stream |= (code >> (len - 1u - b) & 1u) << b;
+      table->enc[sym] = (uint16_t)(stream | len << 12);
+      for (uint32_t v = stream; v < BUDDY_FPE_ROWS; v += 1u << len) table->dec[v] = sym | len << 16;
+      serial[4u + 3u * i] = (uint8_t)(sym & 0xFFu);
+      serial[5u + 3u * i] = (uint8_t)(sym >> 8);
+      serial[6u + 3u * i] = (uint8_t)len;
+    }
+  }
+  if (lane == 0) {
+    serial[0] = BUDDY_FPE_TABLE_FORMAT;
+    serial[1] = (uint8_t)word_bytes;
+    serial[2] = (uint8_t)(n & 0xFFu);
+    serial[3] = (uint8_t)(n >> 8);
+  }
+}
