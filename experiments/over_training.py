@@ -95,6 +95,21 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _resumed(out: Path, settings: dict, workloads: list[str]) -> list[dict]:
+    """The rows of the workloads an earlier run with these ``settings`` finished under ``out`` (none if it differs)."""
+    import json
+
+    path = out / "results.json"
+    if not path.is_file():
+        return []
+    earlier = json.loads(path.read_text())
+    if earlier.get("settings") != settings:
+        print(f"not resuming: {path} was written with {earlier.get('settings')}, this run has {settings}")
+        return []
+    finished = set(earlier.get("workloads_done", ())) & set(workloads)
+    return [r for r in earlier["rows"] if r["workload"] in finished]
+
+
 def _ideal(rows: list[dict], step: int) -> float:
     at = [r for r in rows if r["step"] == step]
     return ratio(sum(r["original_bytes"] for r in at), sum(r["original_bytes"] / r["ideal_ratio"] for r in at))
@@ -130,6 +145,11 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=Path("results/over_training"))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the workloads an earlier, interrupted run with the same settings wrote to --out; run the rest",
+    )
     args = p.parse_args(argv)
     if args.every < 1:
         p.error("--every must be at least 1")
@@ -142,8 +162,14 @@ def main(argv=None) -> list[dict]:
     header = start("over_training", argv)
     steps = args.steps or DEFAULT_STEPS[args.size]
     policy = buddy.BuddyThreshold(args.max_overflow)
-    rows = []
+    settings = {"size": args.size, "steps": steps, "every": args.every, "seed": args.seed, "policy": str(policy)}
+    rows = _resumed(args.out, settings, args.workloads) if args.resume else []
+    done = list(dict.fromkeys(r["workload"] for r in rows))
+    if done:
+        print(f"resumed from {args.out / 'results.json'}: {', '.join(done)}")
     for name in args.workloads:
+        if name in done:
+            continue
         rows += track(
             name,
             size=args.size,
@@ -154,6 +180,13 @@ def main(argv=None) -> list[dict]:
             seed=args.seed,
             show=not args.no_progress,
         )
+        done.append(name)
+        # after every workload: an interrupted run keeps what it finished (--resume goes on from it)
+        write_results(
+            args.out, header, rows, summary=summarise(rows), experiment="over_training", settings=settings,
+            workloads_done=done, complete=len(done) == len(args.workloads), size=args.size, steps=steps,
+        )  # fmt: skip
+    rows = [r for r in rows if r["workload"] in args.workloads]
     summary = summarise(rows)
     print()
     print(
@@ -161,8 +194,9 @@ def main(argv=None) -> list[dict]:
     )
     print(format_table(summary, SUMMARY_COLUMNS))
     path = write_results(
-        args.out, header, rows, summary=summary, experiment="over_training", size=args.size, steps=steps
-    )
+        args.out, header, rows, summary=summary, experiment="over_training", settings=settings,
+        workloads_done=list(args.workloads), complete=True, size=args.size, steps=steps,
+    )  # fmt: skip
     print(f"\nwrote {path} and {path.with_suffix('.csv')}")
     if not args.no_plot:
         from experiments.plot import plot_over_training

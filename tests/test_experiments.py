@@ -79,6 +79,24 @@ def test_over_training_tiny(tmp_path):
         assert s["steps"] == 3 and s["predictions"] == s["keys"] * 2  # every key predicted after its first step
 
 
+def test_over_training_resumes_what_an_interrupted_run_finished(tmp_path, monkeypatch, capsys):
+    from experiments import over_training
+
+    base = ["--size", "tiny", "--steps", "2", "--no-progress", "--no-plot", "--out", str(tmp_path)]
+    first = over_training.main([*base, "--workloads", "lstm-fp32"])
+    calls = []
+    track = over_training.track
+    monkeypatch.setattr(over_training, "track", lambda name, **kw: calls.append(name) or track(name, **kw))
+    rows = over_training.main([*base, "--workloads", "lstm-fp32", "resnet-fp32", "--resume"])
+    assert calls == ["resnet-fp32"], "the finished workload is kept, not run again"
+    assert [r for r in rows if r["workload"] == "lstm-fp32"] == first
+    assert "resumed from" in capsys.readouterr().out
+    # other settings: nothing is kept
+    calls.clear()
+    over_training.main([*base, "--workloads", "lstm-fp32", "--every", "2", "--resume"])
+    assert calls == ["lstm-fp32"] and "not resuming" in capsys.readouterr().out
+
+
 def test_main_job_tiny_reports_both_sets(tmp_path, capsys):
     from experiments import run
 
