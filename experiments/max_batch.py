@@ -65,6 +65,29 @@ ACCOUNTING_FACTOR = 4
 #: an accounting run (no GPU) holds every saved tensor in host memory whatever the method, plus the
 #: accounting forward's: it measures no batch whose saved bytes would pass this share of physical memory
 HOST_MEMORY_SHARE = 0.25
+#: nor one whose peak resident memory, on the line through two measured batches, would pass this share:
+#: the reference codecs' working memory on the host is several times a tensor's (the saved bytes alone
+#: let minilm-fp32's buddy step at full size run 24 GiB out of memory)
+HOST_PEAK_SHARE = 0.6
+
+
+def _reset_peak() -> None:
+    """Restart the process's peak resident memory (Linux: /proc/self/clear_refs); elsewhere nothing."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak() -> int | None:
+    """The process's peak resident bytes since :func:`_reset_peak` (Linux: VmHWM), ``None`` where unknown."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 # ---- a training step at a given batch, under a method ---------------------------------------
@@ -128,6 +151,8 @@ class Measurement:
     activation_bytes: int
     seconds: float
     saved_bytes: int = 0  # every unique saved storage of the step (what an accounting run holds in host memory)
+    peak_bytes: int | None = None  # the process's peak resident memory during the measurement (None: unknown)
+    host_cap: int | None = None  # the largest batch the accounting search would measure (host memory)
 
     @property
     def total_bytes(self) -> int:
@@ -180,6 +205,7 @@ def measure(workload: str, method: str, *, size: str, batch: int, device: str = 
     """A warm-up step, then one timed step under ``method``: the device bytes it holds, and its time."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    _reset_peak()
     run = _run(workload, size, batch, device, seed)
     run.step(run.forward_loss())  # warm-up: optimizer state exists from now on
     data = next(run.batches)
@@ -221,7 +247,7 @@ def measure(workload: str, method: str, *, size: str, batch: int, device: str = 
         activation = stats.device_bytes + stats.kept_bytes
     activation += plain.largest
     state = _state_bytes(run.model, run.optimizer)
-    return Measurement(workload, method, batch, state, activation, seconds, plain.outside)
+    return Measurement(workload, method, batch, state, activation, seconds, plain.outside, _peak())
 
 
 def _search(fits, start: int, cap: int) -> Measurement | None:
@@ -261,20 +287,28 @@ def _largest_accounted(workload, method, *, size, base, budget, device, seed) ->
         m = measure(workload, method, size=size, batch=batch, device=device, seed=seed)
         return m if m.total_bytes <= budget else None
 
-    return _search(fits, guess, min(ACCOUNTING_FACTOR * base, host_batch_cap(b)))
+    cap = host_batch_cap(b, smaller=a)
+    best = _search(fits, guess, min(ACCOUNTING_FACTOR * base, cap))
+    return None if best is None else dataclasses.replace(best, host_cap=cap)
 
 
-def host_batch_cap(m: Measurement, memory: int | None = None) -> int:
-    """The largest batch an accounting run measures: its saved bytes within :data:`HOST_MEMORY_SHARE` of memory.
+def host_batch_cap(m: Measurement, memory: int | None = None, *, smaller: Measurement | None = None) -> int:
+    """The largest batch an accounting run measures, from ``m``, a measurement at some batch.
 
-    ``m`` is a measurement at some batch (its saved bytes grow with the
-    batch in proportion); ``memory``: the host's physical memory (default:
-    this machine's).
+    Its saved bytes (which grow with the batch in proportion) within
+    :data:`HOST_MEMORY_SHARE` of ``memory`` (default: this machine's
+    physical memory), and, given a measurement at a ``smaller`` batch, the
+    peak resident memory on the line through the two within
+    :data:`HOST_PEAK_SHARE`. Never below ``m``'s batch.
     """
     if memory is None:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     per_sample = max(m.saved_bytes / m.batch, 1.0)
-    return max(m.batch, int(HOST_MEMORY_SHARE * memory // per_sample))
+    cap = int(HOST_MEMORY_SHARE * memory // per_sample)
+    if smaller is not None and None not in (m.peak_bytes, smaller.peak_bytes) and m.batch > smaller.batch:
+        per_sample = max((m.peak_bytes - smaller.peak_bytes) / (m.batch - smaller.batch), 1.0)
+        cap = min(cap, m.batch + int((HOST_PEAK_SHARE * memory - m.peak_bytes) // per_sample))
+    return max(m.batch, cap)
 
 
 def _largest_cuda(workload, method, *, size, base, budget, device, seed) -> Measurement | None:
@@ -360,8 +394,8 @@ def main(argv=None) -> list[dict]:
             factor = ACCOUNTING_FACTOR if accounting else MAX_BATCH_FACTOR
             if m and m.batch >= factor * WORKLOADS[workload].size(args.size).batch:
                 note = f"search capped at {factor}x the base batch"
-            elif m and accounting and m.batch >= host_batch_cap(m):
-                note = f"search capped by host memory ({HOST_MEMORY_SHARE:.0%} of it for the saved tensors)"
+            elif m and m.host_cap is not None and m.batch >= m.host_cap:
+                note = "search capped by host memory (see HOST_MEMORY_SHARE, HOST_PEAK_SHARE)"
         except ValueError as exc:  # e.g. no stack to checkpoint
             m, note = None, str(exc)
         rows.append(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -336,10 +337,33 @@ def test_learned_tables_tiny(tmp_path, capsys):
         learned_tables.main(["--codec", "zvc"])  # a codec without a table has nothing to learn
 
 
+def test_max_batch_tiny(tmp_path):
+    from experiments import max_batch
+    from experiments.workloads import WORKLOADS
+
+    args = ["--size", "tiny", "--workloads", "resnet-fp32", "--no-progress", "--no-plot", "--out", str(tmp_path)]
+    rows = {r["method"]: r for r in max_batch.main(args)}
+    assert set(rows) == set(max_batch.METHODS)
+    base = WORKLOADS["resnet-fp32"].size("tiny").batch
+    assert rows["none"]["max_batch"] == base, "the default budget is what the base batch needs uncompressed"
+    assert rows["save_on_cpu"]["max_batch"] >= rows["none"]["max_batch"]
+    assert all(r["accounting"] and r["total_mib"] <= r["budget_mib"] for r in rows.values() if r["max_batch"])
+    assert json.loads((tmp_path / "results.json").read_text())["rows"]
+
+
 def test_accounting_search_stays_within_host_memory():
-    from experiments.max_batch import HOST_MEMORY_SHARE, Measurement, host_batch_cap
+    from experiments import max_batch
+    from experiments.max_batch import HOST_MEMORY_SHARE, HOST_PEAK_SHARE, Measurement, host_batch_cap
 
     m = Measurement("w", "save_on_cpu", batch=16, state_bytes=0, activation_bytes=0, seconds=0.0, saved_bytes=16 << 20)
     assert host_batch_cap(m, memory=1 << 30) == int(HOST_MEMORY_SHARE * (1 << 30)) // (1 << 20)  # 1 MiB a sample
     assert host_batch_cap(m, memory=1 << 20) == 16, "never below the batch already measured"
     assert host_batch_cap(m) >= 16  # this machine's memory
+    # the peak resident memory on the line through two batches: 1 GiB + 100 MiB a sample, 60 % of 8 GiB
+    small = dataclasses.replace(m, batch=8, peak_bytes=(1 << 30) + 800 * (1 << 20))
+    big = dataclasses.replace(m, batch=16, peak_bytes=(1 << 30) + 1600 * (1 << 20))
+    want = 16 + int((HOST_PEAK_SHARE * (8 << 30) - big.peak_bytes) // (100 << 20))
+    assert host_batch_cap(big, memory=8 << 30, smaller=small) == want == 38, "the peak binds before the saved bytes"
+    unknown = dataclasses.replace(small, peak_bytes=None)
+    assert host_batch_cap(big, memory=8 << 30, smaller=unknown) == 2048, "the saved bytes alone (1 MiB a sample)"
+    assert max_batch._peak() is None or max_batch._peak() > 0
