@@ -337,6 +337,31 @@ def test_learned_tables_tiny(tmp_path, capsys):
         learned_tables.main(["--codec", "zvc"])  # a codec without a table has nothing to learn
 
 
+def test_context_bound():
+    from experiments.context_bound import context_bits
+
+    g = torch.Generator().manual_seed(0)
+    # two exponents taking turns: one bit a word at order 0, none given the previous word's
+    x = torch.tensor([1.5, 96.0] * 4096, dtype=torch.float32) * (1 + torch.rand(8192, generator=g) / 4)
+    bits = context_bits(x)
+    assert bits["previous"] < bits["order0"] - 0.99 * 8192, "a bit less per word"
+    # independent values: no context helps (a few bits of estimation bias at most)
+    y = torch.randn(1 << 16, generator=g).to(torch.bfloat16)
+    bits = context_bits(y)
+    assert bits["order0"] >= bits["previous"] >= bits["top"] > 0.98 * bits["order0"]
+    assert context_bits(torch.arange(10)) is None
+
+
+def test_context_bound_tiny(tmp_path):
+    from experiments import context_bound
+
+    args = ["--size", "tiny", "--workloads", "gpt-bf16", "lstm-fp32", "--no-progress", "--out", str(tmp_path)]
+    rows = {r["workload"]: r for r in context_bound.main(args)}
+    assert set(rows) == {"gpt-bf16", "lstm-fp32", "tuning set"}
+    for r in rows.values():
+        assert r["top_ratio"] >= r["previous_ratio"] >= r["order0_ratio"] > 1
+
+
 def test_max_batch_tiny(tmp_path):
     from experiments import max_batch
     from experiments.workloads import WORKLOADS

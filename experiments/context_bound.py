@@ -1,0 +1,152 @@
+"""What context could add to the float-field bound: is there more to code than each value's own fields?
+
+``fpe`` codes each word's sign and exponent with a table and passes its
+mantissa through, so the order-0 **float-field entropy** (sign and exponent
+as one symbol, the mantissa in pieces of up to 16 bits, each on its own:
+:func:`experiments.analysis.field_entropy_bits`) bounds what a coder of
+that kind reaches. This measures two contexts a richer codec could use,
+each an ideal (conditional entropy, no table cost) on every float tensor
+the workloads save:
+
+* **previous symbol**: a word's sign and exponent given the previous word's
+  (neighbours in memory: a row of a feature map, a hidden vector);
+* **+ mantissa top**: in addition, the mantissa's top 4 bits given the
+  word's own sign and exponent (the rest of the mantissa as before).
+
+A ratio here is the tensor's bits over the bound's. If neither context adds
+much over order-0, no coder of single values and their neighbours gets
+further, and a higher capacity has to come from elsewhere (larger entries,
+overflow).
+
+    python -m experiments.context_bound             # quick, tuning and check sets
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from experiments.analysis import _FLOAT_FIELDS, _order0_bits, field_entropy_bits, ratio
+from experiments.common import capture_all, format_table, geomean, progress, start, write_results
+
+__all__ = ["context_bits", "analyse", "main"]
+
+#: mantissa bits the second context codes given the word's sign and exponent
+TOP_BITS = 4
+
+
+def _conditional_bits(a: torch.Tensor, b: torch.Tensor, na: int, nb: int) -> float:
+    """Total bits of ``a`` given ``b`` (symbols in ``[0, na)`` and ``[0, nb)``): H(a, b) - H(b), order 0."""
+    return _order0_bits(b * na + a, na * nb) - _order0_bits(b, nb)
+
+
+def context_bits(t: torch.Tensor) -> dict[str, float] | None:
+    """Total bits of a float tensor under the order-0 field bound and the two contexts (``None``: not a float)."""
+    t = t.detach().contiguous().reshape(-1)
+    if t.dtype not in _FLOAT_FIELDS or t.numel() == 0:
+        return None
+    e, m = _FLOAT_FIELDS[t.dtype]
+    word = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    w = t.view(word).to(torch.int64)
+    n_sym = 1 << (1 + e)
+    sym = (w >> m) & (n_sym - 1)
+    order0 = field_entropy_bits(t) * t.numel()
+    symbol0 = _order0_bits(sym, n_sym)
+    previous = torch.cat([sym.new_zeros(1), sym[:-1]])
+    with_previous = order0 - symbol0 + _conditional_bits(sym, previous, n_sym, n_sym)
+    # the bound codes the mantissa's top piece P (up to 16 bits) at H(P) = H(top) + H(rest of P | top): given
+    # the symbol, the top bits cost H(top | symbol) instead of H(top), the rest the same
+    top = (w >> (m - TOP_BITS)) & ((1 << TOP_BITS) - 1)
+    with_top = with_previous - _order0_bits(top, 1 << TOP_BITS) + _conditional_bits(top, sym, 1 << TOP_BITS, n_sym)
+    return {"order0": order0, "previous": with_previous, "top": with_top}
+
+
+def analyse(captures: dict, *, show: bool = True) -> list[dict]:
+    """One row per workload: the tensors' ratio under each bound (float tensors only)."""
+    rows = []
+    for workload, caps in progress(captures.items(), desc="context bounds", enabled=show):
+        total = {"bits": 0.0, "order0": 0.0, "previous": 0.0, "top": 0.0}
+        for cap in caps:
+            for saved in cap.tensors:
+                bits = context_bits(saved.tensor)
+                if bits is None:
+                    continue
+                total["bits"] += saved.tensor.numel() * saved.tensor.element_size() * 8
+                for k, v in bits.items():
+                    total[k] += v
+        rows.append(
+            {
+                "workload": workload,
+                "order0_ratio": ratio(total["bits"], total["order0"]),
+                "previous_ratio": ratio(total["bits"], total["previous"]),
+                "top_ratio": ratio(total["bits"], total["top"]),
+                "gain": total["order0"] / total["top"] - 1 if total["top"] else 0.0,
+            }
+        )
+    return rows
+
+
+def with_sets(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
+    """``rows`` and a geometric-mean row per set (of the workloads it has)."""
+    out = list(rows)
+    for name, members in sets.items():
+        mine = [r for r in rows if r["workload"] in members]
+        if mine:
+            row = {"workload": f"{name} set"}
+            for k in ("order0_ratio", "previous_ratio", "top_ratio"):
+                row[k] = geomean([r[k] for r in mine])
+            row["gain"] = row["top_ratio"] / row["order0_ratio"] - 1
+            out.append(row)
+    return out
+
+
+COLUMNS = [
+    ("workload", "workload", ""),
+    ("order0_ratio", "order-0 fields", ".3f"),
+    ("previous_ratio", "+ previous symbol", ".3f"),
+    ("top_ratio", f"+ mantissa top {TOP_BITS} | symbol", ".3f"),
+    ("gain", "gain", "+.1%"),
+]
+
+
+def parse_args(argv):
+    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS, WORKLOADS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
+    p.add_argument(
+        "--workloads", nargs="*", choices=sorted(WORKLOADS), default=[*TUNING_WORKLOADS, *CHECK_WORKLOADS]
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("results/context_bound"))
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    from experiments.capacity import DEFAULT_POINTS
+    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    header = start("context_bound", argv)
+    show = not args.no_progress
+    points = DEFAULT_POINTS[args.size]
+    captures = capture_all(args.workloads, size=args.size, points=points, device="cpu", seed=args.seed, show=show)
+    rows = with_sets(analyse(captures, show=show), {"tuning": list(TUNING_WORKLOADS), "check": list(CHECK_WORKLOADS)})
+    print()
+    print("Ratio of an ideal coder of the float tensors' fields, without and with context (bits / conditional entropy)")
+    print(format_table(rows, COLUMNS))
+    path = write_results(args.out, header, rows, experiment="context_bound", size=args.size, points=list(points))
+    print(f"\nwrote {path} and {path.with_suffix('.csv')}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
