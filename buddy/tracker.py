@@ -16,6 +16,10 @@ Policies:
 * :class:`BuddyThreshold` -- per tensor, the most aggressive slot whose
   expected overflow stays within ``max_overflow`` of the tensor's bytes (the
   paper's per-allocation policy).
+* :class:`OverflowBudget` -- a step's overflow within ``max_overflow`` of
+  its bytes, spent on the tensors where a sector of slot costs the least
+  spill (slots come in whole sectors, so a per-tensor threshold leaves part
+  of each tensor's allowance unused).
 * :class:`DeviceBudget` -- all slots chosen together so the device bytes of
   everything held fit ``budget_bytes`` with the least overflow.
 * :class:`CompressedOffload` -- the zero slot for every tensor: only metadata
@@ -41,7 +45,7 @@ import torch
 from . import spec
 from ._process_default import ProcessDefault
 from .ledger import DeviceLedger, default_ledger
-from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, slot_for_overflow
+from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, share_beyond, slot_for_overflow
 
 if TYPE_CHECKING:
     from .codecs.base import Codec
@@ -51,6 +55,7 @@ __all__ = [
     "FixedRatio",
     "BuddyThreshold",
     "DeviceBudget",
+    "OverflowBudget",
     "CompressedOffload",
     "Decision",
     "Placement",
@@ -226,6 +231,72 @@ class DeviceBudget(Policy):
                 BudgetExceededWarning,
                 stacklevel=2,
             )
+        return slot
+
+
+class OverflowBudget(Policy):
+    """A step's overflow within ``max_overflow`` of its bytes, spent where it saves the most device memory.
+
+    Shrinking a tensor's slot by a sector saves a sector per entry on the
+    device and spills one more sector of each entry larger than the new
+    slot: the spill per device byte saved is the share of entries larger
+    (:func:`~buddy.slots.share_beyond`). At the start of each step the
+    policy plans every key with history from its predicted histogram:
+    starting from the tightest slots (no overflow), it takes the cheapest
+    such step down among all keys, again and again, skipping those that no
+    longer fit, until the predicted overflow reaches ``max_overflow`` of the
+    keys' bytes. Should the per-tensor slots of ``BuddyThreshold(max_overflow)``
+    (which meet the same bound) hold fewer device bytes, those are the plan.
+    A key with no history (a session's first step) gets the
+    ``BuddyThreshold(max_overflow)`` slot.
+
+    Against :class:`BuddyThreshold` with the same ``max_overflow``: the same
+    bound on the step's traffic, no longer on each tensor's -- one tensor
+    may spill 20 % while another keeps everything -- and the allowance that
+    whole-sector slots leave unused in each tensor is spent where it saves
+    the most.
+    """
+
+    def __init__(self, max_overflow: float = DEFAULT_MAX_OVERFLOW):
+        self.max_overflow = BuddyThreshold(max_overflow).max_overflow
+        self._plan: dict[str, int] = {}
+
+    def begin_step(self, tracker: Tracker) -> None:
+        self._plan = self.plan(tracker)
+
+    def plan(self, tracker: Tracker) -> dict[str, int]:
+        """Slots for every key with history."""
+        import heapq
+
+        keys = [h for h in tracker.histories() if h.histograms and h.observations]
+        hist = {h.key: h.predicted() for h in keys}
+        n = {h.key: h.n_entries for h in keys}
+        slots = {key: max((k for k, c in enumerate(hs) if c > 0), default=0) for key, hs in hist.items()}
+        left = self.max_overflow * sum(h.observations[-1].original_bytes for h in keys)
+        spill_sectors = lambda key: share_beyond(hist[key], slots[key] - 1, n[key]) * n[key]  # noqa: E731
+
+        # cheapest spill first; at equal cost the widest slot, so that the spill spreads over the keys
+        heap = [(share_beyond(hist[key], s - 1, n[key]), -s, key) for key, s in slots.items() if s > 0]
+        heapq.heapify(heap)
+        while heap:
+            _, _, key = heapq.heappop(heap)
+            added = spill_sectors(key) * spec.SECTOR_BYTES
+            if added > left:
+                continue  # this key's next steps down spill more still: it stays where it is
+            left -= added
+            slots[key] -= 1
+            if slots[key] > 0:
+                heapq.heappush(heap, (share_beyond(hist[key], slots[key] - 1, n[key]), -slots[key], key))
+        # the greedy plan is not always the best: never hold more than the per-tensor rule would
+        sizes = {h.key: (h.n_entries, h.observations[-1].original_bytes) for h in keys}
+        each = {key: slot_for_overflow(hist[key], self.max_overflow, sizes[key][1]) for key in hist}
+        held = lambda plan: sum(sizes[key][0] * slot for key, slot in plan.items())  # noqa: E731
+        return each if held(each) < held(slots) else slots
+
+    def choose(self, decision: Decision, tracker: Tracker) -> int:
+        slot = self._plan.get(decision.key)
+        if slot is None or decision.predicted is None:
+            return slot_for_overflow(decision.histogram, self.max_overflow, decision.original_bytes)
         return slot
 
 

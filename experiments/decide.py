@@ -5,8 +5,10 @@ of training), for every codec x entry size E:
 
 * ideal ratio      original bytes / compacted sectors (no slot rounding, no
                    metadata): the most any slot choice could give;
-* capacity         original / device bytes (slots + metadata) under the
-                   tracker's default policy, BuddyThreshold 10 %, run over the
+* capacity         original / device bytes (slots + metadata) under each of
+                   the tracker's policies at 10 % -- BuddyThreshold (each
+                   tensor's overflow within 10 % of it) and OverflowBudget
+                   (each step's within 10 % of the step) -- run over the
                    training points exactly as in training; with its overflow
                    (buddy traffic / original bytes);
 * CPU GB/s         ``buddy.compress`` / ``decompress`` of the reference path
@@ -20,10 +22,11 @@ reaches with the random access slots need); and two entropy bounds: order-0
 bytes, and order-0 float fields (sign+exponent, mantissa pieces), the bound
 of an entry-local coder that codes each value alone.
 
-The default is the codec x E with the highest geometric-mean capacity over
-the **tuning set** among those whose overflow stayed within the policy's 10 %
-on every tuning workload; candidates within 1 % of the best are taken as
-equal, and among them the smaller entry (finer spills) and then the faster
+The default is the codec x E x policy with the highest geometric-mean
+capacity over the **tuning set** among those whose overflow stayed within
+10 % on every tuning workload; candidates within 1 % of the best are taken
+as equal, and among them the smaller entry (finer spills), then
+BuddyThreshold (a bound per tensor, not only per step), then the faster
 compressor wins. The **check set** (workloads the choice never sees) is
 measured the same way and reported in its own columns -- its geometric mean
 and worst overflow, and what it would have chosen -- so that a choice that
@@ -62,12 +65,14 @@ from experiments.analysis import (
 )
 from experiments.common import capture_all, format_table, geomean, progress, start, write_results
 
-__all__ = ["CODECS", "ENTRY_SIZES", "POLICY_OVERFLOW", "analyse", "speeds", "decide", "main"]
+__all__ = ["CODECS", "ENTRY_SIZES", "POLICIES", "POLICY_OVERFLOW", "analyse", "speeds", "decide", "main"]
 
 CODECS = ("zvc", "bpc", "fpx", "fpe", "auto", "auto2")
 ENTRY_SIZES = (128, 256, 512, 1024, 2048, 4096)
-#: the policy the capacity column runs: the tracker's default
+#: the overflow limit of the policies the capacity columns run
 POLICY_OVERFLOW = 0.10
+#: the tracker's policies the capacity columns run, each at POLICY_OVERFLOW (the first: preferred on a tie)
+POLICIES = {"BuddyThreshold": buddy.BuddyThreshold, "OverflowBudget": buddy.OverflowBudget}
 #: the per-entry general-purpose baseline, sized like a codec
 ZSTD_ENTRY = "zstd-3@E"
 #: candidates within this fraction of the best capacity count as equal
@@ -82,8 +87,8 @@ def _histogram(t: torch.Tensor, method: str, entry_bytes: int) -> list[int]:
     return histogram(t, method, entry_bytes)
 
 
-def _entry_rows(captures: dict, methods, entry_sizes, show: bool) -> list[dict]:
-    """Ideal ratio and tracker capacity per workload x method x E."""
+def _entry_rows(captures: dict, methods, entry_sizes, policies, show: bool) -> list[dict]:
+    """Ideal ratio and tracker capacity per workload x method x E x policy."""
     rows = []
     jobs = [(w, m, e) for w in captures for m in methods for e in entry_sizes]
     for workload, method, entry_bytes in progress(jobs, desc="codec x entry size", enabled=show):
@@ -91,27 +96,29 @@ def _entry_rows(captures: dict, methods, entry_sizes, show: bool) -> list[dict]:
             (c.point, [(t.key, _histogram(t.tensor, method, entry_bytes), tensor_bytes(t.tensor)) for t in c.tensors])
             for c in captures[workload]
         ]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", buddy.BudgetExceededWarning)
-            outcomes = simulate_policy(points, buddy.BuddyThreshold(POLICY_OVERFLOW), entry_bytes)
-        original = sum(o.original_bytes for o in outcomes)
         compacted = sum(compacted_bytes(h) for _, ts in points for _, h, _ in ts)
-        device = sum(o.device_bytes for o in outcomes)
-        buddy_bytes = sum(o.buddy_bytes for o in outcomes)
-        rows.append(
-            {
-                "workload": workload,
-                "method": method,
-                "entry_bytes": entry_bytes,
-                "original_bytes": original,
-                "compacted_bytes": compacted,
-                "device_bytes": device,
-                "buddy_bytes": buddy_bytes,
-                "ideal_ratio": ratio(original, compacted),
-                "capacity": ratio(original, device),
-                "overflow": buddy_bytes / original if original else 0.0,
-            }
-        )
+        for policy in policies:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", buddy.BudgetExceededWarning)
+                outcomes = simulate_policy(points, POLICIES[policy](POLICY_OVERFLOW), entry_bytes)
+            original = sum(o.original_bytes for o in outcomes)
+            device = sum(o.device_bytes for o in outcomes)
+            buddy_bytes = sum(o.buddy_bytes for o in outcomes)
+            rows.append(
+                {
+                    "workload": workload,
+                    "method": method,
+                    "entry_bytes": entry_bytes,
+                    "policy": policy,
+                    "original_bytes": original,
+                    "compacted_bytes": compacted,
+                    "device_bytes": device,
+                    "buddy_bytes": buddy_bytes,
+                    "ideal_ratio": ratio(original, compacted),
+                    "capacity": ratio(original, device),
+                    "overflow": buddy_bytes / original if original else 0.0,
+                }
+            )
     return rows
 
 
@@ -141,10 +148,12 @@ def _whole_rows(captures: dict, show: bool) -> list[dict]:
     ]
 
 
-def analyse(captures: dict, *, codecs=CODECS, entry_sizes=ENTRY_SIZES, zstd_entries: bool = True, show=True):
+def analyse(
+    captures: dict, *, codecs=CODECS, entry_sizes=ENTRY_SIZES, policies=tuple(POLICIES), zstd_entries=True, show=True
+):
     """Every ratio and capacity row of the decision (no timings)."""
     methods = list(codecs) + ([ZSTD_ENTRY] if zstd_entries else [])
-    return _entry_rows(captures, methods, entry_sizes, show) + _whole_rows(captures, show)
+    return _entry_rows(captures, methods, entry_sizes, policies, show) + _whole_rows(captures, show)
 
 
 def sample(captures: list, nbytes: int = SAMPLE_BYTES) -> list[torch.Tensor]:
@@ -194,10 +203,11 @@ def speeds(captures: dict, *, codecs=CODECS, entry_sizes=ENTRY_SIZES, repeats: i
     return rows
 
 
-def _label(method: str, entry_bytes: int | None) -> str:
+def _label(method: str, entry_bytes: int | None, policy: str | None = None) -> str:
     if entry_bytes is None:
         return method
-    return f"zstd-3@{entry_bytes}" if method == ZSTD_ENTRY else f"{method}@{entry_bytes}"
+    label = f"zstd-3@{entry_bytes}" if method == ZSTD_ENTRY else f"{method}@{entry_bytes}"
+    return label if policy in (None, next(iter(POLICIES))) else f"{label} {policy}"
 
 
 def table(rows: list[dict], speed_rows: list[dict], check: Sequence[str] = ()) -> list[dict]:
@@ -210,13 +220,14 @@ def table(rows: list[dict], speed_rows: list[dict], check: Sequence[str] = ()) -
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     by_method: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        by_method.setdefault((r["method"], r["entry_bytes"]), {})[r["workload"]] = r
+        by_method.setdefault((r["method"], r["entry_bytes"], r.get("policy")), {})[r["workload"]] = r
     speed: dict[tuple, list[dict]] = {}
     for r in speed_rows:
         speed.setdefault((r["method"], r["entry_bytes"]), []).append(r)
     out = []
-    for (method, entry_bytes), per in by_method.items():
-        row = {"method": _label(method, entry_bytes), "codec": method, "entry_bytes": entry_bytes}
+    for (method, entry_bytes, policy), per in by_method.items():
+        row = {"method": _label(method, entry_bytes, policy), "codec": method, "entry_bytes": entry_bytes}
+        row["policy"] = policy
         for w in workloads:
             row[f"ratio:{w}"] = per[w]["ideal_ratio"] if w in per else None
         for prefix, members in (("", [w for w in per if w not in check]), ("check:", [w for w in per if w in check])):
@@ -255,7 +266,8 @@ def decide(decision_rows: list[dict], codecs=CODECS, prefix: str = "") -> dict:
         raise ValueError(f"no buddy codec row kept overflow within {POLICY_OVERFLOW:.0%} on every workload")
     best = max(r[f"{prefix}capacity:geomean"] for r in candidates)
     close = [r for r in candidates if r[f"{prefix}capacity:geomean"] >= best * (1 - TIE)]
-    close.sort(key=lambda r: (r["entry_bytes"], -(r.get("compress_gbps") or 0.0)))
+    rank = {name: i for i, name in enumerate(POLICIES)}
+    close.sort(key=lambda r: (r["entry_bytes"], rank.get(r.get("policy"), 0), -(r.get("compress_gbps") or 0.0)))
     return close[0]
 
 
@@ -275,8 +287,9 @@ def _fmt_tables(decision: list[dict], workloads: list[str], check: Sequence[str]
     with_cap = [r for r in decision if "capacity:geomean" in r or "check:capacity:geomean" in r]
     parts.append("")
     parts.append(
-        f"Effective capacity under BuddyThreshold({POLICY_OVERFLOW:.0%}) (slots + metadata): the tuning set "
-        "(the choice is made on its geomean and max overflow), then the check set (never used to choose)"
+        f"Effective capacity (slots + metadata) under BuddyThreshold({POLICY_OVERFLOW:.0%}), and under "
+        f"OverflowBudget({POLICY_OVERFLOW:.0%}) where the row says so: the tuning set (the choice is made on its "
+        "geomean and max overflow), then the check set (never used to choose)"
     )
     cols = [("method", "method", "")] + [(f"capacity:{w}", short[w], ".2f") for w in tuning]
     cols += [("capacity:geomean", "tuning", ".2f"), ("overflow:max", "max overflow", ".1%")]
@@ -321,6 +334,9 @@ def parse_args(argv):
         "--codecs", nargs="+", choices=[c for c in buddy.available_codecs("cpu") if c != "raw"], default=CODECS
     )
     p.add_argument("--entry-bytes", type=int, nargs="+", default=list(ENTRY_SIZES))
+    p.add_argument(
+        "--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES), help="tracker policies, each at 10 %%"
+    )
     p.add_argument("--points", type=int, nargs="+", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per speed measurement (median)")
@@ -358,7 +374,12 @@ def main(argv=None) -> dict:
         cache=args.cache,
     )
     rows = analyse(
-        captures, codecs=args.codecs, entry_sizes=args.entry_bytes, zstd_entries=not args.no_zstd_entries, show=show
+        captures,
+        codecs=args.codecs,
+        entry_sizes=args.entry_bytes,
+        policies=args.policies,
+        zstd_entries=not args.no_zstd_entries,
+        show=show,
     )
     tuning_captures = {w: captures[w] for w in args.workloads}  # speeds break ties of the choice: tuning set only
     speed_rows = (
@@ -371,11 +392,15 @@ def main(argv=None) -> dict:
     print()
     print(_fmt_tables(decision, list(captures), check))
     current = buddy.defaults()
+    default_policy = type(buddy.Tracker().policy).__name__
+    same = (chosen["codec"], chosen["entry_bytes"], chosen["policy"]) == (
+        current.codec, current.entry_bytes, default_policy
+    )  # fmt: skip
     print(
-        f"\nchosen by measurement on the tuning set: codec {chosen['codec']!r}, E = {chosen['entry_bytes']} B "
-        f"(capacity {chosen['capacity:geomean']:.2f}x geomean, ideal {chosen['ratio:geomean']:.2f}x); "
-        f"library default: codec {current.codec!r}, E = {current.entry_bytes} B"
-        + ("" if (chosen["codec"], chosen["entry_bytes"]) == (current.codec, current.entry_bytes) else "  <- differs")
+        f"\nchosen by measurement on the tuning set: codec {chosen['codec']!r}, E = {chosen['entry_bytes']} B, "
+        f"{chosen['policy']}({POLICY_OVERFLOW}) (capacity {chosen['capacity:geomean']:.2f}x geomean, ideal "
+        f"{chosen['ratio:geomean']:.2f}x); library default: codec {current.codec!r}, E = {current.entry_bytes} B, "
+        f"{default_policy}" + ("" if same else "  <- differs")
     )
     check_view = _check_view(decision, chosen, args.codecs) if check else None
     if check_view:
@@ -385,13 +410,13 @@ def main(argv=None) -> dict:
         header,
         rows + speed_rows,
         decision=decision,
-        chosen={"codec": chosen["codec"], "entry_bytes": chosen["entry_bytes"]},
+        chosen={"codec": chosen["codec"], "entry_bytes": chosen["entry_bytes"], "policy": chosen["policy"]},
         sets={"tuning": list(args.workloads), "check": check},
         check={k: v for k, v in (check_view or {}).items() if k != "text"},
         experiment="decide",
         size=args.size,
         points=list(args.points),
-        policy=f"BuddyThreshold({POLICY_OVERFLOW})",
+        policies=[f"{p}({POLICY_OVERFLOW})" for p in args.policies],
     )
     print(f"\nwrote {path} and {path.with_suffix('.csv')}")
     if not args.no_plot:
@@ -420,11 +445,11 @@ def _check_view(decision: list[dict], chosen: dict, codecs) -> dict | None:
     except ValueError:
         text += "; no codec x E kept the check set within the overflow limit"
     else:
-        view["own_choice"] = {"codec": own["codec"], "entry_bytes": own["entry_bytes"]}
+        view["own_choice"] = {"codec": own["codec"], "entry_bytes": own["entry_bytes"], "policy": own["policy"]}
         view["own_capacity"] = own["check:capacity:geomean"]
         text += (
-            f"; the check set alone would choose {own['codec']!r} at E = {own['entry_bytes']} B "
-            f"({own['check:capacity:geomean']:.2f}x)"
+            f"; the check set alone would choose {own['codec']!r} at E = {own['entry_bytes']} B with "
+            f"{own['policy']} ({own['check:capacity:geomean']:.2f}x)"
         )
     view["text"] = text
     return view

@@ -306,6 +306,8 @@ def plot_max_batch(results_path: Path, out_dir: Path) -> list[Path]:
 def plot_decision(results_path: Path, out_dir: Path) -> list[Path]:
     """The entry-size study: ideal ratio and tracker capacity against E, a line per codec, per workload.
 
+    Capacity under BuddyThreshold is drawn solid, under OverflowBudget dotted in the same colour.
+
     Whole-tensor zstd-3 and the field-entropy bound are drawn as horizontal
     lines, zstd-3 run per entry as a dashed line.
     """
@@ -323,16 +325,29 @@ def plot_decision(results_path: Path, out_dir: Path) -> list[Path]:
         ):
             ax = axes[row][col]
             for method in per_entry:
-                pts = sorted((r for r in mine if r["method"] == method and field in r), key=lambda r: r["entry_bytes"])
-                style = dict(linestyle="--", color="black", linewidth=0.9) if method.startswith("zstd") else {}
-                ax.plot(
-                    [r["entry_bytes"] for r in pts],
-                    [r[field] for r in pts],
-                    marker="o",
-                    markersize=3,
-                    label=method,
-                    **style,
-                )
+                # the ideal ratio does not depend on the policy; capacity: BuddyThreshold solid, OverflowBudget dotted
+                for policy in ("BuddyThreshold", "OverflowBudget") if row else ("BuddyThreshold",):
+                    pts = sorted(
+                        (
+                            r
+                            for r in mine
+                            if r["method"] == method and field in r and r.get("policy", "BuddyThreshold") == policy
+                        ),
+                        key=lambda r: r["entry_bytes"],
+                    )
+                    if not pts:
+                        continue
+                    style = dict(linestyle="--", color="black", linewidth=0.9) if method.startswith("zstd") else {}
+                    if policy != "BuddyThreshold":
+                        style = dict(style, linestyle=":", color=ax.lines[-1].get_color() if ax.lines else None)
+                    ax.plot(
+                        [r["entry_bytes"] for r in pts],
+                        [r[field] for r in pts],
+                        marker="o" if policy == "BuddyThreshold" else ".",
+                        markersize=3,
+                        label=method if policy == "BuddyThreshold" else None,
+                        **style,
+                    )
             for r in mine:
                 if r["entry_bytes"] is None and r["method"] in ("zstd-3", "entropy (fields)"):
                     dotted = r["method"] != "zstd-3"
@@ -352,6 +367,9 @@ def plot_decision(results_path: Path, out_dir: Path) -> list[Path]:
             else:
                 ax.set_xlabel("entry size E (bytes)")
     axes[0][0].legend(fontsize=6)
+    if any(r.get("policy") == "OverflowBudget" for r in rows):
+        axes[1][0].plot([], [], linestyle=":", color="black", label="dotted: OverflowBudget(10 %)")
+        axes[1][0].legend(fontsize=6)
     path = _save(plt, fig, results, Path(out_dir) / "entry_size.png", dpi=120)
     return [path]
 

@@ -103,8 +103,8 @@ def assert_same_training(a, b):
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "policy",
-    [buddy.BuddyThreshold(0.1), buddy.FixedRatio(4.0), buddy.DeviceBudget(1 << 16)],
-    ids=["threshold", "fixed4x", "budget"],
+    [buddy.BuddyThreshold(0.1), buddy.FixedRatio(4.0), buddy.DeviceBudget(1 << 16), buddy.OverflowBudget(0.1)],
+    ids=["threshold", "fixed4x", "budget", "overflow-budget"],
 )
 @pytest.mark.parametrize("model", ["cnn", "transformer"])
 def test_training_is_bit_identical(model, policy, autocast, tracker, store):

@@ -150,6 +150,8 @@ def test_decide_tiny(tmp_path, capsys):
     assert "own_choice" in result["check"]
     labels = {r["method"] for r in result["decision"]}
     assert {"zvc@128", "auto@512", "zstd-3@128", "zstd-3", "lz4", "entropy (fields)"} <= labels
+    assert {"auto@512 OverflowBudget", "zvc@128 OverflowBudget"} <= labels  # every codec x E under both policies
+    assert result["chosen"]["policy"] in decide.POLICIES
     for r in result["decision"]:
         assert r["ratio:geomean"] > 0.9
         if r["codec"] in ("zvc", "auto"):
@@ -188,6 +190,14 @@ def test_decide_rule_prefers_smaller_entries_on_a_tie():
     rows[4]["check:capacity:geomean"], rows[4]["check:overflow:max"] = 9.0, 0.01
     assert (decide(rows)["codec"], decide(rows)["entry_bytes"]) == ("zvc", 512)
     assert decide(rows, prefix="check:")["codec"] == "bpc"
+    # within 1 % at the same E: the per-tensor policy first
+    rows = [
+        {"codec": "auto", "entry_bytes": 512, "policy": "OverflowBudget", "capacity:geomean": 1.50, "overflow:max": 0.1},
+        {"codec": "auto", "entry_bytes": 512, "policy": "BuddyThreshold", "capacity:geomean": 1.495},
+    ]
+    assert decide(rows)["policy"] == "BuddyThreshold"
+    rows[1]["capacity:geomean"] = 1.40
+    assert decide(rows)["policy"] == "OverflowBudget"
 
 
 def test_field_entropy_and_entry_zstd():

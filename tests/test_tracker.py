@@ -100,6 +100,64 @@ def test_budget_shrinks_slot_to_what_is_left():
     assert policy.choose(d, tr) == 0
 
 
+def _step(tracker, policy, tensors, entry_bytes):
+    """One training step through ``tracker``: plan and record every ``(key, histogram)``; the slots."""
+    tracker.begin_step(policy)
+    slots = {}
+    for key, hist in tensors:
+        nbytes = sum(hist) * entry_bytes
+        place = tracker.plan(key, hist, entry_bytes=entry_bytes, original_bytes=nbytes, policy=policy)
+        tracker.record(
+            key, hist, slot=place.slot, entry_bytes=entry_bytes, original_bytes=nbytes,
+            predicted_overflow_bytes=place.predicted_overflow_bytes,
+        )  # fmt: skip
+        slots[key] = place.slot
+    return slots
+
+
+def _dense(k: int, n: int = 100, entry_bytes: int = 512) -> list[int]:
+    hist = [0] * (entry_bytes // 32 + 1)
+    hist[k] = n
+    return hist
+
+
+def test_overflow_budget_spends_what_whole_sector_slots_leave():
+    """Two dense tensors (every entry 11 of 16 sectors): the per-tensor rule gives both slot 10 (6.25 % each);
+    the step's 10 % allows one of them slot 9 too."""
+    tensors = [("a", _dense(11)), ("b", _dense(11))]
+    threshold, budget = buddy.BuddyThreshold(0.10), buddy.OverflowBudget(0.10)
+    tr = buddy.Tracker()
+    assert _step(tr, threshold, tensors, 512) == {"a": 10, "b": 10}
+    first = _step(buddy.Tracker(), budget, tensors, 512)
+    assert first == {"a": 10, "b": 10}, "no history yet: the per-tensor rule"
+    tr = buddy.Tracker()
+    _step(tr, budget, tensors, 512)
+    slots = _step(tr, budget, tensors, 512)
+    assert sorted(slots.values()) == [9, 10]
+    spilled = sum(overflow_sectors(h, slots[k]) * 32 for k, h in tensors)
+    assert spilled <= 0.10 * 2 * 100 * 512 < spilled + 100 * 32, "within the step's 10 %, no room for another sector"
+
+
+def test_overflow_budget_takes_the_cheapest_spill_first():
+    """A sector of slot costs 5 spilled entries in "skewed" (down to 4) and 100 in "dense": skewed shrinks first,
+    then the two alike (the step's 10 %: 320 sectors; skewed 12 -> 4 spills 40, dense 8 -> 6 200 more)."""
+    skewed = [0] * 17
+    skewed[4], skewed[12] = 95, 5
+    tensors = [("dense", _dense(8)), ("skewed", skewed)]
+    tr, policy = buddy.Tracker(), buddy.OverflowBudget(0.10)
+    _step(tr, policy, tensors, 512)
+    slots = _step(tr, policy, tensors, 512)
+    assert slots == {"dense": 6, "skewed": 4}
+    held = sum(100 * s for s in slots.values())
+    each = buddy.OverflowBudget(0.10)
+    assert held <= sum(100 * buddy.BuddyThreshold(0.10).choose(
+        Decision(k, 512, 100, 100 * 512, tuple(h), tuple(h), 0), tr) for k, h in tensors
+    ), "never more device bytes than the per-tensor rule"  # fmt: skip
+    assert repr(each) == "OverflowBudget(max_overflow=0.1)"
+    with pytest.raises(ValueError):
+        buddy.OverflowBudget(1.5)
+
+
 def test_bad_tracker_arguments():
     with pytest.raises(ValueError):
         buddy.Tracker(decay=0)
