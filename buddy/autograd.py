@@ -493,7 +493,7 @@ class Session(_SavedTensorHooks):
     ):
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(
-                f"policy must be a buddy Policy (FixedRatio, BuddyThreshold, DeviceBudget, CompressedOffload), "
+                f"policy must be a buddy Policy (FixedRatio, BuddyThreshold, OverflowBudget, DeviceBudget, CompressedOffload), "
                 f"got {policy!r}"
             )
         self.policy = policy
@@ -646,7 +646,7 @@ def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:
     Args:
         policy: how slots are chosen (:class:`~buddy.FixedRatio`,
             :class:`~buddy.BuddyThreshold`, :class:`~buddy.DeviceBudget`);
-            default: the tracker's own (``BuddyThreshold(0.10)``).
+            default: the tracker's own (``OverflowBudget(0.10)``).
         tracker: a :class:`~buddy.Tracker` (default: process-wide, so history
             persists across blocks -- one block is one step). Device bytes
             are held on its ledger.

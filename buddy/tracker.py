@@ -34,6 +34,7 @@ memory, down to the zero slot when the budget demands it.
 
 from __future__ import annotations
 
+import heapq
 import threading
 import warnings
 from collections import deque
@@ -45,7 +46,7 @@ import torch
 from . import spec
 from ._process_default import ProcessDefault
 from .ledger import DeviceLedger, default_ledger
-from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, share_beyond, slot_for_overflow
+from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, slot_for_overflow
 
 if TYPE_CHECKING:
     from .codecs.base import Codec
@@ -266,32 +267,36 @@ class OverflowBudget(Policy):
 
     def plan(self, tracker: Tracker) -> dict[str, int]:
         """Slots for every key with history."""
-        import heapq
-
         keys = [h for h in tracker.histories() if h.histograms and h.observations]
-        hist = {h.key: h.predicted() for h in keys}
-        n = {h.key: h.n_entries for h in keys}
-        slots = {key: max((k for k, c in enumerate(hs) if c > 0), default=0) for key, hs in hist.items()}
-        left = self.max_overflow * sum(h.observations[-1].original_bytes for h in keys)
-        spill_sectors = lambda key: share_beyond(hist[key], slots[key] - 1, n[key]) * n[key]  # noqa: E731
-
+        plan, held, left = {}, {}, self.max_overflow * sum(h.observations[-1].original_bytes for h in keys)
+        beyond = {}  # per key: entries larger than each slot
+        for h in keys:
+            counts = h.predicted()
+            above, running = [0.0] * len(counts), 0.0
+            for s in range(len(counts) - 1, -1, -1):
+                above[s] = running
+                running += counts[s]
+            beyond[h.key] = above
+            plan[h.key] = max((k for k, c in enumerate(counts) if c > 0), default=0)  # the tightest slot
+            each = slot_for_overflow(counts, self.max_overflow, h.observations[-1].original_bytes)
+            held[h.key] = (h.n_entries, each)
         # cheapest spill first; at equal cost the widest slot, so that the spill spreads over the keys
-        heap = [(share_beyond(hist[key], s - 1, n[key]), -s, key) for key, s in slots.items() if s > 0]
+        n = {key: entries for key, (entries, _) in held.items()}
+        heap = [(beyond[key][s - 1] / n[key], -s, key) for key, s in plan.items() if s > 0 and n[key]]
         heapq.heapify(heap)
         while heap:
             _, _, key = heapq.heappop(heap)
-            added = spill_sectors(key) * spec.SECTOR_BYTES
+            added = beyond[key][plan[key] - 1] * spec.SECTOR_BYTES
             if added > left:
                 continue  # this key's next steps down spill more still: it stays where it is
             left -= added
-            slots[key] -= 1
-            if slots[key] > 0:
-                heapq.heappush(heap, (share_beyond(hist[key], slots[key] - 1, n[key]), -slots[key], key))
+            plan[key] -= 1
+            if plan[key] > 0:
+                heapq.heappush(heap, (beyond[key][plan[key] - 1] / n[key], -plan[key], key))
         # the greedy plan is not always the best: never hold more than the per-tensor rule would
-        sizes = {h.key: (h.n_entries, h.observations[-1].original_bytes) for h in keys}
-        each = {key: slot_for_overflow(hist[key], self.max_overflow, sizes[key][1]) for key in hist}
-        held = lambda plan: sum(sizes[key][0] * slot for key, slot in plan.items())  # noqa: E731
-        return each if held(each) < held(slots) else slots
+        each = {key: slot for key, (_, slot) in held.items()}
+        device = lambda slots: sum(n[key] * slot for key, slot in slots.items())  # noqa: E731
+        return each if device(each) < device(plan) else plan
 
     def choose(self, decision: Decision, tracker: Tracker) -> int:
         slot = self._plan.get(decision.key)
@@ -414,7 +419,9 @@ class Tracker:
     """Per-key history and the slot decisions of a policy.
 
     Args:
-        policy: default policy (a session may pass its own per step).
+        policy: default policy (a session may pass its own per step);
+            default ``OverflowBudget(0.10)``, chosen on the tuning set
+            (``experiments/decide.py``).
         decay: weight of a histogram one step older than the next (0..1);
             smaller follows drift faster. Default 0.5.
         window: histograms kept per key. Default 8.
@@ -442,7 +449,7 @@ class Tracker:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
-        self.policy = policy if policy is not None else BuddyThreshold()
+        self.policy = policy if policy is not None else OverflowBudget()
         self.decay = decay
         self.window = window
         if ledger is not None and not isinstance(ledger, DeviceLedger):
@@ -562,7 +569,7 @@ _default = ProcessDefault(Tracker, Tracker)
 
 
 def default_tracker() -> Tracker:
-    """The process-wide tracker (created on first use, BuddyThreshold(0.10))."""
+    """The process-wide tracker (created on first use, OverflowBudget(0.10))."""
     return _default.get()
 
 

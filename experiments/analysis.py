@@ -378,6 +378,7 @@ def default_policies(entry_bytes: int, activation_bytes: float) -> list[tuple[st
     threshold = [
         ("BuddyThreshold", f"{t:.0%}", buddy.BuddyThreshold(t)) for t in (0.0, 0.01, 0.02, 0.05, 0.10, 0.20, 0.30)
     ]
+    threshold += [("OverflowBudget", f"{t:.0%}", buddy.OverflowBudget(t)) for t in (0.02, 0.05, 0.10, 0.20)]
     budget = [
         ("DeviceBudget", f"{f:.0%}", buddy.DeviceBudget(int(f * activation_bytes)))
         for f in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4)

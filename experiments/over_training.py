@@ -1,8 +1,8 @@
 """Over training: compressibility and the tracker's choices per key as a model learns.
 
 Each workload trains with ``buddy.compressed_activations`` on every step (the
-real pipeline: its own tracker and store, ``BuddyThreshold(10 %)`` by
-default). Per step and key it records the ideal ratio, the target the tracker
+real pipeline: its own tracker and store, the tracker's default policy
+``OverflowBudget(10 %)`` unless ``--policy`` says otherwise). Per step and key it records the ideal ratio, the target the tracker
 chose, the overflow it predicted from history and the overflow that
 happened. The summary says how often the prediction missed by more than 1 %
 of the tensor's bytes, by how much, and what capacity and traffic resulted.
@@ -107,7 +107,12 @@ def _resumed(out: Path, settings: dict, workloads: list[str]) -> list[dict]:
         print(f"not resuming: {path} was written with {earlier.get('settings')}, this run has {settings}")
         return []
     finished = set(earlier.get("workloads_done", ())) & set(workloads)
-    return [r for r in earlier["rows"] if r["workload"] in finished]
+    numbers = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}  # JSON wrote them as strings
+    return [
+        {k: numbers.get(v, v) if isinstance(v, str) and k != "workload" and k != "key" else v for k, v in r.items()}
+        for r in earlier["rows"]
+        if r["workload"] in finished
+    ]
 
 
 def _ideal(rows: list[dict], step: int) -> float:
@@ -139,7 +144,13 @@ def parse_args(argv):
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_WORKLOADS))
     p.add_argument("--steps", type=int, default=None, help="training steps (default by size)")
     p.add_argument("--every", type=int, default=1, help="compress every n-th step (the others train plainly)")
-    p.add_argument("--max-overflow", type=float, default=0.10, help="BuddyThreshold of the tracker")
+    p.add_argument("--max-overflow", type=float, default=0.10, help="the policy's overflow limit")
+    p.add_argument(
+        "--policy",
+        choices=("OverflowBudget", "BuddyThreshold"),
+        default="OverflowBudget",
+        help="the tracker's policy (default: the tracker's default, OverflowBudget)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/over_training"))
@@ -161,7 +172,7 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     header = start("over_training", argv)
     steps = args.steps or DEFAULT_STEPS[args.size]
-    policy = buddy.BuddyThreshold(args.max_overflow)
+    policy = getattr(buddy, args.policy)(args.max_overflow)
     settings = {"size": args.size, "steps": steps, "every": args.every, "seed": args.seed, "policy": str(policy)}
     rows = _resumed(args.out, settings, args.workloads) if args.resume else []
     done = list(dict.fromkeys(r["workload"] for r in rows))

@@ -18,6 +18,7 @@ __all__ = ["plot_capacity", "plot_over_training", "plot_max_batch", "plot_decisi
 _FAMILY_STYLE = {
     "FixedRatio": dict(marker="s", linestyle="--", color="tab:gray"),
     "BuddyThreshold": dict(marker="o", linestyle="-", color="tab:blue"),
+    "OverflowBudget": dict(marker="D", linestyle=":", color="tab:green"),
     "DeviceBudget": dict(marker="^", linestyle="-.", color="tab:orange"),
 }
 
@@ -53,7 +54,7 @@ CAPACITY_LIMIT = 4.0
 #: Buddy Compression's headline for deep learning: 1.5x capacity at a 1-2 % slowdown
 PAPER_DL = 1.5
 #: the tracker's default policy, marked in every plot
-DEFAULT_POLICY = ("BuddyThreshold", "10%")
+DEFAULT_POLICY = ("OverflowBudget", "10%")
 
 
 def _overlaps(box, placed) -> bool:
@@ -124,22 +125,17 @@ def _capacity_axes(ax, rows, workload, *, fontsize=6):
     placed = _marker_boxes(ax, [(100 * r["overflow_fraction"], r["capacity"]) for r in visible])
     if default is not None:
         xy = (100 * default["overflow_fraction"], default["capacity"])
-        ax.plot(*xy, marker="o", markersize=11, markerfacecolor="none", markeredgecolor="tab:blue", linewidth=0)
+        color = _FAMILY_STYLE[DEFAULT_POLICY[0]]["color"]
+        ax.plot(*xy, marker="o", markersize=11, markerfacecolor="none", markeredgecolor=color, linewidth=0)
         _label(
-            ax,
-            f"default: {default['capacity']:.2f}x",
-            xy,
-            placed,
-            renderer,
-            fontsize=fontsize + 1,
-            color="tab:blue",
+            ax, f"default: {default['capacity']:.2f}x", xy, placed, renderer, fontsize=fontsize + 1, color=color,
             weight="bold",
-        )
-    order = {"BuddyThreshold": 0, "FixedRatio": 1, "DeviceBudget": 2}
-    for r in sorted(visible, key=lambda r: order.get(r["family"], 3)):
+        )  # fmt: skip
+    order = {"OverflowBudget": 0, "BuddyThreshold": 1, "FixedRatio": 2, "DeviceBudget": 3}
+    for r in sorted(visible, key=lambda r: order.get(r["family"], 4)):
         if r is default:
             continue
-        prefix = {"BuddyThreshold": "<=", "DeviceBudget": "budget "}.get(r["family"], "")
+        prefix = {"BuddyThreshold": "<=", "OverflowBudget": "step <=", "DeviceBudget": "budget "}.get(r["family"], "")
         _label(
             ax, prefix + r["policy"], (100 * r["overflow_fraction"], r["capacity"]), placed, renderer, fontsize=fontsize
         )
@@ -211,7 +207,8 @@ def _sets_axes(ax, headline: list[dict], codec: str, entry_bytes: int):
     for names, xy in sorted(_coincident(ax, points), key=lambda group: -group[1][1]):
         _label(ax, ", ".join(names), xy, placed, renderer, fontsize=7)
     ax.set_title(
-        f"{codec}, E={entry_bytes} B, BuddyThreshold 10 %: chosen on the tuning set, checked on the check set",
+        f"{codec}, E={entry_bytes} B, {DEFAULT_POLICY[0]} {DEFAULT_POLICY[1].replace('%', ' %')}: chosen on the "
+        "tuning set, checked on the check set",
         fontsize=9,
     )
     ax.set_xlabel("buddy traffic: overflow bytes / activation bytes (%)")
