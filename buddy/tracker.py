@@ -249,7 +249,10 @@ class OverflowBudget(Policy):
     keys' bytes. Should the per-tensor slots of ``BuddyThreshold(max_overflow)``
     (which meet the same bound) hold fewer device bytes, those are the plan.
     A key with no history (a session's first step) gets the
-    ``BuddyThreshold(max_overflow)`` slot.
+    ``BuddyThreshold(max_overflow)`` slot, and so does every key until a
+    step is planned: a ``compressed_activations`` block plans one as it
+    opens; :func:`buddy.wrap` alone plans nothing (call
+    :meth:`Tracker.begin_step` once a step's keys have history).
 
     Against :class:`BuddyThreshold` with the same ``max_overflow``: the same
     bound on the step's traffic, no longer on each tensor's -- one tensor
