@@ -234,7 +234,7 @@ def _pack(measured: Measured, slot: int, options: _PackOptions) -> BuddyTensor:
             )
         _offload(staged, overflow, t.device)
         meta = measured.measurement.meta
-        table = None if measured.table is None else measured.table.to(t.device)  # decoding reads it there
+        table = _to_device(measured.table, t.device)  # decoding reads it there
         sums = integrity.checksums(meta, slots, staged, table) if options.checksum else None
         # built inside the try: an interrupt as the tensor counts itself in must not strand its overflow
         return BuddyTensor(
@@ -246,6 +246,16 @@ def _pack(measured: Measured, slot: int, options: _PackOptions) -> BuddyTensor:
     except BaseException:
         store.release(overflow)  # nothing half-written survives, KeyboardInterrupt included
         raise
+
+
+def _to_device(table: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """A codec's table (host bytes) on the tensor's device; to a GPU from pinned memory, without waiting for it
+    (a blocking copy would wait for everything queued on the stream)."""
+    if table is None or table.device == device:
+        return table
+    if device.type == "cuda" and table.device.type == "cpu":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table.to(device)
 
 
 def _offload(staged: torch.Tensor, overflow, device: torch.device) -> None:

@@ -168,6 +168,23 @@ def test_table_codecs_read_once(codec, cuda, pinned_store, gen):
     assert torch.equal(measured.statistics.cpu(), reference.statistics.cpu())
 
 
+@pytest.mark.parametrize("codec", ids("codec", KERNEL_CODECS))
+def test_no_hidden_syncs(codec, cuda, pinned_store, gen):
+    """Under torch's sync debug mode nothing waits for the GPU in a compress but the engine's one read, and
+    nothing in a decompress (check=False): no blocking copy, no .item(), no data-dependent shape."""
+    t = make_data("relu", 1 << 20, torch.bfloat16, gen).to(cuda)
+    buddy.compress(t, codec=codec, store=pinned_store, backend="cuda").free()  # compiled, allocator warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        bt = buddy.compress(t, codec=codec, store=pinned_store, backend="cuda")
+        out = bt.decompress(check=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(out, t)
+    bt.free()
+
+
 @pytest.mark.parametrize("word", ids("w", (1, 2, 4, 8)))
 def test_table_fitted_on_the_gpu(word, cuda, gen):
     """The fit kernel against Table.from_counts on every shape of counts the host tests use."""
