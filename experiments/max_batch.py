@@ -134,7 +134,10 @@ class _Account:
                 self.outside += storage.nbytes()
             else:
                 self.per_segment[self.segment] = self.per_segment.get(self.segment, 0) + storage.nbytes()
-        return t
+        # never ``t`` itself: an op that saves its own output (exp, tanh, ...) would then hold its output's
+        # Python object from inside its graph, a cycle the garbage collector cannot see, and the accounting
+        # forward (never run backward) would keep its whole graph: a --full run grew ~1 GiB per measurement
+        return t.detach()
 
     @staticmethod
     def unpack(t):

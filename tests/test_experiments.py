@@ -386,6 +386,26 @@ def test_max_batch_tiny(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["rows"]
 
 
+def test_accounting_hooks_leave_no_graph_behind():
+    """A forward under the accounting hooks that never runs backward is freed with its output."""
+    import gc
+    import weakref
+
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from experiments.max_batch import _Account
+
+    account = _Account()
+    x = torch.randn(1000, requires_grad=True)
+    with saved_tensors_hooks(account.pack, account.unpack):
+        y = torch.exp(x)  # saves its own output
+    assert account.outside == 4000
+    alive = weakref.ref(y)
+    del y
+    gc.collect()
+    assert alive() is None
+
+
 def test_accounting_search_stays_within_host_memory():
     from experiments import max_batch
     from experiments.max_batch import HOST_MEMORY_SHARE, HOST_PEAK_SHARE, Measurement, host_batch_cap
