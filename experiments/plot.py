@@ -259,8 +259,9 @@ def plot_over_training(results_path: Path, out_dir: Path) -> list[Path]:
         for key in dict.fromkeys(r["key"] for r in mine):
             series = sorted((r for r in mine if r["key"] == key), key=lambda r: r["step"])
             steps = [r["step"] for r in series]
-            top.plot(steps, [r["ideal_ratio"] for r in series], linewidth=0.8)
-            bottom.step(steps, [min(r["target_ratio"], 8) for r in series], where="post", linewidth=0.8)
+            # float(): the results file writes an infinite ratio (the zero slot) as "inf"
+            top.plot(steps, [float(r["ideal_ratio"]) for r in series], linewidth=0.8)
+            bottom.step(steps, [min(float(r["target_ratio"]), 8) for r in series], where="post", linewidth=0.8)
         top.set_ylabel("ideal ratio per key (x)")
         bottom.set_ylabel("tracker's target (x, zero slot drawn at 8)")
         bottom.set_xlabel("training step")
