@@ -575,7 +575,10 @@ class CudaEngine(Engine):
         return meta
 
     def measure(self, flat, entry_bytes, word_bytes):
-        entries = self._entries(flat, entry_bytes)
+        return self._measure_read(flat, self._entries(flat, entry_bytes), entry_bytes, word_bytes)
+
+    def _measure_read(self, flat, entries, entry_bytes, word_bytes) -> Measurement:
+        """:meth:`measure` of entries already made: the histogram is the one read."""
         histogram = torch.zeros(spec.sectors_per_entry(entry_bytes) + 1, dtype=torch.int64, device=flat.device)
         meta = self._measure(flat, entries, entry_bytes, word_bytes, histogram)
         return Measurement(meta, tuple(self.read(histogram).tolist()), reuse=entries)
@@ -601,7 +604,7 @@ class CudaEngine(Engine):
         if prior is not None:
             self.codec = codec.fit(flat, word_bytes, prior, self.read, keep, counts)
             self._tables.clear()  # the fitted table, not the unfitted codec's
-            return self.codec, self.measure(flat, entry_bytes, word_bytes)
+            return self.codec, self._measure_read(flat, entries, entry_bytes, word_bytes)
         # one buffer for what comes back: the histogram, then (16-byte aligned) the serialized table
         at = -(-(spe + 1) // 2) * 2
         readout = torch.zeros(at + -(-FIT_SERIAL_BYTES // 8), dtype=torch.int64, device=device)

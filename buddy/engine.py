@@ -65,9 +65,9 @@ class Engine(abc.ABC):
         every other wait: the GPU tests run compress and decompress so).
         """
         self.readbacks += 1
-        if t.device.type != "cuda" or not torch.cuda.get_sync_debug_mode():
+        mode = torch.cuda.get_sync_debug_mode() if t.device.type == "cuda" else 0
+        if not mode:
             return t.cpu()
-        mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(0)
         try:
             return t.cpu()

@@ -11,10 +11,7 @@ from collections.abc import Sequence
 
 from . import spec
 
-__all__ = [
-    "DEFAULT_MAX_OVERFLOW", "check_max_overflow", "overflow_sectors", "slot_for_overflow", "tightest_slot",
-    "share_beyond", "slot_for_share",
-]  # fmt: skip
+__all__ = ["DEFAULT_MAX_OVERFLOW", "check_max_overflow", "overflow_sectors", "slot_for_overflow", "tightest_slot"]
 
 #: default bound on buddy bytes / tensor bytes when no target ratio is given
 DEFAULT_MAX_OVERFLOW = 0.10
@@ -52,26 +49,6 @@ def slot_for_overflow(histogram: Sequence[int], max_overflow: float, budget_byte
     limit = check_max_overflow(max_overflow) * budget_bytes
     for s in range(len(histogram)):
         if overflow_sectors(histogram, s) * spec.SECTOR_BYTES <= limit:
-            return s
-    return len(histogram) - 1
-
-
-def share_beyond(histogram: Sequence[float], slot_sectors: int, n_entries: int) -> float:
-    """The fraction of the ``n_entries`` entries larger than a slot of ``slot_sectors`` (they spill)."""
-    return sum(float(n) for k, n in enumerate(histogram) if k > slot_sectors) / n_entries if n_entries else 0.0
-
-
-def slot_for_share(histogram: Sequence[float], share: float, n_entries: int) -> int:
-    """The smallest slot that all but at most a fraction ``share`` of the entries fit in.
-
-    Shrinking a slot by a sector saves one sector per entry and spills one
-    more sector of every entry larger than the new slot, so for every tensor
-    held to the same ``share`` the device bytes saved per byte spilled are
-    the same: the allocation that saves the most device memory for a given
-    total overflow (:class:`buddy.OverflowBudget`).
-    """
-    for s in range(len(histogram)):
-        if share_beyond(histogram, s, n_entries) <= share:
             return s
     return len(histogram) - 1
 

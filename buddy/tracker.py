@@ -46,7 +46,7 @@ import torch
 from . import spec
 from ._process_default import ProcessDefault
 from .ledger import DeviceLedger, default_ledger
-from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, slot_for_overflow
+from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, slot_for_overflow, tightest_slot
 
 if TYPE_CHECKING:
     from .codecs.base import Codec
@@ -240,8 +240,8 @@ class OverflowBudget(Policy):
 
     Shrinking a tensor's slot by a sector saves a sector per entry on the
     device and spills one more sector of each entry larger than the new
-    slot: the spill per device byte saved is the share of entries larger
-    (:func:`~buddy.slots.share_beyond`). At the start of each step the
+    slot: the spill per device byte saved is the share of entries larger.
+    At the start of each step the
     policy plans every key with history from its predicted histogram:
     starting from the tightest slots (no overflow), it takes the cheapest
     such step down among all keys, again and again, skipping those that no
@@ -271,20 +271,18 @@ class OverflowBudget(Policy):
     def plan(self, tracker: Tracker) -> dict[str, int]:
         """Slots for every key with history."""
         keys = [h for h in tracker.histories() if h.histograms and h.observations]
-        plan, held, left = {}, {}, self.max_overflow * sum(h.observations[-1].original_bytes for h in keys)
-        beyond = {}  # per key: entries larger than each slot
+        left = self.max_overflow * sum(h.observations[-1].original_bytes for h in keys)
+        plan, each, n, beyond = {}, {}, {}, {}  # per key: slot, per-tensor rule's slot, entries, entries larger
         for h in keys:
             counts = h.predicted()
             above, running = [0.0] * len(counts), 0.0
             for s in range(len(counts) - 1, -1, -1):
                 above[s] = running
                 running += counts[s]
-            beyond[h.key] = above
-            plan[h.key] = max((k for k, c in enumerate(counts) if c > 0), default=0)  # the tightest slot
-            each = slot_for_overflow(counts, self.max_overflow, h.observations[-1].original_bytes)
-            held[h.key] = (h.n_entries, each)
+            beyond[h.key], n[h.key] = above, h.n_entries
+            plan[h.key] = tightest_slot(counts)
+            each[h.key] = slot_for_overflow(counts, self.max_overflow, h.observations[-1].original_bytes)
         # cheapest spill first; at equal cost the widest slot, so that the spill spreads over the keys
-        n = {key: entries for key, (entries, _) in held.items()}
         heap = [(beyond[key][s - 1] / n[key], -s, key) for key, s in plan.items() if s > 0 and n[key]]
         heapq.heapify(heap)
         while heap:
@@ -297,7 +295,6 @@ class OverflowBudget(Policy):
             if plan[key] > 0:
                 heapq.heappush(heap, (beyond[key][plan[key] - 1] / n[key], -plan[key], key))
         # the greedy plan is not always the best: never hold more than the per-tensor rule would
-        each = {key: slot for key, (_, slot) in held.items()}
         device = lambda slots: sum(n[key] * slot for key, slot in slots.items())  # noqa: E731
         return each if device(each) < device(plan) else plan
 
