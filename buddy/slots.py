@@ -36,21 +36,26 @@ def check_max_overflow(max_overflow: float) -> float:
 
 
 def overflow_sectors(histogram: Sequence[int], slot_sectors: int) -> int:
-    """Sectors that go to buddy memory with a slot of ``slot_sectors``."""
-    return sum((k - slot_sectors) * int(n) for k, n in enumerate(histogram) if k > slot_sectors)
+    """Sectors that go to buddy memory with a slot of ``slot_sectors`` (a float for a predicted, float histogram)."""
+    return sum((k - slot_sectors) * n for k, n in enumerate(histogram) if k > slot_sectors)
 
 
 def slot_for_overflow(histogram: Sequence[int], max_overflow: float, budget_bytes: int) -> int:
     """The smallest slot whose overflow is at most ``max_overflow * budget_bytes``.
 
     ``budget_bytes`` is the tensor's size in bytes. The full slot (``E/32``)
-    always qualifies, so this never fails.
+    always qualifies, so this never fails. One pass down from the full slot:
+    a sector less spills one more sector of every entry larger than the new
+    slot.
     """
     limit = check_max_overflow(max_overflow) * budget_bytes
-    for s in range(len(histogram)):
-        if overflow_sectors(histogram, s) * spec.SECTOR_BYTES <= limit:
+    spilled, larger = 0, 0
+    for s in range(len(histogram) - 1, 0, -1):
+        larger += histogram[s]  # entries of at least s sectors: each spills one more at slot s - 1
+        if (spilled + larger) * spec.SECTOR_BYTES > limit:
             return s
-    return len(histogram) - 1
+        spilled += larger
+    return 0
 
 
 def tightest_slot(histogram: Sequence[int]) -> int:

@@ -98,7 +98,7 @@ __all__ = [
 #: the newest format version buddy reads and writes (a tensor is version 1 unless its codec carries a table)
 FORMAT_VERSION = 2
 SECTOR_BYTES = 32
-DEFAULT_ENTRY_BYTES = 512
+DEFAULT_ENTRY_BYTES = 4096
 MIN_ENTRY_BYTES = 32
 MAX_ENTRY_BYTES = 65536
 

@@ -1,21 +1,26 @@
 """The compression-ratio tracker: per key, which slot to give a tensor.
 
 For every **key** (a stable name for "the same tensor next step") the tracker
-keeps the entry-size histograms of recent steps. Before a tensor is packed, a
-**policy** picks its slot from the key's *predicted* histogram -- an
-exponentially weighted mean of the recent ones, so it follows drift within a
-few steps -- or from the tensor's own size pass when the key is new. After
-packing, the tracker records what the policy predicted (overflow bytes) next
-to what happened, so experiments can say how often and by how much it was
-wrong. A wrong prediction costs buddy traffic, never data.
+keeps the entry-size histograms of recent steps: an exponentially weighted
+mean of them, so it follows drift within a few steps, **predicts** the key's
+next histogram. A **policy** picks each tensor's slot just before it is
+packed, when the tensor's own size pass (its exact histogram) is at hand:
+policies that bound overflow (:class:`BuddyThreshold`,
+:class:`OverflowBudget`) check the bound against that, so it holds for every
+tensor or step, not only for those the prediction got right; policies that
+plan a whole step ahead (:class:`OverflowBudget`, :class:`DeviceBudget`)
+plan from the predictions. After packing, the tracker records what the key's
+prediction said the chosen slot would spill next to what it did, so
+experiments can say how often and by how much the history was wrong.
 
 Policies:
 
 * :class:`FixedRatio` -- one target ratio for every tensor (the paper's naive
   baseline).
 * :class:`BuddyThreshold` -- per tensor, the most aggressive slot whose
-  expected overflow stays within ``max_overflow`` of the tensor's bytes (the
-  paper's per-allocation policy).
+  overflow stays within ``max_overflow`` of the tensor's bytes (the paper's
+  per-allocation policy; the paper's hardware had to predict it, here it is
+  measured).
 * :class:`OverflowBudget` -- a step's overflow within ``max_overflow`` of
   its bytes, spent on the tensors where a sector of slot costs the least
   spill (slots come in whole sectors, so a per-tensor threshold leaves part
@@ -153,7 +158,12 @@ class FixedRatio(Policy):
 
 
 class BuddyThreshold(Policy):
-    """Per tensor, the smallest slot whose expected overflow is <= ``max_overflow`` of its bytes."""
+    """Per tensor, the smallest slot whose overflow is <= ``max_overflow`` of its bytes.
+
+    The overflow is the tensor's own, from the size pass that precedes every
+    pack (:attr:`Decision.current`), not a prediction: the bound holds for
+    every tensor, whatever its key's history says.
+    """
 
     def __init__(self, max_overflow: float = DEFAULT_MAX_OVERFLOW):
         if isinstance(max_overflow, bool) or not isinstance(max_overflow, (int, float)) or not 0 <= max_overflow <= 1:
@@ -161,7 +171,7 @@ class BuddyThreshold(Policy):
         self.max_overflow = float(max_overflow)
 
     def choose(self, decision: Decision, tracker: Tracker) -> int:
-        return slot_for_overflow(decision.histogram, self.max_overflow, decision.original_bytes)
+        return slot_for_overflow(decision.current, self.max_overflow, decision.original_bytes)
 
 
 class DeviceBudget(Policy):
@@ -198,14 +208,18 @@ class DeviceBudget(Policy):
             return {}
         spe = {h.key: len(h.predicted()) - 1 for h in keys}
         slots = dict(spe)
-        hist = {h.key: h.predicted() for h in keys}
+        at_least = {}  # per key and slot s: the entries of >= s sectors, each spilling one more sector at s - 1
+        for h in keys:
+            counts, running = h.predicted(), 0.0
+            at_least[h.key] = [0.0] * len(counts)
+            for s in range(len(counts) - 1, -1, -1):
+                running += counts[s]
+                at_least[h.key][s] = running
         per_sector = {h.key: h.n_entries * spec.SECTOR_BYTES for h in keys}
         total = sum(h.n_entries * (spe[h.key] * spec.SECTOR_BYTES + spec.meta_bytes(h.entry_bytes)) for h in keys)
 
         def cost(key: str) -> float:  # added overflow per device byte saved by one step down
-            s = slots[key]
-            added = overflow_sectors(hist[key], s - 1) - overflow_sectors(hist[key], s)
-            return added / per_sector[key]
+            return at_least[key][slots[key]] / per_sector[key]
 
         while total > self.budget_bytes:
             candidates = [k for k in slots if slots[k] > 0]
@@ -241,18 +255,27 @@ class OverflowBudget(Policy):
     Shrinking a tensor's slot by a sector saves a sector per entry on the
     device and spills one more sector of each entry larger than the new
     slot: the spill per device byte saved is the share of entries larger.
-    At the start of each step the
-    policy plans every key with history from its predicted histogram:
-    starting from the tightest slots (no overflow), it takes the cheapest
-    such step down among all keys, again and again, skipping those that no
-    longer fit, until the predicted overflow reaches ``max_overflow`` of the
-    keys' bytes. Should the per-tensor slots of ``BuddyThreshold(max_overflow)``
-    (which meet the same bound) hold fewer device bytes, those are the plan.
-    A key with no history (a session's first step) gets the
-    ``BuddyThreshold(max_overflow)`` slot, and so does every key until a
-    step is planned: a ``compressed_activations`` block plans one as it
-    opens; :func:`buddy.wrap` alone plans nothing (call
-    :meth:`Tracker.begin_step` once a step's keys have history).
+    At the start of each step the policy plans every key with history from
+    its predicted histogram: starting from the tightest slots (no overflow),
+    it takes the cheapest such step down among all keys, again and again,
+    skipping those that no longer fit, until the predicted overflow reaches
+    ``max_overflow`` of the keys' bytes. Should the per-tensor slots of
+    ``BuddyThreshold(max_overflow)`` (which meet the same bound) hold fewer
+    device bytes, those are the plan. The plan gives each key an
+    **allowance**: the overflow its predicted histogram has in its slot.
+
+    The plan is a prediction; the bound is not. When a tensor arrives, its
+    own size pass (:attr:`Decision.current`) says what each slot really
+    spills, and it gets the smallest slot whose real overflow is within its
+    allowance plus whatever the step's earlier tensors left unspent: wider
+    than planned when it compresses worse than its key did, tighter when
+    there is allowance to spare. So a step's overflow never exceeds
+    ``max_overflow`` of the planned keys' bytes. A key with no history (a
+    session's first step), or one the plan has already served this step,
+    gets the ``BuddyThreshold(max_overflow)`` slot of its own histogram, and
+    so does every key until a step is planned: a ``compressed_activations``
+    block plans one as it opens; :func:`buddy.wrap` alone plans nothing
+    (call :meth:`Tracker.begin_step` once a step's keys have history).
 
     Against :class:`BuddyThreshold` with the same ``max_overflow``: the same
     bound on the step's traffic, no longer on each tensor's -- one tensor
@@ -264,9 +287,16 @@ class OverflowBudget(Policy):
     def __init__(self, max_overflow: float = DEFAULT_MAX_OVERFLOW):
         self.max_overflow = BuddyThreshold(max_overflow).max_overflow
         self._plan: dict[str, int] = {}
+        self._allowance: dict[str, float] = {}  # per planned key not yet served this step: overflow bytes
+        self._spare = 0.0  # allowance the step's tensors so far left unspent
 
     def begin_step(self, tracker: Tracker) -> None:
         self._plan = self.plan(tracker)
+        predicted = {h.key: h.predicted() for h in tracker.histories() if h.key in self._plan}
+        self._allowance = {
+            key: overflow_sectors(predicted[key], slot) * spec.SECTOR_BYTES for key, slot in self._plan.items()
+        }
+        self._spare = 0.0
 
     def plan(self, tracker: Tracker) -> dict[str, int]:
         """Slots for every key with history."""
@@ -299,9 +329,12 @@ class OverflowBudget(Policy):
         return each if device(each) < device(plan) else plan
 
     def choose(self, decision: Decision, tracker: Tracker) -> int:
-        slot = self._plan.get(decision.key)
-        if slot is None or decision.predicted is None:
-            return slot_for_overflow(decision.histogram, self.max_overflow, decision.original_bytes)
+        allowance = self._allowance.pop(decision.key, None)
+        if allowance is None or decision.predicted is None:
+            return slot_for_overflow(decision.current, self.max_overflow, decision.original_bytes)
+        allowance += self._spare
+        slot = slot_for_overflow(decision.current, 1.0, allowance)  # the smallest slot spilling <= allowance
+        self._spare = allowance - overflow_sectors(decision.current, slot) * spec.SECTOR_BYTES
         return slot
 
 

@@ -73,7 +73,7 @@ tests() {
 
 sanitize() {
   # every codec, two dtypes, one kind of data, the default entry size: memcheck runs tens of times slower
-  local select=(tests/test_gpu_cuda.py -k "write_the_reference_buffers and 512 and (f32 or bf16) and relu" -x)
+  local select=(tests/test_gpu_cuda.py -k "write_the_reference_buffers and 4096 and (f32 or bf16) and relu" -x)
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool"
     compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all \

@@ -94,6 +94,20 @@ def _label(ax, text, xy, placed, renderer, *, fontsize=6, color="0.25", weight="
     return False
 
 
+#: at most this many labelled points per policy family and plot (a family can have a point per slot size)
+LABELS_PER_FAMILY = 8
+
+
+def _sparse(rows: list[dict]) -> list[dict]:
+    """Per family, at most :data:`LABELS_PER_FAMILY` of its points, spread evenly along its line."""
+    out = []
+    for family in dict.fromkeys(r["family"] for r in rows):
+        pts = sorted((r for r in rows if r["family"] == family), key=lambda r: r["overflow_fraction"])
+        step = max(1, -(-len(pts) // LABELS_PER_FAMILY))
+        out += pts[::step]
+    return out
+
+
 def _reference_lines(ax, *, legend: bool = True):
     """The paper's deep-learning point (as a capacity line) and the tracker's 10 % overflow bound."""
     ax.axhline(PAPER_DL, color="tab:red", linewidth=0.8, linestyle=":", label="paper, DL: 1.5x at 1-2 % slowdown")
@@ -132,7 +146,7 @@ def _capacity_axes(ax, rows, workload, *, fontsize=6):
             weight="bold",
         )  # fmt: skip
     order = {"OverflowBudget": 0, "BuddyThreshold": 1, "FixedRatio": 2, "DeviceBudget": 3}
-    for r in sorted(visible, key=lambda r: order.get(r["family"], 4)):
+    for r in sorted(_sparse(visible), key=lambda r: order.get(r["family"], 4)):
         if r is default:
             continue
         prefix = {"BuddyThreshold": "<=", "OverflowBudget": "step <=", "DeviceBudget": "budget "}.get(r["family"], "")

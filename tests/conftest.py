@@ -422,7 +422,7 @@ def suite_defaults(request):
     """Run each test with ``zvc`` at E = 128 unless it runs under the library's defaults.
 
     Tests state what they depend on: those marked ``library_defaults`` see
-    the library's own defaults (``auto`` at 512 B, chosen by
+    the library's own defaults (``auto2`` at 4096 B, chosen by
     ``experiments.decide``) untouched; those marked ``both_defaults`` run
     under each. The previous defaults come back afterwards.
     """

@@ -235,7 +235,7 @@ def test_device_budget_that_cannot_fit_warns_and_keeps_data(tracker, store):
 
 
 def test_tracker_follows_drift(tracker, store):
-    """Sparsity drops mid-run: within a few steps the slot grows to keep overflow low (zvc at 128 B: sparsity is all it sees)."""
+    """Sparsity drops mid-run: the slot grows at once, the bound holding at every step, while the history lags (zvc at 128 B: sparsity is all it sees)."""
     g = torch.Generator().manual_seed(3)
     slots = []
     for step in range(10):
@@ -251,10 +251,13 @@ def test_tracker_follows_drift(tracker, store):
         y.sum().backward()
         slots.append(s.stats().rows[0].target_ratio)
     assert slots[4] == 4.0  # 95 % zeros: 4x
-    assert slots[-1] == pytest.approx(4 / 3)  # a plain ReLU, half zeros: 1.33x
-    assert [round(r, 2) for r in slots[5:]].index(1.33) <= 2  # followed within three steps
+    assert slots[5:] == [pytest.approx(4 / 3)] * 5  # a plain ReLU, half zeros: 1.33x from the first dense step
     history = tracker.history(s.stats().rows[0].key)
-    assert history.steps == 10 and max(abs(e) for e in history.prediction_errors()) > 0.1  # the drift step was a miss
+    assert history.steps == 10
+    assert all(o.overflow_bytes <= 0.1 * o.original_bytes for o in history.observations)
+    # the history, which had seen only sparse steps, predicted that the 1.33x slot would spill nothing at the drift step
+    drift = history.observations[5]
+    assert drift.predicted_overflow_bytes == 0 < drift.overflow_bytes
 
 
 class _Boom(Codec):

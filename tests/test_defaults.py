@@ -1,4 +1,4 @@
-"""buddy's own defaults — ``auto2`` at 512-byte entries, measured by ``experiments.decide`` — end to end.
+"""buddy's own defaults — ``auto2`` at 4096-byte entries, measured by ``experiments.decide`` — end to end.
 
 The rest of the suite pins ``zvc`` at E = 128 (see ``suite_defaults`` in
 conftest); these tests run with the library's defaults untouched.
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.library_defaults
 
 def test_the_defaults_are_the_measured_choice():
     d = buddy.defaults()
-    assert (d.codec, d.entry_bytes) == ("auto2", 512) == (buddy.DEFAULT_CODEC, spec.DEFAULT_ENTRY_BYTES)
+    assert (d.codec, d.entry_bytes) == ("auto2", 4096) == (buddy.DEFAULT_CODEC, spec.DEFAULT_ENTRY_BYTES)
     assert d.backend == "reference" and d.checksum is False
 
 
@@ -28,7 +28,7 @@ def test_the_defaults_are_the_measured_choice():
 def test_default_compress_round_trips(kind, dtype, store):
     x = make_data(kind, 40_000 + 3, dtype, torch.Generator().manual_seed(1))
     with buddy.compress(x, store=store) as bt:
-        assert (bt.codec, bt.entry_bytes, bt.format_version) == ("auto2", 512, 2)
+        assert (bt.codec, bt.entry_bytes, bt.format_version) == ("auto2", 4096, 2)
         assert_roundtrip(bt, x)
         for ratio in (16 / 16, 16 / 9, 16 / 1, float("inf")):
             with buddy.compress(x, ratio, store=store) as forced:

@@ -130,8 +130,11 @@ def test_entropy_bound_and_simulation():
     hist_sparse, hist_dense = [0, 10, 0, 0, 0], [0, 0, 0, 0, 10]
     points = [(0, [("a", hist_sparse, 1280)]), (1, [("a", hist_dense, 1280)]), (2, [("a", hist_dense, 1280)])]
     out = simulate_policy(points, __import__("buddy").BuddyThreshold(0.0), 128)
-    assert [o.slot for o in out] == [1, 1, 4]  # the drift step is a miss, the next one follows
-    assert out[1].buddy_bytes == 10 * 3 * 32 and out[1].predicted_overflow_bytes == 0
+    assert [o.slot for o in out] == [1, 4, 4]  # the bound is checked on each step's own histogram
+    assert out[1].buddy_bytes == 0 and out[1].predicted_overflow_bytes == 0
+    # the history's miss shows where it predicts: the sparse step said slot 1 would spill nothing
+    out = simulate_policy(points, __import__("buddy").FixedRatio(4.0), 128)
+    assert [o.slot for o in out] == [1, 1, 1] and out[1].predicted_overflow_bytes == 0 < out[1].buddy_bytes
 
 
 def test_decide_tiny(tmp_path, capsys):

@@ -229,7 +229,7 @@ def test_store_full_device_keeps_the_tensor_whole(gen):
     assert_clean(store)
 
 
-@pytest.mark.parametrize("capacity", [0, 48 * KiB], ids=["capacity=0", "capacity=48KiB"])
+@pytest.mark.parametrize("capacity", [0, 32 * KiB], ids=["capacity=0", "capacity=32KiB"])
 def test_store_full_in_training_keeps_tensors_on_the_device(capacity, tracker):
     store = buddy.BuddyStore(capacity_bytes=capacity, block_bytes=16 * KiB, pin=False)
     plain = plain_run(3)

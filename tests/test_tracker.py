@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import buddy
 from buddy import spec
-from buddy.slots import overflow_sectors
+from buddy.slots import overflow_sectors, slot_for_overflow
 from buddy.tracker import Decision
 
 E = 128
@@ -24,11 +25,15 @@ def test_new_key_is_decided_from_its_size_pass():
     assert (slot, predicted) == (1, None)
 
 
-def test_known_key_is_decided_from_history_not_the_current_tensor():
+def test_the_bound_is_checked_against_the_current_tensor_and_the_prediction_recorded():
+    """The history said every entry needs 3 sectors; this tensor needs 1: its slot is 1, and the history's guess is kept."""
     tr = buddy.Tracker(buddy.BuddyThreshold(0.0))
     record(tr, "a", [0, 0, 0, 100, 0])
     slot, predicted = tr.choose("a", [0, 100, 0, 0, 0], entry_bytes=E, original_bytes=100 * E)
-    assert slot == 3 and predicted == 0
+    assert slot == 1 and predicted == 2 * 100 * spec.SECTOR_BYTES  # the history predicted 2 sectors an entry would spill
+    # and the other way: a tensor worse than its history gets the wider slot, no overflow past the bound
+    slot, predicted = tr.choose("a", [0, 0, 0, 0, 100], entry_bytes=E, original_bytes=100 * E)
+    assert slot == 4 and predicted == 0
 
 
 def test_prediction_weights_recent_steps_more():
@@ -158,6 +163,30 @@ def test_overflow_budget_takes_the_cheapest_spill_first():
         buddy.OverflowBudget(1.5)
 
 
+def test_overflow_budget_holds_the_step_to_its_bound_when_the_history_is_wrong():
+    """Planned on a step where every entry took 8 sectors; the next step's "a" takes 12 and "b" 4.
+
+    Planned slots would spill 4 sectors an entry of "a" (25 % of the step):
+    "a" gets what its allowance and nothing more spills, then "b" -- smaller
+    than predicted -- gets a slot tighter than planned with what is left
+    (allowance carried over, never beyond the step's 10 %)."""
+    tr, policy = buddy.Tracker(), buddy.OverflowBudget(0.10)
+    _step(tr, policy, [("a", _dense(8)), ("b", _dense(8))], 512)
+    planned = policy.plan(tr)
+    assert planned == {"a": 7, "b": 6} or planned == {"a": 6, "b": 7}
+    tensors = [("a", _dense(12)), ("b", _dense(4))]
+    slots = _step(tr, policy, tensors, 512)
+    spilled = sum(overflow_sectors(h, slots[k]) * 32 for k, h in tensors)
+    assert spilled <= 0.10 * 2 * 100 * 512, "the step's bound, though the history was wrong"
+    assert slots["a"] > planned["a"], "wider than planned: it compresses worse than its history"
+    assert slots["b"] < 4, "tighter than it needs for no overflow: the allowance it was planned, and a's leftovers"
+    allowance = sum(overflow_sectors(_dense(8), planned[k]) * 32 for k in planned)
+    assert allowance - 100 * 32 < spilled, "what was planned is spent, to within a sector of one tensor"
+    # without a plan (buddy.wrap's case), each tensor gets the per-tensor rule on its own histogram
+    fresh = buddy.OverflowBudget(0.10)
+    assert fresh.choose(Decision("a", 512, 100, 100 * 512, tuple(_dense(12)), tuple(_dense(8)), 0), tr) == 11
+
+
 def test_bad_tracker_arguments():
     with pytest.raises(ValueError):
         buddy.Tracker(decay=0)
@@ -165,3 +194,18 @@ def test_bad_tracker_arguments():
         buddy.Tracker(window=0)
     with pytest.raises(TypeError):
         buddy.set_default_tracker("x")
+
+
+def test_slot_for_overflow_is_the_smallest_slot_within_the_limit():
+    """The one-pass search against the definition, on histograms of every entry size's bin count, ints and floats."""
+    g = torch.Generator().manual_seed(0)
+    for bins in (2, 5, 17, 129, 2049):
+        for trial in range(40):
+            hist = (torch.rand(bins, generator=g) < 0.3) * torch.randint(0, 50, (bins,), generator=g)
+            hist = hist.tolist() if trial % 2 else (hist * 0.37).tolist()  # predicted histograms are floats
+            nbytes = max(1, int(sum(hist))) * 32 * (bins - 1)
+            for share in (0.0, 0.01, 0.1, 0.5, 1.0):
+                limit = share * nbytes
+                want = min(s for s in range(bins) if overflow_sectors(hist, s) * spec.SECTOR_BYTES <= limit)
+                assert slot_for_overflow(hist, share, nbytes) == want
+    assert slot_for_overflow([0, 0, 0, 0, 0], 0.0, 0) == 0 and slot_for_overflow([7], 0.0, 10) == 0

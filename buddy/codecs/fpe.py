@@ -325,31 +325,43 @@ def _read_wide(windows: torch.Tensor, at: torch.Tensor, width: int) -> torch.Ten
 
 
 def _decode_block(payload: torch.Tensor, sectors: torch.Tensor, word_bytes: int, table: Table) -> torch.Tensor:
-    """Coded entries -> ``(n, W)`` int64 words; raises :class:`CorruptDataError`."""
+    """Coded entries -> ``(n, W)`` int64 words; raises :class:`CorruptDataError`.
+
+    Where each word starts is serial within an entry, but a word's whole
+    length (code, escaped symbol, mantissa) follows from the next 12 stream
+    bits alone: one table lookup. So the serial loop only walks the starts
+    (every entry at once); reading every word's fields is then one pass
+    over all of them.
+    """
     e, m = _split(word_bytes)
     n, entry_bytes = payload.shape
     n_words = entry_bytes // word_bytes
     enc_len, _, dec_sym, dec_len = table.lookups(payload.device)
+    escaped = dec_sym == table.esc
+    # per next-12-bits: the word's bits (a code the table lacks reads as length 0 and is caught below)
+    advance = dec_len + escaped * (1 + e) + (dec_sym != table.zero) * m
     windows = stream_windows(payload.contiguous())
-    pos = torch.zeros(n, 1, dtype=torch.int64, device=payload.device)
-    words = torch.empty(n, n_words, dtype=torch.int64, device=payload.device)
-    bad = torch.zeros(n, 1, dtype=torch.bool, device=payload.device)
     end = entry_bytes * 8
-    for i in range(n_words):  # serial within an entry, every entry at once
-        peek = read_bits(windows, pos, MAX_CODE_BITS)
-        sym, length = lookup(dec_sym, peek), lookup(dec_len, peek)
-        bad |= length == 0
-        pos += length
-        esc = sym == table.esc
-        raw = read_bits(windows, pos, 1 + e)
-        bad |= esc & (lookup(enc_len, raw) > 0)  # an escaped symbol the table has a code for
-        sym = torch.where(esc, raw, sym)
-        pos += esc * (1 + e)
-        zero = sym == table.zero
-        mantissa = _read_wide(windows, pos, m)
-        pos += ~zero * m
-        words[:, i : i + 1] = torch.where(zero, 0, sym << m | mantissa)
-        pos.clamp_(max=end)  # a damaged stream reads garbage inside the payload, never past it
+    # a start never passes `end`, so its window index never passes the last column: one zero column more
+    padded = torch.nn.functional.pad(windows, (0, 1))
+    pos = torch.zeros(n, 1, dtype=torch.int64, device=payload.device)
+    mask = (1 << MAX_CODE_BITS) - 1
+    starts = []
+    for _ in range(n_words):  # serial within an entry, every entry at once; as few torch calls as it takes
+        starts.append(pos)
+        peek = padded.gather(1, pos >> 5).bitwise_right_shift_(pos & 31).bitwise_and_(mask)
+        pos = torch.take(advance, peek).add_(pos).clamp_(max=end)  # a damaged stream stays inside the payload
+    starts = torch.cat(starts, 1)
+    peek = read_bits(windows, starts, MAX_CODE_BITS)
+    sym, length = lookup(dec_sym, peek), lookup(dec_len, peek)
+    bad = length == 0
+    at = starts + length
+    esc = sym == table.esc
+    raw = read_bits(windows, at, 1 + e)
+    bad |= esc & (lookup(enc_len, raw) > 0)  # an escaped symbol the table has a code for
+    sym = torch.where(esc, raw, sym)
+    at += esc * (1 + e)
+    words = torch.where(sym == table.zero, 0, sym << m | _read_wide(windows, at, m))
     if bool(bad.any()):
         raise CorruptDataError("fpe: a code the table does not have, or an escape of a symbol it has")
     total = pos.squeeze(1)
