@@ -11,7 +11,14 @@ from collections.abc import Sequence
 
 from . import spec
 
-__all__ = ["DEFAULT_MAX_OVERFLOW", "check_max_overflow", "overflow_sectors", "slot_for_overflow", "tightest_slot"]
+__all__ = [
+    "DEFAULT_MAX_OVERFLOW",
+    "check_max_overflow",
+    "larger_than",
+    "overflow_sectors",
+    "slot_for_overflow",
+    "tightest_slot",
+]
 
 #: default bound on buddy bytes / tensor bytes when no target ratio is given
 DEFAULT_MAX_OVERFLOW = 0.10
@@ -38,6 +45,15 @@ def check_max_overflow(max_overflow: float) -> float:
 def overflow_sectors(histogram: Sequence[int], slot_sectors: int) -> int:
     """Sectors that go to buddy memory with a slot of ``slot_sectors`` (a float for a predicted, float histogram)."""
     return sum((k - slot_sectors) * n for k, n in enumerate(histogram) if k > slot_sectors)
+
+
+def larger_than(histogram: Sequence[float]) -> list[float]:
+    """``out[s]``: the entries larger than ``s`` sectors, each spilling one more sector when the slot goes to ``s``."""
+    out, running = [0.0] * len(histogram), 0.0
+    for s in range(len(histogram) - 1, -1, -1):
+        out[s] = running
+        running += histogram[s]
+    return out
 
 
 def slot_for_overflow(histogram: Sequence[int], max_overflow: float, budget_bytes: int) -> int:

@@ -51,7 +51,7 @@ import torch
 from . import spec
 from ._process_default import ProcessDefault
 from .ledger import DeviceLedger, default_ledger
-from .slots import DEFAULT_MAX_OVERFLOW, overflow_sectors, slot_for_overflow, tightest_slot
+from .slots import DEFAULT_MAX_OVERFLOW, larger_than, overflow_sectors, slot_for_overflow, tightest_slot
 
 if TYPE_CHECKING:
     from .codecs.base import Codec
@@ -208,18 +208,12 @@ class DeviceBudget(Policy):
             return {}
         spe = {h.key: len(h.predicted()) - 1 for h in keys}
         slots = dict(spe)
-        at_least = {}  # per key and slot s: the entries of >= s sectors, each spilling one more sector at s - 1
-        for h in keys:
-            counts, running = h.predicted(), 0.0
-            at_least[h.key] = [0.0] * len(counts)
-            for s in range(len(counts) - 1, -1, -1):
-                running += counts[s]
-                at_least[h.key][s] = running
+        larger = {h.key: larger_than(h.predicted()) for h in keys}
         per_sector = {h.key: h.n_entries * spec.SECTOR_BYTES for h in keys}
         total = sum(h.n_entries * (spe[h.key] * spec.SECTOR_BYTES + spec.meta_bytes(h.entry_bytes)) for h in keys)
 
         def cost(key: str) -> float:  # added overflow per device byte saved by one step down
-            return at_least[key][slots[key]] / per_sector[key]
+            return larger[key][slots[key] - 1] / per_sector[key]
 
         while total > self.budget_bytes:
             candidates = [k for k in slots if slots[k] > 0]
@@ -286,30 +280,27 @@ class OverflowBudget(Policy):
 
     def __init__(self, max_overflow: float = DEFAULT_MAX_OVERFLOW):
         self.max_overflow = BuddyThreshold(max_overflow).max_overflow
-        self._plan: dict[str, int] = {}
         self._allowance: dict[str, float] = {}  # per planned key not yet served this step: overflow bytes
         self._spare = 0.0  # allowance the step's tensors so far left unspent
 
     def begin_step(self, tracker: Tracker) -> None:
-        self._plan = self.plan(tracker)
-        predicted = {h.key: h.predicted() for h in tracker.histories() if h.key in self._plan}
-        self._allowance = {
-            key: overflow_sectors(predicted[key], slot) * spec.SECTOR_BYTES for key, slot in self._plan.items()
-        }
+        slots, predicted = self._planned(tracker)
+        self._allowance = {key: overflow_sectors(predicted[key], s) * spec.SECTOR_BYTES for key, s in slots.items()}
         self._spare = 0.0
 
     def plan(self, tracker: Tracker) -> dict[str, int]:
         """Slots for every key with history."""
+        return self._planned(tracker)[0]
+
+    def _planned(self, tracker: Tracker) -> tuple[dict[str, int], dict[str, tuple[float, ...]]]:
+        """The plan's slots, and the predicted histograms it was made from."""
         keys = [h for h in tracker.histories() if h.histograms and h.observations]
         left = self.max_overflow * sum(h.observations[-1].original_bytes for h in keys)
         plan, each, n, beyond = {}, {}, {}, {}  # per key: slot, per-tensor rule's slot, entries, entries larger
+        predicted = {h.key: h.predicted() for h in keys}
         for h in keys:
-            counts = h.predicted()
-            above, running = [0.0] * len(counts), 0.0
-            for s in range(len(counts) - 1, -1, -1):
-                above[s] = running
-                running += counts[s]
-            beyond[h.key], n[h.key] = above, h.n_entries
+            counts = predicted[h.key]
+            beyond[h.key], n[h.key] = larger_than(counts), h.n_entries
             plan[h.key] = tightest_slot(counts)
             each[h.key] = slot_for_overflow(counts, self.max_overflow, h.observations[-1].original_bytes)
         # cheapest spill first; at equal cost the widest slot, so that the spill spreads over the keys
@@ -326,7 +317,7 @@ class OverflowBudget(Policy):
                 heapq.heappush(heap, (beyond[key][plan[key] - 1] / n[key], -plan[key], key))
         # the greedy plan is not always the best: never hold more than the per-tensor rule would
         device = lambda slots: sum(n[key] * slot for key, slot in slots.items())  # noqa: E731
-        return each if device(each) < device(plan) else plan
+        return (each if device(each) < device(plan) else plan), predicted
 
     def choose(self, decision: Decision, tracker: Tracker) -> int:
         allowance = self._allowance.pop(decision.key, None)

@@ -26,11 +26,11 @@ def test_new_key_is_decided_from_its_size_pass():
 
 
 def test_the_bound_is_checked_against_the_current_tensor_and_the_prediction_recorded():
-    """The history said every entry needs 3 sectors; this tensor needs 1: its slot is 1, and the history's guess is kept."""
+    """The history said every entry needs 3 sectors; this tensor needs 1: its slot is 1, the history's guess kept."""
     tr = buddy.Tracker(buddy.BuddyThreshold(0.0))
     record(tr, "a", [0, 0, 0, 100, 0])
     slot, predicted = tr.choose("a", [0, 100, 0, 0, 0], entry_bytes=E, original_bytes=100 * E)
-    assert slot == 1 and predicted == 2 * 100 * spec.SECTOR_BYTES  # the history predicted 2 sectors an entry would spill
+    assert slot == 1 and predicted == 2 * 100 * spec.SECTOR_BYTES  # the history: 2 sectors an entry would spill
     # and the other way: a tensor worse than its history gets the wider slot, no overflow past the bound
     slot, predicted = tr.choose("a", [0, 0, 0, 0, 100], entry_bytes=E, original_bytes=100 * E)
     assert slot == 4 and predicted == 0
