@@ -95,11 +95,6 @@ class Decision:
     predicted: tuple[float, ...] | None
     held_device_bytes: int
 
-    @property
-    def histogram(self) -> tuple[float, ...]:
-        """The histogram to decide on: the prediction, else the size pass."""
-        return self.predicted if self.predicted is not None else self.current
-
     def device_bytes(self, slot: int) -> int:
         return self.n_entries * (slot * spec.SECTOR_BYTES + spec.meta_bytes(self.entry_bytes))
 
@@ -194,7 +189,8 @@ class DeviceBudget(Policy):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"budget_bytes must be a non-negative int (bytes), got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
-        self.new_key_overflow = BuddyThreshold(new_key_overflow).max_overflow
+        self._new_key = BuddyThreshold(new_key_overflow)
+        self.new_key_overflow = self._new_key.max_overflow
         self._plan: dict[str, int] = {}
         self.exceeded = 0
 
@@ -227,7 +223,7 @@ class DeviceBudget(Policy):
     def choose(self, decision: Decision, tracker: Tracker) -> int:
         slot = self._plan.get(decision.key)
         if slot is None:
-            slot = slot_for_overflow(decision.histogram, self.new_key_overflow, decision.original_bytes)
+            slot = self._new_key.choose(decision, tracker)
         left = self.budget_bytes - decision.held_device_bytes
         while slot > 0 and decision.device_bytes(slot) > left:
             slot -= 1
@@ -279,7 +275,8 @@ class OverflowBudget(Policy):
     """
 
     def __init__(self, max_overflow: float = DEFAULT_MAX_OVERFLOW):
-        self.max_overflow = BuddyThreshold(max_overflow).max_overflow
+        self._per_tensor = BuddyThreshold(max_overflow)
+        self.max_overflow = self._per_tensor.max_overflow
         self._allowance: dict[str, float] = {}  # per planned key not yet served this step: overflow bytes
         self._spare = 0.0  # allowance the step's tensors so far left unspent
 
@@ -322,7 +319,7 @@ class OverflowBudget(Policy):
     def choose(self, decision: Decision, tracker: Tracker) -> int:
         allowance = self._allowance.pop(decision.key, None)
         if allowance is None or decision.predicted is None:
-            return slot_for_overflow(decision.current, self.max_overflow, decision.original_bytes)
+            return self._per_tensor.choose(decision, tracker)
         allowance += self._spare
         slot = slot_for_overflow(decision.current, 1.0, allowance)  # the smallest slot spilling <= allowance
         self._spare = allowance - overflow_sectors(decision.current, slot) * spec.SECTOR_BYTES
