@@ -74,7 +74,7 @@ from .prefetch import Ahead, Prefetch, PrefetchStats, Schedule, as_prefetch
 from .stats import KeyRow, SessionStats
 from .store import BuddyStore, default_store
 from .tensor import BuddyTensor, check_tensor, dense_strides
-from .tracker import Policy, Tracker, default_tracker
+from .tracker import Policy, Tracker, default_tracker, table_bytes
 
 __all__ = [
     "compressed_activations",
@@ -598,7 +598,12 @@ def _tracked(t, key, tracker: Tracker, policy, store, codec, entry_bytes, *, kee
     """
     measured = measure(t, codec, entry_bytes=entry_bytes, prior=tracker.prior(key), keep=tracker.fitted(key))
     place = tracker.plan(
-        key, measured.histogram, entry_bytes=measured.entry_bytes, original_bytes=measured.nbytes, policy=policy
+        key,
+        measured.histogram,
+        entry_bytes=measured.entry_bytes,
+        original_bytes=measured.nbytes,
+        policy=policy,
+        table_bytes=table_bytes(measured.codec),
     )
     bt = None
     if not (keep and place.keep):

@@ -278,8 +278,9 @@ def _i32(v: int):
 #: codecs whose kernels code with a table (their ``table`` argument is a device table, not null)
 TABLED_KERNELS = frozenset({"fpe", "auto2"})
 #: bytes of a device table (``sizeof(BuddyFpeTable)``): a decode row per value of the next
-#: MAX_CODE_BITS stream bits (uint32), an encode entry per symbol of the widest words (uint16)
-DEVICE_TABLE_BYTES = 4 * (1 << MAX_CODE_BITS) + 2 * n_symbols(8)
+#: MAX_CODE_BITS stream bits (uint32), an encode entry per symbol of the widest symbols (uint16: 12 bits,
+#: ZERO and ESC), the bits of a word a symbol is (uint32)
+DEVICE_TABLE_BYTES = 4 * (1 << MAX_CODE_BITS) + 2 * n_symbols(8) + 4
 #: bytes of the serialized table a fit writes: the longest :meth:`Table.to_bytes` (``BUDDY_FPE_SERIAL_BYTES``)
 FIT_SERIAL_BYTES = 4 + 3 * (MAX_CODED + 2)
 #: scratch bytes of a fit (``sizeof(BuddyFpeFitWork)``, csrc/codec_fpe_fit.h)
@@ -293,12 +294,13 @@ def device_table(table: Table) -> torch.Tensor:
 
     ``BuddyFpeTable`` (csrc/codec_fpe.h): ``dec[v]`` = symbol | code length << 16 for
     the next 12 stream bits ``v``, then ``enc[symbol]`` = stream code | code length <<
-    12 (0: no code), both from :meth:`Table.lookups`, little-endian. Pinned when CUDA
+    12 (0: no code), both from :meth:`Table.lookups`, then the table's
+    :attr:`~Table.symbol_bits` (which its format says), little-endian. Pinned when CUDA
     is present (its copy to the device is then asynchronous); kept for the last 64
     tables -- a tracker's learned table comes back step after step -- and never
     written again.
     """
-    key = (table.word_bytes, tuple(sorted(table.lengths.items())))
+    key = (table.word_bytes, table.format, tuple(sorted(table.lengths.items())))
     with _lock:
         found = _HOST_TABLES.pop(key, None)
         if found is not None:
@@ -308,7 +310,7 @@ def device_table(table: Table) -> torch.Tensor:
     enc = [code | length << 12 for code, length in zip(enc_code, enc_len)]
     enc += [0] * (n_symbols(8) - len(enc))  # the layout has room for the widest words' symbols
     dec = [sym | length << 16 for sym, length in zip(dec_sym, dec_len)]
-    raw = struct.pack(f"<{len(dec)}I{len(enc)}H", *dec, *enc)
+    raw = struct.pack(f"<{len(dec)}I{len(enc)}HI", *dec, *enc, table.symbol_bits)
     out = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     if torch.cuda.is_available():
         out = out.pin_memory()

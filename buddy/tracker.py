@@ -67,6 +67,7 @@ __all__ = [
     "Placement",
     "KeyHistory",
     "Tracker",
+    "table_bytes",
     "BudgetExceededWarning",
     "default_tracker",
     "set_default_tracker",
@@ -84,7 +85,8 @@ class Decision:
     ``predicted`` is the key's predicted histogram (``None`` for a new key);
     ``current`` is this tensor's own histogram from the size pass.
     ``held_device_bytes`` are the device bytes held on the tracker's ledger
-    right now (for budgets).
+    right now (for budgets). ``table_bytes``: the codec table the tensor
+    carries on the device (format version 2), whatever its slot.
     """
 
     key: str
@@ -94,9 +96,10 @@ class Decision:
     current: tuple[float, ...]
     predicted: tuple[float, ...] | None
     held_device_bytes: int
+    table_bytes: int = 0
 
     def device_bytes(self, slot: int) -> int:
-        return self.n_entries * (slot * spec.SECTOR_BYTES + spec.meta_bytes(self.entry_bytes))
+        return self.n_entries * (slot * spec.SECTOR_BYTES + spec.meta_bytes(self.entry_bytes)) + self.table_bytes
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,8 @@ class Placement:
     the key's history predicts with that slot (``None`` for a new key).
     ``keep``: the raw slot -- a training session keeps such a tensor as it
     is (a raw slot would hold the same bytes plus metadata).
-    ``device_bytes``: what the tensor holds on the device that way.
+    ``device_bytes``: what the tensor holds on the device that way (its
+    codec table, ``table_bytes``, included when it is compressed).
     """
 
     slot: int
@@ -115,6 +119,7 @@ class Placement:
     entry_bytes: int
     n_entries: int
     original_bytes: int
+    table_bytes: int = 0
 
     @property
     def keep(self) -> bool:
@@ -124,7 +129,13 @@ class Placement:
     def device_bytes(self) -> int:
         if self.keep:
             return self.original_bytes
-        return self.n_entries * (self.slot * spec.SECTOR_BYTES + spec.meta_bytes(self.entry_bytes))
+        return self.n_entries * (self.slot * spec.SECTOR_BYTES + spec.meta_bytes(self.entry_bytes)) + self.table_bytes
+
+
+def table_bytes(codec: Codec | None) -> int:
+    """Bytes of the table ``codec`` was fitted to (what a tensor it codes carries), 0 for none."""
+    table = None if codec is None else codec.table
+    return 0 if table is None else table.numel()
 
 
 class Policy:
@@ -206,7 +217,10 @@ class DeviceBudget(Policy):
         slots = dict(spe)
         larger = {h.key: larger_than(h.predicted()) for h in keys}
         per_sector = {h.key: h.n_entries * spec.SECTOR_BYTES for h in keys}
-        total = sum(h.n_entries * (spe[h.key] * spec.SECTOR_BYTES + spec.meta_bytes(h.entry_bytes)) for h in keys)
+        total = sum(
+            h.n_entries * (spe[h.key] * spec.SECTOR_BYTES + spec.meta_bytes(h.entry_bytes)) + table_bytes(h.fitted)
+            for h in keys
+        )
 
         def cost(key: str) -> float:  # added overflow per device byte saved by one step down
             return larger[key][slots[key] - 1] / per_sector[key]
@@ -513,15 +527,35 @@ class Tracker:
             return list(self._keys.values())
 
     def plan(
-        self, key: str, histogram, *, entry_bytes: int, original_bytes: int, policy: Policy | None = None
+        self,
+        key: str,
+        histogram,
+        *,
+        entry_bytes: int,
+        original_bytes: int,
+        policy: Policy | None = None,
+        table_bytes: int = 0,
     ) -> Placement:
-        """Where a tensor about to be packed goes: its slot under ``policy`` (default: the tracker's)."""
-        slot, predicted = self.choose(
-            key, histogram, entry_bytes=entry_bytes, original_bytes=original_bytes, policy=policy
-        )
-        return Placement(slot, predicted, entry_bytes, int(sum(histogram)), original_bytes)
+        """Where a tensor about to be packed goes: its slot under ``policy`` (default: the tracker's).
 
-    def choose(self, key: str, histogram, *, entry_bytes: int, original_bytes: int, policy: Policy | None = None):
+        ``table_bytes``: the codec table it will carry on the device (budgets count it).
+        """
+        slot, predicted = self.choose(
+            key, histogram, entry_bytes=entry_bytes, original_bytes=original_bytes, policy=policy,
+            table_bytes=table_bytes,
+        )  # fmt: skip
+        return Placement(slot, predicted, entry_bytes, int(sum(histogram)), original_bytes, table_bytes)
+
+    def choose(
+        self,
+        key: str,
+        histogram,
+        *,
+        entry_bytes: int,
+        original_bytes: int,
+        policy: Policy | None = None,
+        table_bytes: int = 0,
+    ):
         """``(slot, predicted_overflow_bytes or None)`` for a tensor about to be packed."""
         policy = policy or self.policy
         held = self.ledger.bytes_held
@@ -537,6 +571,7 @@ class Tracker:
                 current=tuple(histogram),
                 predicted=predicted,
                 held_device_bytes=held,
+                table_bytes=table_bytes,
             )
             slot = policy.choose(decision, self)
             if predicted is None:

@@ -172,7 +172,7 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
                                                  const uint8_t* __restrict__ tail, int tail_words,
                                                  unsigned long long* __restrict__ counts, uint32_t* local) {
   // the block counts in shared memory (local: S + 2 words), then adds its counts to the tensor's once
-  const uint32_t symbols = BuddyFpe<WB>::ESC + 1u;
+  const uint32_t symbols = (1u << buddy_fpe_fit_split<WB>::b) + 2u;
   for (uint32_t j = threadIdx.x; j < symbols; j += blockDim.x) local[j] = 0;
   __syncthreads();
   const long long stride = (long long)gridDim.x * blockDim.x;

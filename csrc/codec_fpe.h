@@ -1,5 +1,6 @@
-// fpe (sign and exponent entropy-coded with the tensor's prefix code, mantissa
-// passed through; format version 2) of one entry, one warp per entry: the
+// fpe (a word's top bits -- sign, exponent, the mantissa's top bits --
+// entropy-coded with the tensor's prefix code, the rest passed through; format
+// version 2) of one entry, one warp per entry: the
 // device codec the kernels run, host-compilable so the tests check it byte for
 // byte against the torch reference (buddy/codecs/fpe.py, whose module
 // docstring specifies the format) under an emulated warp. The interface is
@@ -8,12 +9,16 @@
 //
 // A word of w bytes is sign | exponent (e bits) | mantissa (m bits), with
 // (e, m) = (4, 3), (8, 7), (8, 23), (11, 52) for w = 1, 2, 4, 8; its symbol
-// is its top 1 + e bits. Symbols 0 .. S-1 (S = 2^(1+e)), ZERO = S, ESC = S + 1.
+// is its top b bits, its tail the t = 8 w - b bits after them. The table's
+// format says b: format 2 (what fits make) min(12, 8 w), format 1 (tensors
+// written before it, decoded still) 1 + e; the device table carries b
+// (sym_bits), so one kernel codes both. Symbols 0 .. S-1 (S = 2^b),
+// ZERO = S, ESC = S + 1.
 // Payload: the little-endian bit stream of buddy_bits.h; per word in order:
 //   its code      ZERO (an all-zero word, when the table has ZERO), else its
-//                 symbol's code, else ESC's code followed by the symbol (1 + e
+//                 symbol's code, else ESC's code followed by the symbol (b
 //                 bits)
-//   its mantissa  m bits, unless the code was ZERO
+//   its tail      t bits, unless the code was ZERO
 // T bits in all, k = ceil(T / 256), zero bits after; mode 0 only.
 //
 // The table (BuddyFpeTable below) is the device form of the tensor's
@@ -35,7 +40,7 @@
 //   decode   serial within an entry: a code's length is known only once it
 //            is read. Lane 0 walks the stream -- per word a 64-bit peek at
 //            the staged payload, one decode-table lookup, for 8-byte words a
-//            second peek for the mantissa -- and writes the words 8 bytes at
+//            second peek for the tail -- and writes the words 8 bytes at
 //            a time; then the warp checks what follows the stream. What
 //            bounds its speed: that one lane's dependent chain, about 20
 //            instructions a word, each issued as a whole warp instruction
@@ -57,16 +62,25 @@
 #define BUDDY_FPE_ROWS (1u << BUDDY_FPE_CODE_BITS)      // decode rows: one per value of the next 12 stream bits
 #define BUDDY_FPE_SYMBOLS ((1u << (1u + 11u)) + 2u)     // most symbols (8-byte words): S + 2 = 4098
 
-// The device table of one fpe.Table (24580 bytes, buddy.cuda.DEVICE_TABLE_BYTES):
+// The device table of one fpe.Table (24584 bytes, buddy.cuda.DEVICE_TABLE_BYTES):
 //   dec[v]    for the next 12 stream bits v: symbol | code length << 16 of
 //             the code they start with (length 0: none does)
 //   enc[sym]  stream code | code length << 12 of a symbol (0: it has no code);
-//             only the S + 2 symbols of the word size are used
+//             only the S + 2 symbols of the table are used
+//   sym_bits  b: the bits of a word its symbols are (the table's format)
 struct BuddyFpeTable {
   uint32_t dec[BUDDY_FPE_ROWS];
   uint16_t enc[BUDDY_FPE_SYMBOLS];
+  uint32_t sym_bits;
 };
-static_assert(sizeof(BuddyFpeTable) == 4u * BUDDY_FPE_ROWS + 2u * BUDDY_FPE_SYMBOLS, "no padding");
+static_assert(sizeof(BuddyFpeTable) == 4u * BUDDY_FPE_ROWS + 2u * BUDDY_FPE_SYMBOLS + 4u, "no padding");
+
+// b of the tables a fit makes (table format 2): a word's top 12 bits, all of a 1-byte word's
+template <int WB>
+struct buddy_fpe_fit_split {
+  static constexpr uint32_t b = WB == 1 ? 8u : 12u;
+  static constexpr uint32_t t = 8u * WB - b;
+};
 
 template <int WB>
 struct BuddyFpe {
@@ -77,24 +91,26 @@ struct BuddyFpe {
   static constexpr uint32_t RAW_MODE = 0;
   static constexpr uint32_t entry = BUDDY_ENTRY_BYTES;  // bytes per entry, E
   static constexpr uint32_t words = entry / WB;          // words per entry, W
-  static constexpr uint32_t e = buddy_float_split<WB>::e;
-  static constexpr uint32_t m = buddy_float_split<WB>::m;
-  static constexpr uint32_t sym_bits = 1u + e;             // a symbol: sign and exponent
-  static constexpr uint32_t ZERO = 1u << sym_bits;         // the symbol of an all-zero word
-  static constexpr uint32_t ESC = ZERO + 1u;               // a symbol without a code follows
-  static constexpr uint64_t mantissa_mask = ((uint64_t)1 << m) - 1u;
   static constexpr uint32_t never = 0xFFFFFFFFu;           // the length of a stream that cannot be decoded
   // Warp tiling: per round, lane l owns the lane_words words of the 8 bytes at 8 * (32 r + l).
   static constexpr uint32_t units = entry / 8u;            // 8-byte units of an entry
   static constexpr uint32_t lane_words = 8u / WB;
   static constexpr uint32_t rounds = (units + BUDDY_WARP_SIZE - 1u) / BUDDY_WARP_SIZE;
 
-  static_assert(ESC < BUDDY_FPE_SYMBOLS && 1u + e + m == 8u * WB, "the split fills the word");
-
   const BuddyFpeTable* table;
+  uint32_t sym_bits;    // b: a symbol is the word's top b bits (the table's)
+  uint32_t tail_bits;   // t = 8 WB - b: the bits after them
+  uint32_t ZERO, ESC;   // the symbols of an all-zero word and of an escape: S, S + 1
+  uint64_t tail_mask;
 
+  // The table is on the device; b is read once per warp (a host-built table has it checked: buddy.cuda).
   BUDDY_HD explicit BuddyFpe(const uint8_t* device_table)
-      : table(reinterpret_cast<const BuddyFpeTable*>(device_table)) {}
+      : table(reinterpret_cast<const BuddyFpeTable*>(device_table)),
+        sym_bits(table->sym_bits),
+        tail_bits(8u * WB - sym_bits),
+        ZERO(1u << sym_bits),
+        ESC(ZERO + 1u),
+        tail_mask(((uint64_t)1 << tail_bits) - 1u) {}  // t <= 52
 
   static BUDDY_HD bool coded_mode(uint32_t mode) { return mode == 0; }
 
@@ -111,14 +127,14 @@ struct BuddyFpe {
   };
   BUDDY_HD Specials specials() const { return {table->enc[ZERO], table->enc[ESC]}; }
 
-  // A word's code field (the escaped symbol after ESC's code included) and whether a mantissa follows.
+  // A word's code field (the escaped symbol after ESC's code included) and whether a tail follows.
   struct Field {
     uint32_t head, head_bits;
-    bool mantissa;
+    bool tail;
   };
   BUDDY_HD Field field(word_t x, Specials sp) const {
     if (x == 0 && sp.zero) return {sp.zero & 0xFFFu, sp.zero >> 12, false};
-    const uint32_t sym = (uint32_t)(x >> m) & (ZERO - 1u);
+    const uint32_t sym = (uint32_t)((uint64_t)x >> tail_bits) & (ZERO - 1u);
     const uint32_t c = table->enc[sym];
     if (c) return {c & 0xFFFu, c >> 12, true};
     const uint32_t len = sp.esc >> 12;
@@ -132,7 +148,7 @@ struct BuddyFpe {
     uint32_t bits = 0;
     for (uint32_t i = 0; i < lane_words; ++i) {
       const Field f = field(unit_word(unit, i), sp);
-      bits += f.head_bits + (f.mantissa ? m : 0u);
+      bits += f.head_bits + (f.tail ? tail_bits : 0u);
     }
     return bits;
   }
@@ -140,18 +156,18 @@ struct BuddyFpe {
   // ORs the fields of word x into the stream at bit pos; returns the bit after them.
   BUDDY_HD uint32_t put(uint32_t* stream, uint32_t pos, word_t x, Specials sp) const {
     const Field f = field(x, sp);
-    if (!f.mantissa) {
+    if (!f.tail) {
       buddy_put32(stream, pos, f.head);
       return pos + f.head_bits;
     }
-    const uint64_t mantissa = (uint64_t)x & mantissa_mask;
-    if constexpr (WB == 8) {  // head (<= 24 bits) and mantissa (52) may exceed 64 bits
+    const uint64_t tail = (uint64_t)x & tail_mask;
+    if constexpr (WB == 8) {  // head (<= 24 bits) and tail (52) may exceed 64 bits
       buddy_put32(stream, pos, f.head);
-      buddy_put64(stream, pos + f.head_bits, mantissa);
-    } else {  // <= 12 + 9 + 23 bits
-      buddy_put64(stream, pos, f.head | mantissa << f.head_bits);
+      buddy_put64(stream, pos + f.head_bits, tail);
+    } else {  // <= 12 + 12 + 23 bits
+      buddy_put64(stream, pos, f.head | tail << f.head_bits);
     }
-    return pos + f.head_bits + m;
+    return pos + f.head_bits + tail_bits;
   }
 
   template <class Warp>
@@ -213,13 +229,13 @@ struct BuddyFpe {
       }
       pos += len;
       if (sym != ZERO) {
-        uint64_t mantissa;
-        if constexpr (WB == 8)  // code, symbol and mantissa can exceed 64 bits
-          mantissa = buddy_peek(payload, n64, pos);
+        uint64_t tail;
+        if constexpr (WB == 8)  // code, symbol and tail can exceed 64 bits
+          tail = buddy_peek(payload, n64, pos);
         else
-          mantissa = bits >> len;
-        unit |= (((uint64_t)sym << m) | (mantissa & mantissa_mask)) << (8u * WB * (i % lane_words));
-        pos += m;
+          tail = bits >> len;
+        unit |= (((uint64_t)sym << tail_bits) | (tail & tail_mask)) << (8u * WB * (i % lane_words));
+        pos += tail_bits;
       }
       if (i % lane_words == lane_words - 1u) {
         buddy_store<uint64_t>(out + 8u * (i / lane_words), unit);

@@ -46,7 +46,7 @@
 #define BUDDY_FPE_MAX_CODED 255u                            // regular symbols with codes at most (fpe.MAX_CODED)
 #define BUDDY_FPE_MAX_LEAVES (BUDDY_FPE_MAX_CODED + 2u)      // and ZERO and ESC
 #define BUDDY_FPE_SERIAL_BYTES (4u + 3u * BUDDY_FPE_MAX_LEAVES)  // the longest serialized table: 775 bytes
-#define BUDDY_FPE_TABLE_FORMAT 1u                            // byte 0 of a serialized table (fpe.TABLE_FORMAT)
+#define BUDDY_FPE_TABLE_FORMAT 2u                            // byte 0 of a fitted table (fpe.TABLE_FORMAT)
 
 // Scratch of one fit (buddy.cuda.FIT_WORK_BYTES), in global memory.
 struct BuddyFpeFitWork {
@@ -62,23 +62,25 @@ struct BuddyFpeFitWork {
 #define BUDDY_FPE_FIT_WORK_BYTES 93496u  // buddy.cuda.FIT_WORK_BYTES
 static_assert(sizeof(BuddyFpeFitWork) == BUDDY_FPE_FIT_WORK_BYTES, "the loader allocates this many bytes");
 
-// Counting: adds the symbols of the words of one 8-byte unit (ZERO for an
-// all-zero word) to counts (S + 2 uint32, atomically: a block's shared counts).
+// Counting, in the symbols of the tables a fit makes (table format 2,
+// buddy_fpe_fit_split): adds the symbols of the words of one 8-byte unit (ZERO
+// for an all-zero word) to counts (S + 2 uint32, atomically: a block's shared
+// counts).
+template <int WB>
+BUDDY_HD void buddy_fpe_count_add(typename BuddyFpe<WB>::word_t x, uint32_t* counts) {
+  constexpr uint32_t t = buddy_fpe_fit_split<WB>::t, zero = 1u << buddy_fpe_fit_split<WB>::b;
+  buddy_atomic_add(&counts[x == 0 ? zero : (uint32_t)((uint64_t)x >> t) & (zero - 1u)], 1u);
+}
+
 template <int WB>
 BUDDY_HD void buddy_fpe_count_unit(uint64_t unit, uint32_t* counts) {
-  typedef BuddyFpe<WB> Fpe;
-  for (uint32_t i = 0; i < 8u / WB; ++i) {
-    const typename Fpe::word_t x = Fpe::unit_word(unit, i);
-    buddy_atomic_add(&counts[x == 0 ? Fpe::ZERO : (uint32_t)(x >> Fpe::m) & (Fpe::ZERO - 1u)], 1u);
-  }
+  for (uint32_t i = 0; i < 8u / WB; ++i) buddy_fpe_count_add<WB>(BuddyFpe<WB>::unit_word(unit, i), counts);
 }
 
 // The same for one word of a tensor's last, partial entry.
 template <int WB>
 BUDDY_HD void buddy_fpe_count_word(const uint8_t* p, uint32_t* counts) {
-  typedef BuddyFpe<WB> Fpe;
-  const typename Fpe::word_t x = buddy_load<typename Fpe::word_t>(p);
-  buddy_atomic_add(&counts[x == 0 ? Fpe::ZERO : (uint32_t)(x >> Fpe::m) & (Fpe::ZERO - 1u)], 1u);
+  buddy_fpe_count_add<WB>(buddy_load<typename BuddyFpe<WB>::word_t>(p), counts);
 }
 
 // Sum over the warp of a 64-bit value, on every lane.
@@ -164,14 +166,15 @@ BUDDY_HD void buddy_fit_lengths(BuddyFpeFitWork* wk, uint32_t n) {
 
 // Fits the fpe table of word size word_bytes to counts (S + 2 int64: the
 // regular symbols, ZERO, ESC (only in the total); non-negative) as Table.from_counts
-// does. Writes the kernels' device table (every byte) and the serialized
-// table (fpe.Table.to_bytes; BUDDY_FPE_SERIAL_BYTES bytes, zeros after it).
+// does: a table of format 2 (S = 2^12; 2^8 for 1-byte words). Writes the
+// kernels' device table (every byte) and the serialized table
+// (fpe.Table.to_bytes; BUDDY_FPE_SERIAL_BYTES bytes, zeros after it).
 template <class Warp>
 BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32_t word_bytes, BuddyFpeFitWork* wk,
                                  BuddyFpeTable* table, uint8_t* serial) {
   const uint32_t lane = warp.lane();
-  const uint32_t e = word_bytes == 1 ? 4u : word_bytes == 8 ? 11u : 8u;
-  const uint32_t S = 1u << (1u + e), ZERO = S, ESC = S + 1u;
+  const uint32_t b = word_bytes == 1 ? buddy_fpe_fit_split<1>::b : buddy_fpe_fit_split<2>::b;
+  const uint32_t S = 1u << b, ZERO = S, ESC = S + 1u;
 
   // scale the counts to integers summing to about 2^30
   uint64_t mine = 0;
@@ -269,6 +272,7 @@ BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32
     }
   }
   if (lane == 0) {
+    table->sym_bits = b;
     serial[0] = BUDDY_FPE_TABLE_FORMAT;
     serial[1] = (uint8_t)word_bytes;
     serial[2] = (uint8_t)(n & 0xFFu);

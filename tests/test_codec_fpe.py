@@ -3,8 +3,10 @@
 Expected streams are strings of bits in stream order (the first character is
 bit 0 of payload byte 0). A prefix code is written most significant bit
 first, so its bits appear in the string as its binary digits; the other
-fields (an escaped symbol, the mantissa) are LSB-first, as ``field`` makes
-them.
+fields (an escaped symbol, the tail) are LSB-first, as ``field`` makes
+them. Most hand-worked streams are in table format 1 (symbols of sign and
+exponent), which decoders keep reading; format 2 (a word's top 12 bits),
+what fits make, has its own.
 """
 
 from __future__ import annotations
@@ -15,13 +17,26 @@ from conftest import assert_bitexact, decode, field, make_data, raw_bytes, strea
 
 import buddy
 from buddy.codecs.fpe import (
-    MAX_CODE_BITS, MAX_CODED, REFIT_BITS, FPECodec, Table, default_table, fit_table, n_symbols, symbol_counts,
+    MAX_CODE_BITS, MAX_CODED, REFIT_BITS, TABLE_FORMAT, FPECodec, Table, default_table, fit_table, n_symbols,
+    symbol_bits, symbol_counts,
 )  # fmt: skip
 from buddy.errors import CorruptDataError
 from buddy.spec import AUTO_MODES
 
-# bfloat16: S = 2**9 symbols (sign << 8 | exponent), ZERO = 512, ESC = 513
+# bfloat16, table format 1: S = 2**9 symbols (sign << 8 | exponent), ZERO = 512, ESC = 513
 ZERO, ESC = 512, 513
+# table format 2 (what a fit makes), 2- and 4-byte words: S = 2**12 symbols (a word's top 12 bits)
+ZERO2, ESC2 = 4096, 4097
+
+
+def v1(word_bytes: int, lengths: dict[int, int]) -> Table:
+    """A table of format 1 (symbols of sign and exponent)."""
+    return Table(word_bytes, lengths, table_format=1)
+
+
+def top12(sign_exponent: int, mantissa_top: int = 0) -> int:
+    """The format-2 symbol of a 2- or 4-byte word: sign and exponent, then the mantissa's top 3 bits."""
+    return sign_exponent << 3 | mantissa_top
 
 
 def bf16(x: float) -> int:
@@ -45,25 +60,36 @@ def encode_with(codec: FPECodec, values: torch.Tensor, entry_bytes: int):
 # the table
 # ---------------------------------------------------------------------------
 def test_canonical_codes_from_lengths():
-    t = Table(2, {127: 1, 126: 2, ZERO: 3, ESC: 3})
+    t = v1(2, {127: 1, 126: 2, ZERO: 3, ESC: 3})
     assert t.order == [127, 126, ZERO, ESC]
     assert [code(t, s) for s in t.order] == ["0", "10", "110", "111"]
     # equal lengths: by symbol
-    t = Table(2, {ESC: 2, 5: 2, 3: 2, 256: 2})
-    assert t.order == [3, 5, 256, ESC] and [code(t, s) for s in t.order] == ["00", "01", "10", "11"]
+    t = Table(2, {ESC2: 2, 5: 2, 3: 2, 2048: 2})
+    assert t.order == [3, 5, 2048, ESC2] and [code(t, s) for s in t.order] == ["00", "01", "10", "11"]
+
+
+def test_symbols_by_table_format():
+    assert TABLE_FORMAT == 2
+    assert [symbol_bits(w, 1) for w in (1, 2, 4, 8)] == [5, 9, 9, 12]
+    assert [symbol_bits(w) for w in (1, 2, 4, 8)] == [8, 12, 12, 12]
+    assert [n_symbols(w) for w in (1, 2, 4, 8)] == [258, 4098, 4098, 4098]
+    assert [n_symbols(w, 1) for w in (1, 2, 4, 8)] == [34, 514, 514, 4098]
+    with pytest.raises(ValueError, match="formats"):
+        symbol_bits(2, 3)
 
 
 def test_from_counts_is_huffman_and_scale_free():
     counts = torch.zeros(n_symbols(2), dtype=torch.int64)
-    counts[127], counts[126], counts[125], counts[ZERO] = 50, 25, 13, 12
+    a, b, c = top12(127), top12(126, 5), top12(125, 7)
+    counts[a], counts[b], counts[c], counts[ZERO2] = 50, 25, 13, 12
     t = Table.from_counts(counts, 2)
-    # ESC weighs 1 (no regular symbol escapes): 127 gets 1 bit, 126 2, then 125 and ZERO 4, ESC 4...
-    assert t.lengths == {127: 1, 126: 2, 125: 3, ZERO: 4, ESC: 4}
+    # ESC weighs 1 (no regular symbol escapes): a gets 1 bit, b 2, then c 3 and ZERO and ESC 4
+    assert t.lengths == {a: 1, b: 2, c: 3, ZERO2: 4, ESC2: 4} and t.format == 2
     assert Table.from_counts(counts * 1000, 2) == t
     assert Table.from_counts(counts.double() / counts.sum(), 2) == t
     # no zero words: no ZERO code
-    counts[ZERO] = 0
-    assert ZERO not in Table.from_counts(counts, 2).lengths
+    counts[ZERO2] = 0
+    assert ZERO2 not in Table.from_counts(counts, 2).lengths
 
 
 def test_from_counts_limits_lengths_and_coded_symbols():
@@ -83,8 +109,10 @@ def test_from_counts_rejects_bad_counts():
     for bad in (torch.zeros(10), -torch.ones(n_symbols(2)), torch.full((n_symbols(2),), float("nan"))):
         with pytest.raises(ValueError, match="non-negative"):
             Table.from_counts(bad, 2)
+    with pytest.raises(ValueError, match="4098 non-negative"):
+        Table.from_counts(torch.ones(n_symbols(2, 1)), 2)  # counts of format-1 symbols
     # no counts at all: a table of ESC alone, which codes everything as an escape
-    assert Table.from_counts(torch.zeros(n_symbols(2)), 2).lengths == {ESC: 1}
+    assert Table.from_counts(torch.zeros(n_symbols(2)), 2).lengths == {ESC2: 1}
 
 
 @pytest.mark.parametrize("word", [1, 2, 4, 8])
@@ -94,8 +122,11 @@ def test_table_bytes_round_trip(word):
     t = Table.from_counts(counts, word)
     data = t.to_bytes()
     assert data.dtype == torch.uint8 and data.numel() == 4 + 3 * len(t.order)
-    assert data[:2].tolist() == [1, word]
+    assert data[:2].tolist() == [2, word]
     assert Table.from_bytes(data, word) == t
+    old = v1(word, {0: 1, n_symbols(word, 1) - 1: 1})  # format 1 reads back as format 1
+    assert old.to_bytes()[0] == 1 and Table.from_bytes(old.to_bytes(), word) == old
+    assert Table.from_bytes(old.to_bytes(), word) != Table(word, {0: 1, n_symbols(word) - 1: 1})
 
 
 def _bytes(t: Table) -> list[int]:
@@ -105,7 +136,8 @@ def _bytes(t: Table) -> list[int]:
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda b: [2] + b[1:], "format"),
+        (lambda b: [3] + b[1:], "format"),
+        (lambda b: [2] + b[1:], "out of range|ESC"),  # format 1's symbols read as format 2's
         (lambda b: b[:-1], "bytes for"),
         (lambda b: b[:4] + b[4:7] + b[4:], "bytes for|twice"),
         (lambda b: b[:6] + [13] + b[7:], "out of range|canonical"),
@@ -113,10 +145,10 @@ def _bytes(t: Table) -> list[int]:
         (lambda b: b[:4] + [0xFF, 0x7F] + b[6:], "out of range|canonical"),
         (lambda b: b[:4] + b[7:10] + b[4:7] + b[10:], "canonical"),
     ],
-    ids=["format", "short", "duplicate", "too-long", "zero-length", "symbol", "order"],
+    ids=["format", "other-format", "short", "duplicate", "too-long", "zero-length", "symbol", "order"],
 )
 def test_damaged_tables_are_refused(damage, message):
-    t = Table(2, {127: 1, 126: 2, ZERO: 3, ESC: 3})
+    t = v1(2, {127: 1, 126: 2, ZERO: 3, ESC: 3})
     bad = torch.tensor(damage(_bytes(t)), dtype=torch.uint8)
     with pytest.raises(CorruptDataError, match=message):
         Table.from_bytes(bad, 2)
@@ -126,11 +158,13 @@ def test_tables_that_are_not_codes_are_refused():
     with pytest.raises(CorruptDataError, match="ESC"):
         Table(2, {127: 1})
     with pytest.raises(CorruptDataError, match="prefix code"):
-        Table(2, {127: 1, 126: 1, ESC: 2})
+        Table(2, {127: 1, 126: 1, ESC2: 2})
     with pytest.raises(CorruptDataError, match="more than"):
-        Table(4, {**{s: 12 for s in range(MAX_CODED + 1)}, ESC: 12})
+        Table(4, {**{s: 12 for s in range(MAX_CODED + 1)}, ESC2: 12})
+    with pytest.raises(CorruptDataError, match="out of range"):
+        v1(2, {600: 1, ESC: 1})  # a format-2 symbol in a format-1 table
     with pytest.raises(CorruptDataError, match="2-byte words"):
-        Table.from_bytes(Table(2, {ESC: 1}).to_bytes(), 4)
+        Table.from_bytes(Table(2, {ESC2: 1}).to_bytes(), 4)
     with pytest.raises(CorruptDataError, match="uint8"):
         Table.from_bytes(torch.zeros(7, dtype=torch.int32), 2)
 
@@ -139,8 +173,8 @@ def test_tables_that_are_not_codes_are_refused():
 # streams worked by hand
 # ---------------------------------------------------------------------------
 def test_bfloat16_entry_by_hand():
-    # E = 128: 64 words -- 1.0 (sym 127), 0.5 (126), 0.0 (ZERO), -1.0 (256 | 127 = 383: escapes)
-    table = Table(2, {127: 1, 126: 2, ZERO: 3, ESC: 3})
+    # format 1, E = 128: 64 words -- 1.0 (sym 127), 0.5 (126), 0.0 (ZERO), -1.0 (256 | 127 = 383: escapes)
+    table = v1(2, {127: 1, 126: 2, ZERO: 3, ESC: 3})
     codec = FPECodec(table)
     values = torch.tensor([1.0, 0.5, 0.0, -1.0] * 16, dtype=torch.bfloat16)
     one = code(table, 127) + field(0, 7) + code(table, 126) + field(0, 7) + code(table, ZERO)
@@ -153,8 +187,40 @@ def test_bfloat16_entry_by_hand():
     assert payload[0].tolist() == stream_bytes(bits, 128)
 
 
+def test_bfloat16_entry_by_hand_format_2():
+    # E = 128: 64 words -- 1.0 (top 12 bits 0x3F8), 1.75 (0x3FE: mantissa 1100000), 0.0 (ZERO),
+    # -1.0 (0xBF8: escapes); the tail is the mantissa's low 4 bits
+    one, seven4, minus = 0x3F8, 0x3FE, 0xBF8
+    table = Table(2, {one: 1, seven4: 2, ZERO2: 3, ESC2: 3})
+    codec = FPECodec(table)
+    assert bf16(1.75) == 0x3FE0 and bf16(-1.0) == 0xBF80
+    values = torch.tensor([1.0, 1.75, 0.0, -1.0] * 16, dtype=torch.bfloat16)
+    once = code(table, one) + field(0, 4) + code(table, seven4) + field(0, 4) + code(table, ZERO2)
+    once += code(table, ESC2) + field(minus, 12) + field(0, 4)
+    assert once == "0" + "0000" + "10" + "0000" + "110" + "111" + "000111111101" + "0000"
+    bits = once * 16
+    assert len(bits) == 16 * ((1 + 4) + (2 + 4) + 3 + (3 + 12 + 4))
+    _, payload, k, modes = encode_with(codec, values, 128)
+    assert k.tolist() == [-(-len(bits) // 256)] == [3] and modes.tolist() == [0]
+    assert payload[0].tolist() == stream_bytes(bits, 128)
+    # a tail of its own: 1.0 + 2**-7 (mantissa 0000001) has the symbol of 1.0 and tail 0001
+    values = torch.tensor([1.0 + 2.0**-7] + [0.0] * 63, dtype=torch.bfloat16)
+    bits = code(table, one) + field(1, 4) + code(table, ZERO2) * 63
+    _, payload, k, _ = encode_with(codec, values, 128)
+    assert payload[0].tolist() == stream_bytes(bits, 128)
+
+
+def test_one_byte_words_of_format_2_are_all_symbol():
+    table = Table(1, {0x38: 1, ZERO2 // 16: 2, 257: 2})  # 1-byte words: 256 symbols, ZERO = 256, ESC = 257
+    codec = FPECodec(table)
+    values = torch.tensor([0x38, 0, 0x7F] + [0x38] * 125, dtype=torch.uint8)
+    bits = code(table, 0x38) + code(table, 256) + code(table, 257) + field(0x7F, 8) + code(table, 0x38) * 125
+    _, payload, k, _ = encode_with(codec, values, 128)
+    assert payload[0].tolist() == stream_bytes(bits, 128)
+
+
 def test_a_table_without_zero_codes_zero_words_as_symbol_zero():
-    table = Table(2, {0: 1, ESC: 1})  # symbol 0: +0.0 and the tiny positives
+    table = v1(2, {0: 1, ESC: 1})  # symbol 0: +0.0 and the tiny positives
     codec = FPECodec(table)
     values = torch.zeros(64, dtype=torch.bfloat16)
     values[0] = 1.0
@@ -187,14 +253,16 @@ def test_the_fitted_table_beats_fpx_on_activations():
 def test_fit_counts_symbols_and_follows_a_prior():
     values = torch.tensor([1.0, 1.0, 1.5, -2.0, 0.0, 0.0, 0.0, 0.25], dtype=torch.bfloat16)
     counts = symbol_counts(raw_bytes(values), 2)
-    assert counts.sum() == 8 and counts[127] == 3 and counts[256 | 128] == 1 and counts[125] == 1
-    assert counts[ZERO] == 3 and counts[ESC] == 0
+    assert counts.shape == (4098,) and counts.sum() == 8
+    assert counts[top12(127)] == 2 and counts[top12(127, 4)] == 1  # 1.5: mantissa 1000000
+    assert counts[top12(256 | 128)] == 1 and counts[top12(125)] == 1
+    assert counts[ZERO2] == 3 and counts[ESC2] == 0
     fitted = buddy.get_codec("fpe").fit(raw_bytes(values), 2)
     assert torch.equal(fitted.statistics, counts) and fitted.fitted == Table.from_counts(counts, 2)
     prior = torch.zeros(n_symbols(2))
-    prior[126] = 1.0
+    prior[top12(126)] = 1.0
     guided = buddy.get_codec("fpe").fit(raw_bytes(values), 2, prior=prior)
-    assert guided.fitted.lengths == {126: 1, ESC: 1}, "the prior, not the tensor, decides the table"
+    assert guided.fitted.lengths == {top12(126): 1, ESC2: 1}, "the prior, not the tensor, decides the table"
     assert torch.equal(guided.statistics, counts), "the tensor's own counts are still reported"
 
 
@@ -208,7 +276,7 @@ def _one_entry(table: Table, bits: str, entry_bytes: int = 128):
 
 
 def test_damaged_streams_are_refused():
-    table = Table(2, {127: 1, ZERO: 3, ESC: 3})  # "0", "100", "101": no code starts "11"
+    table = v1(2, {127: 1, ZERO: 3, ESC: 3})  # "0", "100", "101": no code starts "11"
     codec = FPECodec(table)
     ok = code(table, 127) + field(0, 7) + code(table, ZERO) * 63  # 1.0 and 63 zeros: 197 bits
     out = decode(codec, *_one_entry(table, ok), 2).view(torch.int16)
@@ -319,23 +387,23 @@ def test_auto2_takes_and_gives_the_fpe_table():
 def test_tracker_learns_statistics_across_steps():
     tracker = buddy.Tracker(decay=0.5)
     a = torch.zeros(n_symbols(2), dtype=torch.int64)
-    a[127] = 30
+    a[top12(127)] = 30
     b = torch.zeros(n_symbols(2), dtype=torch.int64)
-    b[126] = 10
+    b[top12(126)] = 10
     kw = dict(slot=2, entry_bytes=128, original_bytes=4096, predicted_overflow_bytes=0)
     assert tracker.prior("x") is None
     tracker.record("x", (0, 32, 0, 0, 0), **kw, statistics=a)
-    assert tracker.prior("x")[127] == 1.0
+    assert tracker.prior("x")[top12(127)] == 1.0
     tracker.record("x", (0, 32, 0, 0, 0), **kw, statistics=b)
     learned = tracker.prior("x")
-    assert learned[126] == pytest.approx(1 / 1.5) and learned[127] == pytest.approx(0.5 / 1.5)
+    assert learned[top12(126)] == pytest.approx(1 / 1.5) and learned[top12(127)] == pytest.approx(0.5 / 1.5)
     assert tracker.prior("y") is None
 
 
 def test_measure_fits_to_a_prior():
     t = torch.relu(torch.randn(4096))
     prior = torch.zeros(n_symbols(4))
-    prior[126] = 1.0
+    prior[top12(126)] = 1.0
     m = buddy.measure(t, "fpe", entry_bytes=512, prior=prior)
     assert Table.from_bytes(m.table, 4) == Table.from_counts(prior, 4)
     assert torch.equal(m.statistics, symbol_counts(raw_bytes(t), 4))
@@ -384,19 +452,22 @@ def test_slack_is_what_a_prefix_code_costs_over_the_entropy(word, gen):
 
 def test_fit_table_keeps_a_table_that_still_fits():
     base = torch.zeros(n_symbols(4), dtype=torch.float64)
-    base[[120, 121, 122, 123, 124, 125, 126]] = torch.tensor([1.0, 2, 4, 8, 16, 32, 64], dtype=torch.float64)
+    base[[top12(s) for s in range(120, 127)]] = torch.tensor([1.0, 2, 4, 8, 16, 32, 64], dtype=torch.float64)
     table = fit_table(base, 4)
     assert table == Table.from_counts(base, 4)
     drifted = base.clone()
-    drifted[126] *= 1.01  # a step later: nearly the same statistics
+    drifted[top12(126)] *= 1.01  # a step later: nearly the same statistics
     assert fit_table(drifted, 4, keep=table) is table, "kept: no fit"
     assert table.slack(drifted) <= table.fit_slack + REFIT_BITS
-    moved = base.roll(-8)  # every value eight binades smaller: the table escapes them all
+    moved = base.roll(-8 * 8)  # every value eight binades smaller: the table escapes them all
     refit = fit_table(moved, 4, keep=table)
     assert refit is not table and refit == Table.from_counts(moved, 4)
     assert fit_table(base, 2, keep=table) == Table.from_counts(base, 2), "a table of another word size is not kept"
     stored = Table.from_bytes(table.to_bytes(), 4)
     assert fit_table(base, 4, keep=stored) is not stored, "a table read from bytes is fitted again"
+    old = v1(4, {126: 1, 514 - 1: 1})
+    old.fit_slack = 0.0
+    assert fit_table(base, 4, keep=old) == table, "a table of format 1 is not kept: fits make format 2"
 
 
 def test_session_keeps_a_keys_table_while_it_fits(store):

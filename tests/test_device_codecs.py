@@ -39,7 +39,7 @@ from buddy import cuda as bcuda
 from buddy import spec
 from buddy.codecs._bitstream import StreamWriter, write_fields
 from buddy.codecs.bpc import geometry
-from buddy.codecs.fpe import MAX_CODE_BITS, FPECodec, Table, default_table, n_symbols, symbol_counts
+from buddy.codecs.fpe import MAX_CODE_BITS, FPECodec, Table, default_table, n_symbols, symbol_bits, symbol_counts
 from buddy.codecs.fpx import _write_streams, header_geometry
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
@@ -1013,13 +1013,18 @@ def test_fpx_device_flags_damage_like_reference(host_exe, word, tmp_path):
 # ---------------------------------------------------------------------------
 # fpe: tables of every shape, the codec without the format rules, hand-made and damaged streams
 # ---------------------------------------------------------------------------
-def _fpe_fields(word: int) -> tuple[int, int]:
-    return header_geometry(word).e, header_geometry(word).m
+def _format1_counts(flat: torch.Tensor, word: int) -> torch.Tensor:
+    """Symbol counts of table format 1 (sign and exponent): format 2's, folded."""
+    counts = symbol_counts(flat, word).double()
+    s1 = n_symbols(word, 1) - 2
+    regular = counts[:-2].view(s1, -1).sum(1)
+    return torch.cat([regular, counts[-2:]])
 
 
 def fpe_tables(word: int, flat: torch.Tensor) -> dict[str, Table]:
     """Tables of every shape for data ``flat`` (uint8): with and without ZERO, codes of 1 to 12 bits, the most
-    coded symbols, incomplete prefix codes (codes that do not exist), ESC alone."""
+    coded symbols, incomplete prefix codes (codes that do not exist), ESC alone; and of table format 1 (what
+    older tensors hold: symbols of sign and exponent)."""
     s = n_symbols(word)
     zero, esc = s - 2, s - 1
     counts = symbol_counts(flat, word).double()
@@ -1030,6 +1035,11 @@ def fpe_tables(word: int, flat: torch.Tensor) -> dict[str, Table]:
     every = torch.ones(s, dtype=torch.float64)  # every symbol seen: the most that get codes, ESC for the rest
     no_zero = counts.clone()
     no_zero[zero] = 0
+    old = _format1_counts(flat, word)  # table format 1: the same, deep codes on the symbols present
+    old_present = [int(v) for v in old[:-2].argsort(descending=True) if old[v] > 0]
+    old_deep = torch.zeros_like(old)
+    old_deep[old_present] = torch.tensor([2.0**-i for i in range(len(old_present))], dtype=torch.float64)
+    old_deep[-2] = 1.0
     return {
         "fitted": Table.from_counts(counts, word),
         "default": default_table(word),
@@ -1039,15 +1049,17 @@ def fpe_tables(word: int, flat: torch.Tensor) -> dict[str, Table]:
         "ZERO and ESC": Table(word, {zero: 1, esc: 1}),
         "ESC alone": Table(word, {esc: 1}),  # every word escapes: longer than raw, every entry is stored raw
         "incomplete": Table(word, {esc: 2, zero: 3, present[0]: 3, present[-1]: 4}),
+        "format 1": Table.from_counts(old, word, table_format=1),
+        "format 1, 12-bit codes": Table.from_counts(old_deep, word, table_format=1),
     }
 
 
 def _fpe_usage(table: Table, entries: torch.Tensor, word: int) -> set[str]:
     """What coding ``entries`` with ``table`` exercises: escapes, ZERO, zero words without it, 12-bit codes."""
-    e, m = _fpe_fields(word)
+    b, t = table.symbol_bits, table.tail_bits
     x = entries.contiguous().view(_INT[word]).to(torch.int64)
     x = x if word == 8 else x & ((1 << (8 * word)) - 1)
-    sym, zero = (x >> m) & ((1 << (1 + e)) - 1), x == 0
+    sym, zero = (x >> t) & ((1 << b) - 1), x == 0
     lengths = table.lookups("cpu")[0][sym]
     as_zero = zero & (table.zero in table.lengths)
     escaped = (lengths == 0) & ~as_zero
@@ -1076,7 +1088,8 @@ def test_fpe_device_tables(host_exe, word, tmp_path):
             seen |= {(name, what) for what in _fpe_usage(table, entries[(k > 0) & (k < raw)], word)}
     wanted = {("default", "escape"), ("default", "ZERO"), ("no ZERO", "zero word without ZERO")}
     wanted |= {("12-bit codes", "12-bit code"), ("incomplete", "escape"), ("ZERO and ESC", "ZERO")}
-    if word > 1:  # 1-byte words have 32 symbols: every one seen gets a code
+    wanted |= {("format 1", "ZERO"), ("format 1, 12-bit codes", "12-bit code")}
+    if word > 1:  # 1-byte words: the symbol that escapes (the largest byte) is not in the data
         wanted.add(("most coded", "escape"))
     assert wanted <= seen, f"not exercised: {sorted(wanted - seen)}"
 
@@ -1094,7 +1107,8 @@ def test_fpe_codec_without_the_format_rules(host_exe, word, tmp_path):
             analysis = FPECodec(table).analyse(entries, word)  # the codec alone: no format rules
             writer = StreamWriter(n, 2 * entry_bytes, entries.device)
             writer.add(analysis.head, analysis.offsets)
-            writer.add(analysis.mantissa, analysis.mantissa_at)
+            if analysis.tail_bits:
+                writer.add(analysis.tail, analysis.tail_at)
             src, dst = tmp_path / "entries.bin", tmp_path / "out.bin"
             _write_input(src, bcuda.device_table(table), entries.reshape(-1).numpy())
             cmd = [str(host_exe(entry_bytes)), "fpe", "stream", str(word), str(n), str(src), str(dst)]
@@ -1114,37 +1128,53 @@ def test_fpe_codec_without_the_format_rules(host_exe, word, tmp_path):
 class _FpeStream:
     """Hand-made fpe streams for one table, as strings of stream bits (codes most significant bit first)."""
 
-    def __init__(self, table: Table, word: int):
-        self.table, (self.e, self.m) = table, _fpe_fields(word)
+    def __init__(self, table: Table):
+        self.table, self.b, self.t = table, table.symbol_bits, table.tail_bits
 
     def code(self, sym: int) -> str:
         n = self.table.lengths[sym]
         return f"{self.table.codes[sym]:0{n}b}"
 
-    def coded(self, sym: int, mantissa: int = 0) -> str:
-        return self.code(sym) + field(mantissa, self.m)
+    def coded(self, sym: int, tail: int = 0) -> str:
+        return self.code(sym) + field(tail, self.t)
 
     def zero(self) -> str:
         return self.code(self.table.zero)
 
-    def escaped(self, sym: int, mantissa: int = 0) -> str:
-        return self.code(self.table.esc) + field(sym, 1 + self.e) + field(mantissa, self.m)
+    def escaped(self, sym: int, tail: int = 0) -> str:
+        return self.code(self.table.esc) + field(sym, self.b) + field(tail, self.t)
+
+
+def _format1_table(word: int) -> Table:
+    """default_table's prior in table format 1's symbols (sign and exponent)."""
+    d = default_table(word)
+    per = 1 << (d.symbol_bits - symbol_bits(word, 1))
+    counts = torch.zeros(n_symbols(word, 1), dtype=torch.float64)
+    weights = [2.0 ** -d.lengths[s] if s in d.lengths else 0.0 for s in range(d.zero)]  # uncoded: none
+    counts[: d.zero // per] = torch.tensor(weights, dtype=torch.float64).view(-1, per).sum(1)
+    counts[-2] = 2.0 ** -d.lengths[d.zero]
+    return Table.from_counts(counts, word, table_format=1)
 
 
 def fpe_hostile_streams(word: int, entry_bytes: int) -> list[tuple[str, Table, str, int, bool | None]]:
     """``(name, table, bits, k adjustment, the reference raises)`` of valid, odd and damaged streams."""
-    e, m = _fpe_fields(word)
     n_words, raw = entry_bytes // word, entry_bytes // spec.SECTOR_BYTES
     d = default_table(word)
-    zero, esc = d.zero, d.esc
+    zero, esc, m = d.zero, d.esc, d.tail_bits
     coded = next(s for s in d.order if s < zero)
     free = next(s for s in range(zero) if s not in d.lengths)  # a symbol without a code
-    s = _FpeStream(d, word)
-    first = [s.coded(coded, (1 << m) - 1), s.zero(), s.escaped(free, 5 % (1 << m)), s.coded(coded, 1)]
+    s = _FpeStream(d)
+    first = [s.coded(coded, (1 << m) - 1), s.zero(), s.escaped(free, 5 % (1 << m)), s.coded(coded, 1 % (1 << m))]
     valid = "".join(first) + s.zero() * (n_words - 4)  # short enough for a coded entry
     one_short = valid[: -len(s.zero())]
     incomplete = Table(word, {esc: 2, zero: 3, coded: 3})  # codes 00, 010, 011: none starts with 1
-    t = _FpeStream(incomplete, word)
+    t = _FpeStream(incomplete)
+    old = _format1_table(word)  # what tensors written before table format 2 hold
+    o = _FpeStream(old)
+    o_coded = next(x for x in old.order if x < old.zero)
+    o_free = next(x for x in range(old.zero) if x not in old.lengths)
+    o_m = old.tail_bits
+    o_valid = o.coded(o_coded, (1 << o_m) - 1) + o.zero() + o.escaped(o_free, 3 % (1 << o_m)) + o.zero() * (n_words - 3)
     zeros = t.zero() * n_words
     lacking = t.zero() * (n_words // 2) + "1" + t.zero() * (n_words - n_words // 2 - 1)
     long = s.escaped(free, (1 << m) - 1) * n_words  # longer than the entry: cut at its end
@@ -1163,6 +1193,9 @@ def fpe_hostile_streams(word: int, entry_bytes: int) -> list[tuple[str, Table, s
         ("a code the table lacks", incomplete, lacking, 0, True),
         ("a code the table lacks first", incomplete, "1" + zeros[1:], 0, True),
         ("escapes only", incomplete, t.escaped(free) * n_words, 0, None),
+        ("format 1: coded, zero and escaped words", old, o_valid, 0, False),
+        ("format 1: an escape of a coded symbol", old, o.escaped(o_coded) + o_valid[len(o.coded(o_coded)) :], 0, True),
+        ("format 1: k one too small", old, o_valid, -1, True),
     ]
     out = []
     for name, table, bits, dk, raises in cases:

@@ -93,7 +93,9 @@ def test_roundtrip_every_slot(codec, ratio, slot, kind, dtype, n, store, gen):
     if kind == "zeros" and codec == "zvc":
         assert bt.histogram[0] == n_entries and bt.buddy_bytes == 0
     if kind == "random_bytes" and dtype != torch.bool and slot < 4:
-        assert bt.buddy_bytes > 0, "incompressible data must overflow a slot smaller than the entry"
+        # incompressible: it overflows a slot smaller than the entry, or (a tiny tensor whose own table,
+        # fitted to it, codes its few words short) the table makes up for what the slots save
+        assert bt.buddy_bytes > 0 or bt.device_bytes >= bt.original_bytes, "random bytes got smaller"
 
 
 # ---------------------------------------------------------------------------

@@ -105,6 +105,22 @@ def test_budget_shrinks_slot_to_what_is_left():
     assert policy.choose(d, tr) == 0
 
 
+def test_budget_counts_the_codec_table():
+    """A tensor's table is device bytes whatever its slot: the slot shrinks to leave room for it."""
+    tr = buddy.Tracker()
+    policy = buddy.DeviceBudget(100 * (64 + 1))
+    d = Decision("k", E, 100, 100 * E, (0, 0, 0, 0, 100), None, held_device_bytes=0, table_bytes=775)
+    assert d.device_bytes(2) == 100 * (64 + 1) + 775 and d.device_bytes(0) == 100 + 775
+    assert policy.choose(d, tr) == 1, "two sectors and the table do not fit; one sector and the table do"
+    place = tr.plan("k", (0, 0, 0, 0, 100), entry_bytes=E, original_bytes=100 * E, policy=policy, table_bytes=775)
+    assert place.slot == 1 and place.device_bytes == 100 * (32 + 1) + 775
+    record(tr, "k", [0, 0, 0, 0, 100])
+    tr.history("k").fitted = buddy.get_codec("fpe").fit(torch.ones(100 * E // 4).view(torch.uint8), 4)
+    table = tr.history("k").fitted.table.numel()
+    assert buddy.DeviceBudget(100 * (32 + 1) + table).plan(tr) == {"k": 1}
+    assert buddy.DeviceBudget(100 * (32 + 1) + table - 1).plan(tr) == {"k": 0}
+
+
 def _step(tracker, policy, tensors, entry_bytes):
     """One training step through ``tracker``: plan and record every ``(key, histogram)``; the slots."""
     tracker.begin_step(policy)

@@ -1,19 +1,30 @@
-"""``fpe``: float fields with an entropy-coded sign and exponent (format version 2).
+"""``fpe``: float fields with an entropy-coded sign, exponent and top mantissa bits (format version 2).
 
 A word is ``sign | exponent (e bits) | mantissa (m bits)``, split by word
 size as :mod:`~buddy.codecs.fpx` splits it (bfloat16 and float32: ``e = 8``).
-Its **symbol** is its top ``1 + e`` bits, sign and exponent together. In
-activations few symbols are common -- a handful of binades, often one sign
--- so a prefix code fitted to the tensor codes them in about as many bits as
-they carry (3-4 instead of 9 on the measured workloads), while the mantissa,
-which is close to uniform, is passed through.
+Its **symbol** is its top ``b`` bits, the rest of it its **tail**
+(``t = 8 * word bytes - b`` bits). The table says which ``b`` (byte 0, its
+format):
 
-Symbols (``S = 2 ** (1 + e)``)::
+* format 2 (what a fit makes): ``b = min(12, 8 * word bytes)`` -- sign,
+  exponent and the mantissa's top bits (3 for bfloat16 and float32, none for
+  float64; a 1-byte word is all symbol);
+* format 1 (decoded, never written any more): ``b = 1 + e``, sign and
+  exponent alone.
 
-    0 .. S-1   a sign and exponent; the word's mantissa follows (m bits)
+In activations few symbols are common -- a handful of binades, often one
+sign -- so a prefix code fitted to the tensor codes them in about as many
+bits as they carry, while the rest of the mantissa, close to uniform, is
+passed through. The mantissa's top bits are not uniform (values thin out
+towards the top of a binade), so coding them with the sign and exponent
+gains 1-4 % on the measured bfloat16 workloads over format 1.
+
+Symbols (``S = 2 ** b``)::
+
+    0 .. S-1   a word's top b bits; its tail follows (t bits)
     S          ZERO: the word is all zero bits (nothing follows)
-    S + 1      ESC: a symbol the table has no code for follows, 1 + e bits,
-               then the mantissa
+    S + 1      ESC: a symbol the table has no code for follows, b bits,
+               then the tail
 
 The table
 ---------
@@ -22,7 +33,7 @@ tensor's fourth buffer, on its device): a canonical prefix code of lengths
 1 .. :data:`MAX_CODE_BITS` over at most :data:`MAX_CODED` regular symbols,
 ZERO (when the tensor has zero words) and ESC (always)::
 
-    byte 0        table format (1)
+    byte 0        table format (2; 1 in tensors written before it)
     byte 1        word bytes the table is for
     bytes 2-3     n, little-endian: how many symbols have codes
     3 n bytes     per symbol, in canonical order (by code length, then
@@ -47,8 +58,8 @@ Payload of an entry
 The little-endian bit stream of :mod:`buddy.codecs._bitstream`; for each of
 the ``W = E / word_bytes`` words in order: its code (ZERO for an all-zero
 word when the table has ZERO; its symbol when the table has it; else ESC),
-then, after ESC, the symbol (``1 + e`` bits), then, unless ZERO, the
-mantissa (``m`` bits). ``k = ceil(T / 256)`` for a stream of ``T`` bits,
+then, after ESC, the symbol (``b`` bits), then, unless ZERO, the tail
+(``t`` bits). ``k = ceil(T / 256)`` for a stream of ``T`` bits,
 zeros after it. One metadata mode (0).
 
 The decoder rejects (:class:`~buddy.errors.CorruptDataError`) a code the
@@ -72,16 +83,18 @@ from .base import Analysis, Codec, bits_to_sectors
 from .fpx import SPLITS
 
 __all__ = [
-    "FPECodec", "Table", "default_table", "fit_table", "symbol_counts", "MAX_CODE_BITS", "MAX_CODED", "TABLE_FORMAT",
-    "REFIT_BITS",
+    "FPECodec", "Table", "default_table", "fit_table", "symbol_counts", "symbol_bits", "MAX_CODE_BITS", "MAX_CODED",
+    "TABLE_FORMAT", "TABLE_FORMATS", "REFIT_BITS",
 ]  # fmt: skip
 
 #: the longest code (bits): the decoder's lookup table has 2**MAX_CODE_BITS rows
 MAX_CODE_BITS = 12
 #: regular symbols with codes at most (the rest escape)
 MAX_CODED = 255
-#: byte 0 of a serialized table
-TABLE_FORMAT = 1
+#: byte 0 of the tables a fit makes: symbols of the word's top 12 bits
+TABLE_FORMAT = 2
+#: the table formats a decoder reads (1: symbols of sign and exponent alone)
+TABLE_FORMATS = (1, 2)
 #: bits per word a kept table may lose against the entropy, beyond what it lost on the counts it was fitted to
 REFIT_BITS = 0.02
 
@@ -95,10 +108,17 @@ def _split(word_bytes: int) -> tuple[int, int]:
     return SPLITS[word_bytes]
 
 
-def n_symbols(word_bytes: int) -> int:
-    """``S + 2``: the regular symbols, ZERO and ESC."""
+def symbol_bits(word_bytes: int, table_format: int = TABLE_FORMAT) -> int:
+    """``b``: the bits of a word a symbol of this table format is (its top bits)."""
     e, _ = _split(word_bytes)
-    return (1 << (1 + e)) + 2
+    if table_format not in TABLE_FORMATS:
+        raise ValueError(f"fpe table formats are {TABLE_FORMATS}, got {table_format}")
+    return 1 + e if table_format == 1 else min(12, 8 * word_bytes)
+
+
+def n_symbols(word_bytes: int, table_format: int = TABLE_FORMAT) -> int:
+    """``S + 2``: the regular symbols, ZERO and ESC."""
+    return (1 << symbol_bits(word_bytes, table_format)) + 2
 
 
 def _words(entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
@@ -107,14 +127,17 @@ def _words(entries: torch.Tensor, word_bytes: int) -> torch.Tensor:
     return x if word_bytes == 8 else x & ((1 << (8 * word_bytes)) - 1)
 
 
-def _symbols(x: torch.Tensor, word_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(symbol, zero)`` of int64 words: their top ``1 + e`` bits, and whether the word is all zero."""
-    e, m = _split(word_bytes)
-    return (x >> m) & ((1 << (1 + e)) - 1), x == 0
+def _symbols(x: torch.Tensor, word_bytes: int, table_format: int = TABLE_FORMAT) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(symbol, zero)`` of int64 words: their top ``b`` bits, and whether the word is all zero."""
+    b = symbol_bits(word_bytes, table_format)
+    return (x >> (8 * word_bytes - b)) & ((1 << b) - 1), x == 0
 
 
 def symbol_counts(flat: torch.Tensor, word_bytes: int) -> torch.Tensor:
-    """``(S + 2,)`` int64 counts of a tensor's bytes, on its device: regular symbols of non-zero words, ZERO, 0 for ESC."""
+    """``(S + 2,)`` int64 counts of a tensor's bytes, on its device: regular symbols of non-zero words, ZERO, 0 for ESC.
+
+    The symbols of the tables a fit makes (:data:`TABLE_FORMAT`).
+    """
     s = n_symbols(word_bytes)
     usable = flat.numel() - flat.numel() % word_bytes
     if usable == 0:
@@ -123,36 +146,82 @@ def symbol_counts(flat: torch.Tensor, word_bytes: int) -> torch.Tensor:
     return torch.bincount(torch.where(zero, s - 2, sym), minlength=s)
 
 
+def _tree_height(weights: list[int]) -> int:
+    """The height of a Huffman tree over ``weights`` (sorted, ascending): two queues, no tree kept.
+
+    A tree's height does not depend on how equal weights are ordered, so this
+    is the height of :func:`_code_lengths`'s tree (and of what the device fit
+    computes per halving round).
+    """
+    n = len(weights)
+    if n == 1:
+        return 1
+    node_w, node_h = [], []
+    leaf = node = 0
+    for _ in range(n - 1):
+        total = height = 0
+        for _ in range(2):
+            if leaf < n and (node >= len(node_w) or weights[leaf] <= node_w[node]):
+                total, height = total + weights[leaf], max(height, 1)
+                leaf += 1
+            else:
+                total, height = total + node_w[node], max(height, node_h[node] + 1)
+                node += 1
+        node_w.append(total)
+        node_h.append(height)
+    return node_h[-1]
+
+
+def _code_lengths(weights: dict[int, int]) -> dict[int, int]:
+    """Huffman code lengths for positive ``weights`` (no limit); ties by symbol, merged nodes after leaves."""
+    if len(weights) == 1:
+        return {next(iter(weights)): 1}
+    # (weight, id): a leaf's id is its symbol, merged nodes get ids after every symbol in the order they are made
+    heap = sorted((w, s) for s, w in weights.items())
+    first = made = max(weights) + 1
+    parent = {}
+    while len(heap) > 1:
+        w1, a = heapq.heappop(heap)
+        w2, b = heapq.heappop(heap)
+        parent[a] = parent[b] = made
+        heapq.heappush(heap, (w1 + w2, made))
+        made += 1
+    depth = {made - 1: 0}  # the root, then every merged node after its parent (made later)
+    for node in range(made - 2, first - 1, -1):
+        depth[node] = depth[parent[node]] + 1
+    return {s: depth[parent[s]] + 1 for s in weights}
+
+
 def _huffman_lengths(weights: dict[int, int]) -> dict[int, int]:
-    """Code lengths (at most :data:`MAX_CODE_BITS`) of a prefix code for positive ``weights``; deterministic."""
+    """Code lengths (at most :data:`MAX_CODE_BITS`) of a prefix code for positive ``weights``; deterministic.
+
+    Huffman's, on the weights halved (``max(1, w >> t)``) as few times ``t``
+    as it takes the longest code to fit: each round's height is found without
+    building its code, the code is built once.
+    """
+    t = 0
     while True:
-        if len(weights) == 1:
-            return {next(iter(weights)): 1}
-        # (weight, tie-break, symbols below): leaves break ties by symbol, merged nodes after every leaf
-        heap = [(w, s, (s,)) for s, w in sorted(weights.items())]
-        heapq.heapify(heap)
-        depth = dict.fromkeys(weights, 0)
-        order = max(weights) + 1
-        while len(heap) > 1:
-            w1, _, a = heapq.heappop(heap)
-            w2, _, b = heapq.heappop(heap)
-            for s in a + b:
-                depth[s] += 1
-            heapq.heappush(heap, (w1 + w2, order, a + b))
-            order += 1
-        if max(depth.values()) <= MAX_CODE_BITS:
-            return depth
-        weights = {s: max(1, w >> 1) for s, w in weights.items()}  # flatter: shorter longest code
+        shifted = {s: max(1, w >> t) for s, w in weights.items()}
+        if _tree_height(sorted(shifted.values())) <= MAX_CODE_BITS:
+            lengths = _code_lengths(shifted)
+            if max(lengths.values()) <= MAX_CODE_BITS:
+                return lengths
+        t += 1
 
 
 class Table:
     """A canonical prefix code over one word size's symbols (see the module doc)."""
 
-    def __init__(self, word_bytes: int, lengths: dict[int, int]):
+    def __init__(self, word_bytes: int, lengths: dict[int, int], table_format: int = TABLE_FORMAT):
         self.word_bytes = word_bytes
+        #: byte 0 of the table: which top bits of a word its symbols are (:data:`TABLE_FORMATS`)
+        self.format = table_format
+        #: ``b`` and ``t``: the bits of a word its symbol is and the bits after them (the tail)
+        self.symbol_bits = symbol_bits(word_bytes, table_format)
+        self.tail_bits = 8 * word_bytes - self.symbol_bits
         #: :meth:`slack` on the counts :meth:`from_counts` fitted it to (``None``: a table read from bytes)
         self.fit_slack: float | None = None
-        s = n_symbols(word_bytes)
+        s = n_symbols(word_bytes, table_format)
         self.zero, self.esc = s - 2, s - 1
         if self.esc not in lengths:
             raise CorruptDataError("fpe table: no code for ESC")
@@ -174,9 +243,13 @@ class Table:
 
     # ---- making one -------------------------------------------------------------
     @classmethod
-    def from_counts(cls, counts: torch.Tensor, word_bytes: int) -> Table:
-        """The table fitted to symbol ``counts`` (``(S + 2,)``, any non-negative numbers)."""
-        s = n_symbols(word_bytes)
+    def from_counts(cls, counts: torch.Tensor, word_bytes: int, table_format: int = TABLE_FORMAT) -> Table:
+        """The table fitted to symbol ``counts`` (``(S + 2,)``, any non-negative numbers).
+
+        Fits make tables of :data:`TABLE_FORMAT`; ``table_format=1`` (counts
+        of format 1's symbols) is for tests of what older tensors hold.
+        """
+        s = n_symbols(word_bytes, table_format)
         counts = torch.as_tensor(counts).detach().to("cpu", torch.float64)
         if counts.shape != (s,) or bool((counts < 0).any()) or not bool(torch.isfinite(counts).all()):
             raise ValueError(f"fpe: symbol counts must be {s} non-negative numbers for {word_bytes}-byte words")
@@ -189,7 +262,7 @@ class Table:
         if c[s - 2] > 0:
             weights[s - 2] = c[s - 2]
         weights[s - 1] = max(1, sum(c[sym] for sym in regular[MAX_CODED:]))
-        table = cls(word_bytes, _huffman_lengths(weights))
+        table = cls(word_bytes, _huffman_lengths(weights), table_format)
         table.fit_slack = table.slack(counts)
         return table
 
@@ -199,8 +272,8 @@ class Table:
         if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
             raise CorruptDataError("fpe table: expected a uint8 tensor")
         raw = bytes(data.detach().reshape(-1).cpu().tolist())
-        if len(raw) < 4 or raw[0] != TABLE_FORMAT:
-            raise CorruptDataError(f"fpe table: not a table of format {TABLE_FORMAT}")
+        if len(raw) < 4 or raw[0] not in TABLE_FORMATS:
+            raise CorruptDataError(f"fpe table: not a table of format {' or '.join(map(str, TABLE_FORMATS))}")
         if raw[1] != word_bytes:
             raise CorruptDataError(f"fpe table is for {raw[1]}-byte words, the tensor has {word_bytes}-byte words")
         n = raw[2] | raw[3] << 8
@@ -212,43 +285,50 @@ class Table:
             if sym in lengths:
                 raise CorruptDataError(f"fpe table: symbol {sym} twice")
             lengths[sym] = length
-        table = cls(word_bytes, lengths)
+        table = cls(word_bytes, lengths, raw[0])
         if [s for s in table.order] != [raw[4 + 3 * i] | raw[5 + 3 * i] << 8 for i in range(n)]:
             raise CorruptDataError("fpe table: symbols not in canonical order")
         return table
 
     def to_bytes(self) -> torch.Tensor:
         """The serialized table (uint8, on the CPU)."""
-        out = [TABLE_FORMAT, self.word_bytes, len(self.order) & 0xFF, len(self.order) >> 8]
+        out = [self.format, self.word_bytes, len(self.order) & 0xFF, len(self.order) >> 8]
         for sym in self.order:
             out += [sym & 0xFF, sym >> 8, self.lengths[sym]]
         return torch.tensor(out, dtype=torch.uint8)
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Table) and (self.word_bytes, self.lengths) == (other.word_bytes, other.lengths)
+        mine, theirs = (self.word_bytes, self.format, self.lengths), (other.word_bytes, other.format, other.lengths)
+        return isinstance(other, Table) and mine == theirs
 
     def __repr__(self) -> str:
-        return f"fpe.Table({self.word_bytes}-byte words, {len(self.order)} codes of {min(self.lengths.values())}-{max(self.lengths.values())} bits)"
+        return (
+            f"fpe.Table({self.word_bytes}-byte words, format {self.format}, {len(self.order)} codes of "
+            f"{min(self.lengths.values())}-{max(self.lengths.values())} bits)"
+        )
 
     # ---- cost -----------------------------------------------------------------------
     @functools.cached_property
     def word_bits(self) -> torch.Tensor:
-        """``(S + 2,)`` float64: the bits a word of each symbol takes (code, escaped symbol, mantissa); ESC 0."""
-        e, m = _split(self.word_bytes)
-        escaped = self.lengths[self.esc] + 1 + e
-        bits = [self.lengths.get(sym, escaped) + m for sym in range(self.zero)]
-        bits += [self.lengths.get(self.zero, bits[0]), 0]  # a zero word without ZERO: symbol 0 and its mantissa
-        return torch.tensor(bits, dtype=torch.float64)
+        """``(S + 2,)`` float64: the bits a word of each symbol takes (code, escaped symbol, tail); ESC 0."""
+        bits = torch.full((self.esc + 1,), float(self.lengths[self.esc] + self.symbol_bits), dtype=torch.float64)
+        coded = [sym for sym in self.lengths if sym < self.zero]
+        bits[coded] = torch.tensor([float(self.lengths[sym]) for sym in coded], dtype=torch.float64)
+        bits[: self.zero] += self.tail_bits
+        bits[self.zero] = self.lengths.get(self.zero, bits[0])  # a zero word without ZERO: symbol 0 and its tail
+        bits[self.esc] = 0
+        return bits
 
     def slack(self, counts) -> float:
-        """Bits per word this table spends on words of symbol ``counts`` beyond their entropy (mantissas as they are)."""
+        """Bits per word this table spends on words of symbol ``counts`` beyond their entropy (tails as they are)."""
         counts = torch.as_tensor(counts).detach().to("cpu", torch.float64)
+        if counts.shape != (self.esc + 1,):
+            raise ValueError(f"fpe: counts of {self.esc + 1} symbols for this table, got shape {tuple(counts.shape)}")
         total = float(counts.sum())
         if total <= 0:
             return 0.0
         p = counts / total
-        _, m = _split(self.word_bytes)
-        entropy = float(-(p[p > 0] * p[p > 0].log2()).sum()) + m * (1 - float(p[self.zero]))
+        entropy = float(-(p[p > 0] * p[p > 0].log2()).sum()) + self.tail_bits * (1 - float(p[self.zero]))
         return float(p @ self.word_bits) - entropy
 
     # ---- lookups ------------------------------------------------------------------
@@ -259,13 +339,12 @@ class Table:
         step), so each is built once per device.
         """
         codes = tuple((sym, self.lengths[sym], self.codes[sym]) for sym in self.order)
-        return _lookups(self.word_bytes, codes, torch.device(device))
+        return _lookups(self.esc + 1, codes, torch.device(device))
 
 
 @functools.lru_cache(maxsize=64)
-def _lookups(word_bytes: int, codes: tuple[tuple[int, int, int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """:meth:`Table.lookups` of ``(symbol, length, code)`` in canonical order."""
-    s = n_symbols(word_bytes)
+def _lookups(s: int, codes: tuple[tuple[int, int, int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """:meth:`Table.lookups` of ``(symbol, length, code)`` in canonical order, ``s`` symbols (ZERO and ESC too)."""
     enc_len, enc_code = [0] * s, [0] * s
     dec_sym, dec_len = [0] * (1 << MAX_CODE_BITS), [0] * (1 << MAX_CODE_BITS)
     for sym, n, code in codes:
@@ -283,10 +362,10 @@ class _Coded(Analysis):
     """fpe's analysis of a block: each word's code, and so each entry's length."""
 
     def __init__(self, entries: torch.Tensor, word_bytes: int, table: Table):
-        e, m = _split(word_bytes)
+        b, t = table.symbol_bits, table.tail_bits
         self.word_bytes, self.entry_bytes = word_bytes, entries.shape[1]
         x = _words(entries, word_bytes)
-        sym, zero = _symbols(x, word_bytes)
+        sym, zero = _symbols(x, word_bytes, table.format)
         enc_len, enc_code, _, _ = table.lookups(x.device)
         if table.zero in table.lengths:
             sym = torch.where(zero, table.zero, sym)
@@ -294,23 +373,25 @@ class _Coded(Analysis):
         esc = code_len == 0
         coded = torch.where(esc, table.esc, sym)
         code_len = lookup(enc_len, coded)
-        has_mantissa = coded != table.zero
-        bits = code_len + esc * (1 + e) + has_mantissa * m
+        has_tail = coded != table.zero
+        bits = code_len + esc * b + has_tail * t
         self.offsets = torch.cumsum(bits, 1) - bits
         self.total_bits = bits.sum(1)
         self.sectors = bits_to_sectors(self.total_bits)
         self.modes = torch.zeros_like(self.sectors)
-        # the fields, ready for the streams: code | escaped symbol << length, and the mantissa after them
+        # the fields, ready for the streams: code | escaped symbol << length, and the tail after them
         self.head = lookup(enc_code, coded) | (sym * esc) << code_len
-        self.mantissa = (x & ((1 << m) - 1)) * has_mantissa
-        self.mantissa_at = self.offsets + code_len + esc * (1 + e)
+        self.tail = (x & ((1 << t) - 1)) * has_tail
+        self.tail_at = self.offsets + code_len + esc * b
+        self.tail_bits = t
 
     def streams(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-        head, offsets, mantissa, at = (pick(t) for t in (self.head, self.offsets, self.mantissa, self.mantissa_at))
+        head, offsets, tail, at = (pick(t) for t in (self.head, self.offsets, self.tail, self.tail_at))
         writer = StreamWriter(head.shape[0], self.entry_bytes, head.device)
         writer.add(head, offsets)
-        writer.add(mantissa, at)
+        if self.tail_bits:  # a 1-byte word of format 2 is all symbol
+            writer.add(tail, at)
         return writer.payload()
 
 
@@ -333,13 +414,13 @@ def _decode_block(payload: torch.Tensor, sectors: torch.Tensor, word_bytes: int,
     (every entry at once); reading every word's fields is then one pass
     over all of them.
     """
-    e, m = _split(word_bytes)
+    b, t = table.symbol_bits, table.tail_bits
     n, entry_bytes = payload.shape
     n_words = entry_bytes // word_bytes
     enc_len, _, dec_sym, dec_len = table.lookups(payload.device)
     escaped = dec_sym == table.esc
     # per next-12-bits: the word's bits (a code the table lacks reads as length 0 and is caught below)
-    advance = dec_len + escaped * (1 + e) + (dec_sym != table.zero) * m
+    advance = dec_len + escaped * b + (dec_sym != table.zero) * t
     windows = stream_windows(payload.contiguous())
     end = entry_bytes * 8
     # a start never passes `end`, so its window index never passes the last column: one zero column more
@@ -357,11 +438,12 @@ def _decode_block(payload: torch.Tensor, sectors: torch.Tensor, word_bytes: int,
     bad = length == 0
     at = starts + length
     esc = sym == table.esc
-    raw = read_bits(windows, at, 1 + e)
+    raw = read_bits(windows, at, b)
     bad |= esc & (lookup(enc_len, raw) > 0)  # an escaped symbol the table has a code for
     sym = torch.where(esc, raw, sym)
-    at += esc * (1 + e)
-    words = torch.where(sym == table.zero, 0, sym << m | _read_wide(windows, at, m))
+    at += esc * b
+    tail = _read_wide(windows, at, t) if t else torch.zeros_like(sym)
+    words = torch.where(sym == table.zero, 0, sym << t | tail)
     if bool(bad.any()):
         raise CorruptDataError("fpe: a code the table does not have, or an escape of a symbol it has")
     total = pos.squeeze(1)
@@ -380,7 +462,7 @@ def fit_table(counts, word_bytes: int, keep: Table | None = None) -> Table:
     within :data:`REFIT_BITS` of its slack on its own counts: the fit (about
     a millisecond of Python) is skipped, at most that many bits per word lost.
     """
-    if keep is not None and keep.word_bytes == word_bytes and keep.fit_slack is not None:
+    if keep is not None and (keep.word_bytes, keep.format) == (word_bytes, TABLE_FORMAT) and keep.fit_slack is not None:
         if keep.slack(counts) <= keep.fit_slack + REFIT_BITS:
             return keep
     return Table.from_counts(counts, word_bytes)
@@ -391,16 +473,18 @@ def default_table(word_bytes: int) -> Table:
     """The table of an unfitted codec: a fixed prior, for the format layer's tools and tests.
 
     Zero words and the binades just below 1 (``2**-1 .. 2**-12``, both signs,
-    each half as likely as the one above) have codes; everything else
-    escapes. :func:`buddy.compress` never codes with it: it fits a table to
-    each tensor.
+    each half as likely as the one above, its mantissa's top bits alike) have
+    codes; everything else escapes. :func:`buddy.compress` never codes with
+    it: it fits a table to each tensor.
     """
     e, _ = _split(word_bytes)
     bias = (1 << (e - 1)) - 1
+    top = symbol_bits(word_bytes) - 1 - e  # mantissa bits in a symbol
     counts = torch.zeros(n_symbols(word_bytes), dtype=torch.float64)
     for step in range(min(12, bias)):
         for sign in (0, 1 << e):
-            counts[sign | (bias - 1 - step)] = 2.0 ** -step
+            for high in range(1 << top):
+                counts[(sign | (bias - 1 - step)) << top | high] = 2.0 ** -step
     counts[-2] = 1.0
     return Table.from_counts(counts, word_bytes)
 

@@ -1,11 +1,16 @@
-"""Write the golden vectors of a format version: ``python tests/golden/make_golden.py [1|2]``.
+"""Write a set of golden vectors: ``python tests/golden/make_golden.py 1|2|2t2``.
 
 The vectors pin the bytes every codec writes: for each input (a dtype, an
 entry size and a kind of data) and each codec of the version, the metadata,
 the table (format version 2), and for two slots the slot and overflow bytes. ``tests/test_golden.py`` compresses the
 stored inputs again and compares byte for byte, and decodes the stored
-buffers back to the inputs. Run this only to add cases: regenerating over
-existing cases after a change to a codec would hide that the format moved.
+buffers back to the inputs. Run this only to add a set: regenerating an
+existing one after a change to a codec would hide that the format moved.
+
+The sets: ``1`` (``format_v1``: format version 1's codecs), ``2``
+(``format_v2``: version 2's, written when their tables were of table format
+1 -- decoded still, no longer written) and ``2t2`` (``format_v2_table2``:
+version 2 with tables of format 2, what a fit makes now).
 
 The inputs are made with NumPy's seeded generator and stored, so the
 vectors do not depend on how any library draws random numbers.
@@ -28,6 +33,8 @@ from buddy import spec  # noqa: E402
 
 #: the codecs of each format version (version 1's file was written before version 2 existed)
 CODECS = {1: ("raw", "zvc", "fpx", "bpc", "auto"), 2: ("fpe", "auto2")}
+#: set -> (file stem, format version)
+SETS = {"1": ("format_v1", 1), "2": ("format_v2", 2), "2t2": ("format_v2_table2", 2)}
 #: (dtype name, entry bytes): every word size, E from 32 B to 4 KiB
 LAYOUTS = (
     ("float32", 128),
@@ -89,7 +96,8 @@ def slots_for(entry_bytes: int) -> tuple[int, int]:
     return spec.sectors_per_entry(entry_bytes) // 2, 1
 
 
-def main(version: int) -> None:
+def main(which: str) -> None:
+    stem, version = SETS[which]
     store = buddy.BuddyStore(capacity_bytes=1 << 30, pin=False)
     arrays: dict[str, np.ndarray] = {}
     cases = []
@@ -116,14 +124,12 @@ def main(version: int) -> None:
                     case["slots"].append(slot)
                     bt.free()
                 cases.append(case)
-    np.savez_compressed(HERE / f"format_v{version}.npz", **arrays)
-    (HERE / f"format_v{version}.json").write_text(
-        json.dumps({"format_version": version, "cases": cases}, indent=1) + "\n"
-    )
+    np.savez_compressed(HERE / f"{stem}.npz", **arrays)
+    (HERE / f"{stem}.json").write_text(json.dumps({"format_version": version, "cases": cases}, indent=1) + "\n")
     print(f"{len(cases)} cases, {sum(a.nbytes for a in arrays.values()):,} bytes")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in ("1", "2"):
-        sys.exit("usage: python tests/golden/make_golden.py 1|2  (the format version whose vectors to write)")
-    main(int(sys.argv[1]))
+    if len(sys.argv) != 2 or sys.argv[1] not in SETS:
+        sys.exit("usage: python tests/golden/make_golden.py 1|2|2t2  (the set of vectors to write)")
+    main(sys.argv[1])

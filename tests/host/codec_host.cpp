@@ -503,8 +503,8 @@ static int tensor_main(int argc, char** argv) {
 // ---------------------------------------------------------------------------
 // fpe's table on the device: count | fit (see the usage)
 // ---------------------------------------------------------------------------
-static uint32_t fpe_symbols(int word) {  // S + 2, 0 for a word size fpe does not know
-  return word == 1 ? 34u : word == 2 || word == 4 ? 514u : word == 8 ? 4098u : 0u;
+static uint32_t fpe_symbols(int word) {  // S + 2 of a fitted table (format 2), 0 for a word size fpe does not know
+  return word == 1 ? 258u : word == 2 || word == 4 || word == 8 ? 4098u : 0u;
 }
 
 template <int WB>
