@@ -35,9 +35,12 @@
 //   codes    canonical: the leaves ranked by (length, symbol); a code is the
 //            Kraft sum of the codes before it (a warp scan) at its length.
 // Cost: two serial passes of at most 256 merges (the 32 round trees side by
-// side, then lane 0 alone) and O(L^2 / 32) compares per ranking (L <= 257
-// leaves) -- tens of microseconds of one warp, estimated, not measured on a
-// GPU; the kernel runs once per compress that has no learned table.
+// side, then lane 0 alone), O(L^2 / 32) compares per ranking (L <= 257
+// leaves) and, when more than 255 symbols occur, 43 passes of S / 32 counts
+// per lane for the radix select (S = 4096 for the 12-bit symbols of table
+// format 2: about 5500 a lane) -- tens of microseconds of one warp,
+// estimated, not measured on a GPU; the kernel runs once per compress that
+// has no learned table.
 #pragma once
 
 #include "buddy_warp.h"

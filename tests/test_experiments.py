@@ -375,6 +375,32 @@ def test_context_bound_tiny(tmp_path):
         assert r["top_ratio"] >= r["previous_ratio"] >= r["order0_ratio"] > 1
 
 
+def test_repeated_rows():
+    from experiments.repeats import repeated_rows
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(10, 64, generator=g)
+    assert repeated_rows(rows) == 0.0
+    tokens = torch.tensor([0, 1, 0, 2, 0, 1, 3, 4, 5, 6])  # 3 of 10 rows repeat an earlier one
+    assert repeated_rows(rows[tokens]) == pytest.approx(0.3)
+    assert repeated_rows(rows[tokens].to(torch.bfloat16)) == pytest.approx(0.3)
+    near = rows[tokens].clone()
+    near[2, 5] = near[2, 5].nextafter(torch.tensor(9.0))  # one bit apart: not a repeat
+    assert repeated_rows(near) == pytest.approx(0.2)
+    assert repeated_rows(torch.zeros(100)) == 0.0  # one row only
+
+
+def test_repeats_tiny(tmp_path, capsys):
+    from experiments import repeats
+
+    args = ["--size", "tiny", "--workloads", "gpt-bf16", "--codec", "auto2", "--no-progress", "--out", str(tmp_path)]
+    (row,) = repeats.main(args)
+    assert row["all_bytes"] == row["repeated_bytes"] + row["other_bytes"] > 0
+    assert 0 <= row["repeated_share"] <= 1 and row["all_zstd"] > 1 and row["all_codec"] > 1
+    assert json.loads((tmp_path / "results.json").read_text())["rows"][0]["all_bytes"] == row["all_bytes"]
+    assert "zstd-3 on them" in capsys.readouterr().out
+
+
 def test_max_batch_tiny(tmp_path):
     from experiments import max_batch
     from experiments.workloads import WORKLOADS
