@@ -1,7 +1,7 @@
 """What context could add to the float-field bound: is there more to code than each value's own fields?
 
-``fpe`` codes each word's sign and exponent with a table and passes its
-mantissa through, so the order-0 **float-field entropy** (sign and exponent
+``fpe`` with a table of format 1 codes each word's sign and exponent and
+passes its mantissa through, so the order-0 **float-field entropy** (sign and exponent
 as one symbol, the mantissa in pieces of up to 16 bits, each on its own:
 :func:`experiments.analysis.field_entropy_bits`) bounds what a coder of
 that kind reaches. This measures two contexts a richer codec could use,
@@ -11,7 +11,9 @@ the workloads save:
 * **previous symbol**: a word's sign and exponent given the previous word's
   (neighbours in memory: a row of a feature map, a hidden vector);
 * **+ mantissa top**: in addition, the mantissa's top 4 bits given the
-  word's own sign and exponent (the rest of the mantissa as before).
+  word's own sign and exponent (the rest of the mantissa as before). Table
+  format 2 takes this part: its symbols are sign, exponent and the
+  mantissa's top 3 bits.
 
 A ratio here is the tensor's bits over the bound's. If neither context adds
 much over order-0, no coder of single values and their neighbours gets

@@ -17,7 +17,8 @@ sign -- so a prefix code fitted to the tensor codes them in about as many
 bits as they carry, while the rest of the mantissa, close to uniform, is
 passed through. The mantissa's top bits are not uniform (values thin out
 towards the top of a binade), so coding them with the sign and exponent
-gains 1-4 % on the measured bfloat16 workloads over format 1.
+gains 0.7-3.4 % of ideal ratio over format 1 on the measured bfloat16
+workloads (4 KiB entries).
 
 Symbols (``S = 2 ** b``)::
 
