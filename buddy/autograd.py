@@ -74,7 +74,7 @@ from .prefetch import Ahead, Prefetch, PrefetchStats, Schedule, as_prefetch
 from .stats import KeyRow, SessionStats
 from .store import BuddyStore, default_store
 from .tensor import BuddyTensor, check_tensor, dense_strides
-from .tracker import Policy, Tracker, default_tracker, table_bytes
+from .tracker import Policy, Tracker, default_tracker
 
 __all__ = [
     "compressed_activations",
@@ -603,7 +603,7 @@ def _tracked(t, key, tracker: Tracker, policy, store, codec, entry_bytes, *, kee
         entry_bytes=measured.entry_bytes,
         original_bytes=measured.nbytes,
         policy=policy,
-        table_bytes=table_bytes(measured.codec),
+        table_bytes=measured.codec.table_bytes,
     )
     bt = None
     if not (keep and place.keep):

@@ -67,7 +67,6 @@ __all__ = [
     "Placement",
     "KeyHistory",
     "Tracker",
-    "table_bytes",
     "BudgetExceededWarning",
     "default_tracker",
     "set_default_tracker",
@@ -130,12 +129,6 @@ class Placement:
         if self.keep:
             return self.original_bytes
         return self.n_entries * (self.slot * spec.SECTOR_BYTES + spec.meta_bytes(self.entry_bytes)) + self.table_bytes
-
-
-def table_bytes(codec: Codec | None) -> int:
-    """Bytes of the table ``codec`` was fitted to (what a tensor it codes carries), 0 for none."""
-    table = None if codec is None else codec.table
-    return 0 if table is None else table.numel()
 
 
 class Policy:
@@ -218,7 +211,7 @@ class DeviceBudget(Policy):
         larger = {h.key: larger_than(h.predicted()) for h in keys}
         per_sector = {h.key: h.n_entries * spec.SECTOR_BYTES for h in keys}
         total = sum(
-            h.n_entries * (spe[h.key] * spec.SECTOR_BYTES + spec.meta_bytes(h.entry_bytes)) + table_bytes(h.fitted)
+            h.n_entries * (spe[h.key] * spec.SECTOR_BYTES + spec.meta_bytes(h.entry_bytes)) + (0 if h.fitted is None else h.fitted.table_bytes)
             for h in keys
         )
 

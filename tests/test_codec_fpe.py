@@ -381,6 +381,18 @@ def test_auto2_takes_and_gives_the_fpe_table():
         buddy.codecs.AutoCodec([(2, FPECodec()), (3, FPECodec())], name="two-tables")
 
 
+@pytest.mark.parametrize("word", [1, 2, 4, 8])
+def test_table_bytes_is_the_serialized_size(word, gen):
+    """What budgets count for a tensor's table, without serializing it, is its serialized size."""
+    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[word]
+    flat = raw_bytes(make_data("relu", 5000, dtype, gen))
+    for name in ("fpe", "auto2"):
+        fitted = buddy.get_codec(name).fit(flat, word)
+        assert fitted.table_bytes == fitted.table.numel() == 4 + 3 * len(Table.from_bytes(fitted.table, word).order)
+        assert buddy.get_codec(name).table_bytes == 0 and buddy.get_codec(name).table is None
+    assert buddy.get_codec("fpx").table_bytes == 0
+
+
 # ---------------------------------------------------------------------------
 # tables learned across steps
 # ---------------------------------------------------------------------------

@@ -132,6 +132,11 @@ class AutoCodec(Codec):
         return None if member is None else member.table
 
     @property
+    def table_bytes(self) -> int:
+        member = self._tabled
+        return 0 if member is None else member.table_bytes
+
+    @property
     def statistics(self) -> torch.Tensor | None:
         member = self._tabled
         return None if member is None else member.statistics

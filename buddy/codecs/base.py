@@ -95,6 +95,12 @@ class Codec(abc.ABC):
         """The table a tensor coded with this codec carries (uint8, format version 2), or ``None``."""
         return None
 
+    @property
+    def table_bytes(self) -> int:
+        """Bytes of :attr:`table` (0 without one): what it adds to a tensor's device bytes."""
+        table = self.table
+        return 0 if table is None else table.numel()
+
     def fit(
         self,
         flat: torch.Tensor,

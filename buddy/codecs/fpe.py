@@ -291,6 +291,11 @@ class Table:
             raise CorruptDataError("fpe table: symbols not in canonical order")
         return table
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of :meth:`to_bytes` (the header and 3 bytes per code), without serializing."""
+        return 4 + 3 * len(self.order)
+
     def to_bytes(self) -> torch.Tensor:
         """The serialized table (uint8, on the CPU)."""
         out = [self.format, self.word_bytes, len(self.order) & 0xFF, len(self.order) >> 8]
@@ -514,6 +519,10 @@ class FPECodec(Codec):
     @property
     def table(self) -> torch.Tensor | None:
         return None if self._table is None else self._table.to_bytes()
+
+    @property
+    def table_bytes(self) -> int:
+        return 0 if self._table is None else self._table.nbytes
 
     def fit(
         self,
