@@ -139,9 +139,12 @@ def meta_bytes(entry_bytes: int) -> int:
 def slot_for_ratio(target_ratio: float, entry_bytes: int) -> int:
     """Slot size in sectors for a target compression ratio.
 
-    ``inf`` gives the zero slot. Ratios that are not exactly achievable round
-    to the nearest slot when within 1 % (so ``1.33`` means 4/3), otherwise to
-    the larger slot (the achieved ratio never exceeds the one asked for).
+    ``inf`` gives the zero slot. A ratio the sector grid cannot give exactly
+    takes the nearest slot when that slot is within 1 % of the exact one (so
+    ``1.33`` means 4/3 at E = 128; the ratio used is then within about 1 % of
+    the one asked for, above or below), otherwise the next larger slot, whose
+    ratio is lower than the one asked for (3.0 at E = 4096: 43 sectors,
+    2.977x). A finite ratio never gives the zero slot.
     """
     if isinstance(target_ratio, bool) or not isinstance(target_ratio, (int, float)):
         raise TypeError(f"target_ratio must be a number, got {type(target_ratio).__name__}")

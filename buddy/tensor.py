@@ -144,7 +144,9 @@ class BuddyTensor:
         device_bytes: slots + metadata (+ the codec table, format version 2) on the device.
         buddy_bytes: overflow held in buddy memory.
         compressed_bytes: ``sum(k) * 32``, the size if entries were compacted.
-        target_ratio: ``E / (32 * slot_sectors)``; ``inf`` for the zero slot.
+        target_ratio: ``E / (32 * slot_sectors)``, the ratio of the slot used; ``inf`` for the zero slot.
+        requested_ratio: the ``target_ratio`` :func:`compress` was given (the slot grid may round it:
+            see there), or ``None`` when the slot came from an overflow bound or a policy.
         codec: codec name.
         backend: ``"reference"``, ``"cuda"`` or ``"nvcomp"``: what ran the
             codec at compress time (see :mod:`buddy.dispatch`), and what
@@ -194,6 +196,7 @@ class BuddyTensor:
         #: entries per size: ``histogram[k]`` entries compress to ``k`` sectors
         self.histogram = tuple(int(n) for n in histogram)
         self.format_version = codec.format_version
+        self.requested_ratio: float | None = None  # set by compress() when it was given a target ratio
         #: per-buffer checksums taken at compress time, or ``None`` (see :mod:`buddy.integrity`)
         self.checksum = checksum
         self._slots = slots
