@@ -67,9 +67,11 @@ install_wheels() {
   if [ ${#present[@]} -gt 0 ]; then
     local pip=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir)
     if ! "${pip[@]}" "${present[@]}"; then
-      echo "installing into the environment failed: into /tmp/site instead"
-      if "${pip[@]}" --upgrade --target /tmp/site "${present[@]}"; then
-        export PYTHONPATH="/tmp/site:$PYTHONPATH"
+      local site
+      site=$(mktemp -d)
+      echo "installing into the environment failed: into $site (on PYTHONPATH) instead"
+      if "${pip[@]}" --upgrade --target "$site" "${present[@]}"; then
+        export PYTHONPATH="$site:$PYTHONPATH"
       else
         missing+=("every wheel: pip could not install ${present[*]##*/}")
         present=()
