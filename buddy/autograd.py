@@ -237,8 +237,9 @@ class _Compressed:
         self.bt = bt
         self.session = weakref.ref(session)  # for its counters only; see above
         self.row = row  # the session's stats row, counting deduplicated saves
-        self.cache = None  # weakref to the last decompressed tensor, shared by deduplicated saves
-        self.kept = None  # that tensor, held until every save of it has been unpacked
+        # weakref to the last decompressed tensor, shared by deduplicated saves
+        self.cache: weakref.ref[torch.Tensor] | None = None
+        self.kept: torch.Tensor | None = None  # that tensor, held until every save of it has been unpacked
         self.uses_left = 0
         self.schedule = schedule
         self.position = schedule.add(self)
@@ -454,8 +455,8 @@ class _SavedTensorHooks:
         self.enabled = enabled
         self._excluded = _storages_of(exclude)
         self._lock = threading.RLock()
-        self._hooks = None
-        self._thread = None  # the thread that opened it
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._thread: int | None = None  # the thread that opened it
         self._reset()
 
     # ---- context manager ---------------------------------------------------

@@ -69,6 +69,7 @@ __all__ = [
     "ALIGN_BYTES",
     "CudaEngine",
     "Kernels",
+    "compile_module",
     "KERNEL_CODECS",
     "TABLED_KERNELS",
     "DEVICE_TABLE_BYTES",
@@ -210,6 +211,23 @@ def _kernel(codec: str, op: str, entry_bytes: int, device: torch.device, shared_
         with _lock:
             kernel = _kernels.setdefault(key, kernel)
     return kernel
+
+
+def compile_module(codec: str, entry_bytes: int, device: torch.device | str) -> None:
+    """Compile the kernels of ``codec`` at ``entry_bytes`` for ``device`` now, not at their first launch.
+
+    What a launch would do first (NVRTC through CuPy, memoised in this
+    process and kept in CuPy's on-disk cache for later ones); a GPU session
+    calls it for many modules in parallel processes before its tests.
+    """
+    if codec not in KERNEL_CODECS:
+        raise ValueError(f"codec {codec!r} has no CUDA kernels (codecs with them: {', '.join(sorted(KERNEL_CODECS))})")
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"the kernels compile for a CUDA device, got {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    _kernel(codec, "measure", spec.check_entry_bytes(entry_bytes), device, 0)
 
 
 def _launch(codec: str, op: str, entry_bytes: int, device: torch.device, n_entries: int, args: tuple) -> None:
@@ -366,7 +384,7 @@ class Kernels:
         """The buffers' common device; ``ValueError`` for any that is not what the kernels need."""
         spec.check_entry_bytes(entry_bytes)
         _check_word(word_bytes)
-        device = None
+        device: torch.device | None = None
         for what, (t, dtype, numel) in buffers.items():
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
@@ -374,6 +392,8 @@ class Kernels:
                 raise ValueError(f"{what} must be on a CUDA device for the CUDA kernels, got one on {t.device}")
             device = device or t.device
             _check_tensor(what, t, device=device, dtype=dtype, shape=(numel,))
+        if device is None:
+            raise ValueError("no buffers to check")
         return device
 
     def _table(self, table, device: torch.device) -> torch.Tensor:
@@ -563,7 +583,7 @@ class CudaEngine(Engine):
         return torch.cumsum(k.sub_(slot).clamp_(min=0), 0)
 
     @property
-    def fits_tables(self) -> bool:
+    def fits_tables(self) -> bool:  # type: ignore[override]  # a class attribute of Engine; here per codec
         """A codec with a table: counted and fitted on the device (:meth:`fit_measure`)."""
         return self.codec.name in TABLED_KERNELS
 

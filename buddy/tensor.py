@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -203,7 +204,8 @@ class BuddyTensor:
         self._meta = meta
         self._overflow = overflow
         self._table = table
-        self._prefetched = None  # (overflow on the device, the event of its arrival) from prefetch()
+        # (overflow on the device, the event of its arrival) from prefetch()
+        self._prefetched: tuple[torch.Tensor, Any] | None = None
         self.store = store
         self.ledger = ledger
         self.device_bytes = slots.numel() + meta.numel() + (0 if table is None else table.numel())
@@ -353,7 +355,8 @@ class BuddyTensor:
         """Return the slots and buddy memory now. A second call raises."""
         self._check_alive("free")
         self._finalizer()
-        self._slots = self._meta = self._prefetched = None
+        self._slots = self._meta = None  # type: ignore[assignment]  # freed: _check_alive() refuses any use
+        self._prefetched = None
 
     def _check_alive(self, action: str) -> None:
         if self.freed:

@@ -688,7 +688,7 @@ class Tracker:
         with self._lock:
             hist = self._keys.get(key)
             compatible = hist is not None and hist.entry_bytes == entry_bytes and hist.n_entries == sum(histogram)
-            predicted = hist.predicted() if compatible and hist.histograms else None
+            predicted = hist.predicted() if hist is not None and compatible and hist.histograms else None
             decision = Decision(
                 key=key,
                 entry_bytes=entry_bytes,

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -195,7 +196,7 @@ def _sets_axes(ax, headline: list[dict], codec: str, entry_bytes: int):
     """Every workload's default-policy point, tuning and check sets apart, with each set's geometric mean."""
     colors = {"tuning": "tab:blue", "check": "tab:orange"}
     # check-set squares hollow: a tuning-set point under one stays visible
-    styles = {"tuning": dict(marker="o", color=colors["tuning"])}
+    styles: dict[str, dict[str, Any]] = {"tuning": dict(marker="o", color=colors["tuning"])}
     styles["check"] = dict(marker="s", facecolors="none", edgecolors=colors["check"], linewidths=1.4)
     fig = ax.figure
     points = [r for r in headline if not r.get("summary")]

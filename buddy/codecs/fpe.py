@@ -157,7 +157,8 @@ def _tree_height(weights: list[int]) -> int:
     n = len(weights)
     if n == 1:
         return 1
-    node_w, node_h = [], []
+    node_w: list[int] = []
+    node_h: list[int] = []
     leaf = node = 0
     for _ in range(n - 1):
         total = height = 0
@@ -349,7 +350,9 @@ class Table:
 
 
 @functools.lru_cache(maxsize=64)
-def _lookups(s: int, codes: tuple[tuple[int, int, int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+def _lookups(
+    s: int, codes: tuple[tuple[int, int, int], ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:meth:`Table.lookups` of ``(symbol, length, code)`` in canonical order, ``s`` symbols (ZERO and ESC too)."""
     enc_len, enc_code = [0] * s, [0] * s
     dec_sym, dec_len = [0] * (1 << MAX_CODE_BITS), [0] * (1 << MAX_CODE_BITS)
@@ -358,7 +361,8 @@ def _lookups(s: int, codes: tuple[tuple[int, int, int], ...], device: torch.devi
         enc_len[sym], enc_code[sym] = n, stream
         for index in range(stream, 1 << MAX_CODE_BITS, 1 << n):
             dec_sym[index], dec_len[index] = sym, n
-    return tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (enc_len, enc_code, dec_sym, dec_len))
+    as_t = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+    return as_t(enc_len), as_t(enc_code), as_t(dec_sym), as_t(dec_len)
 
 
 # ---------------------------------------------------------------------------
@@ -433,12 +437,12 @@ def _decode_block(payload: torch.Tensor, sectors: torch.Tensor, word_bytes: int,
     padded = torch.nn.functional.pad(windows, (0, 1))
     pos = torch.zeros(n, 1, dtype=torch.int64, device=payload.device)
     mask = (1 << MAX_CODE_BITS) - 1
-    starts = []
+    each = []
     for _ in range(n_words):  # serial within an entry, every entry at once; as few torch calls as it takes
-        starts.append(pos)
+        each.append(pos)
         peek = padded.gather(1, pos >> 5).bitwise_right_shift_(pos & 31).bitwise_and_(mask)
         pos = torch.take(advance, peek).add_(pos).clamp_(max=end)  # a damaged stream stays inside the payload
-    starts = torch.cat(starts, 1)
+    starts = torch.cat(each, 1)
     peek = read_bits(windows, starts, MAX_CODE_BITS)
     sym, length = lookup(dec_sym, peek), lookup(dec_len, peek)
     bad = length == 0
