@@ -84,6 +84,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import NamedTuple
 
 import torch
@@ -145,7 +146,8 @@ _CALL_CODES = frozenset(
 
 def _outermost_module() -> torch.nn.Module | None:
     """The outermost module whose forward is running on this thread's stack, or ``None``."""
-    frame, root = sys._getframe(1), None
+    frame: FrameType | None = sys._getframe(1)
+    root = None
     while frame is not None:
         if frame.f_code in _CALL_CODES:
             module = frame.f_locals.get("self")
@@ -173,7 +175,7 @@ def module_name(module: torch.nn.Module) -> str:
 def _call_site() -> str:
     """``"file.py:line"`` of the first frame outside buddy: where the user opened the block."""
     here = os.path.dirname(__file__)
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(here):
         frame = frame.f_back
     if frame is None:

@@ -127,8 +127,8 @@ class Decision:
         return self.n_entries * (slot * spec.SECTOR_BYTES + spec.meta_bytes(self.entry_bytes)) + self.table_bytes
 
     def overflow_bytes(self, slot: int) -> int:
-        """What this tensor really spills with ``slot`` (from its own histogram)."""
-        return overflow_sectors(self.current, slot) * spec.SECTOR_BYTES
+        """What this tensor really spills with ``slot`` (from its own histogram of whole entries)."""
+        return int(overflow_sectors(self.current, slot)) * spec.SECTOR_BYTES
 
 
 @dataclass(frozen=True)

@@ -62,12 +62,13 @@ def run_sequence(items, *, size: str, min_bytes: int, seed: int, show: bool) -> 
     from experiments.workloads import make_run
 
     tracker, store = buddy.Tracker(), buddy.BuddyStore()
-    rows, run, previous = [], None, None
+    rows: list[dict] = []
     label = " ".join(items)
+    previous = None
     for item in items:
         name, autocast, steps = parse_item(item)
         if name != previous:
-            run = make_run(name, size, "cpu", seed)
+            run = make_run(name, size, "cpu", seed)  # the same workload again goes on training the same model
         previous = name
         if autocast is not None:
             run.workload = dataclasses.replace(run.workload, autocast_dtype=_AUTOCAST[autocast])
