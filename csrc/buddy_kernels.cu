@@ -50,8 +50,7 @@ __device__ __forceinline__ long long buddy_warp_stride() {
 
 // This warp's staging buffer: E bytes of the block's dynamic shared memory.
 __device__ __forceinline__ uint8_t* buddy_staging() {
-  extern __shared__ uint64_t buddy_shared[];
-  return reinterpret_cast<uint8_t*>(buddy_shared) + (threadIdx.x / BUDDY_WARP_SIZE) * BUDDY_ENTRY_BYTES;
+  return buddy_dynamic_shared() + (threadIdx.x / BUDDY_WARP_SIZE) * BUDDY_ENTRY_BYTES;
 }
 
 template <class Codec>
