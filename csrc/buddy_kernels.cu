@@ -22,6 +22,12 @@
 // work is buddy_ops.h's; here are only the loops, the staging buffers and
 // the histogram.
 //
+// Tested without a GPU: the block emulator (tests/host/emulator,
+// docs/emulator.md) compiles this file unchanged for the host, every thread a
+// fiber, with ThreadSanitizer and with ASan + UBSan. Device code here reaches
+// shared memory through `__shared__` arrays and buddy_dynamic_shared() (not an
+// `extern __shared__` of its own), which the emulator's shim provides.
+//
 // Codec tables (format version 2): every kernel takes a `table` pointer, the
 // device table of a codec that codes with one (fpe and auto2: a
 // BuddyFpeTable, csrc/codec_fpe.h, built by buddy.cuda.device_table) and

@@ -44,15 +44,18 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import emulator
 import pytest
 import torch
 from conftest import assert_bitexact
+from emulator import BUILDS, CSRC, Emulator, EmulatorError
+from test_golden import CASES as GOLDEN_CASES
+from test_golden import SETS as GOLDEN_SETS
+from test_golden import load_vectors
 
 import buddy
 from buddy import cuda as bcuda
 from buddy import spec
-import emulator
-from emulator import BUILDS, CSRC, Emulator, EmulatorError
 
 pytestmark = [
     pytest.mark.emulator,
@@ -86,8 +89,10 @@ def _builds_of(item) -> set[tuple]:
     if "mutation" in params:
         m = params["mutation"]
         return {(m.build, 512, "all", CSRC), (m.build, 512, m.codec, _TREES[m.id])}
-    e = params["cases"][0]["entry_bytes"] if "cases" in params else params["case"].entry_bytes if "case" in params else 512
-    return {(params["build"], e, "all", CSRC)} if "build" in params else set()
+    if "build" not in params:
+        return set()
+    e = params["cases"][0]["entry_bytes"] if "cases" in params else getattr(params.get("case"), "entry_bytes", 512)
+    return {(params["build"], e, "all", CSRC)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -244,11 +249,12 @@ def test_tensors_of_one_entry(build, codec, activations, store, request):
     tensor of one element; int64 max-pool indices and float32 activations."""
     e = 512
     tensors = [activations["i64"][: e // 8], activations["f32"][: e // 4 // 3], activations["f32"][7:8]]
+    compress = functools.partial(buddy.compress, codec=codec, entry_bytes=e, store=store)
     with emulated_cuda(build, seed=_seed(request)):
         for t in tensors:
             for slot in (0, 2):
-                a = buddy.compress(t, spec.ratio_for_slot(slot, e), codec, entry_bytes=e, backend="cuda", store=store)
-                b = buddy.compress(t, spec.ratio_for_slot(slot, e), codec, entry_bytes=e, backend="reference", store=store)
+                ratio = spec.ratio_for_slot(slot, e)
+                a, b = compress(t, ratio, backend="cuda"), compress(t, ratio, backend="reference")
                 assert a.n_entries == 1
                 _same_buffers(a, b)
                 assert_bitexact(b.decompress(backend="cuda", check=True), t)
@@ -317,14 +323,6 @@ def test_unpack_flags_damage_where_the_reference_raises(build, codec, activation
 # ---------------------------------------------------------------------------
 # the golden vectors
 # ---------------------------------------------------------------------------
-def _golden():
-    from test_golden import CASES as GOLDEN_CASES
-    from test_golden import GOLDEN, SETS
-
-    return GOLDEN, SETS, GOLDEN_CASES
-
-
-GOLDEN_DIR, GOLDEN_SETS, GOLDEN_CASES = _golden()
 #: (entry size, dtype) groups of the golden vectors run under both builds; the others run under the asan build
 GOLDEN_BOTH = {(512, "float32"), (512, "bfloat16"), (4096, "float64")}
 
@@ -341,13 +339,7 @@ def _golden_groups():
 
 @pytest.fixture(scope="module")
 def golden_vectors():
-    import numpy as np
-
-    out = {}
-    for name in GOLDEN_SETS:
-        with np.load(GOLDEN_DIR / f"{name}.npz") as data:
-            out.update({f"{name}/{k}": torch.from_numpy(data[k].copy()) for k in data.files})
-    return out
+    return load_vectors()
 
 
 @pytest.mark.parametrize(("build", "cases"), list(_golden_groups()))
@@ -401,6 +393,7 @@ class Mutation:
     catch: str
     where: tuple[tuple[str, str], ...] = ()  # (file, function) in each racing access's stack, in either order
     max_blocks: int | None = None
+    says: str = ""  # in the report
 
     def apply(self, root: Path) -> Path:
         """A copy of csrc/ under ``root`` with the change made; its path."""
@@ -421,8 +414,9 @@ MUTATIONS = [
     ),
     Mutation(
         "measure: no __syncthreads before adding the block's counts to the histogram", "buddy_kernels.cu",
-        "  }\n  __syncthreads();\n  for (uint32_t j = threadIdx.x; j <= BUDDY_SECTORS_PER_ENTRY;", "  }\n  for (uint32_t j = threadIdx.x; j <= BUDDY_SECTORS_PER_ENTRY;",
-        "zvc", "tsan", "race", (("buddy_kernels.cu", "buddy_measure_body"), ("buddy_kernels.cu", "buddy_measure_body")),
+        "  }\n  __syncthreads();\n  for (uint32_t j = threadIdx.x; j <= BUDDY_SECTORS_PER_ENTRY;",
+        "  }\n  for (uint32_t j = threadIdx.x; j <= BUDDY_SECTORS_PER_ENTRY;", "zvc", "tsan", "race",
+        (("buddy_kernels.cu", "buddy_measure_body"), ("buddy_kernels.cu", "buddy_measure_body")),
     ),
     Mutation(
         "count: no __syncthreads after zeroing the block's counts", "buddy_kernels.cu",
@@ -436,8 +430,8 @@ MUTATIONS = [
     ),
     Mutation(
         "pack: no warp.sync() after the encode into staging", "buddy_ops.h",
-        "    warp.sync();  // the codec's lanes wrote the staging buffer; every lane copies from it\n", "", "zvc", "tsan",
-        "race", (("buddy_ops.h", "buddy_op_pack"), ("codec_zvc.h", "encode")),
+        "    warp.sync();  // the codec's lanes wrote the staging buffer; every lane copies from it\n", "", "zvc",
+        "tsan", "race", (("buddy_ops.h", "buddy_op_pack"), ("codec_zvc.h", "encode")),
     ),
     Mutation(
         "pack: no warp.sync() before the warp's next entry reuses staging (warps loop: one block)", "buddy_ops.h",
@@ -469,6 +463,35 @@ MUTATIONS = [
         "measure: __syncthreads reached by lane 0 of each warp only", "buddy_kernels.cu",
         "if (warp.lane() == 0) atomicAdd(&counts[k], 1u);",
         "if (warp.lane() == 0) { atomicAdd(&counts[k], 1u); __syncthreads(); }", "zvc", "tsan", "stuck",
+        says="threads returned while others wait for them",
+    ),
+    Mutation(
+        "lane 0 at a shuffle while the other lanes are at a ballot", "buddy_warp.h",
+        "  return warp.ballot(mine) != 0;\n",
+        "  if (warp.lane() == 0) return warp.shfl(mine, 0u) != 0;\n  return warp.ballot(mine) != 0;\n", "zvc", "tsan",
+        "stuck", says="lanes of a warp at different collectives",
+    ),
+    Mutation(
+        "measure: the block's counts never zeroed (static shared memory starts as garbage)", "buddy_kernels.cu",
+        "  for (uint32_t j = threadIdx.x; j <= BUDDY_SECTORS_PER_ENTRY; j += blockDim.x) counts[j] = 0;\n", "", "zvc",
+        "tsan", "schedules",
+    ),
+    Mutation(
+        "measure: zeroing one count past the static shared array", "buddy_kernels.cu",
+        "j <= BUDDY_SECTORS_PER_ENTRY; j += blockDim.x) counts[j] = 0;",
+        "j <= BUDDY_SECTORS_PER_ENTRY + 1; j += blockDim.x) counts[j] = 0;", "zvc", "asan", "undefined",
+        says="index 17 out of bounds",
+    ),
+    Mutation(
+        "count: zeroing one count past the static shared array, through a pointer", "buddy_kernels.cu",
+        "j < symbols; j += blockDim.x) local[j] = 0;", "j <= symbols; j += blockDim.x) local[j] = 0;", "fpe", "asan",
+        "memory", says="global-buffer-overflow",
+    ),
+    Mutation(
+        "pack: each warp's staging one entry further (the last past the dynamic shared buffer)", "buddy_kernels.cu",
+        "(threadIdx.x / BUDDY_WARP_SIZE) * BUDDY_ENTRY_BYTES;",
+        "(threadIdx.x / BUDDY_WARP_SIZE + 1) * BUDDY_ENTRY_BYTES;", "zvc", "asan", "memory",
+        says="heap-buffer-overflow",
     ),
     Mutation(
         "count: 8-byte loads 4 bytes off alignment", "buddy_kernels.cu",
@@ -477,6 +500,7 @@ MUTATIONS = [
     Mutation(
         "count: one 8-byte unit past the data", "buddy_kernels.cu",
         "u < n_units; u += stride)", "u <= n_units; u += stride)", "fpe", "asan", "memory",
+        says="heap-buffer-overflow",
     ),
     Mutation(
         "pack: the rest of a slot left unwritten", "buddy_ops.h",
@@ -490,14 +514,16 @@ def _bitten(mutation: Mutation, csrc: Path, t: torch.Tensor, store, seed: int) -
     """Compress and decompress ``t`` on the kernels of ``csrc``: what the emulator reported, or ``None``
     (then the bytes must be the reference's)."""
     e, slot = 512, 4
+    compress = functools.partial(buddy.compress, codec=mutation.codec, entry_bytes=e, store=store)
     codecs = "all" if csrc == CSRC else mutation.codec  # a mutated copy builds only the kernels it runs
-    with emulated_cuda(mutation.build, seed=seed, schedules=3, max_blocks=mutation.max_blocks, csrc=csrc, codecs=codecs):
+    options = dict(seed=seed, schedules=3, max_blocks=mutation.max_blocks, csrc=csrc, codecs=codecs)
+    with emulated_cuda(mutation.build, **options):
         try:
-            a = buddy.compress(t, spec.ratio_for_slot(slot, e), mutation.codec, entry_bytes=e, backend="cuda", store=store)
+            a = compress(t, spec.ratio_for_slot(slot, e), backend="cuda")
             out = a.decompress(check=True)
         except EmulatorError as error:
             return error
-    b = buddy.compress(t, spec.ratio_for_slot(slot, e), mutation.codec, entry_bytes=e, backend="reference", store=store)
+    b = compress(t, spec.ratio_for_slot(slot, e), backend="reference")
     _same_buffers(a, b)
     assert_bitexact(out, t)
     a.free()
@@ -512,6 +538,7 @@ def test_the_emulator_reports_a_broken_kernel(mutation, activations, store, requ
     error = _bitten(mutation, _TREES[mutation.id], t, store, _seed(request))
     assert error is not None, f"{mutation.id}: not reported"
     assert error.what == mutation.catch, f"{mutation.id}: reported as {error.what}, not {mutation.catch}\n{error}"
+    assert mutation.says in error.report, error
     if mutation.catch == "race":
         stacks = error.race_stacks()
 

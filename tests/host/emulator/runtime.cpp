@@ -59,6 +59,8 @@
 #endif
 
 #include <algorithm>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -326,7 +328,7 @@ std::string where(const Fiber* f) {
   char buf[4096] = {0};
   __sanitizer_symbolize_pc((char*)f->pc - 1, "%F %S", buf, sizeof buf);
   for (const char* frame = buf; *frame && frame < buf + sizeof buf; frame += strlen(frame) + 1)
-    out += std::string("\n      ") + frame;
+    if (!strstr(frame, "cuda_shim.h")) out += std::string("\n      ") + frame;  // the kernels' frames
 #endif
   return out;
 }
@@ -496,14 +498,9 @@ Spec parse_arg(const char* text) {
 }
 
 std::vector<uint8_t> read_all(const char* path) {
-  FILE* f = fopen(path, "rb");
-  if (!f) fail(2, "%s: %s", path, strerror(errno));
-  std::vector<uint8_t> data;
-  uint8_t buf[1 << 16];
-  size_t got;
-  while ((got = fread(buf, 1, sizeof buf, f)) > 0) data.insert(data.end(), buf, buf + got);
-  fclose(f);
-  return data;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(2, "cannot read %s", path);
+  return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 unsigned long long number(const char* text, const char* what) {
