@@ -29,6 +29,7 @@ compiles each (build, entry size) once and a later session not at all.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -136,6 +137,7 @@ def _tree(folder: Path) -> list[tuple[str, bytes]]:
     return [(p.name, p.read_bytes()) for p in sorted(folder.iterdir()) if p.suffix in (".h", ".cu", ".cpp")]
 
 
+@functools.cache
 def _compiler() -> str:
     if shutil.which("g++") is None:
         raise FileNotFoundError("the emulator needs g++ (C++17, with -fsanitize=thread and address)")
@@ -160,7 +162,7 @@ def _compile(cmd: list[str], out: Path) -> Path:
 def _runtime(kind: str) -> Path:
     """runtime.cpp compiled for ``kind`` (it does not depend on the kernels: one object for every build)."""
     cmd = ["g++", "-std=c++17", *_FLAGS, *_RUNTIME[kind], f"-I{SOURCES}", "-c", str(SOURCES / "runtime.cpp")]
-    out = cache_dir() / f"runtime-{kind}-{_digest(_tree(SOURCES), cmd, _compiler())}.o"
+    out = cache_dir() / f"runtime-{kind}-{_digest(_tree(SOURCES), _FLAGS, _RUNTIME[kind], _compiler())}.o"
     return out if out.exists() else _compile(cmd, out)
 
 
@@ -174,7 +176,8 @@ def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all")
         raise ValueError(f"kind must be one of {BUILDS}, got {kind!r}")
     options = list(bcuda.compile_options(entry_bytes, codec))
     kernels = ["g++", *options, *_FLAGS, *_SANITIZE[kind], f"-I{csrc}", f"-I{SOURCES}", "-c"]
-    key = _digest(_tree(Path(csrc)), _tree(SOURCES), kernels, _RUNTIME[kind], _compiler())
+    # the sources' text, not their folder: a copy elsewhere (a mutation test's, another session's) is the same build
+    key = _digest(_tree(Path(csrc)), _tree(SOURCES), options, _FLAGS, _SANITIZE[kind], _RUNTIME[kind], _compiler())
     exe = cache_dir() / f"emulator-{kind}-E{entry_bytes}-{codec}-{key}"
     if exe.exists():
         return exe
@@ -190,6 +193,8 @@ def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all")
 # ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Param:
+    """A kernel parameter: its C type (``const`` left out), name, and whether it points to const."""
+
     ctype: str  # "uint8_t*", "long long", ...
     name: str
     const: bool
@@ -206,30 +211,25 @@ def kernel_parameters(csrc: Path = CSRC) -> dict[str, list[Param]]:
     return _parameters(_digest(_tree(Path(csrc))), str(csrc))
 
 
-_PARAMETERS: dict[str, dict[str, list[Param]]] = {}
-
-
+@functools.cache
 def _parameters(key: str, csrc: str) -> dict[str, list[Param]]:
-    if key not in _PARAMETERS:
-        expanded = subprocess.run(
-            ["g++", "-E", "-P", "-x", "c++", *bcuda.compile_options(128, "all"), f"-I{csrc}", "-"],
-            input='#include "buddy_kernels.cu"\n',
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        sigs = {}
-        for name, params in re.findall(r'extern "C" __global__ void (\w+)\((.*?)\)\s*\{', expanded, re.S):
-            out = []
-            for param in re.sub(r"/\*.*?\*/", "", params).split(","):
-                words = param.replace("__restrict__", "").replace("*", " * ").split()
-                const = "const" in words
-                words = [w for w in words if w != "const"]
-                ctype = " ".join(words[:-1]).replace(" *", "*")
-                out.append(Param(ctype, words[-1], const))
-            sigs[name] = out
-        _PARAMETERS[key] = sigs
-    return _PARAMETERS[key]
+    """:func:`kernel_parameters` of the sources in ``csrc`` whose text hashes to ``key``."""
+    expanded = subprocess.run(
+        ["g++", "-E", "-P", "-x", "c++", *bcuda.compile_options(128, "all"), f"-I{csrc}", "-"],
+        input='#include "buddy_kernels.cu"\n',
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    sigs = {}
+    for name, params in re.findall(r'extern "C" __global__ void (\w+)\((.*?)\)\s*\{', expanded, re.S):
+        out = []
+        for param in re.sub(r"/\*.*?\*/", "", params).split(","):
+            words = param.replace("__restrict__", "").replace("*", " * ").split()
+            ctype = " ".join(w for w in words[:-1] if w != "const").replace(" *", "*")
+            out.append(Param(ctype, words[-1], "const" in words))
+        sigs[name] = out
+    return sigs
 
 
 def role(param: Param) -> str:
