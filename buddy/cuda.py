@@ -4,10 +4,22 @@
 kernels only when asked (``buddy.compress(t, backend="cuda")``, or
 ``buddy.set_defaults(backend="cuda")``); see :mod:`buddy.dispatch`, where
 :class:`CudaEngine` is registered as the ``"cuda"`` implementation of
-``zvc``, ``fpx``, ``bpc``, ``auto``, ``fpe`` and ``auto2``. The per-entry device code
-(``csrc/codec_*.h`` inside the format rules of ``csrc/buddy_entry.h`` and the
-operations of ``csrc/buddy_ops.h``) is tested byte for byte against the torch
-reference on the host, under an emulated warp.
+``zvc``, ``fpx``, ``bpc``, ``auto``, ``fpe`` and ``auto2``. What runs where
+without a GPU:
+
+* the kernels themselves -- ``csrc/buddy_kernels.cu`` and its headers,
+  unchanged, compiled for the host with the defines of :func:`compile_options`
+  -- run under a block emulator (``tests/emulator.py``, ``docs/emulator.md``):
+  every thread of a block a fiber in seeded random orders, built with
+  ThreadSanitizer (races between barriers) and with AddressSanitizer and
+  UBSan (misaligned loads, bytes past a buffer). Its launches come from this
+  module's own :class:`Kernels` and :class:`CudaEngine` (their ``launch=``),
+  and the tests compare every buffer with the torch reference;
+* the per-entry device code (``csrc/codec_*.h`` inside the format rules of
+  ``csrc/buddy_entry.h`` and the operations of ``csrc/buddy_ops.h``) also runs
+  under an emulated warp in a harness of its own (``tests/host/codec_host.cpp``);
+* NVRTC, the compiler this module uses through CuPy, compiles every codec at
+  every entry size (``tests/test_nvrtc.py``, with the ``nvidia-cuda-nvrtc`` wheel).
 
 One kernel per format operation over the whole tensor, the codec a template
 parameter (``csrc/buddy_kernels.cu``): ``measure`` (metadata + size

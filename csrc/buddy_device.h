@@ -124,6 +124,18 @@ BUDDY_HD T buddy_max(T a, T b) {
   return a < b ? b : a;
 }
 
+// The block's dynamic shared memory: the launch's shared_mem bytes, 8-byte
+// aligned (pack and unpack stage one entry per warp in it). A function rather
+// than an `extern __shared__` array at each use, so that the block emulator
+// (tests/host/emulator, which defines BUDDY_EMULATOR and compiles the kernels
+// for the host) can give every emulated block a buffer of exactly that size.
+#if defined(__CUDACC__) && !defined(BUDDY_EMULATOR)
+__device__ __forceinline__ uint8_t* buddy_dynamic_shared() {
+  extern __shared__ uint64_t buddy_shared[];
+  return reinterpret_cast<uint8_t*>(buddy_shared);
+}
+#endif
+
 // *p |= v, atomically on the device (lanes of a warp may share a stream word);
 // the host emulation runs one lane at a time, so a plain OR is atomic there.
 BUDDY_HD void buddy_atomic_or(uint32_t* p, uint32_t v) {

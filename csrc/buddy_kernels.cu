@@ -22,6 +22,12 @@
 // work is buddy_ops.h's; here are only the loops, the staging buffers and
 // the histogram.
 //
+// Tested without a GPU: the block emulator (tests/host/emulator,
+// docs/emulator.md) compiles this file unchanged for the host, every thread a
+// fiber, with ThreadSanitizer and with ASan + UBSan. Device code here reaches
+// shared memory through `__shared__` arrays and buddy_dynamic_shared() (not an
+// `extern __shared__` of its own), which the emulator's shim provides.
+//
 // Codec tables (format version 2): every kernel takes a `table` pointer, the
 // device table of a codec that codes with one (fpe and auto2: a
 // BuddyFpeTable, csrc/codec_fpe.h, built by buddy.cuda.device_table) and
@@ -50,8 +56,7 @@ __device__ __forceinline__ long long buddy_warp_stride() {
 
 // This warp's staging buffer: E bytes of the block's dynamic shared memory.
 __device__ __forceinline__ uint8_t* buddy_staging() {
-  extern __shared__ uint64_t buddy_shared[];
-  return reinterpret_cast<uint8_t*>(buddy_shared) + (threadIdx.x / BUDDY_WARP_SIZE) * BUDDY_ENTRY_BYTES;
+  return buddy_dynamic_shared() + (threadIdx.x / BUDDY_WARP_SIZE) * BUDDY_ENTRY_BYTES;
 }
 
 template <class Codec>

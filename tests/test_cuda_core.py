@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_roundtrip, ids, make_data
+from emulator import kernel_parameters
 from test_device_codecs import device_fit, run_tensor, tensor_ends, tensor_measure, tensor_pack, tensor_unpack
 
 import buddy
@@ -262,23 +263,8 @@ _C_TYPES = {"uint8_t*": torch.uint8, "int*": torch.int32, "long long*": torch.in
 
 
 def _kernel_signatures() -> dict[str, list[str]]:
-    """Parameter types of each extern "C" kernel, from the translation unit with its macros expanded."""
-    expanded = subprocess.run(
-        ["g++", "-E", "-P", "-x", "c++", "-std=c++17", *_defines(128), "-DBUDDY_CODEC_ALL=1", "-"],
-        input=bcuda.translation_unit(),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    sigs = {}
-    for name, params in re.findall(r'extern "C" __global__ void (\w+)\((.*?)\)\s*\{', expanded, re.S):
-        types = []
-        for param in re.sub(r"/\*.*?\*/", "", params).split(","):
-            decl = param.replace("__restrict__", "").replace("const", "")
-            decl = " ".join(decl.split()).replace(" *", "*")
-            types.append(decl.rsplit(" ", 1)[0])
-        sigs[name] = types
-    return sigs
+    """Parameter types of each extern "C" kernel, from the sources with their macros expanded."""
+    return {name: [p.ctype for p in params] for name, params in kernel_parameters().items()}
 
 
 def _check_launch(sigs, name: str, args: tuple) -> None:

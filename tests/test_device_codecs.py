@@ -9,6 +9,17 @@ sectors), and flag damaged metadata or payloads exactly where the reference
 raises. Buffers are guarded: a read or write past an entry, or past a
 payload's ``k`` sectors, crashes the harness.
 
+What this harness is not: the kernels. It compiles the device functions
+without ``__CUDA_ARCH__`` (their host branches: loads through ``memcpy``,
+plain adds for atomics), loops over a tensor's entries itself where the
+kernels have their block-level code (the shared-memory histogram, the count
+kernel, the grid-stride loops, the staging buffers), and switches lanes at
+every collective, so a shuffle acts as a memory barrier. The kernels of
+``csrc/buddy_kernels.cu`` themselves, with their device branches, run under
+the block emulator in tests/test_emulator.py (races, misaligned and
+out-of-bounds accesses reported; docs/emulator.md); this harness remains the
+quick, thorough check of the codecs' per-entry logic at every size.
+
 The codecs with a table (fpe, auto2) code with the table fitted to the test
 data (``get_codec(name).fit``), and fpe also with its default table; the
 harness gets the table as the kernels do (buddy.cuda.device_table).

@@ -29,13 +29,18 @@ _INDEX = {name: json.loads((GOLDEN / f"{name}.json").read_text()) for name in SE
 CASES = [dict(case, set=name, version=_INDEX[name]["format_version"]) for name in SETS for case in _INDEX[name]["cases"]]
 
 
-@pytest.fixture(scope="module")
-def vectors():
+def load_vectors() -> dict[str, torch.Tensor]:
+    """Every set's arrays, by ``<set>/<name in the set>``."""
     out = {}
     for name in SETS:
         with np.load(GOLDEN / f"{name}.npz") as data:
             out.update({f"{name}/{k}": torch.from_numpy(data[k].copy()) for k in data.files})
     return out
+
+
+@pytest.fixture(scope="module")
+def vectors():
+    return load_vectors()
 
 
 def _case_id(case: dict) -> str:
