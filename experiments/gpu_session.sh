@@ -59,9 +59,10 @@ for dtype in (torch.bfloat16, torch.float64, torch.uint8):
     r = buddy.measure(y, "auto2", backend="reference")
     print(f"auto2 {dtype}: table equal {torch.equal(m.table, r.table)}, histogram equal {m.histogram == r.histogram}, "
           f"reads {m.engine.readbacks}")
-# every golden vector decoded by the kernels: fpe/auto2 tables of format 1 (format_v2) and 2 (format_v2_table2)
+# every golden vector decoded by the kernels: fpe/auto2 tables of format 1 (format_v2), 2 (format_v2_table2) and
+# 3 (format_v3: the split layout, every lane)
 import json, numpy
-for name in ("format_v1", "format_v2", "format_v2_table2"):
+for name in ("format_v1", "format_v2", "format_v2_table2", "format_v3"):
     cases = json.load(open(f"tests/golden/{name}.json"))["cases"]
     vectors = numpy.load(f"tests/golden/{name}.npz")
     get = lambda k: torch.from_numpy(vectors[k].copy()).cuda()
