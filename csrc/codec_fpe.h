@@ -47,16 +47,16 @@
 //   decode   split layout: every lane. The code section is cut into 32
 //            spans of equal bits -- its length C estimated from k and the
 //            table (span_model; nothing is stored, so the layout costs no
-//            bit). Lane l decodes from its span's first bit every code that
-//            starts inside the span, a step taking every code that lies in
-//            the next 12 bits (multi rows: a run of 1-bit ZERO codes is one
-//            step), and records which of its first 32 bits start a code.
-//            A prefix code resynchronizes, so a lane decoding from inside a
-//            code soon lands on a true boundary: a lane whose start is not
-//            the true end of the lane before decodes again from that end
-//            until it meets a start it recorded (a few steps), rounds of
-//            this until no lane moves (one round on nearly every entry; 31
-//            at most). A warp scan of the lanes' code counts gives each its
+//            bit). A prefix code resynchronizes: decoded from inside a code,
+//            it soon lands on a true boundary. So lane l decodes from 64
+//            bits before its span (warm_up) to the first code start in it,
+//            then every code that starts inside the span, a step taking
+//            every code that lies in the next 12 bits (multi rows: a run of
+//            1-bit ZERO codes is one step), and records which of its first
+//            32 bits start a code. A lane whose start is not the true end of
+//            the lane before (rare after the warm-up) decodes again from
+//            that end until it meets a start it recorded, rounds of this
+//            until no lane moves (31 at most). A warp scan of the lanes' code counts gives each its
 //            words' indices, one of their tail counts its tails' places;
 //            each lane then walks its span again, writing its words with
 //            tails (ZERO words are the zeroed output's). When the estimate
@@ -114,7 +114,7 @@ struct BuddyFpeSpan {
   uint32_t start;   // where the lane decoded from
   uint32_t end;     // the first code start at or past the limit; `never`: it stopped at a code the table lacks
   uint32_t counts;  // codes found | those of them with tails (not ZERO) << 16 (a span has < 2^16 bits)
-  uint32_t marks;   // bit i: a code starts at start + i; bit 16 + i: ... and has a tail (i < 16: `window`)
+  uint32_t marks;   // bit i: a code starts at start + i (i < 32: `window`)
 };
 
 template <int WB>
@@ -134,8 +134,9 @@ struct BuddyFpe {
   static constexpr uint32_t rounds = (units + BUDDY_WARP_SIZE - 1u) / BUDDY_WARP_SIZE;
   // The split layout's decoder: no span shorter than this many bits; resynchronizing rounds at most.
   static constexpr uint32_t min_span = 64u;
-  static constexpr uint32_t window = 16u;     // bits of a span whose code starts a lane records
+  static constexpr uint32_t window = 32u;     // bits of a span whose code starts a lane records
   static constexpr uint32_t overshoot = 32u;  // the first pass covers the estimated C and 1/32 more
+  static constexpr uint32_t warmup = 64u;     // a lane decodes this many bits before its span to fall in step
 
   // The table is on the device; b is read once per warp (a host-built table has it checked: buddy.cuda), what
   // follows from it is computed where it is used (the object lives in registers across a kernel's loop).
@@ -345,9 +346,30 @@ struct BuddyFpe {
         step = len + (sym == (1u << sym_bits) + 1u ? sym_bits : 0u);  // ESC: its symbol follows
       }
       const uint32_t off = pos - sp.start;
-      if (off < window) sp.marks |= ((starts << off) & 0xFFFFu) | (tails << off) << 16;
+      if (off < window) sp.marks |= starts << off;
       sp.counts += buddy_popc(starts) | buddy_popc(tails) << 16;
       pos += step;
+    }
+    return pos;
+  }
+
+  // Where a lane whose span starts at `guess` starts: the first code start at or past it of a decode from
+  // `warmup` bits before it (not before `base`, the pass's true start) -- a prefix code falls in step within a
+  // few codes, so this is nearly always the true end of the lane before, and the lane need not decode again.
+  // `guess` itself if that decode meets a code the table lacks.
+  BUDDY_HD uint32_t warm_up(const uint8_t* payload, uint32_t n64, uint32_t guess, uint32_t base) const {
+    uint32_t pos = guess - base > warmup ? guess - warmup : base;
+    while (pos < guess) {
+      const uint64_t bits = buddy_peek(payload, n64, pos);
+      const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+      if (row) {
+        const uint32_t ahead = guess - pos < (row >> 24) ? (row & 0xFFFu) & ~((1u << (guess - pos)) - 1u) : 0u;
+        pos += ahead ? buddy_ctz(ahead) : row >> 24;  // the first start at or past the guess, if in this step
+      } else {
+        const uint32_t one = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+        if ((one >> 16) == 0) return guess;
+        pos += (one >> 16) + ((one & 0xFFFFu) == esc_sym() ? sym_bits : 0u);
+      }
     }
     return pos;
   }
@@ -358,17 +380,38 @@ struct BuddyFpe {
     const BuddyFpeSpan old = sp;
     sp.start = from;
     sp.counts = sp.marks = 0;
-    const uint32_t pos = walk(payload, n64, sp, from, limit, old.start, old.marks & 0xFFFFu);
+    const uint32_t pos = walk(payload, n64, sp, from, limit, old.start, old.marks);
     const uint32_t d = pos - old.start;
     if (pos >= limit || d >= window || !((old.marks >> d) & 1u)) {  // (never >= limit: a code the table lacks)
       sp.end = pos;
       return;
     }
-    const uint32_t before = (1u << d) - 1u;  // old starts (and tails) before the meeting point
-    sp.counts += old.counts - (buddy_popc(old.marks & before) | buddy_popc((old.marks >> 16) & before) << 16);
+    // the old codes before the meeting point are not the lane's: their count, and their tails counted again
+    const uint32_t before = buddy_popc(old.marks & ((1u << d) - 1u));  // d < 32
+    sp.counts += old.counts - (before | tails_between(payload, n64, old.start, pos) << 16);
     const uint32_t off = pos - from;
-    if (off < window) sp.marks |= (((old.marks & 0xFFFFu) >> d) << off & 0xFFFFu) | ((old.marks >> 16 >> d) << off) << 16;
+    if (off < window) sp.marks |= (old.marks >> d) << off;
     sp.end = old.end;
+  }
+
+  // Codes with tails among those from p to `stop`, both code starts of one decode (a few codes: p and stop
+  // are less than `window` bits apart).
+  BUDDY_HD uint32_t tails_between(const uint8_t* payload, uint32_t n64, uint32_t p, uint32_t stop) const {
+    uint32_t tails = 0;
+    while (p < stop) {
+      const uint64_t bits = buddy_peek(payload, n64, p);
+      const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+      if (row) {
+        const uint32_t step = buddy_min(row >> 24, stop - p);  // the codes that start before `stop` end there
+        tails += buddy_popc((row >> 12) & ((1u << step) - 1u));
+        p += step;
+      } else {
+        const uint32_t one = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)], sym = one & 0xFFFFu;
+        tails += sym != zero_sym();
+        p += (one >> 16) + (sym == esc_sym() ? sym_bits : 0u);
+      }
+    }
+    return tails;
   }
 
   // Writes the words of the first `count` codes from pos: word index `first` on, the tails from the entry's
@@ -438,6 +481,7 @@ struct BuddyFpe {
       const uint32_t span = buddy_min(0x7FFFu, buddy_max(min_span, (want + BUDDY_WARP_SIZE - 1u) / BUDDY_WARP_SIZE));
       const uint32_t limit = buddy_min(base + (lane + 1u) * span, end);
       BuddyFpeSpan sp = {buddy_min(base + lane * span, end), 0, 0, 0};
+      if (lane) sp.start = warm_up(payload, n64, sp.start, base);
       sp.end = walk(payload, n64, sp, sp.start, limit, never, 0u);
       // a lane whose start is not the true end of the lane before decodes again from there, until none does
       for (uint32_t round = 0; round < BUDDY_WARP_SIZE; ++round) {

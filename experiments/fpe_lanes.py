@@ -51,7 +51,9 @@ LANES = 32
 #: the first pass's spans cover the estimate of the code section and 1/OVERSHOOT more (csrc/codec_fpe.h)
 OVERSHOOT = 32
 #: bits at the start of a lane's span whose code starts it records (csrc/codec_fpe.h: `window`)
-WINDOW = 16
+WINDOW = 32
+#: bits a lane decodes before its span to fall in step (csrc/codec_fpe.h: `warmup`)
+WARMUP = 64
 #: no span is shorter (bits), and none longer (a lane's counts fit 16 bits)
 MIN_SPAN, MAX_SPAN = 64, 0x7FFF
 
@@ -88,7 +90,8 @@ class _Lane:
     def __init__(self, step, zero, multi, start: int, limit: int, use_multi: bool = True):
         self.step, self.zero, self.multi, self.limit, self.use_multi = step, zero, multi, limit, use_multi
         self.start, self.n, self.tails, self.starts, self.tail_starts = start, 0, 0, 0, 0
-        self.steps = 0  # codes stepped over in the latest round
+        self.steps = 0  # steps taken in the latest round
+        self.singles = 0  # of them, steps over one code alone (ESC with its symbol)
         self.end, self.invalid = self._walk(start, lambda pos: False)
 
     def _walk(self, pos: int, merged) -> tuple[int, bool]:
@@ -112,6 +115,7 @@ class _Lane:
                 s = int(self.step[pos])
                 if s == 0:
                     return pos, True
+                self.singles += 1
                 starts, tails, count, tail_count = 1, int(not self.zero[pos]), 1, int(not self.zero[pos])
             off = pos - self.start
             if off < WINDOW:
@@ -164,15 +168,26 @@ def simulate_entry(payload_row: np.ndarray, k: int, n_words: int, table: fpe.Tab
     step, zero, multi = _steps(bits, table)
     step, zero, multi = step.tolist(), zero.tolist(), multi.tolist()
     estimate = fpe.code_section_estimate(k, n_words, table.tail_bits, table.span_model)
-    base, done, passes, rounds, find, emit, emit_steps, emit_tails = 0, 0, 0, 0, 0, 0, 0, 0
+    base, done, passes, rounds, find, emit, emit_steps, emit_tails, resync = 0, 0, 0, 0, 0, 0, 0, 0, 0
+    steps = singles = warm_steps = 0
     remaining_bits = estimate + (estimate // overshoot if overshoot else 0)
     while done < n_words:
         passes += 1
         span = min(MAX_SPAN, max(MIN_SPAN, -(-remaining_bits // LANES)))
         limits = [min(base + (lane + 1) * span, end) for lane in range(LANES)]
-        lanes = [
-            _Lane(step, zero, multi, min(base + lane * span, end), limits[lane], use_multi) for lane in range(LANES)
-        ]
+        starts = [min(base + lane * span, end) for lane in range(LANES)]
+        warm = [0] * LANES
+        for lane in range(1, LANES):  # a decode from WARMUP bits before the span: its first start in the span
+            pos = max(base, starts[lane] - WARMUP)
+            while pos < starts[lane] and step[pos]:
+                pos += int(step[pos])
+                warm[lane] += 1
+            starts[lane] = pos if step[pos] or pos >= starts[lane] else starts[lane]
+        lanes = [_Lane(step, zero, multi, starts[lane], limits[lane], use_multi) for lane in range(LANES)]
+        find += max(warm)
+        warm_steps += max(warm)
+        steps += sum(lane.steps for lane in lanes)
+        singles += sum(lane.singles for lane in lanes)
         find += max(lane.steps for lane in lanes)
         while True:  # a lane whose start is not the true end of the lane before decodes again from it
             ends = [base] + [lane.end for lane in lanes[:-1]]
@@ -184,6 +199,7 @@ def simulate_entry(payload_row: np.ndarray, k: int, n_words: int, table: fpe.Tab
             for i in redo:  # in lockstep, from the ends the lanes before had at the start of the round
                 lanes[i].resync(ends[i])
             find += max(lanes[i].steps for i in redo)
+            resync += max(lanes[i].steps for i in redo)
         work = []
         for i, lane in enumerate(lanes):
             if done >= n_words:
@@ -200,7 +216,8 @@ def simulate_entry(payload_row: np.ndarray, k: int, n_words: int, table: fpe.Tab
             base = lanes[-1].end
             remaining_bits = max(1, (n_words - done) * base // max(1, done))
     return {"passes": passes, "rounds": rounds, "find": find, "emit": emit, "emit_steps": emit_steps,
-            "emit_tails": emit_tails, "estimate": estimate}
+            "emit_tails": emit_tails, "estimate": estimate, "single": singles / max(1, steps),
+            "resync": resync, "warm": warm_steps}
 
 
 def layout_bits(analysis, entry_bytes: int) -> dict[str, torch.Tensor]:

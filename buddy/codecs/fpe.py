@@ -98,7 +98,7 @@ words' places, and one of their tail counts its tails' places. Measured on
 the capture workloads (``python -m experiments.fpe_lanes``): see
 docs/format-v3.md for the rounds and the work per lane, and for the
 layouts weighed against this one (per-lane offsets stored in the entry,
-interleaved sub-streams), which cost 0.5-2 % of ratio.
+interleaved sub-streams), which cost 0.6-2.8 % of ideal ratio.
 
 The torch reference below decodes every entry at once, serially within an
 entry: one table lookup per code walks the code section (a word's length
@@ -561,20 +561,30 @@ def _decode_block(payload: torch.Tensor, sectors: torch.Tensor, word_bytes: int,
     words = torch.where(has_tail, sym << t | tail, 0)
     if bool(bad.any()):
         raise CorruptDataError("fpe: a code the table does not have, or an escape of a symbol it has")
-    codes = pos.squeeze(1)  # where the walk ended: the code section's end (split) or the stream's
-    tails = has_tail.sum(1) * t if table.split else torch.zeros_like(codes)
-    if bool((bits_to_sectors(codes + tails) != sectors).any()):
-        raise CorruptDataError("fpe: stream length does not match the entry sizes in the metadata")
-    if table.split:
-        # nothing set between the sections (the tails start at 256 k - tails) or after the payload's k sectors
-        end = sectors.to(torch.int64) * 256
-        if bool(bits_between(windows, codes, end - tails).any()):
-            raise CorruptDataError("fpe: bits set between the codes and the tails")
-        if bool(bits_after(windows, end).any()):
-            raise CorruptDataError("fpe: bits set after the end of the bit stream")
-    elif bool(bits_after(windows, codes).any()):
-        raise CorruptDataError("fpe: bits set after the end of the bit stream")
+    # where the walk ended: the code section's end (split) or the stream's
+    _check_lengths(windows, sectors, pos.squeeze(1), has_tail.sum(1) * t if table.split else None)
     return words
+
+
+def _check_lengths(windows: torch.Tensor, sectors: torch.Tensor, codes: torch.Tensor, tails) -> None:
+    """Raise :class:`CorruptDataError` unless the streams fill exactly their k sectors and nothing else is set.
+
+    ``codes``: per entry, where the walk ended; ``tails``: the bits of its tails (the split layout), or
+    ``None`` (the serial layout: the walk ended at the stream's end).
+    """
+    total = codes if tails is None else codes + tails
+    if bool((bits_to_sectors(total) != sectors).any()):
+        raise CorruptDataError("fpe: stream length does not match the entry sizes in the metadata")
+    if tails is None:
+        if bool(bits_after(windows, codes).any()):
+            raise CorruptDataError("fpe: bits set after the end of the bit stream")
+        return
+    # nothing set between the sections (the tails start at 256 k - tails) or after the payload's k sectors
+    end = sectors.to(torch.int64) * 256
+    if bool(bits_between(windows, codes, end - tails).any()):
+        raise CorruptDataError("fpe: bits set between the codes and the tails")
+    if bool(bits_after(windows, end).any()):
+        raise CorruptDataError("fpe: bits set after the end of the bit stream")
 
 
 def code_section_estimate(k: int, n_words: int, tail_bits: int, span_model: tuple[int, int]) -> int:
