@@ -126,13 +126,16 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
   }
 #endif
 
-// The unpack of the table codecs runs at most 8 warps a block and is held to 64 registers a thread (4 blocks of
-// 8 warps fill an SM's registers), 85 for 8-byte words (auto2's members need more there): their decoders fit
-// without spilling (nvcc --resource-usage; the kernel budget, docs/kernel_budget.md).
-#if defined(BUDDY_WORD_BYTES) && BUDDY_WORD_BYTES == 8
+// The unpack of the table codecs, at entries of 4 KiB and more, runs at most 8 warps a block and is held to 64
+// registers a thread (4 blocks of 8 warps fill an SM's registers), 85 for 8-byte words (auto2's members need
+// more there): their decoders fit without spilling (nvcc --resource-usage; the kernel budget,
+// docs/kernel_budget.md). Smaller entries unroll differently and are left to the compiler.
+#if BUDDY_ENTRY_BYTES >= 4096 && !(defined(BUDDY_WORD_BYTES) && BUDDY_WORD_BYTES == 8)
+#define BUDDY_UNPACK_BOUNDS_LIMITED __launch_bounds__(256, 4)
+#elif BUDDY_ENTRY_BYTES >= 4096
 #define BUDDY_UNPACK_BOUNDS_LIMITED __launch_bounds__(256, 3)
 #else
-#define BUDDY_UNPACK_BOUNDS_LIMITED __launch_bounds__(256, 4)
+#define BUDDY_UNPACK_BOUNDS_LIMITED
 #endif
 #define BUDDY_UNPACK_BOUNDS_FREE
 
