@@ -156,29 +156,35 @@ def translation_unit(name: str = _SOURCE) -> str:
     return f"// buddy: {name}, local includes inlined\n{expand(name)}"
 
 
-def compile_options(entry_bytes: int, codec: str = "all") -> tuple[str, ...]:
-    """NVRTC options: C++17, the format constants of this entry size, and which codec's kernels to build."""
+def compile_options(entry_bytes: int, codec: str = "all", word_bytes: int | None = None) -> tuple[str, ...]:
+    """NVRTC options: C++17, the format constants of this entry size, which codec's kernels to build and, when
+    given, the one word size they are built for (csrc/buddy_kernels.cu: a kernel of one word size needs fewer
+    registers than one of all four)."""
     defines = spec.c_defines(spec.check_entry_bytes(entry_bytes))
-    return ("-std=c++17", *(f"-D{k}={v}" for k, v in defines.items()), f"-DBUDDY_CODEC_{codec.upper()}=1")
+    words = () if word_bytes is None else (f"-DBUDDY_WORD_BYTES={int(word_bytes)}",)
+    return ("-std=c++17", *(f"-D{k}={v}" for k, v in defines.items()), f"-DBUDDY_CODEC_{codec.upper()}=1", *words)
 
 
-def launch_config(op: str, entry_bytes: int, n_entries: int) -> tuple[int, int, int]:
+def launch_config(op: str, entry_bytes: int, n_entries: int, codec: str = "") -> tuple[int, int, int]:
     """``(blocks, threads per block, dynamic shared bytes)`` of a launch of ``op`` over ``n_entries``.
 
     One warp per entry; pack and unpack give each warp ``E`` bytes of shared
     memory to stage a payload in (at most :data:`STAGING_BYTES` a block, at
-    least one warp); measure stages nothing and runs 8 warps a block. A table
-    codec's ``count`` runs a thread per 8 bytes (``n_entries``: the 8-byte
-    units), 256 a block; its ``fit`` is one warp.
+    least one warp), and the unpack of a table codec (``codec`` in
+    :data:`TABLED_KERNELS`, whose lanes decode into shared memory) ``2 E``;
+    measure stages nothing and runs 8 warps a block. A table codec's
+    ``count`` runs a thread per 8 bytes (``n_entries``: the 8-byte units),
+    256 a block; its ``fit`` is one warp.
     """
     if op == "fit":
         return 1, _WARP, 0
     if op == "count":
         return max(1, min(MAX_BLOCKS, -(-n_entries // 256))), 256, 0
     staged = op != "measure"
-    warps = max(1, min(8, STAGING_BYTES // entry_bytes)) if staged else 8
+    per_warp = entry_bytes * (2 if op == "unpack" and codec in TABLED_KERNELS else 1)
+    warps = max(1, min(8, STAGING_BYTES // per_warp)) if staged else 8
     blocks = max(1, min(MAX_BLOCKS, -(-n_entries // warps)))
-    return blocks, warps * _WARP, warps * entry_bytes if staged else 0
+    return blocks, warps * _WARP, warps * per_warp if staged else 0
 
 
 # ---------------------------------------------------------------------------
@@ -209,13 +215,14 @@ def _module(source: str, options: tuple[str, ...], device: torch.device):
     return module
 
 
-def _kernel(codec: str, op: str, entry_bytes: int, device: torch.device, shared_bytes: int):
-    """Kernel ``buddy_<codec>_<op>`` for this entry size, compiled for ``device`` (and allowed its shared memory)."""
-    key = (codec, op, entry_bytes, device.index)
+def _kernel(codec: str, op: str, entry_bytes: int, device: torch.device, shared_bytes: int, word_bytes: int):
+    """Kernel ``buddy_<codec>_<op>`` for this entry and word size, compiled for ``device`` (and allowed its shared
+    memory): a module per codec, entry size and word size."""
+    key = (codec, op, entry_bytes, device.index, word_bytes)
     kernel = _kernels.get(key)
     if kernel is None:
         cupy = _cupy()
-        module = _module(translation_unit(_SOURCE), compile_options(entry_bytes, codec), device)
+        module = _module(translation_unit(_SOURCE), compile_options(entry_bytes, codec, word_bytes), device)
         with cupy.cuda.Device(device.index):
             kernel = module.get_function(f"buddy_{codec}_{op}")  # compiles (NVRTC) on first use
             if shared_bytes > 48 << 10:  # beyond the default a block may ask for: opt in
@@ -247,8 +254,8 @@ def _launch(codec: str, op: str, entry_bytes: int, device: torch.device, n_entri
     import numpy
 
     cupy = _cupy()
-    blocks, threads, shared = launch_config(op, entry_bytes, n_entries)
-    kernel = _kernel(codec, op, entry_bytes, device, shared)
+    blocks, threads, shared = launch_config(op, entry_bytes, n_entries, codec)
+    kernel = _kernel(codec, op, entry_bytes, device, shared, int(args[-1]))  # every kernel's last argument: the word size
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
     # pointers and sizes as fixed-width scalars: exactly the kernel's parameter types
     c_args = tuple(numpy.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
@@ -307,10 +314,10 @@ def _i32(v: int):
 # ---------------------------------------------------------------------------
 #: codecs whose kernels code with a table (their ``table`` argument is a device table, not null)
 TABLED_KERNELS = frozenset({"fpe", "auto2"})
-#: bytes of a device table (``sizeof(BuddyFpeTable)``): a decode row per value of the next
-#: MAX_CODE_BITS stream bits (uint32), an encode entry per symbol of the widest symbols (uint16: 12 bits,
-#: ZERO and ESC), the bits of a word a symbol is (uint32)
-DEVICE_TABLE_BYTES = 4 * (1 << MAX_CODE_BITS) + 2 * n_symbols(8) + 4
+#: bytes of a device table (``sizeof(BuddyFpeTable)``): a decode row and a multi row per value of the next
+#: MAX_CODE_BITS stream bits (uint32 each), an encode entry per symbol of the widest symbols (uint16: 12 bits,
+#: ZERO and ESC), the bits of a word a symbol is, the layout and the span model (uint32 each)
+DEVICE_TABLE_BYTES = 8 * (1 << MAX_CODE_BITS) + 2 * n_symbols(8) + 12
 #: bytes of the serialized table a fit writes: the longest :meth:`Table.to_bytes` (``BUDDY_FPE_SERIAL_BYTES``)
 FIT_SERIAL_BYTES = 4 + 3 * (MAX_CODED + 2)
 #: scratch bytes of a fit (``sizeof(BuddyFpeFitWork)``, csrc/codec_fpe_fit.h)
@@ -323,9 +330,11 @@ def device_table(table: Table) -> torch.Tensor:
     """An fpe ``table`` laid out as the kernels read it: :data:`DEVICE_TABLE_BYTES` uint8 on the host.
 
     ``BuddyFpeTable`` (csrc/codec_fpe.h): ``dec[v]`` = symbol | code length << 16 for
-    the next 12 stream bits ``v``, then ``enc[symbol]`` = stream code | code length <<
-    12 (0: no code), both from :meth:`Table.lookups`, then the table's
-    :attr:`~Table.symbol_bits` (which its format says), little-endian. Pinned when CUDA
+    the next 12 stream bits ``v``, ``multi[v]`` (:attr:`Table.multi_rows`), then
+    ``enc[symbol]`` = stream code | code length << 12 (0: no code), from
+    :meth:`Table.lookups`, then the table's :attr:`~Table.symbol_bits`, whether its
+    payloads have the split layout (:attr:`~Table.split`; both from its format) and
+    its :attr:`~Table.span_model` (``zero | head << 8``), little-endian. Pinned when CUDA
     is present (its copy to the device is then asynchronous); kept for the last 64
     tables -- a tracker's learned table comes back step after step -- and never
     written again.
@@ -340,7 +349,10 @@ def device_table(table: Table) -> torch.Tensor:
     enc = [code | length << 12 for code, length in zip(enc_code, enc_len)]
     enc += [0] * (n_symbols(8) - len(enc))  # the layout has room for the widest words' symbols
     dec = [sym | length << 16 for sym, length in zip(dec_sym, dec_len)]
-    raw = struct.pack(f"<{len(dec)}I{len(enc)}HI", *dec, *enc, table.symbol_bits)
+    multi = table.multi_rows.tolist()
+    zero, head = table.span_model
+    tail = (table.symbol_bits, int(table.split), zero | head << 8)
+    raw = struct.pack(f"<{len(dec)}I{len(multi)}I{len(enc)}H3I", *dec, *multi, *enc, *tail)
     out = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     if torch.cuda.is_available():
         out = out.pin_memory()

@@ -52,6 +52,17 @@ buffers. Everything above is unchanged: tensors of the codecs without a
 table (``zvc``, ``fpx``, ``bpc``, ``auto``, ``raw``, nvcomp's) are version 1
 tensors, byte for byte, and decode as before.
 
+Format version 3: lane-parallel codes
+-------------------------------------
+Version 3 changes one codec layout: ``fpe`` (and ``auto2``'s ``fpe`` mode)
+with a table of format 3 puts an entry's codes first and its mantissa tails
+at the payload's end (the **split layout**, :mod:`buddy.codecs.fpe`), so a
+GPU warp decodes an entry with all 32 lanes. Its ``k`` is exactly version
+2's: the same bits, placed differently. Everything else is version 2's; a
+tensor whose ``fpe`` table is of format 1 or 2 is a version 2 tensor and
+decodes as before, and tensors of the codecs without a table are version 1
+tensors.
+
 Integrity (optional)
 --------------------
 With ``checksum=True`` a tensor also carries one 64-bit checksum per buffer,
@@ -95,8 +106,9 @@ __all__ = [
     "c_defines",
 ]
 
-#: the newest format version buddy reads and writes (a tensor is version 1 unless its codec carries a table)
-FORMAT_VERSION = 2
+#: the newest format version buddy reads and writes (a tensor is version 1 unless its codec carries a table;
+#: version 3 when that table is of the split layout)
+FORMAT_VERSION = 3
 SECTOR_BYTES = 32
 DEFAULT_ENTRY_BYTES = 4096
 MIN_ENTRY_BYTES = 32
