@@ -56,6 +56,7 @@ shape, contiguity, alignment of data pointers): a bad one raises
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import hashlib
 import importlib.resources
 import re
@@ -191,7 +192,7 @@ def launch_config(op: str, entry_bytes: int, n_entries: int, codec: str = "") ->
 # compilation, memoised per process
 # ---------------------------------------------------------------------------
 _modules: dict[tuple[str, tuple[str, ...], str], object] = {}
-_kernels: dict[tuple[str, str, int, int], object] = {}
+_kernels: dict[tuple[str, str, int, int, int], object] = {}
 _lock = threading.Lock()
 
 
@@ -232,8 +233,11 @@ def _kernel(codec: str, op: str, entry_bytes: int, device: torch.device, shared_
     return kernel
 
 
-def compile_module(codec: str, entry_bytes: int, device: torch.device | str) -> None:
-    """Compile the kernels of ``codec`` at ``entry_bytes`` for ``device`` now, not at their first launch.
+def compile_module(
+    codec: str, entry_bytes: int, device: torch.device | str, word_sizes: Sequence[int] = (1, 2, 4, 8)
+) -> None:
+    """Compile the kernels of ``codec`` at ``entry_bytes`` for ``device`` now, not at their first launch: a
+    module per word size in ``word_sizes`` (the tensors' element sizes: 1, 2, 4 or 8 bytes).
 
     What a launch would do first (NVRTC through CuPy, memoised in this
     process and kept in CuPy's on-disk cache for later ones); a GPU session
@@ -246,7 +250,10 @@ def compile_module(codec: str, entry_bytes: int, device: torch.device | str) -> 
         raise ValueError(f"the kernels compile for a CUDA device, got {device}")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    _kernel(codec, "measure", spec.check_entry_bytes(entry_bytes), device, 0)
+    for word_bytes in word_sizes:
+        if word_bytes not in (1, 2, 4, 8):
+            raise ValueError(f"word sizes are 1, 2, 4 or 8 bytes, got {word_bytes!r}")
+        _kernel(codec, "measure", spec.check_entry_bytes(entry_bytes), device, 0, word_bytes)
 
 
 def _launch(codec: str, op: str, entry_bytes: int, device: torch.device, n_entries: int, args: tuple) -> None:

@@ -325,7 +325,7 @@ def compress(
     measured = _measure(tensor, codec, entry_bytes, engine)
     slot = fixed if fixed is not None else slot_for_overflow(measured.histogram, max_overflow, measured.nbytes)
     bt = _pack(measured, slot, options)
-    bt.requested_ratio = None if target_ratio is None else float(target_ratio)
+    bt.requested_ratio = None if target_ratio is None else _as_float(target_ratio)
     return bt
 
 
@@ -416,3 +416,11 @@ def _check_stride(stride, shape: tuple[int, ...]) -> tuple[int, ...]:
     if not dense_strides(shape, stride):
         raise ValueError(f"stride {stride} is not a dense layout of shape {shape}")
     return stride
+
+
+def _as_float(ratio: float) -> float:
+    """``ratio`` as a float; an integer too large for one (``2**2000``, accepted as a ratio) is ``inf``."""
+    try:
+        return float(ratio)
+    except OverflowError:
+        return math.inf

@@ -134,7 +134,7 @@ class _Lane:
         old = (self.start, self.starts, self.tail_starts, self.n, self.tails, self.end, self.invalid)
 
         def merged(pos: int) -> bool:
-            return 0 <= pos - old[0] < WINDOW and (old[1] >> (pos - old[0])) & 1
+            return 0 <= pos - old[0] < WINDOW and bool((old[1] >> (pos - old[0])) & 1)
 
         self.start, self.n, self.tails, self.starts, self.tail_starts = true_start, 0, 0, 0, 0
         pos, invalid = self._walk(true_start, merged)
@@ -177,12 +177,12 @@ def simulate_entry(payload_row: np.ndarray, k: int, n_words: int, table: fpe.Tab
         limits = [min(base + (lane + 1) * span, end) for lane in range(LANES)]
         starts = [min(base + lane * span, end) for lane in range(LANES)]
         warm = [0] * LANES
-        for lane in range(1, LANES):  # a decode from WARMUP bits before the span: its first start in the span
-            pos = max(base, starts[lane] - WARMUP)
-            while pos < starts[lane] and step[pos]:
+        for j in range(1, LANES):  # a decode from WARMUP bits before the span: its first start in the span
+            pos = max(base, starts[j] - WARMUP)
+            while pos < starts[j] and step[pos]:
                 pos += int(step[pos])
-                warm[lane] += 1
-            starts[lane] = pos if step[pos] or pos >= starts[lane] else starts[lane]
+                warm[j] += 1
+            starts[j] = pos if step[pos] or pos >= starts[j] else starts[j]
         lanes = [_Lane(step, zero, multi, starts[lane], limits[lane], use_multi) for lane in range(LANES)]
         find += max(warm)
         warm_steps += max(warm)
@@ -277,6 +277,7 @@ def lane_work(tensors, e: int, sample: int, g: torch.Generator, **options) -> li
         codec = fpe.FPECodec(fpe.Table.from_counts(counts, word))
         pick = torch.randperm(entries.shape[0], generator=g)[:64]
         analysis = codec.analyse(entries[pick], word)
+        assert isinstance(analysis, fpe._Coded) and codec.fitted is not None
         coded = ((analysis.sectors > 0) & (analysis.sectors < e // 32)).nonzero().view(-1)[:4]
         if coded.numel() == 0:
             continue

@@ -144,7 +144,8 @@ def _build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[
         smem = re.search(r"(\d+) bytes smem", m.group(0).split("\n")[-1])
         kernels[m.group(1)] = Kernel(m.group(1), int(m.group(3)), int(smem.group(1)) if smem else 0, int(m.group(2)))
     sass = subprocess.run([_tool("nvdisasm"), "-gi", "-c", str(cubin)], check=True, capture_output=True, text=True)
-    current, line, chain, grouped, pending = None, 0, (), False, []
+    current, line, grouped, pending = None, 0, False, []
+    chain: tuple[int, ...] = ()
     for row in sass.stdout.splitlines():
         if row.startswith("\t.section\t.text."):
             current = kernels.get(row.split(".text.")[1].split(",")[0])
@@ -281,7 +282,7 @@ def occupancy(regs: int, smem_block: int, threads: int) -> int:
     by_regs = (H100["regs"] // per_warp) // warps_block
     by_smem = H100["smem"] // (smem_block + 1024) if smem_block else H100["max_blocks"]
     blocks = min(by_regs, by_smem, H100["max_blocks"], H100["max_warps"] // warps_block)
-    return blocks * warps_block
+    return int(blocks * warps_block)
 
 
 def lane_trips(dtype: torch.dtype, entry_bytes: int, sample: int, cache) -> dict[str, float]:
@@ -353,7 +354,7 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
             if op == "unpack":  # the data-dependent walks: every step a dependent chain
                 steps = sim["find"] + sim["emit_steps"] + sim["emit_tails"]
                 bounds["latency"] = H100["sms"] * clock * warps / (STEP_CYCLES * steps) * entry_bytes / 1e9
-            bound = min(bounds, key=bounds.get)
+            bound = min(bounds, key=bounds.__getitem__)
             row |= {f"{b} GB/s": v for b, v in bounds.items()} | {"estimate GB/s": bounds[bound], "bound": bound}
         row["loops counted once"] = unknown
         rows.append(row)

@@ -25,9 +25,11 @@ global RNG state is left untouched.
     >>> caps = capture("resnet-fp32", size="tiny", points=(0, 2))
     >>> [(c.point, len(c.tensors)) for c in caps]
     [(0, 18), (2, 18)]
-    >>> saved = caps[1].tensors[2]  # keyed as buddy keys it
-    >>> saved.key, saved.op, saved.tensor.device.type
+    >>> saved = caps[1].tensors[2]  # keyed as buddy keys it: the model, then the tensor
+    >>> saved.key.split("/")[1], saved.op, saved.tensor.device.type
     ('2:float32[8, 8, 32, 32]', 'ReluBackward0', 'cpu')
+    >>> saved.key.split("/")[0].split("-")[0]  # the model's class (and a fingerprint of its module tree)
+    '_ResNet'
 
 Sizes: ``tiny`` for tests (a capture of one workload in a few seconds),
 ``quick`` for the main job (both sets at three points in about two minutes

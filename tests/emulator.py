@@ -2,7 +2,8 @@
 
 The sources are compiled unchanged by g++ through a CUDA shim
 (``cuda_shim.h``) with the defines the loader gives NVRTC
-(:func:`buddy.cuda.compile_options`), and run by the emulator's driver
+(:func:`buddy.cuda.compile_options`: one module per codec, entry size and
+word size, the word size a launch's last argument), and run by the emulator's driver
 (``runtime.cpp``): every thread of a block a fiber, a seeded random order
 between synchronisation points, blocks one after another. Two builds:
 
@@ -166,19 +167,21 @@ def _runtime(kind: str) -> Path:
     return out if out.exists() else _compile(cmd, out)
 
 
-def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all") -> Path:
+def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all", word_bytes: int | None = None) -> Path:
     """The emulator binary of ``kind`` (``"tsan"``/``"asan"``) for the kernels of ``csrc`` at this entry size.
 
-    Compiled with ``buddy.cuda.compile_options(entry_bytes, codec)``; cached by the
-    hash of every source, the options and the compiler.
+    Compiled with ``buddy.cuda.compile_options(entry_bytes, codec, word_bytes)``: with a
+    word size, the module of that word size alone, as the loader compiles it;
+    cached by the hash of every source, the options and the compiler.
     """
     if kind not in BUILDS:
         raise ValueError(f"kind must be one of {BUILDS}, got {kind!r}")
-    options = list(bcuda.compile_options(entry_bytes, codec))
+    options = list(bcuda.compile_options(entry_bytes, codec, word_bytes))
     kernels = ["g++", *options, *_FLAGS, *_SANITIZE[kind], f"-I{csrc}", f"-I{SOURCES}", "-c"]
     # the sources' text, not their folder: a copy elsewhere (a mutation test's, another session's) is the same build
     key = _digest(_tree(Path(csrc)), _tree(SOURCES), options, _FLAGS, _SANITIZE[kind], _RUNTIME[kind], _compiler())
-    exe = cache_dir() / f"emulator-{kind}-E{entry_bytes}-{codec}-{key}"
+    words = "" if word_bytes is None else f"-w{word_bytes}"
+    exe = cache_dir() / f"emulator-{kind}-E{entry_bytes}-{codec}{words}-{key}"
     if exe.exists():
         return exe
     runtime = _runtime(kind)
@@ -222,7 +225,8 @@ def _parameters(key: str, csrc: str) -> dict[str, list[Param]]:
         check=True,
     ).stdout
     sigs = {}
-    for name, params in re.findall(r'extern "C" __global__ void (\w+)\((.*?)\)\s*\{', expanded, re.S):
+    kernels = r'extern "C" __global__ (?:__launch_bounds__\([^)]*\) )?void (\w+)\((.*?)\)\s*\{'
+    for name, params in re.findall(kernels, expanded, re.S):
         out = []
         for param in re.sub(r"/\*.*?\*/", "", params).split(","):
             words = param.replace("__restrict__", "").replace("*", " * ").split()
@@ -287,7 +291,7 @@ class Emulator:
         shutil.rmtree(self._folder, ignore_errors=True)
 
     def __call__(self, codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple) -> None:
-        blocks, threads, shared = bcuda.launch_config(op, entry_bytes, n_entries)
+        blocks, threads, shared = bcuda.launch_config(op, entry_bytes, n_entries, codec)
         if self.max_blocks is not None:
             blocks = min(blocks, self.max_blocks)
         self.run(f"buddy_{codec}_{op}", entry_bytes, (blocks, threads, shared), args)
@@ -318,7 +322,9 @@ class Emulator:
         (np.concatenate(inputs) if inputs else np.zeros(0, np.uint8)).tofile(src)
         grid, block, shared = config
         words = [kernel, grid, block, shared, self.seed, self.schedules, src, dst, *specs]
-        exe = build(self.kind, entry_bytes, csrc=self.csrc, codec=self.codecs)
+        # the module of the launch's word size, as the loader compiles it (every kernel's last parameter)
+        word_bytes = int(args[-1]) if params[-1].name == "word_bytes" else None
+        exe = build(self.kind, entry_bytes, csrc=self.csrc, codec=self.codecs, word_bytes=word_bytes)
         self._request(exe, kernel, " ".join(map(str, words)))
         self.launches.append((kernel, grid, block, shared))
         self.seed += self.schedules

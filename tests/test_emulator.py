@@ -83,16 +83,26 @@ def _params(item) -> dict:
     return item.callspec.params if hasattr(item, "callspec") else {}
 
 
+#: word sizes of the activations (``activations`` below)
+_WORD_BYTES = {"f32": 4, "f64": 8, "i64": 8, "bf16": 2, "u8": 1}
+
+
 def _builds_of(item) -> set[tuple]:
-    """``(build, entry size, codecs, sources)`` of the emulator builds a collected test of this module runs."""
+    """``(build, entry size, codecs, sources, word size)`` of the emulator builds a collected test of this module
+    runs (a module per word size, as the loader builds them)."""
     params = _params(item)
     if "mutation" in params:
         m = params["mutation"]
-        return {(m.build, 512, "all", CSRC), (m.build, 512, m.codec, _TREES[m.id])}
+        return {(m.build, 512, "all", CSRC, 4), (m.build, 512, m.codec, _TREES[m.id], 4)}
     if "build" not in params:
         return set()
-    e = params["cases"][0]["entry_bytes"] if "cases" in params else getattr(params.get("case"), "entry_bytes", 512)
-    return {(params["build"], e, "all", CSRC)}
+    if "cases" in params:  # golden vectors
+        case = params["cases"][0]
+        return {(params["build"], case["entry_bytes"], "all", CSRC, getattr(torch, case["dtype"]).itemsize)}
+    if "case" in params:
+        case = params["case"]
+        return {(params["build"], case.entry_bytes, "all", CSRC, _WORD_BYTES[case.data])}
+    return {(params["build"], 512, "all", CSRC, w) for w in (4, 8)}  # float32 and int64 entries
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -106,7 +116,8 @@ def _builds(request, tmp_path_factory):
         _TREES[mutation.id] = mutation.apply(root / str(i))
     wanted = set().union(*(_builds_of(item) for item in items))
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-        list(pool.map(lambda b: emulator.build(b[0], b[1], codec=b[2], csrc=b[3]), sorted(wanted, key=str)))
+        builds = sorted(wanted, key=str)
+        list(pool.map(lambda b: emulator.build(b[0], b[1], codec=b[2], csrc=b[3], word_bytes=b[4]), builds))
     yield
     for emu in _EMULATORS.values():
         emu.close()
@@ -431,12 +442,12 @@ MUTATIONS = [
     Mutation(
         "count: no __syncthreads after zeroing the block's counts", "buddy_kernels.cu",
         "local[j] = 0;\n  __syncthreads();", "local[j] = 0;\n", "fpe", "tsan", "race",
-        (("buddy_kernels.cu", "buddy_count_body"), ("codec_fpe_fit.h", "buddy_fpe_count_add")),
+        (("buddy_kernels.cu", "buddy_count_body"), ("codec_fpe_fit.h", "buddy_fpe_count_unit16")),
     ),
     Mutation(
         "count: no __syncthreads before adding the block's counts", "buddy_kernels.cu",
-        "local);\n  __syncthreads();", "local);\n", "fpe", "tsan", "race",
-        (("buddy_kernels.cu", "buddy_count_body"), ("codec_fpe_fit.h", "buddy_fpe_count_add")),
+        "local);\n  }\n  __syncthreads();", "local);\n  }\n", "fpe", "tsan", "race",
+        (("buddy_kernels.cu", "buddy_count_body"), ("codec_fpe_fit.h", "buddy_fpe_count_unit16")),
     ),
     Mutation(
         "pack: no warp.sync() after the encode into staging", "buddy_ops.h",
@@ -457,7 +468,12 @@ MUTATIONS = [
         "fpe encode: no warp.sync() between zeroing the payload and ORing the fields in", "codec_fpe.h",
         "    buddy_warp_fill(warp, nullptr, payload, k * BUDDY_SECTOR_BYTES);\n    warp.sync();\n",
         "    buddy_warp_fill(warp, nullptr, payload, k * BUDDY_SECTOR_BYTES);\n", "fpe", "tsan", "race",
-        (("buddy_bits.h", "buddy_put64"), ("buddy_warp.h", "buddy_warp_fill")),
+        (("buddy_bits.h", "buddy_put"), ("buddy_warp.h", "buddy_warp_fill")),
+    ),
+    Mutation(
+        "fpe decode (split layout): no warp.sync() between zeroing the output and the lanes writing words",
+        "codec_fpe.h", "  // ZERO words are written by this\n    warp.sync();", "  // ZERO words are written by this\n",
+        "fpe", "tsan", "race", (("codec_fpe.h", "put_word"), ("buddy_warp.h", "buddy_warp_fill")),
     ),
     Mutation(
         "fit: no warp.sync() in buddy_fit_sum64 between writing and reading the partials", "codec_fpe_fit.h",
@@ -499,18 +515,18 @@ MUTATIONS = [
     ),
     Mutation(
         "pack: each warp's staging one entry further (the last past the dynamic shared buffer)", "buddy_kernels.cu",
-        "(threadIdx.x / BUDDY_WARP_SIZE) * BUDDY_ENTRY_BYTES;",
-        "(threadIdx.x / BUDDY_WARP_SIZE + 1) * BUDDY_ENTRY_BYTES;", "zvc", "asan", "memory",
+        "(threadIdx.x / BUDDY_WARP_SIZE) * entries * BUDDY_ENTRY_BYTES;",
+        "(threadIdx.x / BUDDY_WARP_SIZE + 1) * entries * BUDDY_ENTRY_BYTES;", "zvc", "asan", "memory",
         says="heap-buffer-overflow",
     ),
     Mutation(
-        "count: 8-byte loads 4 bytes off alignment", "buddy_kernels.cu",
-        "buddy_load<uint64_t>(data + 8 * u)", "buddy_load<uint64_t>(data + 8 * u + 4)", "fpe", "asan", "undefined",
+        "count: 16-byte loads 8 bytes off alignment", "buddy_kernels.cu",
+        "buddy_load<buddy_u128>(data + 16 * u)", "buddy_load<buddy_u128>(data + 16 * u + 8)", "fpe", "asan",
+        "undefined", says="which requires 16 byte alignment",
     ),
     Mutation(
-        "count: one 8-byte unit past the data", "buddy_kernels.cu",
-        "u < n_units; u += stride)", "u <= n_units; u += stride)", "fpe", "asan", "memory",
-        says="heap-buffer-overflow",
+        "count: one 16-byte unit past the data", "buddy_kernels.cu",
+        "n16 = n_units / 2,", "n16 = n_units / 2 + 1,", "fpe", "asan", "memory", says="heap-buffer-overflow",
     ),
     Mutation(
         "pack: the rest of a slot left unwritten", "buddy_ops.h",

@@ -664,7 +664,7 @@ class FPECodec(Codec):
         self.statistics = statistics
 
     @property
-    def format_version(self) -> int:
+    def format_version(self) -> int:  # type: ignore[override]  # a class attribute of Codec; here the table's
         """3 (the split layout), or 2 for a codec bound to a table of format 1 or 2 (the serial layout)."""
         return 2 if self._table is not None and not self._table.split else 3
 

@@ -15,7 +15,10 @@
 //                                            exactly the launch's size
 //   __syncthreads, __syncwarp                barriers among the block / warp,
 //                                            happens-before edges for TSan
-//   __ballot_sync, __shfl*_sync              value exchanges, no memory order
+//   __ballot_sync, __shfl*_sync,             value exchanges, no memory order
+//   __match_any_sync
+//   __launch_bounds__                        nothing: registers are the
+//                                            device compiler's business
 //   atomicAdd, atomicOr                      relaxed __atomic builtins: atomic
 //                                            to TSan, ordering nothing else
 // Only full-warp masks are supported (all the sources use); another mask is
@@ -36,6 +39,7 @@
 #define __device__
 #define __global__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __shared__ static __attribute__((section("buddy_emu_shared"), aligned(16)))
 
 #define threadIdx (buddy_emu_thread_idx())
@@ -54,6 +58,9 @@ inline uint8_t* buddy_dynamic_shared() { return buddy_emu_dynamic_shared(); }
 #define __shfl_down_sync(mask, v, d) \
   buddy_emu_shuffle(BUDDY_EMU_SHFL_DOWN, (mask), (v), (int)(d), __FILE__, __LINE__)
 #define __shfl_xor_sync(mask, v, m) buddy_emu_shuffle(BUDDY_EMU_SHFL_XOR, (mask), (v), (int)(m), __FILE__, __LINE__)
+// the lanes whose value equals the caller's (all 64 bits of it, as the device compares them)
+#define __match_any_sync(mask, v) \
+  ((unsigned)buddy_emu_warp(BUDDY_EMU_MATCH_ANY, (mask), buddy_emu_match_key(v), 0, __FILE__, __LINE__))
 
 template <class T>
 inline T buddy_emu_shuffle(int kind, unsigned mask, T v, int arg, const char* file, int line) {
@@ -65,6 +72,14 @@ inline T buddy_emu_shuffle(int kind, unsigned mask, T v, int arg, const char* fi
   return v;
 }
 
+template <class T>
+inline uint64_t buddy_emu_match_key(T v) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "__match_any_sync compares 4 or 8 bytes");
+  uint64_t bits = 0;
+  memcpy(&bits, &v, sizeof(T));
+  return bits;
+}
+
 // Atomics of global and shared memory: relaxed, as a GPU's atomics order nothing but themselves.
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
@@ -74,10 +89,11 @@ inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_R
 inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
 inline int atomicOr(int* p, int v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
 
-// Integer intrinsics with the device's results for every input (__clz(0) = 32, __ffsll(0) = 0).
+// Integer intrinsics with the device's results for every input (__clz(0) = 32, __ffs(0) = __ffsll(0) = 0).
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
+inline int __ffs(int x) { return __builtin_ffs(x); }
 inline int __ffsll(long long x) { return __builtin_ffsll(x); }
 // hi:lo shifted right by s & 31, the low 32 bits
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {

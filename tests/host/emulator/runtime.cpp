@@ -6,7 +6,7 @@
 // order; inside a block a seeded random scheduler picks which runnable fiber
 // runs next, and a fiber runs until it reaches a synchronisation point:
 //   __syncthreads    it waits until every thread of the block is there
-//   __syncwarp, a ballot or a shuffle
+//   __syncwarp, a ballot, a shuffle or a match
 //                    it waits until the 32 lanes of its warp are at one; the
 //                    values are exchanged once all have arrived
 // Lanes at different collectives, a barrier some threads never reach, a
@@ -317,7 +317,7 @@ Fiber* make_fiber(uint32_t tid) {
 // ---------------------------------------------------------------------------
 std::string where(const Fiber* f) {
   static const char* names[] = {"__syncwarp", "__ballot_sync", "__shfl_sync", "__shfl_up_sync", "__shfl_down_sync",
-                                "__shfl_xor_sync"};
+                                "__shfl_xor_sync", "__match_any_sync"};
   std::string out;
   if (f->state == BLOCK_DONE) return "returned from the kernel";
   if (f->state == RUNNABLE) return "running (between synchronisation points)";
@@ -369,13 +369,18 @@ void complete_warp(uint32_t w) {
     uint32_t src = l;
     switch (f->kind) {
       case BUDDY_EMU_BALLOT: f->result = ballot; break;
+      case BUDDY_EMU_MATCH_ANY:
+        f->result = 0;
+        for (uint32_t m = 0; m < WARP; ++m) f->result |= (uint64_t)(lanes[m]->value == f->value) << m;
+        break;
       case BUDDY_EMU_SHFL: src = a % WARP; break;
       case BUDDY_EMU_SHFL_UP: src = l >= a ? l - a : l; break;
       case BUDDY_EMU_SHFL_DOWN: src = l + a < WARP ? l + a : l; break;
       case BUDDY_EMU_SHFL_XOR: src = (l ^ a) < WARP ? l ^ a : l; break;
       default: break;
     }
-    if (f->kind != BUDDY_EMU_BALLOT && f->kind != BUDDY_EMU_SYNCWARP) f->result = lanes[src]->value;
+    if (f->kind != BUDDY_EMU_BALLOT && f->kind != BUDDY_EMU_SYNCWARP && f->kind != BUDDY_EMU_MATCH_ANY)
+      f->result = lanes[src]->value;
     f->state = RUNNABLE;
   }
   S.warp_arrived[w] = 0;

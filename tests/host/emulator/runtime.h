@@ -33,6 +33,7 @@ enum BuddyEmuCollective : int {
   BUDDY_EMU_SHFL_UP,
   BUDDY_EMU_SHFL_DOWN,
   BUDDY_EMU_SHFL_XOR,
+  BUDDY_EMU_MATCH_ANY,  // result: bit l set where lane l's value equals the caller's
 };
 uint64_t buddy_emu_warp(int kind, unsigned mask, uint64_t value, int arg, const char* file, int line);
 
