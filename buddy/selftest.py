@@ -98,8 +98,8 @@ def verdict(codec: str, device: torch.device, factory: Factory) -> Verdict:
                 warnings.warn(
                     f"buddy: the CUDA kernels of codec {codec!r} failed their self-test on {device} "
                     f"({found.why.removeprefix('self-test failed: ')}): codec {codec!r} runs the torch reference "
-                    f"on {device} in this process (buddy.implementations() says why). Please report this with "
-                    f"the output of python -m buddy.env.",
+                    f"on {device} in this process (buddy.implementations() says why). Please report this, with "
+                    f"buddy.env.format_environment(buddy.env.environment()).",
                     RuntimeWarning,
                     stacklevel=5,
                 )
