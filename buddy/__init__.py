@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 from . import (
     cuda,  # registers the CUDA kernels' implementations (imports no CuPy)
     dispatch,
+    selftest,
     spec,
 )
 from .autograd import (
@@ -31,7 +32,9 @@ from .autograd import (
 )
 from .codecs import DEFAULT_CODEC, Codec, available_codecs, get_codec, register_codec, unregister_codec
 from .config import defaults, set_defaults
-from .dispatch import implementations
+from .dispatch import Choice
+from .dispatch import chosen as implementations
+from .dispatch import implementations as registered_implementations
 from .dispatch import register as register_implementation
 from .dispatch import unregister as unregister_implementation
 from .errors import (
@@ -68,6 +71,7 @@ __all__ = [
     "spec",
     "dispatch",
     "cuda",
+    "selftest",
     "compress",
     "measure",
     "pack",
@@ -88,6 +92,8 @@ __all__ = [
     "register_codec",
     "unregister_codec",
     "implementations",
+    "Choice",
+    "registered_implementations",
     "register_implementation",
     "unregister_implementation",
     "DeviceLedger",

@@ -34,6 +34,19 @@ out-of-memory error stays one) with a note naming the key: no data is
 returned, the compressed copy stays intact until the graph is dropped, and
 the step has to be run again.
 
+Every entry decompressed for backward is checked, never decoded to silent
+zeros: the torch reference checks on the host and raises at once; the CUDA
+kernels (and nvcomp) check on the device and OR what they found into an
+error flag per tensor, which is read back once, at the end of the backward
+pass (one read per device: ``queue_callback`` of autograd's engine), not per
+tensor. Either way a failed check raises :class:`~buddy.errors.CorruptDataError`
+naming the keys; the gradients of that backward must not be used.
+
+CUDA graphs: while the current CUDA stream is being captured
+(``torch.cuda.is_current_stream_capturing()``), the session keeps every
+saved tensor as it is -- a compress reads its sizes back to the host, which
+would break the capture; ``stats().captured`` counts them.
+
 Interrupts: a ``KeyboardInterrupt`` (any ``BaseException`` that is not an
 ``Exception``) while packing is not caught: it leaves the block, which closes
 the session; what it packed so far is freed with the partial graph, nothing
@@ -91,7 +104,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import spec, streams
-from .errors import UnsupportedTensorError
+from .errors import CorruptDataError, UnsupportedTensorError
 from .pipeline import measure, pack
 from .prefetch import Ahead, Prefetch, PrefetchStats, Schedule, as_prefetch
 from .stats import KeyRow, SessionStats
@@ -123,6 +136,11 @@ def _warn_once(cause: str, message: str) -> None:
             return
         _warned.add(cause)
     warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph (a compress would break it)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def is_parameter(t: torch.Tensor) -> bool:
@@ -233,10 +251,13 @@ class _Compressed:
     entries, weakly.
     """
 
-    __slots__ = ("bt", "session", "row", "cache", "kept", "uses_left", "schedule", "position", "ahead", "__weakref__")
+    __slots__ = (
+        "bt", "session", "row", "cache", "kept", "uses_left", "schedule", "position", "ahead", "checks", "__weakref__",
+    )  # fmt: skip
 
-    def __init__(self, bt: BuddyTensor, session: Session, row: KeyRow, schedule: Schedule):
+    def __init__(self, bt: BuddyTensor, session: Session, row: KeyRow, schedule: Schedule, checks: _Checks):
         self.bt = bt
+        self.checks = checks  # the step's error flags, read at the end of each backward
         self.session = weakref.ref(session)  # for its counters only; see above
         self.row = row  # the session's stats row, counting deduplicated saves
         # weakref to the last decompressed tensor, shared by deduplicated saves
@@ -263,7 +284,17 @@ class _Compressed:
         ready = ahead is not None or self.bt.prefetched
         device = self.bt.device
         try:
-            t = ahead.take(streams.for_device(device).current(device)) if ahead else self.bt.decompress()
+            if ahead is not None:
+                t, flag = ahead.take(streams.for_device(device).current(device)), ahead.flag
+            else:
+                flag = self.checks.flag(self.bt)
+                t = self.bt.decompress(error_flag=flag)
+        except CorruptDataError as exc:  # the reference's checks: name the key in the error itself
+            raise CorruptDataError(
+                f"buddy: the saved activation {self.row.key!r} failed the format's checks when decompressed for "
+                f"backward ({exc}). No data was returned; this backward pass cannot finish: drop the graph and "
+                f"run the step again."
+            ) from exc
         except BaseException as exc:  # keep its type (an out-of-memory error stays one); say what failed
             _add_note(
                 exc,
@@ -272,6 +303,8 @@ class _Compressed:
                 f"pass cannot finish: drop the graph and run the step again.",
             )
             raise
+        if flag is not None:
+            self.checks.add(self.row.key, flag)
         self.schedule.used(self.position, ready)
         session = self.session()
         if session is not None:  # no one can read the counters of a session that is gone
@@ -294,13 +327,64 @@ class _Compressed:
         issued = ops.record(ops.current(bt.device))
         with ops.activate(copy):
             ops.wait(copy, issued)  # the slots were written by kernels queued on the compute stream
-            t = bt.decompress()
-            self.ahead = Ahead(t, ops.record(copy), ops)
+            flag = self.checks.flag(bt)
+            t = bt.decompress(error_flag=flag)
+            self.ahead = Ahead(t, ops.record(copy), ops, flag)
 
     def drop_ahead(self) -> None:
         """Give back what the look-ahead prepared (the tensor was not asked for in time)."""
         self.ahead = None  # allocated and written on the copy stream only: reused in that stream's order
         self.bt.drop_prefetch()
+
+
+class _Checks:
+    """The error flags of one step's decompressions on the device, read once at the end of each backward.
+
+    An engine whose checks run on the device (the CUDA kernels, nvcomp) ORs
+    an entry's failed check into the tensor's flag instead of reading it
+    back. The first flag of a backward queues :meth:`check` to run when that
+    backward ends (autograd's final callback), which reads every flag there
+    at once (one read per device) and raises :class:`CorruptDataError`
+    naming the keys that failed. Outside a backward (a saved tensor read
+    directly) a flag is checked at once.
+    """
+
+    __slots__ = ("pending", "lock")
+
+    def __init__(self):
+        self.pending: list[tuple[str, torch.Tensor]] = []
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def flag(bt: BuddyTensor) -> torch.Tensor | None:
+        """A zeroed flag for ``bt``'s decompression, or ``None`` where its backend checks on the host."""
+        return None if bt.backend == "reference" else torch.zeros(1, dtype=torch.int32, device=bt.device)
+
+    def add(self, key: str, flag: torch.Tensor) -> None:
+        with self.lock:
+            first = not self.pending
+            self.pending.append((key, flag))
+        if first:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self.check)
+            except RuntimeError:  # not inside a backward pass: nothing to wait for
+                self.check()
+
+    def check(self) -> None:
+        """Read the pending flags (one read per device); :class:`CorruptDataError` naming the keys that failed."""
+        with self.lock:
+            pending, self.pending = self.pending, []
+        failed = []
+        for device in {flag.device for _, flag in pending}:
+            mine = [(key, flag) for key, flag in pending if flag.device == device]
+            bits = torch.cat([flag for _, flag in mine]).cpu().tolist()
+            failed += [f"{key!r} (error bits {b:#x})" for (key, _), b in zip(mine, bits) if b]
+        if failed:
+            raise CorruptDataError(
+                f"buddy: {len(failed)} saved activation(s) failed the format's checks when decompressed for this "
+                f"backward pass: {', '.join(failed)}. Their entries decoded to zeros, so this backward's gradients "
+                f"are not valid: drop them and the graph, and run the step again."
+            )
 
 
 def _look_ahead(schedule: Schedule, position: int) -> None:
@@ -512,6 +596,8 @@ class _SavedTensorHooks:
             return "parameter"
         if t.numel() * t.element_size() < self.min_bytes:
             return "small"
+        if _capturing():  # one it would take: kept, and counted as such
+            return "capturing"
         return None
 
     def _pack(self, t: torch.Tensor):
@@ -522,6 +608,7 @@ class _SavedTensorHooks:
             if reason is not None:
                 st.skipped += 1
                 st.skipped_bytes += t.numel() * t.element_size()
+                st.captured += reason == "capturing"
                 if reason != "parameter":
                     st.kept_bytes += t.numel() * t.element_size()
                 return t.detach()  # never ``t`` itself: see "kept as it is" in the module doc
@@ -618,12 +705,14 @@ class Session(_SavedTensorHooks):
         self.entry_bytes = spec.check_entry_bytes(entry_bytes) if entry_bytes is not None else None
         self.prefetch = as_prefetch(prefetch)
         self._schedule = Schedule(self.prefetch)
+        self._checks = _Checks()
         super().__init__(min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, enabled=enabled)
 
     def _begin(self) -> None:
         self.tracker.begin_step(self.policy)
         self._stats.overflow_bound = getattr(self.policy or self.tracker.policy, "overflow_bound", None)
         self._schedule = Schedule(self.prefetch)  # one per step: the old one lives on with the old graph
+        self._checks = _Checks()  # likewise
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
@@ -674,7 +763,9 @@ class Session(_SavedTensorHooks):
             return None
         row = self._row(t, result, key, time.perf_counter() - start)
         packed = (
-            _Kept(t.detach(), self.tracker) if result.bt is None else _Compressed(result.bt, self, row, self._schedule)
+            _Kept(t.detach(), self.tracker)
+            if result.bt is None
+            else _Compressed(result.bt, self, row, self._schedule, self._checks)
         )
         return packed, row
 

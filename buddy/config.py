@@ -5,11 +5,13 @@
 when they are not told otherwise. Explicit arguments always win.
 
 ``backend`` picks who runs the codecs when a call says ``backend="auto"``
-(or nothing): ``"reference"`` (the default) runs each codec's default
-implementation (the torch reference; nvcomp's codecs run nvcomp);
-``"cuda"`` prefers a codec's CUDA kernels for tensors on a CUDA device
-wherever it has them and they can run (see :mod:`buddy.dispatch`). The CUDA
-kernels stay off by default until they have been validated on a GPU.
+(or nothing): ``"auto"`` (the default) runs a codec's CUDA kernels on a CUDA
+tensor wherever it has them, they can run and they passed their self-test on
+the device (:mod:`buddy.selftest`), else the torch reference (nvcomp's
+codecs run nvcomp); ``"reference"`` always runs the torch reference;
+``"cuda"`` is ``"auto"`` that also prefers kernels registered but not the
+default, and warns once where they cannot run. The environment variable
+``BUDDY_BACKEND`` overrides it (see :mod:`buddy.dispatch`).
 
 ``checksum=True`` makes every compressed tensor carry a 64-bit checksum of
 each of its buffers, checked by ``decompress()`` before decoding (see
@@ -28,8 +30,8 @@ from .codecs import DEFAULT_CODEC
 
 __all__ = ["Defaults", "DEFAULT_BACKENDS", "defaults", "set_defaults", "check_checksum"]
 
-#: values the process-wide ``backend`` default can take
-DEFAULT_BACKENDS = ("reference", "cuda")
+#: values the process-wide ``backend`` default (and ``BUDDY_BACKEND``) can take
+DEFAULT_BACKENDS = ("auto", "reference", "cuda")
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,9 @@ class Defaults:
     #: chosen by measurement: see the README, "Choosing the codec and entry size"
     codec: str = DEFAULT_CODEC
     entry_bytes: int = spec.DEFAULT_ENTRY_BYTES
-    #: "reference" (each codec's default implementation) or "cuda" (kernels where they apply);
-    #: the CUDA path is off by default until it has been validated on a GPU
-    backend: str = "reference"
+    #: "auto" (the kernels on CUDA tensors where they exist and passed their self-test, else the reference),
+    #: "reference" or "cuda" (see :mod:`buddy.dispatch`)
+    backend: str = "auto"
     #: store and check a checksum of each buffer (see :mod:`buddy.integrity`)
     checksum: bool = False
 

@@ -1,11 +1,15 @@
 """CUDA kernels of buddy's codecs, compiled at run time through CuPy (NVRTC).
 
-**Not yet validated on a GPU, so off by default**: the pipeline uses these
-kernels only when asked (``buddy.compress(t, backend="cuda")``, or
-``buddy.set_defaults(backend="cuda")``); see :mod:`buddy.dispatch`, where
-:class:`CudaEngine` is registered as the ``"cuda"`` implementation of
-``zvc``, ``fpx``, ``bpc``, ``auto``, ``fpe`` and ``auto2``. What runs where
-without a GPU:
+**The default on CUDA tensors, behind a self-test**: :class:`CudaEngine` is
+registered in :mod:`buddy.dispatch` as the default (``backend="auto"``)
+implementation of ``zvc``, ``fpx``, ``bpc``, ``auto``, ``fpe`` and ``auto2``
+on CUDA devices. Their first use on a device runs :mod:`buddy.selftest`
+(golden vectors through the kernels both ways, once per process, device and
+codec); a failure warns once and that codec runs the torch reference on that
+device. ``backend="cuda"`` asks for the kernels explicitly (no self-test);
+``backend="reference"`` or ``BUDDY_BACKEND=reference`` for the reference;
+``buddy.implementations()`` says what ran and why. What runs where without
+a GPU:
 
 * the kernels themselves -- ``csrc/buddy_kernels.cu`` and its headers,
   unchanged, compiled for the host with the defines of :func:`compile_options`
@@ -509,6 +513,14 @@ class Kernels:
         self.launch(self.name, "unpack", entry_bytes, device, n, args)
 
 
+def _error_flag(given: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The int32 an unpack ORs its error bits into: ``given`` (checked), else a fresh zero."""
+    if given is None:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    _check_tensor("error_flag", given, device=device, dtype=torch.int32, shape=(1,))
+    return given
+
+
 def raise_for_errors(codec: str, bits: int) -> None:
     """:class:`~buddy.errors.CorruptDataError` for an unpack's error bits (nothing for 0)."""
     if not bits:
@@ -688,7 +700,7 @@ class CudaEngine(Engine):
             )
         return slots, overflow
 
-    def unpack(self, meta, slots, overflow, slot, entry_bytes, word_bytes, nbytes, *, check=True):
+    def unpack(self, meta, slots, overflow, slot, entry_bytes, word_bytes, nbytes, *, check=True, error_flag=None):
         n = -(-nbytes // entry_bytes)
         if meta.numel() != n * spec.meta_bytes(entry_bytes):
             raise CorruptDataError(f"metadata holds {meta.numel()} bytes, expected {n * spec.meta_bytes(entry_bytes)}")
@@ -696,7 +708,7 @@ class CudaEngine(Engine):
         if n:
             meta = meta if meta.data_ptr() % 2 == 0 else meta.clone()  # 2-byte words are read aligned
             overflow = overflow.to(slots.device, non_blocking=True)  # H2D from pinned memory, on the current stream
-            error = torch.zeros(1, dtype=torch.int32, device=slots.device)
+            error = _error_flag(error_flag, slots.device)
             ends = self._ends(meta, slot, entry_bytes, n)
             table = self._table(slots.device, word_bytes)
             self.kernels.unpack(meta, ends, slot, slots, overflow, out, error, n, entry_bytes, word_bytes, table)
@@ -705,5 +717,5 @@ class CudaEngine(Engine):
         return out[:nbytes]
 
 
-for _name in KERNEL_CODECS:  # not the default: the kernels have not yet run on a GPU
-    dispatch.register(_name, "cuda", "cuda", CudaEngine, requires=why_unusable)
+for _name in KERNEL_CODECS:  # the default on CUDA devices, once its self-test passed there (buddy.dispatch)
+    dispatch.register(_name, "cuda", "cuda", CudaEngine, default=True, requires=why_unusable)

@@ -5,7 +5,8 @@ Every way of running a codec is registered here, once:
 * ``"reference"`` -- the codec's torch code under the format layer
   (:class:`~buddy.engine.BlockEngine`), on the CPU and on CUDA devices;
   :func:`buddy.register_codec` registers it for every codec that has one;
-* ``"cuda"`` -- the codec's CUDA kernels (:mod:`buddy.cuda`);
+* ``"cuda"`` -- the codec's CUDA kernels (:mod:`buddy.cuda`): the default on
+  CUDA devices for the codecs that have them;
 * ``"nvcomp"`` -- nvcomp's batched GPU compressors (:mod:`buddy.codecs.nvcomp`).
 
 ``backend=`` in :func:`buddy.compress` and friends picks one:
@@ -13,20 +14,36 @@ Every way of running a codec is registered here, once:
 * an explicit backend runs that implementation or raises -- ``ValueError``
   when it does not exist for this codec and device (never a silent
   fallback), :class:`~buddy.errors.MissingDependencyError` when it exists
-  but cannot run here (no CuPy, no GPU, no nvcomp);
+  but cannot run here (no CuPy, no GPU, no nvcomp). An explicit ``"cuda"``
+  runs the kernels without their self-test;
 * ``"auto"`` (also what ``None`` means) runs the implementation registered
-  as the default for this codec and device -- except that with
-  ``buddy.set_defaults(backend="cuda")`` the CUDA kernels are preferred
-  wherever they exist and can run.
+  as the default for this codec and device: on a CUDA tensor the kernels
+  wherever the codec has them, else the reference. The kernels run only
+  where they can (CuPy importable, a GPU), for a codec object they reproduce
+  (:func:`buddy.cuda.has_kernels`) and once they have passed their self-test
+  on the device (:mod:`buddy.selftest`: golden vectors through the kernels
+  both ways, once per process, device and codec); otherwise the reference
+  runs, and a failed self-test warns once. :func:`chosen` (exported as
+  ``buddy.implementations()``) records, per device and codec, what ``"auto"``
+  ran last and why.
 
-The CUDA kernels are registered, but not as the default, until they have
-passed the GPU tests on a real GPU. Tests and users add implementations
-through :func:`register` (and remove them with :func:`unregister`); the
-implementation that ran is recorded in every :class:`~buddy.BuddyTensor`.
+What ``"auto"`` prefers is, in this order: the environment variable
+``BUDDY_BACKEND`` (read at every use; ``"reference"`` forces the reference,
+``"auto"`` and ``"cuda"`` the rule above; anything else raises a
+``ValueError`` naming the valid values), else ``buddy.set_defaults(backend=...)``
+(``"auto"``, the default; ``"reference"``; ``"cuda"``, which also prefers the
+kernels where they are registered but are not the default and warns once
+where they cannot run).
+
+Tests and users add implementations through :func:`register` (and remove
+them with :func:`unregister`); the implementation that ran is recorded in
+every :class:`~buddy.BuddyTensor`, whose ``decompress()`` asks for it
+explicitly.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -48,6 +65,10 @@ __all__ = [
     "register",
     "unregister",
     "implementations",
+    "Choice",
+    "chosen",
+    "ENV_BACKEND",
+    "env_backend",
     "check_backend",
     "engine",
     "device_type",
@@ -57,6 +78,8 @@ __all__ = [
 BACKENDS = ("auto", "reference", "cuda", "nvcomp")
 _DEVICES = ("cpu", "cuda")
 _LABEL = {"reference": "torch reference", "cuda": "CUDA kernels", "nvcomp": "nvcomp implementation"}
+#: the environment variable that overrides ``set_defaults(backend=...)`` (read at every use)
+ENV_BACKEND = "BUDDY_BACKEND"
 
 
 @dataclass(frozen=True)
@@ -152,14 +175,85 @@ def device_type(device: torch.device | str) -> str:
     return kind
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What ``backend="auto"`` ran for one codec on one device, and why (see :func:`chosen`)."""
+
+    #: ``"cuda:0"``, ``"cpu"``
+    device: str
+    codec: str
+    #: ``"cuda"``, ``"reference"`` or ``"nvcomp"``
+    backend: str
+    #: ``"self-test passed in 0.12 s (2 golden cases)"``, ``"BUDDY_BACKEND=reference"``, ``"CuPy is not importable: ..."``
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.device:<7} {self.codec:<16} {self.backend:<9} {self.why}"
+
+
+_CHOSEN: dict[tuple[str, str], Choice] = {}
+
+
+def chosen(codec: str | None = None, *, device: str | None = None) -> list[Choice]:
+    """Per device and codec, what ``backend="auto"`` ran last in this process and why (``buddy.implementations()``).
+
+    ``device``: ``"cuda:0"`` (that device) or ``"cuda"`` (every CUDA device);
+    ``codec``: a codec's name. Rows appear as codecs are first used.
+    """
+    with _lock:
+        rows = sorted(_CHOSEN.values(), key=lambda c: (c.device, c.codec))
+    return [
+        c for c in rows if codec in (None, c.codec) and device in (None, c.device, c.device.split(":")[0])
+    ]
+
+
+def _record(where: str, codec: str, backend: str, why: str) -> None:
+    row = Choice(where, codec, backend, why)
+    if _CHOSEN.get((where, codec)) != row:
+        with _lock:
+            _CHOSEN[(where, codec)] = row
+
+
+def env_backend() -> str | None:
+    """``BUDDY_BACKEND`` validated (``None`` when unset or empty); read at every use."""
+    from .config import DEFAULT_BACKENDS  # the defaults import the codec registry, which imports this module
+
+    value = os.environ.get(ENV_BACKEND, "").strip()
+    if not value:
+        return None
+    if value not in DEFAULT_BACKENDS:
+        raise ValueError(
+            f"the environment variable {ENV_BACKEND}={value!r} is not a backend: use one of "
+            f"{', '.join(DEFAULT_BACKENDS)} (or leave it unset)"
+        )
+    return value
+
+
+def _preference() -> tuple[str, str]:
+    """What ``"auto"`` prefers and where that came from."""
+    from .config import defaults
+
+    forced = env_backend()
+    if forced is not None:
+        return forced, f"{ENV_BACKEND}={forced}"
+    preferred = defaults().backend
+    return preferred, f"set_defaults(backend={preferred!r})"
+
+
 def engine(codec: Codec, device: torch.device | str, backend: str | None = None) -> Engine:
     """The engine that runs ``codec`` for a tensor on ``device`` with ``backend`` (see the module doc)."""
     backend = check_backend(backend)
     kind = device_type(device)
-    impl = _auto(codec, kind) if backend == "auto" else _explicit(codec, kind, backend, device)
+    if backend == "auto":
+        return _auto(codec, torch.device(device), kind)
+    impl = _explicit(codec, kind, backend, device)
     why = impl.why_unusable()
     if why is not None:
         raise MissingDependencyError(f"the {_LABEL[impl.backend]} of codec {codec.name!r} cannot run here: {why}")
+    return _made(impl, codec)
+
+
+def _made(impl: Implementation, codec: Codec) -> Engine:
     made = impl.factory(codec)
     made.backend = impl.backend  # what BuddyTensors record is the registry's name for it
     return made
@@ -183,17 +277,41 @@ def _explicit(codec: Codec, kind: str, backend: str, device) -> Implementation:
     )
 
 
-def _auto(codec: Codec, kind: str) -> Implementation:
-    from .config import defaults  # the defaults import the codec registry, which imports this module
+def _where(device: torch.device) -> torch.device:
+    """The device with its index (a CUDA device without one: the current one)."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
-    preferred = defaults().backend
-    if preferred != "reference":
-        impl = _TABLE.get((codec.name, kind, preferred))
-        if impl is not None:
-            why = impl.why_unusable()
-            if why is None:
-                return impl
-            _warn_once(preferred, why)
+
+def _auto(codec: Codec, device: torch.device, kind: str) -> Engine:
+    """What ``backend="auto"`` runs (see the module doc), recorded with the reason."""
+    preferred, source = _preference()
+    default = _default(codec, kind)
+    reference = _TABLE.get((codec.name, kind, "reference"))
+    kernels = _TABLE.get((codec.name, kind, "cuda"))
+    where = str(_where(device)) if kind == "cuda" else kind
+    impl = kernels if preferred == "cuda" and kernels is not None else default
+    if impl.backend == "cuda" and reference is not None:
+        made, why = (None, source) if preferred == "reference" else _kernels(impl, codec, _where(device), preferred)
+        _record(where, codec.name, "reference" if made is None else "cuda", why)
+        return _made(reference, codec) if made is None else made
+    if preferred == "reference" and reference is not None:
+        impl = reference
+    unusable = impl.why_unusable()
+    if unusable is not None:  # nothing to fall back to (nvcomp's codecs)
+        raise MissingDependencyError(
+            f"the {_LABEL[impl.backend]} of codec {codec.name!r} cannot run here: {unusable}"
+        )
+    if kind == "cuda" and kernels is None and impl.backend == "reference":
+        _record(where, codec.name, "reference", f"codec {codec.name!r} has no CUDA kernels")
+    else:
+        _record(where, codec.name, impl.backend, f"the default on {kind} tensors")
+    return _made(impl, codec)
+
+
+def _default(codec: Codec, kind: str) -> Implementation:
+    """The implementation registered as the default for ``codec`` on ``kind`` devices."""
     for impl in implementations(codec.name, device=kind):
         if impl.default:
             return impl
@@ -207,6 +325,24 @@ def _auto(codec: Codec, kind: str) -> Implementation:
     raise ValueError(f"codec {codec.name!r} has no implementation registered; register_codec() gives it one")
 
 
+def _kernels(impl: Implementation, codec: Codec, device: torch.device, preferred: str) -> tuple[Engine | None, str]:
+    """The kernels' engine if they can run here, reproduce ``codec`` and passed their self-test on ``device``;
+    else ``None``; and why."""
+    from . import selftest  # imports the codec registry, which imports this module
+
+    why = impl.why_unusable()
+    if why is not None:
+        if preferred == "cuda":
+            _warn_once("cuda", why)
+        return None, why
+    try:
+        made = _made(impl, codec)
+    except ValueError as exc:  # a codec object the kernels do not reproduce (a subclass, other members)
+        return None, str(exc)
+    verdict = selftest.verdict(codec.name, device, impl.factory)
+    return (made if verdict.passed else None), verdict.why
+
+
 def _warn_once(backend: str, why: str) -> None:
     with _lock:
         if backend in _warned:
@@ -214,7 +350,7 @@ def _warn_once(backend: str, why: str) -> None:
         _warned.add(backend)
     warnings.warn(
         f"buddy's default backend is {backend!r} but its {_LABEL[backend]} cannot run here ({why}): using "
-        f"the default implementation instead.",
+        f"the torch reference instead.",
         RuntimeWarning,
         stacklevel=4,
     )

@@ -103,14 +103,18 @@ class Engine(abc.ABC):
         nbytes: int,
         *,
         check: bool = True,
+        error_flag: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The ``nbytes`` bytes back, on ``slots``' device (``overflow`` may live on the host).
 
         Raises :class:`~buddy.errors.CorruptDataError` for buffers the
         format cannot have produced (the overflow's size included). An engine
-        whose checks run on the device (the CUDA kernels) reads their verdict
-        back -- a host sync -- only with ``check``; without it, entries that
-        failed a check decode to zeros. The torch reference always checks.
+        whose checks run on the device (the CUDA kernels, nvcomp) reads their
+        verdict back -- a host sync -- only with ``check``; without it,
+        entries that failed a check decode to zeros, and their error bits are
+        ORed into ``error_flag`` when given (one ``int32`` on ``slots``'
+        device, for the caller to read when it syncs anyway). The torch
+        reference always checks on the host and raises.
         """
 
     def __repr__(self) -> str:
@@ -176,7 +180,7 @@ class BlockEngine(Engine):
         overflow = torch.cat(pieces) if len(pieces) > 1 else (pieces[0] if pieces else slots.new_empty(0))
         return slots, overflow
 
-    def unpack(self, meta, slots, overflow, slot, entry_bytes, word_bytes, nbytes, *, check=True):
+    def unpack(self, meta, slots, overflow, slot, entry_bytes, word_bytes, nbytes, *, check=True, error_flag=None):
         n = -(-nbytes // entry_bytes)
         slot_bytes = slot * spec.SECTOR_BYTES
         k_all, modes_all = format.decode_meta(meta, entry_bytes, n)

@@ -92,17 +92,20 @@ class PrefetchStats:
 class Ahead:
     """A tensor decompressed ahead of use on ``stream`` (its copy stream), ready once ``event`` has completed."""
 
-    __slots__ = ("tensor", "event", "ops", "__weakref__")
+    __slots__ = ("tensor", "event", "ops", "flag", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, event, ops: streams.StreamOps):
+    def __init__(self, tensor: torch.Tensor, event, ops: streams.StreamOps, flag: torch.Tensor | None = None):
         self.tensor = tensor
         self.event = event
         self.ops = ops
+        self.flag = flag  # the decompression's error bits (on the device), read by whoever takes it
 
     def take(self, stream) -> torch.Tensor:
         """Hand the tensor to ``stream``: it waits for the decompression, and the tensor's memory for it."""
         self.ops.wait(stream, self.event)  # decompressed on the copy stream: done before stream reads it
         self.ops.keep_for(self.tensor, stream)  # allocated on the copy stream, used on stream from now on
+        if self.flag is not None:
+            self.ops.keep_for(self.flag, stream)
         return self.tensor
 
     @property

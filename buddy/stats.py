@@ -76,6 +76,7 @@ class SessionStats:
     skipped_bytes: int = 0  # bytes of those saves, one count per save
     kept_bytes: int = 0  # bytes of saved activations (not parameters) left uncompressed: small, unsupported, failed
     failed: int = 0  # packing raised: the original tensor was kept
+    captured: int = 0  # saves kept as they are (among ``skipped``) while a CUDA graph was being captured
     compress_seconds: float = 0.0
     decompress_seconds: float = 0.0
     decompressions: int = 0
@@ -156,6 +157,8 @@ class SessionStats:
                 f"{'within it' if self.within_bound else 'PAST IT'}; {self.corrected} slot(s) corrected from the "
                 f"history's plan on the tensors' own sizes"
             )
+        if self.captured:
+            lines.append(f"{self.captured} save(s) kept as they are: a CUDA graph was being captured")
         p = self.prefetch
         if p.prefetched or p.unpacked_ahead:
             lines.append(

@@ -310,7 +310,9 @@ class BuddyTensor:
         return self._prefetched is not None
 
     # ---- lifecycle ----------------------------------------------------------
-    def decompress(self, *, backend: str | None = None, check: bool = False) -> torch.Tensor:
+    def decompress(
+        self, *, backend: str | None = None, check: bool = False, error_flag: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """A new tensor bit-identical to the one compressed (same device; same strides if it was dense).
 
         ``backend``: see :mod:`buddy.dispatch`; default: :attr:`backend`, the
@@ -318,8 +320,12 @@ class BuddyTensor:
         checked first: :class:`~buddy.errors.CorruptDataError` if any changed
         (see :meth:`verify`), and nothing is decoded. The CUDA kernels check
         the format on the device and read the verdict back only with
-        ``check=True`` (a host sync; a decompress otherwise makes none); the
-        torch reference always checks.
+        ``check=True`` (a host sync; a decompress otherwise makes none);
+        without it, ``error_flag`` (one ``int32`` on the tensor's device)
+        receives their error bits (ORed in; nonzero: an entry failed its
+        check and decoded to zeros) for the caller to read when it syncs
+        anyway -- the training session reads one per backward. The torch
+        reference always checks, and raises.
         """
         self._check_alive("decompress")
         engine = dispatch.engine(self._codec, self.device, self.backend if backend is None else backend)
@@ -333,7 +339,7 @@ class BuddyTensor:
         overflow = self._overflow_for(ops, stream)
         flat = engine.unpack(
             self._meta, self._slots, overflow, self.slot_sectors, self.entry_bytes, self.word_bytes,
-            self.original_bytes, check=check,
+            self.original_bytes, check=check, error_flag=error_flag,
         )  # fmt: skip
         if overflow is self._overflow.data:
             self._overflow.used_on(ops, stream)  # read (copied to the device) on this stream: busy until it ends

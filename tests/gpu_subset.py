@@ -4,7 +4,8 @@ The suite holds thousands of GPU cases (every dtype, entry size, data kind
 and slot); a lent machine gives minutes. These subsets keep what a first GPU
 run must show -- every kernel at entry sizes 512 and 4096 on fp32, bf16, u8
 and f64, every slot at 512, the CUDA path of every codec, nvcomp's codecs,
-streams, autograd on the GPU, memory hygiene -- and drop the rest of the
+streams, autograd on the GPU, memory hygiene, the kernels' self-test, a
+session inside CUDA graph capture -- and drop the rest of the
 cross product. Only tests marked ``gpu`` are kept (the CPU suite runs in CI).
 
     PYTHONPATH=tests python -m pytest -p gpu_subset --gpu-subset tests --shard 1/3 tests/
@@ -52,6 +53,9 @@ SUBSETS: dict[str, dict[str, dict[str, Rule]]] = {
         "test_experiments.py": {"*": _every},
         "test_workloads.py": {"*": _every},
         "test_api.py": {"*": _every},
+        # the kernels' self-test on the real device, and a step captured into a CUDA graph inside a session
+        "test_selftest.py": {"*": _every},
+        "test_autograd_checks.py": {"*": _every},
     },
     # compute-sanitizer runs every launch tens of times slower: the default entry size, one dtype and data
     # kind per codec, the fit kernel, and the error paths of a damaged buffer

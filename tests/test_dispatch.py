@@ -1,9 +1,9 @@
 """One dispatch place: (codec, device, backend) -> an engine, selected through the public registry.
 
-The CUDA kernels are registered but not the default until they have run on a
-GPU; an explicit backend that does not exist is an error, never a silent
-fallback; a BuddyTensor records what ran; and everything the pipeline does
-goes through the engine the registry picked.
+The CUDA kernels are the default on CUDA devices (behind their self-test:
+tests/test_selftest.py); an explicit backend that does not exist is an
+error, never a silent fallback; a BuddyTensor records what ran; and
+everything the pipeline does goes through the engine the registry picked.
 """
 
 from __future__ import annotations
@@ -55,15 +55,20 @@ def temporary_implementation():
 
 
 def test_the_table_by_default():
-    assert buddy.defaults().backend == "reference"
+    assert buddy.defaults().backend == "auto"
+    kernels = ("zvc", "fpx", "bpc", "auto", "fpe", "auto2")
     for codec in ("raw", "zvc", "fpx", "bpc", "auto", "fpe", "auto2"):
         for device in ("cpu", "cuda"):
-            (impl,) = [i for i in buddy.implementations(codec, device=device) if i.default]
-            assert impl.backend == "reference" and impl.factory is BlockEngine
-    cuda = buddy.implementations(backend="cuda")
-    kernels = [(name, "cuda", False) for name in ("zvc", "fpx", "bpc", "auto", "fpe", "auto2")]
-    assert [(i.codec, i.device, i.default) for i in cuda] == kernels  # registered, not the default: not run on a GPU
-    nvcomp = buddy.implementations(backend="nvcomp")
+            (impl,) = [i for i in buddy.registered_implementations(codec, device=device) if i.default]
+            if device == "cuda" and codec in kernels:  # the kernels, behind their self-test
+                assert impl.backend == "cuda" and impl.factory is buddy.cuda.CudaEngine
+            else:
+                assert impl.backend == "reference" and impl.factory is BlockEngine
+            (reference,) = buddy.registered_implementations(codec, device=device, backend="reference")
+            assert reference.factory is BlockEngine  # what the kernels fall back to
+    cuda = buddy.registered_implementations(backend="cuda")
+    assert [(i.codec, i.device, i.default) for i in cuda] == [(name, "cuda", True) for name in kernels]
+    nvcomp = buddy.registered_implementations(backend="nvcomp")
     assert {i.codec for i in nvcomp} == set(buddy.codecs.nvcomp.NAMES)
     assert all(i.device == "cuda" and i.default for i in nvcomp)
 
@@ -122,7 +127,7 @@ def test_unknown_backend_rejected(bad, store, restore_defaults):
     with pytest.raises(ValueError, match="backend"):
         dispatch.engine(ZVC, "cpu", bad)
     with pytest.raises(ValueError, match="backend"):
-        buddy.set_defaults(backend=bad if bad else "auto")
+        buddy.set_defaults(backend=bad if bad else "nvcomp")
     bt = buddy.compress(t, store=store)
     with pytest.raises(ValueError, match="backend"):
         bt.decompress(backend=bad)
@@ -131,7 +136,7 @@ def test_unknown_backend_rejected(bad, store, restore_defaults):
 
 def test_default_cuda_backend_prefers_kernels_only_where_they_exist(store, gen, restore_defaults):
     previous = buddy.set_defaults(backend="cuda")
-    assert previous.backend == "reference" and buddy.defaults().backend == "cuda"
+    assert previous.backend == "auto" and buddy.defaults().backend == "cuda"
     t = make_data("relu", 10_000, torch.float32, gen)
     bt = buddy.compress(t, store=store)  # a CPU tensor: no kernels here, the default runs, no error
     assert bt.backend == "reference"
@@ -171,7 +176,7 @@ def test_the_pipeline_runs_the_registered_engine(store, gen, temporary_implement
 
 def test_one_default_per_codec_and_device(temporary_implementation):
     temporary_implementation("zvc", "cpu", "cuda", BlockEngine, default=True)
-    defaults = [i for i in buddy.implementations("zvc", device="cpu") if i.default]
+    defaults = [i for i in buddy.registered_implementations("zvc", device="cpu") if i.default]
     assert [i.backend for i in defaults] == ["cuda"]  # the reference stopped being the default
     assert dispatch.engine(ZVC, "cpu").backend == "cuda"  # an engine carries the registry's name for it
 

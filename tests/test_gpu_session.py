@@ -103,7 +103,7 @@ def test_step_time_goes_as_far_as_it_can_without_a_gpu(tmp_path):
     outcome = dry_run.run_entry("experiments.step_time", argv)
     assert outcome.ok, outcome.stop + outcome.output
     assert outcome.stop.startswith("no CUDA") and outcome.where.startswith("experiments/step_time.py")
-    assert buddy.defaults().backend == "reference"  # what the entry point set is undone
+    assert buddy.defaults().backend == "auto"  # what the entry point set ("reference") is undone
     assert not list(tmp_path.iterdir())
 
 

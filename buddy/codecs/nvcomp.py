@@ -364,7 +364,7 @@ class NvcompEngine(Engine):
         return slots, overflow[: m * spec.SECTOR_BYTES]
 
     # -- decompress --------------------------------------------------------------
-    def unpack(self, meta, slots, overflow, slot, entry_bytes, word_bytes, nbytes, *, check=True):
+    def unpack(self, meta, slots, overflow, slot, entry_bytes, word_bytes, nbytes, *, check=True, error_flag=None):
         self._check(slots, entry_bytes)
         n, mb = -(-nbytes // entry_bytes), spec.meta_bytes(entry_bytes)
         if meta.numel() != n * mb:
@@ -376,6 +376,8 @@ class NvcompEngine(Engine):
         out = torch.empty(n * entry_bytes, dtype=torch.uint8, device=slots.device)
         if n:
             error = self._decode(meta.reshape(-1), slots.reshape(-1), overflow.reshape(-1), slot, entry_bytes, out)
+            if error_flag is not None:
+                error_flag.bitwise_or_(error.view(1))
             if check:
                 raise_for_errors(self.codec.name, int(self.read(error)))
         return out[:nbytes]
