@@ -120,6 +120,44 @@ def test_main_job_tiny_reports_both_sets(tmp_path, capsys):
     assert saved["sets"] == {"tuning": ["gpt-bf16", "resnet-bf16"], "check": ["vit-bf16"]}
     out = capsys.readouterr().out
     assert "Ideal compacted ratio" in out and "Generalisation" in out and "check set (1)" in out
+    # the results page from these files: the run's table, command and machine, and its plots beside it
+    from experiments import report
+
+    page = tmp_path / "docs" / "results.md"
+    report.main(["--results", str(tmp_path), "--out", str(page), "--readme", str(tmp_path / "no-readme.md")])
+    text = page.read_text()
+    assert f"| gpt-bf16 | tuning | {by['gpt-bf16']['ideal_ratio']:.2f} | {by['gpt-bf16']['capacity']:.2f} |" in text
+    assert f"`python -m experiments.run {' '.join(args)} --no-progress --out {tmp_path}`" in text
+    assert "cores, no GPU, torch" in text or torch.cuda.is_available()
+    assert (tmp_path / "docs" / "img" / "main-capacity_sets-zvc.png").stat().st_size > 10_000
+
+
+def test_report_keeps_what_no_file_holds_and_says_where_each_date_comes_from(tmp_path):
+    from experiments import report
+
+    folder = tmp_path / "results" / "max_batch"
+    folder.mkdir(parents=True)
+    rows = [
+        {"workload": "resnet-fp32", "method": method, "max_batch": batch, "vs_none": batch / 64, "step_seconds": s, "note": ""}
+        for method, batch, s in (("none", 64, 0.1), ("buddy", 107, 5.0))
+    ]
+    environment = {"cpu": "some CPU", "cpu_count": 2, "torch": "2.13.0+cpu", "gpu": None}
+    doc = {"experiment": "max_batch", "size": "tiny", "accounting": True, "environment": environment, "rows": rows}
+    (folder / "results.json").write_text(json.dumps({**doc, "command": "python -m experiments.max_batch --size tiny"}))
+    page, readme = tmp_path / "results.md", tmp_path / "README.md"
+    kept = "## The decision table\n\nas it was\n"
+    page.write_text(f"# Results\n\n<!-- report:decision -->\n{kept}<!-- /report:decision -->\n")
+    readme.write_text("intro\n<!-- report:headline -->\nold\n<!-- /report:headline -->\nrest\n")
+    report.main(["--results", str(tmp_path / "results"), "--out", str(page), "--readme", str(readme)])
+    text = page.read_text()
+    assert f"<!-- report:decision -->\n{kept}<!-- /report:decision -->" in text  # no decide file: kept word for word
+    assert "| resnet-fp32 | tuning | 64 (1.00x) | 107 (1.67x) |" in text and "5.00 s (50.0x)" in text
+    assert "`python -m experiments.max_batch --size tiny` — some CPU, 2 cores, no GPU, torch 2.13.0+cpu" in text
+    assert "not in the file: the file's modification time" in text  # no date recorded, not in git
+    assert "The main job" not in text  # neither a file nor an earlier section
+    new = readme.read_text()
+    assert new.startswith("intro\n<!-- report:headline -->\n|") and new.endswith("<!-- /report:headline -->\nrest\n")
+    assert "old" not in new and "| 1.67x-1.67x | - |" in new
 
 
 def test_entropy_bound_and_simulation():
