@@ -33,7 +33,7 @@ DEFAULT_BACKENDS = ("reference", "cuda")
 
 @dataclass(frozen=True)
 class Defaults:
-    #: chosen by measurement: see the README, "Choosing the codec and entry size"
+    #: chosen by measurement: see docs/choosing.md
     codec: str = DEFAULT_CODEC
     entry_bytes: int = spec.DEFAULT_ENTRY_BYTES
     #: "reference" (each codec's default implementation) or "cuda" (kernels where they apply);

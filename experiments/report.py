@@ -524,7 +524,34 @@ def max_batch(files: Sequence[Results]) -> Section | None:
     return Section("max_batch", "The largest batch", body, _plot(result, "max_batch.png", "max_batch.png"))
 
 
-SECTIONS = (main_job, decision, full_capacity, over_training, max_batch, speed)
+def step_cost(files: Sequence[Results]) -> Section | None:
+    """CPU time of a training step with buddy's session against without, per workload."""
+    result = _latest(files, lambda r: r.experiment == "step_cost")
+    if result is None:
+        return None
+    rows = [
+        [r["workload"], _set_of(r["workload"]), f"{r['codec']} @ {r['entry_bytes']}", f"{r['none_cpu_s']:.3f} s",
+         f"{r['buddy_cpu_s']:.3f} s", f"**{r['cpu_ratio']:.1f}x**", f"{r['wall_ratio']:.1f}x", _x(r.get("capacity"))]
+        for r in result.rows()
+    ]  # fmt: skip
+    steps = result.rows()[0]["steps"] if result.rows() else "?"
+    body = "\n".join(
+        [
+            f"One run per workload ({result.size} size), its steps alternately plain and inside "
+            "`buddy.compressed_activations()` with buddy's defaults, on the reference path; the CPU time of a step "
+            "(the process's, all threads: other work on the machine does not stretch it as it does wall time), "
+            f"median of {steps} steps of each kind after warm-up. Wall-time ratio beside it.",
+            "",
+            _table(["workload", "set", "codec @ E", "plain step (CPU)", "buddy step (CPU)", "buddy / plain (CPU)",
+                    "buddy / plain (wall)", "capacity"], rows),  # fmt: skip
+            "",
+            _sources([result]),
+        ]
+    )
+    return Section("step_cost", "Training step cost on the CPU", body)
+
+
+SECTIONS = (main_job, decision, full_capacity, over_training, max_batch, step_cost, speed)
 
 
 def _sets(result: Results) -> dict[str, dict]:

@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 
+import buddy
+
 pytest.importorskip("sklearn", reason="the experiments need buddy[experiments]")
 pytest.importorskip("zstandard", reason="the experiments need buddy[experiments]")
 
@@ -130,6 +132,17 @@ def test_main_job_tiny_reports_both_sets(tmp_path, capsys):
     assert f"`python -m experiments.run {' '.join(args)} --no-progress --out {tmp_path}`" in text
     assert "cores, no GPU, torch" in text or torch.cuda.is_available()
     assert (tmp_path / "docs" / "img" / "main-capacity_sets-zvc.png").stat().st_size > 10_000
+
+
+def test_step_cost_tiny(tmp_path):
+    from experiments import step_cost
+
+    args = ["--size", "tiny", "--workloads", "resnet-fp32", "--steps", "1", "--warmup", "0", "--no-progress"]
+    (row,) = step_cost.main([*args, "--out", str(tmp_path)])
+    assert (row["codec"], row["entry_bytes"]) == (buddy.defaults().codec, buddy.defaults().entry_bytes)
+    assert row["none_cpu_s"] > 0 and row["buddy_cpu_s"] > 0 and row["capacity"] > 1
+    assert row["cpu_ratio"] == pytest.approx(row["buddy_cpu_s"] / row["none_cpu_s"])
+    assert json.loads((tmp_path / "results.json").read_text())["experiment"] == "step_cost"
 
 
 def test_report_keeps_what_no_file_holds_and_says_where_each_date_comes_from(tmp_path):
