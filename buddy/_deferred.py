@@ -18,6 +18,7 @@ import collections
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__ = ["DeferredLock"]
 
@@ -25,7 +26,7 @@ __all__ = ["DeferredLock"]
 class DeferredLock:
     """A ``threading.Lock`` plus a queue of updates applied under it by ``apply(item)``."""
 
-    def __init__(self, apply: Callable[[object], None]):
+    def __init__(self, apply: Callable[[Any], None]):
         self._apply = apply
         self._lock = threading.Lock()  # never taken twice by one thread
         self._inbox: collections.deque = collections.deque()

@@ -10,8 +10,8 @@ backward goes through :meth:`Session._pack`:
 * a storage saved by several ops (same storage, offset, shape, strides, dtype
   and version) is compressed once and shared;
 * everything else is compressed with the slot the tracker chooses for its key
-  (``"<index>:<dtype><shape>"``, the index counting such tensors in the
-  step), and only the compressed form is kept: the original's memory is
+  (``"<model>/<index>:<dtype><shape>"``, see "Keys" below), and only the
+  compressed form is kept: the original's memory is
   released as soon as nothing else refers to it. When the tracker chooses
   the raw slot (1x), the tensor is kept as it is instead (a raw slot would
   hold the same bytes plus metadata); its row says ``kept``;
@@ -40,9 +40,29 @@ the session; what it packed so far is freed with the partial graph, nothing
 is left in the store, and the session object can be opened for the next
 step.
 
+Keys: a saved tensor's key names the model that saved it, then the tensor:
+``"<model>/<index>:<dtype><shape>"``, the index counting the model's tensors
+in the step. ``<model>`` is derived from what the session sees, never from a
+name the user must remember: the outermost ``nn.Module`` whose forward is
+running when the tensor is saved, as its class name and a fingerprint of its
+module tree (every submodule's name and class, every parameter's name, shape
+and dtype) -- ``"ResNet-1a2b3c4d"``; a tensor saved outside any module's
+forward (the loss, after the model returned) takes the model of the step's
+previous tensor, and a step with no module at all takes the place in the
+code that opened the session (``"train.py:42"``). So the same model gets the
+same keys step after step -- its history is shared on purpose -- while two
+different models (a teacher and a student, a GAN's two nets, two models of
+a sweep), or the same class built with other sizes or parameter dtypes,
+never share a key, even on one tracker; an activation dtype or shape that
+changes (autocast on, another batch size) is another key too. The tracker
+plans each model from its own keys (a key's group is its model: see
+:mod:`buddy.tracker`). ``key_prefix="name/"`` replaces the derived model
+name (``"name/<index>:..."``) for explicit control: sessions that give the
+same prefix share history.
+
 Threads: saved-tensor hooks are per thread in PyTorch, so a session affects
 only the thread that opened it; threads may share a tracker and a store (both
-are locked) and should then give their sessions distinct ``key_prefix``es.
+are locked) and may give their sessions distinct ``key_prefix``es.
 A session object belongs to the thread that opened it: opening it again while
 it is open (from any thread) raises, and only that thread may close it.
 Nesting: the innermost open session packs; each session counts what it
@@ -56,12 +76,15 @@ records).
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
 import threading
 import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import NamedTuple
 
 import torch
@@ -113,6 +136,53 @@ def _tensor_key(t: torch.Tensor) -> str:
     return f"{dtype}{list(t.shape)}"
 
 
+#: the code objects of ``nn.Module.__call__``'s frames, whose ``self`` is the module being called
+_CALL_CODES = frozenset(
+    fn.__code__
+    for fn in (getattr(torch.nn.Module, "_call_impl", None), getattr(torch.nn.Module, "_wrapped_call_impl", None))
+    if fn is not None
+)
+
+
+def _outermost_module() -> torch.nn.Module | None:
+    """The outermost module whose forward is running on this thread's stack, or ``None``."""
+    frame: FrameType | None = sys._getframe(1)
+    root = None
+    while frame is not None:
+        if frame.f_code in _CALL_CODES:
+            module = frame.f_locals.get("self")
+            if isinstance(module, torch.nn.Module):
+                root = module
+        frame = frame.f_back
+    return root
+
+
+def module_name(module: torch.nn.Module) -> str:
+    """A model's name in keys: its class and a fingerprint of its module tree (see "Keys" in the module doc).
+
+    The fingerprint covers every submodule's name and class and every
+    parameter's name, shape and dtype, so it is the same for the same model
+    step after step and differs between models that differ in any of these.
+    """
+    h = hashlib.blake2b(digest_size=4)
+    for name, sub in module.named_modules():
+        h.update(f"{name}:{type(sub).__qualname__};".encode())
+    for name, p in module.named_parameters():
+        h.update(f"{name}:{p.dtype}{tuple(p.shape)};".encode())
+    return f"{type(module).__name__}-{h.hexdigest()}"
+
+
+def _call_site() -> str:
+    """``"file.py:line"`` of the first frame outside buddy: where the user opened the block."""
+    here = os.path.dirname(__file__)
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(here):
+        frame = frame.f_back
+    if frame is None:
+        return "session"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
 def _add_note(exc: BaseException, note: str) -> None:
     if hasattr(exc, "add_note"):  # Python 3.11+
         exc.add_note(note)
@@ -137,6 +207,20 @@ class _Kept:
         return self.tensor
 
 
+class _View:
+    """What autograd keeps for a dense view of bytes already taken under another shape: the other save's
+    object, and this view's shape and strides (its storage offset is the other's: the same bytes)."""
+
+    __slots__ = ("source", "shape", "stride")
+
+    def __init__(self, source, shape: tuple[int, ...], stride: tuple[int, ...]):
+        self.source, self.shape, self.stride = source, shape, stride
+
+    def unpack(self) -> torch.Tensor:
+        base = self.source.unpack()
+        return base.as_strided(self.shape, self.stride, base.storage_offset())
+
+
 class _Compressed:
     """What autograd keeps for a compressed saved tensor.
 
@@ -155,8 +239,9 @@ class _Compressed:
         self.bt = bt
         self.session = weakref.ref(session)  # for its counters only; see above
         self.row = row  # the session's stats row, counting deduplicated saves
-        self.cache = None  # weakref to the last decompressed tensor, shared by deduplicated saves
-        self.kept = None  # that tensor, held until every save of it has been unpacked
+        # weakref to the last decompressed tensor, shared by deduplicated saves
+        self.cache: weakref.ref[torch.Tensor] | None = None
+        self.kept: torch.Tensor | None = None  # that tensor, held until every save of it has been unpacked
         self.uses_left = 0
         self.schedule = schedule
         self.position = schedule.add(self)
@@ -356,18 +441,24 @@ class _SavedTensorHooks:
     tensor taken ``"<prefix><index>:<dtype><shape>"``, the index counting the
     tensors taken in the block. Subclasses say what taking a tensor means
     (:meth:`_take`) and count into :attr:`_stats` (a :class:`SessionStats`).
+    Keys: ``"<prefix><index>:<dtype><shape>"``, where the prefix is
+    ``key_prefix`` when given, else ``"<model>/"`` (see "Keys" in the module
+    doc) and the index counts the tensors taken under that prefix in the block.
     """
 
     def __init__(self, *, min_bytes: int, exclude, key_prefix: str, enabled: bool):
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"min_bytes must be a non-negative int (bytes), got {min_bytes!r}")
         self.min_bytes = min_bytes
+        if not isinstance(key_prefix, str):
+            raise TypeError(f"key_prefix must be a string, got {type(key_prefix).__name__}")
         self.key_prefix = key_prefix
+        self._site = "session"  # where the block was opened (set on entering it)
         self.enabled = enabled
         self._excluded = _storages_of(exclude)
         self._lock = threading.RLock()
-        self._hooks = None
-        self._thread = None  # the thread that opened it
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._thread: int | None = None  # the thread that opened it
         self._reset()
 
     # ---- context manager ---------------------------------------------------
@@ -379,6 +470,7 @@ class _SavedTensorHooks:
                     f"and per thread"
                 )
             self._reset()
+            self._site = _call_site()
             self._begin()
             hooks = torch.autograd.graph.saved_tensors_hooks(*_compile_safe_hooks(_weak_pack(self), self._unpack))
             hooks.__enter__()
@@ -401,7 +493,9 @@ class _SavedTensorHooks:
 
     def _reset(self) -> None:
         with self._lock:
-            self._index = 0
+            self._index: dict[str, int] = {}  # per key prefix: tensors taken under it
+            self._names: dict[int, tuple[weakref.ref, str]] = {}  # id(module) -> (module, its name), this block
+            self._last_prefix: str | None = None
             self._dedup: dict[tuple, tuple[StorageWeakRef, weakref.ref, KeyRow | None]] = {}
             self._storages: dict[int, list[int]] = {}  # storage -> [storage bytes, bytes of its views taken]
             self._stats = SessionStats()
@@ -433,7 +527,10 @@ class _SavedTensorHooks:
                 return t.detach()  # never ``t`` itself: see "kept as it is" in the module doc
             storage = t.untyped_storage()
             dedup_key = (storage._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-            hit = self._dedup.get(dedup_key)
+            # a dense view of the very bytes taken already (an attention output saved as (B, H, S, D) and as
+            # (B * S, H * D)): the same compressed bytes, handed back in this view's shape and strides
+            memory_key = (storage._cdata, t.storage_offset(), t.numel(), t.dtype, t._version)
+            hit = self._dedup.get(dedup_key) or self._dedup.get(memory_key)
             if hit is not None:
                 alive, ref, row = hit
                 packed = ref()
@@ -441,18 +538,36 @@ class _SavedTensorHooks:
                     st.deduplicated += 1
                     if row is not None:
                         row.saves += 1
-                    return packed
-            key = f"{self.key_prefix}{self._index}:{_tensor_key(t)}"
+                    if dedup_key in self._dedup:
+                        return packed
+                    return _View(packed, tuple(t.shape), t.stride())
+            prefix = self._prefix()
+            key = f"{prefix}{self._index.get(prefix, 0)}:{_tensor_key(t)}"
             taken = self._take(t, key)
             if taken is None:  # could not take it: keep the original
                 return t.detach()
             packed, row = taken
-            self._index += 1
+            self._index[prefix] = self._index.get(prefix, 0) + 1
             self._count_storage(storage, t.numel() * t.element_size())
             # A storage that died may be reused at the same address: the weak
             # reference tells the two apart, so a dedup hit is always the same data.
             self._dedup[dedup_key] = (StorageWeakRef(storage), weakref.ref(packed), row)
+            if dense_strides(t.shape, t.stride()):
+                self._dedup.setdefault(memory_key, self._dedup[dedup_key])
             return packed
+
+    def _prefix(self) -> str:
+        """The key prefix of a tensor being saved now: ``key_prefix``, else its model's name and ``/``."""
+        if self.key_prefix:
+            return self.key_prefix
+        module = _outermost_module()
+        if module is None:  # outside any module's forward: the step's previous model, else the call site
+            return self._last_prefix or f"{self._site}/"
+        found = self._names.get(id(module))
+        if found is None or found[0]() is not module:  # named once per block (a model's tree does not change)
+            found = self._names[id(module)] = (weakref.ref(module), module_name(module))
+        self._last_prefix = f"{found[1]}/"
+        return self._last_prefix
 
     def _take(self, t: torch.Tensor, key: str) -> tuple[object, KeyRow | None] | None:
         """What autograd keeps for ``t`` (weakly referable) and its stats row; ``None``: keep ``t`` as it is."""
@@ -507,12 +622,42 @@ class Session(_SavedTensorHooks):
 
     def _begin(self) -> None:
         self.tracker.begin_step(self.policy)
+        self._stats.overflow_bound = getattr(self.policy or self.tracker.policy, "overflow_bound", None)
         self._schedule = Schedule(self.prefetch)  # one per step: the old one lives on with the old graph
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
+        self._check_bound()
         if exc[0] is None:  # forward is done: backward will first ask for what was packed last
             _look_ahead(self._schedule, len(self._schedule))
+
+    def _check_bound(self) -> None:
+        """Warn (once per process and policy) if the step passed its policy's overflow bound.
+
+        The policies that state a bound keep it whatever the history (see
+        :mod:`buddy.tracker`); what can still push a step past it is a slot
+        the policy did not choose. The warning names the tensor with which the
+        step's running overflow first passed the bound, and the figures.
+        """
+        with self._lock:
+            st = self._stats
+            bound, spent, seen = st.overflow_bound, 0, 0
+            if bound is None:
+                return
+            for row in st.rows:
+                spent, seen = spent + row.buddy_bytes, seen + row.original_bytes
+                if spent > bound * seen:
+                    break
+            else:
+                return
+        policy = self.policy or self.tracker.policy
+        _warn_once(
+            f"bound {type(policy).__name__} {bound}",
+            f"buddy: this step's overflow passed its policy's bound ({policy!r}): with {row.key!r} the step's "
+            f"tensors so far spilled {spent:,} of {seen:,} bytes ({spent / seen:.1%} > {bound:.1%}); the step "
+            f"ended at {st.overflow_fraction:.1%}. A slot the policy did not choose (a custom policy, or a store "
+            f"that could not take the overflow) does this. This warning is shown once.",
+        )
 
     def _take(self, t: torch.Tensor, key: str):
         start = time.perf_counter()
@@ -549,7 +694,9 @@ class Session(_SavedTensorHooks):
             ideal_bytes=sum(k * n for k, n in enumerate(result.histogram)) * spec.SECTOR_BYTES,
             predicted_overflow_bytes=result.predicted,
             compress_seconds=elapsed,
+            corrected=result.corrected,
         )
+        st.corrected += result.corrected
         st.device_bytes += row.device_bytes
         st.buddy_bytes += row.buddy_bytes
         st.ideal_bytes += row.ideal_bytes
@@ -585,6 +732,7 @@ class _Packed(NamedTuple):
     bt: BuddyTensor | None  # None: kept as it is (the tracker chose the raw slot)
     histogram: tuple[int, ...]
     predicted: int | None  # overflow bytes the tracker predicted; None for a new key
+    corrected: bool  # the bound widened the slot the key's history planned (see buddy.tracker.Choice)
 
 
 def _tracked(t, key, tracker: Tracker, policy, store, codec, entry_bytes, *, keep: bool, on_full="device"):
@@ -618,7 +766,7 @@ def _tracked(t, key, tracker: Tracker, policy, store, codec, entry_bytes, *, kee
         statistics=measured.statistics,
         fitted=measured.codec,
     )
-    return _Packed(bt, measured.histogram, place.predicted_overflow_bytes)
+    return _Packed(bt, measured.histogram, place.predicted_overflow_bytes, place.corrected)
 
 
 def wrap(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, replace
+from typing import Any
 
 from . import spec
 from .codecs import DEFAULT_CODEC
@@ -74,7 +75,7 @@ def set_defaults(
     global _current
     from .codecs import get_codec  # the registry imports nothing from here; avoid a cycle at import
 
-    changes = {}
+    changes: dict[str, Any] = {}
     if codec is not None:
         changes["codec"] = get_codec(codec).name
     if entry_bytes is not None:

@@ -4,10 +4,22 @@
 kernels only when asked (``buddy.compress(t, backend="cuda")``, or
 ``buddy.set_defaults(backend="cuda")``); see :mod:`buddy.dispatch`, where
 :class:`CudaEngine` is registered as the ``"cuda"`` implementation of
-``zvc``, ``fpx``, ``bpc``, ``auto``, ``fpe`` and ``auto2``. The per-entry device code
-(``csrc/codec_*.h`` inside the format rules of ``csrc/buddy_entry.h`` and the
-operations of ``csrc/buddy_ops.h``) is tested byte for byte against the torch
-reference on the host, under an emulated warp.
+``zvc``, ``fpx``, ``bpc``, ``auto``, ``fpe`` and ``auto2``. What runs where
+without a GPU:
+
+* the kernels themselves -- ``csrc/buddy_kernels.cu`` and its headers,
+  unchanged, compiled for the host with the defines of :func:`compile_options`
+  -- run under a block emulator (``tests/emulator.py``, ``docs/emulator.md``):
+  every thread of a block a fiber in seeded random orders, built with
+  ThreadSanitizer (races between barriers) and with AddressSanitizer and
+  UBSan (misaligned loads, bytes past a buffer). Its launches come from this
+  module's own :class:`Kernels` and :class:`CudaEngine` (their ``launch=``),
+  and the tests compare every buffer with the torch reference;
+* the per-entry device code (``csrc/codec_*.h`` inside the format rules of
+  ``csrc/buddy_entry.h`` and the operations of ``csrc/buddy_ops.h``) also runs
+  under an emulated warp in a harness of its own (``tests/host/codec_host.cpp``);
+* NVRTC, the compiler this module uses through CuPy, compiles every codec at
+  every entry size (``tests/test_nvrtc.py``, with the ``nvidia-cuda-nvrtc`` wheel).
 
 One kernel per format operation over the whole tensor, the codec a template
 parameter (``csrc/buddy_kernels.cu``): ``measure`` (metadata + size
@@ -44,6 +56,7 @@ shape, contiguity, alignment of data pointers): a bad one raises
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import hashlib
 import importlib.resources
 import re
@@ -69,6 +82,7 @@ __all__ = [
     "ALIGN_BYTES",
     "CudaEngine",
     "Kernels",
+    "compile_module",
     "KERNEL_CODECS",
     "TABLED_KERNELS",
     "DEVICE_TABLE_BYTES",
@@ -143,36 +157,42 @@ def translation_unit(name: str = _SOURCE) -> str:
     return f"// buddy: {name}, local includes inlined\n{expand(name)}"
 
 
-def compile_options(entry_bytes: int, codec: str = "all") -> tuple[str, ...]:
-    """NVRTC options: C++17, the format constants of this entry size, and which codec's kernels to build."""
+def compile_options(entry_bytes: int, codec: str = "all", word_bytes: int | None = None) -> tuple[str, ...]:
+    """NVRTC options: C++17, the format constants of this entry size, which codec's kernels to build and, when
+    given, the one word size they are built for (csrc/buddy_kernels.cu: a kernel of one word size needs fewer
+    registers than one of all four)."""
     defines = spec.c_defines(spec.check_entry_bytes(entry_bytes))
-    return ("-std=c++17", *(f"-D{k}={v}" for k, v in defines.items()), f"-DBUDDY_CODEC_{codec.upper()}=1")
+    words = () if word_bytes is None else (f"-DBUDDY_WORD_BYTES={int(word_bytes)}",)
+    return ("-std=c++17", *(f"-D{k}={v}" for k, v in defines.items()), f"-DBUDDY_CODEC_{codec.upper()}=1", *words)
 
 
-def launch_config(op: str, entry_bytes: int, n_entries: int) -> tuple[int, int, int]:
+def launch_config(op: str, entry_bytes: int, n_entries: int, codec: str = "") -> tuple[int, int, int]:
     """``(blocks, threads per block, dynamic shared bytes)`` of a launch of ``op`` over ``n_entries``.
 
     One warp per entry; pack and unpack give each warp ``E`` bytes of shared
     memory to stage a payload in (at most :data:`STAGING_BYTES` a block, at
-    least one warp); measure stages nothing and runs 8 warps a block. A table
-    codec's ``count`` runs a thread per 8 bytes (``n_entries``: the 8-byte
-    units), 256 a block; its ``fit`` is one warp.
+    least one warp), and the unpack of a table codec (``codec`` in
+    :data:`TABLED_KERNELS`, whose lanes decode into shared memory) ``2 E``;
+    measure stages nothing and runs 8 warps a block. A table codec's
+    ``count`` runs a thread per 8 bytes (``n_entries``: the 8-byte units),
+    256 a block; its ``fit`` is one warp.
     """
     if op == "fit":
         return 1, _WARP, 0
     if op == "count":
         return max(1, min(MAX_BLOCKS, -(-n_entries // 256))), 256, 0
     staged = op != "measure"
-    warps = max(1, min(8, STAGING_BYTES // entry_bytes)) if staged else 8
+    per_warp = entry_bytes * (2 if op == "unpack" and codec in TABLED_KERNELS else 1)
+    warps = max(1, min(8, STAGING_BYTES // per_warp)) if staged else 8
     blocks = max(1, min(MAX_BLOCKS, -(-n_entries // warps)))
-    return blocks, warps * _WARP, warps * entry_bytes if staged else 0
+    return blocks, warps * _WARP, warps * per_warp if staged else 0
 
 
 # ---------------------------------------------------------------------------
 # compilation, memoised per process
 # ---------------------------------------------------------------------------
 _modules: dict[tuple[str, tuple[str, ...], str], object] = {}
-_kernels: dict[tuple[str, str, int, int], object] = {}
+_kernels: dict[tuple[str, str, int, int, int], object] = {}
 _lock = threading.Lock()
 
 
@@ -196,13 +216,14 @@ def _module(source: str, options: tuple[str, ...], device: torch.device):
     return module
 
 
-def _kernel(codec: str, op: str, entry_bytes: int, device: torch.device, shared_bytes: int):
-    """Kernel ``buddy_<codec>_<op>`` for this entry size, compiled for ``device`` (and allowed its shared memory)."""
-    key = (codec, op, entry_bytes, device.index)
+def _kernel(codec: str, op: str, entry_bytes: int, device: torch.device, shared_bytes: int, word_bytes: int):
+    """Kernel ``buddy_<codec>_<op>`` for this entry and word size, compiled for ``device`` (and allowed its shared
+    memory): a module per codec, entry size and word size."""
+    key = (codec, op, entry_bytes, device.index, word_bytes)
     kernel = _kernels.get(key)
     if kernel is None:
         cupy = _cupy()
-        module = _module(translation_unit(_SOURCE), compile_options(entry_bytes, codec), device)
+        module = _module(translation_unit(_SOURCE), compile_options(entry_bytes, codec, word_bytes), device)
         with cupy.cuda.Device(device.index):
             kernel = module.get_function(f"buddy_{codec}_{op}")  # compiles (NVRTC) on first use
             if shared_bytes > 48 << 10:  # beyond the default a block may ask for: opt in
@@ -212,13 +233,36 @@ def _kernel(codec: str, op: str, entry_bytes: int, device: torch.device, shared_
     return kernel
 
 
+def compile_module(
+    codec: str, entry_bytes: int, device: torch.device | str, word_sizes: Sequence[int] = (1, 2, 4, 8)
+) -> None:
+    """Compile the kernels of ``codec`` at ``entry_bytes`` for ``device`` now, not at their first launch: a
+    module per word size in ``word_sizes`` (the tensors' element sizes: 1, 2, 4 or 8 bytes).
+
+    What a launch would do first (NVRTC through CuPy, memoised in this
+    process and kept in CuPy's on-disk cache for later ones); a GPU session
+    calls it for many modules in parallel processes before its tests.
+    """
+    if codec not in KERNEL_CODECS:
+        raise ValueError(f"codec {codec!r} has no CUDA kernels (codecs with them: {', '.join(sorted(KERNEL_CODECS))})")
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"the kernels compile for a CUDA device, got {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    for word_bytes in word_sizes:
+        if word_bytes not in (1, 2, 4, 8):
+            raise ValueError(f"word sizes are 1, 2, 4 or 8 bytes, got {word_bytes!r}")
+        _kernel(codec, "measure", spec.check_entry_bytes(entry_bytes), device, 0, word_bytes)
+
+
 def _launch(codec: str, op: str, entry_bytes: int, device: torch.device, n_entries: int, args: tuple) -> None:
     """Launch ``buddy_<codec>_<op>`` over ``n_entries`` on the device's current torch stream."""
     import numpy
 
     cupy = _cupy()
-    blocks, threads, shared = launch_config(op, entry_bytes, n_entries)
-    kernel = _kernel(codec, op, entry_bytes, device, shared)
+    blocks, threads, shared = launch_config(op, entry_bytes, n_entries, codec)
+    kernel = _kernel(codec, op, entry_bytes, device, shared, int(args[-1]))  # every kernel's last argument: the word size
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
     # pointers and sizes as fixed-width scalars: exactly the kernel's parameter types
     c_args = tuple(numpy.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
@@ -277,10 +321,10 @@ def _i32(v: int):
 # ---------------------------------------------------------------------------
 #: codecs whose kernels code with a table (their ``table`` argument is a device table, not null)
 TABLED_KERNELS = frozenset({"fpe", "auto2"})
-#: bytes of a device table (``sizeof(BuddyFpeTable)``): a decode row per value of the next
-#: MAX_CODE_BITS stream bits (uint32), an encode entry per symbol of the widest symbols (uint16: 12 bits,
-#: ZERO and ESC), the bits of a word a symbol is (uint32)
-DEVICE_TABLE_BYTES = 4 * (1 << MAX_CODE_BITS) + 2 * n_symbols(8) + 4
+#: bytes of a device table (``sizeof(BuddyFpeTable)``): a decode row and a multi row per value of the next
+#: MAX_CODE_BITS stream bits (uint32 each), an encode entry per symbol of the widest symbols (uint16: 12 bits,
+#: ZERO and ESC), the bits of a word a symbol is, the layout and the span model (uint32 each)
+DEVICE_TABLE_BYTES = 8 * (1 << MAX_CODE_BITS) + 2 * n_symbols(8) + 12
 #: bytes of the serialized table a fit writes: the longest :meth:`Table.to_bytes` (``BUDDY_FPE_SERIAL_BYTES``)
 FIT_SERIAL_BYTES = 4 + 3 * (MAX_CODED + 2)
 #: scratch bytes of a fit (``sizeof(BuddyFpeFitWork)``, csrc/codec_fpe_fit.h)
@@ -293,9 +337,11 @@ def device_table(table: Table) -> torch.Tensor:
     """An fpe ``table`` laid out as the kernels read it: :data:`DEVICE_TABLE_BYTES` uint8 on the host.
 
     ``BuddyFpeTable`` (csrc/codec_fpe.h): ``dec[v]`` = symbol | code length << 16 for
-    the next 12 stream bits ``v``, then ``enc[symbol]`` = stream code | code length <<
-    12 (0: no code), both from :meth:`Table.lookups`, then the table's
-    :attr:`~Table.symbol_bits` (which its format says), little-endian. Pinned when CUDA
+    the next 12 stream bits ``v``, ``multi[v]`` (:attr:`Table.multi_rows`), then
+    ``enc[symbol]`` = stream code | code length << 12 (0: no code), from
+    :meth:`Table.lookups`, then the table's :attr:`~Table.symbol_bits`, whether its
+    payloads have the split layout (:attr:`~Table.split`; both from its format) and
+    its :attr:`~Table.span_model` (``zero | head << 8``), little-endian. Pinned when CUDA
     is present (its copy to the device is then asynchronous); kept for the last 64
     tables -- a tracker's learned table comes back step after step -- and never
     written again.
@@ -310,7 +356,10 @@ def device_table(table: Table) -> torch.Tensor:
     enc = [code | length << 12 for code, length in zip(enc_code, enc_len)]
     enc += [0] * (n_symbols(8) - len(enc))  # the layout has room for the widest words' symbols
     dec = [sym | length << 16 for sym, length in zip(dec_sym, dec_len)]
-    raw = struct.pack(f"<{len(dec)}I{len(enc)}HI", *dec, *enc, table.symbol_bits)
+    multi = table.multi_rows.tolist()
+    zero, head = table.span_model
+    tail = (table.symbol_bits, int(table.split), zero | head << 8)
+    raw = struct.pack(f"<{len(dec)}I{len(multi)}I{len(enc)}H3I", *dec, *multi, *enc, *tail)
     out = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     if torch.cuda.is_available():
         out = out.pin_memory()
@@ -366,7 +415,7 @@ class Kernels:
         """The buffers' common device; ``ValueError`` for any that is not what the kernels need."""
         spec.check_entry_bytes(entry_bytes)
         _check_word(word_bytes)
-        device = None
+        device: torch.device | None = None
         for what, (t, dtype, numel) in buffers.items():
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
@@ -374,6 +423,8 @@ class Kernels:
                 raise ValueError(f"{what} must be on a CUDA device for the CUDA kernels, got one on {t.device}")
             device = device or t.device
             _check_tensor(what, t, device=device, dtype=dtype, shape=(numel,))
+        if device is None:
+            raise ValueError("no buffers to check")
         return device
 
     def _table(self, table, device: torch.device) -> torch.Tensor:
@@ -563,7 +614,7 @@ class CudaEngine(Engine):
         return torch.cumsum(k.sub_(slot).clamp_(min=0), 0)
 
     @property
-    def fits_tables(self) -> bool:
+    def fits_tables(self) -> bool:  # type: ignore[override]  # a class attribute of Engine; here per codec
         """A codec with a table: counted and fitted on the device (:meth:`fit_measure`)."""
         return self.codec.name in TABLED_KERNELS
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+from importlib import metadata
 
 import numpy
 import torch
@@ -25,8 +27,38 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _driver_version() -> str | None:
+    """The NVIDIA driver's version as ``nvidia-smi`` reports it (e.g. ``580.159.04``); ``None`` without one."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = done.stdout.split()
+    return first[0] if done.returncode == 0 and first else None
+
+
+def _distribution(*names: str) -> str | None:
+    """``name==version`` of the first of these installed distributions (wheels), else ``None``."""
+    for name in names:
+        try:
+            return f"{name}=={metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def environment() -> dict[str, object]:
-    """Device, library versions and machine, as a JSON-friendly dict."""
+    """Device, library versions and machine, as a JSON-friendly dict.
+
+    With a GPU it also holds the device's name, memory and capability and the
+    driver's version; ``nvcomp_wheels`` names the nvcomp wheels installed (its
+    Python API and the library it loads).
+    """
     from . import __version__
 
     env: dict[str, object] = {
@@ -37,6 +69,14 @@ def environment() -> dict[str, object]:
         "numpy": numpy.__version__,
         "cupy": version_of("cupy"),
         "nvcomp": version_of("nvidia.nvcomp"),
+        "nvcomp_wheels": [
+            w
+            for w in (
+                _distribution("nvidia-nvcomp-cu13", "nvidia-nvcomp-cu12"),
+                _distribution("nvidia-libnvcomp-cu13", "nvidia-libnvcomp-cu12"),
+            )
+            if w
+        ],
         "zstandard": version_of("zstandard"),
         "lz4": version_of("lz4"),
         "cpu": _cpu_model(),
@@ -49,6 +89,7 @@ def environment() -> dict[str, object]:
         env["gpu"] = props.name
         env["gpu_memory_bytes"] = props.total_memory
         env["gpu_capability"] = f"{props.major}.{props.minor}"
+        env["driver"] = _driver_version()
     else:
         env["gpu"] = None
     return env

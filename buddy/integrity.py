@@ -168,8 +168,12 @@ def checksums(
     meta: torch.Tensor, slots: torch.Tensor, overflow: torch.Tensor, table: torch.Tensor | None = None
 ) -> Checksum:
     """The :class:`Checksum` of the buffers of a compressed tensor (``table``: format version 2's fourth)."""
-    sums = (buffer_checksum(b) for b in (meta, slots, overflow))
-    return Checksum(*sums, table=None if table is None else buffer_checksum(table))
+    return Checksum(
+        buffer_checksum(meta),
+        buffer_checksum(slots),
+        buffer_checksum(overflow),
+        table=None if table is None else buffer_checksum(table),
+    )
 
 
 def verify(

@@ -52,7 +52,7 @@ class Hold:
 
     def __init__(self, ledger: DeviceLedger, nbytes: int):
         self.nbytes = nbytes
-        self._ledger = ledger
+        self._ledger: DeviceLedger | None = ledger
 
     @property
     def released(self) -> bool:

@@ -278,7 +278,7 @@ def compress(
     codec: str | Codec | None = None,
     *,
     entry_bytes: int | None = None,
-    max_overflow: float = DEFAULT_MAX_OVERFLOW,
+    max_overflow: float | None = None,
     store: BuddyStore | None = None,
     on_full: str = "raise",
     backend: str | None = None,
@@ -294,21 +294,39 @@ def compress(
     :func:`buddy.compressed_activations`). Sparse, quantized, nested, meta,
     fake and vmap-batched tensors raise :class:`~buddy.errors.UnsupportedTensorError`.
 
-    ``target_ratio``: ``E / (32 s)`` for a slot of ``s`` sectors (E = 512:
-    16/16 ... 16/1 and ``inf``; others round to the nearest slot within 1 %,
-    else to the larger). ``None``: the most aggressive slot whose overflow
-    stays within ``max_overflow`` (a fraction in [0, 1], checked even when
-    unused) of the tensor's bytes. Other arguments: see the module doc.
+    Give the slot one way, never both (both: ``ValueError``):
 
-    Returns a :class:`BuddyTensor`; the size pass needs one device-to-host read.
+    * ``target_ratio``: ``E / (32 s)`` for a slot of ``s`` sectors (E = 4096:
+      128/128 ... 128/1, and ``inf`` for the zero slot). A ratio the sector
+      grid cannot give exactly takes the nearest slot when that is within 1 %
+      of it (``4/3`` and ``1.33`` alike give ``s = 3`` at E = 128), else the
+      next larger slot, which gives a lower ratio than asked for (``3.0`` at
+      E = 4096: ``s = 43``, 2.977x): :func:`buddy.spec.slot_for_ratio`. The
+      ratio used is ``bt.target_ratio``; the one asked for, ``bt.requested_ratio``.
+      The overflow is whatever the data makes it.
+    * ``max_overflow`` (default 0.10): the most aggressive slot whose
+      overflow stays within this fraction (in [0, 1]) of the tensor's bytes,
+      on the tensor's own size pass.
+
+    Other arguments: see the module doc. Returns a :class:`BuddyTensor`; the
+    size pass needs one device-to-host read.
     """
     codec, entry_bytes, engine = _resolve(tensor, codec, entry_bytes, backend)
-    max_overflow = check_max_overflow(max_overflow)
+    if max_overflow is not None:
+        max_overflow = check_max_overflow(max_overflow)
+        if target_ratio is not None:
+            raise ValueError(
+                f"give either target_ratio ({target_ratio!r}: a fixed slot, whatever it spills) or max_overflow "
+                f"({max_overflow!r}: the slot from the tensor's sizes), not both"
+            )
+    max_overflow = DEFAULT_MAX_OVERFLOW if max_overflow is None else max_overflow
     fixed = None if target_ratio is None else spec.slot_for_ratio(target_ratio, entry_bytes)
     options = _pack_options(store, on_full, checksum, ledger)
     measured = _measure(tensor, codec, entry_bytes, engine)
     slot = fixed if fixed is not None else slot_for_overflow(measured.histogram, max_overflow, measured.nbytes)
-    return _pack(measured, slot, options)
+    bt = _pack(measured, slot, options)
+    bt.requested_ratio = None if target_ratio is None else _as_float(target_ratio)
+    return bt
 
 
 def unpack(
@@ -398,3 +416,11 @@ def _check_stride(stride, shape: tuple[int, ...]) -> tuple[int, ...]:
     if not dense_strides(shape, stride):
         raise ValueError(f"stride {stride} is not a dense layout of shape {shape}")
     return stride
+
+
+def _as_float(ratio: float) -> float:
+    """``ratio`` as a float; an integer too large for one (``2**2000``, accepted as a ratio) is ``inf``."""
+    try:
+        return float(ratio)
+    except OverflowError:
+        return math.inf

@@ -8,6 +8,7 @@ size pass or from the tracker's history of the same key.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import overload
 
 from . import spec
 
@@ -42,7 +43,15 @@ def check_max_overflow(max_overflow: float) -> float:
     return float(max_overflow)
 
 
-def overflow_sectors(histogram: Sequence[int], slot_sectors: int) -> int:
+@overload
+def overflow_sectors(histogram: Sequence[int], slot_sectors: int) -> int: ...
+
+
+@overload
+def overflow_sectors(histogram: Sequence[float], slot_sectors: int) -> float: ...
+
+
+def overflow_sectors(histogram: Sequence[float], slot_sectors: int) -> float:
     """Sectors that go to buddy memory with a slot of ``slot_sectors`` (a float for a predicted, float histogram)."""
     return sum((k - slot_sectors) * n for k, n in enumerate(histogram) if k > slot_sectors)
 
@@ -56,7 +65,7 @@ def larger_than(histogram: Sequence[float]) -> list[float]:
     return out
 
 
-def slot_for_overflow(histogram: Sequence[int], max_overflow: float, budget_bytes: int) -> int:
+def slot_for_overflow(histogram: Sequence[float], max_overflow: float, budget_bytes: float) -> int:
     """The smallest slot whose overflow is at most ``max_overflow * budget_bytes``.
 
     ``budget_bytes`` is the tensor's size in bytes. The full slot (``E/32``)
@@ -65,7 +74,7 @@ def slot_for_overflow(histogram: Sequence[int], max_overflow: float, budget_byte
     slot.
     """
     limit = check_max_overflow(max_overflow) * budget_bytes
-    spilled, larger = 0, 0
+    spilled, larger = 0.0, 0.0
     for s in range(len(histogram) - 1, 0, -1):
         larger += histogram[s]  # entries of at least s sectors: each spills one more at slot s - 1
         if (spilled + larger) * spec.SECTOR_BYTES > limit:
@@ -74,6 +83,6 @@ def slot_for_overflow(histogram: Sequence[int], max_overflow: float, budget_byte
     return 0
 
 
-def tightest_slot(histogram: Sequence[int]) -> int:
+def tightest_slot(histogram: Sequence[float]) -> int:
     """The smallest slot with no overflow at all (the largest ``k`` present)."""
     return max((k for k, n in enumerate(histogram) if n), default=0)

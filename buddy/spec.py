@@ -52,6 +52,17 @@ buffers. Everything above is unchanged: tensors of the codecs without a
 table (``zvc``, ``fpx``, ``bpc``, ``auto``, ``raw``, nvcomp's) are version 1
 tensors, byte for byte, and decode as before.
 
+Format version 3: lane-parallel codes
+-------------------------------------
+Version 3 changes one codec layout: ``fpe`` (and ``auto2``'s ``fpe`` mode)
+with a table of format 3 puts an entry's codes first and its mantissa tails
+at the payload's end (the **split layout**, :mod:`buddy.codecs.fpe`), so a
+GPU warp decodes an entry with all 32 lanes. Its ``k`` is exactly version
+2's: the same bits, placed differently. Everything else is version 2's; a
+tensor whose ``fpe`` table is of format 1 or 2 is a version 2 tensor and
+decodes as before, and tensors of the codecs without a table are version 1
+tensors.
+
 Integrity (optional)
 --------------------
 With ``checksum=True`` a tensor also carries one 64-bit checksum per buffer,
@@ -95,8 +106,9 @@ __all__ = [
     "c_defines",
 ]
 
-#: the newest format version buddy reads and writes (a tensor is version 1 unless its codec carries a table)
-FORMAT_VERSION = 2
+#: the newest format version buddy reads and writes (a tensor is version 1 unless its codec carries a table;
+#: version 3 when that table is of the split layout)
+FORMAT_VERSION = 3
 SECTOR_BYTES = 32
 DEFAULT_ENTRY_BYTES = 4096
 MIN_ENTRY_BYTES = 32
@@ -139,9 +151,12 @@ def meta_bytes(entry_bytes: int) -> int:
 def slot_for_ratio(target_ratio: float, entry_bytes: int) -> int:
     """Slot size in sectors for a target compression ratio.
 
-    ``inf`` gives the zero slot. Ratios that are not exactly achievable round
-    to the nearest slot when within 1 % (so ``1.33`` means 4/3), otherwise to
-    the larger slot (the achieved ratio never exceeds the one asked for).
+    ``inf`` gives the zero slot. A ratio the sector grid cannot give exactly
+    takes the nearest slot when that slot is within 1 % of the exact one (so
+    ``1.33`` means 4/3 at E = 128; the ratio used is then within about 1 % of
+    the one asked for, above or below), otherwise the next larger slot, whose
+    ratio is lower than the one asked for (3.0 at E = 4096: 43 sectors,
+    2.977x). A finite ratio never gives the zero slot.
     """
     if isinstance(target_ratio, bool) or not isinstance(target_ratio, (int, float)):
         raise TypeError(f"target_ratio must be a number, got {type(target_ratio).__name__}")

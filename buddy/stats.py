@@ -39,6 +39,12 @@ class KeyRow:
     predicted_overflow_bytes: int | None  # None: new key, decided from its size pass
     saves: int = 1  # how many saves autograd made of it (dedup)
     compress_seconds: float = 0.0
+    corrected: bool = False  # the policy's bound widened the slot its history planned (buddy.tracker.Choice)
+
+    @property
+    def offloaded(self) -> bool:
+        """Sent wholly to buddy memory (the zero slot): only metadata stays on the device."""
+        return self.target_ratio == math.inf
 
     @property
     def effective_capacity(self) -> float:
@@ -75,6 +81,17 @@ class SessionStats:
     decompressions: int = 0
     #: backward's look-ahead (:mod:`buddy.prefetch`): what was brought back or decompressed ahead of use
     prefetch: PrefetchStats = field(default_factory=PrefetchStats)
+    #: the policy's overflow bound, a fraction of the bytes compressed (``None``: the policy states none)
+    overflow_bound: float | None = None
+    #: tensors whose slot the bound widened from what the history planned (the plan was wrong for them)
+    corrected: int = 0
+
+    @property
+    def within_bound(self) -> bool:
+        """Whether the step's overflow kept the policy's bound (``True`` when it states none)."""
+        if self.overflow_bound is None:
+            return True
+        return self.buddy_bytes <= self.overflow_bound * sum(r.original_bytes for r in self.rows)
 
     @property
     def effective_capacity(self) -> float:
@@ -97,11 +114,14 @@ class SessionStats:
             effective_capacity=self.effective_capacity,
             overflow_fraction=self.overflow_fraction,
             ideal_ratio=self.ideal_ratio,
+            within_bound=self.within_bound,
         )
         return d
 
     def __str__(self) -> str:
-        header = f"{'key':<28} {'codec':<5} {'target':>6} {'original':>12} {'device':>12} {'buddy':>12} {'capacity':>8} {'overflow':>8} {'pred.ovf':>8}"
+        # keys name their model ("ResNet-1a2b3c4d/12:float32[64, 256, 56, 56]"): wide enough for the longest
+        w = min(max([28, *(len(r.key) for r in self.rows)]), 64)
+        header = f"{'key':<{w}} {'codec':<5} {'target':>6} {'original':>12} {'device':>12} {'buddy':>12} {'capacity':>8} {'overflow':>8} {'pred.ovf':>8}"
         lines = [header, "-" * len(header)]
         for r in self.rows:
             pred = (
@@ -109,14 +129,17 @@ class SessionStats:
                 if r.predicted_overflow_bytes is None
                 else f"{_ratio(r.predicted_overflow_bytes, r.original_bytes):.1%}"
             )
+            # a tensor sent wholly to buddy memory keeps only metadata on the device: say so, not "infx"
+            target = "offload" if r.offloaded else f"{r.target_ratio:>5.2f}x"
+            capacity = "offload" if r.offloaded else f"{r.effective_capacity:>7.2f}x"
             lines.append(
-                f"{r.key[:28]:<28} {r.codec:<5} {r.target_ratio:>5.2f}x {format_bytes(r.original_bytes):>12} "
+                f"{r.key[:w]:<{w}} {r.codec:<5} {target:>6} {format_bytes(r.original_bytes):>12} "
                 f"{format_bytes(r.device_bytes):>12} {format_bytes(r.buddy_bytes):>12} "
-                f"{r.effective_capacity:>7.2f}x {r.overflow_fraction:>8.1%} {pred:>8}"
+                f"{capacity:>8} {r.overflow_fraction:>8.1%} {pred:>8}{' corrected' if r.corrected else ''}"
             )
         lines.append("-" * len(header))
         lines.append(
-            f"{'total (unique storages)':<28} {'':<5} {'':>6} {format_bytes(self.original_bytes):>12} "
+            f"{'total (unique storages)':<{w}} {'':<5} {'':>6} {format_bytes(self.original_bytes):>12} "
             f"{format_bytes(self.device_bytes):>12} {format_bytes(self.buddy_bytes):>12} "
             f"{self.effective_capacity:>7.2f}x {self.overflow_fraction:>8.1%}"
         )
@@ -127,6 +150,12 @@ class SessionStats:
             f"compress {self.compress_seconds * 1e3:.1f} ms, decompress {self.decompress_seconds * 1e3:.1f} ms "
             f"({self.decompressions} unpacks); ideal ratio {self.ideal_ratio:.2f}x"
         )
+        if self.overflow_bound is not None:
+            lines.append(
+                f"overflow {self.overflow_fraction:.1%} against the policy's bound of {self.overflow_bound:.1%}: "
+                f"{'within it' if self.within_bound else 'PAST IT'}; {self.corrected} slot(s) corrected from the "
+                f"history's plan on the tensors' own sizes"
+            )
         p = self.prefetch
         if p.prefetched or p.unpacked_ahead:
             lines.append(

@@ -24,6 +24,7 @@ import bisect
 import mmap
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -86,7 +87,7 @@ class _Block:
         if self.pinned:
             _cuda_call("cudaHostUnregister", self.buffer.data_ptr())
             self.pinned = False
-        self.buffer = self._map = None
+        self.buffer = self._map = None  # type: ignore[assignment]  # released: the block is never used again
 
     @property
     def unused(self) -> bool:
@@ -141,7 +142,7 @@ class BuddyAllocation:
         self.offset = offset
         self.nbytes = nbytes
         self.data = block.buffer[offset : offset + nbytes] if block is not None else torch.empty(0, dtype=torch.uint8)
-        self.ops = None
+        self.ops: Any = None  # the stream operations of the copies (buddy.streams), once one was issued
         self.written = None  # the event of the copy that fills the range
         self.uses: list = []  # events of every copy touching the range that may not have completed
 
@@ -325,10 +326,13 @@ class BuddyStore:
                 f"BuddyStore(capacity_bytes=...), or pass on_full='device' to keep such tensors whole on the device."
             ) from exc
         self._blocks.append(block)
-        return block, block.take(size)
+        offset = block.take(size)
+        assert offset is not None  # a new block of at least `size` bytes, all free
+        return block, offset
 
     def _give(self, alloc: BuddyAllocation) -> None:
         size = _round_up(alloc.nbytes, SECTOR_BYTES)
+        assert alloc.block is not None, "given back twice"  # release() gives each allocation back once
         alloc.block.give(alloc.offset, size)
         self._held -= size
         alloc.block = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -144,7 +145,9 @@ class BuddyTensor:
         device_bytes: slots + metadata (+ the codec table, format version 2) on the device.
         buddy_bytes: overflow held in buddy memory.
         compressed_bytes: ``sum(k) * 32``, the size if entries were compacted.
-        target_ratio: ``E / (32 * slot_sectors)``; ``inf`` for the zero slot.
+        target_ratio: ``E / (32 * slot_sectors)``, the ratio of the slot used; ``inf`` for the zero slot.
+        requested_ratio: the ``target_ratio`` :func:`compress` was given (the slot grid may round it:
+            see there), or ``None`` when the slot came from an overflow bound or a policy.
         codec: codec name.
         backend: ``"reference"``, ``"cuda"`` or ``"nvcomp"``: what ran the
             codec at compress time (see :mod:`buddy.dispatch`), and what
@@ -194,13 +197,15 @@ class BuddyTensor:
         #: entries per size: ``histogram[k]`` entries compress to ``k`` sectors
         self.histogram = tuple(int(n) for n in histogram)
         self.format_version = codec.format_version
+        self.requested_ratio: float | None = None  # set by compress() when it was given a target ratio
         #: per-buffer checksums taken at compress time, or ``None`` (see :mod:`buddy.integrity`)
         self.checksum = checksum
         self._slots = slots
         self._meta = meta
         self._overflow = overflow
         self._table = table
-        self._prefetched = None  # (overflow on the device, the event of its arrival) from prefetch()
+        # (overflow on the device, the event of its arrival) from prefetch()
+        self._prefetched: tuple[torch.Tensor, Any] | None = None
         self.store = store
         self.ledger = ledger
         self.device_bytes = slots.numel() + meta.numel() + (0 if table is None else table.numel())
@@ -350,7 +355,8 @@ class BuddyTensor:
         """Return the slots and buddy memory now. A second call raises."""
         self._check_alive("free")
         self._finalizer()
-        self._slots = self._meta = self._prefetched = None
+        self._slots = self._meta = None  # type: ignore[assignment]  # freed: _check_alive() refuses any use
+        self._prefetched = None
 
     def _check_alive(self, action: str) -> None:
         if self.freed:

@@ -35,6 +35,23 @@ From "keep on the device" to "offload everything" is one continuum:
 ``DeviceBudget(budget_bytes)`` spends whatever device memory it is given on
 the tensors where it saves the most link traffic and puts the rest in buddy
 memory, down to the zero slot when the budget demands it.
+
+**Groups.** A key's **group** is everything before its last ``/``
+(``"_GPT/3:bfloat16[16, 128, 64]"`` is in group ``"_GPT"``; a key without a
+``/`` is in group ``""``). A training session names a key's group after the
+model that saved the tensor (see :mod:`buddy.autograd`), so two models on
+one tracker never share history: history is shared on purpose only between
+the steps of the same model. A step plans each group from the keys that
+group had in its own most recent step.
+
+**A bound is a bound.** History only guides. Every policy that states an
+overflow bound (:attr:`Policy.overflow_bound`) keeps it on the tensors'
+real histograms, whatever the history says: :class:`BuddyThreshold` per
+tensor, :class:`OverflowBudget` at every point of a step (the overflow of
+the step's tensors so far never passes ``max_overflow`` of their bytes, so
+the step ends within it however many tensors it turns out to have), and
+:class:`DeviceBudget` for the keys it has no plan for. The bound is exact:
+overflow is counted in whole sectors on both sides, with no rounding.
 """
 
 from __future__ import annotations
@@ -64,7 +81,9 @@ __all__ = [
     "OverflowBudget",
     "CompressedOffload",
     "Decision",
+    "Choice",
     "Placement",
+    "group_of",
     "KeyHistory",
     "Tracker",
     "BudgetExceededWarning",
@@ -77,6 +96,11 @@ class BudgetExceededWarning(RuntimeWarning):
     """DeviceBudget could not fit a tensor: it went to buddy memory with the zero slot."""
 
 
+def group_of(key: str) -> str:
+    """The group of a key: everything before its last ``/`` (``""`` when it has none)."""
+    return key.rpartition("/")[0]
+
+
 @dataclass(frozen=True)
 class Decision:
     """What a policy is asked to decide, and with what.
@@ -85,7 +109,8 @@ class Decision:
     ``current`` is this tensor's own histogram from the size pass.
     ``held_device_bytes`` are the device bytes held on the tracker's ledger
     right now (for budgets). ``table_bytes``: the codec table the tensor
-    carries on the device (format version 2), whatever its slot.
+    carries on the device (format version 2), whatever its slot. ``group``:
+    the key's group (:func:`group_of`).
     """
 
     key: str
@@ -96,9 +121,28 @@ class Decision:
     predicted: tuple[float, ...] | None
     held_device_bytes: int
     table_bytes: int = 0
+    group: str = ""
 
     def device_bytes(self, slot: int) -> int:
         return self.n_entries * (slot * spec.SECTOR_BYTES + spec.meta_bytes(self.entry_bytes)) + self.table_bytes
+
+    def overflow_bytes(self, slot: int) -> int:
+        """What this tensor really spills with ``slot`` (from its own histogram of whole entries)."""
+        return int(overflow_sectors(self.current, slot)) * spec.SECTOR_BYTES
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A policy's slot, and whether the bound corrected the plan made from history.
+
+    ``corrected``: the slot the plan (the key's history) asked for would have
+    taken the step past the policy's overflow bound on this tensor's real
+    histogram, so a wider one was given. :meth:`Policy.choose` may return a
+    plain ``int`` (never corrected).
+    """
+
+    slot: int
+    corrected: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,6 +155,7 @@ class Placement:
     is (a raw slot would hold the same bytes plus metadata).
     ``device_bytes``: what the tensor holds on the device that way (its
     codec table, ``table_bytes``, included when it is compressed).
+    ``corrected``: see :class:`Choice`.
     """
 
     slot: int
@@ -119,6 +164,7 @@ class Placement:
     n_entries: int
     original_bytes: int
     table_bytes: int = 0
+    corrected: bool = False
 
     @property
     def keep(self) -> bool:
@@ -134,10 +180,15 @@ class Placement:
 class Policy:
     """Chooses a slot (sectors per entry) for one tensor."""
 
+    #: the overflow bound the policy keeps, as a fraction of the bytes it places (``None``: it states none);
+    #: a session checks each step against it (see :class:`~buddy.SessionStats`)
+    overflow_bound: float | None = None
+
     def begin_step(self, tracker: Tracker) -> None:
         """Called when a step (a ``compressed_activations`` block) opens."""
 
-    def choose(self, decision: Decision, tracker: Tracker) -> int:
+    def choose(self, decision: Decision, tracker: Tracker) -> int | Choice:
+        """The slot for the tensor of ``decision``: an ``int``, or a :class:`Choice`."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -168,6 +219,10 @@ class BuddyThreshold(Policy):
         if isinstance(max_overflow, bool) or not isinstance(max_overflow, (int, float)) or not 0 <= max_overflow <= 1:
             raise ValueError(f"max_overflow must be a fraction in [0, 1], got {max_overflow!r}")
         self.max_overflow = float(max_overflow)
+
+    @property
+    def overflow_bound(self) -> float:  # type: ignore[override]  # a property over the class attribute
+        return self.max_overflow
 
     def choose(self, decision: Decision, tracker: Tracker) -> int:
         return slot_for_overflow(decision.current, self.max_overflow, decision.original_bytes)
@@ -252,27 +307,40 @@ class OverflowBudget(Policy):
     Shrinking a tensor's slot by a sector saves a sector per entry on the
     device and spills one more sector of each entry larger than the new
     slot: the spill per device byte saved is the share of entries larger.
-    At the start of each step the policy plans every key with history from
-    its predicted histogram: starting from the tightest slots (no overflow),
-    it takes the cheapest such step down among all keys, again and again,
-    skipping those that no longer fit, until the predicted overflow reaches
-    ``max_overflow`` of the keys' bytes. Should the per-tensor slots of
-    ``BuddyThreshold(max_overflow)`` (which meet the same bound) hold fewer
+
+    **The plan (from history).** When a step's first tensor of a group
+    arrives (see :func:`group_of`; a session's group is its model), the
+    policy plans the keys that group had in its own most recent step from
+    their predicted histograms: starting from the tightest slots (no
+    overflow), it takes the cheapest such step down among all keys, again and
+    again, skipping those that no longer fit, until the predicted overflow
+    reaches ``max_overflow`` of the keys' bytes. Should the per-tensor slots
+    of ``BuddyThreshold(max_overflow)`` (which meet the same bound) hold fewer
     device bytes, those are the plan. The plan gives each key an
     **allowance**: the overflow its predicted histogram has in its slot.
 
-    The plan is a prediction; the bound is not. When a tensor arrives, its
-    own size pass (:attr:`Decision.current`) says what each slot really
-    spills, and it gets the smallest slot whose real overflow is within its
+    **The step (from the real histograms).** When a tensor arrives, its own
+    size pass (:attr:`Decision.current`) says what each slot really spills.
+    A planned key gets the smallest slot whose real overflow is within its
     allowance plus whatever the step's earlier tensors left unspent: wider
     than planned when it compresses worse than its key did, tighter when
-    there is allowance to spare. So a step's overflow never exceeds
-    ``max_overflow`` of the planned keys' bytes. A key with no history (a
-    session's first step), or one the plan has already served this step,
-    gets the ``BuddyThreshold(max_overflow)`` slot of its own histogram, and
-    so does every key until a step is planned: a ``compressed_activations``
-    block plans one as it opens; :func:`buddy.wrap` alone plans nothing
-    (call :meth:`Tracker.begin_step` once a step's keys have history).
+    there is allowance to spare. A key with no plan (a key's first step, a
+    new model, a new shape or dtype) gets the ``BuddyThreshold(max_overflow)``
+    slot of its own histogram. Either way the slot must keep the **running
+    bound**: the overflow of the step's tensors so far, this one included,
+    within ``max_overflow`` of their bytes. When the plan's slot would break
+    it -- the history was stale, came from another model, or was wrong in
+    any other way -- the slot is widened to the smallest that keeps it, and
+    the tensor is counted as **corrected** (:attr:`Placement.corrected`,
+    ``session.stats().corrected``). The running bound holds after every
+    tensor, so the step ends within ``max_overflow`` whatever tensors it
+    turns out to have, exactly (overflow is whole sectors on both sides).
+    Where history is right the plan keeps the bound by itself and nothing is
+    corrected.
+
+    A plan is made only in a step: a ``compressed_activations`` block opens
+    one; :func:`buddy.wrap` alone plans nothing (call
+    :meth:`Tracker.begin_step` once a step's keys have history).
 
     Against :class:`BuddyThreshold` with the same ``max_overflow``: the same
     bound on the step's traffic, no longer on each tensor's -- one tensor
@@ -284,38 +352,60 @@ class OverflowBudget(Policy):
     def __init__(self, max_overflow: float = DEFAULT_MAX_OVERFLOW):
         self._per_tensor = BuddyThreshold(max_overflow)
         self.max_overflow = self._per_tensor.max_overflow
+        self._stepping = False  # a step is open: groups are planned as they arrive
+        self._planned: set[str] = set()  # groups planned this step
         self._allowance: dict[str, float] = {}  # per planned key not yet served this step: overflow bytes
-        self._spare = 0.0  # allowance the step's tensors so far left unspent
+        self._spare = 0.0  # allowance the step's planned tensors so far left unspent
+        self._seen = 0  # bytes of the step's tensors so far
+        self._spent = 0  # their overflow bytes
+
+    @property
+    def overflow_bound(self) -> float:  # type: ignore[override]  # a property over the class attribute
+        return self.max_overflow
 
     def begin_step(self, tracker: Tracker) -> None:
-        slots, predicted = self._planned(tracker)
-        self._allowance = {key: overflow_sectors(predicted[key], s) * spec.SECTOR_BYTES for key, s in slots.items()}
-        self._spare = 0.0
+        self._stepping = True
+        self._planned, self._allowance = set(), {}
+        self._spare, self._seen, self._spent = 0.0, 0, 0
 
-    def plan(self, tracker: Tracker) -> dict[str, int]:
-        """Slots for every key with history."""
-        return self._planned(tracker)[0]
+    def plan(self, tracker: Tracker, group: str | None = None) -> dict[str, int]:
+        """Slots for the keys of ``group``'s most recent step (every group's, for ``None``)."""
+        groups = {h.group for h in tracker.histories()} if group is None else {group}
+        slots: dict[str, int] = {}
+        for g in sorted(groups):
+            slots.update(self._planned_slots(tracker.latest_keys(g))[0])
+        return slots
 
-    def _planned(self, tracker: Tracker) -> tuple[dict[str, int], dict[str, tuple[float, ...]]]:
-        """The plan's slots, and the predicted histograms it was made from."""
-        keys = [h for h in tracker.histories() if h.histograms and h.observations]
-        left = self.max_overflow * sum(h.observations[-1].original_bytes for h in keys)
-        plan, each, n, beyond = {}, {}, {}, {}  # per key: slot, per-tensor rule's slot, entries, entries larger
+    def _planned_slots(self, keys: list[KeyHistory]) -> tuple[dict[str, int], dict[str, tuple[float, ...]]]:
+        """The plan's slots for ``keys`` (in their step's order), and the predicted histograms it was made from.
+
+        The plan keeps the running bound itself: at every key, the predicted
+        overflow of the keys up to it stays within ``max_overflow`` of their
+        bytes. So where the history is right, the step follows its plan and no
+        slot is corrected.
+        """
+        keys = [h for h in keys if h.histograms and h.observations]
+        plan, each, n, beyond, at = {}, {}, {}, {}, {}  # per key: slot, per-tensor rule's, entries, larger, place
+        # slack[j]: how much more the keys up to the j-th may spill before the running bound is reached
+        slack, room = [], 0.0
         predicted = {h.key: h.predicted() for h in keys}
-        for h in keys:
-            counts = predicted[h.key]
-            beyond[h.key], n[h.key] = larger_than(counts), h.n_entries
+        for j, h in enumerate(keys):
+            counts, nbytes = predicted[h.key], h.observations[-1].original_bytes
+            beyond[h.key], n[h.key], at[h.key] = larger_than(counts), h.n_entries, j
             plan[h.key] = tightest_slot(counts)
-            each[h.key] = slot_for_overflow(counts, self.max_overflow, h.observations[-1].original_bytes)
+            each[h.key] = slot_for_overflow(counts, self.max_overflow, nbytes)
+            room += self.max_overflow * nbytes
+            slack.append(room)
         # cheapest spill first; at equal cost the widest slot, so that the spill spreads over the keys
         heap = [(beyond[key][s - 1] / n[key], -s, key) for key, s in plan.items() if s > 0 and n[key]]
         heapq.heapify(heap)
         while heap:
             _, _, key = heapq.heappop(heap)
             added = beyond[key][plan[key] - 1] * spec.SECTOR_BYTES
-            if added > left:
+            if added > min(slack[at[key] :]):
                 continue  # this key's next steps down spill more still: it stays where it is
-            left -= added
+            for j in range(at[key], len(slack)):
+                slack[j] -= added
             plan[key] -= 1
             if plan[key] > 0:
                 heapq.heappush(heap, (beyond[key][plan[key] - 1] / n[key], -plan[key], key))
@@ -323,14 +413,30 @@ class OverflowBudget(Policy):
         device = lambda slots: sum(n[key] * slot for key, slot in slots.items())  # noqa: E731
         return (each if device(each) < device(plan) else plan), predicted
 
-    def choose(self, decision: Decision, tracker: Tracker) -> int:
+    def _plan_group(self, tracker: Tracker, group: str) -> None:
+        """Allowances for the keys of ``group``'s most recent step (once per group and step)."""
+        self._planned.add(group)
+        slots, predicted = self._planned_slots(tracker.latest_keys(group))
+        for key, s in slots.items():
+            self._allowance[key] = overflow_sectors(predicted[key], s) * spec.SECTOR_BYTES
+
+    def choose(self, decision: Decision, tracker: Tracker) -> Choice:
+        if self._stepping and decision.group not in self._planned:
+            self._plan_group(tracker, decision.group)
+        # the running bound: the step's overflow so far, this tensor's included, within max_overflow of their bytes
+        cap = self.max_overflow * (self._seen + decision.original_bytes) - self._spent
         allowance = self._allowance.pop(decision.key, None)
+        corrected = False
         if allowance is None or decision.predicted is None:
-            return self._per_tensor.choose(decision, tracker)
-        allowance += self._spare
-        slot = slot_for_overflow(decision.current, 1.0, allowance)  # the smallest slot spilling <= allowance
-        self._spare = allowance - overflow_sectors(decision.current, slot) * spec.SECTOR_BYTES
-        return slot
+            slot = self._per_tensor.choose(decision, tracker)  # spills <= max_overflow of itself <= cap
+        else:
+            wanted = allowance + self._spare
+            slot = slot_for_overflow(decision.current, 1.0, min(wanted, cap))  # the smallest slot within both
+            corrected = wanted > cap and slot != slot_for_overflow(decision.current, 1.0, wanted)
+            self._spare = wanted - decision.overflow_bytes(slot)
+        self._seen += decision.original_bytes
+        self._spent += decision.overflow_bytes(slot)
+        return Choice(slot, corrected)
 
 
 class CompressedOffload(Policy):
@@ -367,6 +473,11 @@ class KeyHistory:
     n_entries: int
     decay: float
     window: int
+    #: the key's group (:func:`group_of`), the tracker step it was last recorded in, and its place in that
+    #: step's order of the group's keys (0 first)
+    group: str = ""
+    last_step: int = 0
+    position: int = 0
     histograms: deque = field(default_factory=deque)
     observations: list[Observation] = field(default_factory=list)
     #: symbol statistics learned over the steps (a codec with a table fits it to them), or ``None``
@@ -484,6 +595,8 @@ class Tracker:
             raise TypeError(f"ledger must be a buddy.DeviceLedger, got {type(ledger).__name__}")
         self._ledger = ledger
         self._keys: dict[str, KeyHistory] = {}
+        self._step = 0  # steps begun (begin_step)
+        self._recorded: dict[str, tuple[int, int]] = {}  # per group: (step, keys recorded in it so far)
         self._lock = threading.RLock()
 
     @property
@@ -497,8 +610,27 @@ class Tracker:
         return self.ledger.bytes_held
 
     def begin_step(self, policy: Policy | None = None) -> None:
+        """A step opens (a ``compressed_activations`` block does this): ``policy`` (default: the tracker's)
+        plans it."""
         with self._lock:
+            self._step += 1
             (policy or self.policy).begin_step(self)
+
+    @property
+    def step(self) -> int:
+        """Steps begun so far (:meth:`begin_step`)."""
+        return self._step
+
+    def latest_keys(self, group: str) -> list[KeyHistory]:
+        """The keys of ``group`` (:func:`group_of`) recorded in that group's most recent step.
+
+        What a step of the group plans from: keys the group stopped using
+        (another shape, dtype or phase of training) drop out.
+        """
+        with self._lock:
+            keys = [h for h in self._keys.values() if h.group == group and h.observations]
+            last = max((h.last_step for h in keys), default=0)
+            return sorted((h for h in keys if h.last_step == last), key=lambda h: h.position)
 
     def history(self, key: str) -> KeyHistory | None:
         return self._keys.get(key)
@@ -533,11 +665,8 @@ class Tracker:
 
         ``table_bytes``: the codec table it will carry on the device (budgets count it).
         """
-        slot, predicted = self.choose(
-            key, histogram, entry_bytes=entry_bytes, original_bytes=original_bytes, policy=policy,
-            table_bytes=table_bytes,
-        )  # fmt: skip
-        return Placement(slot, predicted, entry_bytes, int(sum(histogram)), original_bytes, table_bytes)
+        slot, predicted, corrected = self._decide(key, histogram, entry_bytes, original_bytes, policy, table_bytes)
+        return Placement(slot, predicted, entry_bytes, int(sum(histogram)), original_bytes, table_bytes, corrected)
 
     def choose(
         self,
@@ -549,13 +678,17 @@ class Tracker:
         policy: Policy | None = None,
         table_bytes: int = 0,
     ):
-        """``(slot, predicted_overflow_bytes or None)`` for a tensor about to be packed."""
+        """``(slot, predicted_overflow_bytes or None)`` for a tensor about to be packed (:meth:`plan` says more)."""
+        return self._decide(key, histogram, entry_bytes, original_bytes, policy, table_bytes)[:2]
+
+    def _decide(self, key, histogram, entry_bytes, original_bytes, policy, table_bytes):
+        """``(slot, predicted overflow bytes or None, corrected)``."""
         policy = policy or self.policy
         held = self.ledger.bytes_held
         with self._lock:
             hist = self._keys.get(key)
             compatible = hist is not None and hist.entry_bytes == entry_bytes and hist.n_entries == sum(histogram)
-            predicted = hist.predicted() if compatible and hist.histograms else None
+            predicted = hist.predicted() if hist is not None and compatible and hist.histograms else None
             decision = Decision(
                 key=key,
                 entry_bytes=entry_bytes,
@@ -565,11 +698,13 @@ class Tracker:
                 predicted=predicted,
                 held_device_bytes=held,
                 table_bytes=table_bytes,
+                group=group_of(key),
             )
-            slot = policy.choose(decision, self)
+            chosen = policy.choose(decision, self)
+            slot, corrected = (chosen.slot, chosen.corrected) if isinstance(chosen, Choice) else (int(chosen), False)
             if predicted is None:
-                return slot, None
-            return slot, int(round(overflow_sectors(predicted, slot) * spec.SECTOR_BYTES))
+                return slot, None, corrected
+            return slot, int(round(overflow_sectors(predicted, slot) * spec.SECTOR_BYTES)), corrected
 
     def record(
         self,
@@ -600,8 +735,12 @@ class Tracker:
             hist = self._keys.get(key)
             if hist is None or hist.entry_bytes != entry_bytes or hist.n_entries != n_entries:
                 # a new key, or the same name for a different tensor: start over
-                hist = KeyHistory(key, entry_bytes, n_entries, self.decay, self.window)
+                hist = KeyHistory(key, entry_bytes, n_entries, self.decay, self.window, group_of(key))
                 self._keys[key] = hist
+            step, count = self._recorded.get(hist.group, (self._step, 0))
+            count = count if step == self._step else 0
+            hist.last_step, hist.position = self._step, count
+            self._recorded[hist.group] = (self._step, count + 1)
             hist.add(histogram, observation, statistics, fitted)
         return observation
 

@@ -57,3 +57,19 @@ BUDDY_WARP_FN bool buddy_bits_after(const Warp& warp, const uint8_t* payload, ui
   }
   return set;
 }
+
+// Whether a bit in [lo, hi) of a payload of n64 8-byte words is set (none when hi <= lo): this lane's share
+// of the words (OR it over the warp).
+template <class Warp>
+BUDDY_WARP_FN bool buddy_bits_between(const Warp& warp, const uint8_t* payload, uint32_t n64, uint32_t lo,
+                                      uint32_t hi) {
+  bool set = false;
+  hi = buddy_min(hi, 64u * n64);
+  for (uint32_t u = lo / 64u + warp.lane(); lo < hi && u <= (hi - 1u) / 64u; u += BUDDY_WARP_SIZE) {
+    uint64_t inside = ~(uint64_t)0;
+    if (u == lo / 64u) inside &= ~(uint64_t)0 << (lo % 64u);
+    if (u == (hi - 1u) / 64u) inside &= ~(uint64_t)0 >> (63u - (hi - 1u) % 64u);
+    set |= (buddy_load<uint64_t>(payload + 8u * u) & inside) != 0;
+  }
+  return set;
+}

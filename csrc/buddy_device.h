@@ -22,9 +22,13 @@ typedef unsigned long long uint64_t;
 #ifdef __CUDACC__
 #define BUDDY_HD __host__ __device__ __forceinline__
 #define BUDDY_WARP_FN __device__ __forceinline__
+// a copy loop unrolled twice at most: two loads in flight a lane are plenty, more cost registers the
+// decoders need (fpe's unpack stays within 64)
+#define BUDDY_UNROLL_2 _Pragma("unroll 2")
 #else
 #define BUDDY_HD inline
 #define BUDDY_WARP_FN inline
+#define BUDDY_UNROLL_2
 #endif
 
 template <int N>
@@ -68,6 +72,16 @@ BUDDY_HD void buddy_store(uint8_t* p, T v) {
 #endif
 }
 
+// 16 bytes, for loads and stores 16 bytes wide (a pointer to one is 16-byte aligned).
+struct alignas(16) buddy_u128 {
+  uint64_t lo, hi;
+};
+
+// Whether p and q are both 16-byte aligned (16-byte loads and stores may be used).
+BUDDY_HD bool buddy_aligned16(const void* p, const void* q) {
+  return (((unsigned long long)p | (unsigned long long)q) & 15u) == 0;
+}
+
 BUDDY_HD uint32_t buddy_popc(uint32_t x) {
 #if defined(__CUDA_ARCH__)
   return (uint32_t)__popc(x);
@@ -94,6 +108,15 @@ BUDDY_HD uint32_t buddy_bit_length(uint32_t x) {
 }
 
 // Index of the lowest set bit of a non-zero x.
+BUDDY_HD uint32_t buddy_ctz(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  return (uint32_t)__ffs((int)x) - 1u;
+#else
+  return (uint32_t)__builtin_ctz(x);
+#endif
+}
+
+// Index of the lowest set bit of a non-zero x (64 bits).
 BUDDY_HD uint32_t buddy_ctz64(uint64_t x) {
 #if defined(__CUDA_ARCH__)
   return (uint32_t)__ffsll((long long)x) - 1u;
@@ -123,6 +146,18 @@ template <class T>
 BUDDY_HD T buddy_max(T a, T b) {
   return a < b ? b : a;
 }
+
+// The block's dynamic shared memory: the launch's shared_mem bytes, 16-byte
+// aligned (pack and unpack stage one entry per warp in it). A function rather
+// than an `extern __shared__` array at each use, so that the block emulator
+// (tests/host/emulator, which defines BUDDY_EMULATOR and compiles the kernels
+// for the host) can give every emulated block a buffer of exactly that size.
+#if defined(__CUDACC__) && !defined(BUDDY_EMULATOR)
+__device__ __forceinline__ uint8_t* buddy_dynamic_shared() {
+  extern __shared__ buddy_u128 buddy_shared[];  // 16-byte aligned: staging is read and written 16 bytes wide
+  return reinterpret_cast<uint8_t*>(buddy_shared);
+}
+#endif
 
 // *p |= v, atomically on the device (lanes of a warp may share a stream word);
 // the host emulation runs one lane at a time, so a plain OR is atomic there.

@@ -25,8 +25,9 @@
 
 #define BUDDY_SECTORS_PER_ENTRY (BUDDY_ENTRY_BYTES / BUDDY_SECTOR_BYTES)
 
-// format version 2 is version 1 plus codec tables (buddy/spec.py): the layout below is the same
-static_assert(BUDDY_FORMAT_VERSION == 2, "this header describes format version 2");
+// format version 2 is version 1 plus codec tables, version 3 fpe's split payload layout (buddy/spec.py):
+// the layout below is the same in all three
+static_assert(BUDDY_FORMAT_VERSION == 3, "this header describes format version 3");
 static_assert(BUDDY_SECTOR_BYTES == 32, "sectors are 32 bytes");
 static_assert((BUDDY_ENTRY_BYTES & (BUDDY_ENTRY_BYTES - 1)) == 0, "entry size is a power of two");
 static_assert(BUDDY_ENTRY_BYTES >= 32 && BUDDY_ENTRY_BYTES <= 65536, "entry size in [32, 65536] bytes");

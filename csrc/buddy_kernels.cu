@@ -9,9 +9,10 @@
 // defines from buddy.spec.c_defines(entry_bytes). The word size is a kernel
 // argument (a switch picks the instantiation once per launch).
 //
-// Launch: blockDim.x = 32 * warps per block; pack and unpack need
-// (warps per block) * E bytes of dynamic shared memory (each warp's staging
-// buffer). Any gridDim.x >= 1, on the caller's stream. Buffers are dense,
+// Launch: blockDim.x = 32 * warps per block; pack needs (warps per block) * E
+// bytes of dynamic shared memory (each warp's staging buffer), unpack that
+// times buddy_unpack_staging_entries (2 for fpe and auto2, which decode into
+// shared memory: buddy_ops.h). Any gridDim.x >= 1, on the caller's stream. Buffers are dense,
 // 8-byte aligned (metadata: aligned to its word) and do not alias; the loader
 // checks all of this before launching. Every output byte is written, so
 // outputs may be allocated uninitialised (the histogram excepted: it is added to).
@@ -21,6 +22,12 @@
 // (the loader makes it), so no kernel reads past the tensor. The per-entry
 // work is buddy_ops.h's; here are only the loops, the staging buffers and
 // the histogram.
+//
+// Tested without a GPU: the block emulator (tests/host/emulator,
+// docs/emulator.md) compiles this file unchanged for the host, every thread a
+// fiber, with ThreadSanitizer and with ASan + UBSan. Device code here reaches
+// shared memory through `__shared__` arrays and buddy_dynamic_shared() (not an
+// `extern __shared__` of its own), which the emulator's shim provides.
 //
 // Codec tables (format version 2): every kernel takes a `table` pointer, the
 // device table of a codec that codes with one (fpe and auto2: a
@@ -48,10 +55,9 @@ __device__ __forceinline__ long long buddy_warp_stride() {
   return (long long)gridDim.x * blockDim.x / BUDDY_WARP_SIZE;
 }
 
-// This warp's staging buffer: E bytes of the block's dynamic shared memory.
-__device__ __forceinline__ uint8_t* buddy_staging() {
-  extern __shared__ uint64_t buddy_shared[];
-  return reinterpret_cast<uint8_t*>(buddy_shared) + (threadIdx.x / BUDDY_WARP_SIZE) * BUDDY_ENTRY_BYTES;
+// This warp's staging buffer: `entries` * E bytes of the block's dynamic shared memory (16-byte aligned).
+__device__ __forceinline__ uint8_t* buddy_staging(uint32_t entries = 1) {
+  return buddy_dynamic_shared() + (threadIdx.x / BUDDY_WARP_SIZE) * entries * BUDDY_ENTRY_BYTES;
 }
 
 template <class Codec>
@@ -98,7 +104,7 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
                                                   long long n_entries, const uint8_t* __restrict__ table) {
   const BuddyCudaWarp warp;
   const Codec codec = buddy_codec<Codec>(table);
-  uint8_t* staging = buddy_staging();
+  uint8_t* staging = buddy_staging(buddy_unpack_staging_entries<Codec>());
   uint32_t err = 0;
   for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride())
     err |= buddy_unpack_entry<Codec>(warp, codec, i, n_entries, meta, ends, s, slots, overflow, overflow_sectors,
@@ -106,6 +112,15 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
   if (err && warp.lane() == 0) atomicOr(error, (int)err);
 }
 
+// The word size picks the codec's instantiation once per launch. A module built
+// for one word size (-DBUDDY_WORD_BYTES=w: what the loader compiles) holds that
+// instantiation alone: with all four in one kernel the compiler interleaves
+// them and the kernel needs the registers of more than the largest (fpe's
+// unpack: 80 instead of at most 64).
+#if defined(BUDDY_WORD_BYTES)
+#define BUDDY_WORD_SWITCH(CODEC, BODY, ...) \
+  if (word_bytes == BUDDY_WORD_BYTES) BODY<CODEC<BUDDY_WORD_BYTES>>(__VA_ARGS__); /* the loader launches no other */
+#else
 #define BUDDY_WORD_SWITCH(CODEC, BODY, ...)     \
   switch (word_bytes) {                         \
     case 1: BODY<CODEC<1>>(__VA_ARGS__); break; \
@@ -114,9 +129,23 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
     case 8: BODY<CODEC<8>>(__VA_ARGS__); break; \
     default: break; /* the loader only launches with 1, 2, 4 or 8 */ \
   }
+#endif
 
-// The extern "C" entry points of one codec (NAME: its registry name).
-#define BUDDY_FORMAT_KERNELS(NAME, CODEC)                                                                            \
+// The unpack of the table codecs, at entries of 4 KiB and more, runs at most 8 warps a block and is held to 64
+// registers a thread (4 blocks of 8 warps fill an SM's registers), 85 for 8-byte words (auto2's members need
+// more there): their decoders fit without spilling (nvcc --resource-usage; the kernel budget,
+// docs/kernel_budget.md). Smaller entries unroll differently and are left to the compiler.
+#if BUDDY_ENTRY_BYTES >= 4096 && !(defined(BUDDY_WORD_BYTES) && BUDDY_WORD_BYTES == 8)
+#define BUDDY_UNPACK_BOUNDS_LIMITED __launch_bounds__(256, 4)
+#elif BUDDY_ENTRY_BYTES >= 4096
+#define BUDDY_UNPACK_BOUNDS_LIMITED __launch_bounds__(256, 3)
+#else
+#define BUDDY_UNPACK_BOUNDS_LIMITED
+#endif
+#define BUDDY_UNPACK_BOUNDS_FREE
+
+// The extern "C" entry points of one codec (NAME: its registry name; BOUNDS: FREE or LIMITED, the unpack's).
+#define BUDDY_FORMAT_KERNELS(NAME, CODEC, BOUNDS)                                                                    \
   /* k and mode of every entry into the metadata; the histogram of k (added to: zero it first) */                  \
   extern "C" __global__ void buddy_##NAME##_measure(                                                                \
       const uint8_t* __restrict__ data,          /* in: the tensor's bytes, n_full * E of whole entries */          \
@@ -148,7 +177,7 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
   }                                                                                                                 \
   /* the tensor's entries back; inconsistent buffers never cause an out-of-bounds access: flagged entries decode   \
      to zeros and *error gets their BUDDY_ERR_* bits (the caller zeroes it before the launch) */                   \
-  extern "C" __global__ void buddy_##NAME##_unpack(                                                                 \
+  extern "C" __global__ BUDDY_UNPACK_BOUNDS_##BOUNDS void buddy_##NAME##_unpack(                                  \
       const uint8_t* __restrict__ meta,     /* in: n_entries metadata words */                                      \
       const long long* __restrict__ ends,   /* in: n_entries, overflow sectors of entries 0..i (inclusive sum) */   \
       int slot,                             /* s: sectors per slot, 0 .. E/32 */                                     \
@@ -175,15 +204,38 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
   const uint32_t symbols = (1u << buddy_fpe_fit_split<WB>::b) + 2u;
   for (uint32_t j = threadIdx.x; j < symbols; j += blockDim.x) local[j] = 0;
   __syncthreads();
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < n_units; u += stride)
-    buddy_fpe_count_unit<WB>(buddy_load<uint64_t>(data + 8 * u), local);
-  if (blockIdx.x == 0)
+  // 16 bytes a lane; the warps loop together (the counts are aggregated over a warp)
+  const BuddyCudaWarp warp;
+  const long long n16 = n_units / 2, stride = (long long)gridDim.x * blockDim.x;
+  for (long long u0 = (long long)blockIdx.x * blockDim.x + (threadIdx.x & ~31u); u0 < n16; u0 += stride) {
+    const long long u = u0 + warp.lane();
+    const buddy_u128 zero = {0, 0};
+    buddy_fpe_count_unit16<WB>(warp, u < n16 ? buddy_load<buddy_u128>(data + 16 * u) : zero, u < n16, local);
+  }
+  if (blockIdx.x == 0) {  // the odd 8 bytes, and the words of the last, partial entry
+    for (int w = threadIdx.x; w < (int)(n_units % 2) * (8 / WB); w += blockDim.x)
+      buddy_fpe_count_word<WB>(data + 16 * n16 + WB * w, local);
     for (int w = threadIdx.x; w < tail_words; w += blockDim.x) buddy_fpe_count_word<WB>(tail + WB * w, local);
+  }
   __syncthreads();
   for (uint32_t j = threadIdx.x; j < symbols; j += blockDim.x)
     if (local[j]) atomicAdd(&counts[j], (unsigned long long)local[j]);
 }
+
+// The count kernel's word sizes (one, in a module built for one: as BUDDY_WORD_SWITCH).
+#if defined(BUDDY_WORD_BYTES)
+#define BUDDY_COUNT_SWITCH(...) \
+  if (word_bytes == BUDDY_WORD_BYTES) buddy_count_body<BUDDY_WORD_BYTES>(__VA_ARGS__);
+#else
+#define BUDDY_COUNT_SWITCH(...)                          \
+  switch (word_bytes) {                                  \
+    case 1: buddy_count_body<1>(__VA_ARGS__); break;     \
+    case 2: buddy_count_body<2>(__VA_ARGS__); break;     \
+    case 4: buddy_count_body<4>(__VA_ARGS__); break;     \
+    case 8: buddy_count_body<8>(__VA_ARGS__); break;     \
+    default: break;                                      \
+  }
+#endif
 
 #define BUDDY_FIT_KERNELS(NAME)                                                                                    \
   /* symbol counts of the tensor's whole words (fpe.symbol_counts; added to: zero them first) */                   \
@@ -195,13 +247,7 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
       unsigned long long* __restrict__ counts,   /* in/out: S + 2 counts (ESC's stays 0) */                         \
       int word_bytes) {                          /* word size in bytes: 1, 2, 4 or 8 */                             \
     __shared__ uint32_t local[BUDDY_FPE_SYMBOLS];                                                                  \
-    switch (word_bytes) {                                                                                          \
-      case 1: buddy_count_body<1>(data, n_units, tail, tail_words, counts, local); break;                          \
-      case 2: buddy_count_body<2>(data, n_units, tail, tail_words, counts, local); break;                          \
-      case 4: buddy_count_body<4>(data, n_units, tail, tail_words, counts, local); break;                          \
-      case 8: buddy_count_body<8>(data, n_units, tail, tail_words, counts, local); break;                          \
-      default: break;                                                                                              \
-    }                                                                                                              \
+    BUDDY_COUNT_SWITCH(data, n_units, tail, tail_words, counts, local)                                             \
   }                                                                                                                \
   /* the table fitted to the counts (fpe.Table.from_counts): its device table and its serialized bytes */          \
   extern "C" __global__ void buddy_##NAME##_fit(                                                                   \
@@ -216,22 +262,22 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
   }
 
 #if defined(BUDDY_CODEC_ZVC) || defined(BUDDY_CODEC_ALL)
-BUDDY_FORMAT_KERNELS(zvc, BuddyZvc)
+BUDDY_FORMAT_KERNELS(zvc, BuddyZvc, FREE)
 #endif
 #if defined(BUDDY_CODEC_FPX) || defined(BUDDY_CODEC_ALL)
-BUDDY_FORMAT_KERNELS(fpx, BuddyFpx)
+BUDDY_FORMAT_KERNELS(fpx, BuddyFpx, FREE)
 #endif
 #if defined(BUDDY_CODEC_BPC) || defined(BUDDY_CODEC_ALL)
-BUDDY_FORMAT_KERNELS(bpc, BuddyBpc)
+BUDDY_FORMAT_KERNELS(bpc, BuddyBpc, FREE)
 #endif
 #if defined(BUDDY_CODEC_AUTO) || defined(BUDDY_CODEC_ALL)
-BUDDY_FORMAT_KERNELS(auto, BuddyAuto)
+BUDDY_FORMAT_KERNELS(auto, BuddyAuto, FREE)
 #endif
 #if defined(BUDDY_CODEC_FPE) || defined(BUDDY_CODEC_ALL)
-BUDDY_FORMAT_KERNELS(fpe, BuddyFpe)
+BUDDY_FORMAT_KERNELS(fpe, BuddyFpe, LIMITED)
 BUDDY_FIT_KERNELS(fpe)
 #endif
 #if defined(BUDDY_CODEC_AUTO2) || defined(BUDDY_CODEC_ALL)
-BUDDY_FORMAT_KERNELS(auto2, BuddyAuto2)
+BUDDY_FORMAT_KERNELS(auto2, BuddyAuto2, LIMITED)
 BUDDY_FIT_KERNELS(auto2)
 #endif

@@ -12,7 +12,10 @@
 //          the GPU), then copied out a sector at a time.
 // unpack   slot, overflow, (k, mode) -> the E bytes of the entry. The payload
 //          is gathered into the staging buffer first; every read of the slot
-//          and the overflow stays inside the bounds it is given.
+//          and the overflow stays inside the bounds it is given. A codec whose
+//          lanes write words at scattered places (Codec::STAGED_DECODE: fpe,
+//          auto2) decodes into the staging buffer's second E bytes, copied out
+//          16 bytes a lane store.
 //
 // All lanes of a warp call these together (see buddy_warp.h), with the codec
 // object the kernel built (buddy_codec in buddy_entry.h). Pointers are
@@ -24,6 +27,21 @@
 
 // 8-byte units of one sector
 #define BUDDY_SECTOR_UNITS (BUDDY_SECTOR_BYTES / 8)
+
+// Whether a codec decodes into shared memory first (Codec::STAGED_DECODE; false when it does not say), and
+// so the entries of staging buffer a warp of unpack needs: 2, else 1.
+template <class Codec, class = void>
+struct buddy_staged_decode {
+  static constexpr bool value = false;
+};
+template <class Codec>
+struct buddy_staged_decode<Codec, decltype((void)Codec::STAGED_DECODE)> {
+  static constexpr bool value = Codec::STAGED_DECODE;
+};
+template <class Codec>
+BUDDY_HD constexpr uint32_t buddy_unpack_staging_entries() {
+  return buddy_staged_decode<Codec>::value ? 2u : 1u;
+}
 
 // Copies `sectors` sectors from src to dst (both 8-byte aligned), 8 bytes per lane store.
 template <class Warp>
@@ -61,7 +79,8 @@ BUDDY_WARP_FN void buddy_op_pack(const Warp& warp, const Codec& codec, const uin
 // its overflow: `available` sectors of overflow start at `overflow` (what is
 // left of the buffer from the entry's offset on), of which it reads
 // max(k - s, 0). Returns BUDDY_ERR_* bits; a flagged entry decodes to zeros
-// and nothing is read out of bounds.
+// and nothing is read out of bounds. `staging`: buddy_unpack_staging_entries
+// * E bytes of scratch (the warp's own).
 template <class Codec, class Warp>
 BUDDY_WARP_FN uint32_t buddy_op_unpack(const Warp& warp, const Codec& codec, buddy_meta_t word, uint32_t s,
                                        const uint8_t* slot, const uint8_t* overflow, uint64_t available,
@@ -75,9 +94,18 @@ BUDDY_WARP_FN uint32_t buddy_op_unpack(const Warp& warp, const Codec& codec, bud
   buddy_warp_copy_sectors(warp, slot, staging, in_slot);
   if (k > s) buddy_warp_copy_sectors(warp, overflow, staging + s * BUDDY_SECTOR_BYTES, k - s);
   warp.sync();  // the gathered payload is complete before any lane decodes from it
-  const uint32_t err = buddy_entry_decode<Codec>(warp, codec, staging, k, mode, out);
-  warp.sync();  // the staging buffer is read before the warp's next entry writes it
-  return err;
+  if constexpr (buddy_staged_decode<Codec>::value) {
+    uint8_t* decoded = staging + BUDDY_ENTRY_BYTES;
+    const uint32_t err = buddy_entry_decode<Codec>(warp, codec, staging, k, mode, decoded);
+    warp.sync();  // every lane's words are in the staging buffer before any lane copies them out
+    buddy_warp_fill(warp, decoded, out, BUDDY_ENTRY_BYTES);
+    warp.sync();  // the staging buffer is read before the warp's next entry writes it
+    return err;
+  } else {
+    const uint32_t err = buddy_entry_decode<Codec>(warp, codec, staging, k, mode, out);
+    warp.sync();  // the staging buffer is read before the warp's next entry writes it
+    return err;
+  }
 }
 
 // ---------------------------------------------------------------------------

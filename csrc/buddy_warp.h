@@ -52,21 +52,52 @@ BUDDY_WARP_FN uint32_t buddy_warp_exclusive_scan(const Warp& warp, uint32_t v, u
   return x - v;
 }
 
-// Copies n bytes (src) or writes n zeros (src == nullptr), 8 bytes per lane
-// store; n is a multiple of 8 and both pointers are 8-byte aligned.
+// Copies n bytes (src) or writes n zeros (src == nullptr); n is a multiple of
+// 8 and both pointers are 8-byte aligned. 16 bytes per lane load and store
+// where n and both pointers allow it (sectors are 32 bytes, the buffers'
+// bases 16-byte aligned: nearly always), else 8.
 template <class Warp>
 BUDDY_WARP_FN void buddy_warp_fill(const Warp& warp, const uint8_t* src, uint8_t* dst, uint32_t n) {
+  if (n % 16 == 0 && buddy_aligned16(src, dst)) {
+    const buddy_u128 zero = {0, 0};
+    BUDDY_UNROLL_2
+    for (uint32_t u = warp.lane(); u < n / 16; u += BUDDY_WARP_SIZE)
+      buddy_store<buddy_u128>(dst + 16 * u, src ? buddy_load<buddy_u128>(src + 16 * u) : zero);
+    return;
+  }
+  BUDDY_UNROLL_2
   for (uint32_t u = warp.lane(); u < n / 8; u += BUDDY_WARP_SIZE)
     buddy_store<uint64_t>(dst + 8 * u, src ? buddy_load<uint64_t>(src + 8 * u) : (uint64_t)0);
 }
 
 // Whether any of the n bytes at p (n a multiple of 8, p 8-byte aligned) is
-// non-zero, on every lane.
+// non-zero, on every lane; 16-byte loads where n and p allow.
 template <class Warp>
 BUDDY_WARP_FN bool buddy_warp_any_nonzero(const Warp& warp, const uint8_t* p, uint32_t n) {
   bool mine = false;
-  for (uint32_t u = warp.lane(); u < n / 8; u += BUDDY_WARP_SIZE) mine |= buddy_load<uint64_t>(p + 8 * u) != 0;
+  if (n % 16 == 0 && buddy_aligned16(p, p)) {
+    for (uint32_t u = warp.lane(); u < n / 16; u += BUDDY_WARP_SIZE) {
+      const buddy_u128 v = buddy_load<buddy_u128>(p + 16 * u);
+      mine |= (v.lo | v.hi) != 0;
+    }
+  } else {
+    for (uint32_t u = warp.lane(); u < n / 8; u += BUDDY_WARP_SIZE) mine |= buddy_load<uint64_t>(p + 8 * u) != 0;
+  }
   return warp.ballot(mine) != 0;
+}
+
+// The lanes whose key equals this lane's (bit l: lane l), on every lane; every
+// lane takes part. A loop of ballots over the key's `bits` low bits, so any
+// Warp can run it (the GPU's has one instruction for it: the overload below).
+template <class Warp>
+BUDDY_WARP_FN uint32_t buddy_warp_match(const Warp& warp, uint32_t key, uint32_t bits) {
+  uint32_t peers = 0xFFFFFFFFu;
+  for (uint32_t b = 0; b < bits; ++b) {
+    const bool set = (key >> b) & 1u;
+    const uint32_t ones = warp.ballot(set);
+    peers &= set ? ones : ~ones;
+  }
+  return peers;
 }
 
 #ifdef __CUDACC__
@@ -87,4 +118,8 @@ struct BuddyCudaWarp {
   }
   __device__ __forceinline__ void sync() const { __syncwarp(BUDDY_FULL_MASK); }
 };
+
+__device__ __forceinline__ uint32_t buddy_warp_match(const BuddyCudaWarp&, uint32_t key, uint32_t) {
+  return __match_any_sync(BUDDY_FULL_MASK, key);
+}
 #endif

@@ -1,57 +1,73 @@
 // fpe (a word's top bits -- sign, exponent, the mantissa's top bits --
-// entropy-coded with the tensor's prefix code, the rest passed through; format
-// version 2) of one entry, one warp per entry: the
-// device codec the kernels run, host-compilable so the tests check it byte for
-// byte against the torch reference (buddy/codecs/fpe.py, whose module
-// docstring specifies the format) under an emulated warp. The interface is
-// the one every device codec has (see codec_zvc.h); fpe codes with a table,
-// so it is an object holding the device table (TABLED).
+// entropy-coded with the tensor's prefix code, the rest passed through;
+// format versions 2 and 3) of one entry, one warp per entry: the device codec
+// the kernels run, host-compilable so the tests check it byte for byte
+// against the torch reference (buddy/codecs/fpe.py, whose module docstring
+// specifies the format) under an emulated warp. The interface is the one
+// every device codec has (see codec_zvc.h); fpe codes with a table, so it is
+// an object holding the device table (TABLED).
 //
 // A word of w bytes is sign | exponent (e bits) | mantissa (m bits), with
 // (e, m) = (4, 3), (8, 7), (8, 23), (11, 52) for w = 1, 2, 4, 8; its symbol
 // is its top b bits, its tail the t = 8 w - b bits after them. The table's
-// format says b: format 2 (what fits make) min(12, 8 w), format 1 (tensors
-// written before it, decoded still) 1 + e; the device table carries b
-// (sym_bits), so one kernel codes both. Symbols 0 .. S-1 (S = 2^b),
-// ZERO = S, ESC = S + 1.
-// Payload: the little-endian bit stream of buddy_bits.h; per word in order:
-//   its code      ZERO (an all-zero word, when the table has ZERO), else its
-//                 symbol's code, else ESC's code followed by the symbol (b
-//                 bits)
-//   its tail      t bits, unless the code was ZERO
-// T bits in all, k = ceil(T / 256), zero bits after; mode 0 only.
+// format says b and the payload's layout: format 3 (what fits make) and 2
+// b = min(12, 8 w), format 1 (tensors written before format 2) 1 + e; the
+// device table carries b (sym_bits) and the layout (split), so one kernel
+// codes all three. Symbols 0 .. S-1 (S = 2^b), ZERO = S, ESC = S + 1.
+// Each of the W = E / w words has a code -- ZERO's (an all-zero word, when
+// the table has ZERO), else its symbol's, else ESC's followed by the symbol
+// (b bits) -- and, unless its code is ZERO, a tail (t bits). C bits of codes,
+// N tails, T = C + N t bits, k = ceil(T / 256); mode 0 only. Payload: the
+// little-endian bit stream of buddy_bits.h,
+//   split layout (format 3)      the codes in word order from bit 0; the
+//                                j-th tail at bits [256 k - (j + 1) t,
+//                                256 k - j t); zero bits between
+//   serial layout (formats 1, 2) per word its code, then its tail; zero bits
+//                                after the T bits
 //
 // The table (BuddyFpeTable below) is the device form of the tensor's
-// fpe.Table: its Table.lookups, built on the host by buddy.cuda.device_table
-// and passed to every kernel by pointer (the kernels' `table` argument). A
-// code is at most 12 bits (fpe.MAX_CODE_BITS), written most significant bit
-// first; `enc` holds it already bit-reversed into stream order, so a code is
-// one field, and `dec` is indexed by the next 12 stream bits. The decoder
-// trusts the table (the host built it from a checked fpe.Table) and checks
-// the stream: a code the table lacks, an escape of a symbol the table has a
-// code for, a stream longer or shorter than k sectors, and set bits after it
-// are BUDDY_ERR_STREAM, the entry decoded to zeros.
+// fpe.Table: its Table.lookups and Table.multi_rows, built on the host by
+// buddy.cuda.device_table or by the fit kernel (codec_fpe_fit.h) and passed
+// to every kernel by pointer (the kernels' `table` argument). A code is at
+// most 12 bits (fpe.MAX_CODE_BITS), written most significant bit first;
+// `enc` holds it already bit-reversed into stream order, so a code is one
+// field, and `dec` is indexed by the next 12 stream bits. The decoder trusts
+// the table (the host built it from a checked fpe.Table) and checks the
+// stream: a code the table lacks, an escape of a symbol the table has a code
+// for, a stream longer or shorter than k sectors, and set bits outside the
+// codes and tails are BUDDY_ERR_STREAM, the entry decoded to zeros.
 //
-// Warp decomposition:
-//   measure  per round lane l sizes the words of the 8 bytes at
-//            8 (32 r + l): one table lookup per word; a warp sum.
-//   encode   the same sizes, a warp scan per round for the bit offsets, then
-//            each lane ORs its words' fields into the zeroed payload.
-//   decode   serial within an entry: a code's length is known only once it
-//            is read. Lane 0 walks the stream -- per word a 64-bit peek at
-//            the staged payload, one decode-table lookup, for 8-byte words a
-//            second peek for the tail -- and writes the words 8 bytes at
-//            a time; then the warp checks what follows the stream. What
-//            bounds its speed: that one lane's dependent chain, about 20
-//            instructions a word, each issued as a whole warp instruction
-//            with 31 lanes idle. With the schedulers of an SM issuing ~4 warp
-//            instructions a cycle across the resident warps (one entry each),
-//            that is of the order of 0.2 words per cycle per SM -- roughly
-//            50e9 words/s on an H100 (an estimate: not measured on a GPU),
-//            several times slower than the encoder and than fpx's decoder.
-//            Entries decode side by side; going faster needs several entries
-//            per warp (a lane each) or a stream split into independently
-//            decodable parts (a format change).
+// Warp decomposition (E = 4 KiB: W = 1024 float32 or 2048 bfloat16 words):
+//   measure  per round lane l sizes the words of the 16 bytes at
+//            16 (32 r + l) (one 16-byte load): one table lookup per word; a
+//            warp sum.
+//   encode   the same sizes, per round one warp scan of (code bits, tails)
+//            for the codes' offsets and the tails' places, then each lane
+//            ORs its words' fields into the zeroed payload (shared memory).
+//   decode   split layout: every lane. The code section is cut into 32
+//            spans of equal bits -- its length C estimated from k and the
+//            table (span_model; nothing is stored, so the layout costs no
+//            bit). A prefix code resynchronizes: decoded from inside a code,
+//            it soon lands on a true boundary. So lane l decodes from 64
+//            bits before its span (warm_up) to the first code start in it,
+//            then every code that starts inside the span, a step taking
+//            every code that lies in the next 12 bits (multi rows: a run of
+//            1-bit ZERO codes is one step), and records which of its first
+//            32 bits start a code. A lane whose start is not the true end of
+//            the lane before (rare after the warm-up) decodes again from
+//            that end until it meets a start it recorded, rounds of this
+//            until no lane moves (31 at most). A warp scan of the lanes' code counts gives each its
+//            words' indices, one of their tail counts its tails' places;
+//            each lane then walks its span again, writing its words with
+//            tails (ZERO words are the zeroed output's). When the estimate
+//            falls short of C, another pass like it takes the rest from the
+//            true end. Work: about 2 W / 32 steps per lane plus a few
+//            rounds' scans (python -m experiments.fpe_lanes measures the
+//            passes, rounds and steps on the capture workloads; the kernel
+//            budget, docs/kernel_budget.md, turns them into GB/s).
+//            Serial layout: lane 0 walks the stream (each code's length and
+//            the tail after it: serial by construction), 31 lanes idle --
+//            kept so older tensors decode; nothing writes it any more.
 #pragma once
 
 #include "buddy_bits.h"
@@ -62,24 +78,43 @@
 #define BUDDY_FPE_ROWS (1u << BUDDY_FPE_CODE_BITS)      // decode rows: one per value of the next 12 stream bits
 #define BUDDY_FPE_SYMBOLS ((1u << (1u + 11u)) + 2u)     // most symbols (8-byte words): S + 2 = 4098
 
-// The device table of one fpe.Table (24584 bytes, buddy.cuda.DEVICE_TABLE_BYTES):
-//   dec[v]    for the next 12 stream bits v: symbol | code length << 16 of
-//             the code they start with (length 0: none does)
-//   enc[sym]  stream code | code length << 12 of a symbol (0: it has no code);
-//             only the S + 2 symbols of the table are used
-//   sym_bits  b: the bits of a word its symbols are (the table's format)
+// The device table of one fpe.Table (40976 bytes, buddy.cuda.DEVICE_TABLE_BYTES):
+//   dec[v]      for the next 12 stream bits v: symbol | code length << 16 of
+//               the code they start with (length 0: none does)
+//   multi[v]    fpe.Table.multi_rows: the codes wholly inside the next 12
+//               stream bits v, starts | tails << 12 | bits << 24 (0: the
+//               first is ESC or not a code)
+//   enc[sym]    stream code | code length << 12 of a symbol (0: it has no
+//               code); only the S + 2 symbols of the table are used
+//   sym_bits    b: the bits of a word its symbols are (the table's format)
+//   split       1: the split layout (table format 3), 0: the serial layout
+//   span_model  fpe.Table.span_model: ZERO's code length (0: no ZERO) |
+//               mean head bits * 256 << 8 (the code section's estimate)
 struct BuddyFpeTable {
   uint32_t dec[BUDDY_FPE_ROWS];
+  uint32_t multi[BUDDY_FPE_ROWS];
   uint16_t enc[BUDDY_FPE_SYMBOLS];
   uint32_t sym_bits;
+  uint32_t split;
+  uint32_t span_model;
 };
-static_assert(sizeof(BuddyFpeTable) == 4u * BUDDY_FPE_ROWS + 2u * BUDDY_FPE_SYMBOLS + 4u, "no padding");
+static_assert(sizeof(BuddyFpeTable) == 8u * BUDDY_FPE_ROWS + 2u * BUDDY_FPE_SYMBOLS + 12u, "no padding");
 
-// b of the tables a fit makes (table format 2): a word's top 12 bits, all of a 1-byte word's
+// b of the tables a fit makes (table format 3): a word's top 12 bits, all of a 1-byte word's
 template <int WB>
 struct buddy_fpe_fit_split {
   static constexpr uint32_t b = WB == 1 ? 8u : 12u;
   static constexpr uint32_t t = 8u * WB - b;
+};
+
+// What one lane of the split layout's decoder found in its span of the code
+// section: from `start`, every code that starts before its limit. Packed in
+// four words: the decoder's registers are few (64 a lane, no spills).
+struct BuddyFpeSpan {
+  uint32_t start;   // where the lane decoded from
+  uint32_t end;     // the first code start at or past the limit; `never`: it stopped at a code the table lacks
+  uint32_t counts;  // codes found | those of them with tails (not ZERO) << 16 (a span has < 2^16 bits)
+  uint32_t marks;   // bit i: a code starts at start + i (i < 32: `window`)
 };
 
 template <int WB>
@@ -87,30 +122,34 @@ struct BuddyFpe {
   static_assert(WB == 1 || WB == 2 || WB == 4 || WB == 8, "fpe words are 1, 2, 4 or 8 bytes");
   typedef typename buddy_uint<WB>::type word_t;
   static constexpr bool TABLED = true;
+  static constexpr bool STAGED_DECODE = true;  // lanes write words at scattered places: decode into shared memory
   static constexpr uint32_t ZERO_MODE = 0;
   static constexpr uint32_t RAW_MODE = 0;
   static constexpr uint32_t entry = BUDDY_ENTRY_BYTES;  // bytes per entry, E
   static constexpr uint32_t words = entry / WB;          // words per entry, W
   static constexpr uint32_t never = 0xFFFFFFFFu;           // the length of a stream that cannot be decoded
-  // Warp tiling: per round, lane l owns the lane_words words of the 8 bytes at 8 * (32 r + l).
-  static constexpr uint32_t units = entry / 8u;            // 8-byte units of an entry
-  static constexpr uint32_t lane_words = 8u / WB;
+  // Warp tiling of measure and encode: per round, lane l owns the words of the 16 bytes at 16 (32 r + l).
+  static constexpr uint32_t units = entry / 16u;           // 16-byte units of an entry
+  static constexpr uint32_t unit_words = 16u / WB;
   static constexpr uint32_t rounds = (units + BUDDY_WARP_SIZE - 1u) / BUDDY_WARP_SIZE;
+  // The split layout's decoder: no span shorter than this many bits; resynchronizing rounds at most.
+  static constexpr uint32_t min_span = 64u;
+  static constexpr uint32_t window = 32u;     // bits of a span whose code starts a lane records
+  static constexpr uint32_t overshoot = 32u;  // the first pass covers the estimated C and 1/32 more
+  static constexpr uint32_t warmup = 64u;     // a lane decodes this many bits before its span to fall in step
 
+  // The table is on the device; b is read once per warp (a host-built table has it checked: buddy.cuda), what
+  // follows from it is computed where it is used (the object lives in registers across a kernel's loop).
   const BuddyFpeTable* table;
-  uint32_t sym_bits;    // b: a symbol is the word's top b bits (the table's)
-  uint32_t tail_bits;   // t = 8 WB - b: the bits after them
-  uint32_t ZERO, ESC;   // the symbols of an all-zero word and of an escape: S, S + 1
-  uint64_t tail_mask;
+  uint32_t sym_bits;  // b: a symbol is the word's top b bits (the table's)
 
-  // The table is on the device; b is read once per warp (a host-built table has it checked: buddy.cuda).
   BUDDY_HD explicit BuddyFpe(const uint8_t* device_table)
-      : table(reinterpret_cast<const BuddyFpeTable*>(device_table)),
-        sym_bits(table->sym_bits),
-        tail_bits(8u * WB - sym_bits),
-        ZERO(1u << sym_bits),
-        ESC(ZERO + 1u),
-        tail_mask(((uint64_t)1 << tail_bits) - 1u) {}  // t <= 52
+      : table(reinterpret_cast<const BuddyFpeTable*>(device_table)), sym_bits(table->sym_bits) {}
+
+  BUDDY_HD uint32_t tail_bits() const { return 8u * WB - sym_bits; }  // t: the bits after the symbol
+  BUDDY_HD uint32_t zero_sym() const { return 1u << sym_bits; }        // ZERO = S
+  BUDDY_HD uint32_t esc_sym() const { return (1u << sym_bits) + 1u; }  // ESC = S + 1
+  BUDDY_HD uint64_t tail_mask() const { return ((uint64_t)1 << tail_bits()) - 1u; }  // t <= 52
 
   static BUDDY_HD bool coded_mode(uint32_t mode) { return mode == 0; }
 
@@ -125,7 +164,7 @@ struct BuddyFpe {
   struct Specials {
     uint32_t zero, esc;
   };
-  BUDDY_HD Specials specials() const { return {table->enc[ZERO], table->enc[ESC]}; }
+  BUDDY_HD Specials specials() const { return {table->enc[zero_sym()], table->enc[esc_sym()]}; }
 
   // A word's code field (the escaped symbol after ESC's code included) and whether a tail follows.
   struct Field {
@@ -134,52 +173,73 @@ struct BuddyFpe {
   };
   BUDDY_HD Field field(word_t x, Specials sp) const {
     if (x == 0 && sp.zero) return {sp.zero & 0xFFFu, sp.zero >> 12, false};
-    const uint32_t sym = (uint32_t)((uint64_t)x >> tail_bits) & (ZERO - 1u);
+    const uint32_t sym = (uint32_t)((uint64_t)x >> tail_bits()) & (zero_sym() - 1u);
     const uint32_t c = table->enc[sym];
     if (c) return {c & 0xFFFu, c >> 12, true};
     const uint32_t len = sp.esc >> 12;
     return {(sp.esc & 0xFFFu) | sym << len, len + sym_bits, true};
   }
 
-  static BUDDY_HD word_t unit_word(uint64_t unit, uint32_t i) { return (word_t)(unit >> (8u * WB * i)); }
-
-  // Stream bits of the words of an 8-byte unit.
-  BUDDY_HD uint32_t unit_bits(uint64_t unit, Specials sp) const {
-    uint32_t bits = 0;
-    for (uint32_t i = 0; i < lane_words; ++i) {
-      const Field f = field(unit_word(unit, i), sp);
-      bits += f.head_bits + (f.tail ? tail_bits : 0u);
-    }
-    return bits;
+  // Word i (0 .. 16 / WB - 1) of a 16-byte unit.
+  static BUDDY_HD word_t unit_word(buddy_u128 unit, uint32_t i) {
+    const uint32_t half = 8u / WB;  // words per 8 bytes
+    const uint64_t v = i < half ? unit.lo : unit.hi;
+    return (word_t)(v >> (8u * WB * (i % half)));
   }
 
-  // ORs the fields of word x into the stream at bit pos; returns the bit after them.
+  // Code bits and tails of the words of a 16-byte unit.
+  BUDDY_HD void unit_bits(buddy_u128 unit, Specials sp, uint32_t* head_bits, uint32_t* tails) const {
+    uint32_t h = 0, z = 0;
+    for (uint32_t i = 0; i < unit_words; ++i) {
+      const Field f = field(unit_word(unit, i), sp);
+      h += f.head_bits;
+      z += f.tail;
+    }
+    *head_bits = h;
+    *tails = z;
+  }
+
+  // ORs the tail of word x into the stream at bit pos.
+  BUDDY_HD void put_tail(uint32_t* stream, uint32_t pos, word_t x) const {
+    if constexpr (WB == 8)
+      buddy_put64(stream, pos, (uint64_t)x & tail_mask());
+    else
+      buddy_put32(stream, pos, (uint32_t)((uint64_t)x & tail_mask()));
+  }
+
+  // The serial layout: ORs the fields of word x into the stream at bit pos; returns the bit after them.
   BUDDY_HD uint32_t put(uint32_t* stream, uint32_t pos, word_t x, Specials sp) const {
     const Field f = field(x, sp);
     if (!f.tail) {
       buddy_put32(stream, pos, f.head);
       return pos + f.head_bits;
     }
-    const uint64_t tail = (uint64_t)x & tail_mask;
+    const uint64_t tail = (uint64_t)x & tail_mask();
     if constexpr (WB == 8) {  // head (<= 24 bits) and tail (52) may exceed 64 bits
       buddy_put32(stream, pos, f.head);
       buddy_put64(stream, pos + f.head_bits, tail);
     } else {  // <= 12 + 12 + 23 bits
       buddy_put64(stream, pos, f.head | tail << f.head_bits);
     }
-    return pos + f.head_bits + tail_bits;
+    return pos + f.head_bits + tail_bits();
   }
 
   template <class Warp>
   BUDDY_WARP_FN uint32_t measure(const Warp& warp, const uint8_t* entry_bytes, uint32_t* mode) const {
     *mode = 0;
     const Specials sp = specials();
-    uint32_t mine = 0;
+    uint32_t head = 0, tails = 0;
     for (uint32_t r = 0; r < rounds; ++r) {
       const uint32_t u = r * BUDDY_WARP_SIZE + warp.lane();
-      if (u < units) mine += unit_bits(buddy_load<uint64_t>(entry_bytes + 8u * u), sp);
+      if (u < units) {
+        uint32_t h, z;
+        unit_bits(buddy_load<buddy_u128>(entry_bytes + 16u * u), sp, &h, &z);
+        head += h;
+        tails += z;
+      }
     }
-    return sectors(buddy_warp_sum(warp, mine));
+    // both layouts hold the same bits: every word's code and tail
+    return sectors(buddy_warp_sum(warp, head) + buddy_warp_sum(warp, tails) * tail_bits());
   }
 
   template <class Warp>
@@ -187,74 +247,329 @@ struct BuddyFpe {
                             uint8_t* payload) const {
     (void)mode;
     const Specials sp = specials();
-    // zero bits first: the fields are ORed in, and everything after the stream stays zero
+    // zero bits first: the fields are ORed in, and everything between and after them stays zero
     buddy_warp_fill(warp, nullptr, payload, k * BUDDY_SECTOR_BYTES);
     warp.sync();
     uint32_t* stream = reinterpret_cast<uint32_t*>(payload);
-    uint32_t base = 0;  // stream bits of earlier rounds
+    const uint32_t end = 8u * BUDDY_SECTOR_BYTES * k;
+    uint32_t base = 0, tails = 0;  // code bits and tails of earlier rounds
     for (uint32_t r = 0; r < rounds; ++r) {
       const uint32_t u = r * BUDDY_WARP_SIZE + warp.lane();
       const bool valid = u < units;
-      const uint64_t unit = valid ? buddy_load<uint64_t>(entry_bytes + 8u * u) : 0u;
-      uint32_t total;
-      uint32_t pos = base + buddy_warp_exclusive_scan(warp, valid ? unit_bits(unit, sp) : 0u, &total);
-      if (valid) {
-        for (uint32_t i = 0; i < lane_words; ++i) pos = put(stream, pos, unit_word(unit, i), sp);
+      const buddy_u128 zero = {0, 0};
+      const buddy_u128 unit = valid ? buddy_load<buddy_u128>(entry_bytes + 16u * u) : zero;
+      uint32_t h = 0, z = 0, total;
+      if (valid) unit_bits(unit, sp, &h, &z);
+      if (table->split) {
+        // code bits (at most 16 words x 24 bits a lane) and tails (16) of a round in one scan
+        const uint32_t before = buddy_warp_exclusive_scan(warp, h | z << 16, &total);
+        uint32_t pos = base + (before & 0xFFFFu), j = tails + (before >> 16);
+        if (valid) {
+          for (uint32_t i = 0; i < unit_words; ++i) {
+            const word_t x = unit_word(unit, i);
+            const Field f = field(x, sp);
+            buddy_put32(stream, pos, f.head);
+            pos += f.head_bits;
+            if (f.tail && tail_bits()) put_tail(stream, end - (j + 1u) * tail_bits(), x);
+            j += f.tail;
+          }
+        }
+        base += total & 0xFFFFu;
+        tails += total >> 16;
+      } else {
+        uint32_t pos = base + buddy_warp_exclusive_scan(warp, h + z * tail_bits(), &total);
+        if (valid) {
+          for (uint32_t i = 0; i < unit_words; ++i) pos = put(stream, pos, unit_word(unit, i), sp);
+        }
+        base += total;
       }
-      base += total;
     }
   }
 
   // ---------------------------------------------------------------------------
   // decoding
   // ---------------------------------------------------------------------------
+  template <class Warp>
+  BUDDY_WARP_FN uint32_t decode(const Warp& warp, const uint8_t* payload, uint32_t k, uint32_t mode,
+                                uint8_t* out) const {
+    (void)mode;
+    return table->split ? decode_split(warp, payload, k, out) : decode_serial(warp, payload, k, out);
+  }
+
+  // ---- the split layout: every lane -------------------------------------------
+  // fpe.code_section_estimate: the code section's bits, estimated from k (integers, as the reference).
+  BUDDY_HD uint32_t estimate(uint32_t k) const {
+    const int64_t zero = table->span_model & 0xFFu, head = table->span_model >> 8;
+    const int64_t middle = ((int64_t)256 * k - 128) * 256;
+    const int64_t per_tail = head + 256 * (int64_t)tail_bits() - 256 * zero;
+    int64_t tails;
+    if (zero == 0)
+      tails = words;
+    else if (per_tail <= 0)
+      tails = 0;
+    else
+      tails = buddy_min<int64_t>(words, buddy_max<int64_t>(0, middle - 256 * zero * words) / per_tail);
+    const int64_t c = (middle - 256 * tails * tail_bits()) / 256;
+    return (uint32_t)buddy_min<int64_t>(256 * (int64_t)k, buddy_max<int64_t>(1, c));
+  }
+
+  // Steps from pos over the codes of the code section that start before `limit`, recording them in sp, until
+  // it meets a code start the lane recorded before (bit i of `merge`: a start at merge_at + i; 0: none).
+  // Returns where it stopped: a code start at or past the limit, the start it met, or `never` at a code the
+  // table lacks.
+  BUDDY_HD uint32_t walk(const uint8_t* payload, uint32_t n64, BuddyFpeSpan& sp, uint32_t pos, uint32_t limit,
+                         uint32_t merge_at, uint32_t merge) const {
+    while (pos < limit) {
+      const uint32_t d = pos - merge_at;  // (wraps when pos < merge_at)
+      if (d < window && (merge >> d) & 1u) break;
+      const uint64_t bits = buddy_peek(payload, n64, pos);
+      const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+      uint32_t starts, tails, step;
+      if (row) {  // the codes inside the next 12 bits at once
+        starts = row & 0xFFFu;
+        tails = (row >> 12) & 0xFFFu;
+        step = row >> 24;
+        // codes from the limit on are the next lane's (a start the walk meets inside a step is not looked
+        // for: the decodes agree from there on, so the step's end is a recorded start too, or past them)
+        const uint32_t cut = limit - pos < step ? starts & ~((1u << (limit - pos)) - 1u) : 0u;
+        if (cut) {
+          step = buddy_ctz(cut);
+          starts &= (1u << step) - 1u;
+          tails &= starts;
+        }
+      } else {  // ESC with its symbol, or not a code
+        const uint32_t one = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+        const uint32_t len = one >> 16, sym = one & 0xFFFFu;
+        if (len == 0) return never;
+        starts = 1u;
+        tails = sym != (1u << sym_bits);  // not ZERO
+        step = len + (sym == (1u << sym_bits) + 1u ? sym_bits : 0u);  // ESC: its symbol follows
+      }
+      const uint32_t off = pos - sp.start;
+      if (off < window) sp.marks |= starts << off;
+      sp.counts += buddy_popc(starts) | buddy_popc(tails) << 16;
+      pos += step;
+    }
+    return pos;
+  }
+
+  // Where a lane whose span starts at `guess` starts: the first code start at or past it of a decode from
+  // `warmup` bits before it (not before `base`, the pass's true start) -- a prefix code falls in step within a
+  // few codes, so this is nearly always the true end of the lane before, and the lane need not decode again.
+  // `guess` itself if that decode meets a code the table lacks.
+  BUDDY_HD uint32_t warm_up(const uint8_t* payload, uint32_t n64, uint32_t guess, uint32_t base) const {
+    uint32_t pos = guess - base > warmup ? guess - warmup : base;
+    while (pos < guess) {
+      const uint64_t bits = buddy_peek(payload, n64, pos);
+      const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+      if (row) {
+        const uint32_t ahead = guess - pos < (row >> 24) ? (row & 0xFFFu) & ~((1u << (guess - pos)) - 1u) : 0u;
+        pos += ahead ? buddy_ctz(ahead) : row >> 24;  // the first start at or past the guess, if in this step
+      } else {
+        const uint32_t one = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+        if ((one >> 16) == 0) return guess;
+        pos += (one >> 16) + ((one & 0xFFFFu) == esc_sym() ? sym_bits : 0u);
+      }
+    }
+    return pos;
+  }
+
+  // The lane's span decoded again from `from` (the true end of the lane before), until it meets a start of
+  // its earlier decode: from there that decode is the true one, and its counts and end stand.
+  BUDDY_HD void resync(const uint8_t* payload, uint32_t n64, BuddyFpeSpan& sp, uint32_t from, uint32_t limit) const {
+    const BuddyFpeSpan old = sp;
+    sp.start = from;
+    sp.counts = sp.marks = 0;
+    const uint32_t pos = walk(payload, n64, sp, from, limit, old.start, old.marks);
+    const uint32_t d = pos - old.start;
+    if (pos >= limit || d >= window || !((old.marks >> d) & 1u)) {  // (never >= limit: a code the table lacks)
+      sp.end = pos;
+      return;
+    }
+    // the old codes before the meeting point are not the lane's: their count, and their tails counted again
+    const uint32_t before = buddy_popc(old.marks & ((1u << d) - 1u));  // d < 32
+    sp.counts += old.counts - (before | tails_between(payload, n64, old.start, pos) << 16);
+    const uint32_t off = pos - from;
+    if (off < window) sp.marks |= (old.marks >> d) << off;
+    sp.end = old.end;
+  }
+
+  // Codes with tails among those from p to `stop`, both code starts of one decode (a few codes: p and stop
+  // are less than `window` bits apart).
+  BUDDY_HD uint32_t tails_between(const uint8_t* payload, uint32_t n64, uint32_t p, uint32_t stop) const {
+    uint32_t tails = 0;
+    while (p < stop) {
+      const uint64_t bits = buddy_peek(payload, n64, p);
+      const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+      if (row) {
+        const uint32_t step = buddy_min(row >> 24, stop - p);  // the codes that start before `stop` end there
+        tails += buddy_popc((row >> 12) & ((1u << step) - 1u));
+        p += step;
+      } else {
+        const uint32_t one = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)], sym = one & 0xFFFFu;
+        tails += sym != zero_sym();
+        p += (one >> 16) + (sym == esc_sym() ? sym_bits : 0u);
+      }
+    }
+    return tails;
+  }
+
+  // Writes the words of the first `count` codes from pos: word index `first` on, the tails from the entry's
+  // (tail_first)-th on (the j-th at end - (j + 1) t); *tails: how many. Returns the bit after the last code,
+  // or `never` for an escape of a symbol the table has a code for or a tail outside the payload.
+  BUDDY_HD uint32_t emit(const uint8_t* payload, uint32_t n64, uint32_t pos, uint32_t count, uint32_t first,
+                         uint32_t tail_first, uint32_t end, uint8_t* out, uint32_t* tails) const {
+    uint32_t done = 0, j = tail_first;
+    while (done < count) {
+      const uint64_t bits = buddy_peek(payload, n64, pos);
+      const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+      const uint32_t starts = row & 0xFFFu;
+      if (row && buddy_popc(starts) <= count - done) {  // the codes of the step, unless the lane's end is inside it
+        for (uint32_t m = (row >> 12) & 0xFFFu; m; m &= m - 1u) {
+          const uint32_t off = buddy_ctz(m);
+          const uint32_t sym = table->dec[(uint32_t)(bits >> off) & (BUDDY_FPE_ROWS - 1u)] & 0xFFFFu;
+          const uint32_t at = done + buddy_popc(starts & ((1u << off) - 1u));
+          if (!put_word(payload, n64, sym, end, j++, out + (size_t)WB * (first + at))) return never;
+        }
+        done += buddy_popc(starts);
+        pos += row >> 24;
+      } else {  // one code: ESC with its symbol, a code the table lacks, or the lane's last codes
+        const uint32_t one = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+        uint32_t len = one >> 16, sym = one & 0xFFFFu;
+        if (len == 0) return never;  // (the find walk stops before such a code: not reached)
+        if (sym == esc_sym()) {
+          sym = (uint32_t)(bits >> len) & (zero_sym() - 1u);
+          if (table->enc[sym]) return never;
+          len += sym_bits;
+        }
+        if (sym != zero_sym() && !put_word(payload, n64, sym, end, j++, out + (size_t)WB * (first + done)))
+          return never;
+        done += 1;
+        pos += len;
+      }
+    }
+    *tails = j - tail_first;
+    return pos;
+  }
+
+  // Writes the word of symbol sym and the entry's j-th tail (at end - (j + 1) t) to out; false if that
+  // tail is not in the payload.
+  BUDDY_HD bool put_word(const uint8_t* payload, uint32_t n64, uint32_t sym, uint32_t end, uint32_t j,
+                         uint8_t* out) const {
+    uint64_t word = (uint64_t)sym << tail_bits();
+    if (tail_bits()) {
+      if ((uint64_t)(j + 1u) * tail_bits() > end) return false;
+      word |= buddy_peek(payload, n64, end - (j + 1u) * tail_bits()) & tail_mask();
+    }
+    buddy_store<word_t>(out, (word_t)word);
+    return true;
+  }
+
+  template <class Warp>
+  BUDDY_WARP_FN uint32_t decode_split(const Warp& warp, const uint8_t* payload, uint32_t k, uint8_t* out) const {
+    const uint32_t lane = warp.lane();
+    const uint32_t n64 = k * (BUDDY_SECTOR_BYTES / 8u);  // 8-byte words of the payload
+    const uint32_t end = 8u * BUDDY_SECTOR_BYTES * k;
+    buddy_warp_fill(warp, nullptr, out, entry);  // ZERO words are written by this
+    warp.sync();                                  // the zeros land before any lane writes a word
+    uint32_t base = 0, done = 0, tails = 0, codes = 0;  // where this pass starts; codes and tails before it
+    uint32_t want = estimate(k);                         // bits the pass's spans cover: the estimate and
+    want += want / overshoot;                            // a little more, so one pass nearly always does
+    bool bad = false;
+    while (done < words) {
+      // (a span has fewer than 2^15 bits: a lane's counts fit 16 bits each)
+      const uint32_t span = buddy_min(0x7FFFu, buddy_max(min_span, (want + BUDDY_WARP_SIZE - 1u) / BUDDY_WARP_SIZE));
+      const uint32_t limit = buddy_min(base + (lane + 1u) * span, end);
+      BuddyFpeSpan sp = {buddy_min(base + lane * span, end), 0, 0, 0};
+      if (lane) sp.start = warm_up(payload, n64, sp.start, base);
+      sp.end = walk(payload, n64, sp, sp.start, limit, never, 0u);
+      // a lane whose start is not the true end of the lane before decodes again from there, until none does
+      for (uint32_t round = 0; round < BUDDY_WARP_SIZE; ++round) {
+        uint32_t from = warp.shfl_up(sp.end, 1u);
+        if (lane == 0) from = base;
+        const bool redo = from != never && from != sp.start;  // nothing true follows a code the table lacks
+        if (!warp.ballot(redo)) break;
+        if (redo) resync(payload, n64, sp, from, limit);
+      }
+      // the lanes up to the first that stopped at a code the table lacks hold the true codes
+      const uint32_t invalid = warp.ballot(sp.end == never);
+      const uint32_t n = !invalid || lane <= buddy_ctz(invalid) ? sp.counts : 0u;
+      uint32_t found, found_tails;
+      const uint32_t first = done + buddy_warp_exclusive_scan(warp, n & 0xFFFFu, &found);
+      const uint32_t tail_first = tails + buddy_warp_exclusive_scan(warp, n >> 16, &found_tails);
+      const uint32_t count = first < words ? buddy_min(n & 0xFFFFu, words - first) : 0u;
+      uint32_t written = 0;  // tails of the lane's codes
+      const uint32_t stop = count ? emit(payload, n64, sp.start, count, first, tail_first, end, out, &written) : 0u;
+      bad |= warp.ballot(stop == never) != 0;
+      const uint32_t last = warp.ballot(count && first + count == words);  // the lane with the section's last code
+      if (last) {
+        codes = warp.shfl(stop, buddy_ctz(last));
+        tails += buddy_warp_sum(warp, written);
+        done = words;
+        break;
+      }
+      // the code section goes on past this pass (or the stream is damaged)
+      base = warp.shfl(sp.end, BUDDY_WARP_SIZE - 1u);
+      if (invalid || found == 0 || bad || base >= end) {
+        bad = true;
+        break;
+      }
+      done += found;
+      tails += found_tails;
+      want = (uint32_t)buddy_max<uint64_t>(1u, (uint64_t)(words - done) * base / done);
+    }
+    // the lengths must give k, and nothing may be set between the codes and the tails
+    if (!bad) {
+      const uint64_t total = (uint64_t)codes + (uint64_t)tails * tail_bits();
+      bad = total > end || sectors((uint32_t)total) != k;
+      if (!bad) bad = warp.ballot(buddy_bits_between(warp, payload, n64, codes, end - tails * tail_bits())) != 0;
+    }
+    if (!bad) return 0;
+    warp.sync();  // every lane's words are written before any lane zeroes them
+    buddy_warp_fill(warp, nullptr, out, entry);
+    return BUDDY_ERR_STREAM;
+  }
+
+  // ---- the serial layout: lane 0 ----------------------------------------------
   // Lane 0's serial walk over a stream of n64 8-byte words: every word into
-  // out (8 bytes a store). Returns the stream's length in bits, or `never` for
-  // a code the table lacks, an escape of a symbol it has a code for, or a
-  // stream already past the payload with words left (each takes a bit at least).
-  BUDDY_HD uint32_t walk(const uint8_t* payload, uint32_t n64, uint8_t* out) const {
+  // out (a store a word: out is the warp's shared staging on the GPU).
+  // Returns the stream's length in bits, or `never` for a code the table
+  // lacks, an escape of a symbol it has a code for, or a stream already past
+  // the payload with words left (each takes a bit at least).
+  BUDDY_HD uint32_t walk_serial(const uint8_t* payload, uint32_t n64, uint8_t* out) const {
     const uint32_t limit = 64u * n64;
     uint32_t pos = 0;
-    uint64_t unit = 0;  // decoded words of the current 8 bytes
     for (uint32_t i = 0; i < words; ++i) {
       if (pos >= limit) return never;
       const uint64_t bits = buddy_peek(payload, n64, pos);
       const uint32_t row = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
       uint32_t len = row >> 16, sym = row & 0xFFFFu;
       if (len == 0) return never;
-      if (sym == ESC) {
-        sym = (uint32_t)(bits >> len) & (ZERO - 1u);
+      if (sym == esc_sym()) {
+        sym = (uint32_t)(bits >> len) & (zero_sym() - 1u);
         if (table->enc[sym]) return never;
         len += sym_bits;
       }
       pos += len;
-      if (sym != ZERO) {
-        uint64_t tail;
-        if constexpr (WB == 8)  // code, symbol and tail can exceed 64 bits
-          tail = buddy_peek(payload, n64, pos);
-        else
-          tail = bits >> len;
-        unit |= (((uint64_t)sym << tail_bits) | (tail & tail_mask)) << (8u * WB * (i % lane_words));
-        pos += tail_bits;
+      uint64_t word = 0;
+      if (sym != zero_sym()) {
+        // code, symbol and tail can exceed 64 bits for 8-byte words: the tail is read on its own
+        word = (uint64_t)sym << tail_bits() | (buddy_peek(payload, n64, pos) & tail_mask());
+        pos += tail_bits();
       }
-      if (i % lane_words == lane_words - 1u) {
-        buddy_store<uint64_t>(out + 8u * (i / lane_words), unit);
-        unit = 0;
-      }
+      buddy_store<word_t>(out + (size_t)WB * i, (word_t)word);
     }
     return pos;
   }
 
   template <class Warp>
-  BUDDY_WARP_FN uint32_t decode(const Warp& warp, const uint8_t* payload, uint32_t k, uint32_t mode,
-                                uint8_t* out) const {
-    (void)mode;
+  BUDDY_WARP_FN uint32_t decode_serial(const Warp& warp, const uint8_t* payload, uint32_t k, uint8_t* out) const {
     const uint32_t n64 = k * (BUDDY_SECTOR_BYTES / 8u);  // 8-byte words of the payload
-    const uint32_t total = warp.shfl(warp.lane() == 0 ? walk(payload, n64, out) : 0u, 0u);
+    const uint32_t total = warp.shfl(warp.lane() == 0 ? walk_serial(payload, n64, out) : 0u, 0u);
     // the stream's length must give k, and nothing may follow it
     bool bad = total == never || sectors(total) != k;
-    if (!bad) bad = buddy_bits_after(warp, payload, n64, total);
-    if (warp.ballot(bad) == 0) return 0;
+    if (!bad) bad = warp.ballot(buddy_bits_after(warp, payload, n64, total)) != 0;
+    if (!bad) return 0;
     warp.sync();  // lane 0's words are written before any lane zeroes them
     buddy_warp_fill(warp, nullptr, out, entry);
     return BUDDY_ERR_STREAM;

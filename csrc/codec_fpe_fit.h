@@ -49,7 +49,7 @@
 #define BUDDY_FPE_MAX_CODED 255u                            // regular symbols with codes at most (fpe.MAX_CODED)
 #define BUDDY_FPE_MAX_LEAVES (BUDDY_FPE_MAX_CODED + 2u)      // and ZERO and ESC
 #define BUDDY_FPE_SERIAL_BYTES (4u + 3u * BUDDY_FPE_MAX_LEAVES)  // the longest serialized table: 775 bytes
-#define BUDDY_FPE_TABLE_FORMAT 2u                            // byte 0 of a fitted table (fpe.TABLE_FORMAT)
+#define BUDDY_FPE_TABLE_FORMAT 3u                            // byte 0 of a fitted table (fpe.TABLE_FORMAT)
 
 // Scratch of one fit (buddy.cuda.FIT_WORK_BYTES), in global memory.
 struct BuddyFpeFitWork {
@@ -65,25 +65,35 @@ struct BuddyFpeFitWork {
 #define BUDDY_FPE_FIT_WORK_BYTES 93496u  // buddy.cuda.FIT_WORK_BYTES
 static_assert(sizeof(BuddyFpeFitWork) == BUDDY_FPE_FIT_WORK_BYTES, "the loader allocates this many bytes");
 
-// Counting, in the symbols of the tables a fit makes (table format 2,
-// buddy_fpe_fit_split): adds the symbols of the words of one 8-byte unit (ZERO
-// for an all-zero word) to counts (S + 2 uint32, atomically: a block's shared
-// counts).
+// Counting, in the symbols of the tables a fit makes (table format 3,
+// buddy_fpe_fit_split), into counts (S + 2 uint32: a block's shared counts).
+// A word's key: its symbol, ZERO for an all-zero word.
 template <int WB>
-BUDDY_HD void buddy_fpe_count_add(typename BuddyFpe<WB>::word_t x, uint32_t* counts) {
+BUDDY_HD uint32_t buddy_fpe_count_key(typename BuddyFpe<WB>::word_t x) {
   constexpr uint32_t t = buddy_fpe_fit_split<WB>::t, zero = 1u << buddy_fpe_fit_split<WB>::b;
-  buddy_atomic_add(&counts[x == 0 ? zero : (uint32_t)((uint64_t)x >> t) & (zero - 1u)], 1u);
+  return x == 0 ? zero : (uint32_t)((uint64_t)x >> t) & (zero - 1u);
 }
 
-template <int WB>
-BUDDY_HD void buddy_fpe_count_unit(uint64_t unit, uint32_t* counts) {
-  for (uint32_t i = 0; i < 8u / WB; ++i) buddy_fpe_count_add<WB>(BuddyFpe<WB>::unit_word(unit, i), counts);
+#define BUDDY_FPE_KEY_BITS 13u           // a key is below 2^13 (ZERO = 4096 at most)
+#define BUDDY_FPE_NO_KEY 0x1FFFu         // the key of a lane with no word: never counted
+
+// The words of each lane's 16-byte unit (valid: the lane has one) counted by
+// the warp, aggregated: per word position, the lanes with equal keys add
+// their number once (buddy_warp_match), so the common keys -- ZERO is about
+// half of a ReLU's words -- cost one atomic a warp, not one a lane.
+template <int WB, class Warp>
+BUDDY_WARP_FN void buddy_fpe_count_unit16(const Warp& warp, buddy_u128 unit, bool valid, uint32_t* counts) {
+  for (uint32_t i = 0; i < 16u / WB; ++i) {
+    const uint32_t key = valid ? buddy_fpe_count_key<WB>(BuddyFpe<WB>::unit_word(unit, i)) : BUDDY_FPE_NO_KEY;
+    const uint32_t peers = buddy_warp_match(warp, key, BUDDY_FPE_KEY_BITS);
+    if (key != BUDDY_FPE_NO_KEY && buddy_ctz(peers) == warp.lane()) buddy_atomic_add(&counts[key], buddy_popc(peers));
+  }
 }
 
-// The same for one word of a tensor's last, partial entry.
+// One word (a lane alone: the tensor's odd 8 bytes and its last, partial entry).
 template <int WB>
 BUDDY_HD void buddy_fpe_count_word(const uint8_t* p, uint32_t* counts) {
-  buddy_fpe_count_add<WB>(buddy_load<typename BuddyFpe<WB>::word_t>(p), counts);
+  buddy_atomic_add(&counts[buddy_fpe_count_key<WB>(buddy_load<typename BuddyFpe<WB>::word_t>(p))], 1u);
 }
 
 // Sum over the warp of a 64-bit value, on every lane.
@@ -169,9 +179,10 @@ BUDDY_HD void buddy_fit_lengths(BuddyFpeFitWork* wk, uint32_t n) {
 
 // Fits the fpe table of word size word_bytes to counts (S + 2 int64: the
 // regular symbols, ZERO, ESC (only in the total); non-negative) as Table.from_counts
-// does: a table of format 2 (S = 2^12; 2^8 for 1-byte words). Writes the
-// kernels' device table (every byte) and the serialized table
-// (fpe.Table.to_bytes; BUDDY_FPE_SERIAL_BYTES bytes, zeros after it).
+// does: a table of format 3 (S = 2^12; 2^8 for 1-byte words). Writes the
+// kernels' device table (every byte: its multi rows and span model too) and
+// the serialized table (fpe.Table.to_bytes; BUDDY_FPE_SERIAL_BYTES bytes,
+// zeros after it).
 template <class Warp>
 BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32_t word_bytes, BuddyFpeFitWork* wk,
                                  BuddyFpeTable* table, uint8_t* serial) {
@@ -243,7 +254,7 @@ BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32
   // meanwhile the table is cleared: a row or symbol no code reaches reads 0
   for (uint32_t v = lane; v < BUDDY_FPE_ROWS; v += BUDDY_WARP_SIZE) table->dec[v] = 0;
   for (uint32_t i = lane; i < BUDDY_FPE_SYMBOLS; i += BUDDY_WARP_SIZE) table->enc[i] = 0;
-  for (uint32_t b = lane; b < BUDDY_FPE_SERIAL_BYTES; b += BUDDY_WARP_SIZE) serial[b] = 0;
+  for (uint32_t i = lane; i < BUDDY_FPE_SERIAL_BYTES; i += BUDDY_WARP_SIZE) serial[i] = 0;
   warp.sync();
 
   // canonical order: by (length, symbol)
@@ -256,7 +267,7 @@ BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32
   }
   warp.sync();
   // codes: the Kraft sum before each, at its length; written most significant bit first
-  uint32_t kraft = 0;
+  uint32_t kraft = 0, model_num = 0, model_den = 0;  // the span model's sums (fpe.Table.span_model)
   for (uint32_t base = 0; base < n; base += BUDDY_WARP_SIZE) {
     const uint32_t i = base + lane;
     const uint32_t len = i < n ? wk->canon_len[i] : BUDDY_FPE_CODE_BITS;
@@ -266,16 +277,37 @@ BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32
     if (i < n) {
       const uint32_t sym = wk->canon_s[i], code = before >> (BUDDY_FPE_CODE_BITS - len);
       uint32_t stream = 0;  // the code bit-reversed: its first bit is the stream's bit 0
-      for (uint32_t b = 0; b < len; ++b) stream |= (code >> (len - 1u - b) & 1u) << b;
+      for (uint32_t bit = 0; bit < len; ++bit) stream |= (code >> (len - 1u - bit) & 1u) << bit;
       table->enc[sym] = (uint16_t)(stream | len << 12);
       for (uint32_t v = stream; v < BUDDY_FPE_ROWS; v += 1u << len) table->dec[v] = sym | len << 16;
       serial[4u + 3u * i] = (uint8_t)(sym & 0xFFu);
       serial[5u + 3u * i] = (uint8_t)(sym >> 8);
       serial[6u + 3u * i] = (uint8_t)len;
+      if (sym != ZERO) {
+        model_num += (1u << (BUDDY_FPE_CODE_BITS - len)) * (len + (sym == ESC ? b : 0u));
+        model_den += 1u << (BUDDY_FPE_CODE_BITS - len);
+      }
     }
+  }
+  model_num = buddy_warp_sum(warp, model_num);
+  model_den = buddy_warp_sum(warp, model_den);  // > 0: ESC always has a code
+  warp.sync();  // every lane's decode rows and encode entries are written before any lane reads them
+  // the multi rows, from the decode rows (fpe.Table.multi_rows)
+  for (uint32_t v = lane; v < BUDDY_FPE_ROWS; v += BUDDY_WARP_SIZE) {
+    uint32_t pos = 0, starts = 0, tails = 0;
+    while (pos < BUDDY_FPE_CODE_BITS) {
+      const uint32_t row = table->dec[v >> pos], len = row >> 16, sym = row & 0xFFFFu;
+      if (len == 0 || sym == ESC || pos + len > BUDDY_FPE_CODE_BITS) break;
+      starts |= 1u << pos;
+      tails |= (uint32_t)(sym != ZERO) << pos;
+      pos += len;
+    }
+    table->multi[v] = starts | tails << 12 | pos << 24;
   }
   if (lane == 0) {
     table->sym_bits = b;
+    table->split = 1;
+    table->span_model = (table->enc[ZERO] >> 12) | (uint32_t)((uint64_t)model_num * 256u / model_den) << 8;
     serial[0] = BUDDY_FPE_TABLE_FORMAT;
     serial[1] = (uint8_t)word_bytes;
     serial[2] = (uint8_t)(n & 0xFFu);

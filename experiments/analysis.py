@@ -8,6 +8,7 @@ bytes without re-running the model.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Iterable, Sequence
@@ -52,6 +53,11 @@ def tensor_bytes(t: torch.Tensor) -> int:
 _SECTORS: dict[tuple[int, str, int], tuple[weakref.ref, torch.Tensor]] = {}
 
 
+def _forget_sectors(key: tuple[int, str, int], _: object) -> None:
+    """Drop a cached tensor's sizes once the tensor is gone (a weakref callback)."""
+    _SECTORS.pop(key, None)
+
+
 def entry_sectors(t: torch.Tensor, codec: str, entry_bytes: int) -> torch.Tensor:
     """Every entry's compressed size in sectors (``k``, int32, on the CPU), as ``buddy.measure`` finds it.
 
@@ -68,7 +74,7 @@ def entry_sectors(t: torch.Tensor, codec: str, entry_bytes: int) -> torch.Tensor
     measured = buddy.measure(t, codec, entry_bytes=entry_bytes)
     k, _ = decode_meta(measured.measurement.meta, entry_bytes, measured.n_entries, check=False)
     k = k.cpu()
-    _SECTORS[key] = (weakref.ref(t, lambda _, key=key: _SECTORS.pop(key, None)), k)
+    _SECTORS[key] = (weakref.ref(t, functools.partial(_forget_sectors, key)), k)
     return k
 
 
@@ -165,6 +171,7 @@ def place_per_region(
         taken = order[: int(fits[0]) + 1] if float(tail.sum()) > limit else order[:0]
         slots = torch.bincount(taken // spe, minlength=len(entries)).double()
     else:
+        assert max_overflow is not None  # exactly one of the two was given
         region_size = torch.full_like(entries, float(region_bytes))
         region_size[-1] = nbytes - region_bytes * (len(entries) - 1)
         # overflow with slot s = sum of the steps above it
@@ -273,7 +280,7 @@ def entry_zstd_histogram(t: torch.Tensor, entry_bytes: int, level: int = 3) -> l
     hist = [0] * (spe + 1)
     nonzero = (entries != 0).any(dim=1)
     hist[0] = int((~nonzero).sum())
-    view = memoryview(data.numpy())
+    view = data.numpy().data  # a memoryview of the bytes
     for i in nonzero.nonzero().view(-1).tolist():
         k = -(-len(cctx.compress(view[i * entry_bytes : (i + 1) * entry_bytes])) // spec.SECTOR_BYTES)
         hist[min(k, spe)] += 1
@@ -367,7 +374,7 @@ def default_policies(entry_bytes: int, activation_bytes: float) -> list[tuple[st
     points: budgets of 90 % down to 40 % of it.
     """
     sectors = spec.sectors_per_entry(entry_bytes)
-    fixed = [
+    fixed: list[tuple[str, str, buddy.Policy]] = [
         (
             "FixedRatio",
             f"{spec.ratio_for_slot(s, entry_bytes):.2f}x",
@@ -375,11 +382,11 @@ def default_policies(entry_bytes: int, activation_bytes: float) -> list[tuple[st
         )
         for s in range(sectors, 0, -1)
     ]
-    threshold = [
+    threshold: list[tuple[str, str, buddy.Policy]] = [
         ("BuddyThreshold", f"{t:.0%}", buddy.BuddyThreshold(t)) for t in (0.0, 0.01, 0.02, 0.05, 0.10, 0.20, 0.30)
     ]
     threshold += [("OverflowBudget", f"{t:.0%}", buddy.OverflowBudget(t)) for t in (0.02, 0.05, 0.10, 0.20)]
-    budget = [
+    budget: list[tuple[str, str, buddy.Policy]] = [
         ("DeviceBudget", f"{f:.0%}", buddy.DeviceBudget(int(f * activation_bytes)))
         for f in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
     ]

@@ -272,7 +272,11 @@ def cpu_baselines() -> list[Baseline]:
 
 
 #: nvcomp's lossless codecs compared against (names as nvcomp's Python API spells them)
-NVCOMP_ALGORITHMS = ("ANS", "Bitcomp", "Cascaded", "LZ4", "GDeflate")
+NVCOMP_ALGORITHMS = ("ANS", "Bitcomp", "Cascaded", "LZ4", "GDeflate", "Deflate", "Gzip", "Snappy", "Zstd")
+
+
+def _nvcomp_encode(nvcomp: Any, codec: Any, t: torch.Tensor) -> Any:
+    return codec.encode(nvcomp.as_array(t))
 
 
 def nvcomp_baselines(device: torch.device) -> list[Baseline]:
@@ -287,7 +291,7 @@ def nvcomp_baselines(device: torch.device) -> list[Baseline]:
         baselines.append(
             Baseline(
                 f"nvcomp-{algorithm.lower()}",
-                lambda t, c=codec: c.encode(nvcomp.as_array(t)),
+                partial(_nvcomp_encode, nvcomp, codec),
                 codec.decode,
                 lambda blob: int(blob.buffer_size),
                 as_bytes,
@@ -327,7 +331,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own choice)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (crops, text start, weights)")
-    p.add_argument("--nvcomp", action="store_true", help="add nvcomp LZ4 (CUDA only)")
+    p.add_argument("--nvcomp", action="store_true", help="add nvcomp's codecs (CUDA only)")
     p.add_argument("--out", type=Path, default=Path("results/bench_codecs"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -344,7 +348,7 @@ def methods(
     name: str, x: torch.Tensor, args: argparse.Namespace, baselines: list[Baseline]
 ) -> list[tuple[str, Callable[[], Row]]]:
     """``(method, measure)`` for every method on tensor ``x``, in table order."""
-    jobs = [("memcpy", partial(bench_memcpy, name, x, args.repeats))]
+    jobs: list[tuple[str, Callable[[], Row]]] = [("memcpy", partial(bench_memcpy, name, x, args.repeats))]
     jobs += [(f"buddy:{c}", partial(bench_buddy, name, x, c, args.entry_bytes, args.repeats)) for c in args.codecs]
     jobs += [(b.method, partial(bench_baseline, name, x, b, args.repeats)) for b in baselines]
     return jobs
@@ -455,7 +459,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         torch.set_num_threads(args.threads)  # before the environment, which records it
     environment = env.environment()
     print(env.format_environment(environment), flush=True)
-    run_info = {
+    run_info: dict[str, Any] = {
         "environment": environment,
         "command": shlex.join(["python", "-m", "experiments.bench_codecs", *argv]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -6,8 +6,8 @@ backward at full size (``resnet-fp32`` for fp32, ``gpt-bf16`` for bf16),
 concatenated in saving order and repeated up to the size -- it measures, in
 GB/s of input bytes:
 
-* ``buddy:<codec>/cuda`` for every codec with kernels (zvc, fpx, bpc, auto)
-  at its default entry size, and ``buddy:<codec>/reference`` (the torch
+* ``buddy:<codec>/cuda`` for every codec with kernels (zvc, fpx, bpc, auto,
+  fpe, auto2: :data:`buddy.cuda.KERNEL_CODECS`) at the default entry size, and ``buddy:<codec>/reference`` (the torch
   reference on the GPU, ``--reference``): ``buddy.compress`` (measure, the
   slot the default policy picks, pack, the overflow's copy to pinned memory)
   and ``decompress``; the CUDA path's buffers must equal the reference's byte
@@ -15,8 +15,11 @@ GB/s of input bytes:
   the kernel launches and host synchronisations of one compress and one
   decompress (torch profiler, CUDA activity);
 * ``memcpy``: a device-to-device copy of the same bytes (the floor);
-* nvcomp's ANS, Bitcomp, Cascaded, LZ4 and GDeflate on the same bytes
-  (``experiments.bench_codecs.nvcomp_baselines``), when nvcomp is importable;
+* every lossless algorithm of nvcomp's Python API on the same bytes
+  (``experiments.bench_codecs.nvcomp_baselines``). nvcomp is required: without
+  it the run stops before measuring anything, saying why (``--no-nvcomp``
+  measures without it); an algorithm that fails is recorded with its error,
+  the others are measured, and the run exits non-zero after writing;
 
 and the PCIe rate of a pinned host <-> device copy of each overflow size.
 Timing: CUDA events on the current stream, ``--warmup`` untimed runs, the
@@ -39,7 +42,7 @@ import math
 import shlex
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +55,14 @@ import buddy
 from buddy import env
 from buddy.deps import require_cuda
 from buddy.errors import MissingDependencyError
-from experiments.bench_codecs import RoundTripError, timed
+from experiments.bench_codecs import Baseline, RoundTripError, timed
 
 __all__ = ["main", "run", "pcie_rates", "activation_bytes"]
 
 GB = 1e9  # decimal GB/s
 MiB = 1 << 20
-#: the codecs measured: those with kernels (buddy.cuda.KERNEL_CODECS)
-CODECS = ("zvc", "fpx", "bpc", "auto")
+#: the codecs measured: every codec with kernels, the default (auto2) among them
+CODECS = tuple(buddy.cuda.KERNEL_CODECS)
 #: the workload whose saved activations make each dtype's tensor
 WORKLOADS = {torch.float32: "resnet-fp32", torch.bfloat16: "gpt-bf16"}
 
@@ -72,7 +75,9 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / GB if seconds > 0 else math.inf
 
 
-def _row(name: str, x: torch.Tensor, method: str, comp: list[float], decomp: list[float], **extra) -> dict[str, Any]:
+def _row(
+    name: str, x: torch.Tensor, method: str, comp: list[float], decomp: list[float], **extra: Any
+) -> dict[str, Any]:
     nbytes = x.numel() * x.element_size()
     c, d = _summary(comp), _summary(decomp)
     return {
@@ -123,7 +128,7 @@ def bench_buddy(
 ) -> tuple[dict[str, Any], buddy.BuddyTensor]:
     """compress / decompress with ``codec`` and ``backend`` at the default entry size and policy."""
 
-    def compress():
+    def compress() -> buddy.BuddyTensor:
         return buddy.compress(x, codec=codec, store=store, backend=backend)
 
     bt = compress()
@@ -159,7 +164,7 @@ def check_backends_agree(name: str, a: buddy.BuddyTensor, b: buddy.BuddyTensor) 
             raise RoundTripError(f"{name!r}: the {a.backend} and {b.backend} backends wrote different {part}")
 
 
-def bench_nvcomp(name: str, x: torch.Tensor, baseline, repeats: int, warmup: int) -> dict[str, Any]:
+def bench_nvcomp(name: str, x: torch.Tensor, baseline: Baseline, repeats: int, warmup: int) -> dict[str, Any]:
     data = x.detach().contiguous().reshape(-1).view(torch.uint8)
     blob = baseline.compress(data)
     if not _same_bytes(baseline.as_bytes(baseline.decompress(blob)), data):
@@ -169,14 +174,18 @@ def bench_nvcomp(name: str, x: torch.Tensor, baseline, repeats: int, warmup: int
     return _row(name, x, baseline.method, comp, decomp, ratio=data.numel() / max(1, baseline.size(blob)))
 
 
-def nvcomp_or_none(device: torch.device) -> tuple[list, str | None]:
-    """nvcomp's baselines, or ``([], why not)``."""
-    try:
-        from experiments.bench_codecs import nvcomp_baselines
+def nvcomp_or_exit(device: torch.device) -> list[Baseline]:
+    """nvcomp's baselines on ``device``; exits saying why when nvcomp cannot run (never a silent skip)."""
+    from experiments.bench_codecs import nvcomp_baselines
 
-        return nvcomp_baselines(device), None
+    try:
+        return nvcomp_baselines(device)
     except (MissingDependencyError, ImportError, RuntimeError) as exc:
-        return [], f"nvcomp skipped: {exc}"
+        raise SystemExit(
+            f"bench_cuda: nvcomp is required and cannot run here: {exc}\n"
+            f"  (install nvidia-nvcomp-cu<CUDA major> and nvidia-libnvcomp-cu<CUDA major>, "
+            f"or pass --no-nvcomp to measure without it)"
+        ) from exc
 
 
 def pcie_rates(nbytes: int, device: torch.device, repeats: int, warmup: int) -> dict[str, Any]:
@@ -202,21 +211,20 @@ def run(
     backends: tuple[str, ...] = ("cuda",),
     repeats: int = 10,
     warmup: int = 2,
-    nvcomp: bool = True,
+    baselines: Sequence[Baseline] = (),
     pcie: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Benchmark every tensor (all on one device) with every method; ``{"rows", "pcie", "notes"}``."""
+    """Benchmark every tensor (all on one device) with every method; ``{"rows", "pcie", "errors"}``.
+
+    ``baselines``: nvcomp's (:func:`nvcomp_or_exit`). A baseline that fails
+    on a tensor is recorded in ``errors`` (method, tensor, the error) and
+    the run goes on; buddy's codecs must round trip or the run stops.
+    """
     rows: list[dict[str, Any]] = []
     pcie_rows: list[dict[str, Any]] = []
-    notes: list[str] = []
+    errors: list[dict[str, str]] = []
     device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-    baselines: list = []
-    if nvcomp and device.type == "cuda":
-        baselines, why = nvcomp_or_none(device)
-        if why:
-            notes.append(why)
-            log(why)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     store = buddy.BuddyStore(capacity_bytes=max(1 << 30, 2 * total), pin=device.type == "cuda")
     for name, x in tensors.items():
@@ -236,11 +244,16 @@ def run(
             for bt in kept.values():
                 bt.free()
         for baseline in baselines:
-            rows.append(bench_nvcomp(name, x, baseline, repeats, warmup))
+            try:
+                rows.append(bench_nvcomp(name, x, baseline, repeats, warmup))
+            except (RuntimeError, ValueError) as exc:  # nvcomp raises these for an algorithm it cannot run
+                errors.append({"method": baseline.method, "tensor": name, "error": f"{type(exc).__name__}: {exc}"})
+                log(f"{name:>14} {baseline.method:>34}  FAILED: {errors[-1]['error']}")
+                continue
             log(_line(rows[-1]))
         if pcie and device.type == "cuda" and overflow:
             pcie_rows.append({"tensor": name, **pcie_rates(overflow, device, repeats, warmup)})
-    return {"rows": rows, "pcie": pcie_rows, "notes": notes}
+    return {"rows": rows, "pcie": pcie_rows, "errors": errors}
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -274,7 +287,9 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def activation_bytes(dtype: torch.dtype, mib: int, device, *, size: str = "full", point: int = 30) -> torch.Tensor:
+def activation_bytes(
+    dtype: torch.dtype, mib: int, device: torch.device | str, *, size: str = "full", point: int = 30
+) -> torch.Tensor:
     """``mib`` MiB of what a workload saves for backward, ``point`` steps into training, as one ``dtype`` tensor.
 
     The saved tensors of one step (``WORKLOADS[dtype]``), each in the bytes
@@ -297,11 +312,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_cuda", description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=256, help="MiB of activations per dtype (default 256)")
     p.add_argument("--size", default="full", help="workload size the activations come from (default full)")
-    p.add_argument("--codecs", nargs="+", default=list(CODECS), help="codecs with kernels to measure")
+    p.add_argument("--codecs", nargs="+", choices=CODECS, default=list(CODECS), help="codecs with kernels to measure")
     p.add_argument("--reference", action="store_true", help="also time the torch reference on the GPU (slow)")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per measurement (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed ones")
-    p.add_argument("--no-nvcomp", action="store_true", help="skip nvcomp's codecs")
+    p.add_argument("--no-nvcomp", action="store_true", help="measure without nvcomp (by default it is required)")
     p.add_argument("--out", type=Path, default=Path("results/bench_cuda"))
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.mib < 1:
@@ -318,6 +333,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except MissingDependencyError as exc:
         raise SystemExit(f"bench_cuda: nothing to measure without a GPU. {exc}") from None
     device = torch.device("cuda", torch.cuda.current_device())
+    baselines = [] if args.no_nvcomp else nvcomp_or_exit(device)  # before anything slow: absent nvcomp stops here
     tensors = {
         f"{WORKLOADS[d]}.{args.mib}MiB": activation_bytes(d, args.mib, device, size=args.size) for d in WORKLOADS
     }
@@ -327,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         backends=("cuda", "reference") if args.reference else ("cuda",),
         repeats=args.repeats,
         warmup=args.warmup,
-        nvcomp=not args.no_nvcomp,
+        baselines=baselines,
     )
     print()
     print(format_table(result))
@@ -342,6 +358,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     print(f"\nwrote {path}")
+    if result["errors"]:
+        failed = ", ".join(sorted({e["method"] for e in result["errors"]}))
+        raise SystemExit(f"bench_cuda: {len(result['errors'])} measurements failed ({failed}); see {path}")
     return result
 
 

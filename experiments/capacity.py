@@ -72,7 +72,12 @@ def analyse(captures: dict, *, codec: str, entry_bytes: int, show: bool = True) 
             device = sum(o.device_bytes for o in outcomes)
             buddy_bytes = sum(o.buddy_bytes for o in outcomes)
             predicted = [o for o in outcomes if o.predicted_overflow_bytes is not None]
-            missed = [o for o in predicted if abs(o.buddy_bytes - o.predicted_overflow_bytes) > 0.01 * o.original_bytes]
+            missed = [
+                o
+                for o in predicted
+                if o.predicted_overflow_bytes is not None  # (all of them: narrows the type)
+                and abs(o.buddy_bytes - o.predicted_overflow_bytes) > 0.01 * o.original_bytes
+            ]
             row = {
                 "workload": workload,
                 "codec": codec,
@@ -91,7 +96,8 @@ def analyse(captures: dict, *, codec: str, entry_bytes: int, show: bool = True) 
                 "mispredicted": len(missed),
             }
             if family == "DeviceBudget":
-                per_point = {}
+                assert isinstance(policy, buddy.DeviceBudget)
+                per_point: dict[int, int] = {}
                 for o in outcomes:
                     per_point[o.point] = per_point.get(o.point, 0) + o.device_bytes
                 row["over_budget"] = any(v > policy.budget_bytes for v in per_point.values())
@@ -114,7 +120,8 @@ def headline(rows: list[dict], sets: Mapping[str, Sequence[str]] | None = None) 
     by = {(r["workload"], r["family"], r["policy"]): r for r in rows}
     out = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
-        tracked = by[(workload, *HEADLINE_POLICY)]
+        key = (workload, *HEADLINE_POLICY)  # (a name: mypy reads by[(a, *b)] as 3.11's by[a, *b])
+        tracked = by[key]
         naive = by.get((workload, "FixedRatio", "2.00x"))
         out.append(
             {
@@ -131,7 +138,7 @@ def headline(rows: list[dict], sets: Mapping[str, Sequence[str]] | None = None) 
         mine = [r for r in out if r.get("set") == name and "summary" not in r]
         if not mine:
             continue
-        naive = [r for r in mine if r["naive_2x_capacity"]]
+        with_naive = [r for r in mine if r["naive_2x_capacity"]]
         out.append(
             {
                 "workload": f"{name} set",
@@ -141,8 +148,8 @@ def headline(rows: list[dict], sets: Mapping[str, Sequence[str]] | None = None) 
                 "ideal_ratio": geomean([r["ideal_ratio"] for r in mine]),
                 "capacity": geomean([r["capacity"] for r in mine]),
                 "overflow_fraction": max(r["overflow_fraction"] for r in mine),
-                "naive_2x_capacity": geomean([r["naive_2x_capacity"] for r in naive]) if naive else None,
-                "naive_2x_overflow": max((r["naive_2x_overflow"] for r in naive), default=None),
+                "naive_2x_capacity": geomean([r["naive_2x_capacity"] for r in with_naive]) if with_naive else None,
+                "naive_2x_overflow": max((r["naive_2x_overflow"] for r in with_naive), default=None),
             }
         )
     return out

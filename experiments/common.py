@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import hashlib
 import json
@@ -18,9 +19,14 @@ import torch
 
 import buddy.autograd
 from buddy import env
+from buddy.config import DEFAULT_BACKENDS
+from buddy.deps import require, require_cuda
+from buddy.errors import MissingDependencyError
 
 __all__ = [
     "start",
+    "add_backend_argument",
+    "choose_backend",
     "capture_all",
     "CACHE_ENV",
     "write_results",
@@ -51,6 +57,39 @@ def _load_average() -> float | None:
         return round(os.getloadavg()[0], 2)
     except (OSError, AttributeError):  # not every OS has one
         return None
+
+
+def add_backend_argument(parser: argparse.ArgumentParser) -> None:
+    """``--backend``: who runs buddy's codecs (see :func:`choose_backend`)."""
+    parser.add_argument(
+        "--backend",
+        choices=DEFAULT_BACKENDS,
+        default=None,
+        help="buddy's backend (default: the CUDA kernels on a GPU where they can run, else the reference); "
+        "'cuda' where the kernels cannot run is an error, not a fallback",
+    )
+
+
+def choose_backend(script: str, requested: str | None, device: torch.device | str) -> str:
+    """The backend an experiment's buddy methods run: ``requested``, else the CUDA kernels on a GPU that can run them.
+
+    An explicit ``"cuda"`` that cannot run here exits with the reason: the
+    process-wide default would otherwise fall back to the reference with a
+    warning, and the run would time the wrong thing.
+    """
+    device = torch.device(device)
+    if requested is None:
+        usable = device.type == "cuda" and buddy.cuda.why_unusable() is None
+        return "cuda" if usable else "reference"
+    if requested == "cuda":
+        if device.type != "cuda":
+            raise SystemExit(f"{script}: --backend cuda needs --device cuda, got {device}")
+        try:
+            require_cuda(f"experiments.{script} --backend cuda")
+            require("cupy", f"experiments.{script} --backend cuda")
+        except MissingDependencyError as exc:
+            raise SystemExit(f"{script}: {exc}") from exc
+    return requested
 
 
 def progress(iterable, *, desc: str, total: int | None = None, enabled: bool = True):
@@ -89,6 +128,7 @@ def _cache_path(cache: Path, name: str, size: str, points: Sequence[int], device
     for part in (name, size, tuple(points), device, seed, torch.__version__, weights):
         h.update(repr(part).encode())
     for module in (data, workloads, pretrained, buddy.autograd):
+        assert module.__file__ is not None  # modules of source files
         h.update(Path(module.__file__).read_bytes())
     return cache / f"{name}-{size}-{h.hexdigest()[:16]}.pt"
 
@@ -133,7 +173,7 @@ def capture_all(
 
 
 def _plain(value):
-    if is_dataclass(value):
+    if is_dataclass(value) and not isinstance(value, type):
         value = asdict(value)
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -100,7 +101,7 @@ def with_sets(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
     for name, members in sets.items():
         mine = [r for r in rows if r["workload"] in members]
         if mine:
-            row = {"workload": f"{name} set"}
+            row: dict[str, Any] = {"workload": f"{name} set"}
             for k in ("order0_ratio", "previous_ratio", "top_ratio"):
                 row[k] = geomean([r[k] for r in mine])
             row["gain"] = row["top_ratio"] / row["order0_ratio"] - 1

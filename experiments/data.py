@@ -129,7 +129,7 @@ def _stdlib_sources() -> tuple[str, ...]:
     """
     root = sysconfig.get_paths()["stdlib"]
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    paths = []
+    paths: list[str] = []
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d not in skip]
         paths.extend(os.path.join(folder, f) for f in files if f.endswith(".py"))
@@ -182,7 +182,7 @@ def stdlib_docstrings(packages: tuple[str, ...], max_bytes: int) -> dict[str, st
         folder = os.path.join(root, package)
         if not os.path.isdir(folder):
             raise ValueError(f"the standard library has no package {package!r} (looked in {folder!r})")
-        paths = []
+        paths: list[str] = []
         for sub, dirs, files in os.walk(folder):
             dirs[:] = [d for d in dirs if d not in _TEST_DIRS and d != "__pycache__"]
             paths.extend(os.path.join(sub, f) for f in files if f.endswith(".py"))

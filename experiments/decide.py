@@ -128,7 +128,7 @@ def _whole_rows(captures: dict, show: bool) -> list[dict]:
     tensors = [(w, t.tensor) for w, caps in captures.items() for c in caps for t in c.tensors]
     for workload, t in progress(tensors, desc="baselines and bounds", enabled=show):
         original = tensor_bytes(t)
-        sizes = dict(general_purpose_sizes(t))
+        sizes: dict[str, float] = dict(general_purpose_sizes(t))
         sizes["entropy (bytes)"] = original * byte_entropy_bits(t) / 8
         sizes["entropy (fields)"] = t.numel() * field_entropy_bits(t) / 8
         for method, size in sizes.items():
@@ -267,7 +267,7 @@ def decide(decision_rows: list[dict], codecs=CODECS, prefix: str = "") -> dict:
     best = max(r[f"{prefix}capacity:geomean"] for r in candidates)
     close = [r for r in candidates if r[f"{prefix}capacity:geomean"] >= best * (1 - TIE)]
     rank = {name: i for i, name in enumerate(POLICIES)}
-    close.sort(key=lambda r: (r["entry_bytes"], rank.get(r.get("policy"), 0), -(r.get("compress_gbps") or 0.0)))
+    close.sort(key=lambda r: (r["entry_bytes"], rank.get(r.get("policy") or "", 0), -(r.get("compress_gbps") or 0.0)))
     return close[0]
 
 

@@ -1,122 +1,97 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine: set up, run one phase, write everything under $OUT.
+# One phase of a GPU session, in one call on a lent machine: install the carried wheels, run the phase,
+# write <phase>.json and <phase>.log under $OUT (flat names; experiments/gpu_session.py says what each holds).
 #
-#   bash experiments/gpu_session.sh PHASE      PHASE: check | tests | sanitize | bench | step | all
+#   bash experiments/gpu_session.sh check         golden vectors through every kernel both ways
+#   bash experiments/gpu_session.sh tests 1/2     the curated GPU tests, shard 1 of 2 (then 2/2)
+#   bash experiments/gpu_session.sh sanitize      compute-sanitizer memcheck, racecheck, synccheck, initcheck
+#   bash experiments/gpu_session.sh bench         every codec's kernels vs nvcomp and memcpy, 256 MiB, fp32 + bf16
+#   bash experiments/gpu_session.sh step          step time and the largest batch under a real memory cap
+#   bash experiments/gpu_session.sh ncu           (optional) Nsight Compute over the default codec's kernels
+#   bash experiments/gpu_session.sh --dry-run     anywhere: the travelling size, then every phase's entry
+#                                                 points up to their first CUDA call (CI runs this)
 #
-#   check     the environment (GPU, driver, versions) and a first CUDA compress/decompress per codec
-#   tests     the whole suite, GPU-marked tests included, on the GPU machine's 16 cores
-#   sanitize  compute-sanitizer memcheck and racecheck over the kernel tests (small sizes)
-#   bench     experiments.bench_cuda on 256 MiB of real activations, fp32 and bf16 (JSON under $OUT/bench)
-#   step      experiments.step_time: ResNet-50 and GPT-2-small steps under every method (JSON, PNG under $OUT/step_time)
-#   all       check, tests, sanitize, bench, step (longer than one call's 10 minutes: use the phases)
+# Each phase is one call of at most 8 minutes; experiments/README.md gives the calls, the expected times and
+# how to commit what comes back.
 #
-# The machine is bare and cannot reach a registry: wheels it lacks travel in .whl/ (git ignores it)
-# and are installed from there. Fill it once, here, with (Python 3.12, x86-64):
+# The machine is bare and reaches no registry: the wheels it lacks travel in .whl/ (git ignores it) and the
+# call carries them (carry: [".whl"]). Fill .whl/ once, here (CUDA 13, CPython 3.12, x86-64), with exactly:
+#
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d .whl nvidia-nvcomp-cu13 zstandard lz4
-# and carry .whl in the call. Everything the phase prints also goes to $OUT/<phase>.log; $OUT/env.txt
-# says where it ran. Results are written beside them (at most 8 files come back from $OUT).
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     nvidia-nvcomp-cu13==6.0.0.12 nvidia-libnvcomp-cu13==6.0.0.12 zstandard==0.25.0 lz4==4.4.5 \
+#     pytest-timeout==2.4.0
+#
+# nvidia-nvcomp-cu13 is nvcomp's Python API; the library it loads is nvidia-libnvcomp-cu13, which buddy's
+# nvcomp codecs bind too. For a machine on CUDA 12, download the -cu12 pair instead: the phases install the
+# pair of the machine's CUDA major version and fail, saying which wheel is missing, without it.
+# Then, before the first call: python3 experiments/travel_size.py (it must print "fits").
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:-check}
-OUT=${OUT:-results/gpu}
-mkdir -p "$OUT"
+PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
-    exit 1
-  export PYTHONPATH="/tmp/site:$PWD"
-else
-  export PYTHONPATH="$PWD"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if [ "${1:-}" = "--dry-run" ]; then
+  shift
+  "$PY" experiments/travel_size.py || exit 1
+  exec "$PY" -m experiments.gpu_session --dry-run "$@"
 fi
 
-environment() {
-  {
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    nvcc --version | tail -n 2
-    python3 -c "import buddy.env as e; print(e.format_environment())"
-    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
-  } >"$OUT/env.txt" 2>&1
-  cat "$OUT/env.txt"
-}
+phase=${1:-}
+shard=${2:-}
+case "$phase" in
+check | sanitize | bench | step | ncu) [ -z "$shard" ] || { echo "only tests takes a shard" >&2; exit 2; } ;;
+tests) shard=${shard:-1/2} ;; # 2: TEST_SHARDS in experiments/gpu_session.py
+*)
+  echo "usage: bash experiments/gpu_session.sh check | tests I/N | sanitize | bench | step | ncu | --dry-run" >&2
+  exit 2
+  ;;
+esac
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT"
+label=$phase${shard:+-${shard/\//of}}
 
-check() {
-  python3 - <<'EOF'
-import torch, buddy
-x = torch.relu(torch.randn(1 << 22, device="cuda"))
-for codec in ("zvc", "fpx", "bpc", "auto", "fpe", "auto2"):
-    bt = buddy.compress(x, codec=codec, backend="cuda")
-    ref = buddy.compress(x, codec=codec, backend="reference")
-    same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(bt.buffers(), ref.buffers()))
-    same = same and (bt.table is None) == (ref.table is None) and (bt.table is None or torch.equal(bt.table, ref.table))
-    exact = torch.equal(bt.decompress(check=True).view(torch.int32), x.view(torch.int32))
-    print(f"{codec}: buffers equal to the reference {same}, round trip exact {exact}, ratio {bt.effective_ratio:.3f}")
-# the table fitted on the GPU (one read) against the host's, on other word sizes and an awkward size
-for dtype in (torch.bfloat16, torch.float64, torch.uint8):
-    y = torch.relu(torch.randn(1_000_003, device="cuda")).to(dtype)
-    m = buddy.measure(y, "auto2", backend="cuda")
-    r = buddy.measure(y, "auto2", backend="reference")
-    print(f"auto2 {dtype}: table equal {torch.equal(m.table, r.table)}, histogram equal {m.histogram == r.histogram}, "
-          f"reads {m.engine.readbacks}")
-# every golden vector decoded by the kernels: fpe/auto2 tables of format 1 (format_v2) and 2 (format_v2_table2)
-import json, numpy
-for name in ("format_v1", "format_v2", "format_v2_table2"):
-    cases = json.load(open(f"tests/golden/{name}.json"))["cases"]
-    vectors = numpy.load(f"tests/golden/{name}.npz")
-    get = lambda k: torch.from_numpy(vectors[k].copy()).cuda()
-    bad = 0
-    for case in cases:
-        dtype, key = getattr(torch, case["dtype"]), f"{case['input']}/{case['codec']}"
-        want = get(f"{case['input']}/input").view(dtype)
-        table = get(f"{key}/table") if f"{key}/table" in vectors.files else None
-        for slot in case["slots"]:
-            overflow = torch.from_numpy(vectors[f"{key}/s{slot}/overflow"].copy())  # buddy memory: the host
-            out = buddy.unpack(get(f"{key}/meta"), get(f"{key}/s{slot}/slots"), overflow,
-                               codec=case["codec"], entry_bytes=case["entry_bytes"], slot_sectors=slot,
-                               shape=want.shape, dtype=dtype, table=table,
-                               backend=None if case["codec"] == "raw" else "cuda")  # raw has no kernels
-            bad += not torch.equal(out.view(torch.uint8), want.view(torch.uint8))
-    print(f"golden {name}: {len(cases)} cases decoded by the kernels, {bad} differ")
-EOF
-}
-
-tests() {
-  # -n 8 where xdist is installed; each file's tests stay in one worker (fixtures at module scope)
-  local parallel=()
-  python3 -c "import xdist" 2>/dev/null && parallel=(-n 8 --dist loadfile)
-  local timeout=()
-  python3 -c "import pytest_timeout" 2>/dev/null && timeout=(--timeout 900)
-  python3 -m pytest -q -p no:cacheprovider "${parallel[@]}" "${timeout[@]}" -ra tests/
-}
-
-sanitize() {
-  # every codec, two dtypes, one kind of data, the default entry size: memcheck runs tens of times slower
-  local select=(tests/test_gpu_cuda.py -k "write_the_reference_buffers and 4096 and (f32 or bf16) and relu" -x)
-  for tool in memcheck racecheck; do
-    echo "== compute-sanitizer --tool $tool"
-    compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all \
-      python3 -m pytest -q -p no:cacheprovider "${select[@]}" -o addopts="" -m gpu || return $?
+# The carried wheels, into the interpreter's environment (else a folder on PYTHONPATH); what is missing is
+# named in BUDDY_WHEELS_MISSING, which fails the phase with the reason.
+install_wheels() {
+  local major found wanted=() present=() missing=()
+  major=$("$PY" -c 'import torch; print((torch.version.cuda or "").split(".")[0])' 2>/dev/null)
+  wanted=(zstandard lz4 pytest_timeout "nvidia_nvcomp_cu${major:-?}" "nvidia_libnvcomp_cu${major:-?}")
+  [ -n "$major" ] || missing+=("nvcomp's pair: PyTorch names no CUDA version, so no CUDA major to match")
+  for name in "${wanted[@]}"; do
+    found=$(compgen -G ".whl/$name-*.whl" | head -n 1)
+    if [ -n "$found" ]; then present+=("$found"); elif [ -n "$major" ]; then missing+=("$name"); fi
   done
+  if [ ${#present[@]} -gt 0 ]; then
+    local pip=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir)
+    if ! "${pip[@]}" "${present[@]}"; then
+      local site
+      site=$(mktemp -d)
+      echo "installing into the environment failed: into $site (on PYTHONPATH) instead"
+      if "${pip[@]}" --upgrade --target "$site" "${present[@]}"; then
+        export PYTHONPATH="$site:$PYTHONPATH"
+      else
+        missing+=("every wheel: pip could not install ${present[*]##*/}")
+        present=()
+      fi
+    fi
+  fi
+  # entries joined by "; " (gpu_session.py splits them there)
+  BUDDY_WHEELS_INSTALLED=$(printf '%s; ' "${present[@]##*/}")
+  BUDDY_WHEELS_MISSING=$(printf '%s; ' "${missing[@]}")
+  export BUDDY_WHEELS_INSTALLED="${BUDDY_WHEELS_INSTALLED%; }" BUDDY_WHEELS_MISSING="${BUDDY_WHEELS_MISSING%; }"
+  echo "wheels installed: ${BUDDY_WHEELS_INSTALLED:-none}"
+  echo "wheels missing: ${BUDDY_WHEELS_MISSING:-none}"
 }
 
-bench() {
-  python3 -m experiments.bench_cuda --out "$OUT/bench" --repeats 10 --warmup 2
-}
-
-step() {
-  python3 -m experiments.step_time --device cuda --out "$OUT/step_time" --no-progress
-}
-
-environment
-status=0
-for step in $([ "$phase" = all ] && echo check tests sanitize bench step || echo "$phase"); do
-  case "$step" in
-  check | tests | sanitize | bench | step) "$step" 2>&1 | tee "$OUT/$step.log" || status=$? ;;
-  *)
-    echo "unknown phase $step: check | tests | sanitize | bench | step | all" >&2
-    exit 2
-    ;;
-  esac
-done
-exit $status
+{
+  echo "== what travelled"
+  "$PY" experiments/travel_size.py --carry .whl || echo "(over the limit: see experiments/README.md)"
+  echo "== wheels (.whl/)"
+  install_wheels
+  "$PY" -m experiments.gpu_session "$phase" ${shard:+"$shard"} --out "$OUT" \
+    --command "bash experiments/gpu_session.sh $phase${shard:+ $shard}"
+} 2>&1 | tee "$OUT/$label.log"
+exit "${PIPESTATUS[0]}"

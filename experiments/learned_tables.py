@@ -36,7 +36,8 @@ def analyse(captures: dict, *, codec: str, entry_bytes: int, show: bool = True) 
     rows = []
     for workload, caps in progress(captures.items(), desc=f"learned tables ({codec}, E={entry_bytes})", enabled=show):
         earlier: dict[str, tuple] = {}  # key -> (dtype, statistics) at the previous point
-        original = own = learned = tensors = 0
+        original = tensors = 0
+        own = learned = 0.0
         for cap in caps:
             now = {}
             for saved in cap.tensors:

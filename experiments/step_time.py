@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 
 import buddy
 from buddy.autograd import is_parameter
-from experiments.common import format_table, progress, start, write_results
+from experiments.common import add_backend_argument, choose_backend, format_table, progress, start, write_results
 from experiments.workloads import _GPT, TextSize
 
 __all__ = ["METHODS", "MODELS", "SideStreamOffload", "measure", "main"]
@@ -217,6 +217,7 @@ class SideStreamOffload(torch.autograd.graph.saved_tensors_hooks):
             following = self.order[item.position - 1]()
             if following is not None and following.back is None:
                 self._bring_back(following)
+        assert item.back is not None  # brought back just above, or by the prefetch before
         (t, arrived), item.back = item.back, None
         compute = torch.cuda.current_stream()
         compute.wait_event(arrived)
@@ -277,7 +278,7 @@ def measure(spec: Model, method: str, *, device, steps: int, warmup: int, seed: 
         torch.manual_seed(seed)
         model = spec.build().to(device).train()
     if method == "checkpoint":
-        model.blocks = nn.Sequential(*(_Checkpointed(b) for b in model.blocks))
+        model.blocks = nn.Sequential(*(_Checkpointed(b) for b in model.get_submodule("blocks").children()))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     batch = spec.batch(device, gen)
     store = buddy.BuddyStore() if method.startswith("buddy") else None
@@ -315,9 +316,7 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=None, help="batch size (default: per model and device kind)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (the tracker learns; kernels compile)")
-    p.add_argument(
-        "--backend", default=None, help="buddy's backend (default: the CUDA kernels on a GPU, else the reference)"
-    )
+    add_backend_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/step_time"))
     p.add_argument("--no-plot", action="store_true")
@@ -417,7 +416,7 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(args.device)
     header = start("step_time", argv)
-    backend = args.backend or ("cuda" if device.type == "cuda" and buddy.cuda.has_kernels() else "reference")
+    backend = choose_backend("step_time", args.backend, device)
     buddy.set_defaults(backend=backend)
     kind = "cuda" if device.type == "cuda" else "cpu"
     specs = [MODELS[kind][name](args.batch) for name in args.models]

@@ -25,9 +25,11 @@ global RNG state is left untouched.
     >>> caps = capture("resnet-fp32", size="tiny", points=(0, 2))
     >>> [(c.point, len(c.tensors)) for c in caps]
     [(0, 18), (2, 18)]
-    >>> saved = caps[1].tensors[2]  # keyed as buddy keys it
-    >>> saved.key, saved.op, saved.tensor.device.type
+    >>> saved = caps[1].tensors[2]  # keyed as buddy keys it: the model, then the tensor
+    >>> saved.key.split("/")[1], saved.op, saved.tensor.device.type
     ('2:float32[8, 8, 32, 32]', 'ReluBackward0', 'cpu')
+    >>> saved.key.split("/")[0].split("-")[0]  # the model's class (and a fingerprint of its module tree)
+    '_ResNet'
 
 Sizes: ``tiny`` for tests (a capture of one workload in a few seconds),
 ``quick`` for the main job (both sets at three points in about two minutes
@@ -46,6 +48,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -188,7 +191,8 @@ class _VGG(nn.Module):
         for m in self.features:
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x).flatten(1))
@@ -294,7 +298,7 @@ def _without_onednn():
     is process-wide: do not run other CPU work in other threads meanwhile.
     """
     enabled = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
+    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a ContextProp: set with a bool
     try:
         yield
     finally:
@@ -368,7 +372,7 @@ def _docstring_batches(size: EncoderSize, device, seed: int) -> Iterator[Batch]:
 
 
 @contextlib.contextmanager
-def _rng_for_call(module: nn.Module, device: torch.device):
+def _rng_for_call(module: Any, device: torch.device) -> Iterator[None]:
     """Seed the global RNG from ``module``'s seed and call count for one forward; restore it after.
 
     Dropout draws from the global RNG; seeding each forward from the model
@@ -678,27 +682,32 @@ class _HFGPT2(nn.Module):
 
 
 # ---- the registry -----------------------------------------------------------------
+#: a workload's size configuration (:class:`ImageSize`, :class:`TextSize`, :class:`EncoderSize`, :class:`ViTSize`)
+Size = TypeVar("Size")
+
+
 @dataclass(frozen=True)
-class Workload:
+class Workload(Generic[Size]):
     """A model, its optimizer, its data and its loss, at three sizes.
 
-    ``sizes`` maps each of :data:`SIZES` to an :class:`ImageSize` or a
-    :class:`TextSize`. The factories are plain functions of that size; use
+    ``sizes`` maps each of :data:`SIZES` to its configuration (an
+    :class:`ImageSize`, :class:`TextSize`, :class:`EncoderSize` or
+    :class:`ViTSize`). The factories are plain functions of that size; use
     the methods, which add seeding, devices and autocast.
     """
 
     name: str
     description: str
     autocast_dtype: torch.dtype | None  # None: full precision; torch.bfloat16: bf16 autocast
-    sizes: Mapping[str, ImageSize | TextSize]
-    model_fn: Callable[[ImageSize | TextSize], nn.Module] = field(repr=False)
+    sizes: Mapping[str, Size]
+    model_fn: Callable[[Size], nn.Module] = field(repr=False)
     optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer] = field(repr=False)
-    batches_fn: Callable[[ImageSize | TextSize, torch.device, int], Iterator[Batch]] = field(repr=False)
+    batches_fn: Callable[[Size, torch.device, int], Iterator[Batch]] = field(repr=False)
     loss_fn: Callable[[nn.Module, Batch], torch.Tensor] = field(repr=False)
     #: ``min_bytes`` per size where it differs from :data:`MIN_BYTES` (see :meth:`min_bytes`)
     min_bytes_by_size: Mapping[str, int] = field(default_factory=dict)
 
-    def size(self, size: str) -> ImageSize | TextSize:
+    def size(self, size: str) -> Size:
         """The configuration of ``size`` (one of :data:`SIZES`)."""
         if size not in self.sizes:
             raise ValueError(f"unknown size {size!r} for {self.name}; choose from {', '.join(self.sizes)}")

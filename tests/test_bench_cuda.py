@@ -38,7 +38,7 @@ def test_run_on_cpu_tensors(gen):
     }
     lines = []
     result = bench_cuda.run(
-        tensors, codecs=("zvc", "auto"), backends=("reference",), repeats=2, warmup=0, nvcomp=False, log=lines.append
+        tensors, codecs=("zvc", "auto"), backends=("reference",), repeats=2, warmup=0, log=lines.append
     )
     methods = [(r["tensor"], r["method"]) for r in result["rows"]]
     expected = ("memcpy", "buddy:zvc/reference", "buddy:auto/reference")
@@ -73,9 +73,35 @@ def test_backends_must_agree(gen, monkeypatch):
 
 def test_args():
     args = bench_cuda.parse_args([])
-    assert (args.mib, args.size, args.codecs, args.reference) == (256, "full", ["zvc", "fpx", "bpc", "auto"], False)
+    assert (args.mib, args.size, args.reference, args.no_nvcomp) == (256, "full", False, False)
+    assert args.codecs == ["zvc", "fpx", "bpc", "auto", "fpe", "auto2"], "every codec with kernels"
+    assert bench_cuda.buddy.defaults().codec in args.codecs, "the default codec is measured"
     with pytest.raises(SystemExit):
         bench_cuda.parse_args(["--repeats", "0"])
+    with pytest.raises(SystemExit):
+        bench_cuda.parse_args(["--codecs", "raw"])  # no kernels
+
+
+def test_absent_nvcomp_stops_the_run_with_the_reason(monkeypatch):
+    from experiments import bench_codecs
+
+    def absent(device):
+        raise bench_cuda.MissingDependencyError("the nvcomp baseline needs 'nvidia.nvcomp', which is not importable")
+
+    monkeypatch.setattr(bench_codecs, "nvcomp_baselines", absent)
+    with pytest.raises(SystemExit, match="(?s)nvcomp is required.*not importable.*--no-nvcomp"):
+        bench_cuda.nvcomp_or_exit(torch.device("cpu"))
+
+
+def test_a_failing_nvcomp_algorithm_is_recorded_not_dropped(gen):
+    def refuse(data):
+        raise RuntimeError("algorithm not supported")
+
+    broken = bench_cuda.Baseline("nvcomp-broken", refuse, refuse, len, lambda out: out)
+    x = make_data("relu", 10_000, torch.float32, gen)
+    result = bench_cuda.run({"x": x}, codecs=("zvc",), backends=("reference",), repeats=1, warmup=0, baselines=[broken])
+    assert [r["method"] for r in result["rows"]] == ["memcpy", "buddy:zvc/reference"]
+    assert result["errors"] == [{"method": "nvcomp-broken", "tensor": "x", "error": "RuntimeError: algorithm not supported"}]
 
 
 def test_activation_bytes_are_a_workloads_saved_tensors():

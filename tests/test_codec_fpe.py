@@ -5,8 +5,9 @@ bit 0 of payload byte 0). A prefix code is written most significant bit
 first, so its bits appear in the string as its binary digits; the other
 fields (an escaped symbol, the tail) are LSB-first, as ``field`` makes
 them. Most hand-worked streams are in table format 1 (symbols of sign and
-exponent), which decoders keep reading; format 2 (a word's top 12 bits),
-what fits make, has its own.
+exponent), which decoders keep reading; format 2 (a word's top 12 bits, the
+serial layout), decoded too, and format 3 (the same symbols in the split
+layout: codes first, tails at the end), what fits make, have their own.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from buddy.spec import AUTO_MODES
 
 # bfloat16, table format 1: S = 2**9 symbols (sign << 8 | exponent), ZERO = 512, ESC = 513
 ZERO, ESC = 512, 513
-# table format 2 (what a fit makes), 2- and 4-byte words: S = 2**12 symbols (a word's top 12 bits)
+# table formats 2 and 3 (3: what a fit makes), 2- and 4-byte words: S = 2**12 symbols (a word's top 12 bits)
 ZERO2, ESC2 = 4096, 4097
 
 
@@ -69,13 +70,14 @@ def test_canonical_codes_from_lengths():
 
 
 def test_symbols_by_table_format():
-    assert TABLE_FORMAT == 2
+    assert TABLE_FORMAT == 3
     assert [symbol_bits(w, 1) for w in (1, 2, 4, 8)] == [5, 9, 9, 12]
     assert [symbol_bits(w) for w in (1, 2, 4, 8)] == [8, 12, 12, 12]
+    assert [symbol_bits(w, 2) for w in (1, 2, 4, 8)] == [8, 12, 12, 12]
     assert [n_symbols(w) for w in (1, 2, 4, 8)] == [258, 4098, 4098, 4098]
     assert [n_symbols(w, 1) for w in (1, 2, 4, 8)] == [34, 514, 514, 4098]
     with pytest.raises(ValueError, match="formats"):
-        symbol_bits(2, 3)
+        symbol_bits(2, 4)
 
 
 def test_from_counts_is_huffman_and_scale_free():
@@ -84,7 +86,7 @@ def test_from_counts_is_huffman_and_scale_free():
     counts[a], counts[b], counts[c], counts[ZERO2] = 50, 25, 13, 12
     t = Table.from_counts(counts, 2)
     # ESC weighs 1 (no regular symbol escapes): a gets 1 bit, b 2, then c 3 and ZERO and ESC 4
-    assert t.lengths == {a: 1, b: 2, c: 3, ZERO2: 4, ESC2: 4} and t.format == 2
+    assert t.lengths == {a: 1, b: 2, c: 3, ZERO2: 4, ESC2: 4} and t.format == 3 and t.split
     assert Table.from_counts(counts * 1000, 2) == t
     assert Table.from_counts(counts.double() / counts.sum(), 2) == t
     # no zero words: no ZERO code
@@ -122,8 +124,10 @@ def test_table_bytes_round_trip(word):
     t = Table.from_counts(counts, word)
     data = t.to_bytes()
     assert data.dtype == torch.uint8 and data.numel() == 4 + 3 * len(t.order)
-    assert data[:2].tolist() == [2, word]
+    assert data[:2].tolist() == [3, word]
     assert Table.from_bytes(data, word) == t
+    serial = Table(word, t.lengths, table_format=2)  # format 2 reads back as format 2
+    assert serial.to_bytes()[0] == 2 and Table.from_bytes(serial.to_bytes(), word) == serial != t
     old = v1(word, {0: 1, n_symbols(word, 1) - 1: 1})  # format 1 reads back as format 1
     assert old.to_bytes()[0] == 1 and Table.from_bytes(old.to_bytes(), word) == old
     assert Table.from_bytes(old.to_bytes(), word) != Table(word, {0: 1, n_symbols(word) - 1: 1})
@@ -136,7 +140,7 @@ def _bytes(t: Table) -> list[int]:
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda b: [3] + b[1:], "format"),
+        (lambda b: [4] + b[1:], "format"),
         (lambda b: [2] + b[1:], "out of range|ESC"),  # format 1's symbols read as format 2's
         (lambda b: b[:-1], "bytes for"),
         (lambda b: b[:4] + b[4:7] + b[4:], "bytes for|twice"),
@@ -189,9 +193,9 @@ def test_bfloat16_entry_by_hand():
 
 def test_bfloat16_entry_by_hand_format_2():
     # E = 128: 64 words -- 1.0 (top 12 bits 0x3F8), 1.75 (0x3FE: mantissa 1100000), 0.0 (ZERO),
-    # -1.0 (0xBF8: escapes); the tail is the mantissa's low 4 bits
+    # -1.0 (0xBF8: escapes); the tail is the mantissa's low 4 bits; the serial layout
     one, seven4, minus = 0x3F8, 0x3FE, 0xBF8
-    table = Table(2, {one: 1, seven4: 2, ZERO2: 3, ESC2: 3})
+    table = Table(2, {one: 1, seven4: 2, ZERO2: 3, ESC2: 3}, table_format=2)
     codec = FPECodec(table)
     assert bf16(1.75) == 0x3FE0 and bf16(-1.0) == 0xBF80
     values = torch.tensor([1.0, 1.75, 0.0, -1.0] * 16, dtype=torch.bfloat16)
@@ -208,6 +212,34 @@ def test_bfloat16_entry_by_hand_format_2():
     bits = code(table, one) + field(1, 4) + code(table, ZERO2) * 63
     _, payload, k, _ = encode_with(codec, values, 128)
     assert payload[0].tolist() == stream_bytes(bits, 128)
+
+
+def test_bfloat16_entry_by_hand_format_3():
+    # the entry of the format-2 test in the split layout: every code in word order from bit 0, the
+    # tails at the payload's end backwards (the j-th tail at 256 k - 4 (j + 1)), zeros between
+    one, seven4, minus = 0x3F8, 0x3FE, 0xBF8
+    table = Table(2, {one: 1, seven4: 2, ZERO2: 3, ESC2: 3})
+    assert table.format == 3 and table.split
+    codec = FPECodec(table)
+    values = torch.tensor([1.0 + 2.0**-7, 1.75, 0.0, -1.0 - 3 * 2.0**-7] * 16, dtype=torch.bfloat16)
+    codes = (code(table, one) + code(table, seven4) + code(table, ZERO2) + code(table, ESC2) + field(minus, 12)) * 16
+    assert len(codes) == 16 * (1 + 2 + 3 + 3 + 12)
+    tails = [1, 0, 3] * 16  # the words with tails, in word order: 1.0 + 2**-7, 1.75, -1.0 - 3 * 2**-7
+    k = -(-(len(codes) + 4 * len(tails)) // 256)
+    assert k == 3  # the serial layout's too: the same bits
+    bits = codes + "0" * (256 * k - len(codes) - 4 * len(tails)) + "".join(field(v, 4) for v in reversed(tails))
+    _, payload, got_k, modes = encode_with(codec, values, 128)
+    assert got_k.tolist() == [k] and modes.tolist() == [0]
+    assert payload[0].tolist() == stream_bytes(bits, 128)
+    serial = FPECodec(Table(2, table.lengths, table_format=2))
+    assert encode_with(serial, values, 128)[2].tolist() == [k]
+    # a bit set between the sections is damage, and so is a k one too small (the tails' places move)
+    damaged = payload.clone()
+    damaged[0, len(codes) // 8 + 1] |= 1
+    with pytest.raises(CorruptDataError, match="between"):
+        decode(codec, damaged, got_k, modes, 2)
+    with pytest.raises(CorruptDataError, match="length"):
+        decode(codec, payload, got_k - 1, modes, 2)
 
 
 def test_one_byte_words_of_format_2_are_all_symbol():
@@ -322,7 +354,7 @@ def test_random_damage_never_reads_out_of_bounds(word):
 def test_compressed_tensor_carries_its_table(store, gen):
     t = make_data("relu", 30_001, torch.float32, gen)
     bt = buddy.compress(t, target_ratio=1.5, codec="fpe", store=store, checksum=True)
-    assert bt.format_version == 2 and bt.table.device == t.device
+    assert bt.format_version == 3 and bt.table.device == t.device
     assert Table.from_bytes(bt.table, 4) == Table.from_counts(symbol_counts(raw_bytes(t), 4), 4)
     assert bt.device_bytes == bt.buffers()[0].numel() + bt.buffers()[1].numel() + bt.table.numel()
     assert_bitexact(bt.decompress(), t)
@@ -370,7 +402,7 @@ def test_auto2_is_never_larger_than_auto_and_uses_fpe(dtype):
 
 def test_auto2_takes_and_gives_the_fpe_table():
     auto2 = buddy.get_codec("auto2")
-    assert auto2.format_version == 2 and auto2.table is None
+    assert auto2.format_version == 3 and auto2.table is None
     fitted = auto2.fit(raw_bytes(torch.ones(64)), 4)
     assert fitted.table is not None and fitted is not auto2
     bound = auto2.bind(fitted.table, 4)
@@ -479,7 +511,10 @@ def test_fit_table_keeps_a_table_that_still_fits():
     assert fit_table(base, 4, keep=stored) is not stored, "a table read from bytes is fitted again"
     old = v1(4, {126: 1, 514 - 1: 1})
     old.fit_slack = 0.0
-    assert fit_table(base, 4, keep=old) == table, "a table of format 1 is not kept: fits make format 2"
+    assert fit_table(base, 4, keep=old) == table, "a table of format 1 is not kept: fits make format 3"
+    serial = Table(4, table.lengths, table_format=2)
+    serial.fit_slack = table.fit_slack
+    assert fit_table(base, 4, keep=serial) == table != serial, "nor one of format 2: fits make format 3"
 
 
 def test_session_keeps_a_keys_table_while_it_fits(store):

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_roundtrip, ids, make_data
+from emulator import kernel_parameters
 from test_device_codecs import device_fit, run_tensor, tensor_ends, tensor_measure, tensor_pack, tensor_unpack
 
 import buddy
@@ -75,23 +76,28 @@ def test_launch_configuration():
     assert bcuda.launch_config("unpack", 4096, 1000) == (125, 256, 8 * 4096)
     assert bcuda.launch_config("pack", 16384, 10) == (5, 64, 2 * 16384)
     assert bcuda.launch_config("unpack", 65536, 3) == (3, 32, 65536)  # one warp: 64 KiB, the loader opts in
+    # the table codecs decode into shared memory too: 2 E a warp
+    assert bcuda.launch_config("unpack", 4096, 1000, "fpe") == (250, 128, 4 * 2 * 4096)
+    assert bcuda.launch_config("unpack", 512, 1000, "auto2") == (125, 256, 8 * 2 * 512)
+    assert bcuda.launch_config("pack", 4096, 1000, "auto2") == bcuda.launch_config("pack", 4096, 1000)
     assert bcuda.launch_config("measure", 128, 0) == (1, 256, 0)
     assert bcuda.launch_config("measure", 32, 10**12)[0] == bcuda.MAX_BLOCKS  # warps stride over the rest
 
 
 @needs_nvcc
 @pytest.mark.parametrize(
-    ("entry_bytes", "codec", "arch"),
+    ("entry_bytes", "codec", "arch", "word"),
     [
-        pytest.param(512, "all", "sm_80", id="E=512-every-codec-sm_80"),
-        pytest.param(512, "all", "sm_90", id="E=512-every-codec-sm_90"),
-        pytest.param(32, "auto", "sm_90", id="E=32-auto-sm_90"),
-        pytest.param(65536, "auto2", "sm_90", id="E=65536-auto2-sm_90"),
-        pytest.param(4096, "zvc", "sm_80", id="E=4096-zvc-sm_80"),
+        pytest.param(512, "all", "sm_80", 4, id="E=512-every-codec-sm_80-w=4"),
+        pytest.param(512, "all", "sm_90", 2, id="E=512-every-codec-sm_90-w=2"),
+        pytest.param(32, "auto", "sm_90", 1, id="E=32-auto-sm_90-w=1"),
+        pytest.param(65536, "auto2", "sm_90", 8, id="E=65536-auto2-sm_90-w=8"),
+        pytest.param(4096, "zvc", "sm_80", None, id="E=4096-zvc-sm_80-every-word"),
     ],
 )
-def test_translation_unit_compiles_without_warnings(tmp_path, entry_bytes, codec, arch):
-    """The exact text given to NVRTC, through nvcc with warnings as errors, no spills to local memory."""
+def test_translation_unit_compiles_without_warnings(tmp_path, entry_bytes, codec, arch, word):
+    """The exact text given to NVRTC, through nvcc with warnings as errors, no spills to local memory (the
+    loader builds a module per word size; one of all four compiles too)."""
     unit = tmp_path / "kernels_tu.cu"
     unit.write_text(bcuda.translation_unit())
     cmd = [
@@ -101,13 +107,31 @@ def test_translation_unit_compiles_without_warnings(tmp_path, entry_bytes, codec
         "all-warnings",
         "-Xptxas",
         "-v",
-        *bcuda.compile_options(entry_bytes, codec),
+        *bcuda.compile_options(entry_bytes, codec, word),
     ]
     result = subprocess.run(
         [*cmd, "-c", str(unit), "-o", str(tmp_path / "k.o")], check=True, capture_output=True, text=True
     )
     assert "spill stores" in result.stderr
     assert not re.search(r"[1-9]\d* bytes spill stores", result.stderr), result.stderr
+
+
+@needs_nvcc
+@pytest.mark.parametrize("word", ids("w", (2, 4)))
+def test_table_codecs_unpack_within_64_registers(tmp_path, word):
+    """fpe's and auto2's unpack at the default entry size for bfloat16 and float32, as the loader builds them
+    (one word size a module) for sm_90: at most 64 registers a thread, no spills."""
+    unit = tmp_path / "kernels_tu.cu"
+    unit.write_text(bcuda.translation_unit())
+    options = bcuda.compile_options(spec.DEFAULT_ENTRY_BYTES, "all", word)
+    cmd = ["nvcc", "-arch=sm_90", "-Xptxas", "-v", *options, "-cubin", str(unit), "-o", str(tmp_path / "k.cubin")]
+    log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
+    for codec in ("fpe", "auto2"):
+        found = re.search(rf"entry function 'buddy_{codec}_unpack'.*?\n.*?(\d+) bytes spill stores.*?\n.*?Used (\d+) registers",
+                          log, re.S)  # fmt: skip
+        assert found, log
+        assert int(found.group(1)) == 0, f"{codec}: spills"
+        assert int(found.group(2)) <= 64, f"{codec}: {found.group(2)} registers"
 
 
 def _find_nvrtc() -> str | None:
@@ -242,8 +266,8 @@ def test_table_sizes_agree_with_the_sources():
     assert int(re.search(r"#define BUDDY_FPE_FIT_WORK_BYTES (\d+)u", fit).group(1)) == bcuda.FIT_WORK_BYTES
     assert bcuda.FIT_SERIAL_BYTES == 4 + 3 * (255 + 2) == 775
     fpe_h = bcuda.read_source("codec_fpe.h")
-    assert "4u * BUDDY_FPE_ROWS + 2u * BUDDY_FPE_SYMBOLS + 4u" in fpe_h
-    assert bcuda.DEVICE_TABLE_BYTES == 4 * 4096 + 2 * 4098 + 4
+    assert "8u * BUDDY_FPE_ROWS + 2u * BUDDY_FPE_SYMBOLS + 12u" in fpe_h
+    assert bcuda.DEVICE_TABLE_BYTES == 8 * 4096 + 2 * 4098 + 12
 
 
 def test_codecs_with_kernels():
@@ -262,23 +286,8 @@ _C_TYPES = {"uint8_t*": torch.uint8, "int*": torch.int32, "long long*": torch.in
 
 
 def _kernel_signatures() -> dict[str, list[str]]:
-    """Parameter types of each extern "C" kernel, from the translation unit with its macros expanded."""
-    expanded = subprocess.run(
-        ["g++", "-E", "-P", "-x", "c++", "-std=c++17", *_defines(128), "-DBUDDY_CODEC_ALL=1", "-"],
-        input=bcuda.translation_unit(),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    sigs = {}
-    for name, params in re.findall(r'extern "C" __global__ void (\w+)\((.*?)\)\s*\{', expanded, re.S):
-        types = []
-        for param in re.sub(r"/\*.*?\*/", "", params).split(","):
-            decl = param.replace("__restrict__", "").replace("const", "")
-            decl = " ".join(decl.split()).replace(" *", "*")
-            types.append(decl.rsplit(" ", 1)[0])
-        sigs[name] = types
-    return sigs
+    """Parameter types of each extern "C" kernel, from the sources with their macros expanded."""
+    return {name: [p.ctype for p in params] for name, params in kernel_parameters().items()}
 
 
 def _check_launch(sigs, name: str, args: tuple) -> None:

@@ -9,6 +9,17 @@ sectors), and flag damaged metadata or payloads exactly where the reference
 raises. Buffers are guarded: a read or write past an entry, or past a
 payload's ``k`` sectors, crashes the harness.
 
+What this harness is not: the kernels. It compiles the device functions
+without ``__CUDA_ARCH__`` (their host branches: loads through ``memcpy``,
+plain adds for atomics), loops over a tensor's entries itself where the
+kernels have their block-level code (the shared-memory histogram, the count
+kernel, the grid-stride loops, the staging buffers), and switches lanes at
+every collective, so a shuffle acts as a memory barrier. The kernels of
+``csrc/buddy_kernels.cu`` themselves, with their device branches, run under
+the block emulator in tests/test_emulator.py (races, misaligned and
+out-of-bounds accesses reported; docs/emulator.md); this harness remains the
+quick, thorough check of the codecs' per-entry logic at every size.
+
 The codecs with a table (fpe, auto2) code with the table fitted to the test
 data (``get_codec(name).fit``), and fpe also with its default table; the
 harness gets the table as the kernels do (buddy.cuda.device_table).
@@ -1144,6 +1155,15 @@ class _FpeStream:
     def escaped(self, sym: int, tail: int = 0) -> str:
         return self.code(self.table.esc) + field(sym, self.b) + field(tail, self.t)
 
+    def split(self, words: list[tuple[str, int | None]], k: int | None = None) -> str:
+        """The split layout of ``(code, tail or None)`` per word: the codes, zeros, the tails backwards at the
+        end of ``k`` sectors (default: as few as hold them)."""
+        codes = "".join(c for c, _ in words)
+        tails = [field(v, self.t) for _, v in words if v is not None]
+        k = -(-(len(codes) + self.t * len(tails)) // 256) if k is None else k
+        gap = 256 * k - len(codes) - self.t * len(tails)
+        return codes + "0" * gap + "".join(reversed(tails)) if gap >= 0 else (codes + "".join(reversed(tails)))
+
 
 def _format1_table(word: int) -> Table:
     """default_table's prior in table format 1's symbols (sign and exponent)."""
@@ -1159,7 +1179,7 @@ def _format1_table(word: int) -> Table:
 def fpe_hostile_streams(word: int, entry_bytes: int) -> list[tuple[str, Table, str, int, bool | None]]:
     """``(name, table, bits, k adjustment, the reference raises)`` of valid, odd and damaged streams."""
     n_words, raw = entry_bytes // word, entry_bytes // spec.SECTOR_BYTES
-    d = default_table(word)
+    d = Table(word, default_table(word).lengths, table_format=2)  # the serial layout (table format 2)
     zero, esc, m = d.zero, d.esc, d.tail_bits
     coded = next(s for s in d.order if s < zero)
     free = next(s for s in range(zero) if s not in d.lengths)  # a symbol without a code
@@ -1167,7 +1187,7 @@ def fpe_hostile_streams(word: int, entry_bytes: int) -> list[tuple[str, Table, s
     first = [s.coded(coded, (1 << m) - 1), s.zero(), s.escaped(free, 5 % (1 << m)), s.coded(coded, 1 % (1 << m))]
     valid = "".join(first) + s.zero() * (n_words - 4)  # short enough for a coded entry
     one_short = valid[: -len(s.zero())]
-    incomplete = Table(word, {esc: 2, zero: 3, coded: 3})  # codes 00, 010, 011: none starts with 1
+    incomplete = Table(word, {esc: 2, zero: 3, coded: 3}, table_format=2)  # codes 00, 010, 011: none starts with 1
     t = _FpeStream(incomplete)
     old = _format1_table(word)  # what tensors written before table format 2 hold
     o = _FpeStream(old)
@@ -1178,7 +1198,30 @@ def fpe_hostile_streams(word: int, entry_bytes: int) -> list[tuple[str, Table, s
     zeros = t.zero() * n_words
     lacking = t.zero() * (n_words // 2) + "1" + t.zero() * (n_words - n_words // 2 - 1)
     long = s.escaped(free, (1 << m) - 1) * n_words  # longer than the entry: cut at its end
-    cases = [
+    # the split layout (table format 3, what fits make): codes first, tails backwards at the end
+    d3, inc3 = default_table(word), Table(word, incomplete.lengths)
+    s3, t3 = _FpeStream(d3), _FpeStream(inc3)
+    top = (1 << m) - 1
+    words3 = [(s3.code(coded), top), (s3.zero(), None), (s3.code(esc) + field(free, s3.b), 5 % (1 << m)),
+              (s3.code(coded), 1 % (1 << m))] + [(s3.zero(), None)] * (n_words - 4)  # fmt: skip
+    valid3 = s3.split(words3)
+    k3 = len(valid3) // 256
+    codes3 = sum(len(c) for c, _ in words3)
+    between = valid3[:codes3] + "1" + valid3[codes3 + 1 :] if codes3 < len(valid3) - 2 * m else None
+    known3 = [(s3.code(esc) + field(coded, s3.b), top)] + words3[1:]
+    cases3 = [
+        ("split: coded, zero and escaped words", d3, valid3, 0, False),
+        ("split: an escape of a coded symbol", d3, s3.split(known3), 0, True),
+        ("split: k one too small", d3, valid3, -1, True),
+        ("split: k one too large", d3, s3.split(words3, k3 + 1), 0, True if k3 + 1 < raw else None),
+        ("split: tails one place off", d3, s3.split(words3)[1:] + "0", 0, None),
+        ("split: every word ZERO", inc3, t3.split([(t3.zero(), None)] * n_words), 0, False),
+        ("split: a code the table lacks", inc3, t3.split([(t3.zero(), None)] * (n_words - 1) + [("1", None)]), 0, True),
+        ("split: escapes only", inc3, t3.split([(t3.code(esc) + field(free, t3.b), 3 % (1 << m))] * n_words), 0, None),
+    ]
+    if between is not None:
+        cases3.append(("split: a bit set between the codes and the tails", d3, between, 0, True))
+    cases = cases3 + [
         ("coded, zero and escaped words", d, valid, 0, False),
         ("a zero word escaped (not what the encoder writes)", d, s.escaped(0) + valid[len(first[0]) :], 0, None),
         ("an escape of a coded symbol", d, s.escaped(coded) + valid[len(first[0]) :], 0, True),
@@ -1248,7 +1291,7 @@ def test_fpe_device_flags_damage_like_reference(host_exe, word, tmp_path):
         name, table = device_args(codec, word)
         got = run_decode(host_exe(entry_bytes), name, payload, k, torch.zeros_like(k), word, tmp_path, table)
         assert 0 < check_damage(got, codec, payload, k, torch.zeros_like(k), word, entry_bytes) < len(rows)
-    assert len(names) >= 12, names
+    assert len(names) >= 18, names
 
 
 # ---------------------------------------------------------------------------

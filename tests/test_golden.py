@@ -1,12 +1,13 @@
 """Golden vectors of each format version: every codec writes exactly the bytes it wrote when they were made.
 
 ``tests/golden/<set>.npz`` holds inputs and, per codec and slot, the
-metadata, slot and overflow bytes, and for version 2 the table
+metadata, slot and overflow bytes, and from version 2 on the table
 (``tests/golden/make_golden.py`` wrote them; version 1's before version 2
-existed). The sets: ``format_v1``; ``format_v2``, whose tables are of table
-format 1, which fits no longer make, so it is only decoded; and
-``format_v2_table2``, tables of format 2. A change that moves one byte of a
-format still written fails here, and one that stops any set decoding.
+existed). The sets: ``format_v1``; ``format_v2`` and ``format_v2_table2``,
+whose tables are of table formats 1 and 2 (the serial payload layout), which
+fits no longer make, so they are only decoded; and ``format_v3``, tables of
+format 3 (the split layout). A change that moves one byte of a format still
+written fails here, and one that stops any set decoding.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from buddy import spec
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 #: set -> whether today's codecs still write it (else it is only decoded)
-SETS = {"format_v1": True, "format_v2": False, "format_v2_table2": True}
+SETS = {"format_v1": True, "format_v2": False, "format_v2_table2": False, "format_v3": True}
 _INDEX = {name: json.loads((GOLDEN / f"{name}.json").read_text()) for name in SETS}
 CASES = [dict(case, set=name, version=_INDEX[name]["format_version"]) for name in SETS for case in _INDEX[name]["cases"]]
 
 
-@pytest.fixture(scope="module")
-def vectors():
+def load_vectors() -> dict[str, torch.Tensor]:
+    """Every set's arrays, by ``<set>/<name in the set>``."""
     out = {}
     for name in SETS:
         with np.load(GOLDEN / f"{name}.npz") as data:
@@ -38,24 +39,29 @@ def vectors():
     return out
 
 
+@pytest.fixture(scope="module")
+def vectors():
+    return load_vectors()
+
+
 def _case_id(case: dict) -> str:
     return f"{case['set']}-{case['input']}-codec={case['codec']}"
 
 
-def test_the_vectors_cover_both_versions_and_both_table_formats():
-    assert spec.FORMAT_VERSION == 2
-    assert [_INDEX[name]["format_version"] for name in SETS] == [1, 2, 2]
-    assert [len(_INDEX[name]["cases"]) for name in SETS] == [175, 70, 70]
+def test_the_vectors_cover_every_version_and_table_format():
+    assert spec.FORMAT_VERSION == 3
+    assert [_INDEX[name]["format_version"] for name in SETS] == [1, 2, 2, 3]
+    assert [len(_INDEX[name]["cases"]) for name in SETS] == [175, 70, 70, 70]
     assert {c["codec"] for c in _INDEX["format_v1"]["cases"]} == {"raw", "zvc", "fpx", "bpc", "auto"}
-    assert {c["codec"] for c in _INDEX["format_v2"]["cases"]} == {"fpe", "auto2"}
-    assert {c["codec"] for c in _INDEX["format_v2_table2"]["cases"]} == {"fpe", "auto2"}
-    with np.load(GOLDEN / "format_v2.npz") as old, np.load(GOLDEN / "format_v2_table2.npz") as new:
-        assert {int(old[k][0]) for k in old.files if k.endswith("/table")} == {1}
-        assert {int(new[k][0]) for k in new.files if k.endswith("/table")} == {2}
+    for name in ("format_v2", "format_v2_table2", "format_v3"):
+        assert {c["codec"] for c in _INDEX[name]["cases"]} == {"fpe", "auto2"}
+    for name, table_format in (("format_v2", 1), ("format_v2_table2", 2), ("format_v3", 3)):
+        with np.load(GOLDEN / f"{name}.npz") as data:
+            assert {int(data[k][0]) for k in data.files if k.endswith("/table")} == {table_format}
     for codec in ("raw", "zvc", "fpx", "bpc", "auto"):
         assert buddy.get_codec(codec).format_version == 1, "a version 1 codec still writes version 1"
     for codec in ("fpe", "auto2"):
-        assert buddy.get_codec(codec).format_version == 2
+        assert buddy.get_codec(codec).format_version == 3
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=_case_id(c)) for c in CASES if SETS[c["set"]]])

@@ -41,8 +41,8 @@ def _check_accounting(bt: buddy.BuddyTensor, t: torch.Tensor, store: buddy.Buddy
     assert bt.original_bytes == t.numel() * t.element_size()
     assert len(bt.histogram) == e // spec.SECTOR_BYTES + 1
     assert sum(bt.histogram) == n_entries
-    table = 0 if bt.table is None else bt.table.numel()  # format version 2: the codec's table
-    assert (table > 0) == (bt.format_version == 2)
+    table = 0 if bt.table is None else bt.table.numel()  # format versions 2 and 3: the codec's table
+    assert (table > 0) == (bt.format_version >= 2)
     assert bt.device_bytes == n_entries * (bt.slot_sectors * spec.SECTOR_BYTES + spec.meta_bytes(e)) + table
     assert bt.buddy_bytes == overflow_sectors(bt.histogram, bt.slot_sectors) * spec.SECTOR_BYTES
     assert bt.compressed_bytes == sum(k * c for k, c in enumerate(bt.histogram)) * spec.SECTOR_BYTES

@@ -103,9 +103,10 @@ def test_capture_tiny(name):
     for c in caps:
         assert math.isfinite(c.loss) and c.tensors
         assert c.skipped_bytes > 0  # at least the parameters
+        (model,) = {saved.key.partition("/")[0] for saved in c.tensors}  # one model saved them all: its name
         for index, saved in enumerate(c.tensors):
             t = saved.tensor
-            assert saved.key == f"{index}:{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+            assert saved.key == f"{model}/{index}:{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
             assert t.device.type == "cpu" and not t.requires_grad
             assert dense_strides(t.shape, t.stride())  # memory order: the bytes buddy compresses
             assert t.numel() * t.element_size() >= MIN

@@ -26,6 +26,7 @@ __all__ = [
     "stream_windows",
     "read_bits",
     "bits_after",
+    "bits_between",
     "pack_bools",
 ]
 
@@ -123,6 +124,16 @@ def bits_after(windows: torch.Tensor, total_bits: torch.Tensor) -> torch.Tensor:
     starts = torch.arange(words.shape[1], device=words.device) * 32
     valid = (total_bits.unsqueeze(1) - starts).clamp_(0, 32)
     return ((words & ((_U32 << valid) & _U32)) != 0).any(1)
+
+
+def bits_between(windows: torch.Tensor, start: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+    """``(n,)`` bool: some stream bit in ``[start, stop)`` (``(n,)`` int64 each; empty when ``stop <= start``) is set."""
+    words = windows & _U32
+    starts = torch.arange(words.shape[1], device=words.device) * 32
+    lo = (start.unsqueeze(1) - starts).clamp_(0, 32)
+    hi = (stop.unsqueeze(1) - starts).clamp_(0, 32)
+    inside = ((1 << hi) - 1) & ~((1 << lo) - 1)  # bits [lo, hi) of each 32-bit word (none when hi <= lo)
+    return ((words & inside) != 0).any(1)
 
 
 def pack_bools(mask: torch.Tensor, nbits: int) -> torch.Tensor:

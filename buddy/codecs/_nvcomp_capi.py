@@ -36,6 +36,7 @@ import importlib.util
 import os
 import re
 import threading
+from typing import Any
 
 import torch
 
@@ -102,7 +103,7 @@ _CASCADED_5 = [
 ]
 
 # compression options, by major: (struct, the header's default values)
-_COMPRESS = {
+_COMPRESS: dict[int, dict[str, tuple[type[ctypes.Structure], dict[str, Any]]]] = {
     4: {
         "LZ4": (_struct("nvcompBatchedLZ4Opts_t", [("data_type", _int)]), {}),
         "ANS": (_struct("nvcompBatchedANSOpts_t", [("type", _int), ("data_type", _int)]), {}),
@@ -400,7 +401,7 @@ def _package_dirs(package: str) -> list[str]:
 @functools.lru_cache(maxsize=1)
 def find_library() -> str | None:
     """Path of the ``libnvcomp.so.N`` of the installed nvcomp wheels (the highest N), or ``None``."""
-    places = [(d, ("lib64", "lib", "bin")) for d in _package_dirs("nvidia.libnvcomp")]
+    places: list[tuple[str, tuple[str, ...]]] = [(d, ("lib64", "lib", "bin")) for d in _package_dirs("nvidia.libnvcomp")]
     places += [(d, ("",)) for d in _package_dirs("nvidia.nvcomp")]
     for root, subdirs in places:
         found = [p for sub in subdirs for p in glob.glob(os.path.join(root, sub, "libnvcomp.so.*"))]
@@ -433,6 +434,7 @@ def library(path: str | None = None) -> Library:
         if why is not None:
             raise MissingDependencyError(f"buddy's nvcomp codecs cannot run: {why}")
         path = find_library()
+        assert path is not None  # why_unusable() is None only when the library was found
     with _lock:
         lib = _loaded.get(path)
         if lib is None:

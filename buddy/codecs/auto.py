@@ -118,7 +118,7 @@ class AutoCodec(Codec):
         self.coded_modes = frozenset(codes)
 
     @property
-    def format_version(self) -> int:
+    def format_version(self) -> int:  # type: ignore[override]  # a class attribute of Codec; here the members
         return max(member.format_version for _, member in self.members)
 
     @property
@@ -137,7 +137,7 @@ class AutoCodec(Codec):
         return 0 if member is None else member.table_bytes
 
     @property
-    def statistics(self) -> torch.Tensor | None:
+    def statistics(self) -> torch.Tensor | None:  # type: ignore[override]  # an attribute of Codec; here the member's
         member = self._tabled
         return None if member is None else member.statistics
 

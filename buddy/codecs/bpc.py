@@ -270,7 +270,7 @@ def _code_luts(g: Geometry, device: str) -> tuple[torch.Tensor, ...]:
             elif one:
                 code = (5 + g.pos_bits, _P_ONE, 5)
             is_raw = code is None or 1 + g.deltas < code[0]
-            if is_raw:
+            if code is None or is_raw:
                 code = (1 + min(g.deltas, 32), 1, 1)
         else:
             is_raw = False

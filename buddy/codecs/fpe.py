@@ -1,16 +1,19 @@
-"""``fpe``: float fields with an entropy-coded sign, exponent and top mantissa bits (format version 2).
+"""``fpe``: float fields with an entropy-coded sign, exponent and top mantissa bits (format versions 2 and 3).
 
 A word is ``sign | exponent (e bits) | mantissa (m bits)``, split by word
 size as :mod:`~buddy.codecs.fpx` splits it (bfloat16 and float32: ``e = 8``).
 Its **symbol** is its top ``b`` bits, the rest of it its **tail**
-(``t = 8 * word bytes - b`` bits). The table says which ``b`` (byte 0, its
-format):
+(``t = 8 * word bytes - b`` bits). The table says which ``b`` and which
+payload layout (byte 0, its format):
 
-* format 2 (what a fit makes): ``b = min(12, 8 * word bytes)`` -- sign,
-  exponent and the mantissa's top bits (3 for bfloat16 and float32, none for
-  float64; a 1-byte word is all symbol);
+* format 3 (what a fit makes; format version 3): ``b = min(12, 8 * word
+  bytes)`` -- sign, exponent and the mantissa's top bits (3 for bfloat16 and
+  float32, none for float64; a 1-byte word is all symbol) -- in the **split
+  layout** below, which a GPU warp decodes with every lane;
+* format 2 (decoded, no longer written): the same symbols in the **serial
+  layout**;
 * format 1 (decoded, never written any more): ``b = 1 + e``, sign and
-  exponent alone.
+  exponent alone, in the serial layout.
 
 In activations few symbols are common -- a handful of binades, often one
 sign -- so a prefix code fitted to the tensor codes them in about as many
@@ -22,19 +25,19 @@ workloads (4 KiB entries).
 
 Symbols (``S = 2 ** b``)::
 
-    0 .. S-1   a word's top b bits; its tail follows (t bits)
-    S          ZERO: the word is all zero bits (nothing follows)
-    S + 1      ESC: a symbol the table has no code for follows, b bits,
-               then the tail
+    0 .. S-1   a word's top b bits; it has a tail (t bits)
+    S          ZERO: the word is all zero bits (no tail)
+    S + 1      ESC: a symbol the table has no code for follows, b bits;
+               the word has a tail
 
 The table
 ---------
-Every compressed tensor carries its **table** (format version 2: the
-tensor's fourth buffer, on its device): a canonical prefix code of lengths
-1 .. :data:`MAX_CODE_BITS` over at most :data:`MAX_CODED` regular symbols,
-ZERO (when the tensor has zero words) and ESC (always)::
+Every compressed tensor carries its **table** (format version 2 and later:
+the tensor's fourth buffer, on its device): a canonical prefix code of
+lengths 1 .. :data:`MAX_CODE_BITS` over at most :data:`MAX_CODED` regular
+symbols, ZERO (when the tensor has zero words) and ESC (always)::
 
-    byte 0        table format (2; 1 in tensors written before it)
+    byte 0        table format (3; 2 or 1 in tensors written before it)
     byte 1        word bytes the table is for
     bytes 2-3     n, little-endian: how many symbols have codes
     3 n bytes     per symbol, in canonical order (by code length, then
@@ -56,19 +59,51 @@ entropy, than it coded the counts it was fitted to.
 
 Payload of an entry
 -------------------
-The little-endian bit stream of :mod:`buddy.codecs._bitstream`; for each of
-the ``W = E / word_bytes`` words in order: its code (ZERO for an all-zero
-word when the table has ZERO; its symbol when the table has it; else ESC),
-then, after ESC, the symbol (``b`` bits), then, unless ZERO, the tail
-(``t`` bits). ``k = ceil(T / 256)`` for a stream of ``T`` bits,
-zeros after it. One metadata mode (0).
+The little-endian bit stream of :mod:`buddy.codecs._bitstream`. Each of the
+``W = E / word_bytes`` words has a **code** -- ZERO's for an all-zero word
+when the table has ZERO; its symbol's when the table has it; else ESC's
+followed by the symbol (``b`` bits) -- and, unless its code is ZERO, a
+**tail** (``t`` bits). ``C`` is the bits of all codes, ``N`` the number of
+tails, ``T = C + N t`` and ``k = ceil(T / 256)``. One metadata mode (0).
+
+* **split layout** (table format 3): the codes of the ``W`` words in word
+  order from bit 0 (the **code section**, ``[0, C)``); the tails at the
+  payload's end, backwards: the tail of the ``j``-th word that has one
+  (``j = 0, 1, ...`` in word order) at bits ``[256 k - (j + 1) t, 256 k -
+  j t)``; zero bits between the sections. A tail's place follows from how
+  many tails come before it, so a decoder that splits the code section
+  among lanes needs nothing else to place them, and ``k`` is exactly the
+  serial layout's: the split costs no bit.
+* **serial layout** (table formats 1 and 2): for each word in order, its
+  code, then its tail; zero bits after the ``T`` bits.
 
 The decoder rejects (:class:`~buddy.errors.CorruptDataError`) a code the
 table does not have, ESC followed by a symbol the table has (the encoder
-would have coded it), a stream whose length disagrees with ``k`` and bits
-set after it. Decoding is serial within an entry (a code's length is known
-once it is read) and independent across entries: on a GPU, table lookups
-per word, entries side by side.
+would have coded it), a stream whose length disagrees with ``k``, and set
+bits outside the codes and tails (after the stream; between the sections
+of the split layout).
+
+Decoding the code section in parallel
+-------------------------------------
+A code's length is known only once it is read, so where the ``i``-th code
+starts is serial -- but a prefix code resynchronizes: decoded from a bit
+inside some code, a decoder soon lands on a true code boundary, and from
+there on it decodes exactly what a decoder from bit 0 does. The GPU's warp
+(csrc/codec_fpe.h) gives each of its 32 lanes a span of the code section
+(an estimate of ``C`` from ``k`` and the table: nothing is stored), each
+lane decodes from its span's first bit, and a lane whose start turns out not
+to be the true end of the lane before it decodes again from that end until
+none changes; a warp scan of the lanes' code counts then gives each lane its
+words' places, and one of their tail counts its tails' places. Measured on
+the capture workloads (``python -m experiments.fpe_lanes``): see
+docs/format-v3.md for the rounds and the work per lane, and for the
+layouts weighed against this one (per-lane offsets stored in the entry,
+interleaved sub-streams), which cost 0.6-2.8 % of ideal ratio.
+
+The torch reference below decodes every entry at once, serially within an
+entry: one table lookup per code walks the code section (a word's length
+follows from the next 12 bits alone), then every word's fields are read in
+one pass.
 """
 
 from __future__ import annotations
@@ -79,23 +114,25 @@ import heapq
 import torch
 
 from ..errors import CorruptDataError
-from ._bitstream import StreamWriter, bits_after, lookup, read_bits, stream_windows
+from ._bitstream import StreamWriter, bits_after, bits_between, lookup, read_bits, stream_windows
 from .base import Analysis, Codec, bits_to_sectors
 from .fpx import SPLITS
 
 __all__ = [
     "FPECodec", "Table", "default_table", "fit_table", "symbol_counts", "symbol_bits", "MAX_CODE_BITS", "MAX_CODED",
-    "TABLE_FORMAT", "TABLE_FORMATS", "REFIT_BITS",
+    "TABLE_FORMAT", "TABLE_FORMATS", "SPLIT_FORMAT", "REFIT_BITS", "code_section_estimate",
 ]  # fmt: skip
 
 #: the longest code (bits): the decoder's lookup table has 2**MAX_CODE_BITS rows
 MAX_CODE_BITS = 12
 #: regular symbols with codes at most (the rest escape)
 MAX_CODED = 255
-#: byte 0 of the tables a fit makes: symbols of the word's top 12 bits
-TABLE_FORMAT = 2
-#: the table formats a decoder reads (1: symbols of sign and exponent alone)
-TABLE_FORMATS = (1, 2)
+#: byte 0 of the tables a fit makes: symbols of the word's top 12 bits, the split payload layout
+TABLE_FORMAT = 3
+#: the table formats a decoder reads (1: symbols of sign and exponent alone; 1 and 2: the serial layout)
+TABLE_FORMATS = (1, 2, 3)
+#: the first table format whose payloads have the split layout (codes first, tails at the end)
+SPLIT_FORMAT = 3
 #: bits per word a kept table may lose against the entropy, beyond what it lost on the counts it was fitted to
 REFIT_BITS = 0.02
 
@@ -157,7 +194,8 @@ def _tree_height(weights: list[int]) -> int:
     n = len(weights)
     if n == 1:
         return 1
-    node_w, node_h = [], []
+    node_w: list[int] = []
+    node_h: list[int] = []
     leaf = node = 0
     for _ in range(n - 1):
         total = height = 0
@@ -220,6 +258,8 @@ class Table:
         #: ``b`` and ``t``: the bits of a word its symbol is and the bits after them (the tail)
         self.symbol_bits = symbol_bits(word_bytes, table_format)
         self.tail_bits = 8 * word_bytes - self.symbol_bits
+        #: whether its payloads have the split layout (codes first, tails at the end; see the module doc)
+        self.split = table_format >= SPLIT_FORMAT
         #: :meth:`slack` on the counts :meth:`from_counts` fitted it to (``None``: a table read from bytes)
         self.fit_slack: float | None = None
         s = n_symbols(word_bytes, table_format)
@@ -248,7 +288,8 @@ class Table:
         """The table fitted to symbol ``counts`` (``(S + 2,)``, any non-negative numbers).
 
         Fits make tables of :data:`TABLE_FORMAT`; ``table_format=1`` (counts
-        of format 1's symbols) is for tests of what older tensors hold.
+        of format 1's symbols) and ``2`` are for tests and tools of what
+        older tensors hold.
         """
         s = n_symbols(word_bytes, table_format)
         counts = torch.as_tensor(counts).detach().to("cpu", torch.float64)
@@ -337,6 +378,55 @@ class Table:
         entropy = float(-(p[p > 0] * p[p > 0].log2()).sum()) + self.tail_bits * (1 - float(p[self.zero]))
         return float(p @ self.word_bits) - entropy
 
+    # ---- the code section's length, estimated (the GPU decoder's spans) -------------
+    @functools.cached_property
+    def span_model(self) -> tuple[int, int]:
+        """``(zero bits, head bits * 256)``: what the table's code lengths say a word's code costs.
+
+        ZERO's code length (0 when the table has no ZERO), and the mean bits
+        of the code of a word with a tail (ESC's with its escaped symbol) when
+        each code of length ``n`` is taken to be ``2 ** -n`` likely, in 1/256
+        bits, rounded down: integers, so the device fit
+        (csrc/codec_fpe_fit.h) computes the same. A decoder that splits the
+        code section among lanes estimates its length from ``k`` with them
+        (:func:`code_section_estimate`); nothing depends on them but how
+        evenly the lanes share the work.
+        """
+        num = den = 0
+        for sym, n in self.lengths.items():
+            if sym == self.zero:
+                continue
+            weight = 1 << (MAX_CODE_BITS - n)
+            num += weight * (n + (self.symbol_bits if sym == self.esc else 0))
+            den += weight
+        return self.lengths.get(self.zero, 0), num * 256 // den
+
+    @functools.cached_property
+    def multi_rows(self) -> torch.Tensor:
+        """``(2**12,)`` int64: per value ``v`` of the next 12 stream bits, the codes that lie wholly inside them.
+
+        ``starts | tails << 12 | bits << 24``: bit ``i`` of ``starts`` is set
+        where one of those codes starts and of ``tails`` where that code is
+        not ZERO (its word has a tail), ``bits`` is how many bits they take.
+        A code is taken while it is decided by bits inside ``v`` (codes are
+        at most 12 bits, so the first one always is) and is neither ESC nor
+        a code the table lacks: for those the row stops before them (0 when
+        the first code is one). The GPU decoder of the split layout steps
+        over a run of short codes with one lookup.
+        """
+        _, _, dec_sym, dec_len = self.lookups("cpu")
+        v = torch.arange(1 << MAX_CODE_BITS, dtype=torch.int64)
+        pos, starts, tails = torch.zeros_like(v), torch.zeros_like(v), torch.zeros_like(v)
+        active = torch.ones_like(v, dtype=torch.bool)
+        for _ in range(MAX_CODE_BITS):
+            u = v >> pos  # bits past the window read as zero: a code is taken only if it ends inside it
+            sym, n = dec_sym[u], dec_len[u]
+            active &= (n > 0) & (sym != self.esc) & (pos + n <= MAX_CODE_BITS)
+            starts |= active.long() << pos
+            tails |= (active & (sym != self.zero)).long() << pos
+            pos += active * n
+        return starts | tails << 12 | pos << 24
+
     # ---- lookups ------------------------------------------------------------------
     def lookups(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(length, stream code)`` per symbol (length 0: no code) and ``(symbol, length)`` per next-12-bits.
@@ -349,7 +439,9 @@ class Table:
 
 
 @functools.lru_cache(maxsize=64)
-def _lookups(s: int, codes: tuple[tuple[int, int, int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+def _lookups(
+    s: int, codes: tuple[tuple[int, int, int], ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:meth:`Table.lookups` of ``(symbol, length, code)`` in canonical order, ``s`` symbols (ZERO and ESC too)."""
     enc_len, enc_code = [0] * s, [0] * s
     dec_sym, dec_len = [0] * (1 << MAX_CODE_BITS), [0] * (1 << MAX_CODE_BITS)
@@ -358,7 +450,8 @@ def _lookups(s: int, codes: tuple[tuple[int, int, int], ...], device: torch.devi
         enc_len[sym], enc_code[sym] = n, stream
         for index in range(stream, 1 << MAX_CODE_BITS, 1 << n):
             dec_sym[index], dec_len[index] = sym, n
-    return tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (enc_len, enc_code, dec_sym, dec_len))
+    as_t = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+    return as_t(enc_len), as_t(enc_code), as_t(dec_sym), as_t(dec_len)
 
 
 # ---------------------------------------------------------------------------
@@ -380,15 +473,28 @@ class _Coded(Analysis):
         coded = torch.where(esc, table.esc, sym)
         code_len = lookup(enc_len, coded)
         has_tail = coded != table.zero
-        bits = code_len + esc * b + has_tail * t
-        self.offsets = torch.cumsum(bits, 1) - bits
-        self.total_bits = bits.sum(1)
-        self.sectors = bits_to_sectors(self.total_bits)
+        head_bits = code_len + esc * b
+        if table.split:  # codes from bit 0, tails backwards from the payload's end
+            self.offsets = torch.cumsum(head_bits, 1) - head_bits
+            tails = has_tail.sum(1, keepdim=True)
+            self.total_bits = head_bits.sum(1) + tails.squeeze(1) * t
+            self.sectors = bits_to_sectors(self.total_bits)
+            before = torch.cumsum(has_tail, 1) - has_tail.to(torch.int64)  # tails of the words before
+            end = self.sectors.unsqueeze(1) * 256
+            self.tail_at = torch.where(has_tail, end - (before + 1) * t, 0)
+        else:  # each word's code, then its tail
+            bits = head_bits + has_tail * t
+            self.offsets = torch.cumsum(bits, 1) - bits
+            self.total_bits = bits.sum(1)
+            self.sectors = bits_to_sectors(self.total_bits)
+            self.tail_at = self.offsets + head_bits
         self.modes = torch.zeros_like(self.sectors)
-        # the fields, ready for the streams: code | escaped symbol << length, and the tail after them
+        #: per word, the bits of its code (and escaped symbol); per entry, their sum C
+        self.head_bits = head_bits
+        self.code_bits = head_bits.sum(1)
+        # the fields, ready for the streams: code | escaped symbol << length, and the tail
         self.head = lookup(enc_code, coded) | (sym * esc) << code_len
         self.tail = (x & ((1 << t) - 1)) * has_tail
-        self.tail_at = self.offsets + code_len + esc * b
         self.tail_bits = t
 
     def streams(self, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -415,30 +521,32 @@ def _decode_block(payload: torch.Tensor, sectors: torch.Tensor, word_bytes: int,
     """Coded entries -> ``(n, W)`` int64 words; raises :class:`CorruptDataError`.
 
     Where each word starts is serial within an entry, but a word's whole
-    length (code, escaped symbol, mantissa) follows from the next 12 stream
-    bits alone: one table lookup. So the serial loop only walks the starts
-    (every entry at once); reading every word's fields is then one pass
-    over all of them.
+    length -- its code and escaped symbol, and in the serial layout its tail
+    -- follows from the next 12 stream bits alone: one table lookup. So the
+    serial loop only walks the starts (every entry at once); reading every
+    word's fields is then one pass over all of them.
     """
     b, t = table.symbol_bits, table.tail_bits
     n, entry_bytes = payload.shape
     n_words = entry_bytes // word_bytes
     enc_len, _, dec_sym, dec_len = table.lookups(payload.device)
     escaped = dec_sym == table.esc
-    # per next-12-bits: the word's bits (a code the table lacks reads as length 0 and is caught below)
-    advance = dec_len + escaped * b + (dec_sym != table.zero) * t
+    # per next-12-bits: the bits the walk steps over (a code the table lacks reads as length 0 and is caught below)
+    advance = dec_len + escaped * b
+    if not table.split:
+        advance = advance + (dec_sym != table.zero) * t
     windows = stream_windows(payload.contiguous())
     end = entry_bytes * 8
     # a start never passes `end`, so its window index never passes the last column: one zero column more
     padded = torch.nn.functional.pad(windows, (0, 1))
     pos = torch.zeros(n, 1, dtype=torch.int64, device=payload.device)
     mask = (1 << MAX_CODE_BITS) - 1
-    starts = []
+    each = []
     for _ in range(n_words):  # serial within an entry, every entry at once; as few torch calls as it takes
-        starts.append(pos)
+        each.append(pos)
         peek = padded.gather(1, pos >> 5).bitwise_right_shift_(pos & 31).bitwise_and_(mask)
         pos = torch.take(advance, peek).add_(pos).clamp_(max=end)  # a damaged stream stays inside the payload
-    starts = torch.cat(starts, 1)
+    starts = torch.cat(each, 1)
     peek = read_bits(windows, starts, MAX_CODE_BITS)
     sym, length = lookup(dec_sym, peek), lookup(dec_len, peek)
     bad = length == 0
@@ -447,17 +555,62 @@ def _decode_block(payload: torch.Tensor, sectors: torch.Tensor, word_bytes: int,
     raw = read_bits(windows, at, b)
     bad |= esc & (lookup(enc_len, raw) > 0)  # an escaped symbol the table has a code for
     sym = torch.where(esc, raw, sym)
-    at += esc * b
+    has_tail = sym != table.zero
+    if table.split:  # the j-th tail ends j tails before the payload's end
+        before = torch.cumsum(has_tail, 1) - has_tail.to(torch.int64)
+        at = (sectors.to(torch.int64).unsqueeze(1) * 256 - (before + 1) * t).clamp_(min=0)
+    else:
+        at += esc * b
     tail = _read_wide(windows, at, t) if t else torch.zeros_like(sym)
-    words = torch.where(sym == table.zero, 0, sym << t | tail)
+    words = torch.where(has_tail, sym << t | tail, 0)
     if bool(bad.any()):
         raise CorruptDataError("fpe: a code the table does not have, or an escape of a symbol it has")
-    total = pos.squeeze(1)
+    # where the walk ended: the code section's end (split) or the stream's
+    _check_lengths(windows, sectors, pos.squeeze(1), has_tail.sum(1) * t if table.split else None)
+    return words
+
+
+def _check_lengths(windows: torch.Tensor, sectors: torch.Tensor, codes: torch.Tensor, tails) -> None:
+    """Raise :class:`CorruptDataError` unless the streams fill exactly their k sectors and nothing else is set.
+
+    ``codes``: per entry, where the walk ended; ``tails``: the bits of its tails (the split layout), or
+    ``None`` (the serial layout: the walk ended at the stream's end).
+    """
+    total = codes if tails is None else codes + tails
     if bool((bits_to_sectors(total) != sectors).any()):
         raise CorruptDataError("fpe: stream length does not match the entry sizes in the metadata")
-    if bool(bits_after(windows, total).any()):
+    if tails is None:
+        if bool(bits_after(windows, codes).any()):
+            raise CorruptDataError("fpe: bits set after the end of the bit stream")
+        return
+    # nothing set between the sections (the tails start at 256 k - tails) or after the payload's k sectors
+    end = sectors.to(torch.int64) * 256
+    if bool(bits_between(windows, codes, end - tails).any()):
+        raise CorruptDataError("fpe: bits set between the codes and the tails")
+    if bool(bits_after(windows, end).any()):
         raise CorruptDataError("fpe: bits set after the end of the bit stream")
-    return words
+
+
+def code_section_estimate(k: int, n_words: int, tail_bits: int, span_model: tuple[int, int]) -> int:
+    """An estimate of the code section's bits ``C`` of an entry of ``k`` sectors (the split layout).
+
+    ``T = C + N t`` lies in ``(256 (k - 1), 256 k]``; with ``T`` at the
+    middle of its last sector, ``C`` a ZERO code for each of the ``W - N``
+    zero words and the mean head bits for each of the ``N`` others
+    (:attr:`Table.span_model`), ``N`` follows, and ``C = T - N t``. Integer
+    arithmetic, in 1/256 bits, as the device decoder (csrc/codec_fpe.h)
+    computes it; between 1 and ``256 k``.
+    """
+    zero, head = span_model
+    middle = (256 * k - 128) * 256
+    per_tail = head + 256 * tail_bits - 256 * zero  # what a word with a tail adds over a zero word
+    if zero == 0:  # no ZERO code: every word has a tail
+        tails = n_words
+    elif per_tail <= 0:
+        tails = 0
+    else:
+        tails = min(n_words, max(0, middle - 256 * zero * n_words) // per_tail)
+    return min(256 * k, max(1, (middle - 256 * tails * tail_bits) // 256))
 
 
 def fit_table(counts, word_bytes: int, keep: Table | None = None) -> Table:
@@ -505,11 +658,15 @@ class FPECodec(Codec):
     """
 
     name = "fpe"
-    format_version = 2
 
     def __init__(self, table: Table | None = None, statistics: torch.Tensor | None = None):
         self._table = table
         self.statistics = statistics
+
+    @property
+    def format_version(self) -> int:  # type: ignore[override]  # a class attribute of Codec; here the table's
+        """3 (the split layout), or 2 for a codec bound to a table of format 1 or 2 (the serial layout)."""
+        return 2 if self._table is not None and not self._table.split else 3
 
     @property
     def fitted(self) -> Table | None:
@@ -554,7 +711,7 @@ class FPECodec(Codec):
 
     def bind(self, table: torch.Tensor | None, word_bytes: int) -> FPECodec:
         if table is None or table.numel() == 0:
-            raise CorruptDataError("fpe: a compressed fpe tensor needs its table (format version 2)")
+            raise CorruptDataError("fpe: a compressed fpe tensor needs its table (format version 2 and later)")
         return FPECodec(Table.from_bytes(table, word_bytes))
 
     def _table_for(self, word_bytes: int) -> Table:

@@ -268,6 +268,7 @@ class NvcompEngine(Engine):
     """
 
     backend = "nvcomp"
+    codec: NvcompCodec
 
     def __init__(self, codec: Codec, *, batch=None, device_type: str = "cuda"):
         if not isinstance(codec, NvcompCodec):
@@ -376,7 +377,7 @@ class NvcompEngine(Engine):
         if n:
             error = self._decode(meta.reshape(-1), slots.reshape(-1), overflow.reshape(-1), slot, entry_bytes, out)
             if check:
-                raise_for_errors(self.codec.name, self.read(error).tolist())
+                raise_for_errors(self.codec.name, int(self.read(error)))
         return out[:nbytes]
 
     def _decode(self, meta, slots, overflow, slot, entry_bytes, out) -> torch.Tensor:

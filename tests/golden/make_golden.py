@@ -1,4 +1,4 @@
-"""Write a set of golden vectors: ``python tests/golden/make_golden.py 1|2|2t2``.
+"""Write a set of golden vectors: ``python tests/golden/make_golden.py 1|2|2t2|3``.
 
 The vectors pin the bytes every codec writes: for each input (a dtype, an
 entry size and a kind of data) and each codec of the version, the metadata,
@@ -9,8 +9,10 @@ existing one after a change to a codec would hide that the format moved.
 
 The sets: ``1`` (``format_v1``: format version 1's codecs), ``2``
 (``format_v2``: version 2's, written when their tables were of table format
-1 -- decoded still, no longer written) and ``2t2`` (``format_v2_table2``:
-version 2 with tables of format 2, what a fit makes now).
+1 -- decoded still, no longer written), ``2t2`` (``format_v2_table2``:
+version 2 with tables of format 2 -- decoded still, no longer written) and
+``3`` (``format_v3``: version 3, tables of format 3 and the split payload
+layout, what a fit makes now).
 
 The inputs are made with NumPy's seeded generator and stored, so the
 vectors do not depend on how any library draws random numbers.
@@ -32,9 +34,9 @@ import buddy  # noqa: E402
 from buddy import spec  # noqa: E402
 
 #: the codecs of each format version (version 1's file was written before version 2 existed)
-CODECS = {1: ("raw", "zvc", "fpx", "bpc", "auto"), 2: ("fpe", "auto2")}
+CODECS = {1: ("raw", "zvc", "fpx", "bpc", "auto"), 2: ("fpe", "auto2"), 3: ("fpe", "auto2")}
 #: set -> (file stem, format version)
-SETS = {"1": ("format_v1", 1), "2": ("format_v2", 2), "2t2": ("format_v2_table2", 2)}
+SETS = {"1": ("format_v1", 1), "2": ("format_v2", 2), "2t2": ("format_v2_table2", 2), "3": ("format_v3", 3)}
 #: (dtype name, entry bytes): every word size, E from 32 B to 4 KiB
 LAYOUTS = (
     ("float32", 128),
@@ -131,5 +133,5 @@ def main(which: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SETS:
-        sys.exit("usage: python tests/golden/make_golden.py 1|2|2t2  (the set of vectors to write)")
+        sys.exit("usage: python tests/golden/make_golden.py 1|2|2t2|3  (the set of vectors to write)")
     main(sys.argv[1])

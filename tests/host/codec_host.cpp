@@ -374,7 +374,7 @@ static void tensor_unpack(const Codec& codec, const Tensors& t, const uint8_t* i
   const uint8_t* slots = take(in, t.n * t.s * BUDDY_SECTOR_BYTES);
   const uint8_t* overflow = take(in, t.m * BUDDY_SECTOR_BYTES);
   uint8_t* entries = guarded(t.n * E);
-  uint8_t* staging = guarded(E);
+  uint8_t* staging = guarded(buddy_unpack_staging_entries<Codec>() * E);
   memset(entries, 0xAB, t.n * E);
   uint32_t err = 0;
   run_warp([&](uint32_t l) {
@@ -510,7 +510,17 @@ static uint32_t fpe_symbols(int word) {  // S + 2 of a fitted table (format 2), 
 template <int WB>
 static void count_words(const uint8_t* units, size_t n_units, const uint8_t* tail, size_t tail_words,
                         uint32_t* counts) {
-  for (size_t u = 0; u < n_units; ++u) buddy_fpe_count_unit<WB>(buddy_load<uint64_t>(units + 8 * u), counts);
+  // as the count kernel: 16 bytes a lane, the warp's counts aggregated; the odd 8 bytes a word at a time
+  const size_t n16 = n_units / 2;
+  run_warp([&](uint32_t l) {
+    const HostWarp warp{l};
+    for (size_t u0 = 0; u0 < n16; u0 += BUDDY_WARP_SIZE) {
+      const size_t u = u0 + l;
+      const buddy_u128 zero = {0, 0};
+      buddy_fpe_count_unit16<WB>(warp, u < n16 ? buddy_load<buddy_u128>(units + 16 * u) : zero, u < n16, counts);
+    }
+  });
+  for (size_t w = 0; w < (n_units % 2) * (8 / WB); ++w) buddy_fpe_count_word<WB>(units + 16 * n16 + WB * w, counts);
   for (size_t w = 0; w < tail_words; ++w) buddy_fpe_count_word<WB>(tail + WB * w, counts);
 }
 

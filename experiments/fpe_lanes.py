@@ -1,0 +1,351 @@
+"""How fpe's split layout (table format 3) shares an entry among a warp's 32 lanes, and what the other layouts cost.
+
+On the tensors the capture workloads save for backward (the tuning and the
+check set of :mod:`experiments.decide`), each coded with the fpe table fitted
+to it at E bytes a entry:
+
+* **ratio cost of each layout** against the serial layout (table format 2):
+  the split layout (codes first, tails at the end: no bit more, ``k`` the
+  same by construction -- checked here on every entry), and what the
+  alternatives weighed for it would add: the code section's length stored
+  in the entry (``ceil(log2(8 E))`` bits), per-lane start offsets after it
+  (DFloat11's way: 31 lanes x 5 bits, a code and an escaped symbol are at
+  most 24 bits), and 32 interleaved sub-streams (word ``i`` in sub-stream
+  ``i % 32``) each padded to 32 bits (DietGPU's way, lanes refilling in
+  lockstep). The figure is the ideal ratio (original bytes / compacted
+  sectors) lost, in percent.
+* **work per lane** of the split layout's decoder (csrc/codec_fpe.h), run
+  here step by step on a sample of coded entries: the passes over the code
+  section (the estimate of its length from ``k`` can fall short), the
+  rounds in which some lane decodes again from the true end of the lane
+  before it, and the warp's steps -- per round the most codes any lane
+  steps over, as the lanes run in lockstep -- against the ideal ``2 W / 32``
+  (each code stepped over once to find the boundaries, once to write the
+  word).
+
+    python -m experiments.fpe_lanes --cache .cache/captures
+    python -m experiments.fpe_lanes --cache .cache/captures --sample 64 --entry-bytes 4096 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+
+import buddy
+from buddy.codecs import fpe
+from experiments.common import capture_all, format_table, start
+
+__all__ = ["LANES", "simulate_entry", "layout_bits", "main"]
+
+LANES = 32
+#: the first pass's spans cover the estimate of the code section and 1/OVERSHOOT more (csrc/codec_fpe.h)
+OVERSHOOT = 32
+#: bits at the start of a lane's span whose code starts it records (csrc/codec_fpe.h: `window`)
+WINDOW = 32
+#: bits a lane decodes before its span to fall in step (csrc/codec_fpe.h: `warmup`)
+WARMUP = 64
+#: no span is shorter (bits), and none longer (a lane's counts fit 16 bits)
+MIN_SPAN, MAX_SPAN = 64, 0x7FFF
+
+
+def _bits(row: np.ndarray, nbits: int) -> np.ndarray:
+    """A payload row's first ``nbits`` stream bits as 0/1, then 64 zero bits (reads past the payload)."""
+    bits = np.unpackbits(row, bitorder="little")[:nbits]
+    return np.concatenate([bits, np.zeros(64, np.uint8)])
+
+
+def _steps(bits: np.ndarray, table: fpe.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per stream bit p: the bits one code starting at p takes (0: none does), whether it is ZERO, its multi row."""
+    n = bits.size - MAX_PEEK
+    windows = np.zeros(n, np.int64)
+    for i in range(fpe.MAX_CODE_BITS):
+        windows |= bits[i : i + n].astype(np.int64) << i
+    _, _, dec_sym, dec_len = (t.numpy() for t in table.lookups("cpu"))
+    sym, length = dec_sym[windows], dec_len[windows]
+    step = length + np.where(sym == table.esc, table.symbol_bits, 0) * (length > 0)
+    return step, sym == table.zero, table.multi_rows.numpy()[windows]
+
+
+MAX_PEEK = 64
+
+
+def _shifted(x: int, d: int) -> int:
+    """``x >> d`` for ``d >= 0``, ``x << -d`` otherwise."""
+    return x >> d if d >= 0 else x << -d
+
+
+class _Lane:
+    """One lane's decode of its span: from ``start``, every code that starts before ``limit``."""
+
+    def __init__(self, step, zero, multi, start: int, limit: int, use_multi: bool = True):
+        self.step, self.zero, self.multi, self.limit, self.use_multi = step, zero, multi, limit, use_multi
+        self.start, self.n, self.tails, self.starts, self.tail_starts = start, 0, 0, 0, 0
+        self.steps = 0  # steps taken in the latest round
+        self.singles = 0  # of them, steps over one code alone (ESC with its symbol)
+        self.end, self.invalid = self._walk(start, lambda pos: False)
+
+    def _walk(self, pos: int, merged) -> tuple[int, bool]:
+        """Steps from ``pos`` while codes start before the limit, recording them; stops where ``merged(pos)``.
+
+        A step takes every code wholly inside the next 12 bits (:func:`multi_rows`), or one ESC with its symbol.
+        """
+        while pos < self.limit and not merged(pos):
+            row = int(self.multi[pos]) if self.use_multi else 0
+            if row:
+                starts, tails, bits = row & 0xFFF, row >> 12 & 0xFFF, row >> 24
+                room = self.limit - pos
+                if room < bits:  # codes from the limit on are the next lane's
+                    cut = starts & ~((1 << room) - 1)
+                    bits = (cut & -cut).bit_length() - 1 if cut else bits
+                    starts &= (1 << bits) - 1
+                    tails &= (1 << bits) - 1
+                s = bits
+                count, tail_count = bin(starts).count("1"), bin(tails).count("1")
+            else:
+                s = int(self.step[pos])
+                if s == 0:
+                    return pos, True
+                self.singles += 1
+                starts, tails, count, tail_count = 1, int(not self.zero[pos]), 1, int(not self.zero[pos])
+            off = pos - self.start
+            if off < WINDOW:
+                self.starts |= _shifted(starts, -off) & ((1 << WINDOW) - 1)
+                self.tail_starts |= _shifted(tails, -off) & ((1 << WINDOW) - 1)
+            self.n += count
+            self.tails += tail_count
+            self.steps += 1
+            pos += s
+        return pos, False
+
+    def resync(self, true_start: int) -> None:
+        """Decodes again from ``true_start`` (the true end of the lane before) until it meets a code start
+        this lane recorded -- from there on its decode is the true one -- or to its limit."""
+        self.steps = 0
+        old = (self.start, self.starts, self.tail_starts, self.n, self.tails, self.end, self.invalid)
+
+        def merged(pos: int) -> bool:
+            return 0 <= pos - old[0] < WINDOW and bool((old[1] >> (pos - old[0])) & 1)
+
+        self.start, self.n, self.tails, self.starts, self.tail_starts = true_start, 0, 0, 0, 0
+        pos, invalid = self._walk(true_start, merged)
+        if invalid or not merged(pos):
+            self.end, self.invalid = pos, invalid
+            return
+        # met the old decode at pos: the rest of it stands
+        d = pos - old[0]
+        self.n += old[3] - bin(old[1] & ((1 << d) - 1)).count("1")
+        self.tails += old[4] - bin(old[2] & ((1 << d) - 1)).count("1")
+        if pos - true_start < WINDOW:
+            mask = (1 << WINDOW) - 1
+            self.starts |= ((old[1] >> d) << (pos - true_start)) & mask
+            self.tail_starts |= ((old[2] >> d) << (pos - true_start)) & mask
+        self.end, self.invalid = old[5], old[6]
+
+
+def simulate_entry(payload_row: np.ndarray, k: int, n_words: int, table: fpe.Table, *, overshoot: int = OVERSHOOT,
+                   use_multi: bool = True) -> dict:  # fmt: skip
+    """The split layout's warp decoder on one entry (see the module doc).
+
+    The first pass's spans cover the estimated code section and ``1 /
+    overshoot`` more (0: nothing more). Returns the
+    passes, the resynchronizing rounds, the warp's find steps (per round the
+    most steps any lane takes) and emit work (per pass the most steps plus
+    tails any lane takes from its true start; and the most steps, the most
+    tails), and the estimate of ``C``.
+    """
+    end = 256 * k
+    bits = _bits(payload_row, end)
+    step, zero, multi = _steps(bits, table)
+    step, zero, multi = step.tolist(), zero.tolist(), multi.tolist()
+    estimate = fpe.code_section_estimate(k, n_words, table.tail_bits, table.span_model)
+    base, done, passes, rounds, find, emit, emit_steps, emit_tails, resync = 0, 0, 0, 0, 0, 0, 0, 0, 0
+    steps = singles = warm_steps = 0
+    remaining_bits = estimate + (estimate // overshoot if overshoot else 0)
+    while done < n_words:
+        passes += 1
+        span = min(MAX_SPAN, max(MIN_SPAN, -(-remaining_bits // LANES)))
+        limits = [min(base + (lane + 1) * span, end) for lane in range(LANES)]
+        starts = [min(base + lane * span, end) for lane in range(LANES)]
+        warm = [0] * LANES
+        for j in range(1, LANES):  # a decode from WARMUP bits before the span: its first start in the span
+            pos = max(base, starts[j] - WARMUP)
+            while pos < starts[j] and step[pos]:
+                pos += int(step[pos])
+                warm[j] += 1
+            starts[j] = pos if step[pos] or pos >= starts[j] else starts[j]
+        lanes = [_Lane(step, zero, multi, starts[lane], limits[lane], use_multi) for lane in range(LANES)]
+        find += max(warm)
+        warm_steps += max(warm)
+        steps += sum(lane.steps for lane in lanes)
+        singles += sum(lane.singles for lane in lanes)
+        find += max(lane.steps for lane in lanes)
+        while True:  # a lane whose start is not the true end of the lane before decodes again from it
+            ends = [base] + [lane.end for lane in lanes[:-1]]
+            dead = [False] + [lane.invalid for lane in lanes[:-1]]
+            redo = [i for i in range(1, LANES) if not dead[i] and ends[i] != lanes[i].start]
+            if not redo:
+                break
+            rounds += 1
+            for i in redo:  # in lockstep, from the ends the lanes before had at the start of the round
+                lanes[i].resync(ends[i])
+            find += max(lanes[i].steps for i in redo)
+            resync += max(lanes[i].steps for i in redo)
+        work = []
+        for i, lane in enumerate(lanes):
+            if done >= n_words:
+                break
+            if lane.invalid and done + lane.n < n_words:
+                raise RuntimeError("a valid stream decoded to a code the table lacks")
+            again = _Lane(step, zero, multi, lane.start, lane.limit, use_multi)  # the emit pass's walk
+            work.append((again.steps, min(lane.tails, n_words - done)))
+            done += lane.n
+        emit += max(a + b for a, b in work)
+        emit_steps += max(a for a, _ in work)
+        emit_tails += max(b for _, b in work)
+        if done < n_words:
+            base = lanes[-1].end
+            remaining_bits = max(1, (n_words - done) * base // max(1, done))
+    return {"passes": passes, "rounds": rounds, "find": find, "emit": emit, "emit_steps": emit_steps,
+            "emit_tails": emit_tails, "estimate": estimate, "single": singles / max(1, steps),
+            "resync": resync, "warm": warm_steps}
+
+
+def layout_bits(analysis, entry_bytes: int) -> dict[str, torch.Tensor]:
+    """``(n,)`` stream bits of each layout weighed, for the entries of an fpe analysis."""
+    total, heads = analysis.total_bits, analysis.head_bits
+    field = math.ceil(math.log2(8 * entry_bytes))  # C, 0 .. 8 E - 1
+    out = {"split": total, "split + C": total + field, "split + C + lane offsets": total + field + (LANES - 1) * 5}
+    if heads.shape[1] % LANES == 0:  # word i in sub-stream i % 32, each padded to 32 bits
+        per_lane = heads.view(heads.shape[0], -1, LANES).sum(1)
+        out["interleaved, padded"] = total - heads.sum(1) + ((per_lane + 31) // 32 * 32).sum(1)
+    return out
+
+
+def _sectors(bits: torch.Tensor) -> torch.Tensor:
+    return (bits + 255) // 256
+
+
+def _entries(t: torch.Tensor, e: int):
+    """``(entries (n, E), word bytes, fpe table fitted to the tensor)``, or ``None`` for a tensor under one entry."""
+    word = buddy.spec.word_bytes(t.dtype)
+    flat = t.detach().reshape(-1).view(torch.uint8)
+    n = flat.numel() // e
+    if n == 0:
+        return None
+    return flat[: n * e].view(n, e), word, fpe.symbol_counts(flat, word)
+
+
+def ratio_costs(tensors, e: int) -> dict:
+    """Compacted sectors of every layout over ``tensors`` (and the original's); checks the split layout's k."""
+    sizes: dict[str, int] = {}
+    for t in tensors:
+        got = _entries(t, e)
+        if got is None:
+            continue
+        entries, word, counts = got
+        new = fpe.FPECodec(fpe.Table.from_counts(counts, word)).analyse(entries, word)
+        old = fpe.FPECodec(fpe.Table.from_counts(counts, word, table_format=2)).analyse(entries, word)
+        if not torch.equal(new.sectors, old.sectors):
+            raise RuntimeError("the split layout changed an entry's k")
+        raw, nonzero = e // 32, (entries != 0).any(1)
+        for layout, bits in layout_bits(new, e).items():
+            k = torch.where(nonzero, _sectors(bits).clamp(max=raw), 0)  # the format's zero entry and raw escape
+            sizes[layout] = sizes.get(layout, 0) + int(k.sum())
+        sizes["original"] = sizes.get("original", 0) + entries.shape[0] * raw
+    return sizes
+
+
+def lane_work(tensors, e: int, sample: int, g: torch.Generator, **options) -> list[dict]:
+    """:func:`simulate_entry` on up to ``sample`` coded entries drawn from ``tensors`` (a few per tensor)."""
+    sims = []
+    order = torch.randperm(len(tensors), generator=g).tolist()
+    for i in order:
+        got = _entries(tensors[i], e)
+        if got is None:
+            continue
+        entries, word, counts = got
+        codec = fpe.FPECodec(fpe.Table.from_counts(counts, word))
+        pick = torch.randperm(entries.shape[0], generator=g)[:64]
+        analysis = codec.analyse(entries[pick], word)
+        assert isinstance(analysis, fpe._Coded) and codec.fitted is not None
+        coded = ((analysis.sectors > 0) & (analysis.sectors < e // 32)).nonzero().view(-1)[:4]
+        if coded.numel() == 0:
+            continue
+        payload = analysis.streams(coded)
+        for j, row in enumerate(coded.tolist()):
+            sim = simulate_entry(payload[j].numpy(), int(analysis.sectors[row]), e // word, codec.fitted, **options)
+            sims.append(dict(sim, codes=int(analysis.code_bits[row]), per_lane=e // word / LANES,
+                             k=int(analysis.sectors[row])))
+        if len(sims) >= sample:
+            break
+    return sims
+
+
+def main(argv=None) -> dict:
+    from experiments.capacity import DEFAULT_POINTS
+    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--entry-bytes", type=int, nargs="+", default=[4096])
+    p.add_argument("--sample", type=int, default=48, help="coded entries per workload and entry size simulated")
+    p.add_argument("--overshoot", type=int, default=OVERSHOOT, help="the first pass covers 1/OVERSHOOT more (0: none)")
+    p.add_argument("--no-ratio", action="store_true", help="only the decoder's work (the ratio part codes every tensor)")
+    p.add_argument("--workloads", nargs="+", default=None)
+    p.add_argument("--cache", type=Path, default=None, help="captures kept here between runs (as decide's)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    start("fpe_lanes", sys.argv[1:] if argv is None else list(argv))
+    workloads = args.workloads or [*TUNING_WORKLOADS, *CHECK_WORKLOADS]
+    captures = capture_all(
+        workloads, size="quick", points=DEFAULT_POINTS["quick"], device="cpu", seed=args.seed, show=False,
+        cache=args.cache,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(args.seed)
+    rows, lanes_rows = [], []
+    for e in args.entry_bytes:
+        for name in workloads:
+            tensors = [saved.tensor for cap in captures[name] for saved in cap.tensors]
+            if not args.no_ratio:
+                sizes = ratio_costs(tensors, e)
+                row = {"E": e, "workload": name, "ideal ratio": sizes["original"] / sizes["split"]}
+                for layout in ("split + C", "split + C + lane offsets", "interleaved, padded"):
+                    if layout in sizes:
+                        row[layout] = 100 * (1 - sizes["split"] / sizes[layout])
+                rows.append(row)
+            sims = lane_work(tensors, e, args.sample, g, overshoot=args.overshoot)
+            if sims:
+                lanes_rows.append({
+                    "E": e, "workload": name, "entries": len(sims), "codes / lane": sims[0]["per_lane"],
+                    "passes (mean)": statistics.mean(s["passes"] for s in sims),
+                    "passes (max)": max(s["passes"] for s in sims),
+                    "resync rounds (mean)": statistics.mean(s["rounds"] for s in sims),
+                    "resync rounds (max)": max(s["rounds"] for s in sims),
+                    "estimate / C (median)": statistics.median(s["estimate"] / s["codes"] for s in sims),
+                    "find steps (mean)": statistics.mean(s["find"] for s in sims),
+                    "find steps (max)": max(s["find"] for s in sims),
+                    "emit work (mean)": statistics.mean(s["emit"] for s in sims),
+                    "emit work (max)": max(s["emit"] for s in sims),
+                })  # fmt: skip
+    if rows:
+        cols = [(c, c, ".3f") for c in rows[0] if c not in ("E", "workload")]
+        print("\nratio lost against the split layout (percent of ideal ratio; the split layout's k is the serial one's)")
+        print(format_table(rows, [("E", "E", ""), ("workload", "workload", ""), *cols]))
+    if lanes_rows:
+        cols = [(c, c, ".2f" if isinstance(lanes_rows[0][c], float) else "") for c in lanes_rows[0]]
+        print(f"\nthe split layout's warp decoder (overshoot 1/{args.overshoot}), step by step on sampled coded entries")
+        print(format_table(lanes_rows, cols))
+    return {"ratio": rows, "lanes": lanes_rows}
+
+
+if __name__ == "__main__":
+    main()

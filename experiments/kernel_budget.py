@@ -1,0 +1,546 @@
+"""The kernel budget of the default codec at 4 KiB entries: what each kernel costs an H100, estimated from its SASS.
+
+No GPU is needed. For each kernel of the codec (measure, pack, unpack,
+count, fit), built as the loader builds it (``buddy.cuda.translation_unit``
+and ``compile_options`` for one word size) for sm_90 with nvcc:
+
+* **resources** from ptxas (``-Xptxas -v``): registers, shared memory,
+  spills; with the launch configuration (``buddy.cuda.launch_config``) they
+  give the **occupancy** (resident warps per SM);
+* **instructions per entry**: the SASS (``nvdisasm``, with ``-lineinfo``)
+  is cut into its loops (a backward branch closes one); each instruction
+  counts once per entry, times the iterations per entry of the innermost
+  loop around it. The iterations come from the source line that closes the
+  loop (:data:`TRIPS`: e.g. fpe's find walk, ``while (pos < limit)``, steps
+  as often as the split layout's decoder steps on real data -- the lane
+  simulation of :mod:`experiments.fpe_lanes` on the capture workloads --
+  and a copy loop E / 16 / 32 times). Every instruction of a loop body
+  counts, both sides of its branches: an upper bound. Loops the table does
+  not name count once and are listed;
+* **bytes moved** per entry (reads and writes of device memory);
+* the **estimated GB/s** of input on an H100 (132 SMs, 4 schedulers each
+  issuing one warp instruction a cycle, 1.755 GHz, HBM 3.35 TB/s) as the
+  least of three bounds: issue (instructions / 4 per cycle per SM), memory
+  (bytes / 3.35 TB/s) and latency (each resident warp's dependent chain of
+  one decode step, :data:`STEP_CYCLES`, for the data-dependent loops), and
+  which one binds.
+
+A whole compress with nothing learned runs count, fit, measure and pack
+(and reads back the histogram); with a learned table, measure and pack.
+Decompress is unpack. The totals are for a 256 MiB tensor.
+
+    python -m experiments.kernel_budget                      # writes docs/kernel_budget.md
+    python -m experiments.kernel_budget --codec fpe --out -   # print only
+
+Needs nvcc (CUDA 12 or 13) and nvdisasm (``pip install
+nvidia-cuda-nvdisasm``, or the CUDA toolkit's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+import buddy
+from buddy import cuda as bcuda
+from buddy import spec
+
+__all__ = ["H100", "TRIPS", "main"]
+
+#: the machine the estimate is for
+H100 = {"sms": 132, "schedulers": 4, "clock_ghz": 1.755, "hbm_gbps": 3350.0, "regs": 65536, "smem": 228 << 10,
+        "max_warps": 64, "max_blocks": 32}  # fmt: skip
+#: cycles of one step of a data-dependent decode loop's dependent chain: a shared-memory peek (~30), the
+#: table's row from L1 (~35), the add; a warp waits this long per step, other warps issue meanwhile
+STEP_CYCLES = 90
+#: bytes of a tensor the compress and decompress totals are for
+TENSOR_BYTES = 256 << 20
+#: fixed costs: a kernel launch, the one device-to-host read of a compress (histogram and fitted table)
+LAUNCH_US, READBACK_US = 4.0, 15.0
+
+#: (pattern on the source line that closes a loop, key of its iterations per entry per warp); see `_trips`
+TRIPS = [
+    (r"while \(pos < limit\)", "find"),               # fpe: the find walk (and resync)
+    (r"while \(done < count\)", "emit_steps"),        # fpe: the emit walk
+    (r"for \(uint32_t m = \(row >> 12\)", "emit_tails"),  # fpe: a step's words with tails
+    (r"for \(uint32_t round = 0; round < BUDDY_WARP_SIZE", "rounds"),
+    (r"while \(done < words\)", "passes"),
+    (r"u < n / 16; u \+= BUDDY_WARP_SIZE", "fill16"),  # 16-byte copies and fills
+    (r"u < n / 8; u \+= BUDDY_WARP_SIZE", "fill8"),
+    (r"buddy_bits_between|u <= \(hi - 1u\) / 64u", "one"),
+    (r"i \+= buddy_warp_stride\(\)", "grid"),          # the format kernels' loop over entries
+    (r"u0 \+= stride", "grid"),                        # the count kernel's
+    (r"for \(uint32_t r = 0; r < rounds; \+\+r\)", "rounds16"),
+    (r"i < unit_words; \+\+i\) pos = put\(", "serial_words"),  # the serial layout's encode (not run)
+    (r"for \(uint32_t i = 0; i < unit_words; \+\+i\)", "unit_words"),  # the words of a 16-byte round
+    (r"while \(pos < guess\)", "warm"),                # fpe: a lane's warm-up before its span
+    (r"while \(p < stop\)", "rounds"),                 # fpe: tails of the codes a resynchronized lane drops
+    (r"for \(uint32_t i = 0; i < words; \+\+i\)", "serial_words"),  # the serial layout's walk (not run)
+    (r"r0 < rounds; r0 \+= 15", "fpx_blocks"),           # auto2's fpx member sizing an entry
+    (r"for \(uint32_t r = r0; r < r1; \+\+r\)", "words32"),
+    (r"for \(uint32_t c = 0; c < C; \+\+c\)", "words32"),  # auto2's bpc member: 32-delta chunks
+    (r"u = total / 64u \+ warp.lane\(\); u < n64", "bits_after"),  # the serial layout's and other codecs' check
+]
+
+
+@dataclass
+class Kernel:
+    name: str
+    regs: int = 0
+    smem: int = 0
+    spills: int = 0
+    instrs: list = field(default_factory=list)  # (address, text, source line)
+    labels: dict = field(default_factory=dict)
+    chains: dict = field(default_factory=dict)  # address -> the source line and the lines it was inlined at
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    for root in (Path(sysconfig.get_paths()["purelib"]) / "nvidia", Path("/usr/local/cuda/bin")):
+        for path in sorted(root.rglob(name)) if root.exists() else []:
+            if path.is_file():
+                return str(path)
+    raise SystemExit(f"{name} not found: pip install nvidia-cuda-{name} (or put the CUDA toolkit on PATH)")
+
+
+_BUILT: dict[tuple, tuple] = {}
+
+
+def build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[str, Kernel], list[str]]:
+    """The codec's kernels for one word size, sm_90: ptxas resources and the SASS with source lines (once)."""
+    key = (codec, word, entry_bytes)
+    if key not in _BUILT:
+        _BUILT[key] = _build(codec, word, entry_bytes, folder)
+    return _BUILT[key]
+
+
+def _build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[str, Kernel], list[str]]:
+    unit = folder / "kernels.cu"
+    text = bcuda.translation_unit()
+    unit.write_text(text)
+    cubin = folder / f"{codec}_{word}.cubin"
+    cmd = [_tool("nvcc"), "-arch=sm_90", "-lineinfo", "-Xptxas", "-v", *bcuda.compile_options(entry_bytes, codec, word),
+           "-cubin", str(unit), "-o", str(cubin)]  # fmt: skip
+    log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
+    kernels: dict[str, Kernel] = {}
+    for m in re.finditer(r"entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers[^\n]*", log, re.S):
+        smem = re.search(r"(\d+) bytes smem", m.group(0).split("\n")[-1])
+        kernels[m.group(1)] = Kernel(m.group(1), int(m.group(3)), int(smem.group(1)) if smem else 0, int(m.group(2)))
+    sass = subprocess.run([_tool("nvdisasm"), "-gi", "-c", str(cubin)], check=True, capture_output=True, text=True)
+    current, line, grouped, pending = None, 0, False, []
+    chain: tuple[int, ...] = ()
+    for row in sass.stdout.splitlines():
+        if row.startswith("\t.section\t.text."):
+            current = kernels.get(row.split(".text.")[1].split(",")[0])
+            continue
+        if current is None:
+            continue
+        if "//## File" in row:
+            if not grouped:  # a group of locations, the innermost first, then each place it was inlined at
+                chain = tuple(int(n) for n in re.findall(r"line (\d+)", row))
+                line = chain[0]
+            grouped = True
+            continue
+        grouped = False
+        if (label := re.match(r"^(\.L_x_\d+):", row.strip())) is not None:
+            pending.append(label.group(1))  # at the address of the next instruction
+        elif (ins := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", row)) is not None:
+            addr = int(ins.group(1), 16)
+            current.labels.update((name, addr) for name in pending)
+            pending.clear()
+            current.instrs.append((addr, ins.group(2).strip(), line))
+            current.chains[addr] = chain
+    return kernels, text.splitlines()
+
+
+def loops(kernel: Kernel, source: list[str]) -> list[tuple[int, int, int, tuple]]:
+    """``(start, end, closing source line, its inlining chain)`` of each loop: a branch back to an earlier
+    label from a line of a ``for`` or ``while`` (other branches back come from blocks moved out of line)."""
+    out = []
+    for addr, text, line in kernel.instrs:
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
+        if m and kernel.labels.get(m.group(1)) is not None and kernel.labels[m.group(1)] <= addr:
+            if 0 < line <= len(source) and re.search(r"\b(for|while)\b", source[line - 1]):
+                out.append((kernel.labels[m.group(1)], addr, line, kernel.chains.get(addr, (line,))))
+    return out
+
+
+#: a copy or fill loop's iterations by the call it serves (a pattern on a line of its inlining chain)
+CALLS = [
+    (r"ZERO words are written by this", "units"),              # fpe's zeroed output
+    (r"buddy_warp_fill\(warp, decoded, out", "units"),          # the decoded entry copied out
+    (r"copy_sectors\(warp, slot, staging, in_slot\)", "gather"),  # the slot's sectors into staging
+    (r"copy_sectors\(warp, overflow, staging", "none"),         # an entry within its slot: no overflow
+    (r"buddy_warp_fill\(warp, nullptr, payload, k", "payload"),  # pack: the payload zeroed
+    (r"copy_sectors\(warp, payload, slot, in_slot\)", "payload"),  # pack: the slot written
+    (r"buddy_warp_fill\(warp, nullptr, slot \+ in_slot", "none"),
+    (r"copy_sectors\(warp, payload \+ s", "none"),
+]
+
+
+def _loop_key(source: list[str], line: int, chain: tuple = ()) -> str | None:
+    text = source[line - 1] if 0 < line <= len(source) else ""
+    key = next((key for pattern, key in TRIPS if re.search(pattern, text)), None)
+    if key in ("fill16", "fill8"):  # which copy: the call it serves
+        for at in chain[1:]:
+            call = next((k for pattern, k in CALLS if re.search(pattern, source[at - 1])), None)
+            if call is not None:
+                return key if key == "fill8" else call
+        return "none"  # the fills of the zero and raw entries and of flagged ones: not run on a coded entry
+    return key
+
+
+def headers(source: list[str]) -> list[str]:
+    """Per line of the translation unit, the header it comes from (innermost; "" outside every header)."""
+    stack, out = [""], []
+    for text in source:
+        if text.startswith("// ---- begin "):
+            stack.append(text.removeprefix("// ---- begin ").strip())
+        out.append(stack[-1])
+        if text.startswith("// ---- end ") and len(stack) > 1:
+            stack.pop()
+    return out
+
+
+#: the other members of auto2: their code is not run by the pack and unpack of an entry of fpe's mode
+OTHER_MEMBERS = frozenset({"codec_zvc.h", "codec_fpx.h", "codec_bpc.h", "codec_auto.h"})
+
+
+#: blocks of the decode walks taken for one code alone (ESC with its symbol; a lane's last codes), by the
+#: comment that opens them: they run on that share of the steps (the lane simulation's), not every step
+RARE_BLOCKS = ("} else {  // ESC with its symbol, or not a code", "} else {  // one code: ESC with its symbol")
+
+
+def rare_lines(source: list[str]) -> set[int]:
+    """Lines (1-based) inside the :data:`RARE_BLOCKS`: from the opening line to the brace that closes it."""
+    out = set()
+    for i, text in enumerate(source):
+        if any(text.strip().startswith(b) for b in RARE_BLOCKS):
+            indent = len(text) - len(text.lstrip())
+            j = i + 1
+            while j < len(source) and not (source[j].strip() == "}" and len(source[j]) - len(source[j].lstrip()) == indent):
+                out.add(j + 1)
+                j += 1
+    return out
+
+
+def per_entry(kernel: Kernel, source: list[str], trips: dict[str, float], skip=frozenset()) -> tuple[float, list[str]]:
+    """Warp instructions per entry (see the module doc) and the loops counted once for want of a trip count;
+    instructions from the headers in ``skip`` are not run (code of the modes an entry does not have), those
+    of the :data:`RARE_BLOCKS` on ``trips["single"]`` of the steps."""
+    where = headers(source)
+    rare = rare_lines(source)
+    found = [loop for loop in loops(kernel, source) if where[loop[2] - 1] not in skip]
+    keyed = [(a, b, _loop_key(source, line, chain), line) for a, b, line, chain in found]
+    # the walk inside the resynchronizing rounds steps only as far as a lane resynchronizes
+    rounds = [(a, b) for a, b, key, _ in keyed if key == "rounds"]
+    keyed = [(a, b, "resync" if key == "find" and any(r0 < a and b < r1 for r0, r1 in rounds) else key, line)
+             for a, b, key, line in keyed]  # fmt: skip
+    grid = [(a, b) for a, b, key, _ in keyed if key == "grid"]
+    if not grid:
+        return float("nan"), ["no loop over entries"]
+    g0, g1 = min(a for a, _ in grid), max(b for _, b in grid)
+    unknown, total = set(), 0.0
+    for addr, _, line in kernel.instrs:
+        if not g0 <= addr <= g1 or (0 < line <= len(where) and where[line - 1] in skip):
+            continue  # once per warp, not per entry; or not run
+        inner = [(b - a, key, line) for a, b, key, line in keyed if a <= addr <= b and key != "grid"]
+        if not inner:
+            total += trips.get("grid", 1.0)
+            continue
+        _, key, loop_line = min(inner)
+        share = trips.get("single", 1.0) if line in rare else 1.0
+        if key is None:
+            unknown.add(f"line {loop_line}: {source[loop_line - 1].strip()[:60]}")
+            total += share
+        else:
+            total += trips.get(key, 1.0) * share
+    return total, sorted(unknown)
+
+
+def occupancy(regs: int, smem_block: int, threads: int) -> int:
+    """Resident warps per SM of a kernel: registers (allocated per warp in 256s), shared memory, block limits."""
+    warps_block = max(1, threads // 32)
+    per_warp = math.ceil(regs * 32 / 256) * 256
+    by_regs = (H100["regs"] // per_warp) // warps_block
+    by_smem = H100["smem"] // (smem_block + 1024) if smem_block else H100["max_blocks"]
+    blocks = min(by_regs, by_smem, H100["max_blocks"], H100["max_warps"] // warps_block)
+    return int(blocks * warps_block)
+
+
+def lane_trips(dtype: torch.dtype, entry_bytes: int, sample: int, cache) -> dict[str, float]:
+    """Mean iterations per entry of the split layout's loops on the capture workloads' tensors of ``dtype``."""
+    from experiments.capacity import DEFAULT_POINTS
+    from experiments.common import capture_all
+    from experiments.fpe_lanes import lane_work
+    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS
+
+    workloads = [*TUNING_WORKLOADS, *CHECK_WORKLOADS]
+    caps = capture_all(workloads, size="quick", points=DEFAULT_POINTS["quick"], device="cpu", seed=0, show=False,
+                       cache=cache)  # fmt: skip
+    tensors = [s.tensor for w in workloads for c in caps[w] for s in c.tensors if s.tensor.dtype == dtype]
+    sims = lane_work(tensors, entry_bytes, sample, torch.Generator().manual_seed(0))
+    keys = ("passes", "rounds", "find", "resync", "warm", "emit_steps", "emit_tails", "single")
+    mean = {key: statistics.mean(s[key] for s in sims) for key in keys}
+    mean["k"] = statistics.mean(s["k"] for s in sims)
+    mean["entries"] = len(sims)
+    return mean
+
+
+def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: Path) -> list[dict]:
+    word = spec.word_bytes(dtype)
+    kernels, source = build(codec, word, entry_bytes, folder)
+    units = entry_bytes // 16 // 32  # 16-byte rounds of a warp over an entry
+    k = sim["k"]
+    rows = []
+    for op in ("measure", "pack", "unpack", "count", "fit"):
+        kern = kernels.get(f"buddy_{codec}_{op}")
+        if kern is None:
+            continue
+        if op == "count":
+            blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1 << 20, codec)
+        elif op == "fit":
+            blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1, codec)
+        else:
+            blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1 << 20, codec)
+        words32 = entry_bytes // word / 32
+        trips = {"grid": 1.0, "one": 1.0, "rounds16": units, "serial_words": 0.0, "fill8": 0.0, "none": 0.0,
+                 "units": units, "gather": math.ceil(2 * k / 32), "payload": math.ceil(2 * k / 32),
+                 "unit_words": units * 16 // word, "words32": words32, "fpx_blocks": math.ceil(words32 / 15),
+                 "bits_after": 0.0}  # fmt: skip
+        if op == "unpack":  # a coded entry of the split layout: its gather (k sectors), zero fill, copy out
+            trips |= {key: sim[key] for key in ("passes", "rounds", "find", "resync", "warm", "emit_steps",
+                                                 "emit_tails", "single")}  # fmt: skip
+            trips["find"] = sim["find"] - sim["resync"] - sim["warm"]  # the first walk's (sim["find"]: all three)
+            trips["rounds"] += sim["passes"]  # the check that ends the resync loop
+            moved = 32 * k + entry_bytes + spec.meta_bytes(entry_bytes)
+        elif op == "pack":
+            moved = entry_bytes + 32 * k + spec.meta_bytes(entry_bytes)
+        elif op == "measure":
+            moved = entry_bytes + spec.meta_bytes(entry_bytes)
+        elif op == "count":
+            trips["grid"] = entry_bytes / 16 / 32  # a warp takes 32 x 16 bytes an iteration
+            moved = entry_bytes
+        else:
+            moved = 0
+        skip = OTHER_MEMBERS if op in ("pack", "unpack") else frozenset()  # an entry of fpe's mode
+        instr, unknown = per_entry(kern, source, trips, skip) if op != "fit" else (float("nan"), [])
+        warps = occupancy(kern.regs, kern.smem + shared // max(1, threads // 32) * max(1, threads // 32), threads)
+        clock = H100["clock_ghz"] * 1e9
+        row = {"kernel": f"{codec} {op}", "dtype": str(dtype).removeprefix("torch."), "regs": kern.regs,
+               "smem/block": kern.smem + shared, "spills": kern.spills, "warps/SM": warps,
+               "instr/entry": instr, "instr/byte": instr / entry_bytes, "bytes moved/entry": moved}  # fmt: skip
+        if op != "fit":
+            issue = H100["sms"] * H100["schedulers"] * clock / instr * entry_bytes / 1e9
+            memory = H100["hbm_gbps"] * entry_bytes / moved
+            bounds = {"issue": issue, "memory": memory}
+            if op == "unpack":  # the data-dependent walks: every step a dependent chain
+                steps = sim["find"] + sim["emit_steps"] + sim["emit_tails"]
+                bounds["latency"] = H100["sms"] * clock * warps / (STEP_CYCLES * steps) * entry_bytes / 1e9
+            bound = min(bounds, key=bounds.__getitem__)
+            row |= {f"{b} GB/s": v for b, v in bounds.items()} | {"estimate GB/s": bounds[bound], "bound": bound}
+        row["loops counted once"] = unknown
+        rows.append(row)
+    return rows
+
+
+#: cycles an instruction of the fit takes: one warp alone on its SM waits out every latency (a dependent
+#: add ~5, a load from its scratch in global memory ~35 from L1, more from L2)
+FIT_CPI = 12
+
+#: the fit's loops: iterations a warp runs them, for S = 4096 symbols all present and 257 leaves
+FIT_ITERATIONS = [
+    (r"i < S \+ 2u; i \+= BUDDY_WARP_SIZE", 129), (r"i < S \+ 1u; i \+= BUDDY_WARP_SIZE", 129),
+    (r"i < S; i \+= BUDDY_WARP_SIZE", 43 * 128), (r"int bit = 42", 43), (r"base < S; base \+= BUDDY_WARP_SIZE", 128),
+    (r"rank \+= \(\(uint64_t\)buddy_max", 2 * 9 * 257), (r"i = warp.lane\(\); i < n; i \+= BUDDY_WARP_SIZE", 2 * 9),
+    (r"m \+ 1 < n", 256), (r"x-- > 0", 512), (r"i < n; \+\+i\) wk->len", 257),
+    (r"v < BUDDY_FPE_ROWS; v \+= BUDDY_WARP_SIZE\) table->dec", 128), (r"i < BUDDY_FPE_SYMBOLS", 129),
+    (r"i < BUDDY_FPE_SERIAL_BYTES", 25), (r"rank \+= \(wk->len", 9 * 257), (r"i = lane; i < n; i \+= BUDDY_WARP_SIZE", 9),
+    (r"bit < len", 72), (r"v = stream; v < BUDDY_FPE_ROWS", 128), (r"base < n; base \+= BUDDY_WARP_SIZE", 9),
+    (r"while \(pos < BUDDY_FPE_CODE_BITS\)", 512), (r"v = lane; v < BUDDY_FPE_ROWS; v \+= BUDDY_WARP_SIZE\) \{", 128),
+]  # fmt: skip
+
+
+def fit_time_us(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[int, float, float]:
+    """The fit kernel (one warp): its SASS instructions, the instructions it runs and the time they take.
+
+    Each loop's iterations (:data:`FIT_ITERATIONS`, split evenly among the copies the compiler made of it:
+    an unrolled body and its remainder) times its instructions, the rest once, at :data:`FIT_CPI` cycles an
+    instruction: a rough figure, its order of magnitude is what the compress totals need.
+    """
+    kernels, source = build(codec, word, entry_bytes, folder)
+    kern = kernels[f"buddy_{codec}_fit"]
+    found = loops(kern, source)
+
+    def iterations(line: int) -> float:
+        text = source[line - 1]
+        n = next((n for pattern, n in FIT_ITERATIONS if re.search(pattern, text)), 1)
+        return n / sum(1 for _, _, other, _ in found if other == line)  # the copies of this loop
+
+    total = 0.0
+    for addr, _, _ in kern.instrs:
+        inner = [(b - a, line) for a, b, line, _ in found if a <= addr <= b]
+        total += iterations(min(inner)[1]) if inner else 1
+    return len(kern.instrs), total, total * FIT_CPI / (H100["clock_ghz"] * 1e3)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return "n/a" if math.isnan(v) else f"{v:,.0f}" if v >= 100 else f"{v:.2f}"
+    return str(v)
+
+
+def render(rows, sims, totals, fit, args, machine: str) -> str:
+    cols = ["kernel", "dtype", "regs", "smem/block", "spills", "warps/SM", "instr/entry", "instr/byte",
+            "bytes moved/entry", "issue GB/s", "memory GB/s", "latency GB/s", "estimate GB/s", "bound"]  # fmt: skip
+    out = [
+        "# Kernel budget: the default codec at 4 KiB entries on an H100 (estimated)",
+        "",
+        f"Produced by `python -m experiments.kernel_budget {' '.join(args)}` on {machine}, "
+        f"{time.strftime('%Y-%m-%d')}; nvcc for sm_90, no GPU: every figure below is an estimate from the "
+        "compiled kernels (the method is in the script's docstring). A GPU session checks it with `ncu` "
+        "(below).",
+        "",
+        f"H100: {H100['sms']} SMs x {H100['schedulers']} schedulers at {H100['clock_ghz']} GHz, HBM "
+        f"{H100['hbm_gbps'] / 1000:.2f} TB/s; a decode step's dependent chain {STEP_CYCLES} cycles.",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "| " + " | ".join("---" for _ in cols) + " |",
+    ]
+    for r in rows:
+        out.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+    out += ["", "Trip counts of the split layout's decoder (mean per entry, the lane simulation on the capture "
+            "workloads' coded entries; a warp's steps, the most any lane takes; find steps include the warm-up "
+            "and resync steps):", "", "| dtype | entries | k (sectors) | passes | resync rounds | find steps | "
+            "warm-up steps | resync steps | emit steps | emit tails | one-code steps |", "| --- | --- | --- | --- | "
+            "--- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, s in sims.items():
+        out.append(f"| {name} | {s['entries']} | {s['k']:.1f} | {s['passes']:.2f} | {s['rounds']:.2f} | "
+                   f"{s['find']:.1f} | {s['warm']:.1f} | {s['resync']:.1f} | {s['emit_steps']:.1f} | "
+                   f"{s['emit_tails']:.1f} | {s['single']:.1%} |")  # fmt: skip
+    out += ["", f"The fit kernel (one warp, once per compress with nothing learned): {fit[0]:,} SASS instructions, "
+            f"about {fit[1]:,.0f} run for 257 leaves of 4,096 symbols, at {FIT_CPI} cycles each about {fit[2]:.0f} us "
+            "(a rough figure: `fit_time_us`).", ""]
+    out += ["Totals for a 256 MiB tensor (kernel times from the estimates above, plus "
+            f"{LAUNCH_US:.0f} us a launch and {READBACK_US:.0f} us for a compress's one read back):", "",
+            "| dtype | decompress GB/s | compress GB/s, learned table | compress GB/s, nothing learned |",
+            "| --- | --- | --- | --- |"]  # fmt: skip
+    for name, t in totals.items():
+        out.append(f"| {name} | {t['decompress']:,.0f} | {t['learned']:,.0f} | {t['cold']:,.0f} |")
+    worst = {key: min(t[key] for t in totals.values()) for key in ("decompress", "learned", "cold")}
+    out += ["", f"**Against the targets** (decompress >= 800 GB/s, compress >= 500 GB/s on an H100): the estimate "
+            f"gives decompress {worst['decompress']:,.0f} GB/s at worst, compress {worst['learned']:,.0f} GB/s with "
+            f"a learned table and {worst['cold']:,.0f} GB/s with nothing learned -- "
+            + ("the targets are met." if worst["decompress"] >= 800 and worst["learned"] >= 500 else
+               "short of the targets. " + SHORT)]  # fmt: skip
+    unknown = sorted({u for r in rows for u in r["loops counted once"]})
+    out += ["", "Loops counted once per entry (no trip count named for them; compile-time short or not run on "
+            "coded fpe entries):", ""] + [f"* {u}" for u in unknown] + [""]  # fmt: skip
+    out += NCU.splitlines()
+    return "\n".join(out) + "\n"
+
+
+SHORT = """What bounds it is the issue rate: every kernel but count is issue-bound by these counts (memory would
+allow 1.9-3.3 TB/s of input). Unpack: the decode walks cost about 45-75 SASS instructions a find step and
+40-200 an emit step (both sides of each branch counted), twice over the code section (find, then emit), plus a
+warm-up and a resync round; auto2's measure sizes every entry with all four members (bpc alone is half of it);
+pack ORs every code and tail into shared memory with atomics; the fit is one warp's serial work (sorting 257
+leaves by ranking, a 43-pass radix select, two Huffman builds) and dominates a compress with nothing learned.
+What was tried: multi-code steps (a run of short codes per lookup: 2-3 times fewer find steps on ReLU
+float32), a 32-bit record of each span's first code starts and a 64-bit warm-up so lanes rarely decode again,
+64 registers without spills (24 warps an SM, shared memory limits it), 16-byte copies. Next: one walk instead
+of two (find and emit fused: symbols kept in shared memory), stream words assembled in registers instead of
+shared atomics, auto2 measuring fpe first and the others only where fpe is long, a fit of more lanes; and
+counting the dynamic path (ncu below) instead of every instruction of a loop body."""
+
+NCU = """## Checking it on a GPU
+
+The GPU runbook's `bench` phase runs this next to the benchmark, on a large bfloat16 and a float32 activation
+(each kernel once, after a warm-up), and the doc's estimate is compared with what `ncu` reports:
+
+```
+ncu --target-processes all -k regex:buddy_auto2_ --launch-skip 4 --launch-count 10 \\
+    --metrics gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,\\
+sm__inst_executed.sum,smsp__inst_executed.avg.per_cycle_active,dram__bytes_read.sum,dram__bytes_write.sum,\\
+launch__registers_per_thread,launch__shared_mem_per_block_dynamic,launch__occupancy_limit_registers,\\
+smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_latency_issue_stalled_short_scoreboard \\
+    python -m experiments.bench_cuda --codecs auto2 --entry-bytes 4096 --repeats 1
+```
+
+`sm__inst_executed.sum` / entries is the instructions per entry above (an upper bound: both sides of every
+branch are counted here), `dram__bytes_*` / entries the bytes moved, `sm__warps_active` the occupancy, and
+`gpu__time_duration` gives the GB/s.
+"""
+
+
+def main(argv=None) -> str:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--codec", default="auto2", choices=sorted(bcuda.TABLED_KERNELS))
+    p.add_argument("--entry-bytes", type=int, default=spec.DEFAULT_ENTRY_BYTES)
+    p.add_argument("--sample", type=int, default=200, help="coded entries simulated per dtype")
+    p.add_argument("--cache", type=Path, default=None, help="captures kept here between runs (as decide's)")
+    p.add_argument("--out", default="docs/kernel_budget.md", help="the markdown file ('-': print only)")
+    args = p.parse_args(argv)
+    from buddy import env
+
+    e = env.environment()
+    machine = f"{e.get('cpu')} ({e.get('cpu_count')} cores), torch {e.get('torch')}, {_nvcc_version()}"
+    rows, sims, totals = [], {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for dtype in (torch.float32, torch.bfloat16):
+            sim = lane_trips(dtype, args.entry_bytes, args.sample, args.cache)
+            name = str(dtype).removeprefix("torch.")
+            sims[name] = sim
+            mine = budget(args.codec, dtype, args.entry_bytes, sim, folder)
+            rows += mine
+            by = {r["kernel"].split()[-1]: r for r in mine}
+            fit = fit_time_us(args.codec, spec.word_bytes(dtype), args.entry_bytes, folder)
+            n = TENSOR_BYTES
+
+            def seconds(op: str) -> float:
+                return n / (by[op]["estimate GB/s"] * 1e9) + LAUNCH_US * 1e-6
+
+            totals[name] = {
+                "decompress": n / seconds("unpack") / 1e9,
+                "learned": n / (seconds("measure") + seconds("pack") + READBACK_US * 1e-6) / 1e9,
+                "cold": n / (seconds("count") + fit[2] * 1e-6 + LAUNCH_US * 1e-6 + seconds("measure") + seconds("pack")
+                             + READBACK_US * 1e-6) / 1e9,
+            }  # fmt: skip
+    text = render(rows, sims, totals, fit, argv, machine)
+    if args.out == "-":
+        print(text)
+    else:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+        print(text)
+        print(f"wrote {args.out}")
+    return text
+
+
+def _nvcc_version() -> str:
+    out = subprocess.run([_tool("nvcc"), "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release ([\d.]+)", out)
+    return f"nvcc {m.group(1)}" if m else "nvcc"
+
+
+if __name__ == "__main__":
+    main()

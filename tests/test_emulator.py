@@ -1,0 +1,576 @@
+"""The kernels of csrc/buddy_kernels.cu under the block emulator, byte for byte against the torch reference.
+
+The sources are compiled unchanged for the host and run with every thread of
+a block a fiber, in seeded random orders, several schedules per launch
+(``tests/emulator.py``, ``tests/host/emulator``), under two builds: ``tsan``
+(a race in shared or global memory is reported with both source lines) and
+``asan`` (AddressSanitizer and UBSan: misaligned loads, a byte read or written
+past any buffer, undefined behaviour). Every launch goes through buddy.cuda's
+own glue: a :class:`buddy.cuda.CudaEngine` whose launches run in the emulator
+is registered as the ``"cuda"`` backend of CPU tensors, so ``backend="cuda"``
+runs the whole engine path -- the entries and the zero-padded tail, the
+overflow prefix sum, the fit's readout, the error flag -- with the grid,
+block and shared memory of :func:`buddy.cuda.launch_config`, and in some
+cases fewer blocks than the entries need, so the warps' grid-stride loops
+loop.
+
+* every kernel of every codec (count and fit for fpe and auto2, measure,
+  pack, unpack) on real activations captured from the experiment workloads
+  (float32, bfloat16, float64 and int64 activations, uint8 text bytes) at
+  E = 512 and 4096: the reference's histogram, metadata, table, symbol
+  counts, slots and overflow exactly; the reference's buffers decoded by
+  the kernels and the kernels' by the reference; a partial last entry and
+  tensors of one entry;
+* the golden vectors of every format version and table format: the kernels
+  write their bytes (sets still written) and decode all of them;
+* damaged buffers: the kernels flag an error where the reference raises,
+  and only there;
+* the emulator bites: a copy of the sources with one barrier removed (or a
+  load misaligned, a loop run one step too far, a fill skipped) is reported
+  -- see ``MUTATIONS``; the unmodified sources run the same launches clean.
+
+Run alone with ``pytest -m emulator``; the builds are cached by source hash
+(docs/emulator.md).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import os
+import shutil
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import emulator
+import pytest
+import torch
+from conftest import assert_bitexact
+from emulator import BUILDS, CSRC, Emulator, EmulatorError
+from test_golden import CASES as GOLDEN_CASES
+from test_golden import SETS as GOLDEN_SETS
+from test_golden import load_vectors
+
+import buddy
+from buddy import cuda as bcuda
+from buddy import spec
+
+pytestmark = [
+    pytest.mark.emulator,
+    pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++"),
+]
+
+CODECS = tuple(bcuda.KERNEL_CODECS)
+TABLED = bcuda.TABLED_KERNELS
+
+
+def _seed(request) -> int:
+    """A seed of its own for each test, the same on every run."""
+    return zlib.crc32(request.node.nodeid.encode())
+
+
+#: the emulators of the unmodified sources, one per build: their processes serve every test of the module
+_EMULATORS: dict[str, Emulator] = {}
+
+
+#: the mutated copies of the sources (test_the_emulator_reports_a_broken_kernel), by mutation id
+_TREES: dict[str, Path] = {}
+
+
+def _params(item) -> dict:
+    return item.callspec.params if hasattr(item, "callspec") else {}
+
+
+#: word sizes of the activations (``activations`` below)
+_WORD_BYTES = {"f32": 4, "f64": 8, "i64": 8, "bf16": 2, "u8": 1}
+
+
+def _builds_of(item) -> set[tuple]:
+    """``(build, entry size, codecs, sources, word size)`` of the emulator builds a collected test of this module
+    runs (a module per word size, as the loader builds them)."""
+    params = _params(item)
+    if "mutation" in params:
+        m = params["mutation"]
+        return {(m.build, 512, "all", CSRC, 4), (m.build, 512, m.codec, _TREES[m.id], 4)}
+    if "build" not in params:
+        return set()
+    if "cases" in params:  # golden vectors
+        case = params["cases"][0]
+        return {(params["build"], case["entry_bytes"], "all", CSRC, getattr(torch, case["dtype"]).itemsize)}
+    if "case" in params:
+        case = params["case"]
+        return {(params["build"], case.entry_bytes, "all", CSRC, _WORD_BYTES[case.data])}
+    return {(params["build"], 512, "all", CSRC, w) for w in (4, 8)}  # float32 and int64 entries
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _builds(request, tmp_path_factory):
+    """Every build the selected tests of the module run, compiled up front on every core (each is cached by
+    source hash: a later session compiles none); the emulator processes are ended after the module."""
+    items = [item for item in request.session.items if item.module is request.module]
+    mutated = {_params(item)["mutation"] for item in items if "mutation" in _params(item)}
+    root = tmp_path_factory.mktemp("mutations")
+    for i, mutation in enumerate(sorted(mutated, key=lambda m: m.id)):
+        _TREES[mutation.id] = mutation.apply(root / str(i))
+    wanted = set().union(*(_builds_of(item) for item in items))
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        builds = sorted(wanted, key=str)
+        list(pool.map(lambda b: emulator.build(b[0], b[1], codec=b[2], csrc=b[3], word_bytes=b[4]), builds))
+    yield
+    for emu in _EMULATORS.values():
+        emu.close()
+    _EMULATORS.clear()
+
+
+@contextlib.contextmanager
+def emulated_cuda(build: str, *, seed: int, schedules: int = 2, max_blocks: int | None = None, csrc: Path = CSRC,
+                  codecs: str = "all"):  # fmt: skip
+    """``backend="cuda"`` on CPU tensors: buddy.cuda's engine, every launch run by an :class:`Emulator` (of the
+    unmodified sources: the module's, set to this seed; of a mutated copy: one of its own)."""
+    if csrc == CSRC and codecs == "all":
+        emu = _EMULATORS[build] if build in _EMULATORS else _EMULATORS.setdefault(build, Emulator(build))
+        emu.seed, emu.schedules, emu.max_blocks = seed, schedules, max_blocks
+        emu.launches.clear()
+        own = contextlib.nullcontext(emu)
+    else:
+        own = Emulator(build, seed=seed, schedules=schedules, max_blocks=max_blocks, csrc=csrc, codecs=codecs)
+    with own as emu:
+        engine = functools.partial(bcuda.CudaEngine, launch=emu, device_type="cpu")
+        for name in CODECS:
+            buddy.register_implementation(name, "cpu", "cuda", engine)
+        try:
+            yield emu
+        finally:
+            for name in CODECS:
+                buddy.unregister_implementation(name, "cpu", "cuda")
+
+
+def ops_of(emu: Emulator) -> list[str]:
+    return [kernel.rsplit("_", 1)[1] for kernel, *_ in emu.launches]
+
+
+# ---------------------------------------------------------------------------
+# real activations
+# ---------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def activations() -> dict[str, torch.Tensor]:
+    """Saved tensors of two experiment workloads one step into training, and text bytes (all real data).
+
+    ``f32``: a VGG's ReLU output (about half zeros, whole zero entries at 512 B);
+    ``f64``: its max-pool output, widened; ``i64``: the max-pool indices;
+    ``bf16``: a GPT block's activation; ``u8``: the standard library's source.
+    """
+    from experiments.data import stdlib_text_bytes
+    from experiments.workloads import capture
+
+    vgg = capture("vgg-fp32", "tiny", points=(1,))[0].tensors
+    gpt = capture("gpt-bf16", "tiny", points=(1,))[0].tensors
+    relu = next(s.tensor for s in vgg if s.op == "ReluBackward0" and s.tensor.shape[1] == 16)
+    pooled = next(s.tensor for s in vgg if s.op == "MaxPool2DWithIndicesBackward0")
+    indices = next(s.tensor for s in vgg if s.tensor.dtype == torch.int64)
+    hidden = max((s.tensor for s in gpt if s.tensor.dtype == torch.bfloat16), key=torch.Tensor.numel)
+    out = {
+        "f32": relu,
+        "f64": pooled.double(),
+        "i64": indices,
+        "bf16": hidden,
+        "u8": stdlib_text_bytes(64 << 10),
+    }
+    return {k: v.detach().contiguous().reshape(-1) for k, v in out.items()}
+
+
+@dataclass(frozen=True)
+class Case:
+    data: str  # key of the activations
+    entry_bytes: int
+    entries: float  # the tensor's size in entries (a fraction: a partial last entry)
+    slot: int | None  # sectors per slot; None: the median entry's size (some entries overflow, some not)
+    max_blocks: int | None  # launch at most this many blocks
+
+    @property
+    def id(self) -> str:
+        blocks = f"-blocks<={self.max_blocks}" if self.max_blocks else ""
+        return f"{self.data}-E={self.entry_bytes}{blocks}"
+
+    def tensor(self, activations) -> torch.Tensor:
+        """``entries`` entries of the data from two before its first all-zero entry (from the start if none)."""
+        data = activations[self.data]
+        size = data.element_size()
+        n = int(self.entries * self.entry_bytes) // size
+        whole = data[: data.numel() // (self.entry_bytes // size) * (self.entry_bytes // size)]
+        zero = (whole.view(torch.uint8).view(-1, self.entry_bytes) == 0).all(1).nonzero()
+        start = max(0, int(zero[0]) - 2) * (self.entry_bytes // size) if zero.numel() else 0
+        start = min(start, data.numel() - n)
+        return data[start : start + n].clone()
+
+    def slot_for(self, histogram) -> int:
+        if self.slot is not None:
+            return self.slot
+        ks = [k for k, count in enumerate(histogram) for _ in range(count)]
+        return ks[len(ks) // 2]
+
+
+CASES = [
+    Case("f32", 512, 20.3, None, max_blocks=2),  # 21 entries: measure wants 3 blocks of 8 warps
+    Case("bf16", 4096, 5.5, None, max_blocks=None),
+    Case("u8", 512, 12.7, 0, max_blocks=None),  # the zero slot: every sector to the overflow
+    Case("f64", 4096, 9.2, None, max_blocks=1),  # 10 entries, 8 warps a block
+]
+
+
+def _same_buffers(a: buddy.BuddyTensor, b: buddy.BuddyTensor) -> None:
+    assert a.histogram == b.histogram, "histogram"
+    for name, x, y in zip(("metadata", "slots", "overflow"), a.buffers(), b.buffers()):
+        assert torch.equal(x, y), f"{name} differ"
+    assert (a.table is None) == (b.table is None) and (a.table is None or torch.equal(a.table, b.table)), "table"
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_kernels_write_and_read_the_reference_buffers(build, codec, case, activations, store, request):
+    t = case.tensor(activations)
+    e = case.entry_bytes
+    with emulated_cuda(build, seed=_seed(request), max_blocks=case.max_blocks) as emu:
+        got = buddy.measure(t, codec, entry_bytes=e, backend="cuda")
+        want = buddy.measure(t, codec, entry_bytes=e, backend="reference")
+        assert got.histogram == want.histogram
+        assert torch.equal(got.measurement.meta, want.measurement.meta), "metadata"
+        if codec in TABLED:  # fitted on the device: the reference's table, and its symbol counts as statistics
+            assert torch.equal(got.table, want.table) and torch.equal(got.statistics, want.statistics)
+        slot = case.slot_for(want.histogram)
+        a, b = buddy.pack(got, slot, store=store), buddy.pack(want, slot, store=store)
+        _same_buffers(a, b)
+        assert_bitexact(b.decompress(backend="cuda", check=True), t)  # the kernels decode the reference's buffers
+        assert_bitexact(a.decompress(backend="reference"), t)  # and the reference theirs
+        a.free()
+        b.free()
+        if codec in TABLED:  # with learned statistics the host fits the table: count, then measure with it
+            prior = got.statistics.double() + 1
+            again = buddy.measure(t, codec, entry_bytes=e, backend="cuda", prior=prior)
+            want = buddy.measure(t, codec, entry_bytes=e, backend="reference", prior=prior)
+            assert torch.equal(again.table, want.table) and again.histogram == want.histogram
+            assert torch.equal(again.measurement.meta, want.measurement.meta)
+            assert torch.equal(again.statistics, got.statistics)
+    tabled = codec in TABLED
+    assert ops_of(emu) == [*(["count", "fit"] if tabled else []), "measure", "pack", "unpack"] + (
+        ["count", "measure"] if tabled else []
+    )
+    if case.max_blocks:
+        blocks = {op: grid for op, (_, grid, _, _) in zip(ops_of(emu), emu.launches)}
+        assert blocks["measure"] == case.max_blocks < bcuda.launch_config("measure", e, got.n_entries)[0]
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
+def test_tensors_of_one_entry(build, codec, activations, store, request):
+    """One whole entry, one partial entry (the tail alone: no whole entry, so count reads only the tail), and a
+    tensor of one element; int64 max-pool indices and float32 activations."""
+    e = 512
+    tensors = [activations["i64"][: e // 8], activations["f32"][: e // 4 // 3], activations["f32"][7:8]]
+    compress = functools.partial(buddy.compress, codec=codec, entry_bytes=e, store=store)
+    with emulated_cuda(build, seed=_seed(request)):
+        for t in tensors:
+            for slot in (0, 2):
+                ratio = spec.ratio_for_slot(slot, e)
+                a, b = compress(t, ratio, backend="cuda"), compress(t, ratio, backend="reference")
+                assert a.n_entries == 1
+                _same_buffers(a, b)
+                assert_bitexact(b.decompress(backend="cuda", check=True), t)
+                assert_bitexact(a.decompress(backend="reference"), t)
+                a.free()
+                b.free()
+
+
+# ---------------------------------------------------------------------------
+# damaged buffers
+# ---------------------------------------------------------------------------
+def _damaged(meta: torch.Tensor, slots: torch.Tensor, overflow: torch.Tensor, slot: int, e: int):
+    """``(what, meta, slots, overflow)``: the buffers as they are, then damaged in every way the format can see."""
+    words = meta.view(torch.int16)
+    spe = spec.sectors_per_entry(e)
+    k = (words & 0xFFF).long()
+    coded = int(((k > 0) & (k < spe) & (k > slot)).nonzero()[0])  # an entry with overflow
+    inside = int(((k > 0) & (k < spe)).nonzero()[-1])
+
+    def with_word(i: int, value: int) -> torch.Tensor:
+        out = words.clone()
+        out[i] = value
+        return out.view(torch.uint8)
+
+    sector = spec.SECTOR_BYTES
+    payload = slots.clone()
+    payload[inside * slot * sector : (inside + 1) * slot * sector] = 0xFF
+    return [
+        ("as written", meta, slots, overflow),
+        ("k beyond the entry", with_word(coded, spe + 1 | int(words[coded]) & ~0xFFF), slots, overflow),
+        ("a mode the codec never writes", with_word(coded, int(words[coded]) | 0xF000 - 0x10000), slots, overflow),
+        ("k one more", with_word(coded, int(words[coded]) + 1), slots, overflow),
+        ("overflow a sector short", meta, slots, overflow[:-sector]),
+        ("overflow a sector long", meta, slots, torch.cat([overflow, torch.zeros(sector, dtype=torch.uint8)])),
+        ("slot bytes set", meta, payload, overflow),
+    ]
+
+
+def _decode(backend: str, bt: buddy.BuddyTensor, meta, slots, overflow):
+    try:
+        return buddy.unpack(
+            meta, slots, overflow, codec=bt.codec, entry_bytes=bt.entry_bytes, slot_sectors=bt.slot_sectors,
+            shape=bt.shape, dtype=bt.dtype, table=bt.table, backend=backend,
+        )  # fmt: skip
+    except buddy.CorruptDataError:
+        return None
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
+def test_unpack_flags_damage_where_the_reference_raises(build, codec, activations, store, request):
+    e, slot = 512, 4
+    t = Case("f32", e, 9.5, slot, None).tensor(activations)
+    bt = buddy.compress(t, spec.ratio_for_slot(slot, e), codec, entry_bytes=e, backend="reference", store=store)
+    buffers = [x.clone() for x in bt.buffers()]
+    with emulated_cuda(build, seed=_seed(request)):
+        for what, meta, slots, overflow in _damaged(*buffers, slot, e):
+            want = _decode("reference", bt, meta, slots, overflow)
+            got = _decode("cuda", bt, meta, slots, overflow)
+            assert (got is None) == (want is None), f"{what}: kernels {'raise' if got is None else 'decode'}"
+            assert want is None or torch.equal(got.view(torch.uint8), want.view(torch.uint8)), what
+            assert what != "as written" or want is not None
+    bt.free()
+
+
+# ---------------------------------------------------------------------------
+# the golden vectors
+# ---------------------------------------------------------------------------
+#: (entry size, dtype) groups of the golden vectors run under both builds; the others run under the asan build
+GOLDEN_BOTH = {(512, "float32"), (512, "bfloat16"), (4096, "float64")}
+
+
+def _golden_groups():
+    groups: dict[tuple, list[dict]] = {}
+    for case in GOLDEN_CASES:
+        if case["codec"] in CODECS:
+            groups.setdefault((case["set"], case["entry_bytes"], case["dtype"], case["codec"]), []).append(case)
+    for (name, e, dtype, codec), cases in sorted(groups.items()):
+        for build in BUILDS if (e, dtype) in GOLDEN_BOTH else ("asan",):
+            yield pytest.param(build, cases, id=f"{build}-{name}-E={e}-{dtype}-codec={codec}")
+
+
+@pytest.fixture(scope="module")
+def golden_vectors():
+    return load_vectors()
+
+
+@pytest.mark.parametrize(("build", "cases"), list(_golden_groups()))
+def test_golden_vectors(build, cases, golden_vectors, store, request):
+    """The kernels write the golden bytes of every input (sets still written) and decode all of them."""
+    with emulated_cuda(build, seed=_seed(request)):
+        for case in cases:
+            name, codec, e = case["set"], case["codec"], case["entry_bytes"]
+            dtype = getattr(torch, case["dtype"])
+            t = golden_vectors[f"{name}/{case['input']}/input"].view(dtype)
+            key = f"{name}/{case['input']}/{codec}"
+            table = golden_vectors.get(f"{key}/table")
+            written = GOLDEN_SETS[name]
+            measured = buddy.measure(t, codec, entry_bytes=e, backend="cuda") if written else None
+            if written:
+                assert torch.equal(measured.measurement.meta, golden_vectors[f"{key}/meta"]), f"{key}: metadata"
+                assert table is None or torch.equal(measured.table, table), f"{key}: table"
+            for slot in case["slots"]:
+                slots, overflow = golden_vectors[f"{key}/s{slot}/slots"], golden_vectors[f"{key}/s{slot}/overflow"]
+                if written:
+                    bt = buddy.pack(measured, slot, store=store)
+                    _, got_slots, got_overflow = bt.buffers()
+                    assert torch.equal(got_slots, slots) and torch.equal(got_overflow, overflow), f"{key}: slot {slot}"
+                    bt.free()
+                out = buddy.unpack(
+                    golden_vectors[f"{key}/meta"], slots, overflow, codec=codec, entry_bytes=e, slot_sectors=slot,
+                    shape=t.shape, dtype=dtype, table=table, backend="cuda",
+                )  # fmt: skip
+                assert_bitexact(out, t)
+
+
+# ---------------------------------------------------------------------------
+# the emulator bites
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Mutation:
+    """A change to one line of a copy of the sources, and what must catch it.
+
+    ``catch``: ``race`` (TSan; ``where``: a frame of each access, file and function), ``stuck``
+    (deadlock), ``memory`` (ASan), ``undefined`` (UBSan), ``schedules``
+    (schedules wrote different bytes). The launches: compress and decompress
+    ``data`` with ``codec`` at E = 512 (``max_blocks`` per launch).
+    """
+
+    id: str
+    file: str
+    old: str  # occurs exactly once in the file
+    new: str
+    codec: str
+    build: str
+    catch: str
+    where: tuple[tuple[str, str], ...] = ()  # (file, function) in each racing access's stack, in either order
+    max_blocks: int | None = None
+    says: str = ""  # in the report
+
+    def apply(self, root: Path) -> Path:
+        """A copy of csrc/ under ``root`` with the change made; its path."""
+        out = root / "csrc"
+        shutil.copytree(CSRC, out)
+        path = out / self.file
+        text = path.read_text()
+        assert text.count(self.old) == 1, f"{self.id}: the text to change is not in {self.file} exactly once"
+        path.write_text(text.replace(self.old, self.new))
+        return out
+
+
+MUTATIONS = [
+    Mutation(
+        "measure: no __syncthreads after zeroing the block's counts", "buddy_kernels.cu",
+        "counts[j] = 0;\n  __syncthreads();", "counts[j] = 0;\n", "zvc", "tsan", "race",
+        (("buddy_kernels.cu", "buddy_measure_body"), ("buddy_kernels.cu", "buddy_measure_body")),
+    ),
+    Mutation(
+        "measure: no __syncthreads before adding the block's counts to the histogram", "buddy_kernels.cu",
+        "  }\n  __syncthreads();\n  for (uint32_t j = threadIdx.x; j <= BUDDY_SECTORS_PER_ENTRY;",
+        "  }\n  for (uint32_t j = threadIdx.x; j <= BUDDY_SECTORS_PER_ENTRY;", "zvc", "tsan", "race",
+        (("buddy_kernels.cu", "buddy_measure_body"), ("buddy_kernels.cu", "buddy_measure_body")),
+    ),
+    Mutation(
+        "count: no __syncthreads after zeroing the block's counts", "buddy_kernels.cu",
+        "local[j] = 0;\n  __syncthreads();", "local[j] = 0;\n", "fpe", "tsan", "race",
+        (("buddy_kernels.cu", "buddy_count_body"), ("codec_fpe_fit.h", "buddy_fpe_count_unit16")),
+    ),
+    Mutation(
+        "count: no __syncthreads before adding the block's counts", "buddy_kernels.cu",
+        "local);\n  }\n  __syncthreads();", "local);\n  }\n", "fpe", "tsan", "race",
+        (("buddy_kernels.cu", "buddy_count_body"), ("codec_fpe_fit.h", "buddy_fpe_count_unit16")),
+    ),
+    Mutation(
+        "pack: no warp.sync() after the encode into staging", "buddy_ops.h",
+        "    warp.sync();  // the codec's lanes wrote the staging buffer; every lane copies from it\n", "", "zvc",
+        "tsan", "race", (("buddy_ops.h", "buddy_op_pack"), ("codec_zvc.h", "encode")),
+    ),
+    Mutation(
+        "pack: no warp.sync() before the warp's next entry reuses staging (warps loop: one block)", "buddy_ops.h",
+        "  warp.sync();  // the staging buffer is read before the warp's next entry writes it\n}",
+        "}", "zvc", "tsan", "race", (("buddy_ops.h", "buddy_op_pack"), ("codec_zvc.h", "encode")), max_blocks=1,
+    ),
+    Mutation(
+        "unpack: no warp.sync() after gathering the payload", "buddy_ops.h",
+        "  warp.sync();  // the gathered payload is complete before any lane decodes from it\n", "", "zvc", "tsan",
+        "race", (("buddy_ops.h", "buddy_warp_copy_sectors"), ("buddy_entry.h", "buddy_entry_decode")),
+    ),
+    Mutation(
+        "fpe encode: no warp.sync() between zeroing the payload and ORing the fields in", "codec_fpe.h",
+        "    buddy_warp_fill(warp, nullptr, payload, k * BUDDY_SECTOR_BYTES);\n    warp.sync();\n",
+        "    buddy_warp_fill(warp, nullptr, payload, k * BUDDY_SECTOR_BYTES);\n", "fpe", "tsan", "race",
+        (("buddy_bits.h", "buddy_put"), ("buddy_warp.h", "buddy_warp_fill")),
+    ),
+    Mutation(
+        "fpe decode (split layout): no warp.sync() between zeroing the output and the lanes writing words",
+        "codec_fpe.h", "  // ZERO words are written by this\n    warp.sync();", "  // ZERO words are written by this\n",
+        "fpe", "tsan", "race", (("codec_fpe.h", "put_word"), ("buddy_warp.h", "buddy_warp_fill")),
+    ),
+    Mutation(
+        "fit: no warp.sync() in buddy_fit_sum64 between writing and reading the partials", "codec_fpe_fit.h",
+        "  part[warp.lane()] = v;\n  warp.sync();\n", "  part[warp.lane()] = v;\n", "fpe", "tsan", "race",
+        (("codec_fpe_fit.h", "buddy_fit_sum64"), ("codec_fpe_fit.h", "buddy_fit_sum64")),
+    ),
+    Mutation(
+        "fit: buddy_fit_sum64's warp.sync() replaced by a ballot (no barrier: it orders no memory)", "codec_fpe_fit.h",
+        "  part[warp.lane()] = v;\n  warp.sync();\n", "  part[warp.lane()] = v;\n  (void)warp.ballot(true);\n", "fpe",
+        "tsan", "race", (("codec_fpe_fit.h", "buddy_fit_sum64"), ("codec_fpe_fit.h", "buddy_fit_sum64")),
+    ),
+    Mutation(
+        "measure: __syncthreads reached by lane 0 of each warp only", "buddy_kernels.cu",
+        "if (warp.lane() == 0) atomicAdd(&counts[k], 1u);",
+        "if (warp.lane() == 0) { atomicAdd(&counts[k], 1u); __syncthreads(); }", "zvc", "tsan", "stuck",
+        says="threads returned while others wait for them",
+    ),
+    Mutation(
+        "lane 0 at a shuffle while the other lanes are at a ballot", "buddy_warp.h",
+        "  return warp.ballot(mine) != 0;\n",
+        "  if (warp.lane() == 0) return warp.shfl(mine, 0u) != 0;\n  return warp.ballot(mine) != 0;\n", "zvc", "tsan",
+        "stuck", says="lanes of a warp at different collectives",
+    ),
+    Mutation(
+        "measure: the block's counts never zeroed (static shared memory starts as garbage)", "buddy_kernels.cu",
+        "  for (uint32_t j = threadIdx.x; j <= BUDDY_SECTORS_PER_ENTRY; j += blockDim.x) counts[j] = 0;\n", "", "zvc",
+        "tsan", "schedules",
+    ),
+    Mutation(
+        "measure: zeroing one count past the static shared array", "buddy_kernels.cu",
+        "j <= BUDDY_SECTORS_PER_ENTRY; j += blockDim.x) counts[j] = 0;",
+        "j <= BUDDY_SECTORS_PER_ENTRY + 1; j += blockDim.x) counts[j] = 0;", "zvc", "asan", "undefined",
+        says="index 17 out of bounds",
+    ),
+    Mutation(
+        "count: zeroing one count past the static shared array, through a pointer", "buddy_kernels.cu",
+        "j < symbols; j += blockDim.x) local[j] = 0;", "j <= symbols; j += blockDim.x) local[j] = 0;", "fpe", "asan",
+        "memory", says="global-buffer-overflow",
+    ),
+    Mutation(
+        "pack: each warp's staging one entry further (the last past the dynamic shared buffer)", "buddy_kernels.cu",
+        "(threadIdx.x / BUDDY_WARP_SIZE) * entries * BUDDY_ENTRY_BYTES;",
+        "(threadIdx.x / BUDDY_WARP_SIZE + 1) * entries * BUDDY_ENTRY_BYTES;", "zvc", "asan", "memory",
+        says="heap-buffer-overflow",
+    ),
+    Mutation(
+        "count: 16-byte loads 8 bytes off alignment", "buddy_kernels.cu",
+        "buddy_load<buddy_u128>(data + 16 * u)", "buddy_load<buddy_u128>(data + 16 * u + 8)", "fpe", "asan",
+        "undefined", says="which requires 16 byte alignment",
+    ),
+    Mutation(
+        "count: one 16-byte unit past the data", "buddy_kernels.cu",
+        "n16 = n_units / 2,", "n16 = n_units / 2 + 1,", "fpe", "asan", "memory", says="heap-buffer-overflow",
+    ),
+    Mutation(
+        "pack: the rest of a slot left unwritten", "buddy_ops.h",
+        "  buddy_warp_fill(warp, nullptr, slot + in_slot * BUDDY_SECTOR_BYTES, (s - in_slot) * BUDDY_SECTOR_BYTES);\n",
+        "", "zvc", "tsan", "schedules",
+    ),
+]  # fmt: skip
+
+
+def _bitten(mutation: Mutation, csrc: Path, t: torch.Tensor, store, seed: int) -> EmulatorError | None:
+    """Compress and decompress ``t`` on the kernels of ``csrc``: what the emulator reported, or ``None``
+    (then the bytes must be the reference's)."""
+    e, slot = 512, 4
+    compress = functools.partial(buddy.compress, codec=mutation.codec, entry_bytes=e, store=store)
+    codecs = "all" if csrc == CSRC else mutation.codec  # a mutated copy builds only the kernels it runs
+    options = dict(seed=seed, schedules=3, max_blocks=mutation.max_blocks, csrc=csrc, codecs=codecs)
+    with emulated_cuda(mutation.build, **options):
+        try:
+            a = compress(t, spec.ratio_for_slot(slot, e), backend="cuda")
+            out = a.decompress(check=True)
+        except EmulatorError as error:
+            return error
+    b = compress(t, spec.ratio_for_slot(slot, e), backend="reference")
+    _same_buffers(a, b)
+    assert_bitexact(out, t)
+    a.free()
+    b.free()
+    return None
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.id for m in MUTATIONS])
+def test_the_emulator_reports_a_broken_kernel(mutation, activations, store, request):
+    t = Case("f32", 512, 24.5, 4, None).tensor(activations)
+    assert _bitten(mutation, CSRC, t, store, _seed(request)) is None, "the unmodified sources are reported"
+    error = _bitten(mutation, _TREES[mutation.id], t, store, _seed(request))
+    assert error is not None, f"{mutation.id}: not reported"
+    assert error.what == mutation.catch, f"{mutation.id}: reported as {error.what}, not {mutation.catch}\n{error}"
+    assert mutation.says in error.report, error
+    if mutation.catch == "race":
+        stacks = error.race_stacks()
+
+        def holds(stack, where) -> bool:
+            return any(f.file == where[0] and where[1] in f.function for f in stack)
+
+        a, b = mutation.where
+        assert len(stacks) == 2, error
+        assert (holds(stacks[0], a) and holds(stacks[1], b)) or (holds(stacks[0], b) and holds(stacks[1], a)), error
