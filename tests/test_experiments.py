@@ -29,6 +29,7 @@ def test_data_is_real_and_deterministic():
     assert (relu == 0).float().mean() > 0.2 and (relu >= 0).all()
 
 
+@pytest.mark.exhaustive  # most of a minute: the exhaustive tier
 def test_bench_codecs_tiny(tmp_path, capsys):
     rows = bench_codecs.main(["--scale", "tiny", "--repeats", "1", "--out", str(tmp_path), "--no-progress"])
     methods = {r.method for r in rows}
@@ -188,6 +189,7 @@ def test_entropy_bound_and_simulation():
     assert [o.slot for o in out] == [1, 1, 1] and out[1].predicted_overflow_bytes == 0 < out[1].buddy_bytes
 
 
+@pytest.mark.exhaustive  # most of a minute: the exhaustive tier
 def test_decide_tiny(tmp_path, capsys):
     from experiments import decide
 
@@ -351,6 +353,7 @@ def test_region_report_per_workload_and_set():
     assert "per region (same traffic)" in regions.format_rows(rows, summary)
 
 
+@pytest.mark.exhaustive  # most of a minute: the exhaustive tier
 def test_step_time_tiny(tmp_path, capsys):
     from experiments import step_time
 
@@ -452,6 +455,7 @@ def test_repeats_tiny(tmp_path, capsys):
     assert "zstd-3 on them" in capsys.readouterr().out
 
 
+@pytest.mark.exhaustive  # most of a minute: the exhaustive tier
 def test_max_batch_tiny(tmp_path):
     from experiments import max_batch
     from experiments.workloads import WORKLOADS
