@@ -36,7 +36,7 @@ DEFAULT_BACKENDS = ("auto", "reference", "cuda")
 
 @dataclass(frozen=True)
 class Defaults:
-    #: chosen by measurement: see the README, "Choosing the codec and entry size"
+    #: chosen by measurement: see docs/choosing.md
     codec: str = DEFAULT_CODEC
     entry_bytes: int = spec.DEFAULT_ENTRY_BYTES
     #: "auto" (the kernels on CUDA tensors where they exist and passed their self-test, else the reference),

@@ -47,7 +47,16 @@ def start(script: str, argv: Sequence[str]) -> dict:
         "buddy": environment["buddy"],
         "command": shlex.join(["python", "-m", f"experiments.{script}", *argv]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        # other work on the machine stretches wall times: the 1-minute load average says how much there was
+        "load_average": _load_average(),
     }
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):  # not every OS has one
+        return None
 
 
 def add_backend_argument(parser: argparse.ArgumentParser) -> None:

@@ -262,29 +262,34 @@ def _summary(check: Check, seconds: float) -> str:
 
 
 # ---- compiling the modules up front -------------------------------------------------------------
-def _compile_one(job: tuple[str, int]) -> tuple[str, int, float]:
-    codec, entry_bytes = job
+def _compile_one(job: tuple[str, int, int]) -> tuple[str, int, int, float]:
+    codec, entry_bytes, word_bytes = job
     start = time.perf_counter()
-    bcuda.compile_module(codec, entry_bytes, torch.device("cuda", 0))
-    return codec, entry_bytes, time.perf_counter() - start
+    bcuda.compile_module(codec, entry_bytes, torch.device("cuda", 0), word_sizes=(word_bytes,))
+    return codec, entry_bytes, word_bytes, time.perf_counter() - start
+
+
+#: the word sizes a module is compiled for (a module per codec, entry size and word size: the loader's)
+WORD_SIZES = (1, 2, 4, 8)
 
 
 def compile_modules(codecs: Sequence[str], entry_sizes: Sequence[int], jobs: int) -> list[dict[str, Any]]:
-    """Compile every (codec, entry size) module, ``jobs`` processes at once; rows with the seconds each took.
+    """Compile every (codec, entry size, word size) module, ``jobs`` processes at once; rows with the seconds each
+    took.
 
     CuPy keeps what it compiled in its on-disk cache (``CUPY_CACHE_DIR``), so
     later processes on this machine load the modules instead of compiling
     them. The first module is compiled here, in this process, so that a
     machine without CUDA or CuPy fails before any worker starts.
     """
-    work = [(c, e) for c in codecs for e in entry_sizes]
+    work = [(c, e, w) for c in codecs for e in entry_sizes for w in WORD_SIZES]
     if not work:
         return []
     rows = [_compile_one(work[0])]
     if len(work) > 1:
         with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=get_context("spawn")) as pool:
             rows += list(pool.map(_compile_one, work[1:]))
-    return [{"codec": c, "entry_bytes": e, "seconds": s} for c, e, s in rows]
+    return [{"codec": c, "entry_bytes": e, "word_bytes": w, "seconds": s} for c, e, w, s in rows]
 
 
 # ---- the command line ---------------------------------------------------------------------------
@@ -332,7 +337,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.compile_only:
         rows = compile_modules(args.codecs, args.entry_bytes, args.jobs)
         for r in rows:
-            print(f"  compiled {r['codec']:>6} E={r['entry_bytes']:<6} {r['seconds']:6.2f} s", flush=True)
+            line = f"  compiled {r['codec']:>6} E={r['entry_bytes']:<6} words of {r['word_bytes']} B"
+            print(f"{line} {r['seconds']:6.2f} s", flush=True)
         payload.update(compiled=rows, passed=True)
     else:
         checks = run_checks(device, args.backend, golden=args.golden, numel=args.numel)

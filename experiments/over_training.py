@@ -174,6 +174,7 @@ def main(argv=None) -> list[dict]:
     steps = args.steps or DEFAULT_STEPS[args.size]
     policy = getattr(buddy, args.policy)(args.max_overflow)
     settings = {"size": args.size, "steps": steps, "every": args.every, "seed": args.seed, "policy": str(policy)}
+    settings.update(codec=buddy.defaults().codec, entry_bytes=buddy.defaults().entry_bytes)  # what the session uses
     rows = _resumed(args.out, settings, args.workloads) if args.resume else []
     done = list(dict.fromkeys(r["workload"] for r in rows))
     if done:

@@ -109,7 +109,7 @@ def _sparse(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _reference_lines(ax, *, legend: bool = True):
+def _reference_lines(ax):
     """The paper's deep-learning point (as a capacity line) and the tracker's 10 % overflow bound."""
     ax.axhline(PAPER_DL, color="tab:red", linewidth=0.8, linestyle=":", label="paper, DL: 1.5x at 1-2 % slowdown")
     ax.axvline(10, color="black", linewidth=0.6, linestyle=":", label="10 % overflow (the default bound)")
@@ -173,63 +173,52 @@ def _capacity_axes(ax, rows, workload, *, fontsize=6):
     ax.grid(alpha=0.3)
 
 
-def _coincident(ax, points: list[dict], pixels: float = 4.0) -> list[tuple[list[str], tuple[float, float]]]:
-    """Workloads whose points lie within ``pixels`` of each other, grouped: one label names them all.
-
-    (Markers drawn on top of each other would otherwise leave all but one
-    name unplaced, or place a name beside a marker of the other set.)
-    """
-    groups: list[tuple[list[str], tuple[float, float], tuple[float, float]]] = []
-    for r in points:
-        xy = (100 * r["overflow_fraction"], r["capacity"])
-        px = ax.transData.transform(xy)
-        for names, _, at in groups:
-            if abs(px[0] - at[0]) <= pixels and abs(px[1] - at[1]) <= pixels:
-                names.append(r["workload"])
-                break
-        else:
-            groups.append(([r["workload"]], xy, tuple(px)))
-    return [(names, xy) for names, xy, _ in groups]
-
-
 def _sets_axes(ax, headline: list[dict], codec: str, entry_bytes: int):
-    """Every workload's default-policy point, tuning and check sets apart, with each set's geometric mean."""
+    """Every workload's capacity under the default policy, a row each, the tuning and check sets apart.
+
+    The default policy spends its overflow budget, so every workload's traffic
+    lies just under the bound: it is written beside each point instead of
+    being an axis that would stack the points on one another. Each set's
+    geometric mean is a dashed line over that set's rows.
+    """
     colors = {"tuning": "tab:blue", "check": "tab:orange"}
-    # check-set squares hollow: a tuning-set point under one stays visible
-    styles: dict[str, dict[str, Any]] = {"tuning": dict(marker="o", color=colors["tuning"])}
-    styles["check"] = dict(marker="s", facecolors="none", edgecolors=colors["check"], linewidths=1.4)
-    fig = ax.figure
     points = [r for r in headline if not r.get("summary")]
     summary = {r["set"]: r for r in headline if r.get("summary")}
+    rows, y = [], 0.0
     for name in dict.fromkeys(r.get("set", "other") for r in points):
-        mine = [r for r in points if r.get("set", "other") == name]
-        style = styles.get(name, dict(marker="^", color="tab:gray"))
+        mine = sorted((r for r in points if r.get("set", "other") == name), key=lambda r: -r["capacity"])
+        rows.append((name, [(y - i, r) for i, r in enumerate(mine)]))
+        y -= len(mine) + 0.8  # a gap between the sets
+    right = max(PAPER_DL, *(r["capacity"] for r in points))
+    for name, placed in rows:
+        color = colors.get(name, "tab:gray")
+        ys = [at for at, _ in placed]
+        caps = [r["capacity"] for _, r in placed]
+        ax.hlines(ys, 1.0, caps, color=color, linewidth=2.0, alpha=0.35)
+        ax.scatter(caps, ys, s=30, color=color, zorder=3)
+        for at, r in placed:
+            text = f"{r['capacity']:.2f}x at {100 * r['overflow_fraction']:.1f} % traffic"
+            ax.annotate(text, (r["capacity"], at), xytext=(6, 0), textcoords="offset points", va="center", fontsize=7)
         label = f"{name} set"
         if name in summary:
-            label += f": geomean {summary[name]['capacity']:.2f}x, worst overflow {100 * summary[name]['overflow_fraction']:.1f} %"
-            color = colors.get(name, "tab:gray")
-            ax.axhline(summary[name]["capacity"], color=color, linewidth=1.0, linestyle="--", alpha=0.8)
-        ax.scatter(
-            [100 * r["overflow_fraction"] for r in mine], [r["capacity"] for r in mine], s=28, label=label, **style
-        )
-    _reference_lines(ax)
-    caps = [r["capacity"] for r in points]
-    ax.set_xlim(0, max(12.0, 1.15 * max(100 * r["overflow_fraction"] for r in points)))
-    ax.set_ylim(min(0.95, min(caps) - 0.05), max(PAPER_DL, *caps) * 1.1)
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    placed = _marker_boxes(ax, [(100 * r["overflow_fraction"], r["capacity"]) for r in points], pad=4)
-    for names, xy in sorted(_coincident(ax, points), key=lambda group: -group[1][1]):
-        _label(ax, ", ".join(names), xy, placed, renderer, fontsize=7)
+            s = summary[name]
+            label += f": geomean {s['capacity']:.2f}x, worst overflow {100 * s['overflow_fraction']:.1f} %"
+            ax.vlines(s["capacity"], min(ys) - 0.4, max(ys) + 0.4, color=color, linewidth=1.0, linestyle="--", alpha=0.7)
+        ax.plot([], [], color=color, marker="o", linestyle="--", linewidth=1.0, label=label)
+    ax.axvline(PAPER_DL, color="tab:red", linewidth=0.8, linestyle=":", label="paper, DL: 1.5x at 1-2 % slowdown")
+    ticks = [(at, r["workload"], name) for name, placed in rows for at, r in placed]
+    ax.set_yticks([at for at, _, _ in ticks], [workload for _, workload, _ in ticks], fontsize=8)
+    for tick, (_, _, name) in zip(ax.get_yticklabels(), ticks):
+        tick.set_color(colors.get(name, "black"))
+    ax.set_ylim(min(at for at, _, _ in ticks) - 0.6, 0.6)
+    ax.set_xlim(0.95, 1.0 + (right - 1.0) * 1.45)  # room for the text right of the longest row
     ax.set_title(
         f"{codec}, E={entry_bytes} B, {DEFAULT_POLICY[0]} {DEFAULT_POLICY[1].replace('%', ' %')}: chosen on the "
         "tuning set, checked on the check set",
         fontsize=9,
     )
-    ax.set_xlabel("buddy traffic: overflow bytes / activation bytes (%)")
-    ax.set_ylabel("effective capacity (x)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
+    ax.set_xlabel("effective capacity (x): original bytes / device bytes (slots + metadata)")
+    ax.grid(alpha=0.3, axis="x")
 
 
 def plot_capacity(results_path: Path, out_dir: Path) -> list[Path]:
@@ -239,26 +228,34 @@ def plot_capacity(results_path: Path, out_dir: Path) -> list[Path]:
     rows = results["rows"]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     written = []
+    # legends go below the axes: inside, they hid lines and the labels placed beside points
     for workload in workloads:
-        fig, ax = plt.subplots(figsize=(6, 4.2))
+        fig, ax = plt.subplots(figsize=(6, 4.8))
         _capacity_axes(ax, [r for r in rows if r["workload"] == workload], workload)
-        ax.legend(fontsize=6.5, loc="upper left")
+        ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, frameon=False)
         path = _save(plt, fig, results, Path(out_dir) / f"capacity_{workload}.png", dpi=130)
         written.append(path)
     cols = min(3, len(workloads))
     nrows = -(-len(workloads) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.8 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.8 * nrows + 0.5), squeeze=False)
     for ax, workload in zip(axes.flat, workloads):
         _capacity_axes(ax, [r for r in rows if r["workload"] == workload], workload, fontsize=5.5)
     for ax in list(axes.flat)[len(workloads) :]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=6.5, loc="upper left")
-    written.append(_save(plt, fig, results, Path(out_dir) / "capacity_overview.png", dpi=110, fontsize=6))
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.012), ncol=6, fontsize=7, frameon=False)
+    bottom = 0.5 / (3.8 * nrows + 0.5)
+    written.append(_save(plt, fig, results, Path(out_dir) / "capacity_overview.png", dpi=110, fontsize=6, bottom=bottom))
     headline = results.get("headline")
     if headline and any(r.get("summary") for r in headline):
-        fig, ax = plt.subplots(figsize=(7.5, 5.4))
+        points = sum(1 for r in headline if not r.get("summary"))
+        height = 1.8 + 0.32 * points
+        fig, ax = plt.subplots(figsize=(7.5, height))
         _sets_axes(ax, headline, rows[0]["codec"], rows[0]["entry_bytes"])
-        written.append(_save(plt, fig, results, Path(out_dir) / "capacity_sets.png", dpi=130))
+        handles, labels = ax.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.03), ncol=2, fontsize=7, frameon=False)
+        path = Path(out_dir) / "capacity_sets.png"
+        written.append(_save(plt, fig, results, path, dpi=130, bottom=0.6 / height))
     return written
 
 

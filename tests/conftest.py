@@ -7,6 +7,7 @@ uses floating-point equality.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import shutil
@@ -51,11 +52,21 @@ FUZZ_PROFILE = os.environ.get("BUDDY_FUZZ_PROFILE", "ci")
 if FUZZ_PROFILE not in ("ci", "long"):
     raise ValueError(f"BUDDY_FUZZ_PROFILE must be 'ci' or 'long', got {FUZZ_PROFILE!r}")
 FUZZ_SETTINGS = settings.get_profile(f"buddy-fuzz-{FUZZ_PROFILE}")
+#: the share of the "ci" profile's examples a property test draws in the fast tier (see "the test tiers" below)
+FAST_TIER_SHARE = 0.2
 
 
-def fuzz_settings(share: float = 1.0) -> settings:
-    """Settings of one fuzz test: the selected profile with ``share`` of its examples."""
-    return settings(FUZZ_SETTINGS, max_examples=max(1, round(FUZZ_SETTINGS.max_examples * share)))
+def fuzz_settings(share: float = 1.0, **overrides) -> settings:
+    """Settings of one property test: the selected profile with ``share`` of its examples.
+
+    In the fast tier the "ci" profile draws :data:`FAST_TIER_SHARE` of that;
+    the exhaustive tier and the "long" profile draw all of it. ``overrides``
+    are further settings (extra health checks are added to the profile's).
+    """
+    share *= FAST_TIER_SHARE if FUZZ_PROFILE == "ci" and not _TIER["exhaustive"] else 1.0
+    if "suppress_health_check" in overrides:
+        overrides["suppress_health_check"] = [*FUZZ_SETTINGS.suppress_health_check, *overrides["suppress_health_check"]]
+    return settings(FUZZ_SETTINGS, max_examples=max(1, round(FUZZ_SETTINGS.max_examples * share)), **overrides)
 
 
 # ---------------------------------------------------------------------------
@@ -380,14 +391,94 @@ def cuda() -> torch.device:
     return torch.device("cuda")
 
 
+@pytest.hookimpl(tryfirst=True)  # the tiers' markers must be there before -m deselects by them
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip cleanly on machines without CUDA."""
+    """The test tiers' markers (see "the test tiers" below); tests marked ``gpu`` skip cleanly without CUDA."""
+    mark_tiers(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------------
+# the test tiers
+# ---------------------------------------------------------------------------
+# The fast tier is the README's `python -m pytest -q` (pyproject's addopts deselect `slow` and `exhaustive`). Of
+# each test function with more than FAST_TIER_CASES parametrized cases it runs a covering subset: cases that
+# together hold every pair of parameter values some case holds (every codec with every dtype, every dtype with
+# every size, ...), found greedily in collection order, so the same cases on every run. The other cases are
+# marked `exhaustive`; `-m exhaustive` runs them. Property tests run in both tiers: with FAST_TIER_SHARE of their
+# examples in the fast one, with all of them in the exhaustive one. GPU tests are never thinned (they skip here,
+# and on a GPU machine all of them are the point). CI runs the fast tier, then the exhaustive one.
+FAST_TIER_CASES = 24
+#: filled by pytest_configure, before any test module is imported (fuzz_settings reads it at import)
+_TIER = {"exhaustive": True}
+
+
+def _selects_exhaustive(markexpr: str) -> bool:
+    """Whether a ``-m`` expression selects a test marked ``exhaustive`` alone: then the exhaustive tier runs."""
+    if not markexpr:
+        return True
+    from _pytest.mark.expression import Expression
+
+    return Expression.compile(markexpr).evaluate(lambda name, **_: name == "exhaustive")
+
+
+def pytest_configure(config):
+    _TIER["exhaustive"] = _selects_exhaustive(config.option.markexpr)
+
+
+def _value_key(value):
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+def covering_cases(cases: list[dict]) -> set[int]:
+    """Indices of ``cases`` (parameter name -> value) that together hold every pair of values any case holds.
+
+    Greedy: each step takes the first case that adds the most pairs not yet
+    held. A function with one parameter keeps every value once.
+    """
+    pairs = []
+    for case in cases:
+        items = sorted(((name, _value_key(v)) for name, v in case.items()), key=lambda kv: kv[0])
+        pairs.append(set(itertools.combinations(items, 2)) if len(items) > 1 else set(items))
+    uncovered = set().union(*pairs)
+    chosen: set[int] = set()
+    while uncovered:
+        best = max(range(len(cases)), key=lambda i: len(pairs[i] & uncovered))
+        chosen.add(best)
+        uncovered -= pairs[best]
+    return chosen
+
+
+def mark_tiers(items) -> None:
+    """Mark ``exhaustive`` what the fast tier leaves out, and in the exhaustive tier the property tests too."""
+    exhaustive = pytest.mark.exhaustive
+    functions: dict[str, list] = {}
+    for item in items:
+        if item.get_closest_marker("gpu") is not None or not hasattr(item, "callspec"):
+            continue
+        if _DEFAULTS_IDS["library"] in item.callspec.id.split("-"):
+            item.add_marker(exhaustive)  # the library's defaults: test_defaults.py runs them in the fast tier
+        else:
+            functions.setdefault(item.nodeid.split("[", 1)[0], []).append(item)
+    for cases in functions.values():
+        if len(cases) > FAST_TIER_CASES:
+            keep = covering_cases([item.callspec.params for item in cases])
+            for i, item in enumerate(cases):
+                if i not in keep:
+                    item.add_marker(exhaustive)
+    if _TIER["exhaustive"]:
+        for item in items:
+            if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+                item.add_marker(exhaustive)  # again, with every example
 
 
 def field(value: int, width: int) -> str:

@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 
+import buddy
+
 pytest.importorskip("sklearn", reason="the experiments need buddy[experiments]")
 pytest.importorskip("zstandard", reason="the experiments need buddy[experiments]")
 
@@ -27,6 +29,7 @@ def test_data_is_real_and_deterministic():
     assert (relu == 0).float().mean() > 0.2 and (relu >= 0).all()
 
 
+@pytest.mark.exhaustive  # most of a minute: the exhaustive tier
 def test_bench_codecs_tiny(tmp_path, capsys):
     rows = bench_codecs.main(["--scale", "tiny", "--repeats", "1", "--out", str(tmp_path), "--no-progress"])
     methods = {r.method for r in rows}
@@ -120,6 +123,55 @@ def test_main_job_tiny_reports_both_sets(tmp_path, capsys):
     assert saved["sets"] == {"tuning": ["gpt-bf16", "resnet-bf16"], "check": ["vit-bf16"]}
     out = capsys.readouterr().out
     assert "Ideal compacted ratio" in out and "Generalisation" in out and "check set (1)" in out
+    # the results page from these files: the run's table, command and machine, and its plots beside it
+    from experiments import report
+
+    page = tmp_path / "docs" / "results.md"
+    report.main(["--results", str(tmp_path), "--out", str(page), "--readme", str(tmp_path / "no-readme.md")])
+    text = page.read_text()
+    assert f"| gpt-bf16 | tuning | {by['gpt-bf16']['ideal_ratio']:.2f} | {by['gpt-bf16']['capacity']:.2f} |" in text
+    assert f"`python -m experiments.run {' '.join(args)} --no-progress --out {tmp_path}`" in text
+    assert "cores, no GPU, torch" in text or torch.cuda.is_available()
+    assert (tmp_path / "docs" / "img" / "main-capacity_sets-zvc.png").stat().st_size > 10_000
+
+
+def test_step_cost_tiny(tmp_path):
+    from experiments import step_cost
+
+    args = ["--size", "tiny", "--workloads", "resnet-fp32", "--steps", "1", "--warmup", "0", "--no-progress"]
+    (row,) = step_cost.main([*args, "--out", str(tmp_path)])
+    assert (row["codec"], row["entry_bytes"]) == (buddy.defaults().codec, buddy.defaults().entry_bytes)
+    assert row["none_cpu_s"] > 0 and row["buddy_cpu_s"] > 0 and row["capacity"] > 1
+    assert row["cpu_ratio"] == pytest.approx(row["buddy_cpu_s"] / row["none_cpu_s"])
+    assert json.loads((tmp_path / "results.json").read_text())["experiment"] == "step_cost"
+
+
+def test_report_keeps_what_no_file_holds_and_says_where_each_date_comes_from(tmp_path):
+    from experiments import report
+
+    folder = tmp_path / "results" / "max_batch"
+    folder.mkdir(parents=True)
+    rows = [
+        {"workload": "resnet-fp32", "method": method, "max_batch": batch, "vs_none": batch / 64, "step_seconds": s, "note": ""}
+        for method, batch, s in (("none", 64, 0.1), ("buddy", 107, 5.0))
+    ]
+    environment = {"cpu": "some CPU", "cpu_count": 2, "torch": "2.13.0+cpu", "gpu": None}
+    doc = {"experiment": "max_batch", "size": "tiny", "accounting": True, "environment": environment, "rows": rows}
+    (folder / "results.json").write_text(json.dumps({**doc, "command": "python -m experiments.max_batch --size tiny"}))
+    page, readme = tmp_path / "results.md", tmp_path / "README.md"
+    kept = "## The decision table\n\nas it was\n"
+    page.write_text(f"# Results\n\n<!-- report:decision -->\n{kept}<!-- /report:decision -->\n")
+    readme.write_text("intro\n<!-- report:headline -->\nold\n<!-- /report:headline -->\nrest\n")
+    report.main(["--results", str(tmp_path / "results"), "--out", str(page), "--readme", str(readme)])
+    text = page.read_text()
+    assert f"<!-- report:decision -->\n{kept}<!-- /report:decision -->" in text  # no decide file: kept word for word
+    assert "| resnet-fp32 | tuning | 64 (1.00x) | 107 (1.67x) |" in text and "5.00 s (50.0x)" in text
+    assert "`python -m experiments.max_batch --size tiny` — some CPU, 2 cores, no GPU, torch 2.13.0+cpu" in text
+    assert "not in the file: the file's modification time" in text  # no date recorded, not in git
+    assert "The main job" not in text  # neither a file nor an earlier section
+    new = readme.read_text()
+    assert new.startswith("intro\n<!-- report:headline -->\n|") and new.endswith("<!-- /report:headline -->\nrest\n")
+    assert "old" not in new and "| 1.67x-1.67x | - |" in new
 
 
 def test_entropy_bound_and_simulation():
@@ -137,6 +189,7 @@ def test_entropy_bound_and_simulation():
     assert [o.slot for o in out] == [1, 1, 1] and out[1].predicted_overflow_bytes == 0 < out[1].buddy_bytes
 
 
+@pytest.mark.exhaustive  # most of a minute: the exhaustive tier
 def test_decide_tiny(tmp_path, capsys):
     from experiments import decide
 
@@ -300,6 +353,7 @@ def test_region_report_per_workload_and_set():
     assert "per region (same traffic)" in regions.format_rows(rows, summary)
 
 
+@pytest.mark.exhaustive  # most of a minute: the exhaustive tier
 def test_step_time_tiny(tmp_path, capsys):
     from experiments import step_time
 
@@ -401,6 +455,7 @@ def test_repeats_tiny(tmp_path, capsys):
     assert "zstd-3 on them" in capsys.readouterr().out
 
 
+@pytest.mark.exhaustive  # most of a minute: the exhaustive tier
 def test_max_batch_tiny(tmp_path):
     from experiments import max_batch
     from experiments.workloads import WORKLOADS

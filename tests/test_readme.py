@@ -38,3 +38,36 @@ def test_training_example_runs():
     exec(compile(block, "README.md", "exec"), namespace)
     stats = namespace["session"].stats()
     assert stats.rows and stats.effective_capacity > 0.9
+
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # a '#' in a code block is no heading
+    return {_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+def test_every_relative_link_points_to_an_existing_file_and_heading():
+    checked = 0
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto: ...
+                continue
+            path, _, fragment = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.relative_to(ROOT)} links to {target}: no such file"
+            if fragment and linked.suffix == ".md":
+                assert fragment in _anchors(linked), f"{page.relative_to(ROOT)} links to {target}: no such heading"
+            checked += 1
+    assert checked > 20, "the link pattern found (almost) no links: is it still right?"
+
+
+def test_readme_stays_short():
+    assert len(README.splitlines()) <= 300, "the README is for users: details go to docs/"

@@ -13,13 +13,14 @@ from conftest import (
     assert_bitexact,
     assert_roundtrip,
     dtype_params,
+    fuzz_settings,
     ids,
     make_data,
     ratio_name,
     raw_bytes,
     sizes,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 import buddy
@@ -360,7 +361,7 @@ def test_default_target_ratio_compresses_relu(store, gen):
 # ---------------------------------------------------------------------------
 # property: random structured bytes, any entry size, any slot, any codec
 # ---------------------------------------------------------------------------
-@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@fuzz_settings(0.6, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     data=st.binary(max_size=2500),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.float64, torch.int8, torch.complex64]),

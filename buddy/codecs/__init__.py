@@ -33,7 +33,7 @@ __all__ = [
     "DEFAULT_CODEC",
 ]
 
-#: codec used when none is given (see README, "Choosing the codec")
+#: codec used when none is given (chosen by measurement: see docs/choosing.md)
 DEFAULT_CODEC = "auto2"
 
 _REGISTRY: dict[str, Codec] = {}

@@ -1,0 +1,112 @@
+"""What a training step costs on the CPU with buddy's session, against the same step without it.
+
+Each workload trains one run, its steps alternately plain and inside ``buddy.compressed_activations()`` with
+buddy's defaults (codec, entry size, the tracker's policy; the reference path: there is no GPU here). Every step's
+**CPU time** is measured -- the process's, all its threads -- so other work on the machine does not stretch it the
+way it stretches wall time; the wall time is recorded beside it. Medians over the timed steps, after warm-up steps
+in which the tracker learns.
+
+    python -m experiments.step_cost                       # the tuning set, quick size
+    python -m experiments.step_cost --workloads resnet-fp32 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import buddy
+from experiments.common import format_table, progress, start, write_results
+
+__all__ = ["measure", "main"]
+
+METHODS = ("none", "buddy")
+
+
+def measure(name: str, *, size: str, steps: int, warmup: int, seed: int) -> dict:
+    """One workload's row: median CPU and wall seconds of a plain and of a compressed step, and their ratios."""
+    from experiments.workloads import make_run
+
+    run = make_run(name, size, seed=seed)
+    tracker = buddy.Tracker()  # this run's own history
+    min_bytes = run.workload.min_bytes(size)
+    seconds: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
+    capacity = None
+    for i in range(warmup + steps):
+        for method in METHODS:  # alternating, so that a slow stretch of the machine hits both alike
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            with buddy.compressed_activations(tracker=tracker, min_bytes=min_bytes, enabled=method == "buddy") as s:
+                loss = run.forward_loss()
+            run.step(loss)
+            cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+            if i >= warmup:
+                seconds[method].append((cpu, wall))
+            if method == "buddy":
+                capacity = s.stats().effective_capacity
+    cpu = {m: statistics.median(c for c, _ in seconds[m]) for m in METHODS}
+    wall = {m: statistics.median(w for _, w in seconds[m]) for m in METHODS}
+    return {
+        "workload": name,
+        "size": size,
+        "codec": buddy.defaults().codec,
+        "entry_bytes": buddy.defaults().entry_bytes,
+        "steps": steps,
+        "none_cpu_s": cpu["none"],
+        "buddy_cpu_s": cpu["buddy"],
+        "cpu_ratio": cpu["buddy"] / cpu["none"],
+        "none_wall_s": wall["none"],
+        "buddy_wall_s": wall["buddy"],
+        "wall_ratio": wall["buddy"] / wall["none"],
+        "capacity": capacity,
+    }
+
+
+COLUMNS = [
+    ("workload", "workload", ""),
+    ("none_cpu_s", "plain step (CPU s)", ".3f"),
+    ("buddy_cpu_s", "buddy step (CPU s)", ".3f"),
+    ("cpu_ratio", "buddy / plain (CPU)", ".1f"),
+    ("wall_ratio", "buddy / plain (wall)", ".1f"),
+    ("capacity", "capacity", ".2f"),
+]
+
+
+def parse_args(argv):
+    from experiments.workloads import TUNING_WORKLOADS, WORKLOADS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(TUNING_WORKLOADS))
+    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
+    p.add_argument("--steps", type=int, default=5, help="timed steps of each kind")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each kind first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("results/step_cost"))
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    header = start("step_cost", argv)
+    rows = []
+    for name in progress(args.workloads, desc="workloads", enabled=not args.no_progress):
+        rows.append(measure(name, size=args.size, steps=args.steps, warmup=args.warmup, seed=args.seed))
+        print(f"  {name}: buddy {rows[-1]['cpu_ratio']:.1f}x the plain step's CPU time", flush=True)
+    defaults = buddy.defaults()
+    print(f"\nCPU time of a training step with buddy's session ({defaults.codec} @ {defaults.entry_bytes} B, the "
+          f"tracker's default policy) against without; medians of {args.steps} steps")  # fmt: skip
+    print(format_table(rows, COLUMNS))
+    path = write_results(args.out, header, rows, experiment="step_cost", size=args.size)
+    print(f"\nwrote {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
