@@ -463,6 +463,8 @@ def mark_tiers(items) -> None:
     exhaustive = pytest.mark.exhaustive
     functions: dict[str, list] = {}
     for item in items:
+        if item.get_closest_marker("slow") is not None:
+            continue  # never exhaustive: `-m exhaustive` replaces pyproject's `-m`, and would select them
         if item.get_closest_marker("gpu") is not None or not hasattr(item, "callspec"):
             continue
         if _DEFAULTS_IDS["library"] in item.callspec.id.split("-"):
@@ -477,7 +479,7 @@ def mark_tiers(items) -> None:
                     item.add_marker(exhaustive)
     if _TIER["exhaustive"]:
         for item in items:
-            if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            if item.get_closest_marker("slow") is None and getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
                 item.add_marker(exhaustive)  # again, with every example
 
 
