@@ -290,18 +290,15 @@ class _Compressed:
                 flag = self.checks.flag(self.bt)
                 t = self.bt.decompress(error_flag=flag)
         except CorruptDataError as exc:  # the reference's checks: name the key in the error itself
-            raise CorruptDataError(
+            error = CorruptDataError(
                 f"buddy: the saved activation {self.row.key!r} failed the format's checks when decompressed for "
                 f"backward ({exc}). No data was returned; this backward pass cannot finish: drop the graph and "
                 f"run the step again."
-            ) from exc
-        except BaseException as exc:  # keep its type (an out-of-memory error stays one); say what failed
-            _add_note(
-                exc,
-                f"buddy: decompressing the saved activation {self.row.key!r} for backward failed. No data "
-                f"was returned; the compressed copy is intact and is freed with the graph. This backward "
-                f"pass cannot finish: drop the graph and run the step again.",
             )
+            _add_note(error, self._failed_note())
+            raise error from exc
+        except BaseException as exc:  # keep its type (an out-of-memory error stays one); say what failed
+            _add_note(exc, self._failed_note())
             raise
         if flag is not None:
             self.checks.add(self.row.key, flag)
@@ -330,6 +327,13 @@ class _Compressed:
             flag = self.checks.flag(bt)
             t = bt.decompress(error_flag=flag)
             self.ahead = Ahead(t, ops.record(copy), ops, flag)
+
+    def _failed_note(self) -> str:
+        return (
+            f"buddy: decompressing the saved activation {self.row.key!r} for backward failed. No data was "
+            f"returned; the compressed copy is freed with the graph. This backward pass cannot finish: drop the "
+            f"graph and run the step again."
+        )
 
     def drop_ahead(self) -> None:
         """Give back what the look-ahead prepared (the tensor was not asked for in time)."""
