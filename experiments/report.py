@@ -203,8 +203,9 @@ def _main_capacity(files: Sequence[Results]) -> dict[str, Results]:
     """``{codec: the main job's latest capacity file}``, the default codec first."""
     by_codec: dict[str, Results] = {}
     for r in _main_job(files, "capacity"):
-        if r.codec()[0]:
-            by_codec[r.codec()[0]] = r  # oldest first: the last one wins
+        name = r.codec()[0]
+        if name:
+            by_codec[name] = r  # oldest first: the last one wins
     default = buddy.defaults().codec
     return dict(sorted(by_codec.items(), key=lambda kv: kv[0] != default))
 
@@ -303,7 +304,7 @@ def full_capacity(files: Sequence[Results]) -> Section | None:
     if result is None:
         return None
     want = result.codec()
-    header, rows = _capacity_rows({want[0]: result})
+    header, rows = _capacity_rows({want[0] or "?": result})
     points = ", ".join(map(str, result.doc.get("points", [])))
     body = "\n".join(
         [
@@ -391,7 +392,7 @@ def speed(files: Sequence[Results]) -> Section | None:
         return None
     timed = [r for r in result.doc.get("decision", []) if "compress_gbps" in r and r.get("policy") in (None, "BuddyThreshold")]
     sizes = sorted({r["entry_bytes"] for r in timed if r["entry_bytes"] is not None})
-    rows = {}
+    rows: dict[str, dict[int | None, str]] = {}
     for r in timed:
         name = r["codec"] if r["entry_bytes"] is not None else r["method"]
         cell = f"{r['compress_gbps']:.3f} / {r['decompress_gbps']:.3f}"
@@ -479,7 +480,8 @@ def max_batch(files: Sequence[Results]) -> Section | None:
     rows = result.rows()
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {(r["workload"], r["method"]): r for r in rows}
-    table, times, notes = [], [], {}
+    table, times = [], []
+    notes: dict[str, None] = {}  # the file's notes, in order, once each
     for w in dict.fromkeys(r["workload"] for r in rows):
         cells = [w, _set_of(w)]
         for m in methods:
@@ -570,17 +572,17 @@ def headline(files: Sequence[Results]) -> str | None:
 
     main = _main_capacity(files)
     for codec, result in main.items():
-        codec, entry = result.codec()
+        entry = result.codec()[1]
         what = "default" if codec == buddy.defaults().codec else "for comparison"
         label = f"capacity, `{codec}` @ {entry} B ({what}), {result.size} size"
         capacity_row(label, result, "the-main-job-capacity-on-both-sets")
     full = _full_capacity(files)
     if full is not None:
-        codec, entry = full.codec()
-        capacity_row(f"capacity, `{codec}` @ {entry} B, full size", full, "capacity-at-full-size")
+        full_codec, entry = full.codec()
+        capacity_row(f"capacity, `{full_codec}` @ {entry} B, full size", full, "capacity-at-full-size")
     batch = _max_batch(files)
     if batch is not None:
-        ratios = {}
+        ratios: dict[str, list[float]] = {}
         for r in batch.rows():
             if r["method"] == "buddy" and r["max_batch"]:
                 ratios.setdefault(_set_of(r["workload"]), []).append(r["vs_none"])

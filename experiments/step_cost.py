@@ -49,20 +49,20 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int) -> dict
                 seconds[method].append((cpu, wall))
             if method == "buddy":
                 capacity = s.stats().effective_capacity
-    cpu = {m: statistics.median(c for c, _ in seconds[m]) for m in METHODS}
-    wall = {m: statistics.median(w for _, w in seconds[m]) for m in METHODS}
+    cpus = {m: statistics.median(c for c, _ in seconds[m]) for m in METHODS}
+    walls = {m: statistics.median(w for _, w in seconds[m]) for m in METHODS}
     return {
         "workload": name,
         "size": size,
         "codec": buddy.defaults().codec,
         "entry_bytes": buddy.defaults().entry_bytes,
         "steps": steps,
-        "none_cpu_s": cpu["none"],
-        "buddy_cpu_s": cpu["buddy"],
-        "cpu_ratio": cpu["buddy"] / cpu["none"],
-        "none_wall_s": wall["none"],
-        "buddy_wall_s": wall["buddy"],
-        "wall_ratio": wall["buddy"] / wall["none"],
+        "none_cpu_s": cpus["none"],
+        "buddy_cpu_s": cpus["buddy"],
+        "cpu_ratio": cpus["buddy"] / cpus["none"],
+        "none_wall_s": walls["none"],
+        "buddy_wall_s": walls["buddy"],
+        "wall_ratio": walls["buddy"] / walls["none"],
         "capacity": capacity,
     }
 
