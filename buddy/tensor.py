@@ -1,8 +1,8 @@
 """BuddyTensor: a tensor held as fixed-size slots on its device plus overflow in buddy memory.
 
-Also what a tensor must be to be compressed (:func:`check_tensor`) and how
-its bytes are read (:func:`memory_bytes`: in memory order for any dense
-layout, so decompression restores the strides).
+Also what a tensor must be to be compressed (:func:`check_tensor`); how its
+bytes are read (in memory order for any dense layout, so decompression
+restores the strides) is :mod:`buddy.layout`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from . import dispatch, integrity, spec, streams
 from .codecs import Codec
 from .errors import FreedTensorError, UnsupportedTensorError
 from .integrity import Checksum
+from .layout import as_tensor, dense_strides, memory_bytes
 from .ledger import DeviceLedger, Hold
 from .store import BuddyAllocation, BuddyStore
 
@@ -71,59 +72,6 @@ def _wrapper_kind(tensor: torch.Tensor) -> str | None:
             f"tensors, or a plain tensor made from it"
         )
     return None
-
-
-def dense_strides(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether a layout covers a contiguous span of memory exactly once (any dimension order).
-
-    Such a tensor (contiguous, transposed, channels-last ...) is compressed in
-    memory order and decompressed with the same strides.
-    """
-    if 0 in shape:
-        return True  # no elements, no memory: any strides will do
-    expected = 1
-    for size, stride in sorted(((n, st) for n, st in zip(shape, strides) if n != 1), key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def memory_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """The tensor's values as flat bytes, and the strides to restore them with.
-
-    A dense layout is read in memory order, so decompression gives back the
-    same strides -- which matters: kernels may round differently on another
-    layout. Anything else (gaps, overlaps) is copied to contiguous first.
-    Lazy conjugate/negative views are resolved.
-    """
-    t = tensor.detach().resolve_conj().resolve_neg()
-    if not dense_strides(t.shape, t.stride()):
-        t = _contiguous(t)
-    return t.as_strided((t.numel(),), (1,), t.storage_offset()).view(torch.uint8), t.stride()
-
-
-def as_tensor(
-    flat: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, stride: Sequence[int] | None
-) -> torch.Tensor:
-    """Decoded bytes as the tensor: ``dtype`` and ``shape``, laid out in memory order with ``stride`` (or contiguous)."""
-    values = flat.view(dtype)
-    return values.reshape(shape) if stride is None else values.as_strided(shape, stride)
-
-
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``t``'s elements, bit for bit.
-
-    Copies through a same-size integer view: dtypes without a copy kernel of
-    their own (``uint4``, ``int3`` ...) work, and no float copy can touch a NaN.
-    """
-    as_int = _SAME_SIZE_INT.get(t.element_size())
-    if as_int is None or t.dtype == as_int:
-        return t.contiguous()  # complex128 (16 bytes) has no integer twin
-    return t.view(as_int).contiguous().view(t.dtype)
 
 
 def _release(store: BuddyStore, alloc: BuddyAllocation, hold: Hold) -> None:
