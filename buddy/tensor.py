@@ -18,11 +18,11 @@ from . import dispatch, integrity, spec, streams
 from .codecs import Codec
 from .errors import FreedTensorError, UnsupportedTensorError
 from .integrity import Checksum
-from .layout import as_tensor, dense_strides, memory_bytes
+from .layout import Layout, as_tensor
 from .ledger import DeviceLedger, Hold
 from .store import BuddyAllocation, BuddyStore
 
-__all__ = ["BuddyTensor", "check_tensor", "dense_strides", "memory_bytes", "as_tensor"]
+__all__ = ["BuddyTensor", "check_tensor"]
 
 
 def check_tensor(tensor) -> None:
@@ -118,9 +118,8 @@ class BuddyTensor:
         dtype: torch.dtype,
         device: torch.device,
         codec: Codec,
-        entry_bytes: int,
+        layout: Layout,
         slot_sectors: int,
-        original_bytes: int,
         histogram: Sequence[int],
         slots: torch.Tensor,
         meta: torch.Tensor,
@@ -138,10 +137,12 @@ class BuddyTensor:
         self.device = device
         self._codec = codec
         self.backend = backend
-        self.entry_bytes = entry_bytes
+        #: entry size, word size and bytes of the tensor's data (see :class:`~buddy.layout.Layout`)
+        self.layout = layout
+        self.entry_bytes = layout.entry_bytes
         self.slot_sectors = slot_sectors
-        self.original_bytes = original_bytes
-        self.n_entries = -(-original_bytes // entry_bytes)
+        self.original_bytes = layout.nbytes
+        self.n_entries = layout.n_entries
         #: entries per size: ``histogram[k]`` entries compress to ``k`` sectors
         self.histogram = tuple(int(n) for n in histogram)
         self.format_version = codec.format_version
@@ -173,11 +174,11 @@ class BuddyTensor:
 
     @property
     def target_ratio(self) -> float:
-        return spec.ratio_for_slot(self.slot_sectors, self.entry_bytes)
+        return self.layout.ratio(self.slot_sectors)
 
     @property
     def compressed_bytes(self) -> int:
-        return sum(k * n for k, n in enumerate(self.histogram)) * spec.SECTOR_BYTES
+        return self.layout.compacted_bytes(self.histogram)
 
     @property
     def effective_ratio(self) -> float:
@@ -186,7 +187,7 @@ class BuddyTensor:
 
     @property
     def word_bytes(self) -> int:
-        return spec.word_bytes(self.dtype)
+        return self.layout.word_bytes
 
     @property
     def freed(self) -> bool:
@@ -286,9 +287,8 @@ class BuddyTensor:
         stream = ops.current(self.device)
         overflow = self._overflow_for(ops, stream)
         flat = engine.unpack(
-            self._meta, self._slots, overflow, self.slot_sectors, self.entry_bytes, self.word_bytes,
-            self.original_bytes, check=check, error_flag=error_flag,
-        )  # fmt: skip
+            self._meta, self._slots, overflow, self.slot_sectors, self.layout, check=check, error_flag=error_flag
+        )
         if overflow is self._overflow.data:
             self._overflow.used_on(ops, stream)  # read (copied to the device) on this stream: busy until it ends
         for buffer in (self._meta, self._slots, overflow):

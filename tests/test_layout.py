@@ -125,3 +125,27 @@ def test_histogram_byte_counts(e):
     assert Layout.overflow_bytes(histogram, 0) == compacted
     # a predicted (float) histogram: whole sectors
     assert Layout.overflow_bytes([0.0, 0.5, 1.25], 0) == int(0.5 + 2.5) * spec.SECTOR_BYTES
+
+
+# ---- what a compressed tensor reports is its layout's --------------------------------------------
+@pytest.mark.parametrize(
+    ("numel", "dtype", "entry_bytes"),
+    [(0, torch.float32, 4096), (1, torch.uint8, 32), (1000, torch.float32, 4096), (3 * 64 + 5, torch.bfloat16, 128)],
+)
+def test_a_compressed_tensor_agrees_with_its_layout(numel, dtype, entry_bytes, store):
+    gen = torch.Generator().manual_seed(numel)
+    t = torch.relu(torch.randn(numel, generator=gen)).to(dtype)
+    measured = buddy.measure(t, "zvc", entry_bytes=entry_bytes)
+    layout = measured.layout
+    assert layout == Layout.of(t, entry_bytes)
+    assert measured.n_entries == layout.n_entries and measured.nbytes == layout.nbytes
+    assert len(measured.histogram) == layout.bins and sum(measured.histogram) == layout.n_entries
+    slot = layout.sectors_per_entry // 2
+    with buddy.pack(measured, slot, store=store) as bt:
+        assert bt.layout == layout
+        assert bt.n_entries == layout.n_entries and bt.original_bytes == layout.nbytes
+        assert bt.device_bytes == layout.device_bytes(slot)
+        assert bt.buddy_bytes == layout.overflow_bytes(bt.histogram, slot)
+        assert bt.compressed_bytes == layout.compacted_bytes(bt.histogram)
+        assert bt.target_ratio == layout.ratio(slot)
+        assert torch.equal(bt.decompress().view(torch.uint8), t.view(torch.uint8))
