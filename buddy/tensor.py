@@ -18,7 +18,7 @@ from . import dispatch, integrity, spec, streams
 from .codecs import Codec
 from .errors import FreedTensorError, UnsupportedTensorError
 from .integrity import Checksum
-from .layout import Layout, as_tensor
+from .layout import Layout
 from .ledger import DeviceLedger, Hold
 from .store import BuddyAllocation, BuddyStore
 
@@ -286,14 +286,18 @@ class BuddyTensor:
         ops = streams.for_device(self.device)
         stream = ops.current(self.device)
         overflow = self._overflow_for(ops, stream)
-        flat = engine.unpack(
-            self._meta, self._slots, overflow, self.slot_sectors, self.layout, check=check, error_flag=error_flag
-        )
+        from .pipeline import decode  # the pipeline builds BuddyTensors: imported when first decoded
+
+        buffers = (self._meta, self._slots, overflow)
+        out = decode(
+            engine, buffers, self.slot_sectors, self.layout, self.shape, self.dtype, self.stride,
+            check=check, error_flag=error_flag,
+        )  # fmt: skip
         if overflow is self._overflow.data:
             self._overflow.used_on(ops, stream)  # read (copied to the device) on this stream: busy until it ends
-        for buffer in (self._meta, self._slots, overflow):
+        for buffer in buffers:
             ops.keep_for(buffer, stream)  # read on this stream: their memory outlives that work
-        return as_tensor(flat, self.shape, self.dtype, self.stride)
+        return out
 
     def _overflow_for(self, ops, stream) -> torch.Tensor:
         """The overflow, ready for ``stream`` to read: the prefetched device copy, or buddy memory."""
