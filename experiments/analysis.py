@@ -272,13 +272,12 @@ def entry_zstd_histogram(t: torch.Tensor, entry_bytes: int, level: int = 3) -> l
         level, format=zstd.FORMAT_ZSTD1_MAGICLESS, write_checksum=False, write_content_size=False, write_dict_id=False
     )
     cctx = zstd.ZstdCompressor(compression_params=params)
-    data = data_bytes(t)
-    pad = -data.numel() % entry_bytes
-    if pad:
-        data = torch.cat([data, data.new_zeros(pad)])
+    data, layout = data_bytes(t), Layout.of(t, entry_bytes)
+    if layout.tail_bytes:  # the partial last entry, zero-padded
+        data = torch.cat([data, data.new_zeros(entry_bytes - layout.tail_bytes)])
     entries = data.view(-1, entry_bytes)
-    spe = spec.sectors_per_entry(entry_bytes)
-    hist = [0] * (spe + 1)
+    spe = layout.sectors_per_entry
+    hist = [0] * layout.bins
     nonzero = (entries != 0).any(dim=1)
     hist[0] = int((~nonzero).sum())
     view = data.numpy().data  # a memoryview of the bytes
