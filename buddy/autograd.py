@@ -109,7 +109,8 @@ from .pipeline import measure, pack
 from .prefetch import Ahead, Prefetch, PrefetchStats, Schedule, as_prefetch
 from .stats import KeyRow, SessionStats
 from .store import BuddyStore, default_store
-from .tensor import BuddyTensor, check_tensor, dense_strides
+from .layout import Layout, dense_strides
+from .tensor import BuddyTensor, check_tensor
 from .tracker import Policy, Tracker, default_tracker
 
 __all__ = [
@@ -786,7 +787,7 @@ class Session(_SavedTensorHooks):
             original_bytes=nbytes,
             device_bytes=bt.device_bytes if bt is not None else nbytes,
             buddy_bytes=bt.buddy_bytes if bt is not None else 0,
-            ideal_bytes=sum(k * n for k, n in enumerate(result.histogram)) * spec.SECTOR_BYTES,
+            ideal_bytes=Layout.compacted_bytes(result.histogram),
             predicted_overflow_bytes=result.predicted,
             compress_seconds=elapsed,
             corrected=result.corrected,
@@ -841,12 +842,7 @@ def _tracked(t, key, tracker: Tracker, policy, store, codec, entry_bytes, *, kee
     """
     measured = measure(t, codec, entry_bytes=entry_bytes, prior=tracker.prior(key), keep=tracker.fitted(key))
     place = tracker.plan(
-        key,
-        measured.histogram,
-        entry_bytes=measured.entry_bytes,
-        original_bytes=measured.nbytes,
-        policy=policy,
-        table_bytes=measured.codec.table_bytes,
+        key, measured.histogram, layout=measured.layout, policy=policy, table_bytes=measured.codec.table_bytes
     )
     bt = None
     if not (keep and place.keep):
@@ -855,8 +851,7 @@ def _tracked(t, key, tracker: Tracker, policy, store, codec, entry_bytes, *, kee
         key,
         measured.histogram,
         slot=place.slot if bt is None else bt.slot_sectors,
-        entry_bytes=measured.entry_bytes,
-        original_bytes=measured.nbytes,
+        layout=measured.layout,
         predicted_overflow_bytes=place.predicted_overflow_bytes,
         statistics=measured.statistics,
         fitted=measured.codec,

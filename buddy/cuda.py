@@ -60,12 +60,12 @@ shape, contiguity, alignment of data pointers): a bad one raises
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import hashlib
 import importlib.resources
 import re
 import struct
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -80,7 +80,7 @@ from .codecs.zvc import ZVCCodec
 from .deps import available, require
 from .engine import Engine, Measurement
 from .errors import CorruptDataError
-from .slots import overflow_sectors
+from .layout import WORD_SIZES, Layout
 
 __all__ = [
     "ALIGN_BYTES",
@@ -196,7 +196,7 @@ def launch_config(op: str, entry_bytes: int, n_entries: int, codec: str = "") ->
 # compilation, memoised per process
 # ---------------------------------------------------------------------------
 _modules: dict[tuple[str, tuple[str, ...], str], object] = {}
-_kernels: dict[tuple[str, str, int, int, int], object] = {}
+_kernels: dict[tuple[str, str, int, int | None, int], object] = {}
 _lock = threading.Lock()
 
 
@@ -238,7 +238,7 @@ def _kernel(codec: str, op: str, entry_bytes: int, device: torch.device, shared_
 
 
 def compile_module(
-    codec: str, entry_bytes: int, device: torch.device | str, word_sizes: Sequence[int] = (1, 2, 4, 8)
+    codec: str, entry_bytes: int, device: torch.device | str, word_sizes: Sequence[int] = WORD_SIZES
 ) -> None:
     """Compile the kernels of ``codec`` at ``entry_bytes`` for ``device`` now, not at their first launch: a
     module per word size in ``word_sizes`` (the tensors' element sizes: 1, 2, 4 or 8 bytes).
@@ -255,9 +255,10 @@ def compile_module(
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     for word_bytes in word_sizes:
-        if word_bytes not in (1, 2, 4, 8):
+        if word_bytes not in WORD_SIZES:
             raise ValueError(f"word sizes are 1, 2, 4 or 8 bytes, got {word_bytes!r}")
-        _kernel(codec, "measure", spec.check_entry_bytes(entry_bytes), device, 0, word_bytes)
+        layout = Layout(entry_bytes, 0, word_bytes)  # validates the entry size
+        _kernel(codec, "measure", layout.entry_bytes, device, 0, layout.word_bytes)
 
 
 def _launch(codec: str, op: str, entry_bytes: int, device: torch.device, n_entries: int, args: tuple) -> None:
@@ -300,12 +301,6 @@ def _check_tensor(
                 f"{what}'s data pointer {ptr:#x} is not {ALIGN_BYTES}-byte aligned (a view at an odd "
                 f"offset?); pass a copy (.clone())"
             )
-
-
-def _check_word(word_bytes) -> int:
-    if isinstance(word_bytes, bool) or not isinstance(word_bytes, int) or word_bytes not in (1, 2, 4, 8):
-        raise ValueError(f"word_bytes must be 1, 2, 4 or 8, got {word_bytes!r}")
-    return word_bytes
 
 
 def _i64(v: int):
@@ -415,10 +410,15 @@ class Kernels:
         self.launch = _launch if launch is None else launch
         self.device_type = device_type
 
-    def _check(self, entry_bytes: int, n: int, word_bytes: int, **buffers) -> torch.device:
-        """The buffers' common device; ``ValueError`` for any that is not what the kernels need."""
-        spec.check_entry_bytes(entry_bytes)
-        _check_word(word_bytes)
+    def _check(self, layout: Layout, entries: tuple = (), **buffers) -> torch.device:
+        """The buffers' common device; ``ValueError`` for any that is not what the kernels need.
+
+        ``entries``: ``(data, tail)``, the tensor's whole entries and its last one (``E`` bytes, zero-padded).
+        """
+        if entries:
+            data, tail = entries
+            whole = (data, torch.uint8, layout.n_full * layout.entry_bytes)
+            buffers = dict(data=whole, tail=(tail, torch.uint8, layout.entry_bytes), **buffers)
         device: torch.device | None = None
         for what, (t, dtype, numel) in buffers.items():
             if not isinstance(t, torch.Tensor):
@@ -442,75 +442,72 @@ class Kernels:
         _check_tensor("table", table, device=device, dtype=torch.uint8, shape=(want,))
         return table
 
-    def measure(
-        self, data, tail, n_full: int, n: int, meta, histogram, entry_bytes: int, word_bytes: int, table=None
-    ) -> None:
+    def measure(self, layout: Layout, data, tail, meta, histogram, table=None) -> None:
         """Every entry's metadata word into ``meta``; entries of ``k`` sectors added to ``histogram[k]``."""
-        mb, spe = spec.meta_bytes(entry_bytes), spec.sectors_per_entry(entry_bytes)
         device = self._check(
-            entry_bytes, n, word_bytes, data=(data, torch.uint8, n_full * entry_bytes),
-            tail=(tail, torch.uint8, entry_bytes), meta=(meta, torch.uint8, n * mb),
-            histogram=(histogram, torch.int64, spe + 1),
+            layout, (data, tail), meta=(meta, torch.uint8, layout.meta_bytes),
+            histogram=(histogram, torch.int64, layout.bins),
         )  # fmt: skip
         table = self._table(table, device)
-        args = (data, tail, _i64(n_full), _i64(n), meta, histogram, table, _i32(word_bytes))
-        self.launch(self.name, "measure", entry_bytes, device, n, args)
+        n_full, n, word = _i64(layout.n_full), _i64(layout.n_entries), _i32(layout.word_bytes)
+        args = (data, tail, n_full, n, meta, histogram, table, word)
+        self.launch(self.name, "measure", layout.entry_bytes, device, layout.n_entries, args)
 
-    def count(self, data, n_units: int, tail, tail_words: int, counts, entry_bytes: int, word_bytes: int) -> None:
-        """A table codec's symbol counts of the tensor's whole words added to ``counts`` (``S + 2`` int64):
-        ``n_units`` 8-byte units of ``data`` and ``tail_words`` words of ``tail`` (the last entry, E bytes)."""
+    def count(self, layout: Layout, data, tail, counts) -> None:
+        """A table codec's symbol counts of the tensor's whole words added to ``counts`` (``S + 2`` int64): the
+        8-byte units of ``data`` and the whole words of the tail's :attr:`~Layout.tail_bytes`."""
         self._tabled()
-        device = self._check(
-            entry_bytes, 0, word_bytes, data=(data, torch.uint8, n_units * 8), tail=(tail, torch.uint8, entry_bytes),
-            counts=(counts, torch.int64, n_symbols(word_bytes)),
-        )  # fmt: skip
-        if not 0 <= tail_words * word_bytes <= entry_bytes:
-            raise ValueError(f"{tail_words} words of {word_bytes} bytes do not fit a {entry_bytes}-byte tail")
-        args = (data, _i64(n_units), tail, _i32(tail_words), counts, _i32(word_bytes))
-        self.launch(self.name, "count", entry_bytes, device, n_units, args)
+        word = layout.word_bytes
+        device = self._check(layout, (data, tail), counts=(counts, torch.int64, n_symbols(word)))
+        n_units, tail_words = layout.n_full * layout.entry_bytes // 8, layout.tail_bytes // word
+        args = (data, _i64(n_units), tail, _i32(tail_words), counts, _i32(word))
+        self.launch(self.name, "count", layout.entry_bytes, device, n_units, args)
 
-    def fit(self, counts, work, table, serial, entry_bytes: int, word_bytes: int) -> None:
+    def fit(self, layout: Layout, counts, work, table, serial) -> None:
         """The table fitted to ``counts`` (:meth:`Table.from_counts`): the device table into ``table``
         (:data:`DEVICE_TABLE_BYTES`), the serialized one into ``serial`` (:data:`FIT_SERIAL_BYTES`, zeros
         after it); ``work``: :data:`FIT_WORK_BYTES` of scratch."""
         self._tabled()
         device = self._check(
-            entry_bytes, 0, word_bytes, counts=(counts, torch.int64, n_symbols(word_bytes)),
+            layout, counts=(counts, torch.int64, n_symbols(layout.word_bytes)),
             work=(work, torch.uint8, FIT_WORK_BYTES), table=(table, torch.uint8, DEVICE_TABLE_BYTES),
             serial=(serial, torch.uint8, FIT_SERIAL_BYTES),
         )  # fmt: skip
-        self.launch(self.name, "fit", entry_bytes, device, 1, (counts, work, table, serial, _i32(word_bytes)))
+        args = (counts, work, table, serial, _i32(layout.word_bytes))
+        self.launch(self.name, "fit", layout.entry_bytes, device, 1, args)
 
     def _tabled(self) -> None:
         if self.name not in TABLED_KERNELS:
             raise ValueError(f"codec {self.name!r} codes without a table: it has no count or fit kernel")
 
-    def pack(self, data, tail, n_full, n, meta, ends, slot, slots, overflow, entry_bytes, word_bytes, table=None):
+    def pack(self, layout: Layout, data, tail, meta, ends, slot: int, slots, overflow, table=None) -> None:
         """Every entry's slot (``slot`` sectors) into ``slots``, its overflow into ``overflow`` at its place."""
-        mb = spec.meta_bytes(entry_bytes)
+        n = layout.n_entries
         device = self._check(
-            entry_bytes, n, word_bytes, data=(data, torch.uint8, n_full * entry_bytes),
-            tail=(tail, torch.uint8, entry_bytes), meta=(meta, torch.uint8, n * mb), ends=(ends, torch.int64, n),
-            slots=(slots, torch.uint8, n * slot * spec.SECTOR_BYTES), overflow=(overflow, torch.uint8, overflow.numel()),
+            layout, (data, tail), meta=(meta, torch.uint8, layout.meta_bytes),
+            ends=(ends, torch.int64, n), slots=(slots, torch.uint8, layout.slots_bytes(slot)),
+            overflow=(overflow, torch.uint8, overflow.numel()),
         )  # fmt: skip
         table = self._table(table, device)
-        args = (data, tail, _i64(n_full), _i64(n), meta, ends, _i32(slot), slots, overflow, table, _i32(word_bytes))
-        self.launch(self.name, "pack", entry_bytes, device, n, args)
+        n_full, word = _i64(layout.n_full), _i32(layout.word_bytes)
+        args = (data, tail, n_full, _i64(n), meta, ends, _i32(slot), slots, overflow, table, word)
+        self.launch(self.name, "pack", layout.entry_bytes, device, n, args)
 
-    def unpack(self, meta, ends, slot, slots, overflow, out, error, n, entry_bytes, word_bytes, table=None) -> None:
-        """The ``n`` entries into ``out`` (``n * E`` bytes); ``error`` (one int32) ORed with what was flagged."""
-        mb = spec.meta_bytes(entry_bytes)
+    def unpack(self, layout: Layout, meta, ends, slot: int, slots, overflow, out, error, table=None) -> None:
+        """The entries into ``out`` (``n * E`` bytes); ``error`` (one int32) ORed with what was flagged."""
         if overflow.numel() % spec.SECTOR_BYTES:
             raise CorruptDataError(f"overflow holds {overflow.numel()} bytes, not a whole number of sectors")
+        n = layout.n_entries
         device = self._check(
-            entry_bytes, n, word_bytes, meta=(meta, torch.uint8, n * mb), ends=(ends, torch.int64, n),
-            slots=(slots, torch.uint8, n * slot * spec.SECTOR_BYTES), overflow=(overflow, torch.uint8, overflow.numel()),
-            out=(out, torch.uint8, n * entry_bytes), error=(error, torch.int32, 1),
+            layout, meta=(meta, torch.uint8, layout.meta_bytes), ends=(ends, torch.int64, n),
+            slots=(slots, torch.uint8, layout.slots_bytes(slot)), overflow=(overflow, torch.uint8, overflow.numel()),
+            out=(out, torch.uint8, n * layout.entry_bytes), error=(error, torch.int32, 1),
         )  # fmt: skip
         m = overflow.numel() // spec.SECTOR_BYTES
         table = self._table(table, device)
-        args = (meta, ends, _i32(slot), slots, overflow, _i64(m), out, error, _i64(n), table, _i32(word_bytes))
-        self.launch(self.name, "unpack", entry_bytes, device, n, args)
+        word = _i32(layout.word_bytes)
+        args = (meta, ends, _i32(slot), slots, overflow, _i64(m), out, error, _i64(n), table, word)
+        self.launch(self.name, "unpack", layout.entry_bytes, device, n, args)
 
 
 def _error_flag(given: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -607,114 +604,109 @@ class CudaEngine(Engine):
         return self._tables[key]
 
     @staticmethod
-    def _entries(flat: torch.Tensor, entry_bytes: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """``(data, tail, n_full, n)``: the whole entries in place (aligned), the last one zero-padded."""
-        n_full, rest = divmod(flat.numel(), entry_bytes)
+    def _entries(flat: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(data, tail)``: the whole entries in place (aligned), the last one zero-padded (``E`` bytes)."""
+        whole = layout.n_full * layout.entry_bytes
         if flat.numel() and flat.data_ptr() % ALIGN_BYTES:
             flat = flat.clone()  # a view at an odd offset: the kernels load 16 bytes at a time
-        tail = torch.zeros(entry_bytes, dtype=torch.uint8, device=flat.device)
-        if rest:
-            tail[:rest] = flat[n_full * entry_bytes :]
-        return flat[: n_full * entry_bytes], tail, n_full, n_full + (rest > 0)
+        tail = torch.zeros(layout.entry_bytes, dtype=torch.uint8, device=flat.device)
+        if layout.tail_bytes:
+            tail[: layout.tail_bytes] = flat[whole:]
+        return flat[:whole], tail
 
     @staticmethod
-    def _ends(meta: torch.Tensor, slot: int, entry_bytes: int, n: int) -> torch.Tensor:
+    def _ends(meta: torch.Tensor, slot: int, layout: Layout) -> torch.Tensor:
         """Per entry, the overflow sectors of entries 0..i: the prefix sum that places each entry's overflow."""
-        mb, k_bits, _ = spec.meta_fields(entry_bytes)
-        words = meta.to(torch.int32) if mb == 1 else meta.view(n, 2).to(torch.int32)
+        mb, k_bits, _ = layout.meta_fields
+        words = meta.to(torch.int32) if mb == 1 else meta.view(layout.n_entries, 2).to(torch.int32)
         k = (words if mb == 1 else words[:, 0] | (words[:, 1] << 8)) & ((1 << k_bits) - 1)
         return torch.cumsum(k.sub_(slot).clamp_(min=0), 0)
 
-    @property
-    def fits_tables(self) -> bool:  # type: ignore[override]  # a class attribute of Engine; here per codec
-        """A codec with a table: counted and fitted on the device (:meth:`fit_measure`)."""
-        return self.codec.name in TABLED_KERNELS
-
-    def _measure(self, flat, entries, entry_bytes, word_bytes, histogram) -> torch.Tensor:
+    def _measure(self, flat, entries, layout: Layout, histogram) -> torch.Tensor:
         """The metadata of ``entries`` (:meth:`_entries`); sizes added to the device ``histogram``."""
-        data, tail, n_full, n = entries
-        meta = torch.empty(n * spec.meta_bytes(entry_bytes), dtype=torch.uint8, device=flat.device)
-        if n:
-            table = self._table(flat.device, word_bytes)
-            self.kernels.measure(data, tail, n_full, n, meta, histogram, entry_bytes, word_bytes, table)
+        meta = torch.empty(layout.meta_bytes, dtype=torch.uint8, device=flat.device)
+        if layout.n_entries:
+            table = self._table(flat.device, layout.word_bytes)
+            data, tail = entries
+            self.kernels.measure(layout, data, tail, meta, histogram, table)
         return meta
 
-    def measure(self, flat, entry_bytes, word_bytes):
-        return self._measure_read(flat, self._entries(flat, entry_bytes), entry_bytes, word_bytes)
+    def measure(self, flat, layout):
+        return self._measure_read(flat, self._entries(flat, layout), layout)
 
-    def _measure_read(self, flat, entries, entry_bytes, word_bytes) -> Measurement:
+    def _measure_read(self, flat, entries, layout: Layout) -> Measurement:
         """:meth:`measure` of entries already made: the histogram is the one read."""
-        histogram = torch.zeros(spec.sectors_per_entry(entry_bytes) + 1, dtype=torch.int64, device=flat.device)
-        meta = self._measure(flat, entries, entry_bytes, word_bytes, histogram)
+        histogram = torch.zeros(layout.bins, dtype=torch.int64, device=flat.device)
+        meta = self._measure(flat, entries, layout, histogram)
         return Measurement(meta, tuple(self.read(histogram).tolist()), reuse=entries)
 
-    def fit_measure(self, flat, entry_bytes, word_bytes, prior=None, keep=None):
+    def fit_measure(self, flat, layout, prior=None, keep=None):
         """The codec fitted to ``flat`` and its sizes, with one read of the device (see the module doc).
 
-        The ``count`` kernel gives the tensor's symbol counts (the fitted
-        codec's :attr:`~buddy.codecs.base.Codec.statistics`, left on the
-        device). With a ``prior`` the host fits the table to it (nothing read;
-        ``keep`` as in :meth:`~buddy.codecs.base.Codec.fit`); without one the
-        ``fit`` kernel fits it to the counts, and the serialized table comes
-        back with the histogram, from which the host rebuilds the same
-        :class:`~buddy.codecs.fpe.Table` (:meth:`~buddy.codecs.fpe.Table.from_bytes`).
+        A codec with a table (:data:`TABLED_KERNELS`) is counted and fitted
+        on the device: the ``count`` kernel gives the tensor's symbol counts
+        (the fitted codec's :attr:`~buddy.codecs.base.Codec.statistics`, left
+        on the device). With a ``prior`` the host fits the table to it
+        (nothing read; ``keep`` as in :meth:`~buddy.codecs.base.Codec.fit`);
+        without one the ``fit`` kernel fits it to the counts, and the
+        serialized table comes back with the histogram, from which the host
+        rebuilds the same :class:`~buddy.codecs.fpe.Table`
+        (:meth:`~buddy.codecs.fpe.Table.from_bytes`). Any other codec has
+        nothing to fit.
         """
-        device, codec = flat.device, self.codec
-        entries = self._entries(flat, entry_bytes)
-        data, tail, n_full, _ = entries
-        counts = torch.zeros(n_symbols(word_bytes), dtype=torch.int64, device=device)
-        tail_words = (flat.numel() - n_full * entry_bytes) // word_bytes
-        self.kernels.count(data, n_full * entry_bytes // 8, tail, tail_words, counts, entry_bytes, word_bytes)
-        spe = spec.sectors_per_entry(entry_bytes)
+        if self.codec.name not in TABLED_KERNELS:
+            return super().fit_measure(flat, layout, prior, keep)
+        device, codec, word = flat.device, self.codec, layout.word_bytes
+        entries = self._entries(flat, layout)
+        counts = torch.zeros(n_symbols(word), dtype=torch.int64, device=device)
+        self.kernels.count(layout, *entries, counts)
         if prior is not None:
-            self.codec = codec.fit(flat, word_bytes, prior, self.read, keep, counts)
+            self.codec = codec.fit(flat, word, prior, self.read, keep, counts)
             self._tables.clear()  # the fitted table, not the unfitted codec's
-            return self.codec, self._measure_read(flat, entries, entry_bytes, word_bytes)
+            return self.codec, self._measure_read(flat, entries, layout)
         # one buffer for what comes back: the histogram, then (16-byte aligned) the serialized table
-        at = -(-(spe + 1) // 2) * 2
+        at = -(-layout.bins // 2) * 2
         readout = torch.zeros(at + -(-FIT_SERIAL_BYTES // 8), dtype=torch.int64, device=device)
         serial = readout[at:].view(torch.uint8)[:FIT_SERIAL_BYTES]
         table = torch.empty(DEVICE_TABLE_BYTES, dtype=torch.uint8, device=device)
         work = torch.empty(FIT_WORK_BYTES, dtype=torch.uint8, device=device)
-        self.kernels.fit(counts, work, table, serial, entry_bytes, word_bytes)
-        self._tables[(device, word_bytes)] = table
-        meta = self._measure(flat, entries, entry_bytes, word_bytes, readout[: spe + 1])
+        self.kernels.fit(layout, counts, work, table, serial)
+        self._tables[(device, word)] = table
+        meta = self._measure(flat, entries, layout, readout[: layout.bins])
         host = self.read(readout)
         raw = host[at:].view(torch.uint8)[:FIT_SERIAL_BYTES]
         n = int(raw[2]) | int(raw[3]) << 8
         if n > MAX_CODED + 2:
             raise RuntimeError(f"the fit kernel wrote a table of {n} codes (at most {MAX_CODED + 2})")
-        self.codec = codec.with_table(Table.from_bytes(raw[: 4 + 3 * n].clone(), word_bytes), counts)
-        return self.codec, Measurement(meta, tuple(host[: spe + 1].tolist()), reuse=entries)
+        self.codec = codec.with_table(Table.from_bytes(raw[: 4 + 3 * n].clone(), word), counts)
+        return self.codec, Measurement(meta, tuple(host[: layout.bins].tolist()), reuse=entries)
 
-    def pack(self, flat, measured, slot, entry_bytes, word_bytes):
-        data, tail, n_full, n = measured.reuse or self._entries(flat, entry_bytes)
-        spilled = overflow_sectors(measured.histogram, slot) * spec.SECTOR_BYTES  # known on the host: no read
-        slots = torch.empty(n * slot * spec.SECTOR_BYTES, dtype=torch.uint8, device=flat.device)
+    def pack(self, flat, measured, slot, layout):
+        data, tail = measured.reuse or self._entries(flat, layout)
+        spilled = layout.overflow_bytes(measured.histogram, slot)  # known on the host: no read
+        slots = torch.empty(layout.slots_bytes(slot), dtype=torch.uint8, device=flat.device)
         overflow = torch.empty(spilled, dtype=torch.uint8, device=flat.device)
-        if n:
-            ends = self._ends(measured.meta, slot, entry_bytes, n)
-            table = self._table(flat.device, word_bytes)
-            self.kernels.pack(
-                data, tail, n_full, n, measured.meta, ends, slot, slots, overflow, entry_bytes, word_bytes, table
-            )
+        if layout.n_entries:
+            ends = self._ends(measured.meta, slot, layout)
+            table = self._table(flat.device, layout.word_bytes)
+            self.kernels.pack(layout, data, tail, measured.meta, ends, slot, slots, overflow, table)
         return slots, overflow
 
-    def unpack(self, meta, slots, overflow, slot, entry_bytes, word_bytes, nbytes, *, check=True, error_flag=None):
-        n = -(-nbytes // entry_bytes)
-        if meta.numel() != n * spec.meta_bytes(entry_bytes):
-            raise CorruptDataError(f"metadata holds {meta.numel()} bytes, expected {n * spec.meta_bytes(entry_bytes)}")
-        out = torch.empty(n * entry_bytes, dtype=torch.uint8, device=slots.device)
+    def unpack(self, meta, slots, overflow, slot, layout, *, check=True, error_flag=None):
+        n, e = layout.n_entries, layout.entry_bytes
+        if meta.numel() != layout.meta_bytes:
+            raise CorruptDataError(f"metadata holds {meta.numel()} bytes, expected {layout.meta_bytes}")
+        out = torch.empty(n * e, dtype=torch.uint8, device=slots.device)
         if n:
             meta = meta if meta.data_ptr() % 2 == 0 else meta.clone()  # 2-byte words are read aligned
             overflow = overflow.to(slots.device, non_blocking=True)  # H2D from pinned memory, on the current stream
             error = _error_flag(error_flag, slots.device)
-            ends = self._ends(meta, slot, entry_bytes, n)
-            table = self._table(slots.device, word_bytes)
-            self.kernels.unpack(meta, ends, slot, slots, overflow, out, error, n, entry_bytes, word_bytes, table)
+            ends = self._ends(meta, slot, layout)
+            table = self._table(slots.device, layout.word_bytes)
+            self.kernels.unpack(layout, meta, ends, slot, slots, overflow, out, error, table)
             if check:
                 raise_for_errors(self.codec.name, int(self.read(error)[0]))
-        return out[:nbytes]
+        return out[: layout.nbytes]
 
 
 for _name in KERNEL_CODECS:  # the default on CUDA devices, once its self-test passed there (buddy.dispatch)

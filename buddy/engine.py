@@ -27,6 +27,7 @@ import torch
 
 from . import format, spec
 from .errors import CorruptDataError
+from .layout import Layout
 
 if TYPE_CHECKING:  # the codec registry imports this module
     from .codecs.base import Codec
@@ -46,12 +47,14 @@ class Measurement(NamedTuple):
 
 
 class Engine(abc.ABC):
-    """A codec's format operations over whole tensors, on one kind of device."""
+    """A codec's format operations over whole tensors, on one kind of device.
+
+    Every operation takes the tensor's :class:`~buddy.layout.Layout` (entry
+    size, word size, bytes: built once, where the tensor is measured).
+    """
 
     #: what runs the codec: "reference", "cuda", "nvcomp" (recorded in every BuddyTensor)
     backend: str = ""
-    #: whether :meth:`fit_measure` fits the codec's table itself (else :meth:`Codec.fit` does, then :meth:`measure`)
-    fits_tables: bool = False
 
     def __init__(self, codec: Codec):
         self.codec = codec
@@ -75,19 +78,20 @@ class Engine(abc.ABC):
             torch.cuda.set_sync_debug_mode(mode)
 
     @abc.abstractmethod
-    def measure(self, flat: torch.Tensor, entry_bytes: int, word_bytes: int) -> Measurement:
+    def measure(self, flat: torch.Tensor, layout: Layout) -> Measurement:
         """Sizes of the entries of ``flat`` (a 1-D ``uint8`` tensor, the tensor's bytes in memory order)."""
 
-    def fit_measure(
-        self, flat: torch.Tensor, entry_bytes: int, word_bytes: int, prior=None, keep=None
-    ) -> tuple[Codec, Measurement]:
-        """The codec fitted to ``flat`` (see :meth:`Codec.fit`) and its :meth:`measure`, by an engine that
-        :attr:`fits_tables`: it counts and fits where the tensor is, reading back only what measure reads."""
-        raise NotImplementedError(f"{type(self).__name__} does not fit tables (fits_tables is False)")
+    def fit_measure(self, flat: torch.Tensor, layout: Layout, prior=None, keep=None) -> tuple[Codec, Measurement]:
+        """The codec fitted to ``flat`` (see :meth:`Codec.fit`: a codec with a table fits it to the tensor, or to
+        ``prior``; any other codec is itself) and its :meth:`measure`; the engine runs the fitted codec from
+        then on. What a compress calls: an engine that can count and fit where the tensor is overrides it, so
+        that it reads back only what measure reads."""
+        self.codec = self.codec.fit(flat, layout.word_bytes, prior, self.read, keep)
+        return self.codec, self.measure(flat, layout)
 
     @abc.abstractmethod
     def pack(
-        self, flat: torch.Tensor, measured: Measurement, slot: int, entry_bytes: int, word_bytes: int
+        self, flat: torch.Tensor, measured: Measurement, slot: int, layout: Layout
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, overflow)`` on ``flat``'s device: ``N * s * 32`` bytes, and the compacted overflow."""
 
@@ -98,14 +102,12 @@ class Engine(abc.ABC):
         slots: torch.Tensor,
         overflow: torch.Tensor,
         slot: int,
-        entry_bytes: int,
-        word_bytes: int,
-        nbytes: int,
+        layout: Layout,
         *,
         check: bool = True,
         error_flag: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The ``nbytes`` bytes back, on ``slots``' device (``overflow`` may live on the host).
+        """The ``layout.nbytes`` bytes back, on ``slots``' device (``overflow`` may live on the host).
 
         Raises :class:`~buddy.errors.CorruptDataError` for buffers the
         format cannot have produced (the overflow's size included). An engine
@@ -147,44 +149,42 @@ class BlockEngine(Engine):
         return format.decode_entries(self.codec, payload, k, modes, word_bytes)
 
     # ---- over the tensor --------------------------------------------------------
-    def measure(self, flat, entry_bytes, word_bytes):
-        n = -(-flat.numel() // entry_bytes)
-        mb, spe = spec.meta_bytes(entry_bytes), spec.sectors_per_entry(entry_bytes)
-        meta = torch.empty(n * mb, dtype=torch.uint8, device=flat.device)
-        histogram = torch.zeros(spe + 1, dtype=torch.int64, device=flat.device)
-        ranges = format.blocks(n, entry_bytes)
+    def measure(self, flat, layout):
+        n, mb, e = layout.n_entries, layout.entry_meta_bytes, layout.entry_bytes
+        meta = torch.empty(layout.meta_bytes, dtype=torch.uint8, device=flat.device)
+        histogram = torch.zeros(layout.bins, dtype=torch.int64, device=flat.device)
+        ranges = format.blocks(n, e)
         reuse = None
         for a, b in ranges:
-            k, modes, block_reuse = self.measure_block(format.entry_rows(flat, a, b, entry_bytes), word_bytes)
-            meta[a * mb : b * mb] = format.encode_meta(k, modes, entry_bytes)
-            histogram += torch.bincount(k.to(torch.int64), minlength=spe + 1)
+            k, modes, block_reuse = self.measure_block(format.entry_rows(flat, a, b, e), layout.word_bytes)
+            meta[a * mb : b * mb] = format.encode_meta(k, modes, e)
+            histogram += torch.bincount(k.to(torch.int64), minlength=layout.bins)
             if len(ranges) == 1:  # one block: pack writes its streams from this analysis
                 reuse = (k, modes, block_reuse)
         return Measurement(meta, tuple(histogram.tolist()), reuse)
 
-    def pack(self, flat, measured, slot, entry_bytes, word_bytes):
-        n = -(-flat.numel() // entry_bytes)
-        mb, slot_bytes = spec.meta_bytes(entry_bytes), slot * spec.SECTOR_BYTES
-        slots = torch.empty(n * slot_bytes, dtype=torch.uint8, device=flat.device)
+    def pack(self, flat, measured, slot, layout):
+        mb, e, slot_bytes = layout.entry_meta_bytes, layout.entry_bytes, slot * spec.SECTOR_BYTES
+        slots = torch.empty(layout.slots_bytes(slot), dtype=torch.uint8, device=flat.device)
         pieces = []
-        for a, b in format.blocks(n, entry_bytes):
+        for a, b in format.blocks(layout.n_entries, e):
             if measured.reuse is not None:
                 k, modes, reuse = measured.reuse
             else:
-                k, modes = format.decode_meta(measured.meta[a * mb : b * mb], entry_bytes, b - a, check=False)
+                k, modes = format.decode_meta(measured.meta[a * mb : b * mb], e, b - a, check=False)
                 reuse = None
-            payload = self.encode_block(format.entry_rows(flat, a, b, entry_bytes), word_bytes, k, modes, reuse)
-            slot_part, overflow = format.split_payload(payload, k, slot, entry_bytes)
+            payload = self.encode_block(format.entry_rows(flat, a, b, e), layout.word_bytes, k, modes, reuse)
+            slot_part, overflow = format.split_payload(payload, k, slot, e)
             slots[a * slot_bytes : b * slot_bytes].view(b - a, slot_bytes).copy_(slot_part)
             pieces.append(overflow.reshape(-1))
         overflow = torch.cat(pieces) if len(pieces) > 1 else (pieces[0] if pieces else slots.new_empty(0))
         return slots, overflow
 
-    def unpack(self, meta, slots, overflow, slot, entry_bytes, word_bytes, nbytes, *, check=True, error_flag=None):
-        n = -(-nbytes // entry_bytes)
+    def unpack(self, meta, slots, overflow, slot, layout, *, check=True, error_flag=None):
+        n, e, nbytes = layout.n_entries, layout.entry_bytes, layout.nbytes
         slot_bytes = slot * spec.SECTOR_BYTES
-        k_all, modes_all = format.decode_meta(meta, entry_bytes, n)
-        ranges = format.blocks(n, entry_bytes)
+        k_all, modes_all = format.decode_meta(meta, e, n)
+        ranges = format.blocks(n, e)
         # where each block's overflow starts, in one host transfer
         spill = torch.clamp(k_all - slot, min=0).to(torch.int64)
         ends = torch.cumsum(spill, 0)[[b - 1 for _, b in ranges]].tolist() if ranges else []
@@ -196,9 +196,9 @@ class BlockEngine(Engine):
         start = 0
         for (a, b), end in zip(ranges, ends):
             ov = overflow[start * spec.SECTOR_BYTES : end * spec.SECTOR_BYTES]
-            payload = format.join_payload(slots[a * slot_bytes : b * slot_bytes], ov, k_all[a:b], slot, entry_bytes)
-            entries = self.decode_block(payload, k_all[a:b], modes_all[a:b], word_bytes)
-            lo, hi = a * entry_bytes, min(b * entry_bytes, nbytes)
+            payload = format.join_payload(slots[a * slot_bytes : b * slot_bytes], ov, k_all[a:b], slot, e)
+            entries = self.decode_block(payload, k_all[a:b], modes_all[a:b], layout.word_bytes)
+            lo, hi = a * e, min(b * e, nbytes)
             out[lo:hi] = entries.view(-1)[: hi - lo]
             start = end
         return out

@@ -49,9 +49,10 @@ from .engine import Engine, Measurement
 from .errors import CorruptDataError, HostStoreFull
 from .integrity import Checksum
 from .ledger import DeviceLedger, default_ledger
-from .slots import DEFAULT_MAX_OVERFLOW, check_max_overflow, overflow_sectors, slot_for_overflow, tightest_slot
+from .layout import Layout, as_tensor, dense_strides, memory_bytes
+from .slots import DEFAULT_MAX_OVERFLOW, check_max_overflow, slot_for_overflow, tightest_slot
 from .store import BuddyStore, default_store
-from .tensor import BuddyTensor, as_tensor, check_tensor, dense_strides, memory_bytes
+from .tensor import BuddyTensor, check_tensor
 
 __all__ = ["Measured", "measure", "pack", "compress", "unpack", "size_histogram"]
 
@@ -69,10 +70,9 @@ class Measured:
     tensor: torch.Tensor
     flat: torch.Tensor  # the tensor's bytes in memory order (uint8, 1-D)
     stride: tuple[int, ...]  # strides the decompressed tensor gets
-    codec: Codec
+    codec: Codec  # the codec fitted to the tensor (a codec with a table), else the one asked for
     engine: Engine
-    entry_bytes: int
-    word_bytes: int
+    layout: Layout  # entry size, word size, bytes: built once, here
     measurement: Measurement
 
     @property
@@ -81,11 +81,19 @@ class Measured:
 
     @property
     def nbytes(self) -> int:
-        return self.flat.numel()
+        return self.layout.nbytes
+
+    @property
+    def entry_bytes(self) -> int:
+        return self.layout.entry_bytes
+
+    @property
+    def word_bytes(self) -> int:
+        return self.layout.word_bytes
 
     @property
     def n_entries(self) -> int:
-        return -(-self.nbytes // self.entry_bytes)
+        return self.layout.n_entries
 
     @property
     def backend(self) -> str:
@@ -103,7 +111,7 @@ class Measured:
 
     def overflow_bytes(self, slot: int) -> int:
         """Buddy bytes with a slot of ``slot`` sectors."""
-        return overflow_sectors(self.histogram, slot) * spec.SECTOR_BYTES
+        return self.layout.overflow_bytes(self.histogram, slot)
 
     def __repr__(self) -> str:
         return (
@@ -119,12 +127,12 @@ class _PackOptions(NamedTuple):
     ledger: DeviceLedger
 
 
-def _resolve(tensor, codec, entry_bytes, backend) -> tuple[Codec, int, Engine]:
-    """The tensor checked; codec, entry size and engine resolved from arguments and defaults."""
+def _resolve(tensor, codec, entry_bytes, backend) -> tuple[Engine, Layout]:
+    """The tensor checked; its engine (codec and backend) and its layout from the arguments and defaults."""
     check_tensor(tensor)
     codec = get_codec(config.defaults().codec if codec is None else codec)
-    entry_bytes = spec.check_entry_bytes(config.defaults().entry_bytes if entry_bytes is None else entry_bytes)
-    return codec, entry_bytes, dispatch.engine(codec, tensor.device, backend)
+    layout = Layout.of(tensor, config.defaults().entry_bytes if entry_bytes is None else entry_bytes)
+    return dispatch.engine(codec, tensor.device, backend), layout
 
 
 def _pack_options(store, on_full, checksum, ledger) -> _PackOptions:
@@ -138,19 +146,10 @@ def _pack_options(store, on_full, checksum, ledger) -> _PackOptions:
     return _PackOptions(store or default_store(), on_full, checksum, ledger or default_ledger())
 
 
-def _measure(
-    tensor: torch.Tensor, codec: Codec, entry_bytes: int, engine: Engine, prior=None, keep=None
-) -> Measured:
+def _measure(tensor: torch.Tensor, engine: Engine, layout: Layout, prior=None, keep=None) -> Measured:
     flat, stride = memory_bytes(tensor)
-    word = spec.word_bytes(tensor.dtype)
-    if engine.fits_tables:  # counted and fitted on the device, read back with the histogram
-        fitted, measurement = engine.fit_measure(flat, entry_bytes, word, prior, keep)
-        return Measured(tensor, flat, stride, fitted, engine, entry_bytes, word, measurement)
-    fitted = codec.fit(flat, word, prior, engine.read, keep)  # a codec with a table fits it (to the tensor or prior)
-    if fitted is not codec:
-        reads, engine = engine.readbacks, dispatch.engine(fitted, tensor.device, engine.backend)
-        engine.readbacks += reads  # the fit's read of the tensor's statistics counts toward this compress
-    return Measured(tensor, flat, stride, fitted, engine, entry_bytes, word, engine.measure(flat, entry_bytes, word))
+    fitted, measurement = engine.fit_measure(flat, layout, prior, keep)  # a codec with a table fits it
+    return Measured(tensor, flat, stride, fitted, engine, layout, measurement)
 
 
 def measure(
@@ -187,13 +186,6 @@ def size_histogram(
     return list(measure(tensor, codec, entry_bytes=entry_bytes, backend=backend).histogram)
 
 
-def _check_slot(slot, entry_bytes: int) -> int:
-    spe = spec.sectors_per_entry(entry_bytes)
-    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot <= spe:
-        raise ValueError(f"slot must be an int in [0, {spe}] sectors for {entry_bytes}-byte entries, got {slot!r}")
-    return slot
-
-
 def pack(
     measured: Measured,
     slot: int,
@@ -211,7 +203,7 @@ def pack(
     if not isinstance(measured, Measured):
         raise TypeError(f"pack takes what buddy.measure returns, got {type(measured).__name__}")
     options = _pack_options(store, on_full, checksum, ledger)
-    return _pack(measured, _check_slot(slot, measured.entry_bytes), options)
+    return _pack(measured, measured.layout.check_slot(slot), options)
 
 
 def _pack(measured: Measured, slot: int, options: _PackOptions) -> BuddyTensor:
@@ -225,9 +217,7 @@ def _pack(measured: Measured, slot: int, options: _PackOptions) -> BuddyTensor:
         overflow = store.allocate(0)
     try:
         engine, t = measured.engine, measured.tensor
-        slots, staged = engine.pack(
-            measured.flat, measured.measurement, slot, measured.entry_bytes, measured.word_bytes
-        )
+        slots, staged = engine.pack(measured.flat, measured.measurement, slot, measured.layout)
         if staged.numel() != overflow.nbytes:
             raise RuntimeError(
                 f"{engine!r} wrote {staged.numel()} overflow bytes where its sizes said {overflow.nbytes}"
@@ -239,9 +229,8 @@ def _pack(measured: Measured, slot: int, options: _PackOptions) -> BuddyTensor:
         # built inside the try: an interrupt as the tensor counts itself in must not strand its overflow
         return BuddyTensor(
             shape=t.shape, stride=measured.stride, dtype=t.dtype, device=t.device, codec=measured.codec,
-            entry_bytes=measured.entry_bytes, slot_sectors=slot, original_bytes=measured.nbytes,
-            histogram=measured.histogram, slots=slots, meta=meta, overflow=overflow, store=store,
-            ledger=options.ledger, backend=engine.backend, checksum=sums, table=table,
+            layout=measured.layout, slot_sectors=slot, histogram=measured.histogram, slots=slots, meta=meta,
+            overflow=overflow, store=store, ledger=options.ledger, backend=engine.backend, checksum=sums, table=table,
         )  # fmt: skip
     except BaseException:
         store.release(overflow)  # nothing half-written survives, KeyboardInterrupt included
@@ -311,7 +300,7 @@ def compress(
     Other arguments: see the module doc. Returns a :class:`BuddyTensor`; the
     size pass needs one device-to-host read.
     """
-    codec, entry_bytes, engine = _resolve(tensor, codec, entry_bytes, backend)
+    engine, layout = _resolve(tensor, codec, entry_bytes, backend)
     if max_overflow is not None:
         max_overflow = check_max_overflow(max_overflow)
         if target_ratio is not None:
@@ -320,9 +309,9 @@ def compress(
                 f"({max_overflow!r}: the slot from the tensor's sizes), not both"
             )
     max_overflow = DEFAULT_MAX_OVERFLOW if max_overflow is None else max_overflow
-    fixed = None if target_ratio is None else spec.slot_for_ratio(target_ratio, entry_bytes)
+    fixed = None if target_ratio is None else spec.slot_for_ratio(target_ratio, layout.entry_bytes)
     options = _pack_options(store, on_full, checksum, ledger)
-    measured = _measure(tensor, codec, entry_bytes, engine)
+    measured = _measure(tensor, engine, layout)
     slot = fixed if fixed is not None else slot_for_overflow(measured.histogram, max_overflow, measured.nbytes)
     bt = _pack(measured, slot, options)
     bt.requested_ratio = None if target_ratio is None else _as_float(target_ratio)
@@ -361,11 +350,11 @@ def unpack(
     (:attr:`BuddyTensor.table`); codecs without one refuse it.
     """
     codec = get_codec(codec)
-    entry_bytes = spec.check_entry_bytes(entry_bytes)
-    slot_sectors = _check_slot(slot_sectors, entry_bytes)
     shape = _check_shape(shape)
-    stride = None if stride is None else _check_stride(stride, shape)
     word = spec.word_bytes(dtype)  # TypeError / ValueError for anything that is not a dtype buddy stores
+    layout = Layout(entry_bytes, math.prod(shape) * torch.empty((), dtype=dtype).element_size(), word)
+    slot_sectors = layout.check_slot(slot_sectors)
+    stride = None if stride is None else _check_stride(stride, shape)
     meta, slots, overflow = (_byte_buffer(n, b) for n, b in (("meta", meta), ("slots", slots), ("overflow", overflow)))
     if meta.device != slots.device:
         raise ValueError(f"meta and slots must be on the same device, got {meta.device} and {slots.device}")
@@ -374,13 +363,33 @@ def unpack(
         integrity.verify(meta, slots, overflow, checksum, table)  # before anything is decoded
     codec = codec.bind(table, word)  # CorruptDataError for a damaged table, or one the codec does not take
     engine = dispatch.engine(codec, slots.device, backend)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    n_entries = -(-nbytes // entry_bytes)
-    if slots.numel() != n_entries * slot_sectors * spec.SECTOR_BYTES:
-        raise CorruptDataError(
-            f"slots hold {slots.numel()} bytes, expected {n_entries * slot_sectors * spec.SECTOR_BYTES}"
-        )
-    flat = engine.unpack(meta, slots, overflow, slot_sectors, entry_bytes, word, nbytes, check=True)
+    return decode(engine, (meta, slots, overflow), slot_sectors, layout, shape, dtype, stride)
+
+
+def decode(
+    engine: Engine,
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    slot: int,
+    layout: Layout,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    stride: Sequence[int] | None,
+    *,
+    check: bool = True,
+    error_flag: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The one decode of :func:`unpack` and :meth:`BuddyTensor.decompress`, their arguments checked.
+
+    ``buffers``: ``(meta, slots, overflow)``, flat ``uint8``; the slots must
+    be as large as ``layout`` and ``slot`` say (:class:`CorruptDataError`).
+    ``engine`` decodes them (``check`` and ``error_flag``: see
+    :meth:`Engine.unpack`), and the bytes come back as the tensor of
+    ``shape`` and ``dtype``, laid out with ``stride`` (or contiguous).
+    """
+    meta, slots, overflow = buffers
+    if slots.numel() != layout.slots_bytes(slot):
+        raise CorruptDataError(f"slots hold {slots.numel()} bytes, expected {layout.slots_bytes(slot)}")
+    flat = engine.unpack(meta, slots, overflow, slot, layout, check=check, error_flag=error_flag)
     return as_tensor(flat, shape, dtype, stride)
 
 

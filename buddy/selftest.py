@@ -46,6 +46,7 @@ import torch
 
 from .codecs import get_codec
 from .engine import Engine
+from .layout import Layout
 
 __all__ = ["Verdict", "verdict", "run", "reset", "VECTORS", "INPUTS", "SLOT", "SOURCES", "load_vectors"]
 
@@ -172,14 +173,9 @@ def _compress(codec: str, name: str, vectors: dict, device: torch.device, factor
     golden = f"{name}/{codec}"
     flat = vectors[f"{name}/input"].to(device, copy=True)
     engine = factory(get_codec(codec))
-    if engine.fits_tables:
-        fitted, measured = engine.fit_measure(flat, entry_bytes, word)
-    else:
-        fitted = engine.codec.fit(flat, word, None, engine.read)
-        if fitted is not engine.codec:
-            engine = factory(fitted)
-        measured = engine.measure(flat, entry_bytes, word)
-    slots, overflow = engine.pack(flat, measured, SLOT, entry_bytes, word)
+    layout = Layout(entry_bytes, flat.numel(), word)
+    fitted, measured = engine.fit_measure(flat, layout)
+    slots, overflow = engine.pack(flat, measured, SLOT, layout)
     got: dict[str, torch.Tensor | None] = {"metadata": measured.meta, "slots": slots, "overflow": overflow}
     want = {"metadata": vectors[f"{golden}/meta"], "slots": vectors[f"{golden}/s{SLOT}/slots"]}
     want["overflow"] = vectors[f"{golden}/s{SLOT}/overflow"]
@@ -199,7 +195,7 @@ def _decompress(codec: str, name: str, vectors: dict, device: torch.device, fact
     bound = get_codec(codec).bind(vectors.get(f"{golden}/table"), word)
     meta, slots = (vectors[f"{golden}/{b}"].to(device, copy=True) for b in ("meta", f"s{SLOT}/slots"))
     overflow = vectors[f"{golden}/s{SLOT}/overflow"].clone()  # buddy memory: host
-    out = factory(bound).unpack(meta, slots, overflow, SLOT, entry_bytes, word, expected.numel(), check=True)
+    out = factory(bound).unpack(meta, slots, overflow, SLOT, Layout(entry_bytes, expected.numel(), word), check=True)
     differs = _first_difference(expected, out)
     return None if differs is None else f"case {name}, decompress: decoded bytes, {differs}"
 

@@ -1,8 +1,8 @@
 """BuddyTensor: a tensor held as fixed-size slots on its device plus overflow in buddy memory.
 
-Also what a tensor must be to be compressed (:func:`check_tensor`) and how
-its bytes are read (:func:`memory_bytes`: in memory order for any dense
-layout, so decompression restores the strides).
+Also what a tensor must be to be compressed (:func:`check_tensor`); how its
+bytes are read (in memory order for any dense layout, so decompression
+restores the strides) is :mod:`buddy.layout`'s.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from . import dispatch, integrity, spec, streams
 from .codecs import Codec
 from .errors import FreedTensorError, UnsupportedTensorError
 from .integrity import Checksum
+from .layout import Layout
 from .ledger import DeviceLedger, Hold
 from .store import BuddyAllocation, BuddyStore
 
-__all__ = ["BuddyTensor", "check_tensor", "dense_strides", "memory_bytes", "as_tensor"]
+__all__ = ["BuddyTensor", "check_tensor"]
 
 
 def check_tensor(tensor) -> None:
@@ -73,59 +74,6 @@ def _wrapper_kind(tensor: torch.Tensor) -> str | None:
     return None
 
 
-def dense_strides(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether a layout covers a contiguous span of memory exactly once (any dimension order).
-
-    Such a tensor (contiguous, transposed, channels-last ...) is compressed in
-    memory order and decompressed with the same strides.
-    """
-    if 0 in shape:
-        return True  # no elements, no memory: any strides will do
-    expected = 1
-    for size, stride in sorted(((n, st) for n, st in zip(shape, strides) if n != 1), key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def memory_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """The tensor's values as flat bytes, and the strides to restore them with.
-
-    A dense layout is read in memory order, so decompression gives back the
-    same strides -- which matters: kernels may round differently on another
-    layout. Anything else (gaps, overlaps) is copied to contiguous first.
-    Lazy conjugate/negative views are resolved.
-    """
-    t = tensor.detach().resolve_conj().resolve_neg()
-    if not dense_strides(t.shape, t.stride()):
-        t = _contiguous(t)
-    return t.as_strided((t.numel(),), (1,), t.storage_offset()).view(torch.uint8), t.stride()
-
-
-def as_tensor(
-    flat: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, stride: Sequence[int] | None
-) -> torch.Tensor:
-    """Decoded bytes as the tensor: ``dtype`` and ``shape``, laid out in memory order with ``stride`` (or contiguous)."""
-    values = flat.view(dtype)
-    return values.reshape(shape) if stride is None else values.as_strided(shape, stride)
-
-
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``t``'s elements, bit for bit.
-
-    Copies through a same-size integer view: dtypes without a copy kernel of
-    their own (``uint4``, ``int3`` ...) work, and no float copy can touch a NaN.
-    """
-    as_int = _SAME_SIZE_INT.get(t.element_size())
-    if as_int is None or t.dtype == as_int:
-        return t.contiguous()  # complex128 (16 bytes) has no integer twin
-    return t.view(as_int).contiguous().view(t.dtype)
-
-
 def _release(store: BuddyStore, alloc: BuddyAllocation, hold: Hold) -> None:
     store.release(alloc)
     hold.release()
@@ -170,9 +118,8 @@ class BuddyTensor:
         dtype: torch.dtype,
         device: torch.device,
         codec: Codec,
-        entry_bytes: int,
+        layout: Layout,
         slot_sectors: int,
-        original_bytes: int,
         histogram: Sequence[int],
         slots: torch.Tensor,
         meta: torch.Tensor,
@@ -190,10 +137,12 @@ class BuddyTensor:
         self.device = device
         self._codec = codec
         self.backend = backend
-        self.entry_bytes = entry_bytes
+        #: entry size, word size and bytes of the tensor's data (see :class:`~buddy.layout.Layout`)
+        self.layout = layout
+        self.entry_bytes = layout.entry_bytes
         self.slot_sectors = slot_sectors
-        self.original_bytes = original_bytes
-        self.n_entries = -(-original_bytes // entry_bytes)
+        self.original_bytes = layout.nbytes
+        self.n_entries = layout.n_entries
         #: entries per size: ``histogram[k]`` entries compress to ``k`` sectors
         self.histogram = tuple(int(n) for n in histogram)
         self.format_version = codec.format_version
@@ -225,11 +174,11 @@ class BuddyTensor:
 
     @property
     def target_ratio(self) -> float:
-        return spec.ratio_for_slot(self.slot_sectors, self.entry_bytes)
+        return self.layout.ratio(self.slot_sectors)
 
     @property
     def compressed_bytes(self) -> int:
-        return sum(k * n for k, n in enumerate(self.histogram)) * spec.SECTOR_BYTES
+        return self.layout.compacted_bytes(self.histogram)
 
     @property
     def effective_ratio(self) -> float:
@@ -238,7 +187,7 @@ class BuddyTensor:
 
     @property
     def word_bytes(self) -> int:
-        return spec.word_bytes(self.dtype)
+        return self.layout.word_bytes
 
     @property
     def freed(self) -> bool:
@@ -337,15 +286,18 @@ class BuddyTensor:
         ops = streams.for_device(self.device)
         stream = ops.current(self.device)
         overflow = self._overflow_for(ops, stream)
-        flat = engine.unpack(
-            self._meta, self._slots, overflow, self.slot_sectors, self.entry_bytes, self.word_bytes,
-            self.original_bytes, check=check, error_flag=error_flag,
+        from .pipeline import decode  # the pipeline builds BuddyTensors: imported when first decoded
+
+        buffers = (self._meta, self._slots, overflow)
+        out = decode(
+            engine, buffers, self.slot_sectors, self.layout, self.shape, self.dtype, self.stride,
+            check=check, error_flag=error_flag,
         )  # fmt: skip
         if overflow is self._overflow.data:
             self._overflow.used_on(ops, stream)  # read (copied to the device) on this stream: busy until it ends
-        for buffer in (self._meta, self._slots, overflow):
+        for buffer in buffers:
             ops.keep_for(buffer, stream)  # read on this stream: their memory outlives that work
-        return as_tensor(flat, self.shape, self.dtype, self.stride)
+        return out
 
     def _overflow_for(self, ops, stream) -> torch.Tensor:
         """The overflow, ready for ``stream`` to read: the prefetched device copy, or buddy memory."""

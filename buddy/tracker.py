@@ -67,6 +67,7 @@ import torch
 
 from . import spec
 from ._process_default import ProcessDefault
+from .layout import Layout
 from .ledger import DeviceLedger, default_ledger
 from .slots import DEFAULT_MAX_OVERFLOW, larger_than, overflow_sectors, slot_for_overflow, tightest_slot
 
@@ -108,27 +109,38 @@ class Decision:
     ``predicted`` is the key's predicted histogram (``None`` for a new key);
     ``current`` is this tensor's own histogram from the size pass.
     ``held_device_bytes`` are the device bytes held on the tracker's ledger
-    right now (for budgets). ``table_bytes``: the codec table the tensor
-    carries on the device (format version 2), whatever its slot. ``group``:
-    the key's group (:func:`group_of`).
+    right now (for budgets). ``layout``: the tensor's entries and bytes
+    (:class:`~buddy.layout.Layout`). ``table_bytes``: the codec table the
+    tensor carries on the device (format version 2), whatever its slot.
+    ``group``: the key's group (:func:`group_of`).
     """
 
     key: str
-    entry_bytes: int
-    n_entries: int
-    original_bytes: int
+    layout: Layout
     current: tuple[float, ...]
     predicted: tuple[float, ...] | None
     held_device_bytes: int
     table_bytes: int = 0
     group: str = ""
 
+    @property
+    def entry_bytes(self) -> int:
+        return self.layout.entry_bytes
+
+    @property
+    def n_entries(self) -> int:
+        return self.layout.n_entries
+
+    @property
+    def original_bytes(self) -> int:
+        return self.layout.nbytes
+
     def device_bytes(self, slot: int) -> int:
-        return self.n_entries * (slot * spec.SECTOR_BYTES + spec.meta_bytes(self.entry_bytes)) + self.table_bytes
+        return self.layout.device_bytes(slot, self.table_bytes)
 
     def overflow_bytes(self, slot: int) -> int:
         """What this tensor really spills with ``slot`` (from its own histogram of whole entries)."""
-        return int(overflow_sectors(self.current, slot)) * spec.SECTOR_BYTES
+        return self.layout.overflow_bytes(self.current, slot)
 
 
 @dataclass(frozen=True)
@@ -160,21 +172,29 @@ class Placement:
 
     slot: int
     predicted_overflow_bytes: int | None
-    entry_bytes: int
-    n_entries: int
-    original_bytes: int
+    layout: Layout
     table_bytes: int = 0
     corrected: bool = False
 
     @property
+    def entry_bytes(self) -> int:
+        return self.layout.entry_bytes
+
+    @property
+    def n_entries(self) -> int:
+        return self.layout.n_entries
+
+    @property
+    def original_bytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
     def keep(self) -> bool:
-        return self.slot == spec.sectors_per_entry(self.entry_bytes)
+        return self.slot == self.layout.sectors_per_entry
 
     @property
     def device_bytes(self) -> int:
-        if self.keep:
-            return self.original_bytes
-        return self.n_entries * (self.slot * spec.SECTOR_BYTES + spec.meta_bytes(self.entry_bytes)) + self.table_bytes
+        return self.original_bytes if self.keep else self.layout.device_bytes(self.slot, self.table_bytes)
 
 
 class Policy:
@@ -264,11 +284,8 @@ class DeviceBudget(Policy):
         spe = {h.key: len(h.predicted()) - 1 for h in keys}
         slots = dict(spe)
         larger = {h.key: larger_than(h.predicted()) for h in keys}
-        per_sector = {h.key: h.n_entries * spec.SECTOR_BYTES for h in keys}
-        total = sum(
-            h.n_entries * (spe[h.key] * spec.SECTOR_BYTES + spec.meta_bytes(h.entry_bytes)) + (0 if h.fitted is None else h.fitted.table_bytes)
-            for h in keys
-        )
+        per_sector = {h.key: h.layout.slots_bytes(1) for h in keys}
+        total = sum(h.layout.device_bytes(spe[h.key], 0 if h.fitted is None else h.fitted.table_bytes) for h in keys)
 
         def cost(key: str) -> float:  # added overflow per device byte saved by one step down
             return larger[key][slots[key] - 1] / per_sector[key]
@@ -469,8 +486,7 @@ class KeyHistory:
     """Recent entry-size histograms of one key, and how the predictions went."""
 
     key: str
-    entry_bytes: int
-    n_entries: int
+    layout: Layout  # the tensor's entries and bytes when the key was last recorded
     decay: float
     window: int
     #: the key's group (:func:`group_of`), the tracker step it was last recorded in, and its place in that
@@ -486,6 +502,18 @@ class KeyHistory:
     fitted: Codec | None = None
     #: GPU statistics on their way to the host: (pinned copy, event), oldest first
     _pending: deque = field(default_factory=deque, repr=False)
+
+    @property
+    def entry_bytes(self) -> int:
+        return self.layout.entry_bytes
+
+    @property
+    def n_entries(self) -> int:
+        return self.layout.n_entries
+
+    def fits(self, layout: Layout) -> bool:
+        """Whether a tensor of ``layout`` is the tensor this history is of (same entry size, same entries)."""
+        return (layout.entry_bytes, layout.n_entries) == (self.entry_bytes, self.n_entries)
 
     @property
     def steps(self) -> int:
@@ -552,6 +580,20 @@ class KeyHistory:
             for o in self.observations
             if o.predicted_overflow_bytes is not None and o.original_bytes
         ]
+
+
+
+def _layout_arg(layout: Layout | None, entry_bytes: int | None, original_bytes: int | None) -> Layout:
+    """The tensor's layout: ``layout``, or the one of ``entry_bytes`` and ``original_bytes`` (the earlier keywords)."""
+    if layout is None:
+        if entry_bytes is None or original_bytes is None:
+            raise TypeError("the tracker needs the tensor's layout= (or entry_bytes= and original_bytes=)")
+        return Layout(entry_bytes, original_bytes)
+    if entry_bytes is not None or original_bytes is not None:
+        raise TypeError("give the tracker layout= or entry_bytes= and original_bytes=, not both")
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a buddy.layout.Layout, got {type(layout).__name__}")
+    return layout
 
 
 class Tracker:
@@ -656,44 +698,47 @@ class Tracker:
         key: str,
         histogram,
         *,
-        entry_bytes: int,
-        original_bytes: int,
+        layout: Layout | None = None,
         policy: Policy | None = None,
         table_bytes: int = 0,
+        entry_bytes: int | None = None,
+        original_bytes: int | None = None,
     ) -> Placement:
         """Where a tensor about to be packed goes: its slot under ``policy`` (default: the tracker's).
 
-        ``table_bytes``: the codec table it will carry on the device (budgets count it).
+        ``layout``: the tensor's entries and bytes (:attr:`buddy.Measured.layout`; or ``entry_bytes`` and
+        ``original_bytes``, from which it is built); ``table_bytes``: the codec table it will carry on the device
+        (budgets count it).
         """
-        slot, predicted, corrected = self._decide(key, histogram, entry_bytes, original_bytes, policy, table_bytes)
-        return Placement(slot, predicted, entry_bytes, int(sum(histogram)), original_bytes, table_bytes, corrected)
+        layout = _layout_arg(layout, entry_bytes, original_bytes)
+        slot, predicted, corrected = self._decide(key, histogram, layout, policy, table_bytes)
+        return Placement(slot, predicted, layout, table_bytes, corrected)
 
     def choose(
         self,
         key: str,
         histogram,
         *,
-        entry_bytes: int,
-        original_bytes: int,
+        layout: Layout | None = None,
         policy: Policy | None = None,
         table_bytes: int = 0,
+        entry_bytes: int | None = None,
+        original_bytes: int | None = None,
     ):
         """``(slot, predicted_overflow_bytes or None)`` for a tensor about to be packed (:meth:`plan` says more)."""
-        return self._decide(key, histogram, entry_bytes, original_bytes, policy, table_bytes)[:2]
+        return self._decide(key, histogram, _layout_arg(layout, entry_bytes, original_bytes), policy, table_bytes)[:2]
 
-    def _decide(self, key, histogram, entry_bytes, original_bytes, policy, table_bytes):
+    def _decide(self, key, histogram, layout: Layout, policy, table_bytes):
         """``(slot, predicted overflow bytes or None, corrected)``."""
         policy = policy or self.policy
         held = self.ledger.bytes_held
         with self._lock:
             hist = self._keys.get(key)
-            compatible = hist is not None and hist.entry_bytes == entry_bytes and hist.n_entries == sum(histogram)
+            compatible = hist is not None and hist.fits(layout)
             predicted = hist.predicted() if hist is not None and compatible and hist.histograms else None
             decision = Decision(
                 key=key,
-                entry_bytes=entry_bytes,
-                n_entries=int(sum(histogram)),
-                original_bytes=original_bytes,
+                layout=layout,
                 current=tuple(histogram),
                 predicted=predicted,
                 held_device_bytes=held,
@@ -712,30 +757,32 @@ class Tracker:
         histogram,
         *,
         slot: int,
-        entry_bytes: int,
-        original_bytes: int,
+        layout: Layout | None = None,
         predicted_overflow_bytes,
         statistics: torch.Tensor | None = None,
         fitted: Codec | None = None,
+        entry_bytes: int | None = None,
+        original_bytes: int | None = None,
     ):
-        """Add what happened when ``key`` was packed with ``slot``.
+        """Add what happened when ``key`` (of ``layout``, or ``entry_bytes`` and ``original_bytes``) was packed
+        with ``slot``.
 
         ``statistics``: the tensor's symbol statistics, if any; ``fitted``: the
         codec it was measured with (:attr:`buddy.Measured.codec`), for the next step to keep its table.
         """
+        layout = _layout_arg(layout, entry_bytes, original_bytes)
         observation = Observation(
             slot=slot,
             predicted_overflow_bytes=predicted_overflow_bytes,
-            overflow_bytes=overflow_sectors(histogram, slot) * spec.SECTOR_BYTES,
-            original_bytes=original_bytes,
-            ideal_bytes=sum(k * n for k, n in enumerate(histogram)) * spec.SECTOR_BYTES,
+            overflow_bytes=layout.overflow_bytes(histogram, slot),
+            original_bytes=layout.nbytes,
+            ideal_bytes=layout.compacted_bytes(histogram),
         )
-        n_entries = int(sum(histogram))
         with self._lock:
             hist = self._keys.get(key)
-            if hist is None or hist.entry_bytes != entry_bytes or hist.n_entries != n_entries:
+            if hist is None or not hist.fits(layout):
                 # a new key, or the same name for a different tensor: start over
-                hist = KeyHistory(key, entry_bytes, n_entries, self.decay, self.window, group_of(key))
+                hist = KeyHistory(key, layout, self.decay, self.window, group_of(key))
                 self._keys[key] = hist
             step, count = self._recorded.get(hist.group, (self._step, 0))
             count = count if step == self._step else 0

@@ -20,8 +20,8 @@ import buddy
 from buddy import spec
 from buddy.deps import available, require
 from buddy.format import decode_meta
+from buddy.layout import Layout, memory_bytes
 from buddy.slots import slot_for_overflow
-from buddy.tensor import memory_bytes
 
 __all__ = [
     "entry_sectors",
@@ -81,7 +81,7 @@ def entry_sectors(t: torch.Tensor, codec: str, entry_bytes: int) -> torch.Tensor
 def histogram(t: torch.Tensor, codec: str, entry_bytes: int) -> list[int]:
     """``h[k]``: entries of ``t`` that compress to ``k`` sectors (what :func:`buddy.size_histogram` returns)."""
     k = entry_sectors(t, codec, entry_bytes)
-    return torch.bincount(k.to(torch.int64), minlength=spec.sectors_per_entry(entry_bytes) + 1).tolist()
+    return torch.bincount(k.to(torch.int64), minlength=Layout.of(t, entry_bytes).bins).tolist()
 
 
 # ---- one slot per tensor against one slot per region -----------------------------------------------
@@ -118,13 +118,13 @@ class Placed:
 
 def place_per_tensor(sectors: torch.Tensor, nbytes: int, entry_bytes: int, max_overflow: float) -> Placed:
     """One slot for the whole tensor: ``BuddyThreshold(max_overflow)`` on its own histogram."""
-    hist = torch.bincount(sectors.to(torch.int64), minlength=spec.sectors_per_entry(entry_bytes) + 1).tolist()
+    layout = Layout(entry_bytes, nbytes)
+    hist = torch.bincount(sectors.to(torch.int64), minlength=layout.bins).tolist()
     slot = slot_for_overflow(hist, max_overflow, nbytes)
-    buddy_bytes = sum((k - slot) * n for k, n in enumerate(hist) if k > slot) * spec.SECTOR_BYTES
-    if slot == spec.sectors_per_entry(entry_bytes):
+    buddy_bytes = layout.overflow_bytes(hist, slot)
+    if slot == layout.sectors_per_entry:
         return Placed(nbytes, nbytes, buddy_bytes)  # kept as it is
-    n = sectors.numel()
-    return Placed(nbytes, n * (slot * spec.SECTOR_BYTES + spec.meta_bytes(entry_bytes)), buddy_bytes)
+    return Placed(nbytes, layout.device_bytes(slot), buddy_bytes)
 
 
 def _tail_counts(hists: torch.Tensor) -> torch.Tensor:
@@ -160,7 +160,8 @@ def place_per_region(
     if (max_overflow is None) == (budget_bytes is None):
         raise ValueError("give exactly one of max_overflow and budget_bytes")
     hists = region_histograms(sectors, entry_bytes, region_bytes).double()
-    spe = spec.sectors_per_entry(entry_bytes)
+    layout = Layout(entry_bytes, nbytes)
+    spe = layout.sectors_per_entry
     entries = hists.sum(1)
     tail = _tail_counts(hists)  # overflow saved by the step from slot s to s + 1, in sectors
     if budget_bytes is not None:
@@ -183,7 +184,7 @@ def place_per_region(
     if bool((slots == spe).all()):
         return Placed(nbytes, nbytes, buddy_bytes)
     slot_bytes = int(round(float((entries * slots).sum()))) * spec.SECTOR_BYTES
-    device = slot_bytes + sectors.numel() * spec.meta_bytes(entry_bytes) + len(entries) * REGION_TABLE_BYTES
+    device = slot_bytes + layout.meta_bytes + len(entries) * REGION_TABLE_BYTES
     return Placed(nbytes, device, buddy_bytes)
 
 
@@ -271,13 +272,12 @@ def entry_zstd_histogram(t: torch.Tensor, entry_bytes: int, level: int = 3) -> l
         level, format=zstd.FORMAT_ZSTD1_MAGICLESS, write_checksum=False, write_content_size=False, write_dict_id=False
     )
     cctx = zstd.ZstdCompressor(compression_params=params)
-    data = data_bytes(t)
-    pad = -data.numel() % entry_bytes
-    if pad:
-        data = torch.cat([data, data.new_zeros(pad)])
+    data, layout = data_bytes(t), Layout.of(t, entry_bytes)
+    if layout.tail_bytes:  # the partial last entry, zero-padded
+        data = torch.cat([data, data.new_zeros(entry_bytes - layout.tail_bytes)])
     entries = data.view(-1, entry_bytes)
-    spe = spec.sectors_per_entry(entry_bytes)
-    hist = [0] * (spe + 1)
+    spe = layout.sectors_per_entry
+    hist = [0] * layout.bins
     nonzero = (entries != 0).any(dim=1)
     hist[0] = int((~nonzero).sum())
     view = data.numpy().data  # a memoryview of the bytes
@@ -287,9 +287,9 @@ def entry_zstd_histogram(t: torch.Tensor, entry_bytes: int, level: int = 3) -> l
     return hist
 
 
-def compacted_bytes(histogram: Sequence[float]) -> float:
+def compacted_bytes(histogram: Sequence[int]) -> float:
     """``sum(k * h[k]) * 32``: the size with every entry's sectors compacted (no slots)."""
-    return sum(k * n for k, n in enumerate(histogram)) * spec.SECTOR_BYTES
+    return Layout.compacted_bytes(histogram)
 
 
 def general_purpose_sizes(t: torch.Tensor) -> dict[str, int]:
@@ -341,15 +341,11 @@ def simulate_policy(
         tracker.begin_step(policy)
         holds = []
         for key, hist, nbytes in tensors:
-            place = tracker.plan(key, hist, entry_bytes=entry_bytes, original_bytes=nbytes, policy=policy)
+            layout = Layout(entry_bytes, nbytes)
+            place = tracker.plan(key, hist, layout=layout, policy=policy)
             holds.append(tracker.ledger.hold(place.device_bytes))
             observed = tracker.record(
-                key,
-                hist,
-                slot=place.slot,
-                entry_bytes=entry_bytes,
-                original_bytes=nbytes,
-                predicted_overflow_bytes=place.predicted_overflow_bytes,
+                key, hist, slot=place.slot, layout=layout, predicted_overflow_bytes=place.predicted_overflow_bytes
             )
             outcomes.append(
                 Outcome(

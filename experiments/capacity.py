@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import buddy
-from experiments.analysis import default_policies, histogram, ratio, simulate_policy
+from experiments.analysis import compacted_bytes, default_policies, histogram, ratio, simulate_policy
 from experiments.common import capture_all, format_table, geomean, progress, start, write_results
 
 __all__ = ["histogram_points", "analyse", "headline", "set_summary", "main", "HEADLINE_POLICY"]
@@ -63,7 +63,7 @@ def analyse(captures: dict, *, codec: str, entry_bytes: int, show: bool = True) 
     for workload, caps in progress(captures.items(), desc=f"policies ({codec}, E={entry_bytes})", enabled=show):
         points = histogram_points(caps, codec, entry_bytes)
         step_bytes = sum(sum(n for _, _, n in tensors) for _, tensors in points) / max(len(points), 1)
-        compacted = sum(sum(k * c for k, c in enumerate(h)) * 32 for _, ts in points for _, h, _ in ts)
+        compacted = sum(compacted_bytes(h) for _, ts in points for _, h, _ in ts)
         for family, label, policy in default_policies(entry_bytes, step_bytes):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", buddy.BudgetExceededWarning)  # reported as over_budget below

@@ -178,7 +178,7 @@ def assert_roundtrip(bt: buddy.BuddyTensor, original: torch.Tensor) -> torch.Ten
     anything else comes back contiguous.
     """
     out = bt.decompress()
-    if buddy.tensor.dense_strides(original.shape, original.stride()):
+    if buddy.layout.dense_strides(original.shape, original.stride()):
         assert out.stride() == original.stride() or original.numel() <= 1
     else:
         assert out.is_contiguous()

@@ -323,3 +323,27 @@ def test_decompress_restores_dense_strides(make, dense):
     out = buddy.compress(x, codec="zvc").decompress()
     assert torch.equal(out, x)
     assert out.stride() == (x.stride() if dense else x.contiguous().stride())
+
+
+def test_decompress_and_unpack_share_one_decode(store, gen, monkeypatch):
+    """BuddyTensor.decompress decodes through the pipeline's decode, as buddy.unpack does, with its layout."""
+    seen = []
+    real = buddy.pipeline.decode
+
+    def spy(engine, buffers, slot, layout, shape, dtype, stride, **kwargs):
+        seen.append((slot, layout, tuple(shape), dtype, kwargs.get("check", True)))
+        return real(engine, buffers, slot, layout, shape, dtype, stride, **kwargs)
+
+    monkeypatch.setattr(buddy.pipeline, "decode", spy)
+    t = make_data("relu", 5000, torch.float32, gen).t()
+    bt = buddy.compress(t, codec="zvc", entry_bytes=512, target_ratio=2.0, store=store)
+    assert_bitexact(bt.decompress(), t)
+    meta, slots, overflow = bt.buffers()
+    out = buddy.unpack(
+        meta, slots, overflow, codec="zvc", entry_bytes=512, slot_sectors=bt.slot_sectors, shape=bt.shape,
+        dtype=bt.dtype, stride=bt.stride,
+    )  # fmt: skip
+    assert_bitexact(out, t)
+    expected = (bt.slot_sectors, bt.layout, tuple(t.shape), t.dtype)
+    assert [s[:4] for s in seen] == [expected, expected]
+    assert [s[4] for s in seen] == [False, True]  # decompress reads the device's verdict only when asked

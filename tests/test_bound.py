@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import buddy
 from buddy import spec
+from buddy.layout import Layout
 from buddy.slots import overflow_sectors
 from buddy.tracker import Decision
 
@@ -80,9 +81,9 @@ def _run_step(tracker, policy, tensors):
     out = []
     for key, hist in tensors:
         nbytes = sum(hist) * E
-        place = tracker.plan(key, hist, entry_bytes=E, original_bytes=nbytes, policy=policy)
+        place = tracker.plan(key, hist, layout=Layout(E, nbytes), policy=policy)
         tracker.record(
-            key, hist, slot=place.slot, entry_bytes=E, original_bytes=nbytes,
+            key, hist, slot=place.slot, layout=Layout(E, nbytes),
             predicted_overflow_bytes=place.predicted_overflow_bytes,
         )  # fmt: skip
         out.append((nbytes, overflow_sectors(hist, place.slot) * spec.SECTOR_BYTES, place.corrected, key))
@@ -171,7 +172,7 @@ def test_groups_plan_from_their_own_keys():
 
 def test_decision_without_a_group_plans_nothing_outside_a_step():
     fresh = buddy.OverflowBudget(0.10)
-    d = Decision("a", E, 100, 100 * E, _dense(12), _dense(8), 0)
+    d = Decision("a", Layout(E, 100 * E), _dense(12), _dense(8), 0)
     assert fresh.choose(d, buddy.Tracker()).slot == 11  # buddy.wrap's case: the per-tensor rule
 
 

@@ -22,6 +22,7 @@ from buddy.codecs.fpe import (
     symbol_bits, symbol_counts,
 )  # fmt: skip
 from buddy.errors import CorruptDataError
+from buddy.layout import Layout
 from buddy.spec import AUTO_MODES
 
 # bfloat16, table format 1: S = 2**9 symbols (sign << 8 | exponent), ZERO = 512, ESC = 513
@@ -434,7 +435,7 @@ def test_tracker_learns_statistics_across_steps():
     a[top12(127)] = 30
     b = torch.zeros(n_symbols(2), dtype=torch.int64)
     b[top12(126)] = 10
-    kw = dict(slot=2, entry_bytes=128, original_bytes=4096, predicted_overflow_bytes=0)
+    kw = dict(slot=2, layout=Layout(128, 4096), predicted_overflow_bytes=0)
     assert tracker.prior("x") is None
     tracker.record("x", (0, 32, 0, 0, 0), **kw, statistics=a)
     assert tracker.prior("x")[top12(127)] == 1.0

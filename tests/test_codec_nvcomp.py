@@ -38,6 +38,7 @@ import buddy
 from buddy import format
 from buddy.codecs import _nvcomp_capi as capi
 from buddy.codecs import nvcomp
+from buddy.layout import Layout
 from buddy.slots import overflow_sectors
 
 ENTRIES = (4096, 16384, 65536)
@@ -104,7 +105,7 @@ def test_cpu_tensors_are_refused_before_any_work(name, store):
         codec.analyse(torch.ones(1, 4096, dtype=torch.uint8), 4)
     engine = nvcomp.NvcompEngine(codec)  # the real engine, handed a CPU tensor directly
     with pytest.raises(buddy.MissingDependencyError, match="GPU"):
-        engine.measure(torch.ones(4096, dtype=torch.uint8), 4096, 1)
+        engine.measure(torch.ones(4096, dtype=torch.uint8), Layout(4096, 4096, 1))
 
 
 def test_device_filter_of_the_registry():
@@ -130,14 +131,14 @@ def test_small_entries_are_refused_before_any_work(host_nvcomp):
     engine = nvcomp.NvcompEngine(nvcomp.NvcompCodec("nvcomp-lz4"), batch=host_nvcomp, device_type="cpu")
     flat = torch.ones(8192, dtype=torch.uint8)
     with pytest.raises(ValueError, match="4-64 KiB"):
-        engine.measure(flat, 2048, 1)
-    measured = engine.measure(flat, 4096, 1)
+        engine.measure(flat, Layout(2048, flat.numel(), 1))
+    measured = engine.measure(flat, Layout(4096, flat.numel(), 1))
     host_nvcomp.calls.clear()
     with pytest.raises(ValueError, match="4-64 KiB"):
-        engine.pack(flat, measured, 1, 2048, 1)
+        engine.pack(flat, measured, 1, Layout(2048, flat.numel(), 1))
     with pytest.raises(ValueError, match="4-64 KiB"):
         engine.unpack(
-            measured.meta, torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.uint8), 0, 512, 1, 8192
+            measured.meta, torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.uint8), 0, Layout(512, 8192, 1)
         )
     with pytest.raises(ValueError, match="4-64 KiB"):
         buddy.compress(flat.float(), codec="nvcomp-lz4", entry_bytes=1024)
@@ -579,7 +580,7 @@ def test_the_pointer_arrays_nvcomp_gets(host_nvcomp, gen):
     x = mixed(e, 6, gen)
     flat = x.view(torch.uint8)
     engine = buddy.dispatch.engine(buddy.get_codec("nvcomp-ans"), "cpu")
-    measured = engine.measure(flat, e, 4)
+    measured = engine.measure(flat, Layout(e, flat.numel(), 4))
     c = host_nvcomp.arrays["compress"]
     n = 7
     assert c["chunk_bytes"] == e and c["in_bytes"].tolist() == [e] * n
@@ -587,8 +588,8 @@ def test_the_pointer_arrays_nvcomp_gets(host_nvcomp, gen):
     assert c["in_ptrs"][6] != flat.data_ptr() + 6 * e  # the last entry, zero-padded elsewhere
     stride = int(c["out_ptrs"][1] - c["out_ptrs"][0])
     assert stride >= e + 64 and stride % 64 == 0 and c["out_ptrs"].diff().eq(stride).all()
-    slots, overflow = engine.pack(flat, measured, 2, e, 4)
-    engine.unpack(measured.meta, slots, overflow, 2, e, 4, flat.numel(), check=False)
+    slots, overflow = engine.pack(flat, measured, 2, Layout(e, flat.numel(), 4))
+    engine.unpack(measured.meta, slots, overflow, 2, Layout(e, flat.numel(), 4), check=False)
     d = host_nvcomp.arrays["decompress"]
     k, _ = format.decode_meta(measured.meta, e, n)
     coded = (k > 0) & (k < e // 32)
@@ -607,14 +608,14 @@ def test_host_reads_and_syncing_ops(host_nvcomp, gen):
     flat = mixed(e, 12, gen).view(torch.uint8)
     engine = buddy.dispatch.engine(buddy.get_codec("nvcomp-lz4"), "cpu")
     with _ops() as measured_ops:
-        measured = engine.measure(flat, e, 4)
+        measured = engine.measure(flat, Layout(e, flat.numel(), 4))
     with _ops() as packed_ops:
-        slots, overflow = engine.pack(flat, measured, 40, e, 4)
+        slots, overflow = engine.pack(flat, measured, 40, Layout(e, flat.numel(), 4))
     assert engine.readbacks == 1
     with _ops() as unpacked_ops:
-        out = engine.unpack(measured.meta, slots, overflow, 40, e, 4, flat.numel(), check=False)
+        out = engine.unpack(measured.meta, slots, overflow, 40, Layout(e, flat.numel(), 4), check=False)
     assert engine.readbacks == 1 and torch.equal(out, flat)
-    engine.unpack(measured.meta, slots, overflow, 40, e, 4, flat.numel(), check=True)
+    engine.unpack(measured.meta, slots, overflow, 40, Layout(e, flat.numel(), 4), check=True)
     assert engine.readbacks == 2
     syncing = {"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero", "aten::masked_select",
                "aten::bincount", "aten::unique", "aten::_unique2", "aten::nonzero_static"}  # fmt: skip
@@ -643,11 +644,11 @@ def test_pack_without_what_measure_staged(host_nvcomp, gen):
     e = 4096
     flat = mixed(e, 5, gen).view(torch.uint8)
     engine = buddy.dispatch.engine(buddy.get_codec("nvcomp-lz4"), "cpu")
-    measured = engine.measure(flat, e, 4)
+    measured = engine.measure(flat, Layout(e, flat.numel(), 4))
     bare = buddy.engine.Measurement(measured.meta, measured.histogram)  # staging dropped: pack compresses again
-    slots, overflow = engine.pack(flat, bare, 3, e, 4)
+    slots, overflow = engine.pack(flat, bare, 3, Layout(e, flat.numel(), 4))
     assert [op for op, _ in host_nvcomp.calls] == ["compress", "compress"] and engine.readbacks == 1
-    assert torch.equal(engine.unpack(measured.meta, slots, overflow, 3, e, 4, flat.numel()), flat)
+    assert torch.equal(engine.unpack(measured.meta, slots, overflow, 3, Layout(e, flat.numel(), 4)), flat)
 
 
 def _buffers(host_nvcomp, gen, store, entry_bytes=4096, slot=4):
@@ -709,13 +710,13 @@ def test_unchecked_failures_decode_to_zeros(host_nvcomp, store, gen):
     coded = int(((k > 0) & (k < 128)).nonzero()[0])
     damaged = slots.clone()
     damaged[coded * 128 : coded * 128 + 4] = 0xFF
-    out = engine.unpack(meta, damaged, overflow, 4, e, 4, flat.numel(), check=False)
+    out = engine.unpack(meta, damaged, overflow, 4, Layout(e, flat.numel(), 4), check=False)
     assert engine.readbacks == 0
     rows, expected = out.view(-1), flat.clone()
     expected[coded * e : (coded + 1) * e] = 0
     assert torch.equal(rows, expected)
     with pytest.raises(buddy.CorruptDataError):
-        engine.unpack(meta, damaged, overflow, 4, e, 4, flat.numel(), check=True)
+        engine.unpack(meta, damaged, overflow, 4, Layout(e, flat.numel(), 4), check=True)
 
 
 def test_blocks_of_payloads(host_nvcomp, store, gen, monkeypatch):
@@ -851,14 +852,14 @@ def test_gpu_one_host_read_per_compress_none_per_decompress(name, gen):
     flat = mixed(e, 40, gen).cuda().view(torch.uint8)
     engine = buddy.dispatch.engine(buddy.get_codec(name), flat.device)
     with _sync_warnings() as measured_syncs:
-        measured = engine.measure(flat, e, 4)
+        measured = engine.measure(flat, Layout(e, flat.numel(), 4))
     with _sync_warnings() as packed_syncs:
-        slots, overflow = engine.pack(flat, measured, 100, e, 4)
+        slots, overflow = engine.pack(flat, measured, 100, Layout(e, flat.numel(), 4))
     with _sync_warnings() as unpacked_syncs:
-        out = engine.unpack(measured.meta, slots, overflow, 100, e, 4, flat.numel(), check=False)
+        out = engine.unpack(measured.meta, slots, overflow, 100, Layout(e, flat.numel(), 4), check=False)
     assert engine.readbacks == 1 and (len(measured_syncs), len(packed_syncs), len(unpacked_syncs)) == (1, 0, 0)
     assert torch.equal(out, flat)
-    engine.unpack(measured.meta, slots, overflow, 100, e, 4, flat.numel(), check=True)
+    engine.unpack(measured.meta, slots, overflow, 100, Layout(e, flat.numel(), 4), check=True)
     assert engine.readbacks == 2
 
 
@@ -904,9 +905,9 @@ def test_gpu_calls_run_on_torchs_current_stream(gen):
     side = torch.cuda.Stream()
     for stream in (torch.cuda.default_stream(), side):
         with torch.cuda.stream(stream):
-            measured = engine.measure(flat, 4096, 4)
-            slots, overflow = engine.pack(flat, measured, 8, 4096, 4)
-            out = engine.unpack(measured.meta, slots, overflow, 8, 4096, 4, flat.numel(), check=True)
+            measured = engine.measure(flat, Layout(4096, flat.numel(), 4))
+            slots, overflow = engine.pack(flat, measured, 8, Layout(4096, flat.numel(), 4))
+            out = engine.unpack(measured.meta, slots, overflow, 8, Layout(4096, flat.numel(), 4), check=True)
         stream.synchronize()
         assert torch.equal(out, flat)
         assert spy.seen[-2:] == [(op, stream.cuda_stream, flat.device.index) for op in ("compress", "decompress")]

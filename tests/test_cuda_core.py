@@ -33,6 +33,7 @@ from test_device_codecs import device_fit, run_tensor, tensor_ends, tensor_measu
 import buddy
 from buddy import cuda as bcuda
 from buddy import spec
+from buddy.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -194,10 +195,11 @@ def test_launchers_reject_cpu_tensors():
         torch.zeros(4, dtype=torch.uint8),
         torch.zeros(5, dtype=torch.int64),
     )
+    layout = Layout(128, 4 * 128, 4)
     with pytest.raises(ValueError, match="CUDA device"):
-        kernels.measure(b, tail, 4, 4, meta, hist, 128, 4)
+        kernels.measure(layout, b, tail, meta, hist)
     with pytest.raises(ValueError, match="torch.Tensor"):
-        kernels.measure(b.numpy(), tail, 4, 4, meta, hist, 128, 4)
+        kernels.measure(layout, b.numpy(), tail, meta, hist)
 
 
 def test_launcher_checks_name_each_problem():
@@ -207,7 +209,8 @@ def test_launcher_checks_name_each_problem():
     e, n = 128, 4
     b, tail = torch.zeros(n * e, dtype=torch.uint8), torch.zeros(e, dtype=torch.uint8)
     meta, hist = torch.zeros(n, dtype=torch.uint8), torch.zeros(5, dtype=torch.int64)
-    kernels.measure(b, tail, n, n, meta, hist, e, 4)
+    layout = Layout(e, n * e, 4)
+    kernels.measure(layout, b, tail, meta, hist)
     assert len(launched) == 1 and launched[0][1] == "measure"
     cases = [
         (dict(data=b[:-1]), "shape"),
@@ -216,27 +219,20 @@ def test_launcher_checks_name_each_problem():
         (dict(tail=tail[:64]), "shape"),
         (dict(meta=torch.zeros(2 * n, dtype=torch.uint8)), "shape"),
         (dict(histogram=hist.to(torch.int32)), "int64"),
-        (dict(word_bytes=3), "word_bytes"),
-        (dict(entry_bytes=100), "power of two"),
+        (dict(layout=Layout(e, n * e - 1, 4)), "shape"),  # a partial last entry: the data holds one entry less
+        (dict(layout=Layout(2 * e, n * e, 4)), "shape"),
     ]
     for change, match in cases:
-        args = dict(data=b, tail=tail, n_full=n, n=n, meta=meta, histogram=hist, entry_bytes=e, word_bytes=4) | change
+        args = dict(layout=layout, data=b, tail=tail, meta=meta, histogram=hist) | change
         with pytest.raises(ValueError, match=match):
             kernels.measure(**args)
     assert len(launched) == 1, "no bad launch got through"
     with pytest.raises(buddy.CorruptDataError, match="whole number of sectors"):
-        kernels.unpack(
-            meta,
-            torch.zeros(n, dtype=torch.int64),
-            1,
-            b[: n * 32],
-            b[:33],
-            b,
-            torch.zeros(1, dtype=torch.int32),
-            n,
-            e,
-            4,
-        )
+        ends, out, error = torch.zeros(n, dtype=torch.int64), b, torch.zeros(1, dtype=torch.int32)
+        kernels.unpack(layout, meta, ends, 1, b[: n * 32], b[:33], out, error)
+    for bad, match in ((dict(word_bytes=3), "word_bytes"), (dict(entry_bytes=100), "power of two")):
+        with pytest.raises(ValueError, match=match):  # a layout is checked when it is made
+            Layout(**(dict(entry_bytes=e, nbytes=n * e, word_bytes=4) | bad))
 
 
 def test_tensor_check_names_each_problem():
@@ -255,9 +251,9 @@ def test_tensor_check_names_each_problem():
     with pytest.raises(ValueError, match="is on cpu"):
         check("x", good, device=torch.device("cuda", 0), dtype=torch.uint8)
     with pytest.raises(ValueError, match="word_bytes"):
-        bcuda._check_word(3)
+        Layout(128, 0, 3)
     with pytest.raises(ValueError, match="word_bytes"):
-        bcuda._check_word(True)
+        Layout(128, 0, True)
 
 
 def test_table_sizes_agree_with_the_sources():
@@ -454,10 +450,10 @@ def test_launches_and_host_reads_do_not_grow_with_the_tensor(emulated_gpu, codec
             measured = buddy.measure(t, codec, entry_bytes=512, backend="cuda")
         engine = measured.engine
         with _profiled(ops):
-            slots, overflow = engine.pack(measured.flat, measured.measurement, 4, 512, 4)
+            slots, overflow = engine.pack(measured.flat, measured.measurement, 4, measured.layout)
         after_compress = engine.readbacks
         with _profiled(ops):
-            out = engine.unpack(measured.measurement.meta, slots, overflow, 4, 512, 4, measured.nbytes, check=False)
+            out = engine.unpack(measured.measurement.meta, slots, overflow, 4, measured.layout, check=False)
         assert torch.equal(out, measured.flat)
         counts[numel] = (list(emulated_gpu.launches), ops, after_compress, engine.readbacks)
     small, large = counts.values()
@@ -496,8 +492,8 @@ def test_host_reads_of_codecs_with_a_table(emulated_gpu, codec, gen):
         assert again.engine.readbacks == 1, "the histogram alone"
         assert torch.equal(again.table, first.table) and again.histogram == first.histogram
         engine = again.engine
-        slots, overflow = engine.pack(again.flat, again.measurement, 4, 512, 4)
-        out = engine.unpack(again.measurement.meta, slots, overflow, 4, 512, 4, again.nbytes, check=False)
+        slots, overflow = engine.pack(again.flat, again.measurement, 4, again.layout)
+        out = engine.unpack(again.measurement.meta, slots, overflow, 4, again.layout, check=False)
         assert torch.equal(out, again.flat) and engine.readbacks == 1, "none in pack or decompress"
         bt = buddy.compress(t, target_ratio=2.0, codec=codec, backend="cuda")
         assert torch.equal(bt.table, reference.table) and torch.equal(bt.decompress(), t)

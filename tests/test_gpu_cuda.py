@@ -18,6 +18,7 @@ from conftest import ALL_DTYPES, DATA_KINDS, MiB, assert_bitexact, assert_roundt
 import buddy
 from buddy import cuda as bcuda
 from buddy import spec
+from buddy.layout import Layout
 
 pytestmark = pytest.mark.gpu
 
@@ -153,7 +154,7 @@ def test_one_host_read_per_compress_none_per_decompress(cuda, pinned_store, gen)
     bt = buddy.pack(measured, 8, store=pinned_store)
     assert measured.engine.readbacks == 1  # pack reads nothing back
     engine = buddy.dispatch.engine(buddy.get_codec("auto"), cuda, "cuda")
-    engine.unpack(*bt.buffers(), bt.slot_sectors, bt.entry_bytes, 4, bt.original_bytes, check=False)
+    engine.unpack(*bt.buffers(), bt.slot_sectors, bt.layout, check=False)
     assert engine.readbacks == 0
 
 
@@ -196,7 +197,7 @@ def test_table_fitted_on_the_gpu(word, cuda, gen):
         table = torch.empty(bcuda.DEVICE_TABLE_BYTES, dtype=torch.uint8, device=cuda)
         serial = torch.empty(bcuda.FIT_SERIAL_BYTES, dtype=torch.uint8, device=cuda)
         work = torch.empty(bcuda.FIT_WORK_BYTES, dtype=torch.uint8, device=cuda)
-        kernels.fit(counts.to(cuda), work, table, serial, 512, word)
+        kernels.fit(Layout(512, 0, word), counts.to(cuda), work, table, serial)
         expected = want.to_bytes()
         assert torch.equal(serial.cpu()[: expected.numel()], expected), name
         assert not serial.cpu()[expected.numel() :].any(), name
@@ -250,7 +251,7 @@ def test_bad_arguments_rejected_before_launch(cuda):
     b = torch.zeros(n * e, dtype=torch.uint8, device=cuda)
     tail = torch.zeros(e, dtype=torch.uint8, device=cuda)
     meta, hist = torch.zeros(n, dtype=torch.uint8, device=cuda), torch.zeros(5, dtype=torch.int64, device=cuda)
-    good = dict(data=b, tail=tail, n_full=n, n=n, meta=meta, histogram=hist, entry_bytes=e, word_bytes=4)
+    good = dict(layout=Layout(e, n * e, 4), data=b, tail=tail, meta=meta, histogram=hist)
     kernels.measure(**good)
     cases = [
         (dict(data=b.cpu()), "CUDA device"),
@@ -259,7 +260,7 @@ def test_bad_arguments_rejected_before_launch(cuda):
         (dict(data=torch.zeros(n * e + 1, dtype=torch.uint8, device=cuda)[1:]), "aligned"),
         (dict(meta=meta.cpu()), "CUDA device"),
         (dict(histogram=hist[:-1]), "shape"),
-        (dict(word_bytes=3), "word_bytes"),
+        (dict(layout=Layout(e, n * e - 1, 4)), "shape"),  # a partial last entry: one whole entry less
     ]
     for change, match in cases:
         with pytest.raises(ValueError, match=match):

@@ -7,6 +7,7 @@ import torch
 
 import buddy
 from buddy import spec
+from buddy.layout import Layout
 from buddy.slots import overflow_sectors, slot_for_overflow
 from buddy.tracker import Decision
 
@@ -15,13 +16,13 @@ E = 128
 
 def record(tracker, key, hist, slot=4):
     return tracker.record(
-        key, hist, slot=slot, entry_bytes=E, original_bytes=sum(hist) * E, predicted_overflow_bytes=None
+        key, hist, slot=slot, layout=Layout(E, sum(hist) * E), predicted_overflow_bytes=None
     )
 
 
 def test_new_key_is_decided_from_its_size_pass():
     tr = buddy.Tracker(buddy.BuddyThreshold(0.0))
-    slot, predicted = tr.choose("a", [0, 100, 0, 0, 0], entry_bytes=E, original_bytes=100 * E)
+    slot, predicted = tr.choose("a", [0, 100, 0, 0, 0], layout=Layout(E, 100 * E))
     assert (slot, predicted) == (1, None)
 
 
@@ -29,10 +30,10 @@ def test_the_bound_is_checked_against_the_current_tensor_and_the_prediction_reco
     """The history said every entry needs 3 sectors; this tensor needs 1: its slot is 1, the history's guess kept."""
     tr = buddy.Tracker(buddy.BuddyThreshold(0.0))
     record(tr, "a", [0, 0, 0, 100, 0])
-    slot, predicted = tr.choose("a", [0, 100, 0, 0, 0], entry_bytes=E, original_bytes=100 * E)
+    slot, predicted = tr.choose("a", [0, 100, 0, 0, 0], layout=Layout(E, 100 * E))
     assert slot == 1 and predicted == 2 * 100 * spec.SECTOR_BYTES  # the history: 2 sectors an entry would spill
     # and the other way: a tensor worse than its history gets the wider slot, no overflow past the bound
-    slot, predicted = tr.choose("a", [0, 0, 0, 0, 100], entry_bytes=E, original_bytes=100 * E)
+    slot, predicted = tr.choose("a", [0, 0, 0, 0, 100], layout=Layout(E, 100 * E))
     assert slot == 4 and predicted == 0
 
 
@@ -56,9 +57,9 @@ def test_window_bounds_history_and_shape_change_restarts():
 def test_prediction_error_is_recorded():
     tr = buddy.Tracker(buddy.FixedRatio(4.0))
     record(tr, "a", [0, 100, 0, 0, 0])
-    slot, predicted = tr.choose("a", [0, 0, 0, 0, 100], entry_bytes=E, original_bytes=100 * E)
+    slot, predicted = tr.choose("a", [0, 0, 0, 0, 100], layout=Layout(E, 100 * E))
     obs = tr.record(
-        "a", [0, 0, 0, 0, 100], slot=slot, entry_bytes=E, original_bytes=100 * E, predicted_overflow_bytes=predicted
+        "a", [0, 0, 0, 0, 100], slot=slot, layout=Layout(E, 100 * E), predicted_overflow_bytes=predicted
     )
     assert slot == 1 and predicted == 0 and obs.overflow_bytes == 300 * spec.SECTOR_BYTES
     assert tr.history("a").prediction_errors() == [pytest.approx(300 * 32 / (100 * E))]
@@ -67,7 +68,7 @@ def test_prediction_error_is_recorded():
 @pytest.mark.parametrize("ratio,slot", [(1, 4), (4 / 3, 3), (2, 2), (4, 1), (float("inf"), 0)])
 def test_fixed_ratio(ratio, slot):
     tr = buddy.Tracker(buddy.FixedRatio(ratio))
-    assert tr.choose("k", [5, 5, 5, 5, 5], entry_bytes=E, original_bytes=25 * E)[0] == slot
+    assert tr.choose("k", [5, 5, 5, 5, 5], layout=Layout(E, 25 * E))[0] == slot
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.05, 0.1, 0.3, 1.0])
@@ -75,7 +76,7 @@ def test_threshold_picks_most_aggressive_slot_within_bound(threshold):
     hist = [10, 20, 30, 25, 15]
     nbytes = sum(hist) * E
     slot = buddy.BuddyThreshold(threshold).choose(
-        Decision("k", E, sum(hist), nbytes, tuple(hist), None, 0), buddy.Tracker()
+        Decision("k", Layout(E, nbytes), tuple(hist), None, 0), buddy.Tracker()
     )
     assert overflow_sectors(hist, slot) * 32 <= threshold * nbytes
     if slot > 0:
@@ -99,9 +100,9 @@ def test_budget_plan_fits_and_prefers_compressible_keys():
 def test_budget_shrinks_slot_to_what_is_left():
     tr = buddy.Tracker()
     policy = buddy.DeviceBudget(100 * (64 + 1))
-    d = Decision("k", E, 100, 100 * E, (0, 0, 0, 0, 100), None, held_device_bytes=0)
+    d = Decision("k", Layout(E, 100 * E), (0, 0, 0, 0, 100), None, held_device_bytes=0)
     assert policy.choose(d, tr) == 2
-    d = Decision("k", E, 100, 100 * E, (0, 0, 0, 0, 100), None, held_device_bytes=100 * 33)
+    d = Decision("k", Layout(E, 100 * E), (0, 0, 0, 0, 100), None, held_device_bytes=100 * 33)
     assert policy.choose(d, tr) == 0
 
 
@@ -109,10 +110,10 @@ def test_budget_counts_the_codec_table():
     """A tensor's table is device bytes whatever its slot: the slot shrinks to leave room for it."""
     tr = buddy.Tracker()
     policy = buddy.DeviceBudget(100 * (64 + 1))
-    d = Decision("k", E, 100, 100 * E, (0, 0, 0, 0, 100), None, held_device_bytes=0, table_bytes=775)
+    d = Decision("k", Layout(E, 100 * E), (0, 0, 0, 0, 100), None, held_device_bytes=0, table_bytes=775)
     assert d.device_bytes(2) == 100 * (64 + 1) + 775 and d.device_bytes(0) == 100 + 775
     assert policy.choose(d, tr) == 1, "two sectors and the table do not fit; one sector and the table do"
-    place = tr.plan("k", (0, 0, 0, 0, 100), entry_bytes=E, original_bytes=100 * E, policy=policy, table_bytes=775)
+    place = tr.plan("k", (0, 0, 0, 0, 100), layout=Layout(E, 100 * E), policy=policy, table_bytes=775)
     assert place.slot == 1 and place.device_bytes == 100 * (32 + 1) + 775
     record(tr, "k", [0, 0, 0, 0, 100])
     tr.history("k").fitted = buddy.get_codec("fpe").fit(torch.ones(100 * E // 4).view(torch.uint8), 4)
@@ -127,9 +128,9 @@ def _step(tracker, policy, tensors, entry_bytes):
     slots = {}
     for key, hist in tensors:
         nbytes = sum(hist) * entry_bytes
-        place = tracker.plan(key, hist, entry_bytes=entry_bytes, original_bytes=nbytes, policy=policy)
+        place = tracker.plan(key, hist, layout=Layout(entry_bytes, nbytes), policy=policy)
         tracker.record(
-            key, hist, slot=place.slot, entry_bytes=entry_bytes, original_bytes=nbytes,
+            key, hist, slot=place.slot, layout=Layout(entry_bytes, nbytes),
             predicted_overflow_bytes=place.predicted_overflow_bytes,
         )  # fmt: skip
         slots[key] = place.slot
@@ -174,7 +175,7 @@ def test_overflow_budget_takes_the_cheapest_spill_first():
     held = sum(100 * s for s in slots.values())
     each = buddy.OverflowBudget(0.10)
     assert held <= sum(100 * buddy.BuddyThreshold(0.10).choose(
-        Decision(k, 512, 100, 100 * 512, tuple(h), tuple(h), 0), tr) for k, h in tensors
+        Decision(k, Layout(512, 100 * 512), tuple(h), tuple(h), 0), tr) for k, h in tensors
     ), "never more device bytes than the per-tensor rule"  # fmt: skip
     assert repr(each) == "OverflowBudget(max_overflow=0.1)"
     with pytest.raises(ValueError):
@@ -202,7 +203,7 @@ def test_overflow_budget_holds_the_step_to_its_bound_when_the_history_is_wrong()
     assert allowance - 100 * 32 < spilled, "what was planned is spent, to within a sector of one tensor"
     # without a plan (buddy.wrap's case), each tensor gets the per-tensor rule on its own histogram
     fresh = buddy.OverflowBudget(0.10)
-    assert fresh.choose(Decision("a", 512, 100, 100 * 512, tuple(_dense(12)), tuple(_dense(8)), 0), tr).slot == 11
+    assert fresh.choose(Decision("a", Layout(512, 100 * 512), tuple(_dense(12)), tuple(_dense(8)), 0), tr).slot == 11
 
 
 def test_bad_tracker_arguments():
@@ -227,3 +228,20 @@ def test_slot_for_overflow_is_the_smallest_slot_within_the_limit():
                 want = min(s for s in range(bins) if overflow_sectors(hist, s) * spec.SECTOR_BYTES <= limit)
                 assert slot_for_overflow(hist, share, nbytes) == want
     assert slot_for_overflow([0, 0, 0, 0, 0], 0.0, 0) == 0 and slot_for_overflow([7], 0.0, 10) == 0
+
+
+def test_the_earlier_keywords_still_give_the_layout():
+    """plan/choose/record take ``entry_bytes=`` and ``original_bytes=`` as before, the same as ``layout=``."""
+    hist = [0, 40, 30, 20, 10]
+    old, new = buddy.Tracker(buddy.BuddyThreshold(0.1)), buddy.Tracker(buddy.BuddyThreshold(0.1))
+    for tr, kw in ((old, {"entry_bytes": E, "original_bytes": 100 * E}), (new, {"layout": Layout(E, 100 * E)})):
+        tr.record("a", hist, slot=2, predicted_overflow_bytes=None, **kw)
+    assert old.choose("a", hist, entry_bytes=E, original_bytes=100 * E) == new.choose("a", hist, layout=Layout(E, 100 * E))
+    assert old.plan("a", hist, entry_bytes=E, original_bytes=100 * E) == new.plan("a", hist, layout=Layout(E, 100 * E))
+    assert old.history("a").layout == new.history("a").layout == Layout(E, 100 * E)
+    with pytest.raises(TypeError, match="layout"):
+        old.choose("a", hist, entry_bytes=E)
+    with pytest.raises(TypeError, match="not both"):
+        old.choose("a", hist, layout=Layout(E, 100 * E), entry_bytes=E)
+    with pytest.raises(ValueError, match="entry_bytes"):
+        old.plan("a", hist, entry_bytes=100, original_bytes=100 * E)

@@ -11,7 +11,7 @@ import torch
 from conftest import raw_bytes
 
 import buddy
-from buddy.tensor import dense_strides
+from buddy.layout import dense_strides
 
 pytest.importorskip("sklearn", reason="the workloads need buddy[experiments]")
 pytest.importorskip("tqdm", reason="the workloads need buddy[experiments]")

@@ -68,7 +68,7 @@ from .. import format, spec
 from ..deps import require_cuda
 from ..engine import Engine, Measurement
 from ..errors import CorruptDataError, MissingDependencyError
-from ..slots import overflow_sectors
+from ..layout import Layout
 from . import _nvcomp_capi as capi
 from .base import Codec
 
@@ -281,8 +281,8 @@ class NvcompEngine(Engine):
     def _batched(self):
         return self._batch if self._batch is not None else capi.library().algorithm(self.codec.algorithm)
 
-    def _check(self, t: torch.Tensor, entry_bytes: int) -> None:
-        check_entry_bytes(entry_bytes)
+    def _check(self, t: torch.Tensor, layout: Layout) -> None:
+        check_entry_bytes(layout.entry_bytes)
         if t.device.type != self.device_type:
             if self.device_type == "cuda":
                 self.codec.refuse(t)
@@ -299,21 +299,22 @@ class NvcompEngine(Engine):
         return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
     @staticmethod
-    def _entries(flat: torch.Tensor, entry_bytes: int, align: int):
-        """``(data, tail, n_full, n)``: the whole entries in place (aligned for nvcomp), the last one zero-padded."""
-        n_full, rest = divmod(flat.numel(), entry_bytes)
+    def _entries(flat: torch.Tensor, layout: Layout, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(data, tail)``: the whole entries in place (aligned for nvcomp), the last one zero-padded."""
+        whole = layout.n_full * layout.entry_bytes
         if flat.numel() and flat.data_ptr() % align:
             flat = flat.clone()  # a view at an odd offset: nvcomp needs its chunks aligned
-        tail = torch.zeros(entry_bytes, dtype=torch.uint8, device=flat.device)
-        if rest:
-            tail[:rest] = flat[n_full * entry_bytes :]
-        return flat[: n_full * entry_bytes], tail, n_full, n_full + (rest > 0)
+        tail = torch.zeros(layout.entry_bytes, dtype=torch.uint8, device=flat.device)
+        if layout.tail_bytes:
+            tail[: layout.tail_bytes] = flat[whole:]
+        return flat[:whole], tail
 
     # -- compress ----------------------------------------------------------------
-    def _stage(self, flat: torch.Tensor, entry_bytes: int) -> _Staged:
+    def _stage(self, flat: torch.Tensor, layout: Layout) -> _Staged:
         """Every entry compressed in one batched call into a staging buffer; sizes on the device."""
         batch, device = self._batched(), flat.device
-        data, tail, n_full, n = self._entries(flat, entry_bytes, batch.alignment())
+        entry_bytes, n_full, n = layout.entry_bytes, layout.n_full, layout.n_entries
+        data, tail = self._entries(flat, layout, batch.alignment())
         stride = _round_up(max(batch.max_compressed_bytes(entry_bytes), entry_bytes), max(64, batch.alignment()))
         streams = torch.empty(n * stride, dtype=torch.uint8, device=device)
         lengths = torch.zeros(n, dtype=torch.int64, device=device)
@@ -329,63 +330,62 @@ class NvcompEngine(Engine):
         k = entry_sectors(nonzero, lengths, (statuses == 0) & (lengths <= stride), entry_bytes)
         return _Staged(streams.view(n, stride), lengths, k)
 
-    def measure(self, flat, entry_bytes, word_bytes):
-        self._check(flat, entry_bytes)
-        n, spe = -(-flat.numel() // entry_bytes), spec.sectors_per_entry(entry_bytes)
-        if n == 0:
-            return Measurement(torch.empty(0, dtype=torch.uint8, device=flat.device), (0,) * (spe + 1), None)
-        staged = self._stage(flat, entry_bytes)
-        meta = format.encode_meta(staged.sectors, torch.zeros_like(staged.sectors), entry_bytes)
-        histogram = self.read(sector_histogram(staged.sectors, entry_bytes)).tolist()
+    def measure(self, flat, layout):
+        self._check(flat, layout)
+        if layout.n_entries == 0:
+            return Measurement(torch.empty(0, dtype=torch.uint8, device=flat.device), (0,) * layout.bins, None)
+        staged = self._stage(flat, layout)
+        meta = format.encode_meta(staged.sectors, torch.zeros_like(staged.sectors), layout.entry_bytes)
+        histogram = self.read(sector_histogram(staged.sectors, layout.entry_bytes)).tolist()
         return Measurement(meta, tuple(histogram), staged)
 
     @staticmethod
-    def _payloads(flat: torch.Tensor, staged: _Staged, a: int, b: int, entry_bytes: int) -> torch.Tensor:
+    def _payloads(flat: torch.Tensor, staged: _Staged, a: int, b: int, layout: Layout) -> torch.Tensor:
         """``(b - a, E)`` payloads of entries ``[a, b)``: zeros, the entries themselves (raw), length + stream."""
-        spe = spec.sectors_per_entry(entry_bytes)
+        entry_bytes, spe = layout.entry_bytes, layout.sectors_per_entry
         k = staged.sectors[a:b].unsqueeze(1)
         coded = coded_payloads(staged.streams[a:b], staged.lengths[a:b], entry_bytes)
         payload = torch.where((k > 0) & (k < spe), coded, 0)
         return torch.where(k == spe, format.entry_rows(flat, a, b, entry_bytes), payload)
 
-    def pack(self, flat, measured, slot, entry_bytes, word_bytes):
-        self._check(flat, entry_bytes)
-        n, slot_bytes = -(-flat.numel() // entry_bytes), slot * spec.SECTOR_BYTES
-        m = overflow_sectors(measured.histogram, slot)  # known on the host: no read
-        slots = torch.empty(n * slot_bytes, dtype=torch.uint8, device=flat.device)
-        overflow = torch.empty((m + 1) * spec.SECTOR_BYTES, dtype=torch.uint8, device=flat.device)  # + a spare sector
+    def pack(self, flat, measured, slot, layout):
+        self._check(flat, layout)
+        n, slot_bytes = layout.n_entries, slot * spec.SECTOR_BYTES
+        spilled = layout.overflow_bytes(measured.histogram, slot)  # known on the host: no read
+        slots = torch.empty(layout.slots_bytes(slot), dtype=torch.uint8, device=flat.device)
+        overflow = torch.empty(spilled + spec.SECTOR_BYTES, dtype=torch.uint8, device=flat.device)  # + a spare sector
         if n:
-            staged = measured.reuse if isinstance(measured.reuse, _Staged) else self._stage(flat, entry_bytes)
+            staged = measured.reuse if isinstance(measured.reuse, _Staged) else self._stage(flat, layout)
             starts, _ = format.overflow_starts(staged.sectors, slot)
-            for a, b in _ranges(n, entry_bytes):
-                payload = self._payloads(flat, staged, a, b, entry_bytes)
+            for a, b in _ranges(n, layout.entry_bytes):
+                payload = self._payloads(flat, staged, a, b, layout)
                 slots[a * slot_bytes : b * slot_bytes].view(b - a, slot_bytes).copy_(payload[:, :slot_bytes])
                 format.scatter_overflow(payload, staged.sectors[a:b], slot, starts[a:b], overflow)
-        return slots, overflow[: m * spec.SECTOR_BYTES]
+        return slots, overflow[:spilled]
 
     # -- decompress --------------------------------------------------------------
-    def unpack(self, meta, slots, overflow, slot, entry_bytes, word_bytes, nbytes, *, check=True, error_flag=None):
-        self._check(slots, entry_bytes)
-        n, mb = -(-nbytes // entry_bytes), spec.meta_bytes(entry_bytes)
-        if meta.numel() != n * mb:
-            raise CorruptDataError(f"metadata holds {meta.numel()} bytes, expected {n * mb}")
-        if slots.numel() != n * slot * spec.SECTOR_BYTES:
-            raise CorruptDataError(f"slots hold {slots.numel()} bytes, expected {n * slot * spec.SECTOR_BYTES}")
+    def unpack(self, meta, slots, overflow, slot, layout, *, check=True, error_flag=None):
+        self._check(slots, layout)
+        if meta.numel() != layout.meta_bytes:
+            raise CorruptDataError(f"metadata holds {meta.numel()} bytes, expected {layout.meta_bytes}")
+        if slots.numel() != layout.slots_bytes(slot):
+            raise CorruptDataError(f"slots hold {slots.numel()} bytes, expected {layout.slots_bytes(slot)}")
         if overflow.numel() % spec.SECTOR_BYTES:
             raise CorruptDataError(f"overflow holds {overflow.numel()} bytes, not a whole number of sectors")
-        out = torch.empty(n * entry_bytes, dtype=torch.uint8, device=slots.device)
-        if n:
-            error = self._decode(meta.reshape(-1), slots.reshape(-1), overflow.reshape(-1), slot, entry_bytes, out)
+        out = torch.empty(layout.n_entries * layout.entry_bytes, dtype=torch.uint8, device=slots.device)
+        if layout.n_entries:
+            flat = (meta.reshape(-1), slots.reshape(-1), overflow.reshape(-1))
+            error = self._decode(*flat, slot, layout, out)
             if error_flag is not None:
                 error_flag.bitwise_or_(error.view(1))
             if check:
                 raise_for_errors(self.codec.name, int(self.read(error)))
-        return out[:nbytes]
+        return out[: layout.nbytes]
 
-    def _decode(self, meta, slots, overflow, slot, entry_bytes, out) -> torch.Tensor:
+    def _decode(self, meta, slots, overflow, slot, layout: Layout, out) -> torch.Tensor:
         """Decode into ``out`` (``n * E`` bytes); the error bits as a 0-dim int32 tensor on the device."""
         batch, device = self._batched(), out.device
-        n, spe = out.numel() // entry_bytes, spec.sectors_per_entry(entry_bytes)
+        n, spe, entry_bytes = layout.n_entries, layout.sectors_per_entry, layout.entry_bytes
         m = overflow.numel() // spec.SECTOR_BYTES
         spared = torch.empty((m + 1) * spec.SECTOR_BYTES, dtype=torch.uint8, device=device)
         spared[: m * spec.SECTOR_BYTES].copy_(overflow, non_blocking=True)  # H2D from pinned memory, this stream
