@@ -479,9 +479,9 @@ class _Coded(Analysis):
             tails = has_tail.sum(1, keepdim=True)
             self.total_bits = head_bits.sum(1) + tails.squeeze(1) * t
             self.sectors = bits_to_sectors(self.total_bits)
-            before = torch.cumsum(has_tail, 1) - has_tail.to(torch.int64)  # tails of the words before
-            end = self.sectors.unsqueeze(1) * 256
-            self.tail_at = torch.where(has_tail, end - (before + 1) * t, 0)
+            # the j-th tail ends j tails before the end (a word without one: its zero tail goes anywhere inside)
+            end = self.sectors.to(torch.int64).unsqueeze(1) * 256
+            self.tail_at = torch.cumsum(has_tail, 1, dtype=torch.int32).mul_(-t).add(end)
         else:  # each word's code, then its tail
             bits = head_bits + has_tail * t
             self.offsets = torch.cumsum(bits, 1) - bits
@@ -537,16 +537,19 @@ def _decode_block(payload: torch.Tensor, sectors: torch.Tensor, word_bytes: int,
         advance = advance + (dec_sym != table.zero) * t
     windows = stream_windows(payload.contiguous())
     end = entry_bytes * 8
-    # a start never passes `end`, so its window index never passes the last column: one zero column more
-    padded = torch.nn.functional.pad(windows, (0, 1))
+    # A start is clamped to `end` once the walk is over (a damaged stream stays inside the payload), not at each
+    # step: past the payload the stream reads zero bits, so enough zero columns hold every step a walk can take.
+    reach = n_words * int(advance.max()) + MAX_CODE_BITS
+    padded = torch.nn.functional.pad(windows, (0, reach // 32 + 2))
     pos = torch.zeros(n, 1, dtype=torch.int64, device=payload.device)
     mask = (1 << MAX_CODE_BITS) - 1
     each = []
     for _ in range(n_words):  # serial within an entry, every entry at once; as few torch calls as it takes
         each.append(pos)
         peek = padded.gather(1, pos >> 5).bitwise_right_shift_(pos & 31).bitwise_and_(mask)
-        pos = torch.take(advance, peek).add_(pos).clamp_(max=end)  # a damaged stream stays inside the payload
-    starts = torch.cat(each, 1)
+        pos = torch.take(advance, peek).add_(pos)
+    starts = torch.cat(each, 1).clamp_(max=end)
+    pos = pos.clamp_(max=end)
     peek = read_bits(windows, starts, MAX_CODE_BITS)
     sym, length = lookup(dec_sym, peek), lookup(dec_len, peek)
     bad = length == 0
@@ -556,13 +559,13 @@ def _decode_block(payload: torch.Tensor, sectors: torch.Tensor, word_bytes: int,
     bad |= esc & (lookup(enc_len, raw) > 0)  # an escaped symbol the table has a code for
     sym = torch.where(esc, raw, sym)
     has_tail = sym != table.zero
-    if table.split:  # the j-th tail ends j tails before the payload's end
-        before = torch.cumsum(has_tail, 1) - has_tail.to(torch.int64)
-        at = (sectors.to(torch.int64).unsqueeze(1) * 256 - (before + 1) * t).clamp_(min=0)
+    if table.split:  # the j-th tail ends j tails before the payload's end (a word without one reads anything)
+        at = torch.cumsum(has_tail, 1, dtype=torch.int32).mul_(-t).add(sectors.to(torch.int64).unsqueeze(1) * 256)
+        at.clamp_(min=0)
     else:
         at += esc * b
     tail = _read_wide(windows, at, t) if t else torch.zeros_like(sym)
-    words = torch.where(has_tail, sym << t | tail, 0)
+    words = (sym << t).bitwise_or_(tail).mul_(has_tail)  # a ZERO word is 0
     if bool(bad.any()):
         raise CorruptDataError("fpe: a code the table does not have, or an escape of a symbol it has")
     # where the walk ended: the code section's end (split) or the stream's
