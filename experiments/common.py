@@ -24,6 +24,8 @@ from buddy.deps import require, require_cuda
 from buddy.errors import MissingDependencyError
 
 __all__ = [
+    "SIZES",
+    "DEFAULT_POINTS",
     "start",
     "add_backend_argument",
     "choose_backend",
@@ -34,6 +36,13 @@ __all__ = [
     "geomean",
     "progress",
 ]
+
+
+#: the workload sizes every script takes (``--size``)
+SIZES = ("tiny", "quick", "full")
+
+#: training steps before each capture, by size (``--points`` overrides them where a script has it)
+DEFAULT_POINTS = {"tiny": (0, 2), "quick": (0, 10, 30), "full": (0, 50, 200, 500)}
 
 
 def start(script: str, argv: Sequence[str]) -> dict:

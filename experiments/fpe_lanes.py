@@ -292,7 +292,7 @@ def lane_work(tensors, e: int, sample: int, g: torch.Generator, **options) -> li
 
 
 def main(argv=None) -> dict:
-    from experiments.capacity import DEFAULT_POINTS
+    from experiments.common import DEFAULT_POINTS
     from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
