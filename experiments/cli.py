@@ -7,11 +7,13 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import buddy
 from experiments.common import DEFAULT_POINTS, SIZES, add_backend_argument, capture_all, start, write_results
 
 __all__ = [
     "add_size_argument",
     "add_workloads_argument",
+    "add_codec_arguments",
     "add_common_arguments",
     "begin",
     "capture_workloads",
@@ -38,6 +40,18 @@ def add_workloads_argument(
     from experiments.workloads import WORKLOADS
 
     parser.add_argument(flag, nargs=nargs, choices=sorted(WORKLOADS), default=list(default), help=help)
+
+
+def add_codec_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    default: str | None = None,
+    choices: Sequence[str] | None = None,
+    help: str | None = None,
+) -> None:
+    """``--codec`` (default: buddy's default codec) and ``--entry-bytes`` (default: buddy's default entry size)."""
+    parser.add_argument("--codec", default=default or buddy.defaults().codec, choices=choices, help=help)
+    parser.add_argument("--entry-bytes", type=int, default=buddy.defaults().entry_bytes)
 
 
 def add_common_arguments(

@@ -34,6 +34,7 @@ __all__ = [
     "write_results",
     "format_table",
     "geomean",
+    "by_set",
     "progress",
 ]
 
@@ -221,3 +222,9 @@ def geomean(values: Sequence[float]) -> float:
     """Geometric mean of positive values."""
     values = [v for v in values if v > 0]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def by_set(rows: Sequence[dict], sets: dict[str, list[str]]) -> list[tuple[str, list[dict]]]:
+    """``[(set name, its workloads' rows), ...]`` for each set with rows in ``rows``."""
+    mine = {name: [r for r in rows if r["workload"] in members] for name, members in sets.items()}
+    return [(name, members_rows) for name, members_rows in mine.items() if members_rows]

@@ -37,7 +37,7 @@ import torch
 
 from experiments import cli
 from experiments.analysis import _FLOAT_FIELDS, _order0_bits, field_entropy_bits, ratio
-from experiments.common import format_table, geomean, progress
+from experiments.common import by_set, format_table, geomean, progress
 
 __all__ = ["context_bits", "analyse", "main"]
 
@@ -96,18 +96,18 @@ def analyse(captures: dict, *, show: bool = True) -> list[dict]:
     return rows
 
 
+def _set_row(name: str, mine: list[dict]) -> dict:
+    """The geometric means of a set's rows."""
+    row: dict[str, Any] = {"workload": f"{name} set"}
+    for k in ("order0_ratio", "previous_ratio", "top_ratio"):
+        row[k] = geomean([r[k] for r in mine])
+    row["gain"] = row["top_ratio"] / row["order0_ratio"] - 1
+    return row
+
+
 def with_sets(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
     """``rows`` and a geometric-mean row per set (of the workloads it has)."""
-    out = list(rows)
-    for name, members in sets.items():
-        mine = [r for r in rows if r["workload"] in members]
-        if mine:
-            row: dict[str, Any] = {"workload": f"{name} set"}
-            for k in ("order0_ratio", "previous_ratio", "top_ratio"):
-                row[k] = geomean([r[k] for r in mine])
-            row["gain"] = row["top_ratio"] / row["order0_ratio"] - 1
-            out.append(row)
-    return out
+    return [*rows, *(_set_row(name, mine) for name, mine in by_set(rows, sets))]
 
 
 COLUMNS = [

@@ -94,13 +94,12 @@ def parse_args(argv):
     cli.add_size_argument(p)
     cli.add_workloads_argument(p, [*TUNING_WORKLOADS, *CHECK_WORKLOADS], nargs="*")
     default = buddy.defaults().codec
-    p.add_argument(
-        "--codec",
+    cli.add_codec_arguments(
+        p,
         default=default if default in TABLE_CODECS else "auto2",
         choices=TABLE_CODECS,
         help="a codec with a table (default: the default codec if it has one, else auto2)",
     )
-    p.add_argument("--entry-bytes", type=int, default=buddy.defaults().entry_bytes)
     cli.add_common_arguments(p, out="results/learned_tables")
     return p.parse_args(argv)
 

@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import buddy
 from experiments import cli
 from experiments.analysis import REGION_BYTES, entry_sectors, place_per_region, place_per_tensor, ratio, tensor_bytes
-from experiments.common import format_table, geomean, progress
+from experiments.common import by_set, format_table, geomean, progress
 
 __all__ = ["MAX_OVERFLOW", "BUILD_THRESHOLD", "analyse", "summarise", "format_rows", "main"]
 
@@ -84,20 +84,19 @@ def analyse(
     return rows
 
 
+def _set_summary(name: str, mine: list[dict]) -> dict:
+    """A set's geometric-mean capacity each way, the gain of their geomeans, its worst overflow each way."""
+    row = {"workload": f"{name} set", "codec": mine[0]["codec"], "entry_bytes": mine[0]["entry_bytes"]}
+    for way in ("tensor", "each", "same"):
+        row[f"{way}_capacity"] = geomean([r[f"{way}_capacity"] for r in mine])
+        row[f"{way}_overflow"] = max(r[f"{way}_overflow"] for r in mine)
+    row["gain"] = row["same_capacity"] / row["tensor_capacity"] - 1
+    return row
+
+
 def summarise(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
     """Per set: geometric-mean capacity each way, the gain of their geomeans, worst overflow each way."""
-    out = []
-    for name, members in sets.items():
-        mine = [r for r in rows if r["workload"] in members]
-        if not mine:
-            continue
-        row = {"workload": f"{name} set", "codec": mine[0]["codec"], "entry_bytes": mine[0]["entry_bytes"]}
-        for way in ("tensor", "each", "same"):
-            row[f"{way}_capacity"] = geomean([r[f"{way}_capacity"] for r in mine])
-            row[f"{way}_overflow"] = max(r[f"{way}_overflow"] for r in mine)
-        row["gain"] = row["same_capacity"] / row["tensor_capacity"] - 1
-        out.append(row)
-    return out
+    return [_set_summary(name, mine) for name, mine in by_set(rows, sets)]
 
 
 COLUMNS = [
@@ -129,8 +128,7 @@ def parse_args(argv):
     cli.add_size_argument(p)
     cli.add_workloads_argument(p, TUNING_WORKLOADS, nargs="*")
     cli.add_workloads_argument(p, CHECK_WORKLOADS, flag="--check", nargs="*")
-    p.add_argument("--codec", default=buddy.defaults().codec, choices=buddy.available_codecs())
-    p.add_argument("--entry-bytes", type=int, default=buddy.defaults().entry_bytes)
+    cli.add_codec_arguments(p, choices=buddy.available_codecs())
     p.add_argument("--region-bytes", type=int, default=REGION_BYTES)
     cli.add_common_arguments(p, out="results/regions")
     return p.parse_args(argv)
@@ -140,13 +138,8 @@ def main(argv=None) -> dict:
     args, header = cli.begin("regions", parse_args, argv)
     sets = {"tuning": list(args.workloads), "check": list(args.check)}
     points, captures = cli.capture_workloads(args, list(dict.fromkeys(args.workloads + args.check)))
-    rows = analyse(
-        captures,
-        codec=args.codec,
-        entry_bytes=args.entry_bytes,
-        region_bytes=args.region_bytes,
-        show=not args.no_progress,
-    )
+    show = not args.no_progress
+    rows = analyse(captures, codec=args.codec, entry_bytes=args.entry_bytes, region_bytes=args.region_bytes, show=show)
     summary = summarise(rows, sets)
     print()
     print(format_rows(rows, summary, args.region_bytes))

@@ -25,7 +25,6 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import torch
 
-import buddy
 from experiments import cli
 from experiments.analysis import compacted_bytes, general_purpose_sizes, histogram, ratio, tensor_bytes
 from experiments.common import format_table, progress
@@ -85,8 +84,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cli.add_size_argument(p)
     cli.add_workloads_argument(p, [*TUNING_WORKLOADS, *CHECK_WORKLOADS], nargs="*")
-    p.add_argument("--codec", default=buddy.defaults().codec)
-    p.add_argument("--entry-bytes", type=int, default=buddy.defaults().entry_bytes)
+    cli.add_codec_arguments(p)
     cli.add_common_arguments(p, out="results/repeats")
     return p.parse_args(argv)
 

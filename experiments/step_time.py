@@ -369,12 +369,9 @@ def _verdicts(rows: list[dict]) -> list[str]:
 
 def plot(results_path: Path, out_dir: Path) -> list[Path]:
     """One PNG: per model, step time (bars) and peak memory (bars) for each method."""
-    import json
+    from experiments.plot import _open, _save
 
-    from experiments.plot import _pyplot, _save
-
-    plt = _pyplot()
-    results = json.loads(Path(results_path).read_text())
+    plt, results = _open(results_path)
     rows = results["rows"]
     models = list(dict.fromkeys(r["model"] for r in rows))
     with_memory = any(r["peak_bytes"] for r in rows)
