@@ -29,8 +29,9 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import buddy
+from experiments import cli
 from experiments.analysis import compacted_bytes, default_policies, histogram, ratio, simulate_policy
-from experiments.common import capture_all, format_table, geomean, progress, start, write_results
+from experiments.common import format_table, geomean, progress
 
 __all__ = ["histogram_points", "analyse", "headline", "set_summary", "main", "HEADLINE_POLICY"]
 
@@ -202,49 +203,33 @@ def format_headline(rows: list[dict], codec: str, entry_bytes: int, sets=None) -
 
 
 def parse_args(argv):
-    from experiments.workloads import DEFAULT_WORKLOADS, WORKLOADS
+    from experiments.workloads import DEFAULT_WORKLOADS
 
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
-    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_WORKLOADS))
-    p.add_argument("--codec", default=buddy.defaults().codec, choices=buddy.available_codecs())
-    p.add_argument("--entry-bytes", type=int, default=buddy.defaults().entry_bytes)
+    cli.add_size_argument(p)
+    cli.add_workloads_argument(p, DEFAULT_WORKLOADS)
+    cli.add_codec_arguments(p, choices=buddy.available_codecs())
     p.add_argument("--points", type=int, nargs="+", default=None, help="training steps before each capture")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/capacity"))
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    cli.add_common_arguments(p, out="results/capacity", device="cpu", plot=True)
     return p.parse_args(argv)
 
 
-DEFAULT_POINTS = {"tiny": (0, 2), "quick": (0, 10, 30), "full": (0, 50, 200, 500)}
-
-
 def main(argv=None) -> list[dict]:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    header = start("capacity", argv)
-    points = args.points or DEFAULT_POINTS[args.size]
-    captures = capture_all(
-        args.workloads, size=args.size, points=points, device=args.device, seed=args.seed, show=not args.no_progress
-    )
+    from experiments.plot import plot_capacity
+
+    args, header = cli.begin("capacity", parse_args, argv)
+    points, captures = cli.capture_workloads(args, points=args.points, device=args.device)
     rows = analyse(captures, codec=args.codec, entry_bytes=args.entry_bytes, show=not args.no_progress)
     print()
     print(format_table(rows, POLICY_COLUMNS))
     print()
     print(format_headline(rows, args.codec, args.entry_bytes))
-    path = write_results(
-        args.out, header, rows, headline=headline(rows), experiment="capacity", points=list(points), size=args.size
-    )
-    print(f"\nwrote {path} and {path.with_suffix('.csv')}")
-    if not args.no_plot:
-        from experiments.plot import plot_capacity
-
-        for png in plot_capacity(path, args.out):
-            print(f"wrote {png}")
+    cli.finish(
+        args, header, rows, plot=plot_capacity,
+        headline=headline(rows), experiment="capacity", points=list(points), size=args.size,
+    )  # fmt: skip
     return rows
 
 

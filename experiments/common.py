@@ -24,6 +24,8 @@ from buddy.deps import require, require_cuda
 from buddy.errors import MissingDependencyError
 
 __all__ = [
+    "SIZES",
+    "DEFAULT_POINTS",
     "start",
     "add_backend_argument",
     "choose_backend",
@@ -32,8 +34,16 @@ __all__ = [
     "write_results",
     "format_table",
     "geomean",
+    "by_set",
     "progress",
 ]
+
+
+#: the workload sizes every script takes (``--size``)
+SIZES = ("tiny", "quick", "full")
+
+#: training steps before each capture, by size (``--points`` overrides them where a script has it)
+DEFAULT_POINTS = {"tiny": (0, 2), "quick": (0, 10, 30), "full": (0, 50, 200, 500)}
 
 
 def start(script: str, argv: Sequence[str]) -> dict:
@@ -212,3 +222,9 @@ def geomean(values: Sequence[float]) -> float:
     """Geometric mean of positive values."""
     values = [v for v in values if v > 0]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def by_set(rows: Sequence[dict], sets: dict[str, list[str]]) -> list[tuple[str, list[dict]]]:
+    """``[(set name, its workloads' rows), ...]`` for each set with rows in ``rows``."""
+    mine = {name: [r for r in rows if r["workload"] in members] for name, members in sets.items()}
+    return [(name, members_rows) for name, members_rows in mine.items() if members_rows]

@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import torch
 
 import buddy
+from experiments import cli
 from experiments.analysis import (
     byte_entropy_bits,
     compacted_bytes,
@@ -32,7 +33,7 @@ from experiments.analysis import (
     ratio,
     tensor_bytes,
 )
-from experiments.common import capture_all, format_table, progress, start, write_results
+from experiments.common import format_table, progress
 
 __all__ = ["analyse", "summarise", "main"]
 
@@ -109,11 +110,11 @@ def format_summary(summary: list[dict]) -> str:
 
 
 def parse_args(argv):
-    from experiments.workloads import DEFAULT_WORKLOADS, WORKLOADS
+    from experiments.workloads import DEFAULT_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
-    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_WORKLOADS))
+    cli.add_size_argument(p)
+    cli.add_workloads_argument(p, DEFAULT_WORKLOADS)
     p.add_argument(
         "--codecs",
         nargs="+",
@@ -124,22 +125,13 @@ def parse_args(argv):
     p.add_argument("--points", type=int, nargs="+", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--nvcomp", action="store_true", help="add nvcomp's codecs (needs --device cuda and nvcomp)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/compressibility"))
-    p.add_argument("--no-progress", action="store_true")
+    cli.add_common_arguments(p, out="results/compressibility")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
-    from experiments.capacity import DEFAULT_POINTS
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    header = start("compressibility", argv)
-    points = args.points or DEFAULT_POINTS[args.size]
-    captures = capture_all(
-        args.workloads, size=args.size, points=points, device=args.device, seed=args.seed, show=not args.no_progress
-    )
+    args, header = cli.begin("compressibility", parse_args, argv)
+    points, captures = cli.capture_workloads(args, points=args.points, device=args.device)
     if args.nvcomp and not args.device.startswith("cuda"):
         raise SystemExit("--nvcomp needs --device cuda: nvcomp runs on the GPU")
     rows = analyse(
@@ -153,10 +145,7 @@ def main(argv=None) -> list[dict]:
     print()
     print("Ideal compacted ratio per workload (byte-weighted over its saved tensors and training points)")
     print(format_summary(summary))
-    path = write_results(
-        args.out, header, rows, summary=summary, experiment="compressibility", points=list(points), size=args.size
-    )
-    print(f"\nwrote {path} and {path.with_suffix('.csv')}")
+    cli.finish(args, header, rows, summary=summary, experiment="compressibility", points=list(points), size=args.size)
     return rows
 
 

@@ -35,8 +35,9 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import torch
 
+from experiments import cli
 from experiments.analysis import _FLOAT_FIELDS, _order0_bits, field_entropy_bits, ratio
-from experiments.common import capture_all, format_table, geomean, progress, start, write_results
+from experiments.common import by_set, format_table, geomean, progress
 
 __all__ = ["context_bits", "analyse", "main"]
 
@@ -95,18 +96,18 @@ def analyse(captures: dict, *, show: bool = True) -> list[dict]:
     return rows
 
 
+def _set_row(name: str, mine: list[dict]) -> dict:
+    """The geometric means of a set's rows."""
+    row: dict[str, Any] = {"workload": f"{name} set"}
+    for k in ("order0_ratio", "previous_ratio", "top_ratio"):
+        row[k] = geomean([r[k] for r in mine])
+    row["gain"] = row["top_ratio"] / row["order0_ratio"] - 1
+    return row
+
+
 def with_sets(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
     """``rows`` and a geometric-mean row per set (of the workloads it has)."""
-    out = list(rows)
-    for name, members in sets.items():
-        mine = [r for r in rows if r["workload"] in members]
-        if mine:
-            row: dict[str, Any] = {"workload": f"{name} set"}
-            for k in ("order0_ratio", "previous_ratio", "top_ratio"):
-                row[k] = geomean([r[k] for r in mine])
-            row["gain"] = row["top_ratio"] / row["order0_ratio"] - 1
-            out.append(row)
-    return out
+    return [*rows, *(_set_row(name, mine) for name, mine in by_set(rows, sets))]
 
 
 COLUMNS = [
@@ -119,35 +120,26 @@ COLUMNS = [
 
 
 def parse_args(argv):
-    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS, WORKLOADS
+    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
-    p.add_argument(
-        "--workloads", nargs="*", choices=sorted(WORKLOADS), default=[*TUNING_WORKLOADS, *CHECK_WORKLOADS]
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/context_bound"))
-    p.add_argument("--no-progress", action="store_true")
+    cli.add_size_argument(p)
+    cli.add_workloads_argument(p, [*TUNING_WORKLOADS, *CHECK_WORKLOADS], nargs="*")
+    cli.add_common_arguments(p, out="results/context_bound")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
-    from experiments.capacity import DEFAULT_POINTS
     from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    header = start("context_bound", argv)
-    show = not args.no_progress
-    points = DEFAULT_POINTS[args.size]
-    captures = capture_all(args.workloads, size=args.size, points=points, device="cpu", seed=args.seed, show=show)
-    rows = with_sets(analyse(captures, show=show), {"tuning": list(TUNING_WORKLOADS), "check": list(CHECK_WORKLOADS)})
+    args, header = cli.begin("context_bound", parse_args, argv)
+    points, captures = cli.capture_workloads(args)
+    rows = analyse(captures, show=not args.no_progress)
+    rows = with_sets(rows, {"tuning": list(TUNING_WORKLOADS), "check": list(CHECK_WORKLOADS)})
     print()
     print("Ratio of an ideal coder of the float tensors' fields, without and with context (bits / conditional entropy)")
     print(format_table(rows, COLUMNS))
-    path = write_results(args.out, header, rows, experiment="context_bound", size=args.size, points=list(points))
-    print(f"\nwrote {path} and {path.with_suffix('.csv')}")
+    cli.finish(args, header, rows, experiment="context_bound", size=args.size, points=list(points))
     return rows
 
 

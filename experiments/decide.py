@@ -52,6 +52,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import torch
 
 import buddy
+from experiments import cli
 from experiments.analysis import (
     byte_entropy_bits,
     compacted_bytes,
@@ -63,7 +64,7 @@ from experiments.analysis import (
     simulate_policy,
     tensor_bytes,
 )
-from experiments.common import capture_all, format_table, geomean, progress, start, write_results
+from experiments.common import DEFAULT_POINTS, format_table, geomean, progress
 
 __all__ = ["CODECS", "ENTRY_SIZES", "POLICIES", "POLICY_OVERFLOW", "analyse", "speeds", "decide", "main"]
 
@@ -311,23 +312,16 @@ def _fmt_tables(decision: list[dict], workloads: list[str], check: Sequence[str]
 
 
 def parse_args(argv):
-    from experiments.capacity import DEFAULT_POINTS
-    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS, WORKLOADS
+    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
-    p.add_argument(
-        "--workloads",
-        nargs="+",
-        choices=sorted(WORKLOADS),
-        default=list(TUNING_WORKLOADS),
-        help="the tuning set: the choice is made on these",
-    )
-    p.add_argument(
-        "--check",
+    cli.add_size_argument(p)
+    cli.add_workloads_argument(p, TUNING_WORKLOADS, help="the tuning set: the choice is made on these")
+    cli.add_workloads_argument(
+        p,
+        CHECK_WORKLOADS,
+        flag="--check",
         nargs="*",
-        choices=sorted(WORKLOADS),
-        default=list(CHECK_WORKLOADS),
         help="the check set: measured and reported, never used to choose (--check alone: none)",
     )
     p.add_argument(
@@ -343,9 +337,7 @@ def parse_args(argv):
     p.add_argument("--no-speed", action="store_true", help="skip the CPU GB/s columns")
     p.add_argument("--no-zstd-entries", action="store_true", help="skip zstd-3 run per entry (slow at small E)")
     p.add_argument("--cache", type=Path, default=None, help="keep captures here between runs")
-    p.add_argument("--out", type=Path, default=Path("results/decision"))
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    cli.add_common_arguments(p, out="results/decision", seed=False, plot=True)
     args = p.parse_args(argv)
     for e in args.entry_bytes:
         try:
@@ -358,21 +350,11 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None) -> dict:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    header = start("decide", argv)
+def _measure(args, check: list[str]) -> tuple[list[dict], list[dict], list[str]]:
+    """``(rows, speed_rows, workloads)``: every codec x E x policy on the captures of the tuning and check sets, and
+    the speeds on the tuning set's."""
     show = not args.no_progress
-    check = [w for w in args.check if w not in args.workloads]
-    captures = capture_all(
-        [*args.workloads, *check],
-        size=args.size,
-        points=args.points,
-        device="cpu",
-        seed=args.seed,
-        show=show,
-        cache=args.cache,
-    )
+    _, captures = cli.capture_workloads(args, [*args.workloads, *check], points=args.points, cache=args.cache)
     rows = analyse(
         captures,
         codecs=args.codecs,
@@ -387,28 +369,43 @@ def main(argv=None) -> dict:
         if args.no_speed
         else speeds(tuning_captures, codecs=args.codecs, entry_sizes=args.entry_bytes, repeats=args.repeats, show=show)
     )
-    decision = table(rows, speed_rows, check)
-    chosen = decide(decision, args.codecs)
-    print()
-    print(_fmt_tables(decision, list(captures), check))
+    return rows, speed_rows, list(captures)
+
+
+def _format_choice(chosen: dict) -> str:
+    """The choice next to the library's current defaults."""
     current = buddy.defaults()
     default_policy = type(buddy.Tracker().policy).__name__
     same = (chosen["codec"], chosen["entry_bytes"], chosen["policy"]) == (
         current.codec, current.entry_bytes, default_policy
     )  # fmt: skip
-    print(
+    return (
         f"\nchosen by measurement on the tuning set: codec {chosen['codec']!r}, E = {chosen['entry_bytes']} B, "
         f"{chosen['policy']}({POLICY_OVERFLOW}) (capacity {chosen['capacity:geomean']:.2f}x geomean, ideal "
         f"{chosen['ratio:geomean']:.2f}x); library default: codec {current.codec!r}, E = {current.entry_bytes} B, "
         f"{default_policy}" + ("" if same else "  <- differs")
     )
+
+
+def main(argv=None) -> dict:
+    from experiments.plot import plot_decision
+
+    args, header = cli.begin("decide", parse_args, argv)
+    check = [w for w in args.check if w not in args.workloads]
+    rows, speed_rows, workloads = _measure(args, check)
+    decision = table(rows, speed_rows, check)
+    chosen = decide(decision, args.codecs)
+    print()
+    print(_fmt_tables(decision, workloads, check))
+    print(_format_choice(chosen))
     check_view = _check_view(decision, chosen, args.codecs) if check else None
     if check_view:
         print(check_view["text"])
-    path = write_results(
-        args.out,
+    cli.finish(
+        args,
         header,
         rows + speed_rows,
+        plot=plot_decision,
         decision=decision,
         chosen={"codec": chosen["codec"], "entry_bytes": chosen["entry_bytes"], "policy": chosen["policy"]},
         sets={"tuning": list(args.workloads), "check": check},
@@ -418,12 +415,6 @@ def main(argv=None) -> dict:
         points=list(args.points),
         policies=[f"{p}({POLICY_OVERFLOW})" for p in args.policies],
     )
-    print(f"\nwrote {path} and {path.with_suffix('.csv')}")
-    if not args.no_plot:
-        from experiments.plot import plot_decision
-
-        for png in plot_decision(path, path.parent):
-            print(f"wrote {png}")
     return {"decision": decision, "chosen": chosen, "check": check_view}
 
 

@@ -152,6 +152,50 @@ class _Lane:
         self.end, self.invalid = old[5], old[6]
 
 
+def _warm_up(step: list, base: int, starts: list[int]) -> list[int]:
+    """Moves each lane's start but the first to its first code start in its span, found by a decode from
+    :data:`WARMUP` bits before the span (``starts`` changes in place); returns the steps each lane took."""
+    warm = [0] * LANES
+    for j in range(1, LANES):
+        pos = max(base, starts[j] - WARMUP)
+        while pos < starts[j] and step[pos]:
+            pos += int(step[pos])
+            warm[j] += 1
+        starts[j] = pos if step[pos] or pos >= starts[j] else starts[j]
+    return warm
+
+
+def _resync(lanes: list[_Lane], base: int) -> tuple[int, int]:
+    """A lane whose start is not the true end of the lane before decodes again from it, round after round,
+    until none is left; returns the rounds and their find steps (per round the most steps any lane took)."""
+    rounds = steps = 0
+    while True:
+        ends = [base] + [lane.end for lane in lanes[:-1]]
+        dead = [False] + [lane.invalid for lane in lanes[:-1]]
+        redo = [i for i in range(1, LANES) if not dead[i] and ends[i] != lanes[i].start]
+        if not redo:
+            return rounds, steps
+        rounds += 1
+        for i in redo:  # in lockstep, from the ends the lanes before had at the start of the round
+            lanes[i].resync(ends[i])
+        steps += max(lanes[i].steps for i in redo)
+
+
+def _emit_work(lanes: list[_Lane], step, zero, multi, *, done: int, n_words: int, use_multi: bool):
+    """``(work, done)``: the emit pass's ``(steps, tails)`` of each lane with words left to emit, and the words
+    emitted after it."""
+    work = []
+    for lane in lanes:
+        if done >= n_words:
+            break
+        if lane.invalid and done + lane.n < n_words:
+            raise RuntimeError("a valid stream decoded to a code the table lacks")
+        again = _Lane(step, zero, multi, lane.start, lane.limit, use_multi)  # the emit pass's walk
+        work.append((again.steps, min(lane.tails, n_words - done)))
+        done += lane.n
+    return work, done
+
+
 def simulate_entry(payload_row: np.ndarray, k: int, n_words: int, table: fpe.Table, *, overshoot: int = OVERSHOOT,
                    use_multi: bool = True) -> dict:  # fmt: skip
     """The split layout's warp decoder on one entry (see the module doc).
@@ -176,39 +220,18 @@ def simulate_entry(payload_row: np.ndarray, k: int, n_words: int, table: fpe.Tab
         span = min(MAX_SPAN, max(MIN_SPAN, -(-remaining_bits // LANES)))
         limits = [min(base + (lane + 1) * span, end) for lane in range(LANES)]
         starts = [min(base + lane * span, end) for lane in range(LANES)]
-        warm = [0] * LANES
-        for j in range(1, LANES):  # a decode from WARMUP bits before the span: its first start in the span
-            pos = max(base, starts[j] - WARMUP)
-            while pos < starts[j] and step[pos]:
-                pos += int(step[pos])
-                warm[j] += 1
-            starts[j] = pos if step[pos] or pos >= starts[j] else starts[j]
+        warm = _warm_up(step, base, starts)
         lanes = [_Lane(step, zero, multi, starts[lane], limits[lane], use_multi) for lane in range(LANES)]
         find += max(warm)
         warm_steps += max(warm)
         steps += sum(lane.steps for lane in lanes)
         singles += sum(lane.singles for lane in lanes)
         find += max(lane.steps for lane in lanes)
-        while True:  # a lane whose start is not the true end of the lane before decodes again from it
-            ends = [base] + [lane.end for lane in lanes[:-1]]
-            dead = [False] + [lane.invalid for lane in lanes[:-1]]
-            redo = [i for i in range(1, LANES) if not dead[i] and ends[i] != lanes[i].start]
-            if not redo:
-                break
-            rounds += 1
-            for i in redo:  # in lockstep, from the ends the lanes before had at the start of the round
-                lanes[i].resync(ends[i])
-            find += max(lanes[i].steps for i in redo)
-            resync += max(lanes[i].steps for i in redo)
-        work = []
-        for i, lane in enumerate(lanes):
-            if done >= n_words:
-                break
-            if lane.invalid and done + lane.n < n_words:
-                raise RuntimeError("a valid stream decoded to a code the table lacks")
-            again = _Lane(step, zero, multi, lane.start, lane.limit, use_multi)  # the emit pass's walk
-            work.append((again.steps, min(lane.tails, n_words - done)))
-            done += lane.n
+        more_rounds, round_steps = _resync(lanes, base)
+        rounds += more_rounds
+        find += round_steps
+        resync += round_steps
+        work, done = _emit_work(lanes, step, zero, multi, done=done, n_words=n_words, use_multi=use_multi)
         emit += max(a + b for a, b in work)
         emit_steps += max(a for a, _ in work)
         emit_tails += max(b for _, b in work)
@@ -292,7 +315,7 @@ def lane_work(tensors, e: int, sample: int, g: torch.Generator, **options) -> li
 
 
 def main(argv=None) -> dict:
-    from experiments.capacity import DEFAULT_POINTS
+    from experiments.common import DEFAULT_POINTS
     from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

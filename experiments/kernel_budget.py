@@ -287,7 +287,7 @@ def occupancy(regs: int, smem_block: int, threads: int) -> int:
 
 def lane_trips(dtype: torch.dtype, entry_bytes: int, sample: int, cache) -> dict[str, float]:
     """Mean iterations per entry of the split layout's loops on the capture workloads' tensors of ``dtype``."""
-    from experiments.capacity import DEFAULT_POINTS
+    from experiments.common import DEFAULT_POINTS
     from experiments.common import capture_all
     from experiments.fpe_lanes import lane_work
     from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS

@@ -23,8 +23,9 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import buddy
+from experiments import cli
 from experiments.analysis import compacted_bytes, ratio, tensor_bytes
-from experiments.common import capture_all, format_table, progress, start, write_results
+from experiments.common import format_table, progress
 
 __all__ = ["analyse", "format_rows", "main"]
 
@@ -87,41 +88,29 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def parse_args(argv):
-    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS, WORKLOADS
+    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
-    p.add_argument(
-        "--workloads", nargs="*", choices=sorted(WORKLOADS), default=[*TUNING_WORKLOADS, *CHECK_WORKLOADS]
-    )
+    cli.add_size_argument(p)
+    cli.add_workloads_argument(p, [*TUNING_WORKLOADS, *CHECK_WORKLOADS], nargs="*")
     default = buddy.defaults().codec
-    p.add_argument(
-        "--codec",
+    cli.add_codec_arguments(
+        p,
         default=default if default in TABLE_CODECS else "auto2",
         choices=TABLE_CODECS,
         help="a codec with a table (default: the default codec if it has one, else auto2)",
     )
-    p.add_argument("--entry-bytes", type=int, default=buddy.defaults().entry_bytes)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/learned_tables"))
-    p.add_argument("--no-progress", action="store_true")
+    cli.add_common_arguments(p, out="results/learned_tables")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
-    from experiments.capacity import DEFAULT_POINTS
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    header = start("learned_tables", argv)
-    show = not args.no_progress
-    points = DEFAULT_POINTS[args.size]
-    captures = capture_all(args.workloads, size=args.size, points=points, device="cpu", seed=args.seed, show=show)
-    rows = analyse(captures, codec=args.codec, entry_bytes=args.entry_bytes, show=show)
+    args, header = cli.begin("learned_tables", parse_args, argv)
+    points, captures = cli.capture_workloads(args)
+    rows = analyse(captures, codec=args.codec, entry_bytes=args.entry_bytes, show=not args.no_progress)
     print()
     print(format_rows(rows))
-    path = write_results(args.out, header, rows, experiment="learned_tables", size=args.size, points=list(points))
-    print(f"\nwrote {path} and {path.with_suffix('.csv')}")
+    cli.finish(args, header, rows, experiment="learned_tables", size=args.size, points=list(points))
     return rows
 
 

@@ -59,7 +59,8 @@ from torch.utils.checkpoint import checkpoint
 
 import buddy
 from buddy.autograd import is_parameter
-from experiments.common import add_backend_argument, choose_backend, format_table, progress, start, write_results
+from experiments import cli
+from experiments.common import choose_backend, format_table, progress
 
 __all__ = ["METHODS", "measure", "max_batch", "main"]
 
@@ -388,21 +389,16 @@ def max_batch(workload: str, method: str, *, size: str, budget: int, device: str
 
 
 def parse_args(argv):
-    from experiments.workloads import DEFAULT_WORKLOADS, WORKLOADS
+    from experiments.workloads import DEFAULT_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
-    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_WORKLOADS))
+    cli.add_size_argument(p)
+    cli.add_workloads_argument(p, DEFAULT_WORKLOADS)
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument(
         "--budget-mib", type=float, default=None, help="device budget (default: what the base batch needs uncompressed)"
     )
-    p.add_argument("--device", default="cpu")
-    add_backend_argument(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/max_batch"))
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    cli.add_common_arguments(p, out="results/max_batch", device="cpu", backend=True, plot=True)
     return p.parse_args(argv)
 
 
@@ -419,18 +415,38 @@ COLUMNS = [
 ]
 
 
-def main(argv=None) -> list[dict]:
+def _row(workload: str, method: str, *, args, budget: int, accounting: bool) -> dict:
+    """The largest batch of ``workload`` under ``method`` within ``budget``, with a note where the search stopped
+    short of it."""
     from experiments.workloads import WORKLOADS
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    header = start("max_batch", argv)
-    accounting = not args.device.startswith("cuda")
-    backend = choose_backend("max_batch", args.backend, args.device)
-    buddy.set_defaults(backend=backend)
-    print(f"  buddy backend: {backend}")
-    if accounting:
-        print("  ACCOUNTING RUN: no GPU, so device bytes are added up, not measured (see the module docstring)")
+    try:
+        m = max_batch(workload, method, size=args.size, budget=budget, device=args.device, seed=args.seed)
+        note = "" if m else "no batch fits"
+        factor = ACCOUNTING_FACTOR if accounting else MAX_BATCH_FACTOR
+        if m and m.batch >= factor * WORKLOADS[workload].size(args.size).batch:
+            note = f"search capped at {factor}x the base batch"
+        elif m and m.host_cap is not None and m.batch >= m.host_cap:
+            note = "search capped by host memory (see HOST_MEMORY_SHARE, HOST_PEAK_SHARE)"
+    except ValueError as exc:  # e.g. no stack to checkpoint
+        m, note = None, str(exc)
+    return {
+        "workload": workload,
+        "method": method,
+        "accounting": accounting,
+        "budget_mib": budget / 2**20,
+        "max_batch": m.batch if m else 0,
+        "total_mib": m.total_bytes / 2**20 if m else None,
+        "activation_mib": m.activation_bytes / 2**20 if m else None,
+        "state_mib": m.state_bytes / 2**20 if m else None,
+        "step_seconds": m.seconds if m else None,
+        "device_peak_mib": m.device_peak_bytes / 2**20 if m and m.device_peak_bytes is not None else None,
+        "note": note,
+    }
+
+
+def _rows(args, accounting: bool) -> list[dict]:
+    """A row per workload and method, each with its batch against the ``none`` method's on the same workload."""
     rows = []
     jobs = [(w, m) for w in args.workloads for m in args.methods]
     budgets = {}
@@ -441,35 +457,24 @@ def main(argv=None) -> list[dict]:
                 if args.budget_mib
                 else default_budget(workload, size=args.size, device=args.device, seed=args.seed)
             )
-        budget = budgets[workload]
-        try:
-            m = max_batch(workload, method, size=args.size, budget=budget, device=args.device, seed=args.seed)
-            note = "" if m else "no batch fits"
-            factor = ACCOUNTING_FACTOR if accounting else MAX_BATCH_FACTOR
-            if m and m.batch >= factor * WORKLOADS[workload].size(args.size).batch:
-                note = f"search capped at {factor}x the base batch"
-            elif m and m.host_cap is not None and m.batch >= m.host_cap:
-                note = "search capped by host memory (see HOST_MEMORY_SHARE, HOST_PEAK_SHARE)"
-        except ValueError as exc:  # e.g. no stack to checkpoint
-            m, note = None, str(exc)
-        rows.append(
-            {
-                "workload": workload,
-                "method": method,
-                "accounting": accounting,
-                "budget_mib": budget / 2**20,
-                "max_batch": m.batch if m else 0,
-                "total_mib": m.total_bytes / 2**20 if m else None,
-                "activation_mib": m.activation_bytes / 2**20 if m else None,
-                "state_mib": m.state_bytes / 2**20 if m else None,
-                "step_seconds": m.seconds if m else None,
-                "device_peak_mib": m.device_peak_bytes / 2**20 if m and m.device_peak_bytes is not None else None,
-                "note": note,
-            }
-        )
+        rows.append(_row(workload, method, args=args, budget=budgets[workload], accounting=accounting))
     none = {r["workload"]: r["max_batch"] for r in rows if r["method"] == "none"}
     for r in rows:
         r["vs_none"] = r["max_batch"] / none[r["workload"]] if none.get(r["workload"]) else None
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    from experiments.plot import plot_max_batch
+
+    args, header = cli.begin("max_batch", parse_args, argv)
+    accounting = not args.device.startswith("cuda")
+    backend = choose_backend("max_batch", args.backend, args.device)
+    buddy.set_defaults(backend=backend)
+    print(f"  buddy backend: {backend}")
+    if accounting:
+        print("  ACCOUNTING RUN: no GPU, so device bytes are added up, not measured (see the module docstring)")
+    rows = _rows(args, accounting)
     print()
     kind = "accounting run (CPU)" if accounting else f"real CUDA memory on {header['environment']['gpu']}"
     print(f"Largest batch under the budget ({kind}); step time at that batch")
@@ -477,15 +482,10 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         if r["note"]:
             print(f"  {r['workload']} / {r['method']}: {r['note']}")
-    path = write_results(
-        args.out, header, rows, experiment="max_batch", size=args.size, accounting=accounting, backend=backend
-    )
-    print(f"\nwrote {path} and {path.with_suffix('.csv')}")
-    if not args.no_plot:
-        from experiments.plot import plot_max_batch
-
-        for png in plot_max_batch(path, args.out):
-            print(f"wrote {png}")
+    cli.finish(
+        args, header, rows, plot=plot_max_batch,
+        experiment="max_batch", size=args.size, accounting=accounting, backend=backend,
+    )  # fmt: skip
     return rows
 
 

@@ -29,7 +29,8 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import torch
 
 import buddy
-from experiments.common import format_table, progress, start, write_results
+from experiments import cli
+from experiments.common import format_table, progress
 
 __all__ = ["DEFAULT_SEQUENCES", "parse_item", "run_sequence", "main"]
 
@@ -108,11 +109,9 @@ COLUMNS = [
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sequence", nargs="+", action="append", help="one sequence (repeat for several)")
-    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
+    cli.add_size_argument(p)
     p.add_argument("--min-bytes", type=int, default=64 << 10, help="the sessions' min_bytes (default 64 KiB)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/model_sequence"))
-    p.add_argument("--no-progress", action="store_true")
+    cli.add_common_arguments(p, out="results/model_sequence")
     args = p.parse_args(argv)
     for sequence in args.sequence or ():
         for item in sequence:
@@ -124,9 +123,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> list[dict]:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    header = start("model_sequence", argv)
+    args, header = cli.begin("model_sequence", parse_args, argv)
     rows = []
     for items in args.sequence or DEFAULT_SEQUENCES:
         part = run_sequence(items, size=args.size, min_bytes=args.min_bytes, seed=args.seed, show=not args.no_progress)
@@ -135,8 +132,7 @@ def main(argv=None) -> list[dict]:
         rows += part
     worst = max(r["overflow"] for r in rows)
     print(f"\nworst step: {worst:.1%} overflow ({'within' if worst <= 0.10 else 'PAST'} the 10 % bound)")
-    path = write_results(args.out, header, rows, experiment="model_sequence", size=args.size)
-    print(f"wrote {path} and {path.with_suffix('.csv')}")
+    cli.finish(args, header, rows, experiment="model_sequence", size=args.size)
     return rows
 
 

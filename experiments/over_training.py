@@ -22,8 +22,9 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import buddy
+from experiments import cli
 from experiments.analysis import ratio
-from experiments.common import format_table, progress, start, write_results
+from experiments.common import format_table, progress, write_results
 
 __all__ = ["track", "summarise", "main"]
 
@@ -137,11 +138,11 @@ SUMMARY_COLUMNS = [
 
 
 def parse_args(argv):
-    from experiments.workloads import DEFAULT_WORKLOADS, WORKLOADS
+    from experiments.workloads import DEFAULT_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
-    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_WORKLOADS))
+    cli.add_size_argument(p)
+    cli.add_workloads_argument(p, DEFAULT_WORKLOADS)
     p.add_argument("--steps", type=int, default=None, help="training steps (default by size)")
     p.add_argument("--every", type=int, default=1, help="compress every n-th step (the others train plainly)")
     p.add_argument("--max-overflow", type=float, default=0.10, help="the policy's overflow limit")
@@ -151,11 +152,7 @@ def parse_args(argv):
         default="OverflowBudget",
         help="the tracker's policy (default: the tracker's default, OverflowBudget)",
     )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/over_training"))
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    cli.add_common_arguments(p, out="results/over_training", device="cpu", plot=True)
     p.add_argument(
         "--resume",
         action="store_true",
@@ -168,13 +165,21 @@ def parse_args(argv):
 
 
 def main(argv=None) -> list[dict]:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    header = start("over_training", argv)
+    from experiments.plot import plot_over_training
+
+    args, header = cli.begin("over_training", parse_args, argv)
     steps = args.steps or DEFAULT_STEPS[args.size]
     policy = getattr(buddy, args.policy)(args.max_overflow)
     settings = {"size": args.size, "steps": steps, "every": args.every, "seed": args.seed, "policy": str(policy)}
     settings.update(codec=buddy.defaults().codec, entry_bytes=buddy.defaults().entry_bytes)  # what the session uses
+
+    def written(rows: list[dict], done: list[str]) -> dict:
+        """What results.json holds beside the rows."""
+        return dict(
+            summary=summarise(rows), experiment="over_training", settings=settings, workloads_done=done,
+            complete=len(done) == len(args.workloads), size=args.size, steps=steps,
+        )  # fmt: skip
+
     rows = _resumed(args.out, settings, args.workloads) if args.resume else []
     done = list(dict.fromkeys(r["workload"] for r in rows))
     if done:
@@ -194,27 +199,15 @@ def main(argv=None) -> list[dict]:
         )
         done.append(name)
         # after every workload: an interrupted run keeps what it finished (--resume goes on from it)
-        write_results(
-            args.out, header, rows, summary=summarise(rows), experiment="over_training", settings=settings,
-            workloads_done=done, complete=len(done) == len(args.workloads), size=args.size, steps=steps,
-        )  # fmt: skip
+        write_results(args.out, header, rows, **written(rows, done))
     rows = [r for r in rows if r["workload"] in args.workloads]
-    summary = summarise(rows)
+    extra = written(rows, list(args.workloads))
     print()
     print(
         f"The tracker over {steps} training steps ({policy}); 'missed' = predicted overflow off by > {MISS:.0%} of the tensor"
     )
-    print(format_table(summary, SUMMARY_COLUMNS))
-    path = write_results(
-        args.out, header, rows, summary=summary, experiment="over_training", settings=settings,
-        workloads_done=list(args.workloads), complete=True, size=args.size, steps=steps,
-    )  # fmt: skip
-    print(f"\nwrote {path} and {path.with_suffix('.csv')}")
-    if not args.no_plot:
-        from experiments.plot import plot_over_training
-
-        for png in plot_over_training(path, args.out):
-            print(f"wrote {png}")
+    print(format_table(extra["summary"], SUMMARY_COLUMNS))
+    cli.finish(args, header, rows, plot=plot_over_training, **extra)
     return rows
 
 

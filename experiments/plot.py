@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,11 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _open(results_path: Path):
+    """``(pyplot, results)``: pyplot drawing to files, and a results file read."""
+    return _pyplot(), json.loads(Path(results_path).read_text())
 
 
 def _caption(results: dict) -> str:
@@ -223,8 +229,7 @@ def _sets_axes(ax, headline: list[dict], codec: str, entry_bytes: int):
 
 def plot_capacity(results_path: Path, out_dir: Path) -> list[Path]:
     """One PNG per workload (capacity against buddy traffic, a line per policy), an overview, and the two sets."""
-    plt = _pyplot()
-    results = json.loads(Path(results_path).read_text())
+    plt, results = _open(results_path)
     rows = results["rows"]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     written = []
@@ -261,8 +266,7 @@ def plot_capacity(results_path: Path, out_dir: Path) -> list[Path]:
 
 def plot_over_training(results_path: Path, out_dir: Path) -> list[Path]:
     """Per workload: ideal ratio and the tracker's chosen target per key across training."""
-    plt = _pyplot()
-    results = json.loads(Path(results_path).read_text())
+    plt, results = _open(results_path)
     rows = results["rows"]
     written = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
@@ -287,8 +291,7 @@ def plot_over_training(results_path: Path, out_dir: Path) -> list[Path]:
 
 def plot_max_batch(results_path: Path, out_dir: Path) -> list[Path]:
     """Largest batch under the budget and its step time, per workload and method."""
-    plt = _pyplot()
-    results = json.loads(Path(results_path).read_text())
+    plt, results = _open(results_path)
     rows = results["rows"]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -313,6 +316,44 @@ def plot_max_batch(results_path: Path, out_dir: Path) -> list[Path]:
     return [path]
 
 
+def _entry_size_lines(ax, rows: list[dict], methods: list[str], field: str, policies: Sequence[str]) -> None:
+    """``field`` against the entry size, a line per method and policy (BuddyThreshold solid, the others dotted in
+    the colour of the line before; zstd dashed black)."""
+    for method in methods:
+        for policy in policies:
+            pts = sorted(
+                (r for r in rows if r["method"] == method and field in r and r.get("policy", "BuddyThreshold") == policy),
+                key=lambda r: r["entry_bytes"],
+            )
+            if not pts:
+                continue
+            style = dict(linestyle="--", color="black", linewidth=0.9) if method.startswith("zstd") else {}
+            if policy != "BuddyThreshold":
+                style = dict(style, linestyle=":", color=ax.lines[-1].get_color() if ax.lines else None)
+            ax.plot(
+                [r["entry_bytes"] for r in pts],
+                [r[field] for r in pts],
+                marker="o" if policy == "BuddyThreshold" else ".",
+                markersize=3,
+                label=method if policy == "BuddyThreshold" else None,
+                **style,
+            )
+
+
+def _whole_tensor_lines(ax, rows: list[dict]) -> None:
+    """Whole-tensor zstd-3 (solid) and the field-entropy bound (dotted) as horizontal lines."""
+    for r in rows:
+        if r["entry_bytes"] is None and r["method"] in ("zstd-3", "entropy (fields)"):
+            dotted = r["method"] != "zstd-3"
+            ax.axhline(
+                r["ideal_ratio"],
+                color="tab:gray" if dotted else "black",
+                linewidth=0.8,
+                linestyle=":" if dotted else "-",
+                label=r["method"] + " (whole tensor)" if not dotted else r["method"],
+            )
+
+
 def plot_decision(results_path: Path, out_dir: Path) -> list[Path]:
     """The entry-size study: ideal ratio and tracker capacity against E, a line per codec, per workload.
 
@@ -321,8 +362,7 @@ def plot_decision(results_path: Path, out_dir: Path) -> list[Path]:
     Whole-tensor zstd-3 and the field-entropy bound are drawn as horizontal
     lines, zstd-3 run per entry as a dashed line.
     """
-    plt = _pyplot()
-    results = json.loads(Path(results_path).read_text())
+    plt, results = _open(results_path)
     rows = [r for r in results["rows"] if "ideal_ratio" in r]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     per_entry = list(dict.fromkeys(r["method"] for r in rows if r["entry_bytes"] is not None))
@@ -334,40 +374,10 @@ def plot_decision(results_path: Path, out_dir: Path) -> list[Path]:
             (("ideal_ratio", "ideal ratio (x)"), ("capacity", "capacity at <=10 % overflow (x)"))
         ):
             ax = axes[row][col]
-            for method in per_entry:
-                # the ideal ratio does not depend on the policy; capacity: BuddyThreshold solid, OverflowBudget dotted
-                for policy in ("BuddyThreshold", "OverflowBudget") if row else ("BuddyThreshold",):
-                    pts = sorted(
-                        (
-                            r
-                            for r in mine
-                            if r["method"] == method and field in r and r.get("policy", "BuddyThreshold") == policy
-                        ),
-                        key=lambda r: r["entry_bytes"],
-                    )
-                    if not pts:
-                        continue
-                    style = dict(linestyle="--", color="black", linewidth=0.9) if method.startswith("zstd") else {}
-                    if policy != "BuddyThreshold":
-                        style = dict(style, linestyle=":", color=ax.lines[-1].get_color() if ax.lines else None)
-                    ax.plot(
-                        [r["entry_bytes"] for r in pts],
-                        [r[field] for r in pts],
-                        marker="o" if policy == "BuddyThreshold" else ".",
-                        markersize=3,
-                        label=method if policy == "BuddyThreshold" else None,
-                        **style,
-                    )
-            for r in mine:
-                if r["entry_bytes"] is None and r["method"] in ("zstd-3", "entropy (fields)"):
-                    dotted = r["method"] != "zstd-3"
-                    ax.axhline(
-                        r["ideal_ratio"],
-                        color="tab:gray" if dotted else "black",
-                        linewidth=0.8,
-                        linestyle=":" if dotted else "-",
-                        label=r["method"] + " (whole tensor)" if not dotted else r["method"],
-                    )
+            # the ideal ratio does not depend on the policy; capacity: BuddyThreshold solid, OverflowBudget dotted
+            policies = ("BuddyThreshold", "OverflowBudget") if row else ("BuddyThreshold",)
+            _entry_size_lines(ax, mine, per_entry, field, policies)
+            _whole_tensor_lines(ax, mine)
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
             if col == 0:

@@ -32,8 +32,9 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import buddy
+from experiments import cli
 from experiments.analysis import REGION_BYTES, entry_sectors, place_per_region, place_per_tensor, ratio, tensor_bytes
-from experiments.common import capture_all, format_table, geomean, progress, start, write_results
+from experiments.common import by_set, format_table, geomean, progress
 
 __all__ = ["MAX_OVERFLOW", "BUILD_THRESHOLD", "analyse", "summarise", "format_rows", "main"]
 
@@ -83,20 +84,19 @@ def analyse(
     return rows
 
 
+def _set_summary(name: str, mine: list[dict]) -> dict:
+    """A set's geometric-mean capacity each way, the gain of their geomeans, its worst overflow each way."""
+    row = {"workload": f"{name} set", "codec": mine[0]["codec"], "entry_bytes": mine[0]["entry_bytes"]}
+    for way in ("tensor", "each", "same"):
+        row[f"{way}_capacity"] = geomean([r[f"{way}_capacity"] for r in mine])
+        row[f"{way}_overflow"] = max(r[f"{way}_overflow"] for r in mine)
+    row["gain"] = row["same_capacity"] / row["tensor_capacity"] - 1
+    return row
+
+
 def summarise(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
     """Per set: geometric-mean capacity each way, the gain of their geomeans, worst overflow each way."""
-    out = []
-    for name, members in sets.items():
-        mine = [r for r in rows if r["workload"] in members]
-        if not mine:
-            continue
-        row = {"workload": f"{name} set", "codec": mine[0]["codec"], "entry_bytes": mine[0]["entry_bytes"]}
-        for way in ("tensor", "each", "same"):
-            row[f"{way}_capacity"] = geomean([r[f"{way}_capacity"] for r in mine])
-            row[f"{way}_overflow"] = max(r[f"{way}_overflow"] for r in mine)
-        row["gain"] = row["same_capacity"] / row["tensor_capacity"] - 1
-        out.append(row)
-    return out
+    return [_set_summary(name, mine) for name, mine in by_set(rows, sets)]
 
 
 COLUMNS = [
@@ -122,40 +122,28 @@ def format_rows(rows: list[dict], summary: list[dict], region_bytes: int = REGIO
 
 
 def parse_args(argv):
-    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS, WORKLOADS
+    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
-    p.add_argument("--workloads", nargs="*", choices=sorted(WORKLOADS), default=list(TUNING_WORKLOADS))
-    p.add_argument("--check", nargs="*", choices=sorted(WORKLOADS), default=list(CHECK_WORKLOADS))
-    p.add_argument("--codec", default=buddy.defaults().codec, choices=buddy.available_codecs())
-    p.add_argument("--entry-bytes", type=int, default=buddy.defaults().entry_bytes)
+    cli.add_size_argument(p)
+    cli.add_workloads_argument(p, TUNING_WORKLOADS, nargs="*")
+    cli.add_workloads_argument(p, CHECK_WORKLOADS, flag="--check", nargs="*")
+    cli.add_codec_arguments(p, choices=buddy.available_codecs())
     p.add_argument("--region-bytes", type=int, default=REGION_BYTES)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/regions"))
-    p.add_argument("--no-progress", action="store_true")
+    cli.add_common_arguments(p, out="results/regions")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
-    from experiments.capacity import DEFAULT_POINTS
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    header = start("regions", argv)
-    show = not args.no_progress
+    args, header = cli.begin("regions", parse_args, argv)
     sets = {"tuning": list(args.workloads), "check": list(args.check)}
-    names = list(dict.fromkeys(args.workloads + args.check))
-    points = DEFAULT_POINTS[args.size]
-    captures = capture_all(names, size=args.size, points=points, device="cpu", seed=args.seed, show=show)
+    points, captures = cli.capture_workloads(args, list(dict.fromkeys(args.workloads + args.check)))
+    show = not args.no_progress
     rows = analyse(captures, codec=args.codec, entry_bytes=args.entry_bytes, region_bytes=args.region_bytes, show=show)
     summary = summarise(rows, sets)
     print()
     print(format_rows(rows, summary, args.region_bytes))
-    path = write_results(
-        args.out, header, rows, summary=summary, experiment="regions", size=args.size, points=list(points)
-    )
-    print(f"\nwrote {path} and {path.with_suffix('.csv')}")
+    cli.finish(args, header, rows, summary=summary, experiment="regions", size=args.size, points=list(points))
     return {"rows": rows, "summary": summary}
 
 

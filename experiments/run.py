@@ -27,14 +27,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import buddy
-from experiments import capacity, compressibility, regions
-from experiments.common import capture_all, format_table, start, write_results
+from experiments import capacity, cli, compressibility, regions
+from experiments.common import format_table, write_results
 
 __all__ = ["main"]
 
@@ -44,23 +45,19 @@ FULL_TRACK_EVERY = 20
 
 
 def parse_args(argv):
-    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS, WORKLOADS
+    from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--full", action="store_true", help="every experiment at full size (takes long on a CPU)")
-    p.add_argument("--size", choices=("tiny", "quick", "full"), default=None, help="override the workload size")
-    p.add_argument(
-        "--workloads",
-        nargs="*",
-        choices=sorted(WORKLOADS),
-        default=list(TUNING_WORKLOADS),
-        help="the tuning set (default: the five the defaults were chosen on)",
+    cli.add_size_argument(p, default=None, help="override the workload size")
+    cli.add_workloads_argument(
+        p, TUNING_WORKLOADS, nargs="*", help="the tuning set (default: the five the defaults were chosen on)"
     )
-    p.add_argument(
-        "--check",
+    cli.add_workloads_argument(
+        p,
+        CHECK_WORKLOADS,
+        flag="--check",
         nargs="*",
-        choices=sorted(WORKLOADS),
-        default=list(CHECK_WORKLOADS),
         help="the check set, reported apart (default: the workloads the defaults were not chosen on; "
         "--check alone: none)",
     )
@@ -73,87 +70,30 @@ def parse_args(argv):
         choices=buddy.available_codecs(),
         help="codecs of the capacity runs",
     )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results"))
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    cli.add_common_arguments(p, out="results", device="cpu", plot=True)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
+    args, header = cli.begin("run", parse_args, argv)
     size = args.size or ("full" if args.full else "quick")
-    header = start("run", argv)
-    show = not args.no_progress
     t0, cpu0 = time.perf_counter(), time.process_time()
-    points = capacity.DEFAULT_POINTS[size]
     sets = _sets(args.workloads, args.check)
     names = list(dict.fromkeys(n for members in sets.values() for n in members))
-    captures = capture_all(names, size=size, points=points, device=args.device, seed=args.seed, show=show)
-
-    # quick: the codecs of the capacity runs (decide.py compares every codec); --full: every codec and entry size
-    codecs = [c for c in buddy.available_codecs("cpu") if c != "raw"] if args.full else list(args.codecs)
-    entry_sizes = FULL_ENTRY_SIZES if args.full else (buddy.defaults().entry_bytes,)
-    comp_rows = compressibility.analyse(captures, codecs=codecs, entry_sizes=entry_sizes, show=show)
-    summary = compressibility.summarise(comp_rows)
-    print("\nIdeal compacted ratio per workload (byte-weighted over its saved tensors and training points)")
-    print(compressibility.format_summary(summary))
-    write_results(
-        args.out / "compressibility",
-        header,
-        comp_rows,
-        summary=summary,
-        experiment="compressibility",
-        size=size,
-        points=list(points),
-    )
-
-    entry_bytes = buddy.defaults().entry_bytes
+    points, captures = cli.capture_workloads(args, names, size=size, device=args.device)
+    study = _Study(header, captures, sets, size, list(points))
+    summary = _compressibility(args, study)
     headlines, by_set, region_rows, written = {}, {}, {}, []
     for codec in args.codecs:
-        cap_rows = capacity.analyse(captures, codec=codec, entry_bytes=entry_bytes, show=show)
-        headlines[codec] = capacity.headline(cap_rows, sets)
-        by_set[codec] = capacity.set_summary(headlines[codec])
-        print()
-        print(capacity.format_headline(cap_rows, codec, entry_bytes, sets))
-        region_rows[codec] = regions.analyse(captures, codec=codec, entry_bytes=entry_bytes, show=show)
-        region_summary = regions.summarise(region_rows[codec], sets)
-        print()
-        print(regions.format_rows(region_rows[codec], region_summary))
-        cap_path = write_results(
-            args.out / f"capacity-{codec}",
-            header,
-            cap_rows,
-            headline=headlines[codec],
-            sets={name: list(members) for name, members in sets.items()},
-            set_summary=by_set[codec],
-            regions=region_rows[codec] + region_summary,
-            experiment="capacity",
-            size=size,
-            points=list(points),
-        )
+        headlines[codec], by_set[codec], region_rows[codec], cap_path = _capacity(args, codec, study)
         if not args.no_plot:
             from experiments.plot import plot_capacity
 
             written += plot_capacity(cap_path, cap_path.parent)
-
     print()
-    print(format_sets(by_set, entry_bytes))
-
+    print(format_sets(by_set, buddy.defaults().entry_bytes))
     if args.full:
-        from experiments import max_batch, over_training
-
-        common = ["--size", size, "--device", args.device, "--seed", str(args.seed), "--workloads", *names]
-        common += ["--no-progress"] if not show else []
-        # every 20th of the 400 steps compressed: the reference codecs on a CPU take seconds per step at full size
-        over_training.main(
-            [*common, "--every", str(FULL_TRACK_EVERY), "--out", str(args.out / "over_training")]
-            + (["--no-plot"] if args.no_plot else [])
-        )
-        max_batch.main([*common, "--out", str(args.out / "max_batch")] + (["--no-plot"] if args.no_plot else []))
-
+        _full_runs(args, size, names)
     print(
         f"\nresults under {args.out}/ ({time.perf_counter() - t0:.0f} s, "
         f"{time.process_time() - cpu0:.0f} s of CPU in this process)"
@@ -161,6 +101,82 @@ def main(argv=None) -> dict:
     for png in written:
         print(f"wrote {png}")
     return {"compressibility": summary, "capacity": headlines, "sets": by_set, "regions": region_rows}
+
+
+@dataclass(frozen=True)
+class _Study:
+    """What every part of the main job reads: the run's header, the captures and how they were made."""
+
+    header: dict
+    captures: dict
+    sets: dict[str, list[str]]
+    size: str
+    points: list[int]
+
+
+def _compressibility(args, study: _Study) -> list[dict]:
+    """The ideal ratios, written under ``compressibility/``: the codecs of the capacity runs (decide.py compares
+    every codec); under --full every codec and entry size."""
+    codecs = [c for c in buddy.available_codecs("cpu") if c != "raw"] if args.full else list(args.codecs)
+    entry_sizes = FULL_ENTRY_SIZES if args.full else (buddy.defaults().entry_bytes,)
+    show = not args.no_progress
+    comp_rows = compressibility.analyse(study.captures, codecs=codecs, entry_sizes=entry_sizes, show=show)
+    summary = compressibility.summarise(comp_rows)
+    print("\nIdeal compacted ratio per workload (byte-weighted over its saved tensors and training points)")
+    print(compressibility.format_summary(summary))
+    write_results(
+        args.out / "compressibility",
+        study.header,
+        comp_rows,
+        summary=summary,
+        experiment="compressibility",
+        size=study.size,
+        points=study.points,
+    )
+    return summary
+
+
+def _capacity(args, codec: str, study: _Study) -> tuple[list[dict], dict, list[dict], Path]:
+    """``(headline, set summary, region rows, results path)`` of ``codec``: capacity and regions, written under
+    ``capacity-<codec>/``."""
+    show, captures, sets = not args.no_progress, study.captures, study.sets
+    entry_bytes = buddy.defaults().entry_bytes
+    cap_rows = capacity.analyse(captures, codec=codec, entry_bytes=entry_bytes, show=show)
+    headline = capacity.headline(cap_rows, sets)
+    by_set = capacity.set_summary(headline)
+    print()
+    print(capacity.format_headline(cap_rows, codec, entry_bytes, sets))
+    region_rows = regions.analyse(captures, codec=codec, entry_bytes=entry_bytes, show=show)
+    region_summary = regions.summarise(region_rows, sets)
+    print()
+    print(regions.format_rows(region_rows, region_summary))
+    cap_path = write_results(
+        args.out / f"capacity-{codec}",
+        study.header,
+        cap_rows,
+        headline=headline,
+        sets={name: list(members) for name, members in sets.items()},
+        set_summary=by_set,
+        regions=region_rows + region_summary,
+        experiment="capacity",
+        size=study.size,
+        points=study.points,
+    )
+    return headline, by_set, region_rows, cap_path
+
+
+def _full_runs(args, size: str, names: list[str]) -> None:
+    """Under --full: the tracker over training and the largest batch, each written under its own folder."""
+    from experiments import max_batch, over_training
+
+    common = ["--size", size, "--device", args.device, "--seed", str(args.seed), "--workloads", *names]
+    common += ["--no-progress"] if args.no_progress else []
+    # every 20th of the 400 steps compressed: the reference codecs on a CPU take seconds per step at full size
+    over_training.main(
+        [*common, "--every", str(FULL_TRACK_EVERY), "--out", str(args.out / "over_training")]
+        + (["--no-plot"] if args.no_plot else [])
+    )
+    max_batch.main([*common, "--out", str(args.out / "max_batch")] + (["--no-plot"] if args.no_plot else []))
 
 
 def _sets(tuning, check) -> dict[str, list[str]]:

@@ -22,7 +22,8 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import buddy
-from experiments.common import format_table, progress, start, write_results
+from experiments import cli
+from experiments.common import format_table, progress
 
 __all__ = ["measure", "main"]
 
@@ -78,23 +79,19 @@ COLUMNS = [
 
 
 def parse_args(argv):
-    from experiments.workloads import TUNING_WORKLOADS, WORKLOADS
+    from experiments.workloads import TUNING_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(TUNING_WORKLOADS))
-    p.add_argument("--size", choices=("tiny", "quick", "full"), default="quick")
+    cli.add_workloads_argument(p, TUNING_WORKLOADS)
+    cli.add_size_argument(p)
     p.add_argument("--steps", type=int, default=5, help="timed steps of each kind")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each kind first")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/step_cost"))
-    p.add_argument("--no-progress", action="store_true")
+    cli.add_common_arguments(p, out="results/step_cost")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    header = start("step_cost", argv)
+    args, header = cli.begin("step_cost", parse_args, argv)
     rows = []
     for name in progress(args.workloads, desc="workloads", enabled=not args.no_progress):
         rows.append(measure(name, size=args.size, steps=args.steps, warmup=args.warmup, seed=args.seed))
@@ -103,8 +100,7 @@ def main(argv=None) -> list[dict]:
     print(f"\nCPU time of a training step with buddy's session ({defaults.codec} @ {defaults.entry_bytes} B, the "
           f"tracker's default policy) against without; medians of {args.steps} steps")  # fmt: skip
     print(format_table(rows, COLUMNS))
-    path = write_results(args.out, header, rows, experiment="step_cost", size=args.size)
-    print(f"\nwrote {path}")
+    cli.finish(args, header, rows, mention_csv=False, experiment="step_cost", size=args.size)
     return rows
 
 

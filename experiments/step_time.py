@@ -52,7 +52,8 @@ from torch.utils.checkpoint import checkpoint
 
 import buddy
 from buddy.autograd import is_parameter
-from experiments.common import add_backend_argument, choose_backend, format_table, progress, start, write_results
+from experiments import cli
+from experiments.common import choose_backend, format_table, progress
 from experiments.workloads import _GPT, TextSize
 
 __all__ = ["METHODS", "MODELS", "SideStreamOffload", "measure", "main"]
@@ -316,11 +317,7 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=None, help="batch size (default: per model and device kind)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (the tracker learns; kernels compile)")
-    add_backend_argument(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/step_time"))
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    cli.add_common_arguments(p, out="results/step_time", backend=True, plot=True)
     return p.parse_args(argv)
 
 
@@ -372,12 +369,9 @@ def _verdicts(rows: list[dict]) -> list[str]:
 
 def plot(results_path: Path, out_dir: Path) -> list[Path]:
     """One PNG: per model, step time (bars) and peak memory (bars) for each method."""
-    import json
+    from experiments.plot import _open, _save
 
-    from experiments.plot import _pyplot, _save
-
-    plt = _pyplot()
-    results = json.loads(Path(results_path).read_text())
+    plt, results = _open(results_path)
     rows = results["rows"]
     models = list(dict.fromkeys(r["model"] for r in rows))
     with_memory = any(r["peak_bytes"] for r in rows)
@@ -412,10 +406,8 @@ def plot(results_path: Path, out_dir: Path) -> list[Path]:
 
 
 def main(argv=None) -> list[dict]:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
+    args, header = cli.begin("step_time", parse_args, argv)
     device = torch.device(args.device)
-    header = start("step_time", argv)
     backend = choose_backend("step_time", args.backend, device)
     buddy.set_defaults(backend=backend)
     kind = "cuda" if device.type == "cuda" else "cpu"
@@ -436,20 +428,11 @@ def main(argv=None) -> list[dict]:
     print(format_table(rows, COLUMNS))
     verdicts = _verdicts(rows) if kind == "cuda" else ["  (targets are checked on a GPU only)"]
     print("\n".join(verdicts))
-    path = write_results(
-        args.out,
-        header,
-        rows,
-        experiment="step_time",
-        backend=backend,
-        models={s.name: s.description for s in specs},
-        cpu_run=kind == "cpu",
-        verdicts=verdicts,
-    )
-    print(f"\nwrote {path}")
-    if not args.no_plot:
-        for png in plot(path, args.out):
-            print(f"wrote {png}")
+    cli.finish(
+        args, header, rows, plot=plot, mention_csv=False,
+        experiment="step_time", backend=backend, models={s.name: s.description for s in specs},
+        cpu_run=kind == "cpu", verdicts=verdicts,
+    )  # fmt: skip
     return rows
 
 

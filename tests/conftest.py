@@ -517,17 +517,19 @@ def suite_defaults(request):
     Tests state what they depend on: those marked ``library_defaults`` see
     the library's own defaults (``auto2`` at 4096 B, chosen by
     ``experiments.decide``) untouched; those marked ``both_defaults`` run
-    under each. The previous defaults come back afterwards.
+    under each. The previous defaults come back afterwards, the backend
+    too: an experiment's main() sets the one it runs process-wide.
     """
     which = getattr(request, "param", "pinned")
-    if which == "library" or request.node.get_closest_marker("library_defaults"):
-        yield which
-        return
-    previous = buddy.set_defaults(codec=SUITE_CODEC, entry_bytes=SUITE_ENTRY_BYTES)
+    previous = buddy.defaults()
     try:
-        yield which
+        if which == "library" or request.node.get_closest_marker("library_defaults"):
+            yield which
+        else:
+            buddy.set_defaults(codec=SUITE_CODEC, entry_bytes=SUITE_ENTRY_BYTES)
+            yield which
     finally:
-        buddy.set_defaults(codec=previous.codec, entry_bytes=previous.entry_bytes)
+        buddy.set_defaults(codec=previous.codec, entry_bytes=previous.entry_bytes, backend=previous.backend)
 
 
 # ---------------------------------------------------------------------------
