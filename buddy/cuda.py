@@ -70,7 +70,7 @@ from pathlib import Path
 
 import torch
 
-from . import dispatch, spec
+from . import spec
 from .codecs.auto import AutoCodec
 from .codecs.base import Codec
 from .codecs.bpc import BPCCodec
@@ -537,7 +537,7 @@ def raise_for_errors(codec: str, bits: int) -> None:
 
 
 # ---------------------------------------------------------------------------
-# the engine the pipeline calls (registered in buddy.dispatch)
+# the engine the pipeline calls (registered in buddy.dispatch's table)
 # ---------------------------------------------------------------------------
 def why_unusable() -> str | None:
     """Why the CUDA kernels cannot run here (no CuPy, no GPU), or ``None``."""
@@ -707,7 +707,3 @@ class CudaEngine(Engine):
             if check:
                 raise_for_errors(self.codec.name, int(self.read(error)[0]))
         return out[: layout.nbytes]
-
-
-for _name in KERNEL_CODECS:  # the default on CUDA devices, once its self-test passed there (buddy.dispatch)
-    dispatch.register(_name, "cuda", "cuda", CudaEngine, default=True, requires=why_unusable)
