@@ -11,6 +11,7 @@ importer lives in (it is already being imported then).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,3 +140,18 @@ def test_the_checker_sees_every_kind_of_import():
 def test_no_import_cycle():
     cycles = all_cycles(import_graph())
     assert not cycles, "import cycles in buddy/:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_kernel_lists_agree_with_the_kernels_source():
+    """The kernel codecs are listed once in Python (buddy.cuda) and once in C++ (csrc/): the two agree."""
+    from buddy import cuda, selftest
+    from buddy.codecs.auto import AUTO_MEMBERS
+
+    source = (ROOT / "csrc" / "buddy_kernels.cu").read_text()
+    kernels = re.findall(r"^BUDDY_FORMAT_KERNELS\((\w+),", source, re.M)
+    fitted = re.findall(r"^BUDDY_FIT_KERNELS\((\w+)\)", source, re.M)
+    assert kernels == list(cuda.KERNEL_CODECS)
+    assert set(fitted) == cuda.TABLED_KERNELS == {"fpe", "auto2"}
+    assert set(selftest.SOURCES) == set(cuda.KERNEL_CODECS)
+    assert set(AUTO_MEMBERS) == {name for name, cls in cuda.KERNEL_CODECS.items() if cls.__name__ == "AutoCodec"}
+

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import MissingDependencyError
-from .auto import AUTO2_MEMBERS, AutoCodec
+from .auto import AutoCodec, members_of
 from .base import Analysis, Codec
 from .bpc import BPCCodec
 from .fpe import FPECodec
@@ -149,7 +149,7 @@ register_codec(RawCodec())
 register_codec(ZVCCodec())
 register_codec(BPCCodec())
 register_codec(FPXCodec())
-register_codec(AutoCodec())
+register_codec(AutoCodec(members_of("auto"), name="auto"))
 register_codec(FPECodec())
-register_codec(AutoCodec(AUTO2_MEMBERS, name="auto2"))
+register_codec(AutoCodec(members_of("auto2"), name="auto2"))
 # nvcomp's chunk codecs (CUDA tensors only, run by nvcomp itself) are registered with the table: buddy.dispatch
