@@ -155,3 +155,49 @@ def test_the_kernel_lists_agree_with_the_kernels_source():
     assert set(selftest.SOURCES) == set(cuda.KERNEL_CODECS)
     assert set(AUTO_MEMBERS) == {name for name, cls in cuda.KERNEL_CODECS.items() if cls.__name__ == "AutoCodec"}
 
+
+# ---------------------------------------------------------------------------
+# docs/architecture.md against the code
+# ---------------------------------------------------------------------------
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def doc_layers() -> list[tuple[str, list[str]]]:
+    """The doc's ``layers`` block, top to bottom: ``(layer, [dotted module, ...])``."""
+    block = re.search(r"^```layers\n(.*?)^```", DOC.read_text(), re.M | re.S)
+    assert block, "docs/architecture.md has no ```layers block"
+    layers = []
+    for line in block.group(1).splitlines():
+        layer, _, names = line.partition(":")
+        mods = [n.strip() for n in names.split(",") if n.strip()]
+        layers.append((layer.strip(), [m if m == "buddy" else f"buddy.{m}" for m in mods]))
+    return layers
+
+
+def test_the_doc_names_every_module_once_and_only_modules_that_exist():
+    named = [m for _, mods in doc_layers() for m in mods]
+    assert len(named) == len(set(named)), "a module is in two layers"
+    assert set(named) == set(modules()), (
+        f"missing from the doc: {sorted(set(modules()) - set(named))}; "
+        f"in the doc, not in buddy/: {sorted(set(named) - set(modules()))}"
+    )
+    text = DOC.read_text()
+    paths = set(re.findall(r"\b((?:buddy|csrc)/[\w/]+\.(?:py|cu|h))\b", text))
+    assert paths and not [p for p in sorted(paths) if not (ROOT / p).exists()]
+
+
+def test_imports_respect_the_doc_layers():
+    rank = {m: i for i, (_, mods) in enumerate(reversed(doc_layers())) for m in mods}  # 0 the bottom
+    names = {m: layer for layer, mods in doc_layers() for m in mods}
+    upward = [
+        f"{mod} ({names[mod]}) imports {dep} ({names[dep]})"
+        for mod, deps in sorted(import_graph().items())
+        for dep in sorted(deps)
+        if rank[dep] > rank[mod]
+    ]
+    assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+def test_the_doc_is_linked():
+    assert "(docs/architecture.md)" in (ROOT / "README.md").read_text()
+    assert "(architecture.md)" in (ROOT / "docs" / "internals.md").read_text()
