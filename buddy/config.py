@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import spec
-from .codecs import DEFAULT_CODEC
+from .codecs import DEFAULT_CODEC, get_codec
 
 __all__ = ["Defaults", "DEFAULT_BACKENDS", "defaults", "set_defaults", "check_checksum"]
 
@@ -75,8 +75,6 @@ def set_defaults(
     ``False``.
     """
     global _current
-    from .codecs import get_codec  # the registry imports nothing from here; avoid a cycle at import
-
     changes: dict[str, Any] = {}
     if codec is not None:
         changes["codec"] = get_codec(codec).name

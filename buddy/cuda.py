@@ -70,8 +70,8 @@ from pathlib import Path
 
 import torch
 
-from . import dispatch, spec
-from .codecs.auto import AutoCodec
+from . import spec
+from .codecs.auto import AUTO_MEMBERS, AutoCodec
 from .codecs.base import Codec
 from .codecs.bpc import BPCCodec
 from .codecs.fpe import MAX_CODE_BITS, MAX_CODED, FPECodec, Table, default_table, n_symbols
@@ -318,8 +318,16 @@ def _i32(v: int):
 # ---------------------------------------------------------------------------
 # codec tables: the device form of an fpe Table
 # ---------------------------------------------------------------------------
-#: codecs whose kernels code with a table (their ``table`` argument is a device table, not null)
-TABLED_KERNELS = frozenset({"fpe", "auto2"})
+#: codecs with kernels: the exact class the kernels reproduce, by registry name (the one list: the
+#: implementation table, the self-test and the tests read it; csrc/ has its own, checked against it)
+KERNEL_CODECS: dict[str, type[Codec]] = {
+    "zvc": ZVCCodec, "fpx": FPXCodec, "bpc": BPCCodec, "auto": AutoCodec, "fpe": FPECodec, "auto2": AutoCodec,
+}  # fmt: skip
+#: codecs whose kernels code with a table (their ``table`` argument is a device table, not null): ``fpe`` and the
+#: auto codecs with it among their members
+TABLED_KERNELS = frozenset(
+    name for name, cls in KERNEL_CODECS.items() if FPECodec in (cls, *AUTO_MEMBERS.get(name, ()))
+)
 #: bytes of a device table (``sizeof(BuddyFpeTable)``): a decode row and a multi row per value of the next
 #: MAX_CODE_BITS stream bits (uint32 each), an encode entry per symbol of the widest symbols (uint16: 12 bits,
 #: ZERO and ESC), the bits of a word a symbol is, the layout and the span model (uint32 each)
@@ -537,7 +545,7 @@ def raise_for_errors(codec: str, bits: int) -> None:
 
 
 # ---------------------------------------------------------------------------
-# the engine the pipeline calls (registered in buddy.dispatch)
+# the engine the pipeline calls (registered in buddy.dispatch's table)
 # ---------------------------------------------------------------------------
 def why_unusable() -> str | None:
     """Why the CUDA kernels cannot run here (no CuPy, no GPU), or ``None``."""
@@ -548,15 +556,8 @@ def why_unusable() -> str | None:
     return None
 
 
-#: codecs with kernels: the exact class the kernels reproduce, by registry name
-KERNEL_CODECS: dict[str, type] = {
-    "zvc": ZVCCodec, "fpx": FPXCodec, "bpc": BPCCodec, "auto": AutoCodec, "fpe": FPECodec, "auto2": AutoCodec,
-}  # fmt: skip
-#: the members (mode, class) the kernels of each auto codec compose, in order
-_AUTO_MEMBERS = {
-    name: [(spec.AUTO_MODES[c.name], c) for c in members]
-    for name, members in (("auto", (ZVCCodec, FPXCodec, BPCCodec)), ("auto2", (ZVCCodec, FPXCodec, BPCCodec, FPECodec)))
-}
+#: the members (mode, class) the kernels of each auto codec compose, in order (buddy.codecs.auto's list)
+_AUTO_MEMBERS = {name: [(spec.AUTO_MODES[c.name], c) for c in members] for name, members in AUTO_MEMBERS.items()}
 
 
 def has_kernels(codec: Codec) -> bool:
@@ -707,7 +708,3 @@ class CudaEngine(Engine):
             if check:
                 raise_for_errors(self.codec.name, int(self.read(error)[0]))
         return out[: layout.nbytes]
-
-
-for _name in KERNEL_CODECS:  # the default on CUDA devices, once its self-test passed there (buddy.dispatch)
-    dispatch.register(_name, "cuda", "cuda", CudaEngine, default=True, requires=why_unusable)

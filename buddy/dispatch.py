@@ -4,7 +4,9 @@ Every way of running a codec is registered here, once:
 
 * ``"reference"`` -- the codec's torch code under the format layer
   (:class:`~buddy.engine.BlockEngine`), on the CPU and on CUDA devices;
-  :func:`buddy.register_codec` registers it for every codec that has one;
+  registered here for every codec :func:`buddy.register_codec` registers
+  with ``reference=True`` (the registry tells this table: see
+  :func:`buddy.codecs.attach`);
 * ``"cuda"`` -- the codec's CUDA kernels (:mod:`buddy.cuda`): the default on
   CUDA devices for the codecs that have them;
 * ``"nvcomp"`` -- nvcomp's batched GPU compressors (:mod:`buddy.codecs.nvcomp`).
@@ -49,15 +51,15 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import replace as _replaced
-from typing import TYPE_CHECKING
 
 import torch
 
+from . import codecs, cuda, selftest
+from .codecs import nvcomp
+from .codecs.base import Codec
+from .config import DEFAULT_BACKENDS, defaults
+from .engine import BlockEngine, Engine
 from .errors import MissingDependencyError
-
-if TYPE_CHECKING:  # the codec registry imports this module: no cycle at import
-    from .codecs.base import Codec
-    from .engine import Engine
 
 __all__ = [
     "BACKENDS",
@@ -216,8 +218,6 @@ def _record(where: str, codec: str, backend: str, why: str) -> None:
 
 def env_backend() -> str | None:
     """``BUDDY_BACKEND`` validated (``None`` when unset or empty); read at every use."""
-    from .config import DEFAULT_BACKENDS  # the defaults import the codec registry, which imports this module
-
     value = os.environ.get(ENV_BACKEND, "").strip()
     if not value:
         return None
@@ -231,8 +231,6 @@ def env_backend() -> str | None:
 
 def _preference() -> tuple[str, str]:
     """What ``"auto"`` prefers and where that came from."""
-    from .config import defaults
-
     forced = env_backend()
     if forced is not None:
         return forced, f"{ENV_BACKEND}={forced}"
@@ -328,8 +326,6 @@ def _default(codec: Codec, kind: str) -> Implementation:
 def _kernels(impl: Implementation, codec: Codec, device: torch.device, preferred: str) -> tuple[Engine | None, str]:
     """The kernels' engine if they can run here, reproduce ``codec`` and passed their self-test on ``device``;
     else ``None``; and why."""
-    from . import selftest  # imports the codec registry, which imports this module
-
     why = impl.why_unusable()
     if why is not None:
         if preferred == "cuda":
@@ -354,3 +350,29 @@ def _warn_once(backend: str, why: str) -> None:
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+# ---------------------------------------------------------------------------
+# the table: every implementation of buddy's codecs, registered here
+# ---------------------------------------------------------------------------
+def _codec_added(codec: Codec, reference: bool) -> None:
+    """A codec registered by name: its reference implementation, the default on the CPU and on CUDA devices."""
+    if reference:
+        for device in _DEVICES:
+            register(codec.name, device, "reference", BlockEngine, default=True, replace=True)
+
+
+def _codec_removed(name: str) -> None:
+    unregister(name)
+
+
+def _reasons(name: str, device: str | None) -> list[str | None]:
+    return [i.why_unusable() for i in implementations(name, device=device)]
+
+
+codecs.attach(_codec_added, _codec_removed, _reasons)  # the reference of every codec registered
+for _name in cuda.KERNEL_CODECS:  # the default on CUDA devices, once its self-test passed there
+    register(_name, "cuda", "cuda", cuda.CudaEngine, default=True, requires=cuda.why_unusable)
+for _name in nvcomp.NAMES:  # nvcomp's chunk codecs: CUDA tensors only, run by nvcomp itself
+    codecs.register_codec(nvcomp.NvcompCodec(_name), reference=False)
+    register(_name, "cuda", "nvcomp", nvcomp.NvcompEngine, default=True, requires=nvcomp.why_unusable)

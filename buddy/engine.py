@@ -21,18 +21,17 @@ engines of their own. Which engine runs is decided in one place,
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from . import format, spec
+from .codecs.base import Codec
 from .errors import CorruptDataError
-from .layout import Layout
+from .layout import Layout, as_tensor
 
-if TYPE_CHECKING:  # the codec registry imports this module
-    from .codecs.base import Codec
-
-__all__ = ["Engine", "Measurement", "BlockEngine"]
+__all__ = ["Engine", "Measurement", "BlockEngine", "decode"]
 
 
 class Measurement(NamedTuple):
@@ -202,6 +201,33 @@ class BlockEngine(Engine):
             out[lo:hi] = entries.view(-1)[: hi - lo]
             start = end
         return out
+
+
+def decode(
+    engine: Engine,
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    slot: int,
+    layout: Layout,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    stride: Sequence[int] | None,
+    *,
+    check: bool = True,
+    error_flag: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The one decode of :func:`buddy.unpack` and :meth:`BuddyTensor.decompress`, their arguments checked.
+
+    ``buffers``: ``(meta, slots, overflow)``, flat ``uint8``; the slots must
+    be as large as ``layout`` and ``slot`` say (:class:`CorruptDataError`).
+    ``engine`` decodes them (``check`` and ``error_flag``: see
+    :meth:`Engine.unpack`), and the bytes come back as the tensor of
+    ``shape`` and ``dtype``, laid out with ``stride`` (or contiguous).
+    """
+    meta, slots, overflow = buffers
+    if slots.numel() != layout.slots_bytes(slot):
+        raise CorruptDataError(f"slots hold {slots.numel()} bytes, expected {layout.slots_bytes(slot)}")
+    flat = engine.unpack(meta, slots, overflow, slot, layout, check=check, error_flag=error_flag)
+    return as_tensor(flat, shape, dtype, stride)
 
 
 def _check_stream_lengths(codec: Codec, payload: torch.Tensor, k: torch.Tensor) -> None:

@@ -44,12 +44,13 @@ from typing import NamedTuple
 import torch
 
 from . import config, dispatch, integrity, spec, streams
+from . import engine as engines
 from .codecs import Codec, get_codec
 from .engine import Engine, Measurement
 from .errors import CorruptDataError, HostStoreFull
 from .integrity import Checksum
 from .ledger import DeviceLedger, default_ledger
-from .layout import Layout, as_tensor, dense_strides, memory_bytes
+from .layout import Layout, dense_strides, memory_bytes
 from .slots import DEFAULT_MAX_OVERFLOW, check_max_overflow, slot_for_overflow, tightest_slot
 from .store import BuddyStore, default_store
 from .tensor import BuddyTensor, check_tensor
@@ -363,34 +364,7 @@ def unpack(
         integrity.verify(meta, slots, overflow, checksum, table)  # before anything is decoded
     codec = codec.bind(table, word)  # CorruptDataError for a damaged table, or one the codec does not take
     engine = dispatch.engine(codec, slots.device, backend)
-    return decode(engine, (meta, slots, overflow), slot_sectors, layout, shape, dtype, stride)
-
-
-def decode(
-    engine: Engine,
-    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    slot: int,
-    layout: Layout,
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    stride: Sequence[int] | None,
-    *,
-    check: bool = True,
-    error_flag: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The one decode of :func:`unpack` and :meth:`BuddyTensor.decompress`, their arguments checked.
-
-    ``buffers``: ``(meta, slots, overflow)``, flat ``uint8``; the slots must
-    be as large as ``layout`` and ``slot`` say (:class:`CorruptDataError`).
-    ``engine`` decodes them (``check`` and ``error_flag``: see
-    :meth:`Engine.unpack`), and the bytes come back as the tensor of
-    ``shape`` and ``dtype``, laid out with ``stride`` (or contiguous).
-    """
-    meta, slots, overflow = buffers
-    if slots.numel() != layout.slots_bytes(slot):
-        raise CorruptDataError(f"slots hold {slots.numel()} bytes, expected {layout.slots_bytes(slot)}")
-    flat = engine.unpack(meta, slots, overflow, slot, layout, check=check, error_flag=error_flag)
-    return as_tensor(flat, shape, dtype, stride)
+    return engines.decode(engine, (meta, slots, overflow), slot_sectors, layout, shape, dtype, stride)
 
 
 def _byte_buffer(name: str, buffer) -> torch.Tensor:

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from .codecs import get_codec
+from .cuda import KERNEL_CODECS, TABLED_KERNELS
 from .engine import Engine
 from .layout import Layout
 
@@ -56,11 +57,8 @@ VECTORS = "selftest_vectors.npz"
 INPUTS = ("float32-E512-relu", "bfloat16-E512-structured")
 #: the slot (sectors) whose buffers are compared: half an entry at E = 512
 SLOT = 8
-#: per kernel codec, the golden set its vectors come from
-SOURCES = {
-    "zvc": "format_v1", "fpx": "format_v1", "bpc": "format_v1", "auto": "format_v1",
-    "fpe": "format_v3", "auto2": "format_v3",
-}  # fmt: skip
+#: per kernel codec, the golden set its vectors come from: ``format_v3`` for the codecs with a table
+SOURCES = {name: "format_v3" if name in TABLED_KERNELS else "format_v1" for name in KERNEL_CODECS}
 
 Factory = Callable[..., Engine]
 

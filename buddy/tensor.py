@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import dispatch, integrity, spec, streams
+from . import engine as engines
 from .codecs import Codec
 from .errors import FreedTensorError, UnsupportedTensorError
 from .integrity import Checksum
@@ -286,10 +287,8 @@ class BuddyTensor:
         ops = streams.for_device(self.device)
         stream = ops.current(self.device)
         overflow = self._overflow_for(ops, stream)
-        from .pipeline import decode  # the pipeline builds BuddyTensors: imported when first decoded
-
         buffers = (self._meta, self._slots, overflow)
-        out = decode(
+        out = engines.decode(
             engine, buffers, self.slot_sectors, self.layout, self.shape, self.dtype, self.stride,
             check=check, error_flag=error_flag,
         )  # fmt: skip

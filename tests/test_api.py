@@ -326,15 +326,15 @@ def test_decompress_restores_dense_strides(make, dense):
 
 
 def test_decompress_and_unpack_share_one_decode(store, gen, monkeypatch):
-    """BuddyTensor.decompress decodes through the pipeline's decode, as buddy.unpack does, with its layout."""
+    """BuddyTensor.decompress decodes through the engines' one decode, as buddy.unpack does, with its layout."""
     seen = []
-    real = buddy.pipeline.decode
+    real = buddy.engine.decode
 
     def spy(engine, buffers, slot, layout, shape, dtype, stride, **kwargs):
         seen.append((slot, layout, tuple(shape), dtype, kwargs.get("check", True)))
         return real(engine, buffers, slot, layout, shape, dtype, stride, **kwargs)
 
-    monkeypatch.setattr(buddy.pipeline, "decode", spy)
+    monkeypatch.setattr(buddy.engine, "decode", spy)
     t = make_data("relu", 5000, torch.float32, gen).t()
     bt = buddy.compress(t, codec="zvc", entry_bytes=512, target_ratio=2.0, store=store)
     assert_bitexact(bt.decompress(), t)

@@ -5,17 +5,23 @@ with :func:`register_codec` and are then usable by name everywhere
 (``buddy.compress(t, codec=...)``, the experiments, the benchmarks).
 Registering a codec also registers its torch reference implementation on
 the CPU and on CUDA devices (see :mod:`buddy.dispatch`).
+
+The registry knows codecs by name and nothing of how they run: the
+implementation table (:mod:`buddy.dispatch`, which imports this module, never
+the other way round) attaches itself with :func:`attach` and hears of every
+codec registered and removed; :func:`get_codec` and
+:func:`available_codecs` ask it which implementations can run here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from .. import dispatch
-from ..engine import BlockEngine
 from ..errors import MissingDependencyError
-from . import nvcomp
-from .auto import AUTO2_MEMBERS, AutoCodec
+from .auto import AutoCodec, members_of
 from .base import Analysis, Codec
 from .bpc import BPCCodec
 from .fpe import FPECodec
@@ -31,12 +37,50 @@ __all__ = [
     "get_codec",
     "available_codecs",
     "DEFAULT_CODEC",
+    "attach",
 ]
 
 #: codec used when none is given (chosen by measurement: see docs/choosing.md)
 DEFAULT_CODEC = "auto2"
 
 _REGISTRY: dict[str, Codec] = {}
+#: the codecs registered with ``reference=True``: their torch code is their reference implementation
+_REFERENCE: set[str] = set()
+
+
+@dataclass(frozen=True)
+class _Table:
+    """What the registry asks of the implementation table (see :func:`attach`)."""
+
+    added: Callable[[Codec, bool], None]
+    removed: Callable[[str], None]
+    reasons: Callable[[str, str | None], list[str | None]]
+
+
+_table: _Table | None = None
+
+
+def attach(
+    added: Callable[[Codec, bool], None],
+    removed: Callable[[str], None],
+    reasons: Callable[[str, str | None], list[str | None]],
+) -> None:
+    """Connect the implementation table (:mod:`buddy.dispatch` does, when it is imported).
+
+    ``added(codec, reference)`` hears of every codec registered so far and
+    from now on (``reference``: its torch code is its reference
+    implementation), ``removed(name)`` of every codec removed;
+    ``reasons(name, device type or None)`` is, per implementation of the
+    codec, ``None`` when it can run here, else why not.
+    """
+    global _table
+    _table = _Table(added, removed, reasons)
+    for name, codec in _REGISTRY.items():
+        added(codec, name in _REFERENCE)
+
+
+def _reasons(name: str, device: str | None = None) -> list[str | None]:
+    return [] if _table is None else _table.reasons(name, device)
 
 
 def register_codec(codec: Codec, *, replace: bool = False, reference: bool = True) -> Codec:
@@ -54,15 +98,20 @@ def register_codec(codec: Codec, *, replace: bool = False, reference: bool = Tru
         raise ValueError(f"codec {codec.name!r} is already registered (pass replace=True to override)")
     _REGISTRY[codec.name] = codec
     if reference:
-        for device in ("cpu", "cuda"):
-            dispatch.register(codec.name, device, "reference", BlockEngine, default=True, replace=True)
+        _REFERENCE.add(codec.name)
+    else:
+        _REFERENCE.discard(codec.name)
+    if _table is not None:
+        _table.added(codec, reference)
     return codec
 
 
 def unregister_codec(name: str) -> Codec:
     """Remove a codec and every implementation of it; returns it."""
     codec = _REGISTRY.pop(name)
-    dispatch.unregister(name)
+    _REFERENCE.discard(name)
+    if _table is not None:
+        _table.removed(name)
     return codec
 
 
@@ -81,10 +130,10 @@ def get_codec(codec: str | Codec | None) -> Codec:
     found = _REGISTRY.get(codec)
     if found is None:
         raise ValueError(f"unknown codec {codec!r}; available: {', '.join(available_codecs())}")
-    impls = dispatch.implementations(codec)
-    if impls and all(i.why_unusable() is not None for i in impls):
+    reasons = _reasons(codec)
+    if reasons and all(why is not None for why in reasons):
         raise MissingDependencyError(
-            f"codec {codec!r} is not available here: {impls[0].why_unusable()}; "
+            f"codec {codec!r} is not available here: {reasons[0]}; "
             f"available: {', '.join(available_codecs())}"
         )
     return found
@@ -93,17 +142,14 @@ def get_codec(codec: str | Codec | None) -> Codec:
 def available_codecs(device: str | torch.device | None = None) -> list[str]:
     """Names of the codecs that can run here; with ``device`` (``"cpu"``, ``"cuda"``), on that kind of device."""
     kind = None if device is None else (device.type if isinstance(device, torch.device) else str(device).split(":")[0])
-    usable = {i.codec for i in dispatch.implementations(device=kind) if i.why_unusable() is None}
-    return sorted(name for name in _REGISTRY if name in usable)
+    return sorted(name for name in _REGISTRY if any(why is None for why in _reasons(name, kind)))
 
 
 register_codec(RawCodec())
 register_codec(ZVCCodec())
 register_codec(BPCCodec())
 register_codec(FPXCodec())
-register_codec(AutoCodec())
+register_codec(AutoCodec(members_of("auto"), name="auto"))
 register_codec(FPECodec())
-register_codec(AutoCodec(AUTO2_MEMBERS, name="auto2"))
-for _name in nvcomp.NAMES:  # nvcomp's chunk codecs: CUDA tensors only, run by nvcomp itself
-    register_codec(nvcomp.NvcompCodec(_name), reference=False)
-    dispatch.register(_name, "cuda", "nvcomp", nvcomp.NvcompEngine, default=True, requires=nvcomp.why_unusable)
+register_codec(AutoCodec(members_of("auto2"), name="auto2"))
+# nvcomp's chunk codecs (CUDA tensors only, run by nvcomp itself) are registered with the table: buddy.dispatch

@@ -42,10 +42,25 @@ from .fpe import FPECodec
 from .fpx import FPXCodec
 from .zvc import ZVCCodec
 
-__all__ = ["AutoCodec", "AUTO2_MEMBERS"]
+__all__ = ["AutoCodec", "AUTO_MEMBERS", "AUTO2_MEMBERS", "members_of"]
 
-#: ``auto2`` (format version 2): ``auto``'s members and ``fpe``, whose table the tensor carries
-AUTO2_MEMBERS = tuple((spec.AUTO_MODES[c.name], c) for c in (ZVCCodec(), FPXCodec(), BPCCodec(), FPECodec()))
+#: buddy's auto codecs and the classes of their members, in the order they are tried (their modes are
+#: :data:`buddy.spec.AUTO_MODES`); ``auto2`` (format version 2) is ``auto``'s members and ``fpe``, whose table
+#: the tensor carries. The one list: the registry, the CUDA kernels' check (:func:`buddy.cuda.has_kernels`) and
+#: the default of :class:`AutoCodec` read it.
+AUTO_MEMBERS: dict[str, tuple[type[Codec], ...]] = {
+    "auto": (ZVCCodec, FPXCodec, BPCCodec),
+    "auto2": (ZVCCodec, FPXCodec, BPCCodec, FPECodec),
+}
+
+
+def members_of(name: str) -> tuple[tuple[int, Codec], ...]:
+    """The members ``(mode, codec)`` of buddy's auto codec ``name`` (:data:`AUTO_MEMBERS`), new instances."""
+    return tuple((spec.AUTO_MODES[cls.name], cls()) for cls in AUTO_MEMBERS[name])
+
+
+#: ``auto2``'s members (:data:`AUTO_MEMBERS`)
+AUTO2_MEMBERS = members_of("auto2")
 
 
 class _Best(Analysis):
@@ -103,7 +118,7 @@ class AutoCodec(Codec):
 
     def __init__(self, members: Sequence[tuple[int, Codec]] | None = None, *, name: str = "auto"):
         if members is None:
-            members = tuple((spec.AUTO_MODES[c.name], c) for c in (ZVCCodec(), FPXCodec(), BPCCodec()))
+            members = members_of("auto")
         members = tuple(members)
         codes = [code for code, _ in members]
         if not members or len(set(codes)) != len(codes) or {self.zero_mode, self.raw_mode} & set(codes):

@@ -1,0 +1,203 @@
+"""The package's import graph: no cycles inside ``buddy/``.
+
+Every ``buddy/**/*.py`` is parsed with :mod:`ast`; every import of a buddy
+module counts, at module level or inside a function (``from . import x``,
+``from .x import y``, ``from .. import z``, ``import buddy.x``), except those
+under ``if TYPE_CHECKING:``. Importing ``buddy.a.b`` also runs ``buddy.a``'s
+``__init__``: that edge counts too, unless ``buddy.a`` is a package the
+importer lives in (it is already being imported then).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "buddy"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    """Every buddy module by dotted name (a package by its own name)."""
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST):
+    """The import nodes of ``tree``, at any depth, leaving out ``if TYPE_CHECKING:`` blocks."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The buddy modules ``name`` imports."""
+    is_package = path.name == "__init__.py"
+    package = name if is_package else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in _imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            # ``from pkg import sub`` imports the submodule; ``from pkg import name`` the package
+            targets = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in known else stem for a in node.names]
+        for target in targets:
+            while target and target not in known:  # ``import buddy.x.y`` where y is not a module
+                target = target.rpartition(".")[0]
+            if not target or target == name:
+                continue
+            found.add(target)
+            mine = set(_ancestors(name)) | ({name} if is_package else set())
+            found.update(a for a in _ancestors(target) if a not in mine and a != name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (``[a, b, ..., a]``), or ``None``."""
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            cycle = visit(start)
+            if cycle:
+                return cycle
+    return None
+
+
+def all_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per edge that closes one, found by removing the edges of each cycle found (for the report)."""
+    graph = {k: set(v) for k, v in graph.items()}
+    cycles = []
+    while (cycle := find_cycle(graph)) is not None:
+        cycles.append(cycle)
+        graph[cycle[-2]].discard(cycle[-1])
+    return cycles
+
+
+def test_the_checker_sees_every_kind_of_import():
+    graph = import_graph()
+    assert "buddy.codecs.base" in graph["buddy.codecs.zvc"]  # from .base import ...
+    assert "buddy.errors" in graph["buddy.codecs.zvc"]  # from ..errors import ...
+    assert "buddy.spec" in graph["buddy.engine"]  # from . import format, spec
+    assert "buddy" in graph["buddy.env"]  # a function-level ``from . import __version__``
+    assert "buddy.codecs.base" not in graph["buddy.format"]  # under TYPE_CHECKING
+    assert "buddy.codecs" in graph["buddy.cuda"]  # from .codecs.auto import ...: runs codecs/__init__
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle():
+    cycles = all_cycles(import_graph())
+    assert not cycles, "import cycles in buddy/:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_kernel_lists_agree_with_the_kernels_source():
+    """The kernel codecs are listed once in Python (buddy.cuda) and once in C++ (csrc/): the two agree."""
+    from buddy import cuda, selftest
+    from buddy.codecs.auto import AUTO_MEMBERS
+
+    source = (ROOT / "csrc" / "buddy_kernels.cu").read_text()
+    kernels = re.findall(r"^BUDDY_FORMAT_KERNELS\((\w+),", source, re.M)
+    fitted = re.findall(r"^BUDDY_FIT_KERNELS\((\w+)\)", source, re.M)
+    assert kernels == list(cuda.KERNEL_CODECS)
+    assert set(fitted) == cuda.TABLED_KERNELS == {"fpe", "auto2"}
+    assert set(selftest.SOURCES) == set(cuda.KERNEL_CODECS)
+    assert set(AUTO_MEMBERS) == {name for name, cls in cuda.KERNEL_CODECS.items() if cls.__name__ == "AutoCodec"}
+
+
+# ---------------------------------------------------------------------------
+# docs/architecture.md against the code
+# ---------------------------------------------------------------------------
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def doc_layers() -> list[tuple[str, list[str]]]:
+    """The doc's ``layers`` block, top to bottom: ``(layer, [dotted module, ...])``."""
+    block = re.search(r"^```layers\n(.*?)^```", DOC.read_text(), re.M | re.S)
+    assert block, "docs/architecture.md has no ```layers block"
+    layers = []
+    for line in block.group(1).splitlines():
+        layer, _, names = line.partition(":")
+        mods = [n.strip() for n in names.split(",") if n.strip()]
+        layers.append((layer.strip(), [m if m == "buddy" else f"buddy.{m}" for m in mods]))
+    return layers
+
+
+def test_the_doc_names_every_module_once_and_only_modules_that_exist():
+    named = [m for _, mods in doc_layers() for m in mods]
+    assert len(named) == len(set(named)), "a module is in two layers"
+    assert set(named) == set(modules()), (
+        f"missing from the doc: {sorted(set(modules()) - set(named))}; "
+        f"in the doc, not in buddy/: {sorted(set(named) - set(modules()))}"
+    )
+    text = DOC.read_text()
+    paths = set(re.findall(r"\b((?:buddy|csrc)/[\w/]+\.(?:py|cu|h))\b", text))
+    assert paths and not [p for p in sorted(paths) if not (ROOT / p).exists()]
+
+
+def test_imports_respect_the_doc_layers():
+    rank = {m: i for i, (_, mods) in enumerate(reversed(doc_layers())) for m in mods}  # 0 the bottom
+    names = {m: layer for layer, mods in doc_layers() for m in mods}
+    upward = [
+        f"{mod} ({names[mod]}) imports {dep} ({names[dep]})"
+        for mod, deps in sorted(import_graph().items())
+        for dep in sorted(deps)
+        if rank[dep] > rank[mod]
+    ]
+    assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+def test_the_doc_is_linked():
+    assert "(docs/architecture.md)" in (ROOT / "README.md").read_text()
+    assert "(architecture.md)" in (ROOT / "docs" / "internals.md").read_text()
