@@ -161,7 +161,7 @@ def _warm_up(step: list, base: int, starts: list[int]) -> list[int]:
         while pos < starts[j] and step[pos]:
             pos += int(step[pos])
             warm[j] += 1
-        starts[j] = pos if step[pos] or pos >= starts[j] else starts[j]
+        starts[j] = pos if pos >= starts[j] or step[pos] else starts[j]  # (no read past the stream)
     return warm
 
 
