@@ -23,7 +23,7 @@ import torch
 from . import spec
 from .slots import overflow_sectors
 
-__all__ = ["Layout", "WORD_SIZES", "dense_strides", "memory_bytes", "as_tensor"]
+__all__ = ["Layout", "LaidOut", "WORD_SIZES", "dense_strides", "memory_bytes", "as_tensor"]
 
 #: word sizes a layout can have (bytes): see :func:`buddy.spec.word_bytes`
 WORD_SIZES = (1, 2, 4, 8)
@@ -140,6 +140,33 @@ class Layout:
         """Buddy bytes with slots of ``slot`` sectors: every entry's sectors past its slot (whole sectors of a
         predicted, float histogram)."""
         return int(overflow_sectors(histogram, slot)) * spec.SECTOR_BYTES
+
+
+class LaidOut:
+    """A value that holds a :class:`Layout` as ``layout``, its sizes read as the value's own attributes."""
+
+    layout: Layout
+
+    @property
+    def entry_bytes(self) -> int:
+        return self.layout.entry_bytes
+
+    @property
+    def word_bytes(self) -> int:
+        return self.layout.word_bytes
+
+    @property
+    def n_entries(self) -> int:
+        return self.layout.n_entries
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
+    def original_bytes(self) -> int:
+        """The tensor's bytes (:attr:`nbytes`), as the tracker names them."""
+        return self.layout.nbytes
 
 
 # ---------------------------------------------------------------------------

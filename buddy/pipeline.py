@@ -50,7 +50,7 @@ from .engine import Engine, Measurement
 from .errors import CorruptDataError, HostStoreFull
 from .integrity import Checksum
 from .ledger import DeviceLedger, default_ledger
-from .layout import Layout, dense_strides, memory_bytes
+from .layout import LaidOut, Layout, dense_strides, memory_bytes
 from .slots import DEFAULT_MAX_OVERFLOW, check_max_overflow, slot_for_overflow, tightest_slot
 from .store import BuddyStore, default_store
 from .tensor import BuddyTensor, check_tensor
@@ -61,7 +61,7 @@ _ON_FULL = ("raise", "device")
 
 
 @dataclass(frozen=True, eq=False)
-class Measured:
+class Measured(LaidOut):
     """A tensor whose entries have been sized (made by :func:`measure`): all :func:`pack` needs.
 
     ``histogram[k]`` entries compress to ``k`` sectors; :meth:`overflow_bytes`
@@ -79,22 +79,6 @@ class Measured:
     @property
     def histogram(self) -> tuple[int, ...]:
         return self.measurement.histogram
-
-    @property
-    def nbytes(self) -> int:
-        return self.layout.nbytes
-
-    @property
-    def entry_bytes(self) -> int:
-        return self.layout.entry_bytes
-
-    @property
-    def word_bytes(self) -> int:
-        return self.layout.word_bytes
-
-    @property
-    def n_entries(self) -> int:
-        return self.layout.n_entries
 
     @property
     def backend(self) -> str:

@@ -67,7 +67,7 @@ import torch
 
 from . import spec
 from ._process_default import ProcessDefault
-from .layout import Layout
+from .layout import LaidOut, Layout
 from .ledger import DeviceLedger, default_ledger
 from .slots import DEFAULT_MAX_OVERFLOW, larger_than, overflow_sectors, slot_for_overflow, tightest_slot
 
@@ -103,7 +103,7 @@ def group_of(key: str) -> str:
 
 
 @dataclass(frozen=True)
-class Decision:
+class Decision(LaidOut):
     """What a policy is asked to decide, and with what.
 
     ``predicted`` is the key's predicted histogram (``None`` for a new key);
@@ -122,18 +122,6 @@ class Decision:
     held_device_bytes: int
     table_bytes: int = 0
     group: str = ""
-
-    @property
-    def entry_bytes(self) -> int:
-        return self.layout.entry_bytes
-
-    @property
-    def n_entries(self) -> int:
-        return self.layout.n_entries
-
-    @property
-    def original_bytes(self) -> int:
-        return self.layout.nbytes
 
     def device_bytes(self, slot: int) -> int:
         return self.layout.device_bytes(slot, self.table_bytes)
@@ -158,7 +146,7 @@ class Choice:
 
 
 @dataclass(frozen=True)
-class Placement:
+class Placement(LaidOut):
     """What the tracker decided for one tensor (:meth:`Tracker.plan`).
 
     ``slot``: sectors per entry. ``predicted_overflow_bytes``: the overflow
@@ -175,18 +163,6 @@ class Placement:
     layout: Layout
     table_bytes: int = 0
     corrected: bool = False
-
-    @property
-    def entry_bytes(self) -> int:
-        return self.layout.entry_bytes
-
-    @property
-    def n_entries(self) -> int:
-        return self.layout.n_entries
-
-    @property
-    def original_bytes(self) -> int:
-        return self.layout.nbytes
 
     @property
     def keep(self) -> bool:
@@ -482,7 +458,7 @@ class Observation:
 
 
 @dataclass
-class KeyHistory:
+class KeyHistory(LaidOut):
     """Recent entry-size histograms of one key, and how the predictions went."""
 
     key: str
@@ -502,14 +478,6 @@ class KeyHistory:
     fitted: Codec | None = None
     #: GPU statistics on their way to the host: (pinned copy, event), oldest first
     _pending: deque = field(default_factory=deque, repr=False)
-
-    @property
-    def entry_bytes(self) -> int:
-        return self.layout.entry_bytes
-
-    @property
-    def n_entries(self) -> int:
-        return self.layout.n_entries
 
     def fits(self, layout: Layout) -> bool:
         """Whether a tensor of ``layout`` is the tensor this history is of (same entry size, same entries)."""
