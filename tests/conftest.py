@@ -335,6 +335,28 @@ def store() -> buddy.BuddyStore:
 
 
 @pytest.fixture
+def tracker() -> buddy.Tracker:
+    """A fresh tracker per test (no history from other tests)."""
+    return buddy.Tracker()
+
+
+def tracker_step(tracker: buddy.Tracker, policy, tensors, entry_bytes: int) -> list:
+    """One training step through ``tracker``: every ``(key, histogram)`` planned and recorded, in order, each
+    tensor ``sum(histogram) * entry_bytes`` bytes; ``[(key, histogram, placement)]``."""
+    from buddy.layout import Layout
+
+    tracker.begin_step(policy)
+    out = []
+    for key, hist in tensors:
+        layout = Layout(entry_bytes, sum(hist) * entry_bytes)
+        place = tracker.plan(key, hist, layout=layout, policy=policy)
+        predicted = place.predicted_overflow_bytes
+        tracker.record(key, hist, slot=place.slot, layout=layout, predicted_overflow_bytes=predicted)
+        out.append((key, hist, place))
+    return out
+
+
+@pytest.fixture
 def fresh_default_store():
     """Isolates tests that touch the process-wide default store."""
     previous = buddy.default_store()
@@ -461,10 +483,10 @@ def covering_cases(cases: list[dict]) -> set[int]:
 def mark_tiers(items) -> None:
     """Mark ``exhaustive`` what the fast tier leaves out, and in the exhaustive tier the property tests too."""
     exhaustive = pytest.mark.exhaustive
+    # slow tests are never exhaustive: `-m exhaustive` replaces pyproject's `-m`, and would select them
+    tiered = [item for item in items if item.get_closest_marker("slow") is None]
     functions: dict[str, list] = {}
-    for item in items:
-        if item.get_closest_marker("slow") is not None:
-            continue  # never exhaustive: `-m exhaustive` replaces pyproject's `-m`, and would select them
+    for item in tiered:
         if item.get_closest_marker("gpu") is not None or not hasattr(item, "callspec"):
             continue
         if _DEFAULTS_IDS["library"] in item.callspec.id.split("-"):
@@ -478,8 +500,8 @@ def mark_tiers(items) -> None:
                 if i not in keep:
                     item.add_marker(exhaustive)
     if _TIER["exhaustive"]:
-        for item in items:
-            if item.get_closest_marker("slow") is None and getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+        for item in tiered:
+            if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
                 item.add_marker(exhaustive)  # again, with every example
 
 

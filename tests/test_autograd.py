@@ -21,11 +21,6 @@ MIN = 4096  # small models: compress everything above 4 KiB
 
 
 @pytest.fixture
-def tracker():
-    return buddy.Tracker()
-
-
-@pytest.fixture
 def store():
     return buddy.BuddyStore(capacity_bytes=1 << 30, block_bytes=1 << 20)
 

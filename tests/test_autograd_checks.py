@@ -27,16 +27,6 @@ from buddy import selftest
 KEY = "net/"
 
 
-@pytest.fixture
-def tracker():
-    return buddy.Tracker()
-
-
-@pytest.fixture
-def store():
-    return buddy.BuddyStore(capacity_bytes=1 << 28, block_bytes=1 << 20, pin=False)
-
-
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))

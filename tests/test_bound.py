@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from conftest import tracker_step
 
 import buddy
 from buddy import spec
@@ -77,17 +78,10 @@ def histories_and_a_step(draw):
 
 def _run_step(tracker, policy, tensors):
     """One step through the tracker; per tensor: (original bytes, overflow bytes, corrected, key had a plan)."""
-    tracker.begin_step(policy)
-    out = []
-    for key, hist in tensors:
-        nbytes = sum(hist) * E
-        place = tracker.plan(key, hist, layout=Layout(E, nbytes), policy=policy)
-        tracker.record(
-            key, hist, slot=place.slot, layout=Layout(E, nbytes),
-            predicted_overflow_bytes=place.predicted_overflow_bytes,
-        )  # fmt: skip
-        out.append((nbytes, overflow_sectors(hist, place.slot) * spec.SECTOR_BYTES, place.corrected, key))
-    return out
+    return [
+        (sum(hist) * E, overflow_sectors(hist, place.slot) * spec.SECTOR_BYTES, place.corrected, key)
+        for key, hist, place in tracker_step(tracker, policy, tensors, E)
+    ]
 
 
 @settings(max_examples=150, deadline=None)
@@ -321,11 +315,6 @@ def test_a_step_past_its_bound_warns_once_with_the_key(store):
         if messages:
             assert s.stats().rows[0].key in messages[0] and "1.0%" in messages[0]
     assert not s.stats().within_bound and math.isclose(s.stats().overflow_bound, 0.01)
-
-
-@pytest.fixture
-def store():
-    return buddy.BuddyStore(capacity_bytes=256 << 20)
 
 
 class _TwoViews(torch.autograd.Function):

@@ -50,11 +50,6 @@ def fresh_dynamo():
 
 
 @pytest.fixture
-def tracker():
-    return buddy.Tracker()
-
-
-@pytest.fixture
 def store():
     return buddy.BuddyStore(capacity_bytes=256 << 20, block_bytes=1 << 20, pin=False)
 

@@ -153,11 +153,6 @@ def many_chunks(monkeypatch):
     monkeypatch.setattr(buddy.format, "BLOCK_BYTES", 4 * KiB)
 
 
-@pytest.fixture
-def tracker() -> buddy.Tracker:
-    return buddy.Tracker()
-
-
 def _overflowing(gen, numel=16 * KiB):
     """64 KiB of float32 whose 4x slot overflows: ReLU'd, so zvc codes most entries in 3 of 4 sectors.
 

@@ -208,11 +208,6 @@ def test_training_steps_return_to_baseline_long(monkeypatch):
 # ---------------------------------------------------------------------------
 # reference cycles through the session and the graph
 # ---------------------------------------------------------------------------
-@pytest.fixture
-def tracker() -> buddy.Tracker:
-    return buddy.Tracker()
-
-
 def _forward(store, tracker):
     model = make_mlp()
     x, y = make_batch()

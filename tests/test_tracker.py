@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tracker_step
 
 import buddy
 from buddy import spec
@@ -124,17 +125,7 @@ def test_budget_counts_the_codec_table():
 
 def _step(tracker, policy, tensors, entry_bytes):
     """One training step through ``tracker``: plan and record every ``(key, histogram)``; the slots."""
-    tracker.begin_step(policy)
-    slots = {}
-    for key, hist in tensors:
-        nbytes = sum(hist) * entry_bytes
-        place = tracker.plan(key, hist, layout=Layout(entry_bytes, nbytes), policy=policy)
-        tracker.record(
-            key, hist, slot=place.slot, layout=Layout(entry_bytes, nbytes),
-            predicted_overflow_bytes=place.predicted_overflow_bytes,
-        )  # fmt: skip
-        slots[key] = place.slot
-    return slots
+    return {key: place.slot for key, _, place in tracker_step(tracker, policy, tensors, entry_bytes)}
 
 
 def _dense(k: int, n: int = 100, entry_bytes: int = 512) -> list[int]:
