@@ -60,6 +60,7 @@ from buddy import env, spec
 from buddy.codecs.fpe import TABLE_FORMAT
 from buddy.deps import require, require_cuda
 from buddy.errors import MissingDependencyError
+from buddy.layout import WORD_SIZES
 
 __all__ = ["GOLDEN", "COMPILE_ENTRY_BYTES", "Check", "golden_sets", "run_checks", "compile_modules", "main"]
 
@@ -269,10 +270,6 @@ def _compile_one(job: tuple[str, int, int]) -> tuple[str, int, int, float]:
     return codec, entry_bytes, word_bytes, time.perf_counter() - start
 
 
-#: the word sizes a module is compiled for (a module per codec, entry size and word size: the loader's)
-WORD_SIZES = (1, 2, 4, 8)
-
-
 def compile_modules(codecs: Sequence[str], entry_sizes: Sequence[int], jobs: int) -> list[dict[str, Any]]:
     """Compile every (codec, entry size, word size) module, ``jobs`` processes at once; rows with the seconds each
     took.
@@ -282,7 +279,7 @@ def compile_modules(codecs: Sequence[str], entry_sizes: Sequence[int], jobs: int
     them. The first module is compiled here, in this process, so that a
     machine without CUDA or CuPy fails before any worker starts.
     """
-    work = [(c, e, w) for c in codecs for e in entry_sizes for w in WORD_SIZES]
+    work = [(c, e, w) for c in codecs for e in entry_sizes for w in WORD_SIZES]  # a module each, as the loader
     if not work:
         return []
     rows = [_compile_one(work[0])]

@@ -27,11 +27,10 @@ from test_cuda_core import _find_nvrtc
 
 from buddy import cuda as bcuda
 from buddy import spec
+from buddy.layout import WORD_SIZES
 
 ENTRY_SIZES = [spec.MIN_ENTRY_BYTES << i for i in range((spec.MAX_ENTRY_BYTES // spec.MIN_ENTRY_BYTES).bit_length())]
 ARCH = "--gpu-architecture=compute_90"
-#: the word sizes the loader builds a module for
-WORD_SIZES = (1, 2, 4, 8)
 
 
 @functools.cache
