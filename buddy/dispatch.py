@@ -77,9 +77,12 @@ __all__ = [
 ]
 
 #: values of ``backend=`` (``None`` means ``"auto"``)
-BACKENDS = ("auto", "reference", "cuda", "nvcomp")
+BACKENDS = ("auto", "reference", "cuda", "native", "nvcomp")
 _DEVICES = ("cpu", "cuda")
-_LABEL = {"reference": "torch reference", "cuda": "CUDA kernels", "nvcomp": "nvcomp implementation"}
+_LABEL = {
+    "reference": "torch reference", "cuda": "CUDA kernels", "native": "native CPU engine",
+    "nvcomp": "nvcomp implementation",
+}  # fmt: skip
 #: the environment variable that overrides ``set_defaults(backend=...)`` (read at every use)
 ENV_BACKEND = "BUDDY_BACKEND"
 

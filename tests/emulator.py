@@ -50,6 +50,8 @@ from buddy import cuda as bcuda
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 SOURCES = ROOT / "tests" / "host" / "emulator"
+#: what the emulator shares with the native CPU engine: the CUDA shim, the fibers, the kernel table
+HOST = CSRC / "host"
 BUILDS = ("tsan", "asan")
 
 _WARNINGS = ["-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas"]  # the sources' unroll hints are for nvcc
@@ -103,7 +105,7 @@ class EmulatorError(AssertionError):
             if re.match(r"  (Previous )?(atomic |Atomic )?(read|write|Read|Write) of size", section):
                 frames = re.findall(r"#\d+ (.*) (/\S+?):(\d+)(?::\d+)? \(", section)
                 stacks.append(
-                    [Frame(Path(path).name, int(line), fn) for fn, path, line in frames if Path(path).parent != SOURCES]
+                    [Frame(Path(path).name, int(line), fn) for fn, path, line in frames if Path(path).parent not in (SOURCES, HOST)]
                 )
         return stacks
 
@@ -162,8 +164,9 @@ def _compile(cmd: list[str], out: Path) -> Path:
 
 def _runtime(kind: str) -> Path:
     """runtime.cpp compiled for ``kind`` (it does not depend on the kernels: one object for every build)."""
-    cmd = ["g++", "-std=c++17", *_FLAGS, *_RUNTIME[kind], f"-I{SOURCES}", "-c", str(SOURCES / "runtime.cpp")]
-    out = cache_dir() / f"runtime-{kind}-{_digest(_tree(SOURCES), _FLAGS, _RUNTIME[kind], _compiler())}.o"
+    cmd = ["g++", "-std=c++17", *_FLAGS, *_RUNTIME[kind], f"-I{SOURCES}", f"-I{HOST}", "-c", str(SOURCES / "runtime.cpp")]
+    key = _digest(_tree(SOURCES), _tree(HOST), _FLAGS, _RUNTIME[kind], _compiler())
+    out = cache_dir() / f"runtime-{kind}-{key}.o"
     return out if out.exists() else _compile(cmd, out)
 
 
@@ -177,9 +180,9 @@ def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all",
     if kind not in BUILDS:
         raise ValueError(f"kind must be one of {BUILDS}, got {kind!r}")
     options = list(bcuda.compile_options(entry_bytes, codec, word_bytes))
-    kernels = ["g++", *options, *_FLAGS, *_SANITIZE[kind], f"-I{csrc}", f"-I{SOURCES}", "-c"]
+    kernels = ["g++", *options, *_FLAGS, *_SANITIZE[kind], f"-I{csrc}", f"-I{SOURCES}", f"-I{HOST}", "-c"]
     # the sources' text, not their folder: a copy elsewhere (a mutation test's, another session's) is the same build
-    key = _digest(_tree(Path(csrc)), _tree(SOURCES), options, _FLAGS, _SANITIZE[kind], _RUNTIME[kind], _compiler())
+    key = _digest(_tree(Path(csrc)), _tree(SOURCES), _tree(HOST), options, _FLAGS, _SANITIZE[kind], _RUNTIME[kind], _compiler())
     words = "" if word_bytes is None else f"-w{word_bytes}"
     exe = cache_dir() / f"emulator-{kind}-E{entry_bytes}-{codec}{words}-{key}"
     if exe.exists():
