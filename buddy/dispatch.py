@@ -3,13 +3,16 @@
 Every way of running a codec is registered here, once:
 
 * ``"reference"`` -- the codec's torch code under the format layer
-  (:class:`~buddy.engine.BlockEngine`), on the CPU and on CUDA devices;
+  (:mod:`buddy.engines.reference`), on the CPU and on CUDA devices;
   registered here for every codec :func:`buddy.register_codec` registers
   with ``reference=True`` (the registry tells this table: see
   :func:`buddy.codecs.attach`);
-* ``"cuda"`` -- the codec's CUDA kernels (:mod:`buddy.cuda`): the default on
-  CUDA devices for the codecs that have them;
-* ``"nvcomp"`` -- nvcomp's batched GPU compressors (:mod:`buddy.codecs.nvcomp`).
+* ``"cuda"`` -- the codec's CUDA kernels (:mod:`buddy.engines.cuda`): the
+  default on CUDA devices for the codecs that have them;
+* ``"nvcomp"`` -- nvcomp's batched GPU compressors (:mod:`buddy.engines.nvcomp`).
+
+Each engine module lists its rows (``rows()``: :class:`Implementation` objects);
+this module builds its one table from them.
 
 ``backend=`` in :func:`buddy.compress` and friends picks one:
 
@@ -22,7 +25,7 @@ Every way of running a codec is registered here, once:
   as the default for this codec and device: on a CUDA tensor the kernels
   wherever the codec has them, else the reference. The kernels run only
   where they can (CuPy importable, a GPU), for a codec object they reproduce
-  (:func:`buddy.cuda.has_kernels`) and once they have passed their self-test
+  (their factory raises ``ValueError`` for any other) and once they have passed their self-test
   on the device (:mod:`buddy.selftest`: golden vectors through the kernels
   both ways, once per process, device and codec); otherwise the reference
   runs, and a failed self-test warns once. :func:`chosen` (exported as
@@ -54,11 +57,10 @@ from dataclasses import replace as _replaced
 
 import torch
 
-from . import codecs, cuda, selftest
-from .codecs import nvcomp
+from . import codecs, selftest
 from .codecs.base import Codec
 from .config import DEFAULT_BACKENDS, defaults
-from .engine import BlockEngine, Engine
+from .engines import DEVICES, Engine, Implementation, cuda, nvcomp, reference
 from .errors import MissingDependencyError
 
 __all__ = [
@@ -78,29 +80,9 @@ __all__ = [
 
 #: values of ``backend=`` (``None`` means ``"auto"``)
 BACKENDS = ("auto", "reference", "cuda", "nvcomp")
-_DEVICES = ("cpu", "cuda")
 _LABEL = {"reference": "torch reference", "cuda": "CUDA kernels", "nvcomp": "nvcomp implementation"}
 #: the environment variable that overrides ``set_defaults(backend=...)`` (read at every use)
 ENV_BACKEND = "BUDDY_BACKEND"
-
-
-@dataclass(frozen=True)
-class Implementation:
-    """One way to run one codec on one kind of device."""
-
-    codec: str
-    device: str
-    backend: str
-    #: ``factory(codec) -> Engine``; raises ``ValueError`` for a codec object it does not reproduce
-    factory: Callable[[Codec], Engine]
-    #: what ``backend="auto"`` runs for this codec and device
-    default: bool = False
-    #: ``requires() -> None`` when it can run here, else the reason (and how to fix it)
-    requires: Callable[[], str | None] | None = None
-
-    def why_unusable(self) -> str | None:
-        """Why this implementation cannot run here, or ``None``."""
-        return None if self.requires is None else self.requires()
 
 
 _TABLE: dict[tuple[str, str, str], Implementation] = {}
@@ -125,8 +107,8 @@ def register(
     """
     if not isinstance(codec, str) or not codec:
         raise ValueError(f"codec must be a non-empty name, got {codec!r}")
-    if device not in _DEVICES:
-        raise ValueError(f"device must be one of {_DEVICES}, got {device!r}")
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if backend not in BACKENDS[1:]:
         raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {backend!r}")
     if not callable(factory):
@@ -172,7 +154,7 @@ def check_backend(backend: str | None) -> str:
 def device_type(device: torch.device | str) -> str:
     """``"cpu"`` or ``"cuda"`` for a device (another type: ``ValueError``)."""
     kind = torch.device(device).type
-    if kind not in _DEVICES:
+    if kind not in DEVICES:
         raise ValueError(f"buddy runs on CPU and CUDA tensors, got one on {device}")
     return kind
 
@@ -355,11 +337,17 @@ def _warn_once(backend: str, why: str) -> None:
 # ---------------------------------------------------------------------------
 # the table: every implementation of buddy's codecs, registered here
 # ---------------------------------------------------------------------------
-def _codec_added(codec: Codec, reference: bool) -> None:
+def _add(row: Implementation, replace: bool = False) -> Implementation:
+    return register(
+        row.codec, row.device, row.backend, row.factory, default=row.default, requires=row.requires, replace=replace
+    )
+
+
+def _codec_added(codec: Codec, reference_code: bool) -> None:
     """A codec registered by name: its reference implementation, the default on the CPU and on CUDA devices."""
-    if reference:
-        for device in _DEVICES:
-            register(codec.name, device, "reference", BlockEngine, default=True, replace=True)
+    if reference_code:
+        for row in reference.rows(codec.name):
+            _add(row, replace=True)
 
 
 def _codec_removed(name: str) -> None:
@@ -371,8 +359,7 @@ def _reasons(name: str, device: str | None) -> list[str | None]:
 
 
 codecs.attach(_codec_added, _codec_removed, _reasons)  # the reference of every codec registered
-for _name in cuda.KERNEL_CODECS:  # the default on CUDA devices, once its self-test passed there
-    register(_name, "cuda", "cuda", cuda.CudaEngine, default=True, requires=cuda.why_unusable)
-for _name in nvcomp.NAMES:  # nvcomp's chunk codecs: CUDA tensors only, run by nvcomp itself
-    codecs.register_codec(nvcomp.NvcompCodec(_name), reference=False)
-    register(_name, "cuda", "nvcomp", nvcomp.NvcompEngine, default=True, requires=nvcomp.why_unusable)
+for _codec in nvcomp.CODECS:  # nvcomp's chunk codecs, by name: they have no reference
+    codecs.register_codec(_codec, reference=False)
+for _row in (*cuda.rows(), *nvcomp.rows()):
+    _add(_row)

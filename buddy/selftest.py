@@ -45,8 +45,8 @@ import numpy as np
 import torch
 
 from .codecs import get_codec
-from .cuda import KERNEL_CODECS, TABLED_KERNELS
-from .engine import Engine
+from .engines.cuda import KERNEL_CODECS, TABLED_KERNELS
+from .engines import Engine
 from .layout import Layout
 
 __all__ = ["Verdict", "verdict", "run", "reset", "VECTORS", "INPUTS", "SLOT", "SOURCES", "load_vectors"]
