@@ -15,12 +15,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import (
-    cuda,  # registers the CUDA kernels' implementations (imports no CuPy)
-    dispatch,
-    selftest,
-    spec,
-)
+from . import dispatch, engines, selftest, spec
+from .engines import cuda  # buddy.cuda: the CUDA kernels' module, buddy.engines.cuda (imports no CuPy)
 from .autograd import (
     DEFAULT_MIN_BYTES,
     RecordedTensor,
@@ -70,6 +66,7 @@ __all__ = [
     "__version__",
     "spec",
     "dispatch",
+    "engines",
     "cuda",
     "selftest",
     "compress",

@@ -44,9 +44,9 @@ from typing import NamedTuple
 import torch
 
 from . import config, dispatch, integrity, spec, streams
-from . import engine as engines
+from . import engines
 from .codecs import Codec, get_codec
-from .engine import Engine, Measurement
+from .engines import Engine, Measurement
 from .errors import CorruptDataError, HostStoreFull
 from .integrity import Checksum
 from .ledger import DeviceLedger, default_ledger

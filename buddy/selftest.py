@@ -1,7 +1,9 @@
-"""The self-test of a codec's CUDA kernels: golden vectors through them, both ways, before their first use.
+"""The self-test of a codec's compiled kernels: golden vectors through them, both ways, before their first use.
 
-``backend="auto"`` runs a codec's kernels on a CUDA tensor only once they
-have passed this test on the tensor's device (see :mod:`buddy.dispatch`):
+``backend="auto"`` runs a codec's kernels -- the CUDA kernels on a CUDA
+tensor, the native engine (the same sources built for the host) on a CPU
+tensor -- only once they have passed this test on the tensor's device (see
+:mod:`buddy.dispatch`):
 the first time in a process that the kernels of a codec are chosen for a
 device, :func:`verdict` runs the codec's golden vectors through them --
 
@@ -45,8 +47,8 @@ import numpy as np
 import torch
 
 from .codecs import get_codec
-from .cuda import KERNEL_CODECS, TABLED_KERNELS
-from .engine import Engine
+from .engines.cuda import KERNEL_CODECS, TABLED_KERNELS
+from .engines import Engine
 from .layout import Layout
 
 __all__ = ["Verdict", "verdict", "run", "reset", "VECTORS", "INPUTS", "SLOT", "SOURCES", "load_vectors"]
@@ -95,7 +97,8 @@ def verdict(codec: str, device: torch.device, factory: Factory) -> Verdict:
                 _verdicts[key] = found
             if not found.passed:
                 warnings.warn(
-                    f"buddy: the CUDA kernels of codec {codec!r} failed their self-test on {device} "
+                    f"buddy: the {'CUDA kernels' if device.type == 'cuda' else 'native CPU engine'} of codec {codec!r} "
+                    f"failed their self-test on {device} "
                     f"({found.why.removeprefix('self-test failed: ')}): codec {codec!r} runs the torch reference "
                     f"on {device} in this process (buddy.implementations() says why). Please report this, with "
                     f"buddy.env.format_environment(buddy.env.environment()).",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import dispatch, integrity, spec, streams
-from . import engine as engines
+from . import engines
 from .codecs import Codec
 from .errors import FreedTensorError, UnsupportedTensorError
 from .integrity import Checksum

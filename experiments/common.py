@@ -89,7 +89,7 @@ def choose_backend(script: str, requested: str | None, device: torch.device | st
     """
     device = torch.device(device)
     if requested is None:
-        usable = device.type == "cuda" and buddy.cuda.why_unusable() is None
+        usable = device.type == "cuda" and buddy.engines.cuda.why_unusable() is None
         return "cuda" if usable else "reference"
     if requested == "cuda":
         if device.type != "cuda":

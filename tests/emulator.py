@@ -2,7 +2,7 @@
 
 The sources are compiled unchanged by g++ through a CUDA shim
 (``cuda_shim.h``) with the defines the loader gives NVRTC
-(:func:`buddy.cuda.compile_options`: one module per codec, entry size and
+(:func:`buddy.engines.cuda.compile_options`: one module per codec, entry size and
 word size, the word size a launch's last argument), and run by the emulator's driver
 (``runtime.cpp``): every thread of a block a fiber, a seeded random order
 between synchronisation points, blocks one after another. Two builds:
@@ -16,9 +16,9 @@ between synchronisation points, blocks one after another. Two builds:
   dynamic shared buffer, the static ``__shared__`` arrays) or undefined
   behaviour aborts.
 
-:class:`Emulator` is a ``launch=`` for :class:`buddy.cuda.Kernels` and
-:class:`buddy.cuda.CudaEngine`: it launches a kernel with the grid, block and
-shared memory of :func:`buddy.cuda.launch_config` (optionally fewer blocks,
+:class:`Emulator` is a ``launch=`` for :class:`buddy.engines.cuda.Kernels` and
+:class:`buddy.engines.cuda.CudaEngine`: it launches a kernel with the grid, block and
+shared memory of :func:`buddy.engines.cuda.launch_config` (optionally fewer blocks,
 so the warps' grid-stride loops loop), on exactly-sized copies of the
 arguments, several schedules each, and copies the results back. Any report
 raises :class:`EmulatorError` with the emulator's text.
@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -173,7 +173,7 @@ def _runtime(kind: str) -> Path:
 def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all", word_bytes: int | None = None) -> Path:
     """The emulator binary of ``kind`` (``"tsan"``/``"asan"``) for the kernels of ``csrc`` at this entry size.
 
-    Compiled with ``buddy.cuda.compile_options(entry_bytes, codec, word_bytes)``: with a
+    Compiled with ``buddy.engines.cuda.compile_options(entry_bytes, codec, word_bytes)``: with a
     word size, the module of that word size alone, as the loader compiles it;
     cached by the hash of every source, the options and the compiler.
     """
@@ -252,7 +252,7 @@ def role(param: Param) -> str:
 # launches
 # ---------------------------------------------------------------------------
 class Emulator:
-    """A ``launch=`` for :class:`buddy.cuda.Kernels` / :class:`buddy.cuda.CudaEngine` that runs the emulator.
+    """A ``launch=`` for :class:`buddy.engines.cuda.Kernels` / :class:`buddy.engines.cuda.CudaEngine` that runs the emulator.
 
     ``kind``: the build; ``seed``, ``schedules``: schedule ``s`` of a launch uses
     the random stream of ``seed + s`` (each launch advances ``seed``);

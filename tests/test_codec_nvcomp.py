@@ -36,8 +36,8 @@ from conftest import MiB, assert_bitexact, assert_roundtrip, ids, make_data
 
 import buddy
 from buddy import format
-from buddy.codecs import _nvcomp_capi as capi
-from buddy.codecs import nvcomp
+from buddy.engines import _nvcomp_capi as capi
+from buddy.engines import nvcomp
 from buddy.layout import Layout
 from buddy.slots import overflow_sectors
 
@@ -645,7 +645,7 @@ def test_pack_without_what_measure_staged(host_nvcomp, gen):
     flat = mixed(e, 5, gen).view(torch.uint8)
     engine = buddy.dispatch.engine(buddy.get_codec("nvcomp-lz4"), "cpu")
     measured = engine.measure(flat, Layout(e, flat.numel(), 4))
-    bare = buddy.engine.Measurement(measured.meta, measured.histogram)  # staging dropped: pack compresses again
+    bare = buddy.engines.Measurement(measured.meta, measured.histogram)  # staging dropped: pack compresses again
     slots, overflow = engine.pack(flat, bare, 3, Layout(e, flat.numel(), 4))
     assert [op for op, _ in host_nvcomp.calls] == ["compress", "compress"] and engine.readbacks == 1
     assert torch.equal(engine.unpack(measured.meta, slots, overflow, 3, Layout(e, flat.numel(), 4)), flat)

@@ -31,7 +31,7 @@ from emulator import kernel_parameters
 from test_device_codecs import device_fit, run_tensor, tensor_ends, tensor_measure, tensor_pack, tensor_unpack
 
 import buddy
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 from buddy import spec
 from buddy.layout import Layout
 
@@ -298,7 +298,7 @@ def _check_launch(sigs, name: str, args: tuple) -> None:
 
 
 class HostKernels:
-    """Runs each launch of buddy.cuda's kernels in the host harness, on CPU tensors; records the launches."""
+    """Runs each launch of buddy.engines.cuda's kernels in the host harness, on CPU tensors; records the launches."""
 
     def __init__(self, host_exe, tmp_path):
         self.host_exe, self.tmp_path = host_exe, tmp_path
@@ -357,7 +357,7 @@ def emulated_gpu(host_exe, tmp_path):
     """The CUDA engine for CPU tensors, each launch run by the host harness, registered as "cuda" on the CPU.
 
     Selected through the public registry (``backend="cuda"`` on a CPU tensor
-    then runs the real glue of :mod:`buddy.cuda`). Every launch's arguments
+    then runs the real glue of :mod:`buddy.engines.cuda`). Every launch's arguments
     are checked against the kernel's C signature.
     """
     kernels = HostKernels(host_exe, tmp_path)

@@ -5,12 +5,12 @@ a block a fiber, in seeded random orders, several schedules per launch
 (``tests/emulator.py``, ``tests/host/emulator``), under two builds: ``tsan``
 (a race in shared or global memory is reported with both source lines) and
 ``asan`` (AddressSanitizer and UBSan: misaligned loads, a byte read or written
-past any buffer, undefined behaviour). Every launch goes through buddy.cuda's
-own glue: a :class:`buddy.cuda.CudaEngine` whose launches run in the emulator
+past any buffer, undefined behaviour). Every launch goes through buddy.engines.cuda's
+own glue: a :class:`buddy.engines.cuda.CudaEngine` whose launches run in the emulator
 is registered as the ``"cuda"`` backend of CPU tensors, so ``backend="cuda"``
 runs the whole engine path -- the entries and the zero-padded tail, the
 overflow prefix sum, the fit's readout, the error flag -- with the grid,
-block and shared memory of :func:`buddy.cuda.launch_config`, and in some
+block and shared memory of :func:`buddy.engines.cuda.launch_config`, and in some
 cases fewer blocks than the entries need, so the warps' grid-stride loops
 loop.
 
@@ -54,7 +54,7 @@ from test_golden import SETS as GOLDEN_SETS
 from test_golden import load_vectors
 
 import buddy
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 from buddy import spec
 
 pytestmark = [
@@ -127,7 +127,7 @@ def _builds(request, tmp_path_factory):
 @contextlib.contextmanager
 def emulated_cuda(build: str, *, seed: int, schedules: int = 2, max_blocks: int | None = None, csrc: Path = CSRC,
                   codecs: str = "all"):  # fmt: skip
-    """``backend="cuda"`` on CPU tensors: buddy.cuda's engine, every launch run by an :class:`Emulator` (of the
+    """``backend="cuda"`` on CPU tensors: buddy.engines.cuda's engine, every launch run by an :class:`Emulator` (of the
     unmodified sources: the module's, set to this seed; of a mutated copy: one of its own)."""
     if csrc == CSRC and codecs == "all":
         emu = _EMULATORS[build] if build in _EMULATORS else _EMULATORS.setdefault(build, Emulator(build))

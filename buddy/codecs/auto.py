@@ -46,7 +46,7 @@ __all__ = ["AutoCodec", "AUTO_MEMBERS", "AUTO2_MEMBERS", "members_of"]
 
 #: buddy's auto codecs and the classes of their members, in the order they are tried (their modes are
 #: :data:`buddy.spec.AUTO_MODES`); ``auto2`` (format version 2) is ``auto``'s members and ``fpe``, whose table
-#: the tensor carries. The one list: the registry, the CUDA kernels' check (:func:`buddy.cuda.has_kernels`) and
+#: the tensor carries. The one list: the registry, the CUDA kernels' check (:func:`buddy.engines.cuda.has_kernels`) and
 #: the default of :class:`AutoCodec` read it.
 AUTO_MEMBERS: dict[str, tuple[type[Codec], ...]] = {
     "auto": (ZVCCodec, FPXCodec, BPCCodec),

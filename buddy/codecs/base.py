@@ -116,7 +116,7 @@ class Codec(abc.ABC):
         tensor -- or to ``prior``, symbol statistics learned over earlier
         steps -- and the tensor's own :attr:`statistics`. ``read``: how it
         brings the tensor's statistics to the host when there is no prior
-        (the engine's :meth:`~buddy.engine.Engine.read`, which counts it;
+        (the engine's :meth:`~buddy.engines.Engine.read`, which counts it;
         default ``Tensor.cpu``). ``keep``: the codec fitted for the same key
         before, whose table a prior may keep (see :func:`buddy.codecs.fpe.fit_table`).
         ``counts``: the tensor's statistics when an engine has counted them

@@ -41,10 +41,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import cuda
-from .codecs.base import Codec
+from . import Implementation, cuda
+from ..codecs.base import Codec
 
-__all__ = ["NativeEngine", "why_unusable", "library", "launch", "ENV_SWITCH", "ENV_CACHE", "ENTRIES_PER_BLOCK"]
+__all__ = [
+    "NativeEngine", "why_unusable", "library", "launch", "rows", "DEFAULT_CODECS", "ENV_SWITCH", "ENV_CACHE",
+    "ENTRIES_PER_BLOCK",
+]  # fmt: skip
 
 #: ``BUDDY_NATIVE=0`` turns the native engine off (the reference runs on the CPU)
 ENV_SWITCH = "BUDDY_NATIVE"
@@ -54,7 +57,7 @@ ENV_CACHE = "BUDDY_NATIVE_CACHE"
 ENTRIES_PER_BLOCK = 16
 _COUNT_UNITS_PER_BLOCK = 64 * 64  # a warp counts 64 units a round
 _FLAGS = ("-O2", "-march=native", "-fPIC", "-shared", "-fvisibility=hidden", "-pthread", "-fno-strict-aliasing")
-_REPO_CSRC = Path(__file__).resolve().parents[1] / "csrc"
+_REPO_CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _lock = threading.Lock()
 
 
@@ -232,3 +235,19 @@ class NativeEngine(cuda.CudaEngine):
 
     def __init__(self, codec: Codec):
         super().__init__(codec, launch=launch, device_type="cpu")
+
+
+#: the codecs the native engine is the CPU default of: those it compresses and decompresses faster than the torch
+#: reference, together, on the capture workloads (docs/cpu_engine.md, ``python -m experiments.cpu_engine``); the
+#: others' collective-heavy kernels (a ballot or shuffle costs every lane a fiber switch) run slower natively
+#: than as the reference's vectorised torch ops, and stay on the reference by default
+DEFAULT_CODECS = frozenset({"fpe", "auto2"})
+
+
+def rows() -> tuple[Implementation, ...]:
+    """The native engine of every codec with kernels on CPU tensors; the default of :data:`DEFAULT_CODECS`, once
+    its self-test passed (see :mod:`buddy.dispatch`)."""
+    return tuple(
+        Implementation(name, "cpu", "native", NativeEngine, default=name in DEFAULT_CODECS, requires=why_unusable)
+        for name in cuda.KERNEL_CODECS
+    )

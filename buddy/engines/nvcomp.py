@@ -65,21 +65,23 @@ from typing import NamedTuple
 import torch
 
 from .. import format, spec
+from ..codecs.base import Codec
 from ..deps import require_cuda
-from ..engine import Engine, Measurement
 from ..errors import CorruptDataError, MissingDependencyError
 from ..layout import Layout
+from . import Engine, Implementation, Measurement
 from . import _nvcomp_capi as capi
-from .base import Codec
 
 __all__ = [
     "NvcompCodec",
     "NvcompEngine",
     "ALGORITHMS",
     "NAMES",
+    "CODECS",
     "MIN_ENTRY_BYTES",
     "usable",
     "why_unusable",
+    "rows",
     "check_entry_bytes",
     "chunk_pointers",
     "entry_sectors",
@@ -115,6 +117,11 @@ def why_unusable() -> str | None:
     if not torch.cuda.is_available():
         return "they run on CUDA tensors and PyTorch sees no CUDA device"
     return capi.why_unusable()
+
+
+def rows() -> tuple[Implementation, ...]:
+    """nvcomp's chunk codecs: CUDA tensors only, run by nvcomp itself (the default there; nothing else runs them)."""
+    return tuple(Implementation(name, "cuda", "nvcomp", NvcompEngine, default=True, requires=why_unusable) for name in NAMES)
 
 
 def usable() -> bool:
@@ -247,6 +254,10 @@ class NvcompCodec(Codec):
 
     def decode(self, payload, sectors, modes, word_bytes):
         self.refuse(payload)
+
+
+#: the chunk codecs, one per algorithm (registered by name in :mod:`buddy.dispatch`)
+CODECS = tuple(NvcompCodec(name) for name in NAMES)
 
 
 class _Staged(NamedTuple):

@@ -70,17 +70,17 @@ from pathlib import Path
 
 import torch
 
-from . import spec
-from .codecs.auto import AUTO_MEMBERS, AutoCodec
-from .codecs.base import Codec
-from .codecs.bpc import BPCCodec
-from .codecs.fpe import MAX_CODE_BITS, MAX_CODED, FPECodec, Table, default_table, n_symbols
-from .codecs.fpx import FPXCodec
-from .codecs.zvc import ZVCCodec
-from .deps import available, require
-from .engine import Engine, Measurement
-from .errors import CorruptDataError
-from .layout import WORD_SIZES, Layout
+from .. import spec
+from ..codecs.auto import AUTO_MEMBERS, AutoCodec
+from ..codecs.base import Codec
+from ..codecs.bpc import BPCCodec
+from ..codecs.fpe import MAX_CODE_BITS, MAX_CODED, FPECodec, Table, default_table, n_symbols
+from ..codecs.fpx import FPXCodec
+from ..codecs.zvc import ZVCCodec
+from ..deps import available, require
+from ..errors import CorruptDataError
+from ..layout import WORD_SIZES, Layout
+from . import Engine, Implementation, Measurement
 
 __all__ = [
     "ALIGN_BYTES",
@@ -95,6 +95,7 @@ __all__ = [
     "device_table",
     "codec_table",
     "why_unusable",
+    "rows",
     "compile_options",
     "read_source",
     "translation_unit",
@@ -120,7 +121,7 @@ _ERR_K, _ERR_STREAM, _ERR_MODE, _ERR_WORD, _ERR_OVERFLOW = 1, 2, 4, 8, 16
 # ---------------------------------------------------------------------------
 _LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
 _PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", re.MULTILINE)
-_REPO_CSRC = Path(__file__).resolve().parents[1] / "csrc"
+_REPO_CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 
 def read_source(name: str) -> str:
@@ -545,7 +546,7 @@ def raise_for_errors(codec: str, bits: int) -> None:
 
 
 # ---------------------------------------------------------------------------
-# the engine the pipeline calls (registered in buddy.dispatch's table)
+# the engine the pipeline calls (its rows: buddy.dispatch's table)
 # ---------------------------------------------------------------------------
 def why_unusable() -> str | None:
     """Why the CUDA kernels cannot run here (no CuPy, no GPU), or ``None``."""
@@ -554,6 +555,14 @@ def why_unusable() -> str | None:
     if not torch.cuda.is_available():
         return "PyTorch sees no CUDA device"
     return None
+
+
+def rows() -> tuple[Implementation, ...]:
+    """The kernels of every codec of :data:`KERNEL_CODECS`: the default on CUDA devices, once its self-test passed
+    there (see :mod:`buddy.dispatch`)."""
+    return tuple(
+        Implementation(name, "cuda", "cuda", CudaEngine, default=True, requires=why_unusable) for name in KERNEL_CODECS
+    )
 
 
 #: the members (mode, class) the kernels of each auto codec compose, in order (buddy.codecs.auto's list)
