@@ -49,6 +49,7 @@ import pytest
 import torch
 from conftest import assert_bitexact
 from emulator import BUILDS, CSRC, Emulator, EmulatorError
+from kernel_cases import CASES, Case, _damaged, _decode, _same_buffers
 from test_golden import CASES as GOLDEN_CASES
 from test_golden import SETS as GOLDEN_SETS
 from test_golden import load_vectors
@@ -151,82 +152,6 @@ def ops_of(emu: Emulator) -> list[str]:
     return [kernel.rsplit("_", 1)[1] for kernel, *_ in emu.launches]
 
 
-# ---------------------------------------------------------------------------
-# real activations
-# ---------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def activations() -> dict[str, torch.Tensor]:
-    """Saved tensors of two experiment workloads one step into training, and text bytes (all real data).
-
-    ``f32``: a VGG's ReLU output (about half zeros, whole zero entries at 512 B);
-    ``f64``: its max-pool output, widened; ``i64``: the max-pool indices;
-    ``bf16``: a GPT block's activation; ``u8``: the standard library's source.
-    """
-    from experiments.data import stdlib_text_bytes
-    from experiments.workloads import capture
-
-    vgg = capture("vgg-fp32", "tiny", points=(1,))[0].tensors
-    gpt = capture("gpt-bf16", "tiny", points=(1,))[0].tensors
-    relu = next(s.tensor for s in vgg if s.op == "ReluBackward0" and s.tensor.shape[1] == 16)
-    pooled = next(s.tensor for s in vgg if s.op == "MaxPool2DWithIndicesBackward0")
-    indices = next(s.tensor for s in vgg if s.tensor.dtype == torch.int64)
-    hidden = max((s.tensor for s in gpt if s.tensor.dtype == torch.bfloat16), key=torch.Tensor.numel)
-    out = {
-        "f32": relu,
-        "f64": pooled.double(),
-        "i64": indices,
-        "bf16": hidden,
-        "u8": stdlib_text_bytes(64 << 10),
-    }
-    return {k: v.detach().contiguous().reshape(-1) for k, v in out.items()}
-
-
-@dataclass(frozen=True)
-class Case:
-    data: str  # key of the activations
-    entry_bytes: int
-    entries: float  # the tensor's size in entries (a fraction: a partial last entry)
-    slot: int | None  # sectors per slot; None: the median entry's size (some entries overflow, some not)
-    max_blocks: int | None  # launch at most this many blocks
-
-    @property
-    def id(self) -> str:
-        blocks = f"-blocks<={self.max_blocks}" if self.max_blocks else ""
-        return f"{self.data}-E={self.entry_bytes}{blocks}"
-
-    def tensor(self, activations) -> torch.Tensor:
-        """``entries`` entries of the data from two before its first all-zero entry (from the start if none)."""
-        data = activations[self.data]
-        size = data.element_size()
-        n = int(self.entries * self.entry_bytes) // size
-        whole = data[: data.numel() // (self.entry_bytes // size) * (self.entry_bytes // size)]
-        zero = (whole.view(torch.uint8).view(-1, self.entry_bytes) == 0).all(1).nonzero()
-        start = max(0, int(zero[0]) - 2) * (self.entry_bytes // size) if zero.numel() else 0
-        start = min(start, data.numel() - n)
-        return data[start : start + n].clone()
-
-    def slot_for(self, histogram) -> int:
-        if self.slot is not None:
-            return self.slot
-        ks = [k for k, count in enumerate(histogram) for _ in range(count)]
-        return ks[len(ks) // 2]
-
-
-CASES = [
-    Case("f32", 512, 20.3, None, max_blocks=2),  # 21 entries: measure wants 3 blocks of 8 warps
-    Case("bf16", 4096, 5.5, None, max_blocks=None),
-    Case("u8", 512, 12.7, 0, max_blocks=None),  # the zero slot: every sector to the overflow
-    Case("f64", 4096, 9.2, None, max_blocks=1),  # 10 entries, 8 warps a block
-]
-
-
-def _same_buffers(a: buddy.BuddyTensor, b: buddy.BuddyTensor) -> None:
-    assert a.histogram == b.histogram, "histogram"
-    for name, x, y in zip(("metadata", "slots", "overflow"), a.buffers(), b.buffers()):
-        assert torch.equal(x, y), f"{name} differ"
-    assert (a.table is None) == (b.table is None) and (a.table is None or torch.equal(a.table, b.table)), "table"
-
-
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -282,46 +207,6 @@ def test_tensors_of_one_entry(build, codec, activations, store, request):
                 assert_bitexact(a.decompress(backend="reference"), t)
                 a.free()
                 b.free()
-
-
-# ---------------------------------------------------------------------------
-# damaged buffers
-# ---------------------------------------------------------------------------
-def _damaged(meta: torch.Tensor, slots: torch.Tensor, overflow: torch.Tensor, slot: int, e: int):
-    """``(what, meta, slots, overflow)``: the buffers as they are, then damaged in every way the format can see."""
-    words = meta.view(torch.int16)
-    spe = spec.sectors_per_entry(e)
-    k = (words & 0xFFF).long()
-    coded = int(((k > 0) & (k < spe) & (k > slot)).nonzero()[0])  # an entry with overflow
-    inside = int(((k > 0) & (k < spe)).nonzero()[-1])
-
-    def with_word(i: int, value: int) -> torch.Tensor:
-        out = words.clone()
-        out[i] = value
-        return out.view(torch.uint8)
-
-    sector = spec.SECTOR_BYTES
-    payload = slots.clone()
-    payload[inside * slot * sector : (inside + 1) * slot * sector] = 0xFF
-    return [
-        ("as written", meta, slots, overflow),
-        ("k beyond the entry", with_word(coded, spe + 1 | int(words[coded]) & ~0xFFF), slots, overflow),
-        ("a mode the codec never writes", with_word(coded, int(words[coded]) | 0xF000 - 0x10000), slots, overflow),
-        ("k one more", with_word(coded, int(words[coded]) + 1), slots, overflow),
-        ("overflow a sector short", meta, slots, overflow[:-sector]),
-        ("overflow a sector long", meta, slots, torch.cat([overflow, torch.zeros(sector, dtype=torch.uint8)])),
-        ("slot bytes set", meta, payload, overflow),
-    ]
-
-
-def _decode(backend: str, bt: buddy.BuddyTensor, meta, slots, overflow):
-    try:
-        return buddy.unpack(
-            meta, slots, overflow, codec=bt.codec, entry_bytes=bt.entry_bytes, slot_sectors=bt.slot_sectors,
-            shape=bt.shape, dtype=bt.dtype, table=bt.table, backend=backend,
-        )  # fmt: skip
-    except buddy.CorruptDataError:
-        return None
 
 
 @pytest.mark.parametrize("build", BUILDS)

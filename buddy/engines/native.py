@@ -6,7 +6,7 @@ for the GPU -- are compiled by the host's C++ compiler through the CUDA shim
 with the loader's defines (:func:`buddy.cuda.compile_options`), and run by a
 runtime made for speed (``csrc/host/native.cpp``): every block one warp,
 its 32 lanes fibers switched at collectives in a fixed order, the blocks
-spread over host threads (``torch.get_num_threads()``). :class:`NativeEngine`
+spread over host threads (``torch.get_num_threads()``, or ``BUDDY_NATIVE_THREADS``). :class:`NativeEngine`
 is :class:`~buddy.cuda.CudaEngine` with this launch on CPU tensors, so the
 glue -- argument checks, the table codecs' count and fit kernels, the
 overflow's prefix sum, the error flag -- is the GPU path's, byte for byte.
@@ -45,7 +45,7 @@ from . import Implementation, cuda
 from ..codecs.base import Codec
 
 __all__ = [
-    "NativeEngine", "why_unusable", "library", "launch", "rows", "DEFAULT_CODECS", "ENV_SWITCH", "ENV_CACHE",
+    "NativeEngine", "why_unusable", "library", "launch", "rows", "DEFAULT_CODECS", "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS",
     "ENTRIES_PER_BLOCK",
 ]  # fmt: skip
 
@@ -53,6 +53,8 @@ __all__ = [
 ENV_SWITCH = "BUDDY_NATIVE"
 #: where builds are cached (default ``~/.cache/buddy/native``)
 ENV_CACHE = "BUDDY_NATIVE_CACHE"
+#: host threads a launch runs on (default: ``torch.get_num_threads()``)
+ENV_THREADS = "BUDDY_NATIVE_THREADS"
 #: entries (8-byte units for ``count``) a block takes on before another block is worth its set-up
 ENTRIES_PER_BLOCK = 16
 _COUNT_UNITS_PER_BLOCK = 64 * 64  # a warp counts 64 units a round
@@ -217,11 +219,21 @@ def _grid(op: str, n: int, threads: int) -> int:
     return max(1, min(-(-n // per_block), 8 * threads))
 
 
+def _threads() -> int:
+    """Host threads of a launch: ``BUDDY_NATIVE_THREADS`` (read at every launch), else torch's intra-op threads."""
+    value = os.environ.get(ENV_THREADS, "").strip()
+    if not value:
+        return max(1, torch.get_num_threads())
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{ENV_THREADS}={value!r} must be a whole number of threads, at least 1")
+    return int(value)
+
+
 def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple) -> None:
     """:class:`~buddy.cuda.Kernels`' ``launch=``: kernel ``buddy_<codec>_<op>`` natively on the host."""
     del device  # CPU tensors: Kernels checked them
     lib = library(codec, entry_bytes)
-    threads = max(1, torch.get_num_threads())
+    threads = _threads()
     grid = _grid(op, n_entries, threads)
     _, block, shared = cuda.launch_config(op, entry_bytes, n_entries, codec)
     shared = shared // (block // 32)  # a native block is one warp: one warp's staging
