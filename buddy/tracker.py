@@ -72,7 +72,7 @@ from .ledger import DeviceLedger, default_ledger
 from .slots import DEFAULT_MAX_OVERFLOW, larger_than, overflow_sectors, slot_for_overflow, tightest_slot
 
 if TYPE_CHECKING:
-    from .codecs.base import Codec
+    from .codecs.base import CodecLike
 
 __all__ = [
     "Policy",
@@ -475,7 +475,7 @@ class KeyHistory(LaidOut):
     #: symbol statistics learned over the steps (a codec with a table fits it to them), or ``None``
     statistics: torch.Tensor | None = None
     #: the codec the last step was measured with (a codec with a table keeps it while it fits), or ``None``
-    fitted: Codec | None = None
+    fitted: CodecLike | None = None
     #: GPU statistics on their way to the host: (pinned copy, event), oldest first
     _pending: deque = field(default_factory=deque, repr=False)
 
@@ -651,7 +651,7 @@ class Tracker:
             hist = self._keys.get(key)
             return None if hist is None else hist.learned
 
-    def fitted(self, key: str) -> Codec | None:
+    def fitted(self, key: str) -> CodecLike | None:
         """The codec ``key``'s last step was measured with (``keep`` of :func:`buddy.measure`), or ``None``."""
         with self._lock:
             hist = self._keys.get(key)
@@ -728,7 +728,7 @@ class Tracker:
         layout: Layout | None = None,
         predicted_overflow_bytes,
         statistics: torch.Tensor | None = None,
-        fitted: Codec | None = None,
+        fitted: CodecLike | None = None,
         entry_bytes: int | None = None,
         original_bytes: int | None = None,
     ):

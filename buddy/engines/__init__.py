@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..codecs.base import Codec
+from ..codecs.base import CodecLike
 from ..errors import CorruptDataError
 from ..layout import Layout, as_tensor
 
@@ -87,7 +87,7 @@ class Engine(abc.ABC):
     #: what runs the codec: "reference", "cuda", "nvcomp" (recorded in every BuddyTensor)
     backend: str = ""
 
-    def __init__(self, codec: Codec):
+    def __init__(self, codec: CodecLike):
         self.codec = codec
         #: device-to-host reads this engine made (the compress and decompress it ran, and codec fits)
         self.readbacks = 0
@@ -112,7 +112,7 @@ class Engine(abc.ABC):
     def measure(self, flat: torch.Tensor, layout: Layout) -> Measurement:
         """Sizes of the entries of ``flat`` (a 1-D ``uint8`` tensor, the tensor's bytes in memory order)."""
 
-    def fit_measure(self, flat: torch.Tensor, layout: Layout, prior=None, keep=None) -> tuple[Codec, Measurement]:
+    def fit_measure(self, flat: torch.Tensor, layout: Layout, prior=None, keep=None) -> tuple[CodecLike, Measurement]:
         """The codec fitted to ``flat`` (see :meth:`Codec.fit`: a codec with a table fits it to the tensor, or to
         ``prior``; any other codec is itself) and its :meth:`measure`; the engine runs the fitted codec from
         then on. What a compress calls: an engine that can count and fit where the tensor is overrides it, so

@@ -71,8 +71,8 @@ from pathlib import Path
 import torch
 
 from .. import spec
-from ..codecs.auto import AUTO_MEMBERS, AutoCodec
-from ..codecs.base import Codec
+from ..codecs.auto import AUTO_MEMBERS, AutoCodec, member_kinds
+from ..codecs.base import Codec, CodecLike
 from ..codecs.bpc import BPCCodec
 from ..codecs.fpe import MAX_CODE_BITS, MAX_CODED, FPECodec, Table, default_table, n_symbols
 from ..codecs.fpx import FPXCodec
@@ -565,18 +565,6 @@ def rows() -> tuple[Implementation, ...]:
     )
 
 
-#: the members (mode, class) the kernels of each auto codec compose, in order (buddy.codecs.auto's list)
-_AUTO_MEMBERS = {name: [(spec.AUTO_MODES[c.name], c) for c in members] for name, members in AUTO_MEMBERS.items()}
-
-
-def has_kernels(codec: Codec) -> bool:
-    """Whether the kernels reproduce ``codec``: exactly buddy's class of that name (auto codecs: with their own
-    members, in order)."""
-    if type(codec) is not KERNEL_CODECS.get(codec.name):
-        return False
-    return not isinstance(codec, AutoCodec) or [(m, type(c)) for m, c in codec.members] == _AUTO_MEMBERS[codec.name]
-
-
 class CudaEngine(Engine):
     """The format operations as one kernel each over the whole tensor: the same bytes as the reference.
 
@@ -587,9 +575,13 @@ class CudaEngine(Engine):
     """
 
     backend = "cuda"
+    codec: Codec
 
-    def __init__(self, codec: Codec, *, launch=None, device_type: str = "cuda"):
-        if not has_kernels(codec):
+    def __init__(self, codec: CodecLike, *, launch=None, device_type: str = "cuda"):
+        # the kernels reproduce exactly buddy's class of that name (an auto codec: with its own members, in order)
+        kinds = tuple((m, type(c)) for m, c in codec.members) if isinstance(codec, AutoCodec) else None
+        exact = type(codec) is KERNEL_CODECS.get(codec.name)
+        if not exact or (kinds is not None and kinds != member_kinds(codec.name)):
             have = ", ".join(sorted(KERNEL_CODECS))
             raise ValueError(
                 f"codec {codec.name!r} ({type(codec).__name__}) has no CUDA kernels (codecs with them: {have})"

@@ -65,7 +65,7 @@ from typing import NamedTuple
 import torch
 
 from .. import format, spec
-from ..codecs.base import Codec
+from ..codecs.base import ChunkCodec, CodecLike
 from ..deps import require_cuda
 from ..errors import CorruptDataError, MissingDependencyError
 from ..layout import Layout
@@ -73,7 +73,7 @@ from . import Engine, Implementation, Measurement
 from . import _nvcomp_capi as capi
 
 __all__ = [
-    "NvcompCodec",
+    "chunk_codec",
     "NvcompEngine",
     "ALGORITHMS",
     "NAMES",
@@ -121,7 +121,9 @@ def why_unusable() -> str | None:
 
 def rows() -> tuple[Implementation, ...]:
     """nvcomp's chunk codecs: CUDA tensors only, run by nvcomp itself (the default there; nothing else runs them)."""
-    return tuple(Implementation(name, "cuda", "nvcomp", NvcompEngine, default=True, requires=why_unusable) for name in NAMES)
+    return tuple(
+        Implementation(name, "cuda", "nvcomp", NvcompEngine, default=True, requires=why_unusable) for name in NAMES
+    )
 
 
 def usable() -> bool:
@@ -221,43 +223,26 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 # ---------------------------------------------------------------------------
-# the codec and its engine
+# the codecs and their engine
 # ---------------------------------------------------------------------------
-class NvcompCodec(Codec):
-    """One nvcomp algorithm as a buddy codec (entry = chunk); CUDA tensors only, run by :class:`NvcompEngine`.
-
-    It has no per-block torch code: :meth:`analyse` and :meth:`decode`
-    refuse, and its engine implements the payload rules of the module doc.
-    """
-
-    def __init__(self, name: str):
-        if name not in ALGORITHMS:
-            raise ValueError(f"unknown nvcomp codec {name!r}; one of {', '.join(NAMES)}")
-        self.name = name
-        self.algorithm = ALGORITHMS[name]
-
-    def refuse(self, t: torch.Tensor):
-        """Raise: CPU tensors are refused with a diagnosis; CUDA tensors go through the engine."""
-        if t.device.type != "cuda":
-            require_cuda(f"codec {self.name!r}")  # a clear diagnosis on a machine without a GPU
-            raise MissingDependencyError(
-                f"codec {self.name!r} runs nvcomp on the GPU: move the tensor to CUDA first "
-                f"(got a {t.device.type} tensor), or use a reference codec such as 'auto' on the CPU"
-            )
-        raise TypeError(
-            f"codec {self.name!r} has no per-block torch code: nvcomp compresses whole tensors through its engine "
-            f"(buddy.compress(t, codec={self.name!r}, entry_bytes=4096 ... 65536))"
-        )
-
-    def analyse(self, entries, word_bytes):
-        self.refuse(entries)
-
-    def decode(self, payload, sectors, modes, word_bytes):
-        self.refuse(payload)
+def chunk_codec(name: str) -> ChunkCodec:
+    """nvcomp's chunk codec ``name`` (entry = chunk): CUDA tensors only, run by :class:`NvcompEngine`."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown nvcomp codec {name!r}; one of {', '.join(NAMES)}")
+    return ChunkCodec(name, ALGORITHMS[name])
 
 
 #: the chunk codecs, one per algorithm (registered by name in :mod:`buddy.dispatch`)
-CODECS = tuple(NvcompCodec(name) for name in NAMES)
+CODECS = tuple(chunk_codec(name) for name in NAMES)
+
+
+def _refuse_host(name: str, t: torch.Tensor) -> None:
+    """:class:`~buddy.errors.MissingDependencyError` for a tensor not on a CUDA device, with a diagnosis."""
+    require_cuda(f"codec {name!r}")  # a clear diagnosis on a machine without a GPU
+    raise MissingDependencyError(
+        f"codec {name!r} runs nvcomp on the GPU: move the tensor to CUDA first "
+        f"(got a {t.device.type} tensor), or use a reference codec such as 'auto' on the CPU"
+    )
 
 
 class _Staged(NamedTuple):
@@ -279,10 +264,10 @@ class NvcompEngine(Engine):
     """
 
     backend = "nvcomp"
-    codec: NvcompCodec
+    codec: ChunkCodec
 
-    def __init__(self, codec: Codec, *, batch=None, device_type: str = "cuda"):
-        if not isinstance(codec, NvcompCodec):
+    def __init__(self, codec: CodecLike, *, batch=None, device_type: str = "cuda"):
+        if not (isinstance(codec, ChunkCodec) and ALGORITHMS.get(codec.name) == codec.algorithm):
             raise ValueError(f"the nvcomp engine runs nvcomp codecs, not {codec!r}")
         super().__init__(codec)
         self._batch = batch
@@ -296,7 +281,7 @@ class NvcompEngine(Engine):
         check_entry_bytes(layout.entry_bytes)
         if t.device.type != self.device_type:
             if self.device_type == "cuda":
-                self.codec.refuse(t)
+                _refuse_host(self.codec.name, t)
             raise ValueError(f"this nvcomp engine takes {self.device_type} tensors, got one on {t.device}")
 
     @staticmethod
