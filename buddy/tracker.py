@@ -682,19 +682,11 @@ class Tracker:
         slot, predicted, corrected = self._decide(key, histogram, layout, policy, table_bytes)
         return Placement(slot, predicted, layout, table_bytes, corrected)
 
-    def choose(
-        self,
-        key: str,
-        histogram,
-        *,
-        layout: Layout | None = None,
-        policy: Policy | None = None,
-        table_bytes: int = 0,
-        entry_bytes: int | None = None,
-        original_bytes: int | None = None,
-    ):
-        """``(slot, predicted_overflow_bytes or None)`` for a tensor about to be packed (:meth:`plan` says more)."""
-        return self._decide(key, histogram, _layout_arg(layout, entry_bytes, original_bytes), policy, table_bytes)[:2]
+    def choose(self, key: str, histogram, **options) -> tuple[int, int | None]:
+        """``(slot, predicted_overflow_bytes or None)`` for a tensor about to be packed: :meth:`plan`'s (the same
+        keyword options), as a pair."""
+        placement = self.plan(key, histogram, **options)
+        return placement.slot, placement.predicted_overflow_bytes
 
     def _decide(self, key, histogram, layout: Layout, policy, table_bytes):
         """``(slot, predicted overflow bytes or None, corrected)``."""

@@ -38,10 +38,13 @@ from ..codecs.base import CodecLike
 from ..errors import CorruptDataError
 from ..layout import Layout, as_tensor
 
-__all__ = ["Engine", "Measurement", "Implementation", "DEVICES", "decode"]
+__all__ = ["Engine", "Measurement", "Implementation", "DEVICES", "decode", "raise_for_errors"]
 
 #: the kinds of device an engine runs on
 DEVICES = ("cpu", "cuda")
+#: error bits of an unpack whose checks run on the device (csrc/buddy_format.h, BUDDY_ERR_*; nvcomp's engine sets
+#: the same): a mode the codec never writes, k past the entry, a bad stream, the overflow's size
+ERR_K, ERR_STREAM, ERR_MODE, ERR_WORD, ERR_OVERFLOW = 1, 2, 4, 8, 16
 
 
 @dataclass(frozen=True)
@@ -179,3 +182,19 @@ def decode(
         raise CorruptDataError(f"slots hold {slots.numel()} bytes, expected {layout.slots_bytes(slot)}")
     flat = engine.unpack(meta, slots, overflow, slot, layout, check=check, error_flag=error_flag)
     return as_tensor(flat, shape, dtype, stride)
+
+
+def raise_for_errors(codec: str, bits: int, stream: str) -> None:
+    """:class:`~buddy.errors.CorruptDataError` for an unpack's error bits (nothing for 0); ``stream``: what a bad
+    stream (:data:`ERR_STREAM`) means for the engine that flagged it."""
+    if not bits:
+        return
+    if bits & ERR_MODE:
+        raise CorruptDataError(f"metadata holds modes that codec {codec!r} never writes for such entries")
+    if bits & ERR_K:
+        raise CorruptDataError(f"{codec}: metadata claims more sectors than an entry has")
+    if bits & ERR_OVERFLOW:
+        raise CorruptDataError(f"{codec}: the overflow is not the size the metadata needs")
+    if bits & ERR_STREAM:
+        raise CorruptDataError(f"{codec}: {stream}")
+    raise CorruptDataError(f"{codec}: the unpack failed (error bits {bits:#x})")

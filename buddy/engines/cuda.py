@@ -80,7 +80,7 @@ from ..codecs.zvc import ZVCCodec
 from ..deps import available, require
 from ..errors import CorruptDataError
 from ..layout import WORD_SIZES, Layout
-from . import Engine, Implementation, Measurement
+from . import Engine, Implementation, Measurement, raise_for_errors
 
 __all__ = [
     "ALIGN_BYTES",
@@ -113,8 +113,11 @@ _WARP = 32
 _FEATURE = "buddy's CUDA backend (backend='cuda')"
 _SOURCE = "buddy_kernels.cu"
 
-# error bits of unpack (csrc/buddy_format.h, BUDDY_ERR_*)
-_ERR_K, _ERR_STREAM, _ERR_MODE, _ERR_WORD, _ERR_OVERFLOW = 1, 2, 4, 8, 16
+#: what a bad stream (ERR_STREAM) means for the kernels' unpack
+_BAD_STREAM = (
+    "a payload (its bitmap or stream) does not match the entry sizes in the metadata "
+    "(or, for a codec with a table, holds codes the table does not give)"
+)
 
 # ---------------------------------------------------------------------------
 # sources
@@ -527,24 +530,6 @@ def _error_flag(given: torch.Tensor | None, device: torch.device) -> torch.Tenso
     return given
 
 
-def raise_for_errors(codec: str, bits: int) -> None:
-    """:class:`~buddy.errors.CorruptDataError` for an unpack's error bits (nothing for 0)."""
-    if not bits:
-        return
-    if bits & _ERR_MODE:
-        raise CorruptDataError(f"metadata holds modes that codec {codec!r} never writes for such entries")
-    if bits & _ERR_K:
-        raise CorruptDataError(f"{codec}: metadata claims more sectors than an entry has")
-    if bits & _ERR_OVERFLOW:
-        raise CorruptDataError(f"{codec}: the overflow is not the size the metadata needs")
-    if bits & _ERR_STREAM:
-        raise CorruptDataError(
-            f"{codec}: a payload (its bitmap or stream) does not match the entry sizes in the metadata "
-            f"(or, for a codec with a table, holds codes the table does not give)"
-        )
-    raise CorruptDataError(f"{codec} CUDA unpack failed (error bits {bits:#x})")
-
-
 # ---------------------------------------------------------------------------
 # the engine the pipeline calls (its rows: buddy.dispatch's table)
 # ---------------------------------------------------------------------------
@@ -707,5 +692,5 @@ class CudaEngine(Engine):
             table = self._table(slots.device, layout.word_bytes)
             self.kernels.unpack(layout, meta, ends, slot, slots, overflow, out, error, table)
             if check:
-                raise_for_errors(self.codec.name, int(self.read(error)[0]))
+                raise_for_errors(self.codec.name, int(self.read(error)[0]), _BAD_STREAM)
         return out[: layout.nbytes]

@@ -69,7 +69,7 @@ from ..codecs.base import ChunkCodec, CodecLike
 from ..deps import require_cuda
 from ..errors import CorruptDataError, MissingDependencyError
 from ..layout import Layout
-from . import Engine, Implementation, Measurement
+from . import ERR_K, ERR_MODE, ERR_OVERFLOW, ERR_STREAM, Engine, Implementation, Measurement, raise_for_errors
 from . import _nvcomp_capi as capi
 
 __all__ = [
@@ -89,7 +89,6 @@ __all__ = [
     "length_bytes",
     "read_lengths",
     "coded_payloads",
-    "raise_for_errors",
 ]
 
 #: nvcomp algorithms (as its C API spells them) by buddy codec name
@@ -108,8 +107,11 @@ MIN_ENTRY_BYTES = 4096
 BLOCK_BYTES = 64 << 20
 
 _LENGTH_BYTES = 4
-# error bits of unpack
-_ERR_K, _ERR_STREAM, _ERR_MODE, _ERR_OVERFLOW = 1, 2, 4, 16
+#: what a bad stream (ERR_STREAM) means for this engine's unpack
+_BAD_STREAM = (
+    "a stream's length or what nvcomp decoded from it does not match the metadata (the buffers are damaged or were "
+    "not written by this codec)"
+)
 
 
 def why_unusable() -> str | None:
@@ -190,22 +192,6 @@ def coded_payloads(streams: torch.Tensor, lengths: torch.Tensor, entry_bytes: in
     body = torch.cat([length_bytes(lengths), streams[:, : entry_bytes - _LENGTH_BYTES]], dim=1)
     used = torch.arange(entry_bytes, device=streams.device).unsqueeze(0) < (lengths + _LENGTH_BYTES).unsqueeze(1)
     return torch.where(used, body, 0)
-
-
-def raise_for_errors(codec: str, bits: int) -> None:
-    """:class:`~buddy.errors.CorruptDataError` for unpack's error bits (nothing for 0)."""
-    if not bits:
-        return
-    if bits & _ERR_MODE:
-        raise CorruptDataError(f"metadata holds modes that codec {codec!r} never writes")
-    if bits & _ERR_K:
-        raise CorruptDataError(f"{codec}: metadata claims more sectors than an entry has")
-    if bits & _ERR_OVERFLOW:
-        raise CorruptDataError(f"{codec}: the overflow is not the size the metadata needs")
-    raise CorruptDataError(
-        f"{codec}: a stream's length or what nvcomp decoded from it does not match the metadata (the buffers are "
-        f"damaged or were not written by this codec)"
-    )
 
 
 def _ranges(n: int, entry_bytes: int) -> list[tuple[int, int]]:
@@ -375,7 +361,7 @@ class NvcompEngine(Engine):
             if error_flag is not None:
                 error_flag.bitwise_or_(error.view(1))
             if check:
-                raise_for_errors(self.codec.name, int(self.read(error)))
+                raise_for_errors(self.codec.name, int(self.read(error)), _BAD_STREAM)
         return out[: layout.nbytes]
 
     def _decode(self, meta, slots, overflow, slot, layout: Layout, out) -> torch.Tensor:
@@ -388,10 +374,10 @@ class NvcompEngine(Engine):
         spared[m * spec.SECTOR_BYTES :].zero_()  # the spare sector: what sectors past k read
         k, modes = format.decode_meta(meta, entry_bytes, n, check=False)
         bad = (k > spe) | (modes != 0)  # such entries decode to zeros (flagged)
-        error = _flag(k > spe, _ERR_K) | _flag(modes != 0, _ERR_MODE)
+        error = _flag(k > spe, ERR_K) | _flag(modes != 0, ERR_MODE)
         k = k.clamp(max=spe)
         starts, total = format.overflow_starts(k, slot)
-        error = error | ((total != m).to(torch.int32) * _ERR_OVERFLOW)
+        error = error | ((total != m).to(torch.int32) * ERR_OVERFLOW)
         raw = (k == spe) & ~bad
         streams, lengths = self._gather(slots, spared, k, raw, starts, slot, entry_bytes, out)
         coded = (k > 0) & (k < spe) & ~bad
@@ -434,4 +420,4 @@ class NvcompEngine(Engine):
             )  # fmt: skip
         failed = coded & ~(fits & (statuses == 0) & (decoded == entry_bytes))
         out.view(n, entry_bytes).masked_fill_(failed.unsqueeze(1), 0)
-        return _flag(failed, _ERR_STREAM)
+        return _flag(failed, ERR_STREAM)
