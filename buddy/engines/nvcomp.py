@@ -25,7 +25,7 @@ CUDA tensors; see :mod:`buddy.dispatch`) runs the format operations over the
 whole tensor:
 
 * ``measure`` compresses every entry in one batched call into a device
-  staging buffer (kept in :attr:`~buddy.engine.Measurement.reuse`); the
+  staging buffer (kept in :attr:`~buddy.engines.Measurement.reuse`); the
   sizes, metadata and histogram are computed on the device, and the
   histogram is the one device-to-host read of a compress.
 * ``pack`` writes the payloads from the staged streams, a block of entries
@@ -46,7 +46,7 @@ nvcomp is called through its batched C API (``nvcompBatched<Algo>CompressAsync``
 and ``DecompressAsync``, device arrays of chunk pointers computed with torch as
 ``base + i * stride``), bound with ctypes for nvcomp 4.x, 5.x and 6.x -- what
 ``buddy[cuda12]`` / ``buddy[cuda13]`` install -- in
-:mod:`buddy.codecs._nvcomp_capi`. nvcomp's Python API is not used: before
+:mod:`buddy.engines._nvcomp_capi`. nvcomp's Python API is not used: before
 nvcomp 6 it batches only a Python list of per-entry arrays, and it reads
 compressed sizes back to the host. The C API keeps no state, so threads share
 nothing but the loaded library. Every call runs with the tensor's device
@@ -243,7 +243,7 @@ class NvcompEngine(Engine):
     """The format operations over a whole tensor with one batched nvcomp call each way (see the module doc).
 
     ``batch``: what runs nvcomp's batched calls (default: nvcomp's library,
-    :class:`buddy.codecs._nvcomp_capi.Batched`); ``device_type``: the device
+    :class:`buddy.engines._nvcomp_capi.Batched`); ``device_type``: the device
     the tensors must live on. Tests run the same glue on CPU tensors by
     passing both. :attr:`readbacks` counts the device-to-host reads (one per
     compress: the histogram; none per decompress unless ``check=True``).
