@@ -15,7 +15,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import dispatch, engines, selftest, spec
+from . import dispatch, engines, errors, selftest, spec
 from .engines import cuda  # buddy.cuda: the CUDA kernels' module, buddy.engines.cuda (imports no CuPy)
 from .autograd import (
     DEFAULT_MIN_BYTES,
@@ -122,10 +122,5 @@ __all__ = [
     "set_default_tracker",
     "defaults",
     "set_defaults",
-    "BuddyError",
-    "CorruptDataError",
-    "FreedTensorError",
-    "HostStoreFull",
-    "MissingDependencyError",
-    "UnsupportedTensorError",
 ]
+__all__ += errors.__all__  # BuddyError and the errors derived from it, imported above

@@ -64,7 +64,7 @@ from dataclasses import replace as _replaced
 import torch
 
 from . import codecs, selftest
-from .codecs.base import Codec
+from .codecs.base import CodecLike
 from .config import DEFAULT_BACKENDS, defaults
 from .engines import DEVICES, Engine, Implementation, cuda, native, nvcomp, reference
 from .errors import MissingDependencyError
@@ -103,7 +103,7 @@ def register(
     codec: str,
     device: str,
     backend: str,
-    factory: Callable[[Codec], Engine],
+    factory: Callable[[CodecLike], Engine],
     *,
     default: bool = False,
     requires: Callable[[], str | None] | None = None,
@@ -229,7 +229,7 @@ def _preference() -> tuple[str, str]:
     return preferred, f"set_defaults(backend={preferred!r})"
 
 
-def engine(codec: Codec, device: torch.device | str, backend: str | None = None) -> Engine:
+def engine(codec: CodecLike, device: torch.device | str, backend: str | None = None) -> Engine:
     """The engine that runs ``codec`` for a tensor on ``device`` with ``backend`` (see the module doc)."""
     backend = check_backend(backend)
     kind = device_type(device)
@@ -242,13 +242,13 @@ def engine(codec: Codec, device: torch.device | str, backend: str | None = None)
     return _made(impl, codec)
 
 
-def _made(impl: Implementation, codec: Codec) -> Engine:
+def _made(impl: Implementation, codec: CodecLike) -> Engine:
     made = impl.factory(codec)
     made.backend = impl.backend  # what BuddyTensors record is the registry's name for it
     return made
 
 
-def _explicit(codec: Codec, kind: str, backend: str, device) -> Implementation:
+def _explicit(codec: CodecLike, kind: str, backend: str, device) -> Implementation:
     impl = _TABLE.get((codec.name, kind, backend))
     if impl is not None:
         return impl
@@ -278,7 +278,7 @@ def _where(device: torch.device) -> torch.device:
 COMPILED = {"cuda": "cuda", "cpu": "native"}
 
 
-def _auto(codec: Codec, device: torch.device, kind: str) -> Engine:
+def _auto(codec: CodecLike, device: torch.device, kind: str) -> Engine:
     """What ``backend="auto"`` runs (see the module doc), recorded with the reason."""
     preferred, source = _preference()
     default = _default(codec, kind)
@@ -305,7 +305,7 @@ def _auto(codec: Codec, device: torch.device, kind: str) -> Engine:
     return _made(impl, codec)
 
 
-def _default(codec: Codec, kind: str) -> Implementation:
+def _default(codec: CodecLike, kind: str) -> Implementation:
     """The implementation registered as the default for ``codec`` on ``kind`` devices."""
     for impl in implementations(codec.name, device=kind):
         if impl.default:
@@ -320,7 +320,7 @@ def _default(codec: Codec, kind: str) -> Implementation:
     raise ValueError(f"codec {codec.name!r} has no implementation registered; register_codec() gives it one")
 
 
-def _kernels(impl: Implementation, codec: Codec, device: torch.device, preferred: str) -> tuple[Engine | None, str]:
+def _kernels(impl: Implementation, codec: CodecLike, device: torch.device, preferred: str) -> tuple[Engine | None, str]:
     """The kernels' engine if they can run here, reproduce ``codec`` and passed their self-test on ``device``;
     else ``None``; and why."""
     why = impl.why_unusable()
@@ -358,7 +358,7 @@ def _add(row: Implementation, replace: bool = False) -> Implementation:
     )
 
 
-def _codec_added(codec: Codec, reference_code: bool) -> None:
+def _codec_added(codec: CodecLike, reference_code: bool) -> None:
     """A codec registered by name: its reference implementation, the default on the CPU and on CUDA devices."""
     if reference_code:
         for row in reference.rows(codec.name):

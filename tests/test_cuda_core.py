@@ -267,12 +267,20 @@ def test_table_sizes_agree_with_the_sources():
 
 
 def test_codecs_with_kernels():
+    """The kernels' table rows decide which codec objects they run: their factory refuses any other."""
     assert set(bcuda.KERNEL_CODECS) == {"zvc", "fpx", "bpc", "auto", "fpe", "auto2"}
-    for name in bcuda.KERNEL_CODECS:
-        assert bcuda.has_kernels(buddy.get_codec(name))
-    assert not bcuda.has_kernels(buddy.get_codec("raw"))
-    swapped = buddy.codecs.AutoCodec([(2, buddy.get_codec("fpx")), (3, buddy.get_codec("zvc"))])
-    assert not bcuda.has_kernels(swapped), "the kernels compose zvc, fpx and bpc in that order only"
+    rows = {row.codec: row for row in bcuda.rows()}
+    assert set(rows) == set(bcuda.KERNEL_CODECS)
+    for name, row in rows.items():
+        assert row.factory(buddy.get_codec(name)).codec is buddy.get_codec(name)
+    with pytest.raises(ValueError, match="has no CUDA kernels"):
+        bcuda.CudaEngine(buddy.get_codec("raw"))
+    swapped = buddy.codecs.AutoCodec([(2, buddy.get_codec("fpx")), (3, buddy.get_codec("zvc"))], name="auto")
+    with pytest.raises(ValueError, match="has no CUDA kernels"):  # the kernels compose zvc, fpx and bpc in that order
+        rows["auto"].factory(swapped)
+    remoded = buddy.codecs.AutoCodec([(m + 1, c) for m, c in buddy.codecs.auto.members_of("auto")], name="auto")
+    with pytest.raises(ValueError, match="has no CUDA kernels"):  # ... with their own modes
+        rows["auto"].factory(remoded)
 
 
 # ---------------------------------------------------------------------------

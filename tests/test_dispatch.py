@@ -203,7 +203,7 @@ def test_codecs_without_an_implementation_here(store):
     assert {"raw", "zvc", "fpx", "bpc", "auto"} <= set(cpu)
     assert not any(name.startswith("nvcomp-") for name in cpu)
     assert buddy.available_codecs(torch.device("cpu")) == cpu
-    codec = buddy.engines.nvcomp.NvcompCodec("nvcomp-lz4")
+    codec = buddy.engines.nvcomp.chunk_codec("nvcomp-lz4")
     with pytest.raises(buddy.MissingDependencyError, match="GPU"):  # no implementation for CPU tensors
         buddy.compress(torch.randn(4096), codec=codec, entry_bytes=4096, store=store)
     assert store.bytes_held == 0

@@ -45,8 +45,8 @@ def _entry(tmp_path: Path, monkeypatch, body: str) -> str:
 
 @no_gpu_here
 def test_a_call_missing_its_argument_before_cuda_fails_the_dry_run(tmp_path, monkeypatch):
-    """What the step phase would have hit on its first GPU run: ``has_kernels()`` without its codec."""
-    name = _entry(tmp_path, monkeypatch, "buddy.engines.cuda.has_kernels()\ntorch.ones(2).cuda()\n")
+    """What the step phase would have hit on its first GPU run: ``CudaEngine()`` without its codec."""
+    name = _entry(tmp_path, monkeypatch, "buddy.engines.cuda.CudaEngine()\ntorch.ones(2).cuda()\n")
     outcome = dry_run.run_entry(name, [])
     assert not outcome.ok
     assert outcome.stop.startswith("TypeError") and "codec" in outcome.stop

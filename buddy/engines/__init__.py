@@ -34,14 +34,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..codecs.base import Codec
+from ..codecs.base import CodecLike
 from ..errors import CorruptDataError
 from ..layout import Layout, as_tensor
 
-__all__ = ["Engine", "Measurement", "Implementation", "DEVICES", "decode"]
+__all__ = ["Engine", "Measurement", "Implementation", "DEVICES", "decode", "raise_for_errors"]
 
 #: the kinds of device an engine runs on
 DEVICES = ("cpu", "cuda")
+#: error bits of an unpack whose checks run on the device (csrc/buddy_format.h, BUDDY_ERR_*; nvcomp's engine sets
+#: the same): a mode the codec never writes, k past the entry, a bad stream, the overflow's size
+ERR_K, ERR_STREAM, ERR_MODE, ERR_WORD, ERR_OVERFLOW = 1, 2, 4, 8, 16
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class Engine(abc.ABC):
     #: what runs the codec: "reference", "cuda", "nvcomp" (recorded in every BuddyTensor)
     backend: str = ""
 
-    def __init__(self, codec: Codec):
+    def __init__(self, codec: CodecLike):
         self.codec = codec
         #: device-to-host reads this engine made (the compress and decompress it ran, and codec fits)
         self.readbacks = 0
@@ -112,7 +115,7 @@ class Engine(abc.ABC):
     def measure(self, flat: torch.Tensor, layout: Layout) -> Measurement:
         """Sizes of the entries of ``flat`` (a 1-D ``uint8`` tensor, the tensor's bytes in memory order)."""
 
-    def fit_measure(self, flat: torch.Tensor, layout: Layout, prior=None, keep=None) -> tuple[Codec, Measurement]:
+    def fit_measure(self, flat: torch.Tensor, layout: Layout, prior=None, keep=None) -> tuple[CodecLike, Measurement]:
         """The codec fitted to ``flat`` (see :meth:`Codec.fit`: a codec with a table fits it to the tensor, or to
         ``prior``; any other codec is itself) and its :meth:`measure`; the engine runs the fitted codec from
         then on. What a compress calls: an engine that can count and fit where the tensor is overrides it, so
@@ -179,3 +182,19 @@ def decode(
         raise CorruptDataError(f"slots hold {slots.numel()} bytes, expected {layout.slots_bytes(slot)}")
     flat = engine.unpack(meta, slots, overflow, slot, layout, check=check, error_flag=error_flag)
     return as_tensor(flat, shape, dtype, stride)
+
+
+def raise_for_errors(codec: str, bits: int, stream: str) -> None:
+    """:class:`~buddy.errors.CorruptDataError` for an unpack's error bits (nothing for 0); ``stream``: what a bad
+    stream (:data:`ERR_STREAM`) means for the engine that flagged it."""
+    if not bits:
+        return
+    if bits & ERR_MODE:
+        raise CorruptDataError(f"metadata holds modes that codec {codec!r} never writes for such entries")
+    if bits & ERR_K:
+        raise CorruptDataError(f"{codec}: metadata claims more sectors than an entry has")
+    if bits & ERR_OVERFLOW:
+        raise CorruptDataError(f"{codec}: the overflow is not the size the metadata needs")
+    if bits & ERR_STREAM:
+        raise CorruptDataError(f"{codec}: {stream}")
+    raise CorruptDataError(f"{codec}: the unpack failed (error bits {bits:#x})")

@@ -34,6 +34,7 @@ class BlockEngine(Engine):
     """
 
     backend = "reference"
+    codec: Codec
 
     # ---- per block -------------------------------------------------------------
     def measure_block(self, entries: torch.Tensor, word_bytes: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
