@@ -29,7 +29,7 @@ this module builds its one table from them.
   as the default for this codec and device: on a CUDA tensor the kernels
   wherever the codec has them, on a CPU tensor the native engine for the
   codecs it is the default of, else the reference. The compiled kernels
-  (:data:`COMPILED`) run only where they can (CuPy importable and a GPU; a
+  (the backends of :data:`COMPILED`) run only where they can (CuPy importable and a GPU; a
   C++ compiler), for a codec object they reproduce
   (their factory raises ``ValueError`` for any other) and once they have passed their self-test
   on the device (:mod:`buddy.selftest`: golden vectors through the kernels
@@ -273,9 +273,9 @@ def _where(device: torch.device) -> torch.device:
     return device
 
 
-#: the compiled kernels' backend on each kind of device: the CUDA kernels on GPUs, the same sources built natively
-#: for the CPU (buddy.engines.native)
-COMPILED = {"cuda": "cuda", "cpu": "native"}
+#: the backends that run compiled kernels, behind their self-test: the CUDA kernels, and the same sources built for
+#: the host (buddy.engines.native)
+COMPILED = ("cuda", "native")
 
 
 def _auto(codec: CodecLike, device: torch.device, kind: str) -> Engine:
@@ -283,13 +283,12 @@ def _auto(codec: CodecLike, device: torch.device, kind: str) -> Engine:
     preferred, source = _preference()
     default = _default(codec, kind)
     reference = _TABLE.get((codec.name, kind, "reference"))
-    compiled = COMPILED[kind]
-    kernels = _TABLE.get((codec.name, kind, compiled))
     where = str(_where(device)) if kind == "cuda" else kind
-    impl = kernels if preferred == compiled and kernels is not None else default
-    if impl.backend == compiled and reference is not None:
+    preferred_kernels = _TABLE.get((codec.name, kind, preferred)) if preferred in COMPILED else None
+    impl = preferred_kernels or default
+    if impl.backend in COMPILED and reference is not None:
         made, why = (None, source) if preferred == "reference" else _kernels(impl, codec, _where(device), preferred)
-        _record(where, codec.name, "reference" if made is None else compiled, why)
+        _record(where, codec.name, "reference" if made is None else impl.backend, why)
         return _made(reference, codec) if made is None else made
     if preferred == "reference" and reference is not None:
         impl = reference
@@ -298,8 +297,8 @@ def _auto(codec: CodecLike, device: torch.device, kind: str) -> Engine:
         raise MissingDependencyError(
             f"the {_LABEL[impl.backend]} of codec {codec.name!r} cannot run here: {unusable}"
         )
-    if kernels is None and impl.backend == "reference":
-        _record(where, codec.name, "reference", f"codec {codec.name!r} has no {_LABEL[compiled]}")
+    if kind == "cuda" and (codec.name, kind, "cuda") not in _TABLE and impl.backend == "reference":
+        _record(where, codec.name, "reference", f"codec {codec.name!r} has no CUDA kernels")
     else:
         _record(where, codec.name, impl.backend, f"the default on {kind} tensors")
     return _made(impl, codec)
@@ -332,7 +331,7 @@ def _kernels(impl: Implementation, codec: CodecLike, device: torch.device, prefe
         made = _made(impl, codec)
     except ValueError as exc:  # a codec object the kernels do not reproduce (a subclass, other members)
         return None, str(exc)
-    verdict = selftest.verdict(codec.name, device, impl.factory)
+    verdict = selftest.verdict(codec.name, device, impl.factory, _LABEL[impl.backend])
     return (made if verdict.passed else None), verdict.why
 
 

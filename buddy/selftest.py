@@ -80,9 +80,10 @@ _running: dict[tuple, threading.Lock] = {}
 _lock = threading.Lock()
 
 
-def verdict(codec: str, device: torch.device, factory: Factory) -> Verdict:
+def verdict(codec: str, device: torch.device, factory: Factory, what: str = "compiled kernels") -> Verdict:
     """The self-test's verdict on the kernels ``factory`` makes for ``codec`` on ``device``: run on the first
-    call for this process, device, codec and factory, remembered after; a failure warns then, once."""
+    call for this process, device, codec and factory, remembered after; a failure warns then, once (naming the
+    kernels as ``what``: "CUDA kernels", "native CPU engine")."""
     key = (str(device), codec, factory)
     found = _verdicts.get(key)
     if found is not None:
@@ -97,8 +98,7 @@ def verdict(codec: str, device: torch.device, factory: Factory) -> Verdict:
                 _verdicts[key] = found
             if not found.passed:
                 warnings.warn(
-                    f"buddy: the {'CUDA kernels' if device.type == 'cuda' else 'native CPU engine'} of codec {codec!r} "
-                    f"failed their self-test on {device} "
+                    f"buddy: the {what} of codec {codec!r} failed their self-test on {device} "
                     f"({found.why.removeprefix('self-test failed: ')}): codec {codec!r} runs the torch reference "
                     f"on {device} in this process (buddy.implementations() says why). Please report this, with "
                     f"buddy.env.format_environment(buddy.env.environment()).",

@@ -62,12 +62,18 @@ def test_the_table_by_default():
             (impl,) = [i for i in buddy.registered_implementations(codec, device=device) if i.default]
             if device == "cuda" and codec in kernels:  # the kernels, behind their self-test
                 assert impl.backend == "cuda" and impl.factory is buddy.engines.cuda.CudaEngine
+            elif device == "cpu" and codec in buddy.engines.native.DEFAULT_CODECS:  # the same kernels, natively
+                assert impl.backend == "native" and impl.factory is buddy.engines.native.NativeEngine
             else:
                 assert impl.backend == "reference" and impl.factory is BlockEngine
             (reference,) = buddy.registered_implementations(codec, device=device, backend="reference")
             assert reference.factory is BlockEngine  # what the kernels fall back to
     cuda = buddy.registered_implementations(backend="cuda")
     assert [(i.codec, i.device, i.default) for i in cuda] == [(name, "cuda", True) for name in kernels]
+    native = buddy.registered_implementations(backend="native")
+    assert [(i.codec, i.device, i.default) for i in native] == [
+        (name, "cpu", name in buddy.engines.native.DEFAULT_CODECS) for name in kernels
+    ]
     nvcomp = buddy.registered_implementations(backend="nvcomp")
     assert {i.codec for i in nvcomp} == set(buddy.engines.nvcomp.NAMES)
     assert all(i.device == "cuda" and i.default for i in nvcomp)

@@ -55,11 +55,14 @@ def kernels_on_the_cpu():
             added.append(name)
 
     added: list[str] = []
+    before = buddy.registered_implementations(device="cpu")
     yield register
-    for name in added:
-        buddy.unregister_implementation(name, "cpu", "cuda")
-        (reference,) = buddy.registered_implementations(name, device="cpu", backend="reference")
-        buddy.register_implementation(name, "cpu", "reference", reference.factory, default=True, replace=True)
+    for name in added:  # the CPU rows as they were (the native engine the default of some codecs)
+        buddy.unregister_implementation(name, "cpu")
+        for row in (r for r in before if r.codec == name):
+            buddy.register_implementation(
+                name, "cpu", row.backend, row.factory, default=row.default, requires=row.requires, replace=True
+            )
 
 
 class _FlipSlotByte(BlockEngine):
