@@ -475,6 +475,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     environment = env.environment()
     print(env.format_environment(environment), flush=True)
     run_info: dict[str, Any] = {
+        "experiment": "bench_codecs",
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "environment": environment,
         "command": shlex.join(["python", "-m", "experiments.bench_codecs", *argv]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -490,6 +492,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     baselines = cpu_baselines() if device.type == "cpu" else (nvcomp_baselines(device) if args.nvcomp else [])
     rows = run(tensors, args, baselines)
     run_info["load_average"]["end"] = _load_average()
+    run_info["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
 
     print()
     print(format_table(rows, args.repeats))

@@ -114,7 +114,8 @@ def interrupt():
 
 
 class _DeviceAllocations:
-    """Stands in for ``torch`` inside :mod:`buddy.engines.reference`: chosen device allocations run out of memory.
+    """Stands in for ``torch`` inside the engines (the reference, and the kernels' glue the native CPU engine runs):
+    chosen device allocations run out of memory.
 
     A device allocation is a ``torch.empty`` with ``device=`` (metadata when
     measuring and slots when packing, the output when decompressing).
@@ -144,6 +145,7 @@ def faulty(temporary_codec) -> FaultyCodec:
 def device_memory(monkeypatch) -> _DeviceAllocations:
     fake = _DeviceAllocations()
     monkeypatch.setattr(buddy.engines.reference, "torch", fake)
+    monkeypatch.setattr(buddy.engines.cuda, "torch", fake)
     return fake
 
 

@@ -45,7 +45,7 @@ from . import Implementation, cuda
 from ..codecs.base import Codec
 
 __all__ = [
-    "NativeEngine", "why_unusable", "library", "launch", "rows", "DEFAULT_CODECS", "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS",
+    "NativeEngine", "why_unusable", "describe", "library", "launch", "rows", "DEFAULT_CODECS", "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS",
     "ENTRIES_PER_BLOCK",
 ]  # fmt: skip
 
@@ -119,6 +119,15 @@ def _machine() -> str:
         return platform.machine() + platform.processor()
     fields = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
     return platform.machine() + "\n".join(sorted(set(fields)))
+
+
+def describe() -> str:
+    """What builds the native engine here (its compiler's first ``--version`` line), or why none can."""
+    why, found = why_unusable(), _compiler()
+    if why is not None or isinstance(found, str):
+        return f"off: {why or found}"
+    cxx, version = found
+    return f"{Path(cxx).name}: {version.strip().splitlines()[0] if version.strip() else 'unknown version'}"
 
 
 def _cache_dir() -> Path:
