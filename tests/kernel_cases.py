@@ -1,9 +1,11 @@
-"""What the tests of the compiled kernels share: real activations, the cases cut from them, damaged buffers.
+"""What the tests of the compiled kernels share: real activations, the cases cut from them, damaged buffers, and
+the checks against the torch reference, each run with the backend under test.
 
 The block emulator's tests (``test_emulator.py``: the kernels under random
-schedules and sanitizers) and the native engine's (``test_native.py``: the
-same sources built for the host) compare the kernels with the torch reference
-on these, byte for byte.
+schedules and sanitizers, as ``backend="cuda"`` on CPU tensors) and the native
+engine's (``test_native.py``: the same sources built for the host,
+``backend="native"``) compare the kernels with the torch reference on these,
+byte for byte.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from conftest import assert_bitexact
 import torch
 
 import buddy
@@ -133,3 +136,93 @@ def _decode(backend: str, bt: buddy.BuddyTensor, meta, slots, overflow):
         return None
 
 
+
+
+# ---------------------------------------------------------------------------
+# the checks, with the backend under test
+# ---------------------------------------------------------------------------
+def check_reference_buffers(backend: str, codec: str, t: torch.Tensor, e: int, slot_for, store, tabled: bool):
+    """``backend`` measures and packs ``t`` into the reference's bytes (histogram, metadata, table, symbol counts,
+    slots, overflow at ``slot_for(histogram)``), each decodes the other's; with learned statistics (``tabled``) the
+    same. Returns ``(slot, what backend measured)``."""
+    got = buddy.measure(t, codec, entry_bytes=e, backend=backend)
+    want = buddy.measure(t, codec, entry_bytes=e, backend="reference")
+    assert got.histogram == want.histogram
+    assert torch.equal(got.measurement.meta, want.measurement.meta), "metadata"
+    if tabled:  # counted and fitted by the kernels: the reference's table, and its symbol counts as statistics
+        assert torch.equal(got.table, want.table) and torch.equal(got.statistics, want.statistics)
+    slot = slot_for(want.histogram)
+    a, b = buddy.pack(got, slot, store=store), buddy.pack(want, slot, store=store)
+    _same_buffers(a, b)
+    assert_bitexact(b.decompress(backend=backend, check=True), t)  # the kernels decode the reference's buffers
+    assert_bitexact(a.decompress(backend="reference"), t)  # and the reference theirs
+    a.free()
+    b.free()
+    if tabled:  # with learned statistics the host fits the table: count, then measure with it
+        prior = got.statistics.double() + 1
+        again = buddy.measure(t, codec, entry_bytes=e, backend=backend, prior=prior)
+        want = buddy.measure(t, codec, entry_bytes=e, backend="reference", prior=prior)
+        assert torch.equal(again.table, want.table) and again.histogram == want.histogram
+        assert torch.equal(again.measurement.meta, want.measurement.meta)
+        assert torch.equal(again.statistics, got.statistics)
+    return slot, got
+
+
+def check_tensors_of_one_entry(backend: str, codec: str, activations, store) -> None:
+    """One whole entry, one partial entry (the tail alone: no whole entry, so count reads only the tail), and a
+    tensor of one element; int64 max-pool indices and float32 activations."""
+    e = 512
+    tensors = [activations["i64"][: e // 8], activations["f32"][: e // 4 // 3], activations["f32"][7:8]]
+    compress = functools.partial(buddy.compress, codec=codec, entry_bytes=e, store=store)
+    for t in tensors:
+        for slot in (0, 2):
+            ratio = spec.ratio_for_slot(slot, e)
+            a, b = compress(t, ratio, backend=backend), compress(t, ratio, backend="reference")
+            assert a.n_entries == 1
+            _same_buffers(a, b)
+            assert_bitexact(b.decompress(backend=backend, check=True), t)
+            assert_bitexact(a.decompress(backend="reference"), t)
+            a.free()
+            b.free()
+
+
+def check_damage_flagged(backend: str, codec: str, activations, store) -> None:
+    """Damaged buffers (:func:`_damaged`): ``backend`` raises ``CorruptDataError`` exactly where the reference does,
+    and decodes the same bytes elsewhere."""
+    e, slot = 512, 4
+    t = Case("f32", e, 9.5, slot, None).tensor(activations)
+    bt = buddy.compress(t, spec.ratio_for_slot(slot, e), codec, entry_bytes=e, backend="reference", store=store)
+    buffers = [x.clone() for x in bt.buffers()]
+    for what, meta, slots, overflow in _damaged(*buffers, slot, e):
+        want = _decode("reference", bt, meta, slots, overflow)
+        got = _decode(backend, bt, meta, slots, overflow)
+        assert (got is None) == (want is None), f"{what}: {backend} {'raises' if got is None else 'decodes'}"
+        assert want is None or torch.equal(got.view(torch.uint8), want.view(torch.uint8)), what
+        assert what != "as written" or want is not None
+    bt.free()
+
+
+def check_golden(backend: str, cases: list[dict], vectors: dict, sets: dict, store) -> None:
+    """``backend`` writes the golden bytes of every input of ``cases`` (sets still written) and decodes all."""
+    for case in cases:
+        name, codec, e = case["set"], case["codec"], case["entry_bytes"]
+        dtype = getattr(torch, case["dtype"])
+        t = vectors[f"{name}/{case['input']}/input"].view(dtype)
+        key = f"{name}/{case['input']}/{codec}"
+        table = vectors.get(f"{key}/table")
+        measured = buddy.measure(t, codec, entry_bytes=e, backend=backend) if sets[name] else None
+        if measured is not None:
+            assert torch.equal(measured.measurement.meta, vectors[f"{key}/meta"]), f"{key}: metadata"
+            assert table is None or torch.equal(measured.table, table), f"{key}: table"
+        for slot in case["slots"]:
+            slots, overflow = vectors[f"{key}/s{slot}/slots"], vectors[f"{key}/s{slot}/overflow"]
+            if measured is not None:
+                bt = buddy.pack(measured, slot, store=store)
+                _, got_slots, got_overflow = bt.buffers()
+                assert torch.equal(got_slots, slots) and torch.equal(got_overflow, overflow), f"{key}: slot {slot}"
+                bt.free()
+            out = buddy.unpack(
+                vectors[f"{key}/meta"], slots, overflow, codec=codec, entry_bytes=e, slot_sectors=slot,
+                shape=t.shape, dtype=dtype, table=table, backend=backend,
+            )  # fmt: skip
+            assert_bitexact(out, t)

@@ -49,7 +49,15 @@ import pytest
 import torch
 from conftest import assert_bitexact
 from emulator import BUILDS, CSRC, Emulator, EmulatorError
-from kernel_cases import CASES, Case, _damaged, _decode, _same_buffers
+from kernel_cases import (
+    CASES,
+    Case,
+    _same_buffers,
+    check_damage_flagged,
+    check_golden,
+    check_reference_buffers,
+    check_tensors_of_one_entry,
+)
 from test_golden import CASES as GOLDEN_CASES
 from test_golden import SETS as GOLDEN_SETS
 from test_golden import load_vectors
@@ -159,26 +167,7 @@ def test_kernels_write_and_read_the_reference_buffers(build, codec, case, activa
     t = case.tensor(activations)
     e = case.entry_bytes
     with emulated_cuda(build, seed=_seed(request), max_blocks=case.max_blocks) as emu:
-        got = buddy.measure(t, codec, entry_bytes=e, backend="cuda")
-        want = buddy.measure(t, codec, entry_bytes=e, backend="reference")
-        assert got.histogram == want.histogram
-        assert torch.equal(got.measurement.meta, want.measurement.meta), "metadata"
-        if codec in TABLED:  # fitted on the device: the reference's table, and its symbol counts as statistics
-            assert torch.equal(got.table, want.table) and torch.equal(got.statistics, want.statistics)
-        slot = case.slot_for(want.histogram)
-        a, b = buddy.pack(got, slot, store=store), buddy.pack(want, slot, store=store)
-        _same_buffers(a, b)
-        assert_bitexact(b.decompress(backend="cuda", check=True), t)  # the kernels decode the reference's buffers
-        assert_bitexact(a.decompress(backend="reference"), t)  # and the reference theirs
-        a.free()
-        b.free()
-        if codec in TABLED:  # with learned statistics the host fits the table: count, then measure with it
-            prior = got.statistics.double() + 1
-            again = buddy.measure(t, codec, entry_bytes=e, backend="cuda", prior=prior)
-            want = buddy.measure(t, codec, entry_bytes=e, backend="reference", prior=prior)
-            assert torch.equal(again.table, want.table) and again.histogram == want.histogram
-            assert torch.equal(again.measurement.meta, want.measurement.meta)
-            assert torch.equal(again.statistics, got.statistics)
+        _, got = check_reference_buffers("cuda", codec, t, e, case.slot_for, store, codec in TABLED)
     tabled = codec in TABLED
     assert ops_of(emu) == [*(["count", "fit"] if tabled else []), "measure", "pack", "unpack"] + (
         ["count", "measure"] if tabled else []
@@ -191,39 +180,15 @@ def test_kernels_write_and_read_the_reference_buffers(build, codec, case, activa
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
 def test_tensors_of_one_entry(build, codec, activations, store, request):
-    """One whole entry, one partial entry (the tail alone: no whole entry, so count reads only the tail), and a
-    tensor of one element; int64 max-pool indices and float32 activations."""
-    e = 512
-    tensors = [activations["i64"][: e // 8], activations["f32"][: e // 4 // 3], activations["f32"][7:8]]
-    compress = functools.partial(buddy.compress, codec=codec, entry_bytes=e, store=store)
     with emulated_cuda(build, seed=_seed(request)):
-        for t in tensors:
-            for slot in (0, 2):
-                ratio = spec.ratio_for_slot(slot, e)
-                a, b = compress(t, ratio, backend="cuda"), compress(t, ratio, backend="reference")
-                assert a.n_entries == 1
-                _same_buffers(a, b)
-                assert_bitexact(b.decompress(backend="cuda", check=True), t)
-                assert_bitexact(a.decompress(backend="reference"), t)
-                a.free()
-                b.free()
+        check_tensors_of_one_entry("cuda", codec, activations, store)
 
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
 def test_unpack_flags_damage_where_the_reference_raises(build, codec, activations, store, request):
-    e, slot = 512, 4
-    t = Case("f32", e, 9.5, slot, None).tensor(activations)
-    bt = buddy.compress(t, spec.ratio_for_slot(slot, e), codec, entry_bytes=e, backend="reference", store=store)
-    buffers = [x.clone() for x in bt.buffers()]
     with emulated_cuda(build, seed=_seed(request)):
-        for what, meta, slots, overflow in _damaged(*buffers, slot, e):
-            want = _decode("reference", bt, meta, slots, overflow)
-            got = _decode("cuda", bt, meta, slots, overflow)
-            assert (got is None) == (want is None), f"{what}: kernels {'raise' if got is None else 'decode'}"
-            assert want is None or torch.equal(got.view(torch.uint8), want.view(torch.uint8)), what
-            assert what != "as written" or want is not None
-    bt.free()
+        check_damage_flagged("cuda", codec, activations, store)
 
 
 # ---------------------------------------------------------------------------
@@ -252,29 +217,7 @@ def golden_vectors():
 def test_golden_vectors(build, cases, golden_vectors, store, request):
     """The kernels write the golden bytes of every input (sets still written) and decode all of them."""
     with emulated_cuda(build, seed=_seed(request)):
-        for case in cases:
-            name, codec, e = case["set"], case["codec"], case["entry_bytes"]
-            dtype = getattr(torch, case["dtype"])
-            t = golden_vectors[f"{name}/{case['input']}/input"].view(dtype)
-            key = f"{name}/{case['input']}/{codec}"
-            table = golden_vectors.get(f"{key}/table")
-            written = GOLDEN_SETS[name]
-            measured = buddy.measure(t, codec, entry_bytes=e, backend="cuda") if written else None
-            if written:
-                assert torch.equal(measured.measurement.meta, golden_vectors[f"{key}/meta"]), f"{key}: metadata"
-                assert table is None or torch.equal(measured.table, table), f"{key}: table"
-            for slot in case["slots"]:
-                slots, overflow = golden_vectors[f"{key}/s{slot}/slots"], golden_vectors[f"{key}/s{slot}/overflow"]
-                if written:
-                    bt = buddy.pack(measured, slot, store=store)
-                    _, got_slots, got_overflow = bt.buffers()
-                    assert torch.equal(got_slots, slots) and torch.equal(got_overflow, overflow), f"{key}: slot {slot}"
-                    bt.free()
-                out = buddy.unpack(
-                    golden_vectors[f"{key}/meta"], slots, overflow, codec=codec, entry_bytes=e, slot_sectors=slot,
-                    shape=t.shape, dtype=dtype, table=table, backend="cuda",
-                )  # fmt: skip
-                assert_bitexact(out, t)
+        check_golden("cuda", cases, golden_vectors, GOLDEN_SETS, store)
 
 
 # ---------------------------------------------------------------------------

@@ -26,7 +26,6 @@ emulated kernels:
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import multiprocessing
 import os
 import stat
@@ -38,7 +37,14 @@ import torch
 from conftest import assert_bitexact, fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
-from kernel_cases import CASES, Case, _damaged, _decode, _same_buffers
+from kernel_cases import (
+    CASES,
+    _same_buffers,
+    check_damage_flagged,
+    check_golden,
+    check_reference_buffers,
+    check_tensors_of_one_entry,
+)
 from test_fuzz import tensors
 from test_golden import CASES as GOLDEN_CASES
 from test_golden import SETS as GOLDEN_SETS
@@ -60,51 +66,25 @@ TABLED = bcuda.TABLED_KERNELS
 def test_native_writes_and_reads_the_reference_buffers(codec, case, activations, store):
     t = case.tensor(activations)
     e = case.entry_bytes
-    got = buddy.measure(t, codec, entry_bytes=e, backend="native")
-    want = buddy.measure(t, codec, entry_bytes=e, backend="reference")
-    assert got.histogram == want.histogram
-    assert torch.equal(got.measurement.meta, want.measurement.meta), "metadata"
-    if codec in TABLED:  # counted and fitted by the kernels: the reference's table and symbol counts
-        assert torch.equal(got.table, want.table) and torch.equal(got.statistics, want.statistics)
-    slot = case.slot_for(want.histogram)
-    a, b = buddy.pack(got, slot, store=store), buddy.pack(want, slot, store=store)
-    _same_buffers(a, b)
-    assert a.backend == "native" and b.backend == "reference"
-    assert_bitexact(b.decompress(backend="native", check=True), t)  # the engine decodes the reference's buffers
-    assert_bitexact(a.decompress(backend="reference"), t)  # and the reference its
+    slot, got = check_reference_buffers("native", codec, t, e, case.slot_for, store, codec in TABLED)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one host thread runs every block: the same bytes
     try:
-        one = buddy.compress(t, spec.ratio_for_slot(slot, e), codec, entry_bytes=e, backend="native", store=store)
-        _same_buffers(one, b)
+        ratio = spec.ratio_for_slot(slot, e)
+        one = buddy.compress(t, ratio, codec, entry_bytes=e, backend="native", store=store)
+        want = buddy.compress(t, ratio, codec, entry_bytes=e, backend="reference", store=store)
+        assert one.backend == "native"
+        _same_buffers(one, want)
         assert_bitexact(one.decompress(), t)
     finally:
         torch.set_num_threads(threads)
-    for bt in (a, b, one):
-        bt.free()
-    if codec in TABLED:  # with learned statistics the host fits the table: count, then measure with it
-        prior = got.statistics.double() + 1
-        again = buddy.measure(t, codec, entry_bytes=e, backend="native", prior=prior)
-        want = buddy.measure(t, codec, entry_bytes=e, backend="reference", prior=prior)
-        assert torch.equal(again.table, want.table) and again.histogram == want.histogram
-        assert torch.equal(again.measurement.meta, want.measurement.meta)
+    one.free()
+    want.free()
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
 def test_tensors_of_one_entry(codec, activations, store):
-    e = 512
-    tensors_ = [activations["i64"][: e // 8], activations["f32"][: e // 4 // 3], activations["f32"][7:8]]
-    compress = functools.partial(buddy.compress, codec=codec, entry_bytes=e, store=store)
-    for t in tensors_:
-        for slot in (0, 2):
-            ratio = spec.ratio_for_slot(slot, e)
-            a, b = compress(t, ratio, backend="native"), compress(t, ratio, backend="reference")
-            assert a.n_entries == 1
-            _same_buffers(a, b)
-            assert_bitexact(b.decompress(backend="native", check=True), t)
-            assert_bitexact(a.decompress(backend="reference"), t)
-            a.free()
-            b.free()
+    check_tensors_of_one_entry("native", codec, activations, store)
 
 
 #: entry sizes of the random tensors (a build per codec and entry size: a few, the smallest and the default)
@@ -134,17 +114,7 @@ def test_random_tensors(codec, data):
 
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
 def test_unpack_flags_damage_where_the_reference_raises(codec, activations, store):
-    e, slot = 512, 4
-    t = Case("f32", e, 9.5, slot, None).tensor(activations)
-    bt = buddy.compress(t, spec.ratio_for_slot(slot, e), codec, entry_bytes=e, backend="reference", store=store)
-    buffers = [x.clone() for x in bt.buffers()]
-    for what, meta, slots, overflow in _damaged(*buffers, slot, e):
-        want = _decode("reference", bt, meta, slots, overflow)
-        got = _decode("native", bt, meta, slots, overflow)
-        assert (got is None) == (want is None), f"{what}: the native engine {'raises' if got is None else 'decodes'}"
-        assert want is None or torch.equal(got.view(torch.uint8), want.view(torch.uint8)), what
-        assert what != "as written" or want is not None
-    bt.free()
+    check_damage_flagged("native", codec, activations, store)
 
 
 def _golden_groups():
@@ -159,30 +129,7 @@ def _golden_groups():
 @pytest.mark.parametrize("cases", list(_golden_groups()))
 def test_golden_vectors(cases, store):
     """The engine writes the golden bytes of every input (sets still written) and decodes all of them."""
-    vectors = load_vectors()
-    for case in cases:
-        name, codec, e = case["set"], case["codec"], case["entry_bytes"]
-        dtype = getattr(torch, case["dtype"])
-        t = vectors[f"{name}/{case['input']}/input"].view(dtype)
-        key = f"{name}/{case['input']}/{codec}"
-        table = vectors.get(f"{key}/table")
-        written = GOLDEN_SETS[name]
-        measured = buddy.measure(t, codec, entry_bytes=e, backend="native") if written else None
-        if measured is not None:
-            assert torch.equal(measured.measurement.meta, vectors[f"{key}/meta"]), f"{key}: metadata"
-            assert table is None or torch.equal(measured.table, table), f"{key}: table"
-        for slot in case["slots"]:
-            slots, overflow = vectors[f"{key}/s{slot}/slots"], vectors[f"{key}/s{slot}/overflow"]
-            if measured is not None:
-                bt = buddy.pack(measured, slot, store=store)
-                _, got_slots, got_overflow = bt.buffers()
-                assert torch.equal(got_slots, slots) and torch.equal(got_overflow, overflow), f"{key}: slot {slot}"
-                bt.free()
-            out = buddy.unpack(
-                vectors[f"{key}/meta"], slots, overflow, codec=codec, entry_bytes=e, slot_sectors=slot,
-                shape=t.shape, dtype=dtype, table=table, backend="native",
-            )  # fmt: skip
-            assert_bitexact(out, t)
+    check_golden("native", cases, load_vectors(), GOLDEN_SETS, store)
 
 
 # ---------------------------------------------------------------------------
