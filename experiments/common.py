@@ -51,7 +51,11 @@ def start(script: str, argv: Sequence[str]) -> dict:
     environment = env.environment()
     print(env.format_environment(environment), flush=True)
     if environment["gpu"] is None:
-        print("  (no GPU: every number below comes from the CPU reference path)", flush=True)
+        print(
+            "  (no GPU: every number below comes from the CPU: the native engine for the codecs it is the default "
+            "of, the reference path for the others)",
+            flush=True,
+        )
     return {
         "environment": environment,
         "buddy": environment["buddy"],

@@ -645,7 +645,8 @@ under `results/` (not committed); run the command a table names to get its file 
 `python -m experiments.report` to regenerate this page. How the numbers are read and what chose the defaults:
 [choosing.md](choosing.md); what each experiment measures: [experiments.md](experiments.md).
 
-No result here comes from a GPU: every run so far is on the CPU reference path.
+No result here comes from a GPU: every run so far is on the CPU (the reference path; since the native CPU engine
+landed, the native engine for the codecs it is the default of -- the step-cost table says which ran).
 """
 
 _BEGIN, _END = "<!-- report:{} -->", "<!-- /report:{} -->"

@@ -258,11 +258,12 @@ class NativeEngine(cuda.CudaEngine):
         super().__init__(codec, launch=launch, device_type="cpu")
 
 
-#: the codecs the native engine is the CPU default of: those it compresses and decompresses faster than the torch
-#: reference, together, on the capture workloads (docs/cpu_engine.md, ``python -m experiments.cpu_engine``); the
-#: others' collective-heavy kernels (a ballot or shuffle costs every lane a fiber switch) run slower natively
-#: than as the reference's vectorised torch ops, and stay on the reference by default
-DEFAULT_CODECS = frozenset({"fpe", "auto2"})
+#: the codecs the native engine is the CPU default of: those whose compress and decompress together take less time
+#: natively than through the torch reference on real activations (docs/cpu_engine.md: ``python -m
+#: experiments.bench_codecs --entry-bytes 4096 --backends reference native``). The others' kernels lean on
+#: collectives (bpc's bit planes; zvc's and auto's ballots per word on ReLU data), each of which costs every lane
+#: a fiber switch here, and run faster as the reference's vectorised torch ops.
+DEFAULT_CODECS = frozenset({"fpe", "auto2", "fpx"})
 
 
 def rows() -> tuple[Implementation, ...]:
