@@ -15,12 +15,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import (
-    cuda,  # registers the CUDA kernels' implementations (imports no CuPy)
-    dispatch,
-    selftest,
-    spec,
-)
+from . import dispatch, engines, errors, selftest, spec
+from .engines import cuda  # buddy.cuda: the CUDA kernels' module, buddy.engines.cuda (imports no CuPy)
 from .autograd import (
     DEFAULT_MIN_BYTES,
     RecordedTensor,
@@ -70,6 +66,7 @@ __all__ = [
     "__version__",
     "spec",
     "dispatch",
+    "engines",
     "cuda",
     "selftest",
     "compress",
@@ -125,10 +122,5 @@ __all__ = [
     "set_default_tracker",
     "defaults",
     "set_defaults",
-    "BuddyError",
-    "CorruptDataError",
-    "FreedTensorError",
-    "HostStoreFull",
-    "MissingDependencyError",
-    "UnsupportedTensorError",
 ]
+__all__ += errors.__all__  # BuddyError and the errors derived from it, imported above

@@ -31,7 +31,7 @@ from .codecs import DEFAULT_CODEC, get_codec
 __all__ = ["Defaults", "DEFAULT_BACKENDS", "defaults", "set_defaults", "check_checksum"]
 
 #: values the process-wide ``backend`` default (and ``BUDDY_BACKEND``) can take
-DEFAULT_BACKENDS = ("auto", "reference", "cuda")
+DEFAULT_BACKENDS = ("auto", "reference", "cuda", "native")
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,8 @@ class Defaults:
     #: chosen by measurement: see docs/choosing.md
     codec: str = DEFAULT_CODEC
     entry_bytes: int = spec.DEFAULT_ENTRY_BYTES
-    #: "auto" (the kernels on CUDA tensors where they exist and passed their self-test, else the reference),
-    #: "reference" or "cuda" (see :mod:`buddy.dispatch`)
+    #: "auto" (the compiled kernels where they are the default and passed their self-test, else the reference),
+    #: "reference", "cuda" or "native" (see :mod:`buddy.dispatch`)
     backend: str = "auto"
     #: store and check a checksum of each buffer (see :mod:`buddy.integrity`)
     checksum: bool = False

@@ -3,26 +3,35 @@
 Every way of running a codec is registered here, once:
 
 * ``"reference"`` -- the codec's torch code under the format layer
-  (:class:`~buddy.engine.BlockEngine`), on the CPU and on CUDA devices;
+  (:mod:`buddy.engines.reference`), on the CPU and on CUDA devices;
   registered here for every codec :func:`buddy.register_codec` registers
   with ``reference=True`` (the registry tells this table: see
   :func:`buddy.codecs.attach`);
-* ``"cuda"`` -- the codec's CUDA kernels (:mod:`buddy.cuda`): the default on
-  CUDA devices for the codecs that have them;
-* ``"nvcomp"`` -- nvcomp's batched GPU compressors (:mod:`buddy.codecs.nvcomp`).
+* ``"cuda"`` -- the codec's CUDA kernels (:mod:`buddy.engines.cuda`): the
+  default on CUDA devices for the codecs that have them;
+* ``"native"`` -- the same kernel sources built for the host
+  (:mod:`buddy.engines.native`): on the CPU for every codec with kernels, the
+  default for those it runs faster than the reference
+  (:data:`buddy.engines.native.DEFAULT_CODECS`);
+* ``"nvcomp"`` -- nvcomp's batched GPU compressors (:mod:`buddy.engines.nvcomp`).
+
+Each engine module lists its rows (``rows()``: :class:`Implementation` objects);
+this module builds its one table from them.
 
 ``backend=`` in :func:`buddy.compress` and friends picks one:
 
 * an explicit backend runs that implementation or raises -- ``ValueError``
   when it does not exist for this codec and device (never a silent
   fallback), :class:`~buddy.errors.MissingDependencyError` when it exists
-  but cannot run here (no CuPy, no GPU, no nvcomp). An explicit ``"cuda"``
-  runs the kernels without their self-test;
+  but cannot run here (no CuPy, no GPU, no nvcomp, no C++ compiler). An
+  explicit ``"cuda"`` or ``"native"`` runs the kernels without their self-test;
 * ``"auto"`` (also what ``None`` means) runs the implementation registered
   as the default for this codec and device: on a CUDA tensor the kernels
-  wherever the codec has them, else the reference. The kernels run only
-  where they can (CuPy importable, a GPU), for a codec object they reproduce
-  (:func:`buddy.cuda.has_kernels`) and once they have passed their self-test
+  wherever the codec has them, on a CPU tensor the native engine for the
+  codecs it is the default of, else the reference. The compiled kernels
+  (the backends of :data:`COMPILED`) run only where they can (CuPy importable and a GPU; a
+  C++ compiler), for a codec object they reproduce
+  (their factory raises ``ValueError`` for any other) and once they have passed their self-test
   on the device (:mod:`buddy.selftest`: golden vectors through the kernels
   both ways, once per process, device and codec); otherwise the reference
   runs, and a failed self-test warns once. :func:`chosen` (exported as
@@ -31,11 +40,11 @@ Every way of running a codec is registered here, once:
 
 What ``"auto"`` prefers is, in this order: the environment variable
 ``BUDDY_BACKEND`` (read at every use; ``"reference"`` forces the reference,
-``"auto"`` and ``"cuda"`` the rule above; anything else raises a
+``"auto"``, ``"cuda"`` and ``"native"`` the rule above; anything else raises a
 ``ValueError`` naming the valid values), else ``buddy.set_defaults(backend=...)``
-(``"auto"``, the default; ``"reference"``; ``"cuda"``, which also prefers the
-kernels where they are registered but are not the default and warns once
-where they cannot run).
+(``"auto"``, the default; ``"reference"``; ``"cuda"`` or ``"native"``, which
+also prefer the kernels on their kind of device where they are registered but
+are not the default, and warn once where they cannot run).
 
 Tests and users add implementations through :func:`register` (and remove
 them with :func:`unregister`); the implementation that ran is recorded in
@@ -54,11 +63,10 @@ from dataclasses import replace as _replaced
 
 import torch
 
-from . import codecs, cuda, selftest
-from .codecs import nvcomp
-from .codecs.base import Codec
+from . import codecs, selftest
+from .codecs.base import CodecLike
 from .config import DEFAULT_BACKENDS, defaults
-from .engine import BlockEngine, Engine
+from .engines import DEVICES, Engine, Implementation, cuda, native, nvcomp, reference
 from .errors import MissingDependencyError
 
 __all__ = [
@@ -77,30 +85,13 @@ __all__ = [
 ]
 
 #: values of ``backend=`` (``None`` means ``"auto"``)
-BACKENDS = ("auto", "reference", "cuda", "nvcomp")
-_DEVICES = ("cpu", "cuda")
-_LABEL = {"reference": "torch reference", "cuda": "CUDA kernels", "nvcomp": "nvcomp implementation"}
+BACKENDS = ("auto", "reference", "cuda", "native", "nvcomp")
+_LABEL = {
+    "reference": "torch reference", "cuda": "CUDA kernels", "native": "native CPU engine",
+    "nvcomp": "nvcomp implementation",
+}  # fmt: skip
 #: the environment variable that overrides ``set_defaults(backend=...)`` (read at every use)
 ENV_BACKEND = "BUDDY_BACKEND"
-
-
-@dataclass(frozen=True)
-class Implementation:
-    """One way to run one codec on one kind of device."""
-
-    codec: str
-    device: str
-    backend: str
-    #: ``factory(codec) -> Engine``; raises ``ValueError`` for a codec object it does not reproduce
-    factory: Callable[[Codec], Engine]
-    #: what ``backend="auto"`` runs for this codec and device
-    default: bool = False
-    #: ``requires() -> None`` when it can run here, else the reason (and how to fix it)
-    requires: Callable[[], str | None] | None = None
-
-    def why_unusable(self) -> str | None:
-        """Why this implementation cannot run here, or ``None``."""
-        return None if self.requires is None else self.requires()
 
 
 _TABLE: dict[tuple[str, str, str], Implementation] = {}
@@ -112,7 +103,7 @@ def register(
     codec: str,
     device: str,
     backend: str,
-    factory: Callable[[Codec], Engine],
+    factory: Callable[[CodecLike], Engine],
     *,
     default: bool = False,
     requires: Callable[[], str | None] | None = None,
@@ -125,8 +116,8 @@ def register(
     """
     if not isinstance(codec, str) or not codec:
         raise ValueError(f"codec must be a non-empty name, got {codec!r}")
-    if device not in _DEVICES:
-        raise ValueError(f"device must be one of {_DEVICES}, got {device!r}")
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if backend not in BACKENDS[1:]:
         raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {backend!r}")
     if not callable(factory):
@@ -172,7 +163,7 @@ def check_backend(backend: str | None) -> str:
 def device_type(device: torch.device | str) -> str:
     """``"cpu"`` or ``"cuda"`` for a device (another type: ``ValueError``)."""
     kind = torch.device(device).type
-    if kind not in _DEVICES:
+    if kind not in DEVICES:
         raise ValueError(f"buddy runs on CPU and CUDA tensors, got one on {device}")
     return kind
 
@@ -238,7 +229,7 @@ def _preference() -> tuple[str, str]:
     return preferred, f"set_defaults(backend={preferred!r})"
 
 
-def engine(codec: Codec, device: torch.device | str, backend: str | None = None) -> Engine:
+def engine(codec: CodecLike, device: torch.device | str, backend: str | None = None) -> Engine:
     """The engine that runs ``codec`` for a tensor on ``device`` with ``backend`` (see the module doc)."""
     backend = check_backend(backend)
     kind = device_type(device)
@@ -251,13 +242,13 @@ def engine(codec: Codec, device: torch.device | str, backend: str | None = None)
     return _made(impl, codec)
 
 
-def _made(impl: Implementation, codec: Codec) -> Engine:
+def _made(impl: Implementation, codec: CodecLike) -> Engine:
     made = impl.factory(codec)
     made.backend = impl.backend  # what BuddyTensors record is the registry's name for it
     return made
 
 
-def _explicit(codec: Codec, kind: str, backend: str, device) -> Implementation:
+def _explicit(codec: CodecLike, kind: str, backend: str, device) -> Implementation:
     impl = _TABLE.get((codec.name, kind, backend))
     if impl is not None:
         return impl
@@ -282,17 +273,22 @@ def _where(device: torch.device) -> torch.device:
     return device
 
 
-def _auto(codec: Codec, device: torch.device, kind: str) -> Engine:
+#: the backends that run compiled kernels, behind their self-test: the CUDA kernels, and the same sources built for
+#: the host (buddy.engines.native)
+COMPILED = ("cuda", "native")
+
+
+def _auto(codec: CodecLike, device: torch.device, kind: str) -> Engine:
     """What ``backend="auto"`` runs (see the module doc), recorded with the reason."""
     preferred, source = _preference()
     default = _default(codec, kind)
     reference = _TABLE.get((codec.name, kind, "reference"))
-    kernels = _TABLE.get((codec.name, kind, "cuda"))
     where = str(_where(device)) if kind == "cuda" else kind
-    impl = kernels if preferred == "cuda" and kernels is not None else default
-    if impl.backend == "cuda" and reference is not None:
+    preferred_kernels = _TABLE.get((codec.name, kind, preferred)) if preferred in COMPILED else None
+    impl = preferred_kernels or default
+    if impl.backend in COMPILED and reference is not None:
         made, why = (None, source) if preferred == "reference" else _kernels(impl, codec, _where(device), preferred)
-        _record(where, codec.name, "reference" if made is None else "cuda", why)
+        _record(where, codec.name, "reference" if made is None else impl.backend, why)
         return _made(reference, codec) if made is None else made
     if preferred == "reference" and reference is not None:
         impl = reference
@@ -301,14 +297,14 @@ def _auto(codec: Codec, device: torch.device, kind: str) -> Engine:
         raise MissingDependencyError(
             f"the {_LABEL[impl.backend]} of codec {codec.name!r} cannot run here: {unusable}"
         )
-    if kind == "cuda" and kernels is None and impl.backend == "reference":
+    if kind == "cuda" and (codec.name, kind, "cuda") not in _TABLE and impl.backend == "reference":
         _record(where, codec.name, "reference", f"codec {codec.name!r} has no CUDA kernels")
     else:
         _record(where, codec.name, impl.backend, f"the default on {kind} tensors")
     return _made(impl, codec)
 
 
-def _default(codec: Codec, kind: str) -> Implementation:
+def _default(codec: CodecLike, kind: str) -> Implementation:
     """The implementation registered as the default for ``codec`` on ``kind`` devices."""
     for impl in implementations(codec.name, device=kind):
         if impl.default:
@@ -323,19 +319,19 @@ def _default(codec: Codec, kind: str) -> Implementation:
     raise ValueError(f"codec {codec.name!r} has no implementation registered; register_codec() gives it one")
 
 
-def _kernels(impl: Implementation, codec: Codec, device: torch.device, preferred: str) -> tuple[Engine | None, str]:
+def _kernels(impl: Implementation, codec: CodecLike, device: torch.device, preferred: str) -> tuple[Engine | None, str]:
     """The kernels' engine if they can run here, reproduce ``codec`` and passed their self-test on ``device``;
     else ``None``; and why."""
     why = impl.why_unusable()
     if why is not None:
-        if preferred == "cuda":
-            _warn_once("cuda", why)
+        if preferred == impl.backend:
+            _warn_once(impl.backend, why)
         return None, why
     try:
         made = _made(impl, codec)
     except ValueError as exc:  # a codec object the kernels do not reproduce (a subclass, other members)
         return None, str(exc)
-    verdict = selftest.verdict(codec.name, device, impl.factory)
+    verdict = selftest.verdict(codec.name, device, impl.factory, _LABEL[impl.backend])
     return (made if verdict.passed else None), verdict.why
 
 
@@ -355,11 +351,17 @@ def _warn_once(backend: str, why: str) -> None:
 # ---------------------------------------------------------------------------
 # the table: every implementation of buddy's codecs, registered here
 # ---------------------------------------------------------------------------
-def _codec_added(codec: Codec, reference: bool) -> None:
+def _add(row: Implementation, replace: bool = False) -> Implementation:
+    return register(
+        row.codec, row.device, row.backend, row.factory, default=row.default, requires=row.requires, replace=replace
+    )
+
+
+def _codec_added(codec: CodecLike, reference_code: bool) -> None:
     """A codec registered by name: its reference implementation, the default on the CPU and on CUDA devices."""
-    if reference:
-        for device in _DEVICES:
-            register(codec.name, device, "reference", BlockEngine, default=True, replace=True)
+    if reference_code:
+        for row in reference.rows(codec.name):
+            _add(row, replace=True)
 
 
 def _codec_removed(name: str) -> None:
@@ -371,8 +373,7 @@ def _reasons(name: str, device: str | None) -> list[str | None]:
 
 
 codecs.attach(_codec_added, _codec_removed, _reasons)  # the reference of every codec registered
-for _name in cuda.KERNEL_CODECS:  # the default on CUDA devices, once its self-test passed there
-    register(_name, "cuda", "cuda", cuda.CudaEngine, default=True, requires=cuda.why_unusable)
-for _name in nvcomp.NAMES:  # nvcomp's chunk codecs: CUDA tensors only, run by nvcomp itself
-    codecs.register_codec(nvcomp.NvcompCodec(_name), reference=False)
-    register(_name, "cuda", "nvcomp", nvcomp.NvcompEngine, default=True, requires=nvcomp.why_unusable)
+for _codec in nvcomp.CODECS:  # nvcomp's chunk codecs, by name: they have no reference
+    codecs.register_codec(_codec, reference=False)
+for _row in (*cuda.rows(), *native.rows(), *nvcomp.rows()):
+    _add(_row)

@@ -11,6 +11,7 @@ import numpy
 import torch
 
 from . import spec
+from .engines import native
 from .deps import version_of
 
 __all__ = ["environment", "format_environment"]
@@ -83,6 +84,7 @@ def environment() -> dict[str, object]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.version.cuda,
+        "native_engine": native.describe(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

@@ -18,7 +18,7 @@
   entries at a time).
 
 A codec (:class:`~buddy.codecs.Codec`) only codes the entries that are
-neither zero nor raw. The torch reference engine (:mod:`buddy.engine`) is
+neither zero nor raw. The torch reference engine (:mod:`buddy.engines`) is
 these functions in a loop over blocks; the CUDA kernels implement the same
 rules in ``csrc/buddy_entry.h``.
 """

@@ -44,9 +44,9 @@ from typing import NamedTuple
 import torch
 
 from . import config, dispatch, integrity, spec, streams
-from . import engine as engines
-from .codecs import Codec, get_codec
-from .engine import Engine, Measurement
+from . import engines
+from .codecs import CodecLike, get_codec
+from .engines import Engine, Measurement
 from .errors import CorruptDataError, HostStoreFull
 from .integrity import Checksum
 from .ledger import DeviceLedger, default_ledger
@@ -71,7 +71,7 @@ class Measured(LaidOut):
     tensor: torch.Tensor
     flat: torch.Tensor  # the tensor's bytes in memory order (uint8, 1-D)
     stride: tuple[int, ...]  # strides the decompressed tensor gets
-    codec: Codec  # the codec fitted to the tensor (a codec with a table), else the one asked for
+    codec: CodecLike  # the codec fitted to the tensor (a codec with a table), else the one asked for
     engine: Engine
     layout: Layout  # entry size, word size, bytes: built once, here
     measurement: Measurement
@@ -139,12 +139,12 @@ def _measure(tensor: torch.Tensor, engine: Engine, layout: Layout, prior=None, k
 
 def measure(
     tensor: torch.Tensor,
-    codec: str | Codec | None = None,
+    codec: str | CodecLike | None = None,
     *,
     entry_bytes: int | None = None,
     backend: str | None = None,
     prior: torch.Tensor | None = None,
-    keep: Codec | None = None,
+    keep: CodecLike | None = None,
 ) -> Measured:
     """Size every entry of ``tensor`` (nothing is stored): the first step of :func:`compress`.
 
@@ -161,7 +161,7 @@ def measure(
 
 
 def size_histogram(
-    tensor: torch.Tensor, codec: str | Codec | None = None, *, entry_bytes: int | None = None, backend=None
+    tensor: torch.Tensor, codec: str | CodecLike | None = None, *, entry_bytes: int | None = None, backend=None
 ) -> list[int]:
     """How compressible ``tensor`` is: ``h[k]`` of its entries compress to ``k`` sectors (see :func:`measure`).
 
@@ -249,7 +249,7 @@ def _offload(staged: torch.Tensor, overflow, device: torch.device) -> None:
 def compress(
     tensor: torch.Tensor,
     target_ratio: float | None = None,
-    codec: str | Codec | None = None,
+    codec: str | CodecLike | None = None,
     *,
     entry_bytes: int | None = None,
     max_overflow: float | None = None,
@@ -308,7 +308,7 @@ def unpack(
     slots: torch.Tensor,
     overflow: torch.Tensor,
     *,
-    codec: str | Codec,
+    codec: str | CodecLike,
     entry_bytes: int,
     slot_sectors: int,
     shape: Sequence[int],

@@ -1,7 +1,9 @@
-"""The self-test of a codec's CUDA kernels: golden vectors through them, both ways, before their first use.
+"""The self-test of a codec's compiled kernels: golden vectors through them, both ways, before their first use.
 
-``backend="auto"`` runs a codec's kernels on a CUDA tensor only once they
-have passed this test on the tensor's device (see :mod:`buddy.dispatch`):
+``backend="auto"`` runs a codec's kernels -- the CUDA kernels on a CUDA
+tensor, the native engine (the same sources built for the host) on a CPU
+tensor -- only once they have passed this test on the tensor's device (see
+:mod:`buddy.dispatch`):
 the first time in a process that the kernels of a codec are chosen for a
 device, :func:`verdict` runs the codec's golden vectors through them --
 
@@ -45,8 +47,8 @@ import numpy as np
 import torch
 
 from .codecs import get_codec
-from .cuda import KERNEL_CODECS, TABLED_KERNELS
-from .engine import Engine
+from .engines.cuda import KERNEL_CODECS, TABLED_KERNELS
+from .engines import Engine
 from .layout import Layout
 
 __all__ = ["Verdict", "verdict", "run", "reset", "VECTORS", "INPUTS", "SLOT", "SOURCES", "load_vectors"]
@@ -78,9 +80,10 @@ _running: dict[tuple, threading.Lock] = {}
 _lock = threading.Lock()
 
 
-def verdict(codec: str, device: torch.device, factory: Factory) -> Verdict:
+def verdict(codec: str, device: torch.device, factory: Factory, what: str = "compiled kernels") -> Verdict:
     """The self-test's verdict on the kernels ``factory`` makes for ``codec`` on ``device``: run on the first
-    call for this process, device, codec and factory, remembered after; a failure warns then, once."""
+    call for this process, device, codec and factory, remembered after; a failure warns then, once (naming the
+    kernels as ``what``: "CUDA kernels", "native CPU engine")."""
     key = (str(device), codec, factory)
     found = _verdicts.get(key)
     if found is not None:
@@ -95,7 +98,7 @@ def verdict(codec: str, device: torch.device, factory: Factory) -> Verdict:
                 _verdicts[key] = found
             if not found.passed:
                 warnings.warn(
-                    f"buddy: the CUDA kernels of codec {codec!r} failed their self-test on {device} "
+                    f"buddy: the {what} of codec {codec!r} failed their self-test on {device} "
                     f"({found.why.removeprefix('self-test failed: ')}): codec {codec!r} runs the torch reference "
                     f"on {device} in this process (buddy.implementations() says why). Please report this, with "
                     f"buddy.env.format_environment(buddy.env.environment()).",

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from . import dispatch, integrity, spec, streams
-from . import engine as engines
-from .codecs import Codec
+from . import engines
+from .codecs import CodecLike
 from .errors import FreedTensorError, UnsupportedTensorError
 from .integrity import Checksum
 from .layout import Layout
@@ -118,7 +118,7 @@ class BuddyTensor:
         stride: Sequence[int],
         dtype: torch.dtype,
         device: torch.device,
-        codec: Codec,
+        codec: CodecLike,
         layout: Layout,
         slot_sectors: int,
         histogram: Sequence[int],

@@ -72,7 +72,7 @@ from .ledger import DeviceLedger, default_ledger
 from .slots import DEFAULT_MAX_OVERFLOW, larger_than, overflow_sectors, slot_for_overflow, tightest_slot
 
 if TYPE_CHECKING:
-    from .codecs.base import Codec
+    from .codecs.base import CodecLike
 
 __all__ = [
     "Policy",
@@ -475,7 +475,7 @@ class KeyHistory(LaidOut):
     #: symbol statistics learned over the steps (a codec with a table fits it to them), or ``None``
     statistics: torch.Tensor | None = None
     #: the codec the last step was measured with (a codec with a table keeps it while it fits), or ``None``
-    fitted: Codec | None = None
+    fitted: CodecLike | None = None
     #: GPU statistics on their way to the host: (pinned copy, event), oldest first
     _pending: deque = field(default_factory=deque, repr=False)
 
@@ -651,7 +651,7 @@ class Tracker:
             hist = self._keys.get(key)
             return None if hist is None else hist.learned
 
-    def fitted(self, key: str) -> Codec | None:
+    def fitted(self, key: str) -> CodecLike | None:
         """The codec ``key``'s last step was measured with (``keep`` of :func:`buddy.measure`), or ``None``."""
         with self._lock:
             hist = self._keys.get(key)
@@ -682,19 +682,11 @@ class Tracker:
         slot, predicted, corrected = self._decide(key, histogram, layout, policy, table_bytes)
         return Placement(slot, predicted, layout, table_bytes, corrected)
 
-    def choose(
-        self,
-        key: str,
-        histogram,
-        *,
-        layout: Layout | None = None,
-        policy: Policy | None = None,
-        table_bytes: int = 0,
-        entry_bytes: int | None = None,
-        original_bytes: int | None = None,
-    ):
-        """``(slot, predicted_overflow_bytes or None)`` for a tensor about to be packed (:meth:`plan` says more)."""
-        return self._decide(key, histogram, _layout_arg(layout, entry_bytes, original_bytes), policy, table_bytes)[:2]
+    def choose(self, key: str, histogram, **options) -> tuple[int, int | None]:
+        """``(slot, predicted_overflow_bytes or None)`` for a tensor about to be packed: :meth:`plan`'s (the same
+        keyword options), as a pair."""
+        placement = self.plan(key, histogram, **options)
+        return placement.slot, placement.predicted_overflow_bytes
 
     def _decide(self, key, histogram, layout: Layout, policy, table_bytes):
         """``(slot, predicted overflow bytes or None, corrected)``."""
@@ -728,7 +720,7 @@ class Tracker:
         layout: Layout | None = None,
         predicted_overflow_bytes,
         statistics: torch.Tensor | None = None,
-        fitted: Codec | None = None,
+        fitted: CodecLike | None = None,
         entry_bytes: int | None = None,
         original_bytes: int | None = None,
     ):

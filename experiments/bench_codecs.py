@@ -7,6 +7,7 @@ median of ``--repeats`` runs. buddy uses its default slot choice
 (``target_ratio=None``).
 
     python -m experiments.bench_codecs --scale quick
+    python -m experiments.bench_codecs --entry-bytes 4096 --backends reference native   # the CPU engines
     python experiments/bench_codecs.py --scale full --device cuda --nvcomp
 
 Writes ``results.json`` (environment, command line, rows) and
@@ -220,9 +221,11 @@ def bench_memcpy(name: str, x: torch.Tensor, repeats: int) -> Row:
     return make_row(name, x, "memcpy", compressed_bytes=nbytes(x), comp_times=times, decomp_times=times)
 
 
-def bench_buddy(name: str, x: torch.Tensor, codec: str, entry_bytes: int, repeats: int) -> Row:
-    """buddy.compress / decompress of ``x`` with ``codec`` and the default slot choice."""
-    compress = lambda: buddy.compress(x, codec=codec, entry_bytes=entry_bytes)  # noqa: E731
+def bench_buddy(
+    name: str, x: torch.Tensor, codec: str, entry_bytes: int, repeats: int, backend: str = "auto"
+) -> Row:
+    """buddy.compress / decompress of ``x`` with ``codec``, ``backend`` and the default slot choice."""
+    compress = lambda: buddy.compress(x, codec=codec, entry_bytes=entry_bytes, backend=backend)  # noqa: E731
     bt = compress()
     try:
         check_round_trip(x, bt.decompress(), f"buddy codec {codec!r}", name)
@@ -231,7 +234,7 @@ def bench_buddy(name: str, x: torch.Tensor, codec: str, entry_bytes: int, repeat
         return make_row(
             name,
             x,
-            f"buddy:{codec}",
+            f"buddy:{codec}" if backend == "auto" else f"buddy:{codec}@{backend}",
             compressed_bytes=bt.compressed_bytes,
             comp_times=comp_times,
             decomp_times=decomp_times,
@@ -328,6 +331,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"buddy codecs (default: all: {' '.join(codecs)})",
     )
     p.add_argument("--entry-bytes", type=int, default=128, help="buddy entry size E (default 128)")
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        choices=["auto", "reference", "native", "cuda"],
+        default=["auto"],
+        metavar="BACKEND",
+        help="buddy backends, each a method of its own (default: auto, what buddy picks)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own choice)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (crops, text start, weights)")
@@ -349,7 +360,11 @@ def methods(
 ) -> list[tuple[str, Callable[[], Row]]]:
     """``(method, measure)`` for every method on tensor ``x``, in table order."""
     jobs: list[tuple[str, Callable[[], Row]]] = [("memcpy", partial(bench_memcpy, name, x, args.repeats))]
-    jobs += [(f"buddy:{c}", partial(bench_buddy, name, x, c, args.entry_bytes, args.repeats)) for c in args.codecs]
+    jobs += [
+        (f"buddy:{c}" if b == "auto" else f"buddy:{c}@{b}", partial(bench_buddy, name, x, c, args.entry_bytes, args.repeats, b))
+        for c in args.codecs
+        for b in args.backends
+    ]
     jobs += [(b.method, partial(bench_baseline, name, x, b, args.repeats)) for b in baselines]
     return jobs
 
@@ -460,6 +475,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     environment = env.environment()
     print(env.format_environment(environment), flush=True)
     run_info: dict[str, Any] = {
+        "experiment": "bench_codecs",
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "environment": environment,
         "command": shlex.join(["python", "-m", "experiments.bench_codecs", *argv]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -475,6 +492,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     baselines = cpu_baselines() if device.type == "cpu" else (nvcomp_baselines(device) if args.nvcomp else [])
     rows = run(tensors, args, baselines)
     run_info["load_average"]["end"] = _load_average()
+    run_info["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
 
     print()
     print(format_table(rows, args.repeats))

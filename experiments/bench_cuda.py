@@ -7,7 +7,7 @@ concatenated in saving order and repeated up to the size -- it measures, in
 GB/s of input bytes:
 
 * ``buddy:<codec>/cuda`` for every codec with kernels (zvc, fpx, bpc, auto,
-  fpe, auto2: :data:`buddy.cuda.KERNEL_CODECS`) at the default entry size, and ``buddy:<codec>/reference`` (the torch
+  fpe, auto2: :data:`buddy.engines.cuda.KERNEL_CODECS`) at the default entry size, and ``buddy:<codec>/reference`` (the torch
   reference on the GPU, ``--reference``): ``buddy.compress`` (measure, the
   slot the default policy picks, pack, the overflow's copy to pinned memory)
   and ``decompress``; the CUDA path's buffers must equal the reference's byte
@@ -62,7 +62,7 @@ __all__ = ["main", "run", "pcie_rates", "activation_bytes"]
 GB = 1e9  # decimal GB/s
 MiB = 1 << 20
 #: the codecs measured: every codec with kernels, the default (auto2) among them
-CODECS = tuple(buddy.cuda.KERNEL_CODECS)
+CODECS = tuple(buddy.engines.cuda.KERNEL_CODECS)
 #: the workload whose saved activations make each dtype's tensor
 WORKLOADS = {torch.float32: "resnet-fp32", torch.bfloat16: "gpt-bf16"}
 

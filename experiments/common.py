@@ -51,7 +51,11 @@ def start(script: str, argv: Sequence[str]) -> dict:
     environment = env.environment()
     print(env.format_environment(environment), flush=True)
     if environment["gpu"] is None:
-        print("  (no GPU: every number below comes from the CPU reference path)", flush=True)
+        print(
+            "  (no GPU: every number below comes from the CPU: the native engine for the codecs it is the default "
+            "of, the reference path for the others)",
+            flush=True,
+        )
     return {
         "environment": environment,
         "buddy": environment["buddy"],
@@ -89,7 +93,7 @@ def choose_backend(script: str, requested: str | None, device: torch.device | st
     """
     device = torch.device(device)
     if requested is None:
-        usable = device.type == "cuda" and buddy.cuda.why_unusable() is None
+        usable = device.type == "cuda" and buddy.engines.cuda.why_unusable() is None
         return "cuda" if usable else "reference"
     if requested == "cuda":
         if device.type != "cuda":

@@ -55,7 +55,7 @@ import numpy
 import torch
 
 import buddy
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 from buddy import env, spec
 from buddy.codecs.fpe import TABLE_FORMAT
 from buddy.deps import require, require_cuda

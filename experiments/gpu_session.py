@@ -256,8 +256,8 @@ def preflight(phase: str) -> list[str]:
     """What ``phase`` needs and this machine lacks, one reason each (empty: nothing)."""
     import torch
 
-    from buddy import cuda as bcuda
-    from buddy.codecs import nvcomp
+    from buddy.engines import cuda as bcuda
+    from buddy.engines import nvcomp
     from buddy.deps import available
 
     missing = []

@@ -1,11 +1,11 @@
 """The kernel budget of the default codec at 4 KiB entries: what each kernel costs an H100, estimated from its SASS.
 
 No GPU is needed. For each kernel of the codec (measure, pack, unpack,
-count, fit), built as the loader builds it (``buddy.cuda.translation_unit``
+count, fit), built as the loader builds it (``buddy.engines.cuda.translation_unit``
 and ``compile_options`` for one word size) for sm_90 with nvcc:
 
 * **resources** from ptxas (``-Xptxas -v``): registers, shared memory,
-  spills; with the launch configuration (``buddy.cuda.launch_config``) they
+  spills; with the launch configuration (``buddy.engines.cuda.launch_config``) they
   give the **occupancy** (resident warps per SM);
 * **instructions per entry**: the SASS (``nvdisasm``, with ``-lineinfo``)
   is cut into its loops (a backward branch closes one); each instruction
@@ -57,7 +57,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import torch
 
 import buddy
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 from buddy import spec
 
 __all__ = ["H100", "TRIPS", "main"]

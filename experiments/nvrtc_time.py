@@ -1,10 +1,10 @@
 """Seconds NVRTC takes to compile each kernel module: what a GPU run pays before its first launch.
 
-``buddy.cuda`` compiles one module per (codec, entry size, device
+``buddy.engines.cuda`` compiles one module per (codec, entry size, device
 architecture) through CuPy's NVRTC the first time it launches a kernel of it.
 NVRTC itself needs no GPU, so this script compiles exactly those modules --
-the same translation unit and options (:func:`buddy.cuda.translation_unit`,
-:func:`buddy.cuda.compile_options`), for ``--arch`` -- on any machine with
+the same translation unit and options (:func:`buddy.engines.cuda.translation_unit`,
+:func:`buddy.engines.cuda.compile_options`), for ``--arch`` -- on any machine with
 NVRTC's library, and prints the seconds and the size of the cubin. The
 numbers size the GPU session's phases (``experiments/README.md``).
 
@@ -34,7 +34,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 from buddy import env
 
 __all__ = ["find_nvrtc", "compile_seconds", "main"]
@@ -99,7 +99,7 @@ class _Nvrtc:
 
 
 def compile_seconds(nvrtc: _Nvrtc, codec: str, entry_bytes: int, arch: str) -> dict[str, Any]:
-    """One module as :mod:`buddy.cuda` builds it: ``{"codec", "entry_bytes", "seconds", "cubin_bytes"}``."""
+    """One module as :mod:`buddy.engines.cuda` builds it: ``{"codec", "entry_bytes", "seconds", "cubin_bytes"}``."""
     options = [*bcuda.compile_options(entry_bytes, codec), f"-arch={arch}"]
     start = time.perf_counter()
     cubin = nvrtc.compile(bcuda.translation_unit(), options)

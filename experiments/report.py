@@ -532,7 +532,8 @@ def step_cost(files: Sequence[Results]) -> Section | None:
     if result is None:
         return None
     rows = [
-        [r["workload"], _set_of(r["workload"]), f"{r['codec']} @ {r['entry_bytes']}", f"{r['none_cpu_s']:.3f} s",
+        [r["workload"], _set_of(r["workload"]), f"{r['codec']} @ {r['entry_bytes']}", r.get("backend", "reference"),
+         f"{r['none_cpu_s']:.3f} s",
          f"{r['buddy_cpu_s']:.3f} s", f"**{r['cpu_ratio']:.1f}x**", f"{r['wall_ratio']:.1f}x", _x(r.get("capacity"))]
         for r in result.rows()
     ]  # fmt: skip
@@ -540,11 +541,12 @@ def step_cost(files: Sequence[Results]) -> Section | None:
     body = "\n".join(
         [
             f"One run per workload ({result.size} size), its steps alternately plain and inside "
-            "`buddy.compressed_activations()` with buddy's defaults, on the reference path; the CPU time of a step "
+            "`buddy.compressed_activations()` with buddy's defaults (the backend that ran the codec: its column); the "
+            "CPU time of a step "
             "(the process's, all threads: other work on the machine does not stretch it as it does wall time), "
             f"median of {steps} steps of each kind after warm-up. Wall-time ratio beside it.",
             "",
-            _table(["workload", "set", "codec @ E", "plain step (CPU)", "buddy step (CPU)", "buddy / plain (CPU)",
+            _table(["workload", "set", "codec @ E", "backend", "plain step (CPU)", "buddy step (CPU)", "buddy / plain (CPU)",
                     "buddy / plain (wall)", "capacity"], rows),  # fmt: skip
             "",
             _sources([result]),
@@ -553,7 +555,34 @@ def step_cost(files: Sequence[Results]) -> Section | None:
     return Section("step_cost", "Training step cost on the CPU", body)
 
 
-SECTIONS = (main_job, decision, full_capacity, over_training, max_batch, step_cost, speed)
+def cpu_engines(files: Sequence[Results]) -> Section | None:
+    """Compress and decompress GB/s of the CPU engines against lz4 and zstd-3, per tensor, from bench_codecs."""
+    result = _latest(files, lambda r: r.experiment == "bench_codecs" and "@" in "".join(x["method"] for x in r.rows()))
+    if result is None:
+        return None
+    rows = [
+        [r["tensor"], r["dtype"], r["method"].removeprefix("buddy:"), _x(r["ratio"]), f"{r['comp_gbps']:.3f}",
+         f"{r['decomp_gbps']:.3f}"]
+        for r in result.rows()
+        if r["method"] != "memcpy"
+    ]  # fmt: skip
+    args = result.doc.get("args", {})
+    body = "\n".join(
+        [
+            f"Real activations ({args.get('scale', '?')} scale), buddy at E = {args.get('entry_bytes', '?')} with its "
+            "default slot choice, each backend a method (`@native`: the kernel sources built for the host; "
+            "`@reference`: the torch reference), next to lz4 and zstd-3 (single-threaded, on the same bytes); "
+            f"medians of {args.get('repeats', '?')} runs, decimal GB/s, every round trip checked byte for byte.",
+            "",
+            _table(["tensor", "dtype", "method", "ratio", "compress GB/s", "decompress GB/s"], rows),
+            "",
+            _sources([result]),
+        ]
+    )
+    return Section("cpu_engines", "The CPU engines against lz4 and zstd", body)
+
+
+SECTIONS = (main_job, decision, full_capacity, over_training, max_batch, step_cost, cpu_engines, speed)
 
 
 def _sets(result: Results) -> dict[str, dict]:
@@ -616,7 +645,8 @@ under `results/` (not committed); run the command a table names to get its file 
 `python -m experiments.report` to regenerate this page. How the numbers are read and what chose the defaults:
 [choosing.md](choosing.md); what each experiment measures: [experiments.md](experiments.md).
 
-No result here comes from a GPU: every run so far is on the CPU reference path.
+No result here comes from a GPU: every run so far is on the CPU (the reference path; since the native CPU engine
+landed, the native engine for the codecs it is the default of -- the step-cost table says which ran).
 """
 
 _BEGIN, _END = "<!-- report:{} -->", "<!-- /report:{} -->"

@@ -1,13 +1,15 @@
 """What a training step costs on the CPU with buddy's session, against the same step without it.
 
 Each workload trains one run, its steps alternately plain and inside ``buddy.compressed_activations()`` with
-buddy's defaults (codec, entry size, the tracker's policy; the reference path: there is no GPU here). Every step's
+buddy's defaults (codec, entry size, the tracker's policy; on the CPU the default codec runs the native engine, the
+kernel sources built for the host, or with ``--backend reference`` the torch reference). Every step's
 **CPU time** is measured -- the process's, all its threads -- so other work on the machine does not stretch it the
 way it stretches wall time; the wall time is recorded beside it. Medians over the timed steps, after warm-up steps
 in which the tracker learns.
 
     python -m experiments.step_cost                       # the tuning set, quick size
     python -m experiments.step_cost --workloads resnet-fp32 --steps 3
+    python -m experiments.step_cost --backend reference     # the torch reference instead of the native engine
 """
 
 from __future__ import annotations
@@ -52,11 +54,14 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int) -> dict
                 capacity = s.stats().effective_capacity
     cpus = {m: statistics.median(c for c, _ in seconds[m]) for m in METHODS}
     walls = {m: statistics.median(w for _, w in seconds[m]) for m in METHODS}
+    codec = buddy.defaults().codec
+    ran = buddy.implementations(codec, device="cpu")
     return {
         "workload": name,
         "size": size,
-        "codec": buddy.defaults().codec,
+        "codec": codec,
         "entry_bytes": buddy.defaults().entry_bytes,
+        "backend": ran[0].backend if ran else "?",
         "steps": steps,
         "none_cpu_s": cpus["none"],
         "buddy_cpu_s": cpus["buddy"],
@@ -70,6 +75,7 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int) -> dict
 
 COLUMNS = [
     ("workload", "workload", ""),
+    ("backend", "backend", ""),
     ("none_cpu_s", "plain step (CPU s)", ".3f"),
     ("buddy_cpu_s", "buddy step (CPU s)", ".3f"),
     ("cpu_ratio", "buddy / plain (CPU)", ".1f"),
@@ -86,12 +92,17 @@ def parse_args(argv):
     cli.add_size_argument(p)
     p.add_argument("--steps", type=int, default=5, help="timed steps of each kind")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each kind first")
+    p.add_argument(
+        "--backend", choices=["auto", "reference", "native"], default="auto",
+        help="what runs the codec: buddy's choice (auto: the native engine for the default codec), or one",
+    )  # fmt: skip
     cli.add_common_arguments(p, out="results/step_cost")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
     args, header = cli.begin("step_cost", parse_args, argv)
+    buddy.set_defaults(backend=args.backend)
     rows = []
     for name in progress(args.workloads, desc="workloads", enabled=not args.no_progress):
         rows.append(measure(name, size=args.size, steps=args.steps, warmup=args.warmup, seed=args.seed))

@@ -334,6 +334,14 @@ def store() -> buddy.BuddyStore:
     return buddy.BuddyStore(capacity_bytes=512 * MiB, block_bytes=1 * MiB, pin=False)
 
 
+@pytest.fixture(scope="session")
+def activations() -> dict[str, torch.Tensor]:
+    """Real activations for the kernels' tests (kernel_cases.activations: captured once a session)."""
+    import kernel_cases
+
+    return kernel_cases.activations()
+
+
 @pytest.fixture
 def tracker() -> buddy.Tracker:
     """A fresh tracker per test (no history from other tests)."""

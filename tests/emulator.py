@@ -2,7 +2,7 @@
 
 The sources are compiled unchanged by g++ through a CUDA shim
 (``cuda_shim.h``) with the defines the loader gives NVRTC
-(:func:`buddy.cuda.compile_options`: one module per codec, entry size and
+(:func:`buddy.engines.cuda.compile_options`: one module per codec, entry size and
 word size, the word size a launch's last argument), and run by the emulator's driver
 (``runtime.cpp``): every thread of a block a fiber, a seeded random order
 between synchronisation points, blocks one after another. Two builds:
@@ -16,9 +16,9 @@ between synchronisation points, blocks one after another. Two builds:
   dynamic shared buffer, the static ``__shared__`` arrays) or undefined
   behaviour aborts.
 
-:class:`Emulator` is a ``launch=`` for :class:`buddy.cuda.Kernels` and
-:class:`buddy.cuda.CudaEngine`: it launches a kernel with the grid, block and
-shared memory of :func:`buddy.cuda.launch_config` (optionally fewer blocks,
+:class:`Emulator` is a ``launch=`` for :class:`buddy.engines.cuda.Kernels` and
+:class:`buddy.engines.cuda.CudaEngine`: it launches a kernel with the grid, block and
+shared memory of :func:`buddy.engines.cuda.launch_config` (optionally fewer blocks,
 so the warps' grid-stride loops loop), on exactly-sized copies of the
 arguments, several schedules each, and copies the results back. Any report
 raises :class:`EmulatorError` with the emulator's text.
@@ -45,11 +45,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 SOURCES = ROOT / "tests" / "host" / "emulator"
+#: what the emulator shares with the native CPU engine: the CUDA shim, the fibers, the kernel table
+HOST = CSRC / "host"
 BUILDS = ("tsan", "asan")
 
 _WARNINGS = ["-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas"]  # the sources' unroll hints are for nvcc
@@ -103,7 +105,7 @@ class EmulatorError(AssertionError):
             if re.match(r"  (Previous )?(atomic |Atomic )?(read|write|Read|Write) of size", section):
                 frames = re.findall(r"#\d+ (.*) (/\S+?):(\d+)(?::\d+)? \(", section)
                 stacks.append(
-                    [Frame(Path(path).name, int(line), fn) for fn, path, line in frames if Path(path).parent != SOURCES]
+                    [Frame(Path(path).name, int(line), fn) for fn, path, line in frames if Path(path).parent not in (SOURCES, HOST)]
                 )
         return stacks
 
@@ -162,24 +164,25 @@ def _compile(cmd: list[str], out: Path) -> Path:
 
 def _runtime(kind: str) -> Path:
     """runtime.cpp compiled for ``kind`` (it does not depend on the kernels: one object for every build)."""
-    cmd = ["g++", "-std=c++17", *_FLAGS, *_RUNTIME[kind], f"-I{SOURCES}", "-c", str(SOURCES / "runtime.cpp")]
-    out = cache_dir() / f"runtime-{kind}-{_digest(_tree(SOURCES), _FLAGS, _RUNTIME[kind], _compiler())}.o"
+    cmd = ["g++", "-std=c++17", *_FLAGS, *_RUNTIME[kind], f"-I{SOURCES}", f"-I{HOST}", "-c", str(SOURCES / "runtime.cpp")]
+    key = _digest(_tree(SOURCES), _tree(HOST), _FLAGS, _RUNTIME[kind], _compiler())
+    out = cache_dir() / f"runtime-{kind}-{key}.o"
     return out if out.exists() else _compile(cmd, out)
 
 
 def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all", word_bytes: int | None = None) -> Path:
     """The emulator binary of ``kind`` (``"tsan"``/``"asan"``) for the kernels of ``csrc`` at this entry size.
 
-    Compiled with ``buddy.cuda.compile_options(entry_bytes, codec, word_bytes)``: with a
+    Compiled with ``buddy.engines.cuda.compile_options(entry_bytes, codec, word_bytes)``: with a
     word size, the module of that word size alone, as the loader compiles it;
     cached by the hash of every source, the options and the compiler.
     """
     if kind not in BUILDS:
         raise ValueError(f"kind must be one of {BUILDS}, got {kind!r}")
     options = list(bcuda.compile_options(entry_bytes, codec, word_bytes))
-    kernels = ["g++", *options, *_FLAGS, *_SANITIZE[kind], f"-I{csrc}", f"-I{SOURCES}", "-c"]
+    kernels = ["g++", *options, *_FLAGS, *_SANITIZE[kind], f"-I{csrc}", f"-I{SOURCES}", f"-I{HOST}", "-c"]
     # the sources' text, not their folder: a copy elsewhere (a mutation test's, another session's) is the same build
-    key = _digest(_tree(Path(csrc)), _tree(SOURCES), options, _FLAGS, _SANITIZE[kind], _RUNTIME[kind], _compiler())
+    key = _digest(_tree(Path(csrc)), _tree(SOURCES), _tree(HOST), options, _FLAGS, _SANITIZE[kind], _RUNTIME[kind], _compiler())
     words = "" if word_bytes is None else f"-w{word_bytes}"
     exe = cache_dir() / f"emulator-{kind}-E{entry_bytes}-{codec}{words}-{key}"
     if exe.exists():
@@ -249,7 +252,7 @@ def role(param: Param) -> str:
 # launches
 # ---------------------------------------------------------------------------
 class Emulator:
-    """A ``launch=`` for :class:`buddy.cuda.Kernels` / :class:`buddy.cuda.CudaEngine` that runs the emulator.
+    """A ``launch=`` for :class:`buddy.engines.cuda.Kernels` / :class:`buddy.engines.cuda.CudaEngine` that runs the emulator.
 
     ``kind``: the build; ``seed``, ``schedules``: schedule ``s`` of a launch uses
     the random stream of ``seed + s`` (each launch advances ``seed``);

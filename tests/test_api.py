@@ -328,13 +328,13 @@ def test_decompress_restores_dense_strides(make, dense):
 def test_decompress_and_unpack_share_one_decode(store, gen, monkeypatch):
     """BuddyTensor.decompress decodes through the engines' one decode, as buddy.unpack does, with its layout."""
     seen = []
-    real = buddy.engine.decode
+    real = buddy.engines.decode
 
     def spy(engine, buffers, slot, layout, shape, dtype, stride, **kwargs):
         seen.append((slot, layout, tuple(shape), dtype, kwargs.get("check", True)))
         return real(engine, buffers, slot, layout, shape, dtype, stride, **kwargs)
 
-    monkeypatch.setattr(buddy.engine, "decode", spy)
+    monkeypatch.setattr(buddy.engines, "decode", spy)
     t = make_data("relu", 5000, torch.float32, gen).t()
     bt = buddy.compress(t, codec="zvc", entry_bytes=512, target_ratio=2.0, store=store)
     assert_bitexact(bt.decompress(), t)

@@ -129,10 +129,11 @@ def test_the_checker_sees_every_kind_of_import():
     graph = import_graph()
     assert "buddy.codecs.base" in graph["buddy.codecs.zvc"]  # from .base import ...
     assert "buddy.errors" in graph["buddy.codecs.zvc"]  # from ..errors import ...
-    assert "buddy.spec" in graph["buddy.engine"]  # from . import format, spec
+    assert "buddy.spec" in graph["buddy.engines.reference"]  # from .. import format, spec
+    assert "buddy.engines" in graph["buddy.engines.reference"]  # from . import Engine, ...
     assert "buddy" in graph["buddy.env"]  # a function-level ``from . import __version__``
     assert "buddy.codecs.base" not in graph["buddy.format"]  # under TYPE_CHECKING
-    assert "buddy.codecs" in graph["buddy.cuda"]  # from .codecs.auto import ...: runs codecs/__init__
+    assert "buddy.codecs" in graph["buddy.engines.cuda"]  # from ..codecs.auto import ...: runs codecs/__init__
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
@@ -143,9 +144,10 @@ def test_no_import_cycle():
 
 
 def test_the_kernel_lists_agree_with_the_kernels_source():
-    """The kernel codecs are listed once in Python (buddy.cuda) and once in C++ (csrc/): the two agree."""
-    from buddy import cuda, selftest
+    """The kernel codecs are listed once in Python (buddy.engines.cuda) and once in C++ (csrc/): the two agree."""
+    from buddy import selftest
     from buddy.codecs.auto import AUTO_MEMBERS
+    from buddy.engines import cuda
 
     source = (ROOT / "csrc" / "buddy_kernels.cu").read_text()
     kernels = re.findall(r"^BUDDY_FORMAT_KERNELS\((\w+),", source, re.M)

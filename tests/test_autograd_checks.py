@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import buddy
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 from buddy import selftest
 
 KEY = "net/"

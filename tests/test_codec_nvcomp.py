@@ -36,8 +36,8 @@ from conftest import MiB, assert_bitexact, assert_roundtrip, ids, make_data
 
 import buddy
 from buddy import format
-from buddy.codecs import _nvcomp_capi as capi
-from buddy.codecs import nvcomp
+from buddy.engines import _nvcomp_capi as capi
+from buddy.engines import nvcomp
 from buddy.layout import Layout
 from buddy.slots import overflow_sectors
 
@@ -70,7 +70,23 @@ def test_names_map_to_nvcomp_algorithms():
     assert set(nvcomp.NAMES) == {f"nvcomp-{a.lower()}" for a in nvcomp.ALGORITHMS.values()}
     assert set(nvcomp.ALGORITHMS.values()) == set(capi.ALGORITHMS)  # every one has a batched C API
     with pytest.raises(ValueError, match="one of"):
-        nvcomp.NvcompCodec("nvcomp-brotli")
+        nvcomp.chunk_codec("nvcomp-brotli")
+
+
+def test_chunk_codecs_are_names_not_torch_codecs():
+    """nvcomp's codecs are ChunkCodecs: a name and an algorithm, no per-block torch code, so no reference."""
+    codec = nvcomp.chunk_codec("nvcomp-zstd")
+    assert isinstance(codec, buddy.codecs.ChunkCodec) and not isinstance(codec, buddy.Codec)
+    assert (codec.name, codec.algorithm, codec.format_version, codec.table, codec.table_bytes) == (
+        "nvcomp-zstd", "Zstd", 1, None, 0
+    )  # fmt: skip
+    assert codec == nvcomp.chunk_codec("nvcomp-zstd") and codec.fit(torch.ones(8, dtype=torch.uint8), 1) is codec
+    with pytest.raises(buddy.CorruptDataError, match="takes no table"):
+        codec.bind(torch.ones(4, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="reference=False"):
+        buddy.register_codec(buddy.codecs.ChunkCodec("nvcomp-test", "LZ4"))
+    with pytest.raises(ValueError, match="nvcomp codecs"):
+        nvcomp.NvcompEngine(buddy.codecs.ChunkCodec("nvcomp-lz4", "Zstd"))  # not the algorithm of that name
 
 
 @pytest.mark.skipif(nvcomp.usable(), reason="checks the refusal where nvcomp cannot run")
@@ -85,7 +101,7 @@ def test_unusable_here_is_refused_by_name_with_the_reason():
 
 @pytest.mark.parametrize("name", nvcomp.NAMES)
 def test_cpu_tensors_are_refused_before_any_work(name, store):
-    codec = nvcomp.NvcompCodec(name)
+    codec = nvcomp.chunk_codec(name)
     assert {(i.device, i.backend, i.default) for i in buddy.registered_implementations(name)} == {("cuda", "nvcomp", True)}
     with pytest.raises(buddy.MissingDependencyError, match="GPU"):
         buddy.compress(torch.randn(4096), codec=codec, entry_bytes=4096, store=store)
@@ -101,8 +117,7 @@ def test_cpu_tensors_are_refused_before_any_work(name, store):
             shape=(1024,),
             dtype=torch.float32,
         )
-    with pytest.raises(buddy.MissingDependencyError, match="GPU"):  # the codec itself refuses CPU tensors too
-        codec.analyse(torch.ones(1, 4096, dtype=torch.uint8), 4)
+    assert not isinstance(codec, buddy.Codec)  # no per-block torch code to run on the CPU: a ChunkCodec
     engine = nvcomp.NvcompEngine(codec)  # the real engine, handed a CPU tensor directly
     with pytest.raises(buddy.MissingDependencyError, match="GPU"):
         engine.measure(torch.ones(4096, dtype=torch.uint8), Layout(4096, 4096, 1))
@@ -128,7 +143,7 @@ def test_entries_of_4_to_64_kib_only():
 
 
 def test_small_entries_are_refused_before_any_work(host_nvcomp):
-    engine = nvcomp.NvcompEngine(nvcomp.NvcompCodec("nvcomp-lz4"), batch=host_nvcomp, device_type="cpu")
+    engine = nvcomp.NvcompEngine(nvcomp.chunk_codec("nvcomp-lz4"), batch=host_nvcomp, device_type="cpu")
     flat = torch.ones(8192, dtype=torch.uint8)
     with pytest.raises(ValueError, match="4-64 KiB"):
         engine.measure(flat, Layout(2048, flat.numel(), 1))
@@ -645,7 +660,7 @@ def test_pack_without_what_measure_staged(host_nvcomp, gen):
     flat = mixed(e, 5, gen).view(torch.uint8)
     engine = buddy.dispatch.engine(buddy.get_codec("nvcomp-lz4"), "cpu")
     measured = engine.measure(flat, Layout(e, flat.numel(), 4))
-    bare = buddy.engine.Measurement(measured.meta, measured.histogram)  # staging dropped: pack compresses again
+    bare = buddy.engines.Measurement(measured.meta, measured.histogram)  # staging dropped: pack compresses again
     slots, overflow = engine.pack(flat, bare, 3, Layout(e, flat.numel(), 4))
     assert [op for op, _ in host_nvcomp.calls] == ["compress", "compress"] and engine.readbacks == 1
     assert torch.equal(engine.unpack(measured.meta, slots, overflow, 3, Layout(e, flat.numel(), 4)), flat)

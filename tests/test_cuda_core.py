@@ -31,7 +31,7 @@ from emulator import kernel_parameters
 from test_device_codecs import device_fit, run_tensor, tensor_ends, tensor_measure, tensor_pack, tensor_unpack
 
 import buddy
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 from buddy import spec
 from buddy.layout import Layout
 
@@ -267,12 +267,20 @@ def test_table_sizes_agree_with_the_sources():
 
 
 def test_codecs_with_kernels():
+    """The kernels' table rows decide which codec objects they run: their factory refuses any other."""
     assert set(bcuda.KERNEL_CODECS) == {"zvc", "fpx", "bpc", "auto", "fpe", "auto2"}
-    for name in bcuda.KERNEL_CODECS:
-        assert bcuda.has_kernels(buddy.get_codec(name))
-    assert not bcuda.has_kernels(buddy.get_codec("raw"))
-    swapped = buddy.codecs.AutoCodec([(2, buddy.get_codec("fpx")), (3, buddy.get_codec("zvc"))])
-    assert not bcuda.has_kernels(swapped), "the kernels compose zvc, fpx and bpc in that order only"
+    rows = {row.codec: row for row in bcuda.rows()}
+    assert set(rows) == set(bcuda.KERNEL_CODECS)
+    for name, row in rows.items():
+        assert row.factory(buddy.get_codec(name)).codec is buddy.get_codec(name)
+    with pytest.raises(ValueError, match="has no CUDA kernels"):
+        bcuda.CudaEngine(buddy.get_codec("raw"))
+    swapped = buddy.codecs.AutoCodec([(2, buddy.get_codec("fpx")), (3, buddy.get_codec("zvc"))], name="auto")
+    with pytest.raises(ValueError, match="has no CUDA kernels"):  # the kernels compose zvc, fpx and bpc in that order
+        rows["auto"].factory(swapped)
+    remoded = buddy.codecs.AutoCodec([(m + 1, c) for m, c in buddy.codecs.auto.members_of("auto")], name="auto")
+    with pytest.raises(ValueError, match="has no CUDA kernels"):  # ... with their own modes
+        rows["auto"].factory(remoded)
 
 
 # ---------------------------------------------------------------------------
@@ -298,7 +306,7 @@ def _check_launch(sigs, name: str, args: tuple) -> None:
 
 
 class HostKernels:
-    """Runs each launch of buddy.cuda's kernels in the host harness, on CPU tensors; records the launches."""
+    """Runs each launch of buddy.engines.cuda's kernels in the host harness, on CPU tensors; records the launches."""
 
     def __init__(self, host_exe, tmp_path):
         self.host_exe, self.tmp_path = host_exe, tmp_path
@@ -357,7 +365,7 @@ def emulated_gpu(host_exe, tmp_path):
     """The CUDA engine for CPU tensors, each launch run by the host harness, registered as "cuda" on the CPU.
 
     Selected through the public registry (``backend="cuda"`` on a CPU tensor
-    then runs the real glue of :mod:`buddy.cuda`). Every launch's arguments
+    then runs the real glue of :mod:`buddy.engines.cuda`). Every launch's arguments
     are checked against the kernel's C signature.
     """
     kernels = HostKernels(host_exe, tmp_path)

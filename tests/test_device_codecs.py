@@ -22,7 +22,7 @@ quick, thorough check of the codecs' per-entry logic at every size.
 
 The codecs with a table (fpe, auto2) code with the table fitted to the test
 data (``get_codec(name).fit``), and fpe also with its default table; the
-harness gets the table as the kernels do (buddy.cuda.device_table).
+harness gets the table as the kernels do (buddy.engines.cuda.device_table).
 
 bpc has cases of its own: entries built plane by plane so that every plane
 code turns up, the codec without the format rules (E = 32, where the format
@@ -46,7 +46,7 @@ import torch
 from conftest import ALL_DTYPES, DATA_KINDS, field, ids, make_data, stream_bytes
 
 import buddy
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 from buddy import spec
 from buddy.codecs._bitstream import StreamWriter, write_fields
 from buddy.codecs.bpc import geometry
@@ -94,7 +94,7 @@ def device_args(codec, word: int) -> tuple[str, torch.Tensor | None]:
     """``(CODEC argument, device table or None)`` of a codec name or object, for the harness.
 
     A codec with a table gives the one it was fitted to (else its word size's
-    default table), laid out by buddy.cuda.device_table: what the kernels get.
+    default table), laid out by buddy.engines.cuda.device_table: what the kernels get.
     """
     codec = buddy.get_codec(codec)
     table = bcuda.codec_table(codec, word)

@@ -21,7 +21,7 @@ from conftest import MiB, assert_roundtrip, ids, make_data
 import buddy
 from buddy import dispatch
 from buddy.codecs.zvc import ZVCCodec
-from buddy.engine import BlockEngine
+from buddy.engines.reference import BlockEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 ZVC = buddy.get_codec("zvc")
@@ -61,15 +61,21 @@ def test_the_table_by_default():
         for device in ("cpu", "cuda"):
             (impl,) = [i for i in buddy.registered_implementations(codec, device=device) if i.default]
             if device == "cuda" and codec in kernels:  # the kernels, behind their self-test
-                assert impl.backend == "cuda" and impl.factory is buddy.cuda.CudaEngine
+                assert impl.backend == "cuda" and impl.factory is buddy.engines.cuda.CudaEngine
+            elif device == "cpu" and codec in buddy.engines.native.DEFAULT_CODECS:  # the same kernels, natively
+                assert impl.backend == "native" and impl.factory is buddy.engines.native.NativeEngine
             else:
                 assert impl.backend == "reference" and impl.factory is BlockEngine
             (reference,) = buddy.registered_implementations(codec, device=device, backend="reference")
             assert reference.factory is BlockEngine  # what the kernels fall back to
     cuda = buddy.registered_implementations(backend="cuda")
     assert [(i.codec, i.device, i.default) for i in cuda] == [(name, "cuda", True) for name in kernels]
+    native = buddy.registered_implementations(backend="native")
+    assert [(i.codec, i.device, i.default) for i in native] == [
+        (name, "cpu", name in buddy.engines.native.DEFAULT_CODECS) for name in kernels
+    ]
     nvcomp = buddy.registered_implementations(backend="nvcomp")
-    assert {i.codec for i in nvcomp} == set(buddy.codecs.nvcomp.NAMES)
+    assert {i.codec for i in nvcomp} == set(buddy.engines.nvcomp.NAMES)
     assert all(i.device == "cuda" and i.default for i in nvcomp)
 
 
@@ -114,9 +120,9 @@ def test_cuda_backend_needs_a_codec_with_kernels():
 
     # the name has kernels, but they reproduce ZVCCodec only: the engine refuses a subclass
     with pytest.raises(ValueError, match="no CUDA kernels"):
-        buddy.cuda.CudaEngine(Tweaked())
+        buddy.engines.cuda.CudaEngine(Tweaked())
     with pytest.raises(ValueError, match="no CUDA kernels"):
-        buddy.cuda.CudaEngine(buddy.get_codec("raw"))
+        buddy.engines.cuda.CudaEngine(buddy.get_codec("raw"))
 
 
 @pytest.mark.parametrize("bad", ids("bad", ["gpu", "CUDA", "", 1], repr))
@@ -203,7 +209,7 @@ def test_codecs_without_an_implementation_here(store):
     assert {"raw", "zvc", "fpx", "bpc", "auto"} <= set(cpu)
     assert not any(name.startswith("nvcomp-") for name in cpu)
     assert buddy.available_codecs(torch.device("cpu")) == cpu
-    codec = buddy.codecs.nvcomp.NvcompCodec("nvcomp-lz4")
+    codec = buddy.engines.nvcomp.chunk_codec("nvcomp-lz4")
     with pytest.raises(buddy.MissingDependencyError, match="GPU"):  # no implementation for CPU tensors
         buddy.compress(torch.randn(4096), codec=codec, entry_bytes=4096, store=store)
     assert store.bytes_held == 0
@@ -226,7 +232,7 @@ def test_import_without_cupy_then_cuda_backend_raises():
             raise SystemExit("no MissingDependencyError")
         assert "CuPy" in message and "pip install" in message, message
         try:
-            buddy.cuda._cupy()
+            buddy.engines.cuda._cupy()
         except buddy.MissingDependencyError:
             pass
         else:

@@ -5,12 +5,12 @@ a block a fiber, in seeded random orders, several schedules per launch
 (``tests/emulator.py``, ``tests/host/emulator``), under two builds: ``tsan``
 (a race in shared or global memory is reported with both source lines) and
 ``asan`` (AddressSanitizer and UBSan: misaligned loads, a byte read or written
-past any buffer, undefined behaviour). Every launch goes through buddy.cuda's
-own glue: a :class:`buddy.cuda.CudaEngine` whose launches run in the emulator
+past any buffer, undefined behaviour). Every launch goes through buddy.engines.cuda's
+own glue: a :class:`buddy.engines.cuda.CudaEngine` whose launches run in the emulator
 is registered as the ``"cuda"`` backend of CPU tensors, so ``backend="cuda"``
 runs the whole engine path -- the entries and the zero-padded tail, the
 overflow prefix sum, the fit's readout, the error flag -- with the grid,
-block and shared memory of :func:`buddy.cuda.launch_config`, and in some
+block and shared memory of :func:`buddy.engines.cuda.launch_config`, and in some
 cases fewer blocks than the entries need, so the warps' grid-stride loops
 loop.
 
@@ -49,12 +49,21 @@ import pytest
 import torch
 from conftest import assert_bitexact
 from emulator import BUILDS, CSRC, Emulator, EmulatorError
+from kernel_cases import (
+    CASES,
+    Case,
+    _same_buffers,
+    check_damage_flagged,
+    check_golden,
+    check_reference_buffers,
+    check_tensors_of_one_entry,
+)
 from test_golden import CASES as GOLDEN_CASES
 from test_golden import SETS as GOLDEN_SETS
 from test_golden import load_vectors
 
 import buddy
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 from buddy import spec
 
 pytestmark = [
@@ -127,7 +136,7 @@ def _builds(request, tmp_path_factory):
 @contextlib.contextmanager
 def emulated_cuda(build: str, *, seed: int, schedules: int = 2, max_blocks: int | None = None, csrc: Path = CSRC,
                   codecs: str = "all"):  # fmt: skip
-    """``backend="cuda"`` on CPU tensors: buddy.cuda's engine, every launch run by an :class:`Emulator` (of the
+    """``backend="cuda"`` on CPU tensors: buddy.engines.cuda's engine, every launch run by an :class:`Emulator` (of the
     unmodified sources: the module's, set to this seed; of a mutated copy: one of its own)."""
     if csrc == CSRC and codecs == "all":
         emu = _EMULATORS[build] if build in _EMULATORS else _EMULATORS.setdefault(build, Emulator(build))
@@ -151,82 +160,6 @@ def ops_of(emu: Emulator) -> list[str]:
     return [kernel.rsplit("_", 1)[1] for kernel, *_ in emu.launches]
 
 
-# ---------------------------------------------------------------------------
-# real activations
-# ---------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def activations() -> dict[str, torch.Tensor]:
-    """Saved tensors of two experiment workloads one step into training, and text bytes (all real data).
-
-    ``f32``: a VGG's ReLU output (about half zeros, whole zero entries at 512 B);
-    ``f64``: its max-pool output, widened; ``i64``: the max-pool indices;
-    ``bf16``: a GPT block's activation; ``u8``: the standard library's source.
-    """
-    from experiments.data import stdlib_text_bytes
-    from experiments.workloads import capture
-
-    vgg = capture("vgg-fp32", "tiny", points=(1,))[0].tensors
-    gpt = capture("gpt-bf16", "tiny", points=(1,))[0].tensors
-    relu = next(s.tensor for s in vgg if s.op == "ReluBackward0" and s.tensor.shape[1] == 16)
-    pooled = next(s.tensor for s in vgg if s.op == "MaxPool2DWithIndicesBackward0")
-    indices = next(s.tensor for s in vgg if s.tensor.dtype == torch.int64)
-    hidden = max((s.tensor for s in gpt if s.tensor.dtype == torch.bfloat16), key=torch.Tensor.numel)
-    out = {
-        "f32": relu,
-        "f64": pooled.double(),
-        "i64": indices,
-        "bf16": hidden,
-        "u8": stdlib_text_bytes(64 << 10),
-    }
-    return {k: v.detach().contiguous().reshape(-1) for k, v in out.items()}
-
-
-@dataclass(frozen=True)
-class Case:
-    data: str  # key of the activations
-    entry_bytes: int
-    entries: float  # the tensor's size in entries (a fraction: a partial last entry)
-    slot: int | None  # sectors per slot; None: the median entry's size (some entries overflow, some not)
-    max_blocks: int | None  # launch at most this many blocks
-
-    @property
-    def id(self) -> str:
-        blocks = f"-blocks<={self.max_blocks}" if self.max_blocks else ""
-        return f"{self.data}-E={self.entry_bytes}{blocks}"
-
-    def tensor(self, activations) -> torch.Tensor:
-        """``entries`` entries of the data from two before its first all-zero entry (from the start if none)."""
-        data = activations[self.data]
-        size = data.element_size()
-        n = int(self.entries * self.entry_bytes) // size
-        whole = data[: data.numel() // (self.entry_bytes // size) * (self.entry_bytes // size)]
-        zero = (whole.view(torch.uint8).view(-1, self.entry_bytes) == 0).all(1).nonzero()
-        start = max(0, int(zero[0]) - 2) * (self.entry_bytes // size) if zero.numel() else 0
-        start = min(start, data.numel() - n)
-        return data[start : start + n].clone()
-
-    def slot_for(self, histogram) -> int:
-        if self.slot is not None:
-            return self.slot
-        ks = [k for k, count in enumerate(histogram) for _ in range(count)]
-        return ks[len(ks) // 2]
-
-
-CASES = [
-    Case("f32", 512, 20.3, None, max_blocks=2),  # 21 entries: measure wants 3 blocks of 8 warps
-    Case("bf16", 4096, 5.5, None, max_blocks=None),
-    Case("u8", 512, 12.7, 0, max_blocks=None),  # the zero slot: every sector to the overflow
-    Case("f64", 4096, 9.2, None, max_blocks=1),  # 10 entries, 8 warps a block
-]
-
-
-def _same_buffers(a: buddy.BuddyTensor, b: buddy.BuddyTensor) -> None:
-    assert a.histogram == b.histogram, "histogram"
-    for name, x, y in zip(("metadata", "slots", "overflow"), a.buffers(), b.buffers()):
-        assert torch.equal(x, y), f"{name} differ"
-    assert (a.table is None) == (b.table is None) and (a.table is None or torch.equal(a.table, b.table)), "table"
-
-
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -234,26 +167,7 @@ def test_kernels_write_and_read_the_reference_buffers(build, codec, case, activa
     t = case.tensor(activations)
     e = case.entry_bytes
     with emulated_cuda(build, seed=_seed(request), max_blocks=case.max_blocks) as emu:
-        got = buddy.measure(t, codec, entry_bytes=e, backend="cuda")
-        want = buddy.measure(t, codec, entry_bytes=e, backend="reference")
-        assert got.histogram == want.histogram
-        assert torch.equal(got.measurement.meta, want.measurement.meta), "metadata"
-        if codec in TABLED:  # fitted on the device: the reference's table, and its symbol counts as statistics
-            assert torch.equal(got.table, want.table) and torch.equal(got.statistics, want.statistics)
-        slot = case.slot_for(want.histogram)
-        a, b = buddy.pack(got, slot, store=store), buddy.pack(want, slot, store=store)
-        _same_buffers(a, b)
-        assert_bitexact(b.decompress(backend="cuda", check=True), t)  # the kernels decode the reference's buffers
-        assert_bitexact(a.decompress(backend="reference"), t)  # and the reference theirs
-        a.free()
-        b.free()
-        if codec in TABLED:  # with learned statistics the host fits the table: count, then measure with it
-            prior = got.statistics.double() + 1
-            again = buddy.measure(t, codec, entry_bytes=e, backend="cuda", prior=prior)
-            want = buddy.measure(t, codec, entry_bytes=e, backend="reference", prior=prior)
-            assert torch.equal(again.table, want.table) and again.histogram == want.histogram
-            assert torch.equal(again.measurement.meta, want.measurement.meta)
-            assert torch.equal(again.statistics, got.statistics)
+        _, got = check_reference_buffers("cuda", codec, t, e, case.slot_for, store, codec in TABLED)
     tabled = codec in TABLED
     assert ops_of(emu) == [*(["count", "fit"] if tabled else []), "measure", "pack", "unpack"] + (
         ["count", "measure"] if tabled else []
@@ -266,79 +180,15 @@ def test_kernels_write_and_read_the_reference_buffers(build, codec, case, activa
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
 def test_tensors_of_one_entry(build, codec, activations, store, request):
-    """One whole entry, one partial entry (the tail alone: no whole entry, so count reads only the tail), and a
-    tensor of one element; int64 max-pool indices and float32 activations."""
-    e = 512
-    tensors = [activations["i64"][: e // 8], activations["f32"][: e // 4 // 3], activations["f32"][7:8]]
-    compress = functools.partial(buddy.compress, codec=codec, entry_bytes=e, store=store)
     with emulated_cuda(build, seed=_seed(request)):
-        for t in tensors:
-            for slot in (0, 2):
-                ratio = spec.ratio_for_slot(slot, e)
-                a, b = compress(t, ratio, backend="cuda"), compress(t, ratio, backend="reference")
-                assert a.n_entries == 1
-                _same_buffers(a, b)
-                assert_bitexact(b.decompress(backend="cuda", check=True), t)
-                assert_bitexact(a.decompress(backend="reference"), t)
-                a.free()
-                b.free()
-
-
-# ---------------------------------------------------------------------------
-# damaged buffers
-# ---------------------------------------------------------------------------
-def _damaged(meta: torch.Tensor, slots: torch.Tensor, overflow: torch.Tensor, slot: int, e: int):
-    """``(what, meta, slots, overflow)``: the buffers as they are, then damaged in every way the format can see."""
-    words = meta.view(torch.int16)
-    spe = spec.sectors_per_entry(e)
-    k = (words & 0xFFF).long()
-    coded = int(((k > 0) & (k < spe) & (k > slot)).nonzero()[0])  # an entry with overflow
-    inside = int(((k > 0) & (k < spe)).nonzero()[-1])
-
-    def with_word(i: int, value: int) -> torch.Tensor:
-        out = words.clone()
-        out[i] = value
-        return out.view(torch.uint8)
-
-    sector = spec.SECTOR_BYTES
-    payload = slots.clone()
-    payload[inside * slot * sector : (inside + 1) * slot * sector] = 0xFF
-    return [
-        ("as written", meta, slots, overflow),
-        ("k beyond the entry", with_word(coded, spe + 1 | int(words[coded]) & ~0xFFF), slots, overflow),
-        ("a mode the codec never writes", with_word(coded, int(words[coded]) | 0xF000 - 0x10000), slots, overflow),
-        ("k one more", with_word(coded, int(words[coded]) + 1), slots, overflow),
-        ("overflow a sector short", meta, slots, overflow[:-sector]),
-        ("overflow a sector long", meta, slots, torch.cat([overflow, torch.zeros(sector, dtype=torch.uint8)])),
-        ("slot bytes set", meta, payload, overflow),
-    ]
-
-
-def _decode(backend: str, bt: buddy.BuddyTensor, meta, slots, overflow):
-    try:
-        return buddy.unpack(
-            meta, slots, overflow, codec=bt.codec, entry_bytes=bt.entry_bytes, slot_sectors=bt.slot_sectors,
-            shape=bt.shape, dtype=bt.dtype, table=bt.table, backend=backend,
-        )  # fmt: skip
-    except buddy.CorruptDataError:
-        return None
+        check_tensors_of_one_entry("cuda", codec, activations, store)
 
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
 def test_unpack_flags_damage_where_the_reference_raises(build, codec, activations, store, request):
-    e, slot = 512, 4
-    t = Case("f32", e, 9.5, slot, None).tensor(activations)
-    bt = buddy.compress(t, spec.ratio_for_slot(slot, e), codec, entry_bytes=e, backend="reference", store=store)
-    buffers = [x.clone() for x in bt.buffers()]
     with emulated_cuda(build, seed=_seed(request)):
-        for what, meta, slots, overflow in _damaged(*buffers, slot, e):
-            want = _decode("reference", bt, meta, slots, overflow)
-            got = _decode("cuda", bt, meta, slots, overflow)
-            assert (got is None) == (want is None), f"{what}: kernels {'raise' if got is None else 'decode'}"
-            assert want is None or torch.equal(got.view(torch.uint8), want.view(torch.uint8)), what
-            assert what != "as written" or want is not None
-    bt.free()
+        check_damage_flagged("cuda", codec, activations, store)
 
 
 # ---------------------------------------------------------------------------
@@ -367,29 +217,7 @@ def golden_vectors():
 def test_golden_vectors(build, cases, golden_vectors, store, request):
     """The kernels write the golden bytes of every input (sets still written) and decode all of them."""
     with emulated_cuda(build, seed=_seed(request)):
-        for case in cases:
-            name, codec, e = case["set"], case["codec"], case["entry_bytes"]
-            dtype = getattr(torch, case["dtype"])
-            t = golden_vectors[f"{name}/{case['input']}/input"].view(dtype)
-            key = f"{name}/{case['input']}/{codec}"
-            table = golden_vectors.get(f"{key}/table")
-            written = GOLDEN_SETS[name]
-            measured = buddy.measure(t, codec, entry_bytes=e, backend="cuda") if written else None
-            if written:
-                assert torch.equal(measured.measurement.meta, golden_vectors[f"{key}/meta"]), f"{key}: metadata"
-                assert table is None or torch.equal(measured.table, table), f"{key}: table"
-            for slot in case["slots"]:
-                slots, overflow = golden_vectors[f"{key}/s{slot}/slots"], golden_vectors[f"{key}/s{slot}/overflow"]
-                if written:
-                    bt = buddy.pack(measured, slot, store=store)
-                    _, got_slots, got_overflow = bt.buffers()
-                    assert torch.equal(got_slots, slots) and torch.equal(got_overflow, overflow), f"{key}: slot {slot}"
-                    bt.free()
-                out = buddy.unpack(
-                    golden_vectors[f"{key}/meta"], slots, overflow, codec=codec, entry_bytes=e, slot_sectors=slot,
-                    shape=t.shape, dtype=dtype, table=table, backend="cuda",
-                )  # fmt: skip
-                assert_bitexact(out, t)
+        check_golden("cuda", cases, golden_vectors, GOLDEN_SETS, store)
 
 
 # ---------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from small_training import (  # noqa: F401 - module_setup is a module-wide fixtu
 
 import buddy
 import buddy.autograd
-import buddy.engine
+import buddy.engines.reference
 import buddy.store
 from buddy.codecs import Analysis, Codec
 
@@ -114,7 +114,8 @@ def interrupt():
 
 
 class _DeviceAllocations:
-    """Stands in for ``torch`` inside :mod:`buddy.engine`: chosen device allocations run out of memory.
+    """Stands in for ``torch`` inside the engines (the reference, and the kernels' glue the native CPU engine runs):
+    chosen device allocations run out of memory.
 
     A device allocation is a ``torch.empty`` with ``device=`` (metadata when
     measuring and slots when packing, the output when decompressing).
@@ -143,7 +144,8 @@ def faulty(temporary_codec) -> FaultyCodec:
 @pytest.fixture
 def device_memory(monkeypatch) -> _DeviceAllocations:
     fake = _DeviceAllocations()
-    monkeypatch.setattr(buddy.engine, "torch", fake)
+    monkeypatch.setattr(buddy.engines.reference, "torch", fake)
+    monkeypatch.setattr(buddy.engines.cuda, "torch", fake)
     return fake
 
 

@@ -1,4 +1,4 @@
-"""The CUDA kernels (buddy.cuda) against the torch reference, on a GPU.
+"""The CUDA kernels (buddy.engines.cuda) against the torch reference, on a GPU.
 
 Marked ``gpu``: skipped without CUDA (see conftest), and skipped without CuPy.
 For every codec with kernels, the kernels must write the reference's
@@ -16,7 +16,7 @@ import torch
 from conftest import ALL_DTYPES, DATA_KINDS, MiB, assert_bitexact, assert_roundtrip, dtype_params, ids, make_data
 
 import buddy
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 from buddy import spec
 from buddy.layout import Layout
 

@@ -45,8 +45,8 @@ def _entry(tmp_path: Path, monkeypatch, body: str) -> str:
 
 @no_gpu_here
 def test_a_call_missing_its_argument_before_cuda_fails_the_dry_run(tmp_path, monkeypatch):
-    """What the step phase would have hit on its first GPU run: ``has_kernels()`` without its codec."""
-    name = _entry(tmp_path, monkeypatch, "buddy.cuda.has_kernels()\ntorch.ones(2).cuda()\n")
+    """What the step phase would have hit on its first GPU run: ``CudaEngine()`` without its codec."""
+    name = _entry(tmp_path, monkeypatch, "buddy.engines.cuda.CudaEngine()\ntorch.ones(2).cuda()\n")
     outcome = dry_run.run_entry(name, [])
     assert not outcome.ok
     assert outcome.stop.startswith("TypeError") and "codec" in outcome.stop
@@ -197,7 +197,7 @@ def test_the_tests_subset_holds_every_kernel_at_512_and_4096_on_four_dtypes_and_
     files = ("tests/test_gpu_cuda.py", "tests/test_codec_nvcomp.py")
     subset = _collect("--gpu-subset", "tests", *files)
     kernels = [n for n in subset if "test_kernels_write_the_reference_buffers" in n]
-    for codec in buddy.cuda.KERNEL_CODECS:
+    for codec in buddy.engines.cuda.KERNEL_CODECS:
         for e in (512, 4096):
             for dtype in ("f32", "bf16", "u8", "f64"):
                 assert any(f"codec={codec}-dtype={dtype}-" in n and f"E={e}]" in n for n in kernels), (codec, e, dtype)

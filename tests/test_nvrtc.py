@@ -1,7 +1,7 @@
 """Every codec's kernels at every entry size through NVRTC, the run-time compiler CuPy uses -- no GPU needed.
 
-The loader (buddy.cuda) hands NVRTC :func:`buddy.cuda.translation_unit` with
-:func:`buddy.cuda.compile_options` for one codec and one entry size; here
+The loader (buddy.engines.cuda) hands NVRTC :func:`buddy.engines.cuda.translation_unit` with
+:func:`buddy.engines.cuda.compile_options` for one codec and one entry size; here
 each of the 6 codecs at each of the 12 entry sizes (32 B ... 64 KiB) and each
 of the 4 word sizes (the loader builds a module per word size) goes the same
 way, to PTX for compute capability 9.0, and must compile without a warning
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from test_cuda_core import _find_nvrtc
 
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 from buddy import spec
 from buddy.layout import WORD_SIZES
 

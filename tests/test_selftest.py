@@ -1,7 +1,7 @@
 """The kernels by default on CUDA tensors, behind a self-test (buddy/selftest.py, buddy/dispatch.py).
 
 Without a GPU the kernels run under the block emulator: a
-:class:`buddy.cuda.CudaEngine` whose launches run the real kernel sources on
+:class:`buddy.engines.cuda.CudaEngine` whose launches run the real kernel sources on
 the host is registered as the *default* ``"cuda"`` implementation of CPU
 tensors, so ``backend="auto"`` on a CPU tensor takes exactly the path a CUDA
 tensor takes: the self-test on first use, then the kernels -- or, for
@@ -25,9 +25,9 @@ import torch
 from conftest import MiB, make_data
 
 import buddy
-from buddy import cuda as bcuda
+from buddy.engines import cuda as bcuda
 from buddy import dispatch, selftest
-from buddy.engine import BlockEngine
+from buddy.engines.reference import BlockEngine
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 KERNELS = tuple(bcuda.KERNEL_CODECS)
@@ -55,11 +55,14 @@ def kernels_on_the_cpu():
             added.append(name)
 
     added: list[str] = []
+    before = buddy.registered_implementations(device="cpu")
     yield register
-    for name in added:
-        buddy.unregister_implementation(name, "cpu", "cuda")
-        (reference,) = buddy.registered_implementations(name, device="cpu", backend="reference")
-        buddy.register_implementation(name, "cpu", "reference", reference.factory, default=True, replace=True)
+    for name in added:  # the CPU rows as they were (the native engine the default of some codecs)
+        buddy.unregister_implementation(name, "cpu")
+        for row in (r for r in before if r.codec == name):
+            buddy.register_implementation(
+                name, "cpu", row.backend, row.factory, default=row.default, requires=row.requires, replace=True
+            )
 
 
 class _FlipSlotByte(BlockEngine):

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import MissingDependencyError
 from .auto import AutoCodec, members_of
-from .base import Analysis, Codec
+from .base import Analysis, ChunkCodec, Codec, CodecLike
 from .bpc import BPCCodec
 from .fpe import FPECodec
 from .fpx import FPXCodec
@@ -31,6 +31,8 @@ from .zvc import ZVCCodec
 
 __all__ = [
     "Codec",
+    "CodecLike",
+    "ChunkCodec",
     "Analysis",
     "register_codec",
     "unregister_codec",
@@ -43,7 +45,7 @@ __all__ = [
 #: codec used when none is given (chosen by measurement: see docs/choosing.md)
 DEFAULT_CODEC = "auto2"
 
-_REGISTRY: dict[str, Codec] = {}
+_REGISTRY: dict[str, CodecLike] = {}
 #: the codecs registered with ``reference=True``: their torch code is their reference implementation
 _REFERENCE: set[str] = set()
 
@@ -52,7 +54,7 @@ _REFERENCE: set[str] = set()
 class _Table:
     """What the registry asks of the implementation table (see :func:`attach`)."""
 
-    added: Callable[[Codec, bool], None]
+    added: Callable[[CodecLike, bool], None]
     removed: Callable[[str], None]
     reasons: Callable[[str, str | None], list[str | None]]
 
@@ -61,7 +63,7 @@ _table: _Table | None = None
 
 
 def attach(
-    added: Callable[[Codec, bool], None],
+    added: Callable[[CodecLike, bool], None],
     removed: Callable[[str], None],
     reasons: Callable[[str, str | None], list[str | None]],
 ) -> None:
@@ -83,15 +85,20 @@ def _reasons(name: str, device: str | None = None) -> list[str | None]:
     return [] if _table is None else _table.reasons(name, device)
 
 
-def register_codec(codec: Codec, *, replace: bool = False, reference: bool = True) -> Codec:
+def register_codec(codec: CodecLike, *, replace: bool = False, reference: bool = True) -> CodecLike:
     """Make ``codec`` available by its ``name``; returns it.
 
     With ``reference`` (the default) its torch code becomes its reference
     implementation on the CPU and on CUDA devices, the default there; a
-    codec without torch code (nvcomp's) registers its own implementations.
+    :class:`ChunkCodec` (nvcomp's), which has no torch code, is registered
+    with ``reference=False`` and its engine registers its own implementations.
     """
-    if not isinstance(codec, Codec):
-        raise TypeError(f"register_codec expects a buddy.codecs.Codec instance, got {type(codec).__name__}")
+    if not isinstance(codec, (Codec, ChunkCodec)):
+        raise TypeError(
+            f"register_codec expects a buddy.codecs.Codec (or ChunkCodec) instance, got {type(codec).__name__}"
+        )
+    if reference and not isinstance(codec, Codec):
+        raise ValueError(f"codec {codec.name!r} has no torch code to be its reference: pass reference=False")
     if not isinstance(codec.name, str) or not codec.name:
         raise ValueError("a codec needs a non-empty name")
     if codec.name in _REGISTRY and not replace:
@@ -106,7 +113,7 @@ def register_codec(codec: Codec, *, replace: bool = False, reference: bool = Tru
     return codec
 
 
-def unregister_codec(name: str) -> Codec:
+def unregister_codec(name: str) -> CodecLike:
     """Remove a codec and every implementation of it; returns it."""
     codec = _REGISTRY.pop(name)
     _REFERENCE.discard(name)
@@ -115,7 +122,7 @@ def unregister_codec(name: str) -> Codec:
     return codec
 
 
-def get_codec(codec: str | Codec | None) -> Codec:
+def get_codec(codec: str | CodecLike | None) -> CodecLike:
     """The codec named ``codec`` (or ``codec`` itself, or the default for ``None``).
 
     A registered codec with no implementation that can run here raises
@@ -123,7 +130,7 @@ def get_codec(codec: str | Codec | None) -> Codec:
     """
     if codec is None:
         codec = DEFAULT_CODEC
-    if isinstance(codec, Codec):
+    if isinstance(codec, (Codec, ChunkCodec)):
         return codec
     if not isinstance(codec, str):
         raise TypeError(f"codec must be a name or a Codec, got {type(codec).__name__}")

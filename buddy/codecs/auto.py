@@ -36,27 +36,32 @@ from collections.abc import Sequence
 import torch
 
 from .. import spec
-from .base import Analysis, Codec
+from .base import Analysis, Codec, Fitting
 from .bpc import BPCCodec
 from .fpe import FPECodec
 from .fpx import FPXCodec
 from .zvc import ZVCCodec
 
-__all__ = ["AutoCodec", "AUTO_MEMBERS", "AUTO2_MEMBERS", "members_of"]
+__all__ = ["AutoCodec", "AUTO_MEMBERS", "AUTO2_MEMBERS", "member_kinds", "members_of"]
 
 #: buddy's auto codecs and the classes of their members, in the order they are tried (their modes are
 #: :data:`buddy.spec.AUTO_MODES`); ``auto2`` (format version 2) is ``auto``'s members and ``fpe``, whose table
-#: the tensor carries. The one list: the registry, the CUDA kernels' check (:func:`buddy.cuda.has_kernels`) and
-#: the default of :class:`AutoCodec` read it.
+#: the tensor carries. The one list: the registry, the CUDA kernels' check (:class:`buddy.engines.cuda.CudaEngine`)
+#: and the default of :class:`AutoCodec` read it.
 AUTO_MEMBERS: dict[str, tuple[type[Codec], ...]] = {
     "auto": (ZVCCodec, FPXCodec, BPCCodec),
     "auto2": (ZVCCodec, FPXCodec, BPCCodec, FPECodec),
 }
 
 
+def member_kinds(name: str) -> tuple[tuple[int, type[Codec]], ...]:
+    """The members ``(mode, class)`` of buddy's auto codec ``name`` (:data:`AUTO_MEMBERS`), in order."""
+    return tuple((spec.AUTO_MODES[cls.name], cls) for cls in AUTO_MEMBERS[name])
+
+
 def members_of(name: str) -> tuple[tuple[int, Codec], ...]:
     """The members ``(mode, codec)`` of buddy's auto codec ``name`` (:data:`AUTO_MEMBERS`), new instances."""
-    return tuple((spec.AUTO_MODES[cls.name], cls()) for cls in AUTO_MEMBERS[name])
+    return tuple((mode, cls()) for mode, cls in member_kinds(name))
 
 
 #: ``auto2``'s members (:data:`AUTO_MEMBERS`)
@@ -161,28 +166,20 @@ class AutoCodec(Codec):
         tabled = self._tabled
         return AutoCodec([(code, member if m is tabled else m) for code, m in self.members], name=self.name)
 
-    def fit(
-        self,
-        flat: torch.Tensor,
-        word_bytes: int,
-        prior: torch.Tensor | None = None,
-        read=None,
-        keep=None,
-        counts: torch.Tensor | None = None,
-    ) -> Codec:
+    def _fit(self, flat: torch.Tensor, word_bytes: int, how: Fitting) -> AutoCodec:
         tabled = self._tabled
         if tabled is None:
             return self
-        kept = keep._tabled if isinstance(keep, AutoCodec) else keep
-        return self._with(tabled.fit(flat, word_bytes, prior, read, kept, counts))
+        kept = how.keep._tabled if isinstance(how.keep, AutoCodec) else how.keep
+        return self._with(tabled._fit(flat, word_bytes, how._replace(keep=kept)))
 
-    def with_table(self, table, statistics: torch.Tensor) -> Codec:
+    def with_table(self, table, statistics: torch.Tensor) -> AutoCodec:
         tabled = self._tabled
         if tabled is None:
             return super().with_table(table, statistics)
         return self._with(tabled.with_table(table, statistics))
 
-    def bind(self, table: torch.Tensor | None, word_bytes: int) -> Codec:
+    def bind(self, table: torch.Tensor | None, word_bytes: int) -> AutoCodec:
         tabled = self._tabled
         return super().bind(table, word_bytes) if tabled is None else self._with(tabled.bind(table, word_bytes))
 

@@ -23,12 +23,18 @@ pipeline, the experiments and the benchmarks then use it by name.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ..errors import CorruptDataError
 
-__all__ = ["Codec", "Analysis", "bits_to_sectors"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["Codec", "CodecLike", "ChunkCodec", "Fitting", "Analysis", "bits_to_sectors"]
 
 
 def bits_to_sectors(total_bits: torch.Tensor) -> torch.Tensor:
@@ -58,37 +64,31 @@ class Analysis(abc.ABC):
         """
 
 
-class Codec(abc.ABC):
-    """A lossless entry codec (see the module doc for what it supplies and what it may assume).
+class Fitting(NamedTuple):
+    """How :meth:`CodecLike.fit` fits a codec's table (its arguments after the tensor's bytes and word size)."""
 
-    Contract, checked for every codec by the shared suites:
+    prior: torch.Tensor | None = None
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None
+    keep: CodecLike | None = None
+    counts: torch.Tensor | None = None
 
-    * ``decode(encode(x)) == x`` byte for byte, for every word size;
-    * streams are zero past their sectors, so layouts are deterministic;
-    * ``encode`` of entries gives the very streams ``analyse(...).streams``
-      gives, and their length agrees with ``analyse(...).sectors``;
-    * ``decode`` raises :class:`~buddy.errors.CorruptDataError` for payloads
-      it could not have written (it is given exactly ``k`` sectors, zeros
-      after).
+
+class CodecLike:
+    """What the registry, the pipeline and a stored tensor ask of every codec, whatever runs it.
+
+    Its :attr:`name` (stored in every BuddyTensor), the :attr:`format_version`
+    of what it writes, the :attr:`table` a tensor coded with it carries and
+    the :meth:`fit` / :meth:`bind` of that table: by default none. A
+    :class:`Codec` adds the per-block torch code; a :class:`ChunkCodec` has
+    none (an engine runs it whole).
     """
 
     #: registry name, stored in every BuddyTensor
     name: str = ""
-    #: metadata modes of an all-zero entry, of a raw entry, and of coded entries
-    zero_mode: int = 0
-    raw_mode: int = 0
-    coded_modes: frozenset[int] = frozenset({0})
-    #: whether all-zero entries are stored as ``k = 0`` (``raw`` stores every entry whole)
-    zero_escape: bool = True
     #: the format version of what it writes: 2 for a codec that carries a table (see :meth:`fit`)
     format_version: int = 1
     #: symbol statistics of the tensor it was fitted to (for a tracker to learn from), else ``None``
     statistics: torch.Tensor | None = None
-
-    @property
-    def modes(self) -> frozenset[int]:
-        """Every metadata mode this codec writes."""
-        return self.coded_modes | {self.zero_mode, self.raw_mode}
 
     @property
     def table(self) -> torch.Tensor | None:
@@ -109,31 +109,83 @@ class Codec(abc.ABC):
         read=None,
         keep=None,
         counts: torch.Tensor | None = None,
-    ) -> Codec:
+    ) -> Self:
         """This codec fitted to a tensor's bytes ``flat`` (default: itself, nothing to fit).
 
         A codec with a table returns a copy holding the table fitted to the
         tensor -- or to ``prior``, symbol statistics learned over earlier
         steps -- and the tensor's own :attr:`statistics`. ``read``: how it
         brings the tensor's statistics to the host when there is no prior
-        (the engine's :meth:`~buddy.engine.Engine.read`, which counts it;
+        (the engine's :meth:`~buddy.engines.Engine.read`, which counts it;
         default ``Tensor.cpu``). ``keep``: the codec fitted for the same key
         before, whose table a prior may keep (see :func:`buddy.codecs.fpe.fit_table`).
         ``counts``: the tensor's statistics when an engine has counted them
         already (on the tensor's device), else they are counted here.
+        A codec with a table implements :meth:`_fit`.
         """
+        return self._fit(flat, word_bytes, Fitting(prior, read, keep, counts))
+
+    def _fit(self, flat: torch.Tensor, word_bytes: int, how: Fitting) -> Self:
+        """:meth:`fit`, its options as one :class:`Fitting`."""
         return self
 
-    def with_table(self, table, statistics: torch.Tensor) -> Codec:
+    def with_table(self, table, statistics: torch.Tensor) -> Self:
         """This codec holding a ``table`` fitted elsewhere (an engine fits it on the tensor's device) and the
         tensor's ``statistics``; only for a codec that carries a table."""
         raise ValueError(f"codec {self.name!r} carries no table")
 
-    def bind(self, table: torch.Tensor | None, word_bytes: int) -> Codec:
+    def bind(self, table: torch.Tensor | None, word_bytes: int) -> Self:
         """This codec with a stored ``table`` (what decoding a tensor needs); default: no table taken."""
         if table is not None and table.numel():
             raise CorruptDataError(f"codec {self.name!r} takes no table, got one of {table.numel()} bytes")
         return self
+
+    def __repr__(self) -> str:
+        return f"<buddy codec {self.name!r}>"
+
+
+@dataclass(frozen=True, repr=False)
+class ChunkCodec(CodecLike):
+    """A codec an engine runs whole, a chunk per entry (nvcomp's): its name and the algorithm that name stands for.
+
+    It has no per-block torch code, hence no reference implementation: it is
+    registered with ``register_codec(..., reference=False)`` and its engine
+    (:mod:`buddy.engines.nvcomp`) implements its payload rules.
+    """
+
+    name: str = ""
+    algorithm: str = ""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.name, str) and self.name and isinstance(self.algorithm, str) and self.algorithm):
+            raise ValueError(f"a chunk codec needs a name and an algorithm, got {self.name!r} and {self.algorithm!r}")
+
+
+class Codec(CodecLike, abc.ABC):
+    """A lossless entry codec (see the module doc for what it supplies and what it may assume).
+
+    Contract, checked for every codec by the shared suites:
+
+    * ``decode(encode(x)) == x`` byte for byte, for every word size;
+    * streams are zero past their sectors, so layouts are deterministic;
+    * ``encode`` of entries gives the very streams ``analyse(...).streams``
+      gives, and their length agrees with ``analyse(...).sectors``;
+    * ``decode`` raises :class:`~buddy.errors.CorruptDataError` for payloads
+      it could not have written (it is given exactly ``k`` sectors, zeros
+      after).
+    """
+
+    #: metadata modes of an all-zero entry, of a raw entry, and of coded entries
+    zero_mode: int = 0
+    raw_mode: int = 0
+    coded_modes: frozenset[int] = frozenset({0})
+    #: whether all-zero entries are stored as ``k = 0`` (``raw`` stores every entry whole)
+    zero_escape: bool = True
+
+    @property
+    def modes(self) -> frozenset[int]:
+        """Every metadata mode this codec writes."""
+        return self.coded_modes | {self.zero_mode, self.raw_mode}
 
     @abc.abstractmethod
     def analyse(self, entries: torch.Tensor, word_bytes: int) -> Analysis:
@@ -152,6 +204,3 @@ class Codec(abc.ABC):
         self, payload: torch.Tensor, sectors: torch.Tensor, modes: torch.Tensor, word_bytes: int
     ) -> torch.Tensor:
         """Coded entries ``(n, E)`` from their payloads (``0 < sectors < E/32``; modes already checked)."""
-
-    def __repr__(self) -> str:
-        return f"<buddy codec {self.name!r}>"

@@ -115,7 +115,7 @@ import torch
 
 from ..errors import CorruptDataError
 from ._bitstream import StreamWriter, bits_after, bits_between, lookup, read_bits, stream_windows
-from .base import Analysis, Codec, bits_to_sectors
+from .base import Analysis, Codec, Fitting, bits_to_sectors
 from .fpx import SPLITS
 
 __all__ = [
@@ -684,28 +684,20 @@ class FPECodec(Codec):
     def table_bytes(self) -> int:
         return 0 if self._table is None else self._table.nbytes
 
-    def fit(
-        self,
-        flat: torch.Tensor,
-        word_bytes: int,
-        prior: torch.Tensor | None = None,
-        read=None,
-        keep=None,
-        counts: torch.Tensor | None = None,
-    ) -> FPECodec:
-        """The codec with a table fitted to ``flat``'s symbols (read with ``read``), or to ``prior`` (no read).
+    def _fit(self, flat: torch.Tensor, word_bytes: int, how: Fitting) -> FPECodec:
+        """The codec with a table fitted to ``flat``'s symbols (read with ``how.read``), or to ``how.prior``.
 
         With a ``prior``, ``keep`` (an fpe codec fitted before, e.g. for the
         same key a step earlier) lends its table while it still fits
         (:func:`fit_table`). :attr:`statistics` are the tensor's own symbol
-        counts either way (``counts`` when given), left on its device.
+        counts either way (``how.counts`` when given), left on its device.
         """
         _split(word_bytes)  # a clear error for a word size fpe does not know
-        counts = symbol_counts(flat, word_bytes) if counts is None else counts
-        if prior is None:
-            return FPECodec(Table.from_counts((read or torch.Tensor.cpu)(counts), word_bytes), counts)
-        kept = keep.fitted if isinstance(keep, FPECodec) else None
-        return FPECodec(fit_table(prior, word_bytes, kept), counts)
+        counts = symbol_counts(flat, word_bytes) if how.counts is None else how.counts
+        if how.prior is None:
+            return FPECodec(Table.from_counts((how.read or torch.Tensor.cpu)(counts), word_bytes), counts)
+        kept = how.keep.fitted if isinstance(how.keep, FPECodec) else None
+        return FPECodec(fit_table(how.prior, word_bytes, kept), counts)
 
     def with_table(self, table: Table, statistics: torch.Tensor) -> FPECodec:
         if not isinstance(table, Table):

@@ -51,7 +51,7 @@
 //               (BUDDY_FPE_SERIAL_BYTES)
 // CODEC: zvc | fpx | bpc | auto | fpe | auto2. The codecs with a table (fpe,
 // auto2) take it first: for them IN starts with the device table the kernels
-// get (sizeof(BuddyFpeTable) bytes, buddy.cuda.device_table), then the above.
+// get (sizeof(BuddyFpeTable) bytes, buddy.engines.cuda.device_table), then the above.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

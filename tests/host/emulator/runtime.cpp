@@ -47,6 +47,8 @@
 // unsupported mask), or the sanitizer's status after its report.
 #include "runtime.h"
 
+#include "fiber.h"
+
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -54,9 +56,6 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
-#if !defined(__x86_64__)
-#include <ucontext.h>
-#endif
 
 #include <algorithm>
 #include <fstream>
@@ -97,86 +96,12 @@ const uint32_t MAX_THREADS = 1024;     // of a block
 // ---------------------------------------------------------------------------
 // fibers
 // ---------------------------------------------------------------------------
-#if defined(__x86_64__)
-// A context is a stack pointer: buddy_emu_switch pushes the callee-saved
-// registers (and the SSE and x87 control words) on the current stack, stores
-// its pointer in *from, and pops the other context's from `to`. (swapcontext
-// would do a system call per switch, and ASan's interceptor of it clears the
-// shadow of the whole target stack each time.) A new context starts in
-// buddy_emu_start, which calls r13(r12).
-extern "C" void buddy_emu_switch(void** from, void* to);
-extern "C" void buddy_emu_start();
-asm(R"(
-  .text
-  .globl buddy_emu_switch
-  .type buddy_emu_switch, @function
-buddy_emu_switch:
-  pushq %rbp
-  pushq %rbx
-  pushq %r12
-  pushq %r13
-  pushq %r14
-  pushq %r15
-  subq $8, %rsp
-  stmxcsr (%rsp)
-  fnstcw 4(%rsp)
-  movq %rsp, (%rdi)
-  movq %rsi, %rsp
-  ldmxcsr (%rsp)
-  fldcw 4(%rsp)
-  addq $8, %rsp
-  popq %r15
-  popq %r14
-  popq %r13
-  popq %r12
-  popq %rbx
-  popq %rbp
-  ret
-  .size buddy_emu_switch, .-buddy_emu_switch
-  .globl buddy_emu_start
-  .type buddy_emu_start, @function
-buddy_emu_start:
-  movq %r12, %rdi
-  callq *%r13
-  ud2
-  .size buddy_emu_start, .-buddy_emu_start
-)");
-
-struct Context {
-  void* sp = nullptr;
-};
-
-// A context that calls entry(arg) on the stack [stack, stack + size).
+// the fibers (csrc/host/fiber.h)
+typedef BuddyFiberContext Context;
 void make_context(Context* c, char* stack, size_t size, void (*entry)(int), int arg) {
-  uint64_t* top = (uint64_t*)(((uintptr_t)(stack + size)) & ~(uintptr_t)15);
-  uint64_t* sp = top - 8;
-  sp[0] = 0x1F80u | (uint64_t)0x037Fu << 32;  // MXCSR, x87 control word: the defaults
-  sp[1] = 0;                                   // r15
-  sp[2] = 0;                                   // r14
-  sp[3] = (uint64_t)(uintptr_t)entry;          // r13
-  sp[4] = (uint64_t)(int64_t)arg;              // r12
-  sp[5] = 0;                                   // rbx
-  sp[6] = 0;                                   // rbp: the end of the frame chain
-  sp[7] = (uint64_t)(uintptr_t)buddy_emu_start;  // where the first switch returns to
-  c->sp = sp;
+  buddy_fiber_make(c, stack, size, entry, arg);
 }
-
-void switch_context(Context* from, Context* to) { buddy_emu_switch(&from->sp, to->sp); }
-#else
-struct Context {
-  ucontext_t uc;
-};
-
-void make_context(Context* c, char* stack, size_t size, void (*entry)(int), int arg) {
-  getcontext(&c->uc);
-  c->uc.uc_stack.ss_sp = stack;
-  c->uc.uc_stack.ss_size = size;
-  c->uc.uc_link = nullptr;
-  makecontext(&c->uc, (void (*)())entry, 1, arg);
-}
-
-void switch_context(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
-#endif
+void switch_context(Context* from, Context* to) { buddy_fiber_switch_to(from, to); }
 
 enum State { RUNNABLE, AT_BARRIER, AT_WARP, BLOCK_DONE };
 

@@ -1,16 +1,21 @@
 // CUDA for the host, as much as csrc/buddy_kernels.cu uses: included before
-// the kernel sources (kernels.cpp), it lets g++ compile them unchanged and
-// run them under the block emulator (runtime.cpp), every thread of a block a
-// fiber.
+// the kernel sources, it lets g++ compile them unchanged and run them on a
+// host runtime, every thread of a block a fiber: the block emulator
+// (tests/host/emulator: kernels.cpp, runtime.cpp) or the native CPU engine
+// (native.cpp). The runtime's functions (tests/host/emulator/runtime.h, or
+// native.cpp's inline ones) are declared before this header is included.
 //
 // The sources see a CUDA compiler for a device (__CUDACC__, __CUDA_ARCH__),
 // so they take their device branches -- aligned loads through
 // reinterpret_cast, atomicAdd/atomicOr, __popc and the funnel shifts -- not
 // the host fallbacks the per-entry harness (tests/host/codec_host.cpp) runs.
 //   threadIdx, blockIdx, blockDim, gridDim   the calling fiber's (runtime.cpp)
-//   __shared__                               a static variable in the section
-//                                            buddy_emu_shared, which the runtime
-//                                            fills with garbage before each block
+//   __shared__                               BUDDY_SHARED_STORAGE when the runtime
+//                                            defines it (native: one per host
+//                                            thread), else a static variable in
+//                                            the section buddy_emu_shared, which
+//                                            the emulator fills with garbage
+//                                            before each block
 //   buddy_dynamic_shared()                   the block's dynamic shared buffer,
 //                                            exactly the launch's size
 //   __syncthreads, __syncwarp                barriers among the block / warp,
@@ -29,7 +34,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "runtime.h"
+#include "launch.h"
 
 #define BUDDY_EMULATOR 1
 #define __CUDACC__ 1
@@ -40,7 +45,11 @@
 #define __global__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#if defined(BUDDY_SHARED_STORAGE)
+#define __shared__ BUDDY_SHARED_STORAGE
+#else
 #define __shared__ static __attribute__((section("buddy_emu_shared"), aligned(16)))
+#endif
 
 #define threadIdx (buddy_emu_thread_idx())
 #define blockIdx (buddy_emu_block_idx())

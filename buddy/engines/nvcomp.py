@@ -25,7 +25,7 @@ CUDA tensors; see :mod:`buddy.dispatch`) runs the format operations over the
 whole tensor:
 
 * ``measure`` compresses every entry in one batched call into a device
-  staging buffer (kept in :attr:`~buddy.engine.Measurement.reuse`); the
+  staging buffer (kept in :attr:`~buddy.engines.Measurement.reuse`); the
   sizes, metadata and histogram are computed on the device, and the
   histogram is the one device-to-host read of a compress.
 * ``pack`` writes the payloads from the staged streams, a block of entries
@@ -46,7 +46,7 @@ nvcomp is called through its batched C API (``nvcompBatched<Algo>CompressAsync``
 and ``DecompressAsync``, device arrays of chunk pointers computed with torch as
 ``base + i * stride``), bound with ctypes for nvcomp 4.x, 5.x and 6.x -- what
 ``buddy[cuda12]`` / ``buddy[cuda13]`` install -- in
-:mod:`buddy.codecs._nvcomp_capi`. nvcomp's Python API is not used: before
+:mod:`buddy.engines._nvcomp_capi`. nvcomp's Python API is not used: before
 nvcomp 6 it batches only a Python list of per-entry arrays, and it reads
 compressed sizes back to the host. The C API keeps no state, so threads share
 nothing but the loaded library. Every call runs with the tensor's device
@@ -65,21 +65,23 @@ from typing import NamedTuple
 import torch
 
 from .. import format, spec
+from ..codecs.base import ChunkCodec, CodecLike
 from ..deps import require_cuda
-from ..engine import Engine, Measurement
 from ..errors import CorruptDataError, MissingDependencyError
 from ..layout import Layout
+from . import ERR_K, ERR_MODE, ERR_OVERFLOW, ERR_STREAM, Engine, Implementation, Measurement, raise_for_errors
 from . import _nvcomp_capi as capi
-from .base import Codec
 
 __all__ = [
-    "NvcompCodec",
+    "chunk_codec",
     "NvcompEngine",
     "ALGORITHMS",
     "NAMES",
+    "CODECS",
     "MIN_ENTRY_BYTES",
     "usable",
     "why_unusable",
+    "rows",
     "check_entry_bytes",
     "chunk_pointers",
     "entry_sectors",
@@ -87,7 +89,6 @@ __all__ = [
     "length_bytes",
     "read_lengths",
     "coded_payloads",
-    "raise_for_errors",
 ]
 
 #: nvcomp algorithms (as its C API spells them) by buddy codec name
@@ -106,8 +107,11 @@ MIN_ENTRY_BYTES = 4096
 BLOCK_BYTES = 64 << 20
 
 _LENGTH_BYTES = 4
-# error bits of unpack
-_ERR_K, _ERR_STREAM, _ERR_MODE, _ERR_OVERFLOW = 1, 2, 4, 16
+#: what a bad stream (ERR_STREAM) means for this engine's unpack
+_BAD_STREAM = (
+    "a stream's length or what nvcomp decoded from it does not match the metadata (the buffers are damaged or were "
+    "not written by this codec)"
+)
 
 
 def why_unusable() -> str | None:
@@ -115,6 +119,13 @@ def why_unusable() -> str | None:
     if not torch.cuda.is_available():
         return "they run on CUDA tensors and PyTorch sees no CUDA device"
     return capi.why_unusable()
+
+
+def rows() -> tuple[Implementation, ...]:
+    """nvcomp's chunk codecs: CUDA tensors only, run by nvcomp itself (the default there; nothing else runs them)."""
+    return tuple(
+        Implementation(name, "cuda", "nvcomp", NvcompEngine, default=True, requires=why_unusable) for name in NAMES
+    )
 
 
 def usable() -> bool:
@@ -183,22 +194,6 @@ def coded_payloads(streams: torch.Tensor, lengths: torch.Tensor, entry_bytes: in
     return torch.where(used, body, 0)
 
 
-def raise_for_errors(codec: str, bits: int) -> None:
-    """:class:`~buddy.errors.CorruptDataError` for unpack's error bits (nothing for 0)."""
-    if not bits:
-        return
-    if bits & _ERR_MODE:
-        raise CorruptDataError(f"metadata holds modes that codec {codec!r} never writes")
-    if bits & _ERR_K:
-        raise CorruptDataError(f"{codec}: metadata claims more sectors than an entry has")
-    if bits & _ERR_OVERFLOW:
-        raise CorruptDataError(f"{codec}: the overflow is not the size the metadata needs")
-    raise CorruptDataError(
-        f"{codec}: a stream's length or what nvcomp decoded from it does not match the metadata (the buffers are "
-        f"damaged or were not written by this codec)"
-    )
-
-
 def _ranges(n: int, entry_bytes: int) -> list[tuple[int, int]]:
     step = max(1, BLOCK_BYTES // entry_bytes)
     return [(a, min(a + step, n)) for a in range(0, n, step)]
@@ -214,39 +209,26 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 # ---------------------------------------------------------------------------
-# the codec and its engine
+# the codecs and their engine
 # ---------------------------------------------------------------------------
-class NvcompCodec(Codec):
-    """One nvcomp algorithm as a buddy codec (entry = chunk); CUDA tensors only, run by :class:`NvcompEngine`.
+def chunk_codec(name: str) -> ChunkCodec:
+    """nvcomp's chunk codec ``name`` (entry = chunk): CUDA tensors only, run by :class:`NvcompEngine`."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown nvcomp codec {name!r}; one of {', '.join(NAMES)}")
+    return ChunkCodec(name, ALGORITHMS[name])
 
-    It has no per-block torch code: :meth:`analyse` and :meth:`decode`
-    refuse, and its engine implements the payload rules of the module doc.
-    """
 
-    def __init__(self, name: str):
-        if name not in ALGORITHMS:
-            raise ValueError(f"unknown nvcomp codec {name!r}; one of {', '.join(NAMES)}")
-        self.name = name
-        self.algorithm = ALGORITHMS[name]
+#: the chunk codecs, one per algorithm (registered by name in :mod:`buddy.dispatch`)
+CODECS = tuple(chunk_codec(name) for name in NAMES)
 
-    def refuse(self, t: torch.Tensor):
-        """Raise: CPU tensors are refused with a diagnosis; CUDA tensors go through the engine."""
-        if t.device.type != "cuda":
-            require_cuda(f"codec {self.name!r}")  # a clear diagnosis on a machine without a GPU
-            raise MissingDependencyError(
-                f"codec {self.name!r} runs nvcomp on the GPU: move the tensor to CUDA first "
-                f"(got a {t.device.type} tensor), or use a reference codec such as 'auto' on the CPU"
-            )
-        raise TypeError(
-            f"codec {self.name!r} has no per-block torch code: nvcomp compresses whole tensors through its engine "
-            f"(buddy.compress(t, codec={self.name!r}, entry_bytes=4096 ... 65536))"
-        )
 
-    def analyse(self, entries, word_bytes):
-        self.refuse(entries)
-
-    def decode(self, payload, sectors, modes, word_bytes):
-        self.refuse(payload)
+def _refuse_host(name: str, t: torch.Tensor) -> None:
+    """:class:`~buddy.errors.MissingDependencyError` for a tensor not on a CUDA device, with a diagnosis."""
+    require_cuda(f"codec {name!r}")  # a clear diagnosis on a machine without a GPU
+    raise MissingDependencyError(
+        f"codec {name!r} runs nvcomp on the GPU: move the tensor to CUDA first "
+        f"(got a {t.device.type} tensor), or use a reference codec such as 'auto' on the CPU"
+    )
 
 
 class _Staged(NamedTuple):
@@ -261,17 +243,17 @@ class NvcompEngine(Engine):
     """The format operations over a whole tensor with one batched nvcomp call each way (see the module doc).
 
     ``batch``: what runs nvcomp's batched calls (default: nvcomp's library,
-    :class:`buddy.codecs._nvcomp_capi.Batched`); ``device_type``: the device
+    :class:`buddy.engines._nvcomp_capi.Batched`); ``device_type``: the device
     the tensors must live on. Tests run the same glue on CPU tensors by
     passing both. :attr:`readbacks` counts the device-to-host reads (one per
     compress: the histogram; none per decompress unless ``check=True``).
     """
 
     backend = "nvcomp"
-    codec: NvcompCodec
+    codec: ChunkCodec
 
-    def __init__(self, codec: Codec, *, batch=None, device_type: str = "cuda"):
-        if not isinstance(codec, NvcompCodec):
+    def __init__(self, codec: CodecLike, *, batch=None, device_type: str = "cuda"):
+        if not (isinstance(codec, ChunkCodec) and ALGORITHMS.get(codec.name) == codec.algorithm):
             raise ValueError(f"the nvcomp engine runs nvcomp codecs, not {codec!r}")
         super().__init__(codec)
         self._batch = batch
@@ -285,7 +267,7 @@ class NvcompEngine(Engine):
         check_entry_bytes(layout.entry_bytes)
         if t.device.type != self.device_type:
             if self.device_type == "cuda":
-                self.codec.refuse(t)
+                _refuse_host(self.codec.name, t)
             raise ValueError(f"this nvcomp engine takes {self.device_type} tensors, got one on {t.device}")
 
     @staticmethod
@@ -379,7 +361,7 @@ class NvcompEngine(Engine):
             if error_flag is not None:
                 error_flag.bitwise_or_(error.view(1))
             if check:
-                raise_for_errors(self.codec.name, int(self.read(error)))
+                raise_for_errors(self.codec.name, int(self.read(error)), _BAD_STREAM)
         return out[: layout.nbytes]
 
     def _decode(self, meta, slots, overflow, slot, layout: Layout, out) -> torch.Tensor:
@@ -392,10 +374,10 @@ class NvcompEngine(Engine):
         spared[m * spec.SECTOR_BYTES :].zero_()  # the spare sector: what sectors past k read
         k, modes = format.decode_meta(meta, entry_bytes, n, check=False)
         bad = (k > spe) | (modes != 0)  # such entries decode to zeros (flagged)
-        error = _flag(k > spe, _ERR_K) | _flag(modes != 0, _ERR_MODE)
+        error = _flag(k > spe, ERR_K) | _flag(modes != 0, ERR_MODE)
         k = k.clamp(max=spe)
         starts, total = format.overflow_starts(k, slot)
-        error = error | ((total != m).to(torch.int32) * _ERR_OVERFLOW)
+        error = error | ((total != m).to(torch.int32) * ERR_OVERFLOW)
         raw = (k == spe) & ~bad
         streams, lengths = self._gather(slots, spared, k, raw, starts, slot, entry_bytes, out)
         coded = (k > 0) & (k < spe) & ~bad
@@ -438,4 +420,4 @@ class NvcompEngine(Engine):
             )  # fmt: skip
         failed = coded & ~(fits & (statuses == 0) & (decoded == entry_bytes))
         out.view(n, entry_bytes).masked_fill_(failed.unsqueeze(1), 0)
-        return _flag(failed, _ERR_STREAM)
+        return _flag(failed, ERR_STREAM)

@@ -70,17 +70,17 @@ from pathlib import Path
 
 import torch
 
-from . import spec
-from .codecs.auto import AUTO_MEMBERS, AutoCodec
-from .codecs.base import Codec
-from .codecs.bpc import BPCCodec
-from .codecs.fpe import MAX_CODE_BITS, MAX_CODED, FPECodec, Table, default_table, n_symbols
-from .codecs.fpx import FPXCodec
-from .codecs.zvc import ZVCCodec
-from .deps import available, require
-from .engine import Engine, Measurement
-from .errors import CorruptDataError
-from .layout import WORD_SIZES, Layout
+from .. import spec
+from ..codecs.auto import AUTO_MEMBERS, AutoCodec, member_kinds
+from ..codecs.base import Codec, CodecLike
+from ..codecs.bpc import BPCCodec
+from ..codecs.fpe import MAX_CODE_BITS, MAX_CODED, FPECodec, Table, default_table, n_symbols
+from ..codecs.fpx import FPXCodec
+from ..codecs.zvc import ZVCCodec
+from ..deps import available, require
+from ..errors import CorruptDataError
+from ..layout import WORD_SIZES, Layout
+from . import Engine, Implementation, Measurement, raise_for_errors
 
 __all__ = [
     "ALIGN_BYTES",
@@ -95,6 +95,7 @@ __all__ = [
     "device_table",
     "codec_table",
     "why_unusable",
+    "rows",
     "compile_options",
     "read_source",
     "translation_unit",
@@ -112,15 +113,18 @@ _WARP = 32
 _FEATURE = "buddy's CUDA backend (backend='cuda')"
 _SOURCE = "buddy_kernels.cu"
 
-# error bits of unpack (csrc/buddy_format.h, BUDDY_ERR_*)
-_ERR_K, _ERR_STREAM, _ERR_MODE, _ERR_WORD, _ERR_OVERFLOW = 1, 2, 4, 8, 16
+#: what a bad stream (ERR_STREAM) means for the kernels' unpack
+_BAD_STREAM = (
+    "a payload (its bitmap or stream) does not match the entry sizes in the metadata "
+    "(or, for a codec with a table, holds codes the table does not give)"
+)
 
 # ---------------------------------------------------------------------------
 # sources
 # ---------------------------------------------------------------------------
 _LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
 _PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", re.MULTILINE)
-_REPO_CSRC = Path(__file__).resolve().parents[1] / "csrc"
+_REPO_CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 
 def read_source(name: str) -> str:
@@ -526,26 +530,8 @@ def _error_flag(given: torch.Tensor | None, device: torch.device) -> torch.Tenso
     return given
 
 
-def raise_for_errors(codec: str, bits: int) -> None:
-    """:class:`~buddy.errors.CorruptDataError` for an unpack's error bits (nothing for 0)."""
-    if not bits:
-        return
-    if bits & _ERR_MODE:
-        raise CorruptDataError(f"metadata holds modes that codec {codec!r} never writes for such entries")
-    if bits & _ERR_K:
-        raise CorruptDataError(f"{codec}: metadata claims more sectors than an entry has")
-    if bits & _ERR_OVERFLOW:
-        raise CorruptDataError(f"{codec}: the overflow is not the size the metadata needs")
-    if bits & _ERR_STREAM:
-        raise CorruptDataError(
-            f"{codec}: a payload (its bitmap or stream) does not match the entry sizes in the metadata "
-            f"(or, for a codec with a table, holds codes the table does not give)"
-        )
-    raise CorruptDataError(f"{codec} CUDA unpack failed (error bits {bits:#x})")
-
-
 # ---------------------------------------------------------------------------
-# the engine the pipeline calls (registered in buddy.dispatch's table)
+# the engine the pipeline calls (its rows: buddy.dispatch's table)
 # ---------------------------------------------------------------------------
 def why_unusable() -> str | None:
     """Why the CUDA kernels cannot run here (no CuPy, no GPU), or ``None``."""
@@ -556,16 +542,12 @@ def why_unusable() -> str | None:
     return None
 
 
-#: the members (mode, class) the kernels of each auto codec compose, in order (buddy.codecs.auto's list)
-_AUTO_MEMBERS = {name: [(spec.AUTO_MODES[c.name], c) for c in members] for name, members in AUTO_MEMBERS.items()}
-
-
-def has_kernels(codec: Codec) -> bool:
-    """Whether the kernels reproduce ``codec``: exactly buddy's class of that name (auto codecs: with their own
-    members, in order)."""
-    if type(codec) is not KERNEL_CODECS.get(codec.name):
-        return False
-    return not isinstance(codec, AutoCodec) or [(m, type(c)) for m, c in codec.members] == _AUTO_MEMBERS[codec.name]
+def rows() -> tuple[Implementation, ...]:
+    """The kernels of every codec of :data:`KERNEL_CODECS`: the default on CUDA devices, once its self-test passed
+    there (see :mod:`buddy.dispatch`)."""
+    return tuple(
+        Implementation(name, "cuda", "cuda", CudaEngine, default=True, requires=why_unusable) for name in KERNEL_CODECS
+    )
 
 
 class CudaEngine(Engine):
@@ -578,9 +560,13 @@ class CudaEngine(Engine):
     """
 
     backend = "cuda"
+    codec: Codec
 
-    def __init__(self, codec: Codec, *, launch=None, device_type: str = "cuda"):
-        if not has_kernels(codec):
+    def __init__(self, codec: CodecLike, *, launch=None, device_type: str = "cuda"):
+        # the kernels reproduce exactly buddy's class of that name (an auto codec: with its own members, in order)
+        kinds = tuple((m, type(c)) for m, c in codec.members) if isinstance(codec, AutoCodec) else None
+        exact = type(codec) is KERNEL_CODECS.get(codec.name)
+        if not exact or (kinds is not None and kinds != member_kinds(codec.name)):
             have = ", ".join(sorted(KERNEL_CODECS))
             raise ValueError(
                 f"codec {codec.name!r} ({type(codec).__name__}) has no CUDA kernels (codecs with them: {have})"
@@ -706,5 +692,5 @@ class CudaEngine(Engine):
             table = self._table(slots.device, layout.word_bytes)
             self.kernels.unpack(layout, meta, ends, slot, slots, overflow, out, error, table)
             if check:
-                raise_for_errors(self.codec.name, int(self.read(error)[0]))
+                raise_for_errors(self.codec.name, int(self.read(error)[0]), _BAD_STREAM)
         return out[: layout.nbytes]

@@ -1,0 +1,275 @@
+"""The native CPU engine: the CUDA kernels' own sources compiled for the host, the default on CPU tensors.
+
+``csrc/buddy_kernels.cu`` and its headers -- the very sources NVRTC compiles
+for the GPU -- are compiled by the host's C++ compiler through the CUDA shim
+(``csrc/host/cuda_shim.h``) into a shared library per (codec, entry size),
+with the loader's defines (:func:`buddy.cuda.compile_options`), and run by a
+runtime made for speed (``csrc/host/native.cpp``): every block one warp,
+its 32 lanes fibers switched at collectives in a fixed order, the blocks
+spread over host threads (``torch.get_num_threads()``, or ``BUDDY_NATIVE_THREADS``). :class:`NativeEngine`
+is :class:`~buddy.cuda.CudaEngine` with this launch on CPU tensors, so the
+glue -- argument checks, the table codecs' count and fit kernels, the
+overflow's prefix sum, the error flag -- is the GPU path's, byte for byte.
+
+Registered in :mod:`buddy.dispatch` as the default (``backend="auto"``) of
+every codec with kernels on the CPU, behind the same self-test as the GPU's
+(golden vectors through it both ways, once per process and codec);
+``backend="native"`` asks for it explicitly, ``backend="reference"`` or
+``BUDDY_BACKEND=reference`` for the torch reference (the oracle).
+
+Builds are compiled at first use (about 3 s a codec and entry size on two
+cores) and cached on disk by the hash of the sources, flags and compiler
+(``BUDDY_NATIVE_CACHE``, default ``~/.cache/buddy/native``). Where no
+compiler is found (``CXX``, else ``g++``, ``c++``, ``clang++``) or a build
+fails, :func:`why_unusable` / the self-test say why and the reference runs;
+``BUDDY_NATIVE=0`` turns the engine off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.resources
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import Implementation, cuda
+from ..codecs.base import Codec
+
+__all__ = [
+    "NativeEngine", "why_unusable", "describe", "library", "launch", "rows", "DEFAULT_CODECS", "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS",
+    "ENTRIES_PER_BLOCK",
+]  # fmt: skip
+
+#: ``BUDDY_NATIVE=0`` turns the native engine off (the reference runs on the CPU)
+ENV_SWITCH = "BUDDY_NATIVE"
+#: where builds are cached (default ``~/.cache/buddy/native``)
+ENV_CACHE = "BUDDY_NATIVE_CACHE"
+#: host threads a launch runs on (default: ``torch.get_num_threads()``)
+ENV_THREADS = "BUDDY_NATIVE_THREADS"
+#: entries (8-byte units for ``count``) a block takes on before another block is worth its set-up
+ENTRIES_PER_BLOCK = 16
+_COUNT_UNITS_PER_BLOCK = 64 * 64  # a warp counts 64 units a round
+_FLAGS = ("-O2", "-march=native", "-fPIC", "-shared", "-fvisibility=hidden", "-pthread", "-fno-strict-aliasing")
+_REPO_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_lock = threading.Lock()
+
+
+class _Arg(ctypes.Structure):
+    """``BuddyEmuArg`` (csrc/host/launch.h): a buffer or an integer of a launch."""
+
+    _fields_ = [("kind", ctypes.c_int), ("ptr", ctypes.c_void_p), ("value", ctypes.c_longlong)]
+
+
+_BUFFER, _I32, _I64 = 0, 1, 2
+
+
+def _csrc() -> Path:
+    """The folder of the kernel sources: the installed ``buddy.csrc`` package, else the repository's."""
+    try:
+        found = Path(str(importlib.resources.files("buddy.csrc")))
+        if (found / "host" / "native.cpp").is_file():
+            return found
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return _REPO_CSRC
+
+
+@functools.cache
+def _compiler() -> tuple[str, str] | str:
+    """``(compiler, its --version)``, or why there is none."""
+    if platform.system() != "Linux" and platform.system() != "Darwin":
+        return f"the native engine builds on Linux and macOS (this is {platform.system()})"
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    for name in names:
+        path = shutil.which(name)
+        if path is None:
+            continue
+        try:
+            version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        return path, version
+    return f"no C++ compiler found ({', '.join(names)}; set CXX)"
+
+
+def why_unusable() -> str | None:
+    """Why the native engine cannot run here (off, no compiler), or ``None``."""
+    if os.environ.get(ENV_SWITCH, "").strip() == "0":
+        return f"{ENV_SWITCH}=0"
+    found = _compiler()
+    return found if isinstance(found, str) else None
+
+
+@functools.cache
+def _machine() -> str:
+    """What ``-march=native`` compiles for: the processor's model and features (a cache shared by machines keeps
+    a build per kind of processor)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    fields = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return platform.machine() + "\n".join(sorted(set(fields)))
+
+
+def describe() -> str:
+    """What builds the native engine here (its compiler's first ``--version`` line), or why none can."""
+    why, found = why_unusable(), _compiler()
+    if why is not None or isinstance(found, str):
+        return f"off: {why or found}"
+    cxx, version = found
+    return f"{Path(cxx).name}: {version.strip().splitlines()[0] if version.strip() else 'unknown version'}"
+
+
+def _cache_dir() -> Path:
+    folder = Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "buddy" / "native")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _sources(csrc: Path) -> list[tuple[str, bytes]]:
+    files = sorted(p for folder in (csrc, csrc / "host") for p in folder.iterdir() if p.suffix in (".h", ".cu", ".cpp"))
+    return [(str(p.relative_to(csrc)), p.read_bytes()) for p in files]
+
+
+class _Library:
+    """One build: its kernels by name, and the launch."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.dll = ctypes.CDLL(str(path))
+        self.dll.buddy_native_kernel.argtypes = [ctypes.c_char_p]
+        self.dll.buddy_native_kernel.restype = ctypes.c_int
+        self.dll.buddy_native_launch.argtypes = [
+            ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, ctypes.POINTER(_Arg), ctypes.c_size_t, ctypes.c_uint,
+            ctypes.c_char_p, ctypes.c_size_t,
+        ]  # fmt: skip
+        self.dll.buddy_native_launch.restype = ctypes.c_int
+        self._kernels: dict[str, int] = {}
+
+    def kernel(self, name: str) -> int:
+        index = self._kernels.get(name)
+        if index is None:
+            index = self._kernels[name] = self.dll.buddy_native_kernel(name.encode())
+            if index < 0:
+                raise ValueError(f"no kernel {name} in {self.path.name}")
+        return index
+
+    def launch(self, name: str, grid: int, shared: int, args: tuple, threads: int) -> None:
+        """Run kernel ``name`` over ``grid`` blocks (one warp each) on ``threads`` host threads."""
+        c_args = (_Arg * len(args))()
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                c_args[i] = _Arg(_BUFFER, a.data_ptr() if a.numel() else None, 0)
+            elif isinstance(a, np.int32):
+                c_args[i] = _Arg(_I32, None, int(a))
+            elif isinstance(a, np.int64):
+                c_args[i] = _Arg(_I64, None, int(a))
+            else:
+                raise TypeError(f"{name}: argument {i} must be a tensor, numpy.int32 or numpy.int64, got {type(a)}")
+        why = ctypes.create_string_buffer(256)
+        if self.dll.buddy_native_launch(self.kernel(name), grid, shared, c_args, len(args), threads, why, 256):
+            raise ValueError(f"{name}: {why.value.decode()}")
+
+
+_libraries: dict[tuple[str, int], _Library] = {}
+
+
+def library(codec: str, entry_bytes: int) -> _Library:
+    """The native build of ``codec``'s kernels at ``entry_bytes``: compiled on first use (cached on disk)."""
+    key = (codec, entry_bytes)
+    found = _libraries.get(key)
+    if found is not None:
+        return found
+    with _lock:
+        found = _libraries.get(key)
+        if found is None:
+            found = _libraries[key] = _Library(_build(codec, entry_bytes))
+    return found
+
+
+def _build(codec: str, entry_bytes: int) -> Path:
+    compiler = _compiler()
+    if isinstance(compiler, str):
+        raise RuntimeError(f"the native engine cannot be built: {compiler}")
+    cxx, version = compiler
+    csrc = _csrc()
+    options = cuda.compile_options(entry_bytes, codec)
+    h = hashlib.sha256()
+    for part in (*_sources(csrc), options, _FLAGS, version, _machine()):
+        h.update(repr(part).encode())
+    out = _cache_dir() / f"buddy-native-{codec}-E{entry_bytes}-{h.hexdigest()[:20]}.so"
+    if out.exists():
+        return out
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    cmd = [cxx, *options, *_FLAGS, f"-I{csrc}", f"-I{csrc / 'host'}", str(csrc / "host" / "native.cpp"), "-o", str(tmp)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"the native engine's build failed ({' '.join(cmd)}):\n{result.stderr[-4000:]}")
+    os.replace(tmp, out)  # atomic: concurrent builds of one key write the same file
+    return out
+
+
+def _grid(op: str, n: int, threads: int) -> int:
+    """Blocks of a launch: enough for every thread to take several, few enough that each loops over many entries."""
+    if op == "fit":
+        return 1
+    per_block = _COUNT_UNITS_PER_BLOCK if op == "count" else ENTRIES_PER_BLOCK
+    return max(1, min(-(-n // per_block), 8 * threads))
+
+
+def _threads() -> int:
+    """Host threads of a launch: ``BUDDY_NATIVE_THREADS`` (read at every launch), else torch's intra-op threads."""
+    value = os.environ.get(ENV_THREADS, "").strip()
+    if not value:
+        return max(1, torch.get_num_threads())
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{ENV_THREADS}={value!r} must be a whole number of threads, at least 1")
+    return int(value)
+
+
+def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple) -> None:
+    """:class:`~buddy.cuda.Kernels`' ``launch=``: kernel ``buddy_<codec>_<op>`` natively on the host."""
+    del device  # CPU tensors: Kernels checked them
+    lib = library(codec, entry_bytes)
+    threads = _threads()
+    grid = _grid(op, n_entries, threads)
+    _, block, shared = cuda.launch_config(op, entry_bytes, n_entries, codec)
+    shared = shared // (block // 32)  # a native block is one warp: one warp's staging
+    lib.launch(f"buddy_{codec}_{op}", grid, shared, args, min(threads, grid))
+
+
+class NativeEngine(cuda.CudaEngine):
+    """The kernels' format operations on CPU tensors, natively (see the module doc)."""
+
+    backend = "native"
+
+    def __init__(self, codec: Codec):
+        super().__init__(codec, launch=launch, device_type="cpu")
+
+
+#: the codecs the native engine is the CPU default of: those whose compress and decompress together take less time
+#: natively than through the torch reference on real activations (docs/cpu_engine.md: ``python -m
+#: experiments.bench_codecs --entry-bytes 4096 --backends reference native``). The others' kernels lean on
+#: collectives (bpc's bit planes; zvc's and auto's ballots per word on ReLU data), each of which costs every lane
+#: a fiber switch here, and run faster as the reference's vectorised torch ops.
+DEFAULT_CODECS = frozenset({"fpe", "auto2", "fpx"})
+
+
+def rows() -> tuple[Implementation, ...]:
+    """The native engine of every codec with kernels on CPU tensors; the default of :data:`DEFAULT_CODECS`, once
+    its self-test passed (see :mod:`buddy.dispatch`)."""
+    return tuple(
+        Implementation(name, "cpu", "native", NativeEngine, default=name in DEFAULT_CODECS, requires=why_unusable)
+        for name in cuda.KERNEL_CODECS
+    )

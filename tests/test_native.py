@@ -1,0 +1,260 @@
+"""The native CPU engine: the kernel sources built for the host, byte for byte against the torch reference.
+
+:mod:`buddy.engines.native` compiles ``csrc/buddy_kernels.cu`` (the sources
+NVRTC compiles for the GPU, through the shim the block emulator uses) into a
+library per codec and entry size and runs it with a fast runtime
+(``csrc/host/native.cpp``: one warp a block, lanes as fibers in a fixed
+order, blocks over host threads). Here, as the emulator's tests do for the
+emulated kernels:
+
+* every codec on real activations (float32, bfloat16, float64, int64, text
+  bytes; partial last entries; slots that overflow and the zero slot): the
+  reference's histogram, metadata, table, slots and overflow exactly, each
+  decoding the other's buffers; one host thread and several alike;
+* tensors of one entry; random tensors of every dtype (the fuzz corpus's);
+* every golden vector of every format version: written (sets still written)
+  and decoded;
+* damaged buffers: flagged (``CorruptDataError``) exactly where the reference
+  raises;
+* the engine table: the native engine is the CPU default of
+  :data:`~buddy.engines.native.DEFAULT_CODECS` once its self-test passed, the
+  reference elsewhere; ``BUDDY_BACKEND=reference`` and ``BUDDY_NATIVE=0``
+  turn it off; no compiler, or a build that fails, leaves the reference
+  running and says why; a forked child and concurrent threads run it too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import stat
+import sys
+import warnings
+
+import pytest
+import torch
+from conftest import assert_bitexact, fuzz_settings
+from hypothesis import given
+from hypothesis import strategies as st
+from kernel_cases import (
+    CASES,
+    _same_buffers,
+    check_damage_flagged,
+    check_golden,
+    check_reference_buffers,
+    check_tensors_of_one_entry,
+)
+from test_fuzz import tensors
+from test_golden import CASES as GOLDEN_CASES
+from test_golden import SETS as GOLDEN_SETS
+from test_golden import load_vectors
+
+import buddy
+from buddy import dispatch, selftest, spec
+from buddy.engines import cuda as bcuda
+from buddy.engines import native
+
+pytestmark = pytest.mark.skipif(native.why_unusable() is not None, reason=f"{native.why_unusable()}")
+
+CODECS = tuple(bcuda.KERNEL_CODECS)
+TABLED = bcuda.TABLED_KERNELS
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_native_writes_and_reads_the_reference_buffers(codec, case, activations, store):
+    t = case.tensor(activations)
+    e = case.entry_bytes
+    slot, got = check_reference_buffers("native", codec, t, e, case.slot_for, store, codec in TABLED)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one host thread runs every block: the same bytes
+    try:
+        ratio = spec.ratio_for_slot(slot, e)
+        one = buddy.compress(t, ratio, codec, entry_bytes=e, backend="native", store=store)
+        want = buddy.compress(t, ratio, codec, entry_bytes=e, backend="reference", store=store)
+        assert one.backend == "native"
+        _same_buffers(one, want)
+        assert_bitexact(one.decompress(), t)
+    finally:
+        torch.set_num_threads(threads)
+    one.free()
+    want.free()
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
+def test_tensors_of_one_entry(codec, activations, store):
+    check_tensors_of_one_entry("native", codec, activations, store)
+
+
+#: entry sizes of the random tensors (a build per codec and entry size: a few, the smallest and the default)
+FUZZ_ENTRY_BYTES = (32, 128, 4096)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
+@fuzz_settings(0.3)
+@given(data=st.data())
+def test_random_tensors(codec, data):
+    """The fuzz corpus's tensors (every dtype, awkward shapes and strides, special values): the reference's bytes."""
+    t, _ = data.draw(tensors(), label="tensor")
+    e = data.draw(st.sampled_from(FUZZ_ENTRY_BYTES), label="entry_bytes")
+    store = buddy.BuddyStore()
+    want = buddy.measure(t, codec, entry_bytes=e, backend="reference")
+    slot = data.draw(st.integers(0, spec.sectors_per_entry(e)), label="slot")
+    got = buddy.measure(t, codec, entry_bytes=e, backend="native")
+    assert got.histogram == want.histogram
+    a, b = buddy.pack(got, slot, store=store), buddy.pack(want, slot, store=store)
+    try:
+        _same_buffers(a, b)
+        assert_bitexact(b.decompress(backend="native", check=True), t)
+    finally:
+        a.free()
+        b.free()
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
+def test_unpack_flags_damage_where_the_reference_raises(codec, activations, store):
+    check_damage_flagged("native", codec, activations, store)
+
+
+def _golden_groups():
+    groups: dict[tuple, list[dict]] = {}
+    for case in GOLDEN_CASES:
+        if case["codec"] in CODECS:
+            groups.setdefault((case["set"], case["entry_bytes"], case["codec"]), []).append(case)
+    for (name, e, codec), cases in sorted(groups.items()):
+        yield pytest.param(cases, id=f"{name}-E={e}-codec={codec}")
+
+
+@pytest.mark.parametrize("cases", list(_golden_groups()))
+def test_golden_vectors(cases, store):
+    """The engine writes the golden bytes of every input (sets still written) and decodes all of them."""
+    check_golden("native", cases, load_vectors(), GOLDEN_SETS, store)
+
+
+# ---------------------------------------------------------------------------
+# the engine table
+# ---------------------------------------------------------------------------
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    """No self-test verdicts or warnings remembered, before and after the test; yields a MonkeyPatch for the
+    compiler's environment, undone before the compiler is looked for again."""
+    selftest.reset()
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    with pytest.MonkeyPatch.context() as env:
+        yield env
+    native._compiler.cache_clear()
+    selftest.reset()
+
+
+def _chosen(codec: str) -> dispatch.Choice:
+    (row,) = dispatch.chosen(codec, device="cpu")
+    return row
+
+
+def test_the_cpu_default_of_its_codecs_after_its_self_test(fresh_choice, store):
+    t = torch.relu(torch.randn(3000, generator=torch.Generator().manual_seed(1)))
+    for codec in CODECS:
+        bt = buddy.compress(t, 2.0, codec, store=store)
+        expected = "native" if codec in native.DEFAULT_CODECS else "reference"
+        assert bt.backend == expected, codec
+        assert _chosen(codec).backend == expected
+        assert_bitexact(bt.decompress(), t)
+        bt.free()
+    assert _chosen("auto2").why.startswith("self-test passed")
+    assert {i.codec for i in dispatch.implementations(device="cpu", backend="native")} == set(CODECS)
+    assert buddy.codecs.DEFAULT_CODEC in native.DEFAULT_CODECS  # the default codec runs natively
+
+
+def test_turned_off(fresh_choice, monkeypatch, store):
+    t = torch.randn(1000)
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "reference")
+    assert buddy.compress(t, 1.5, "auto2", store=store).backend == "reference"
+    assert _chosen("auto2").why == "BUDDY_BACKEND=reference"
+    monkeypatch.delenv(dispatch.ENV_BACKEND)
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    assert native.why_unusable() == "BUDDY_NATIVE=0"
+    assert buddy.compress(t, 1.5, "auto2", store=store).backend == "reference"
+    assert _chosen("auto2").why == "BUDDY_NATIVE=0"
+    with pytest.raises(buddy.MissingDependencyError, match="native CPU engine of codec 'zvc' cannot run here"):
+        buddy.compress(t, 1.5, "zvc", store=store, backend="native")
+
+
+def test_without_a_compiler_the_reference_runs(fresh_choice, tmp_path, store):
+    fresh_choice.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    native._compiler.cache_clear()
+    assert native.why_unusable() == f"no C++ compiler found ({tmp_path / 'no-such-compiler'}; set CXX)"
+    t = torch.randn(1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a missing compiler is said in buddy.implementations(), not warned
+        bt = buddy.compress(t, 1.5, "auto2", store=store)
+    assert bt.backend == "reference" and _chosen("auto2").why.startswith("no C++ compiler found")
+
+
+def test_a_failed_build_warns_once_and_the_reference_runs(fresh_choice, tmp_path, store):
+    broken = tmp_path / "c++"
+    broken.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo broken 1.0; exit 0; fi\necho 'no' >&2\nexit 1\n")
+    broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
+    fresh_choice.setenv("CXX", str(broken))
+    fresh_choice.setenv(native.ENV_CACHE, str(tmp_path / "cache"))
+    fresh_choice.setattr(native, "_libraries", {})
+    native._compiler.cache_clear()
+    t = torch.randn(1000)
+    with pytest.warns(RuntimeWarning, match="native CPU engine of codec 'auto2' failed their self-test"):
+        assert buddy.compress(t, 1.5, "auto2", store=store).backend == "reference"
+    assert "the native engine's build failed" in _chosen("auto2").why
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        assert buddy.compress(t, 1.5, "auto2", store=store).backend == "reference"
+
+
+def _child(conn) -> None:
+    torch.set_num_threads(1)  # torch's own OpenMP threads do not survive a fork (its ops would hang)
+    os.environ[native.ENV_THREADS] = "2"  # the engine's pool: a new one in the child
+    t = torch.relu(torch.randn(5000, generator=torch.Generator().manual_seed(2)))
+    bt = buddy.compress(t, 2.0, "auto2", backend="native")
+    conn.send(bool(torch.equal(bt.decompress().view(torch.int32), t.view(torch.int32))))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_a_forked_child_runs_it(store):
+    t = torch.relu(torch.randn(50000))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(native.ENV_THREADS, "2")
+        buddy.compress(t, 2.0, "auto2", backend="native", store=store).free()  # the parent's pool has started
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(child,))
+    p.start()
+    try:
+        assert parent.poll(120) and parent.recv() is True
+    finally:
+        p.join(30)
+    assert p.exitcode == 0
+
+
+def test_threads_compress_at_once(store):
+    g = torch.Generator().manual_seed(3)
+    inputs = [torch.relu(torch.randn(20000 + 777 * i, generator=g)) for i in range(6)]
+
+    def roundtrip(t):
+        bt = buddy.compress(t, 2.0, "auto2", backend="native", store=store)
+        try:
+            return torch.equal(bt.decompress().view(torch.int32), t.view(torch.int32))
+        finally:
+            bt.free()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(roundtrip, inputs))
+
+
+def test_builds_are_cached_on_disk(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
+    monkeypatch.setattr(native, "_libraries", {})
+    first = native.library("zvc", 256).path
+    assert first.parent == tmp_path and first.exists()
+    monkeypatch.setattr(native, "_libraries", {})
+    mtime = os.stat(first).st_mtime_ns
+    assert native.library("zvc", 256).path == first and os.stat(first).st_mtime_ns == mtime  # not built again
