@@ -40,6 +40,7 @@ import buddy
 from buddy import env
 from buddy.deps import require, require_cuda
 from experiments.data import SCALES, activation_tensors
+from experiments.plot import plot_bench_codecs
 
 __all__ = ["Row", "RoundTripError", "main"]
 
@@ -500,7 +501,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"load average (1/5/15 min): {run_info['load_average']['start']} at start, {run_info['load_average']['end']} at end"
     )
     write_results(args.out, run_info, rows)
-    print(f"\nwrote {args.out / 'results.json'} and {args.out / 'results.csv'}")
+    png = plot_bench_codecs(args.out / "results.json", args.out)[0]
+    print(f"\nwrote {args.out / 'results.json'}, {args.out / 'results.csv'} and {png}")
     return rows
 
 

@@ -42,7 +42,7 @@ def _open(results_path: Path):
 def _caption(results: dict) -> str:
     env = results["environment"]
     device = env.get("gpu") or env.get("cpu")
-    return f"{results['command']}  |  {device}, torch {env['torch']}, buddy {results.get('buddy', '?')}"
+    return f"{results['command']}  |  {device}, torch {env['torch']}, buddy {results.get('buddy', env.get('buddy', '?'))}"
 
 
 def _save(plt, fig, results: dict, path: Path, *, dpi: int, fontsize: int = 5, bottom: float = 0.02) -> Path:
@@ -394,7 +394,34 @@ def plot_decision(results_path: Path, out_dir: Path) -> list[Path]:
     return [path]
 
 
+def plot_bench_codecs(results_path: Path, out_dir: Path) -> list[Path]:
+    """Compress and decompress GB/s per method (buddy codec @ backend, lz4, zstd-3): the median over the tensors as a
+    bar, their range as a line, on a log scale; memcpy left out (it would set the scale)."""
+    plt, results = _open(results_path)
+    rows = [r for r in results["rows"] if r["method"] != "memcpy"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(8.0, 0.28 * len(methods) + 1.2), sharey=True)
+    for ax, (field, title) in zip(axes, (("comp_gbps", "compress"), ("decomp_gbps", "decompress"))):
+        for y, method in enumerate(methods):
+            values = sorted(r[field] for r in rows if r["method"] == method)
+            median = values[len(values) // 2]
+            native = method.endswith("@native")
+            color = "tab:green" if native else ("tab:blue" if method.startswith("buddy:") else "tab:gray")
+            ax.barh(y, median, color=color, alpha=0.8)
+            ax.plot([values[0], values[-1]], [y, y], color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{title} GB/s (log scale)")
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(methods)), [m.removeprefix("buddy:") for m in methods], fontsize=7)
+    axes[0].invert_yaxis()
+    fig.suptitle("bar: the median over the tensors, line: their range.  green: the native CPU engine, "
+                 "blue: the torch reference, grey: general-purpose compressors (one thread)", fontsize=7)  # fmt: skip
+    path = _save(plt, fig, results, Path(out_dir) / "speed.png", dpi=120)
+    return [path]
+
+
 _PLOTTERS = {
+    "bench_codecs": plot_bench_codecs,
     "capacity": plot_capacity,
     "over_training": plot_over_training,
     "max_batch": plot_max_batch,

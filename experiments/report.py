@@ -579,7 +579,8 @@ def cpu_engines(files: Sequence[Results]) -> Section | None:
             _sources([result]),
         ]
     )
-    return Section("cpu_engines", "The CPU engines against lz4 and zstd", body)
+    plots = _plot(result, "speed.png", "cpu_engines.png")
+    return Section("cpu_engines", "The CPU engines against lz4 and zstd", body, plots)
 
 
 SECTIONS = (main_job, decision, full_capacity, over_training, max_batch, step_cost, cpu_engines, speed)
