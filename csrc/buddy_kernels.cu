@@ -4,7 +4,7 @@
 // the per-entry bodies of buddy_ops.h, one warp per entry, warps striding
 // over the entries.
 //
-// Compiled at run time (buddy/cuda.py, through CuPy/NVRTC) once per entry
+// Compiled at run time (buddy/engines/cuda.py, through CuPy/NVRTC) once per entry
 // size: E = BUDDY_ENTRY_BYTES and the other format constants arrive as -D
 // defines from buddy.spec.c_defines(entry_bytes). The word size is a kernel
 // argument (a switch picks the instantiation once per launch).
@@ -31,7 +31,7 @@
 //
 // Codec tables (format version 2): every kernel takes a `table` pointer, the
 // device table of a codec that codes with one (fpe and auto2: a
-// BuddyFpeTable, csrc/codec_fpe.h, built by buddy.cuda.device_table) and
+// BuddyFpeTable, csrc/codec_fpe.h, built by buddy.engines.cuda.device_table) and
 // null for the others. Each warp builds its codec object from it
 // (buddy_codec); the table stays in global memory, read through the cache.
 #include "buddy_ops.h"

@@ -27,7 +27,7 @@
 //
 // The table (BuddyFpeTable below) is the device form of the tensor's
 // fpe.Table: its Table.lookups and Table.multi_rows, built on the host by
-// buddy.cuda.device_table or by the fit kernel (codec_fpe_fit.h) and passed
+// buddy.engines.cuda.device_table or by the fit kernel (codec_fpe_fit.h) and passed
 // to every kernel by pointer (the kernels' `table` argument). A code is at
 // most 12 bits (fpe.MAX_CODE_BITS), written most significant bit first;
 // `enc` holds it already bit-reversed into stream order, so a code is one
@@ -78,7 +78,7 @@
 #define BUDDY_FPE_ROWS (1u << BUDDY_FPE_CODE_BITS)      // decode rows: one per value of the next 12 stream bits
 #define BUDDY_FPE_SYMBOLS ((1u << (1u + 11u)) + 2u)     // most symbols (8-byte words): S + 2 = 4098
 
-// The device table of one fpe.Table (40976 bytes, buddy.cuda.DEVICE_TABLE_BYTES):
+// The device table of one fpe.Table (40976 bytes, buddy.engines.cuda.DEVICE_TABLE_BYTES):
 //   dec[v]      for the next 12 stream bits v: symbol | code length << 16 of
 //               the code they start with (length 0: none does)
 //   multi[v]    fpe.Table.multi_rows: the codes wholly inside the next 12
@@ -138,7 +138,7 @@ struct BuddyFpe {
   static constexpr uint32_t overshoot = 32u;  // the first pass covers the estimated C and 1/32 more
   static constexpr uint32_t warmup = 64u;     // a lane decodes this many bits before its span to fall in step
 
-  // The table is on the device; b is read once per warp (a host-built table has it checked: buddy.cuda), what
+  // The table is on the device; b is read once per warp (a host-built table has it checked: buddy.engines.cuda), what
   // follows from it is computed where it is used (the object lives in registers across a kernel's loop).
   const BuddyFpeTable* table;
   uint32_t sym_bits;  // b: a symbol is the word's top b bits (the table's)

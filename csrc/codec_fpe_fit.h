@@ -51,7 +51,7 @@
 #define BUDDY_FPE_SERIAL_BYTES (4u + 3u * BUDDY_FPE_MAX_LEAVES)  // the longest serialized table: 775 bytes
 #define BUDDY_FPE_TABLE_FORMAT 3u                            // byte 0 of a fitted table (fpe.TABLE_FORMAT)
 
-// Scratch of one fit (buddy.cuda.FIT_WORK_BYTES), in global memory.
+// Scratch of one fit (buddy.engines.cuda.FIT_WORK_BYTES), in global memory.
 struct BuddyFpeFitWork {
   uint64_t node[(BUDDY_FPE_MAX_LEAVES - 1u) * BUDDY_WARP_SIZE];  // lane t's merged nodes: weight | height << 40
   uint64_t part[BUDDY_WARP_SIZE];                                // a 64-bit warp sum's lane partials
@@ -62,7 +62,7 @@ struct BuddyFpeFitWork {
   uint32_t parent[2u * BUDDY_FPE_MAX_LEAVES], depth[2u * BUDDY_FPE_MAX_LEAVES];
   uint32_t canon_s[BUDDY_FPE_MAX_LEAVES], canon_len[BUDDY_FPE_MAX_LEAVES];  // canonical order
 };
-#define BUDDY_FPE_FIT_WORK_BYTES 93496u  // buddy.cuda.FIT_WORK_BYTES
+#define BUDDY_FPE_FIT_WORK_BYTES 93496u  // buddy.engines.cuda.FIT_WORK_BYTES
 static_assert(sizeof(BuddyFpeFitWork) == BUDDY_FPE_FIT_WORK_BYTES, "the loader allocates this many bytes");
 
 // Counting, in the symbols of the tables a fit makes (table format 3,

@@ -2,7 +2,7 @@
 // compiled for the host through cuda_shim.h (as the block emulator compiles
 // them) and run by a runtime made for speed. buddy/native.py builds it into a
 // shared library per (codec, entry size) with the loader's defines and
-// launches its kernels with the arguments buddy.cuda.Kernels checks.
+// launches its kernels with the arguments buddy.engines.cuda.Kernels checks.
 //
 // Execution. Every block is one warp (blockDim.x = 32; the kernels stride
 // their warps over the entries, so any block size works), its 32 lanes
