@@ -324,8 +324,13 @@ def _kernels(impl: Implementation, codec: CodecLike, device: torch.device, prefe
     else ``None``; and why."""
     why = impl.why_unusable()
     if why is not None:
+        label = _LABEL[impl.backend]
         if preferred == impl.backend:
-            _warn_once(impl.backend, why)
+            _warn_once(impl.backend, f"buddy's default backend is {impl.backend!r} but its {label} cannot run here "
+                       f"({why}): using the torch reference instead.")  # fmt: skip
+        elif impl.backend == "native" and not native.switched_off():  # one line saying why it is slower
+            _warn_once("native:unusable", f"buddy's {label} cannot run here ({why}): the torch reference runs on "
+                       "CPU tensors instead (slower; docs/cpu_engine.md).")  # fmt: skip
         return None, why
     try:
         made = _made(impl, codec)
@@ -335,17 +340,12 @@ def _kernels(impl: Implementation, codec: CodecLike, device: torch.device, prefe
     return (made if verdict.passed else None), verdict.why
 
 
-def _warn_once(backend: str, why: str) -> None:
+def _warn_once(key: str, message: str) -> None:
     with _lock:
-        if backend in _warned:
+        if key in _warned:
             return
-        _warned.add(backend)
-    warnings.warn(
-        f"buddy's default backend is {backend!r} but its {_LABEL[backend]} cannot run here ({why}): using "
-        f"the torch reference instead.",
-        RuntimeWarning,
-        stacklevel=4,
-    )
+        _warned.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 # ---------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from . import Implementation, cuda
 from ..codecs.base import Codec
 
 __all__ = [
-    "NativeEngine", "why_unusable", "describe", "library", "launch", "rows", "DEFAULT_CODECS", "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS",
+    "NativeEngine", "why_unusable", "switched_off", "describe", "library", "launch", "rows", "DEFAULT_CODECS", "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS",
     "ENTRIES_PER_BLOCK",
 ]  # fmt: skip
 
@@ -101,9 +101,14 @@ def _compiler() -> tuple[str, str] | str:
     return f"no C++ compiler found ({', '.join(names)}; set CXX)"
 
 
+def switched_off() -> bool:
+    """Whether ``BUDDY_NATIVE=0`` turns the engine off (read at every use)."""
+    return os.environ.get(ENV_SWITCH, "").strip() == "0"
+
+
 def why_unusable() -> str | None:
     """Why the native engine cannot run here (off, no compiler), or ``None``."""
-    if os.environ.get(ENV_SWITCH, "").strip() == "0":
+    if switched_off():
         return f"{ENV_SWITCH}=0"
     found = _compiler()
     return found if isinstance(found, str) else None
