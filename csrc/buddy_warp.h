@@ -122,4 +122,30 @@ struct BuddyCudaWarp {
 __device__ __forceinline__ uint32_t buddy_warp_match(const BuddyCudaWarp&, uint32_t key, uint32_t) {
   return __match_any_sync(BUDDY_FULL_MASK, key);
 }
+
+#if defined(BUDDY_HOST_WARP_OPS)
+// A host runtime that runs the lanes one after another (the native CPU engine, csrc/host/native.cpp) pays for
+// every collective with a switch per lane; it gives these whole-warp operations in one exchange each, with the
+// results of the ladders above bit for bit (sums and scans wrap at 32 bits either way). Not on the GPU, not under
+// the emulator: there the ladders run.
+__device__ __forceinline__ uint32_t buddy_warp_sum(const BuddyCudaWarp&, uint32_t v) {
+  return (uint32_t)buddy_host_warp_op(BUDDY_EMU_SUM, v);
+}
+__device__ __forceinline__ uint32_t buddy_warp_max(const BuddyCudaWarp&, uint32_t v) {
+  return (uint32_t)buddy_host_warp_op(BUDDY_EMU_MAX, v);
+}
+__device__ __forceinline__ uint32_t buddy_warp_or(const BuddyCudaWarp&, uint32_t v) {
+  return (uint32_t)buddy_host_warp_op(BUDDY_EMU_OR, v);
+}
+__device__ __forceinline__ uint32_t buddy_warp_exclusive_scan(const BuddyCudaWarp&, uint32_t v, uint32_t* total) {
+  const uint64_t both = buddy_host_warp_op(BUDDY_EMU_EXCLUSIVE_SCAN, v);
+  *total = (uint32_t)(both >> 32);
+  return (uint32_t)both;
+}
+// The 32 x 32 bit transpose of codec_bpc.h (five shfl_xor rounds there): bit j of lane i's result is bit i of
+// lane j's x.
+__device__ __forceinline__ uint32_t buddy_warp_transpose(const BuddyCudaWarp&, uint32_t x) {
+  return (uint32_t)buddy_host_warp_op(BUDDY_EMU_TRANSPOSE, x);
+}
+#endif
 #endif

@@ -169,11 +169,15 @@ struct BuddyBpc {
   // Bit j of lane i's result is bit i of lane j's x (its own inverse).
   template <class Warp>
   static BUDDY_WARP_FN uint32_t transpose(const Warp& warp, uint32_t x) {
+#if defined(BUDDY_HOST_WARP_OPS)  // a host runtime's transpose in one exchange, the same bits (buddy_warp.h)
+    return buddy_warp_transpose(warp, x);
+#else
     x = transpose_round(warp, x, 16, 0x0000FFFFu);
     x = transpose_round(warp, x, 8, 0x00FF00FFu);
     x = transpose_round(warp, x, 4, 0x0F0F0F0Fu);
     x = transpose_round(warp, x, 2, 0x33333333u);
     return transpose_round(warp, x, 1, 0x55555555u);
+#endif
   }
 
   // ---------------------------------------------------------------------------

@@ -25,6 +25,13 @@ enum BuddyEmuCollective : int {
   BUDDY_EMU_SHFL_DOWN,
   BUDDY_EMU_SHFL_XOR,
   BUDDY_EMU_MATCH_ANY,  // result: bit l set where lane l's value equals the caller's
+  // whole-warp operations the native runtime provides in one exchange (buddy_warp.h uses them there, under
+  // BUDDY_HOST_WARP_OPS, in place of its shuffle ladders; the emulator runs the ladders, as the GPU does)
+  BUDDY_EMU_SUM,             // the 32-bit sum of every lane's value (wrapping)
+  BUDDY_EMU_MAX,             // the largest value
+  BUDDY_EMU_OR,              // the bitwise OR
+  BUDDY_EMU_EXCLUSIVE_SCAN,  // the sum over lanes 0 .. l-1 (32 bits, wrapping) | the sum over the warp << 32
+  BUDDY_EMU_TRANSPOSE,       // bit j: bit l of lane j's value (the 32 x 32 bit transpose)
 };
 
 // An argument of a launch: a buffer (its address; null for an empty one) or an

@@ -72,6 +72,8 @@ struct Worker {
   uint32_t block = 0, grid = 1;
   uint64_t slot[2][LANES];  // posted values, double-buffered by each lane's collective parity
   uint32_t bits[2];         // bit l: the low bit of lane l's posted value (a ballot's result, built as lanes post)
+  uint64_t whole[2];        // a whole-warp operation's result, by the last lane to post (sum, max, or)
+  uint32_t prefix[2][LANES];  // an exclusive scan's or a transpose's, per lane
   uint32_t calls[LANES];    // collectives each lane has made in this block
   bool done[LANES];
   uint32_t finished = 0;
@@ -216,6 +218,32 @@ std::mutex launching;  // one launch at a time (a launch uses every thread it is
 // ---------------------------------------------------------------------------
 // the runtime's functions as cuda_shim.h calls them, inline
 // ---------------------------------------------------------------------------
+namespace buddy_native {
+// A whole-warp operation over the 32 posted values s (the low 32 bits of each), computed once by the last lane.
+inline void whole_warp(Worker& w, int kind, const uint64_t* s, uint32_t p) {
+  if (kind == BUDDY_EMU_TRANSPOSE) {  // block swaps of 16, 8, 4, 2 and 1 bits: (row k, bit c) -> (row c, bit k)
+    uint32_t* r = w.prefix[p];
+    for (uint32_t i = 0; i < LANES; ++i) r[i] = (uint32_t)s[i];
+    uint32_t m = 0x0000FFFFu;  // the low half of every 2w-bit block
+    for (uint32_t b = 16; b != 0; b >>= 1, m ^= m << b)
+      for (uint32_t k = 0; k < LANES; ++k) {
+        if (k & b) continue;
+        const uint32_t t = ((r[k] >> b) ^ r[k + b]) & m;
+        r[k] ^= t << b;
+        r[k + b] ^= t;
+      }
+    return;
+  }
+  uint32_t acc = kind == BUDDY_EMU_MAX ? (uint32_t)s[0] : 0u;
+  for (uint32_t i = 0; i < LANES; ++i) {
+    const uint32_t v = (uint32_t)s[i];
+    if (kind == BUDDY_EMU_EXCLUSIVE_SCAN) w.prefix[p][i] = acc;
+    acc = kind == BUDDY_EMU_MAX ? (v > acc ? v : acc) : kind == BUDDY_EMU_OR ? (acc | v) : acc + v;
+  }
+  w.whole[p] = acc;
+}
+}  // namespace buddy_native
+
 inline BuddyEmuDim buddy_emu_thread_idx() { return {buddy_native::self().current, 0, 0}; }
 inline BuddyEmuDim buddy_emu_block_idx() { return {buddy_native::self().block, 0, 0}; }
 inline BuddyEmuDim buddy_emu_block_dim() { return {buddy_native::LANES, 1, 1}; }
@@ -231,6 +259,7 @@ inline uint64_t buddy_emu_warp(int kind, unsigned mask, uint64_t value, int arg,
   w.slot[p][l] = value;
   // lane 0 posts first in every collective (the lanes run in order, and lane 0 resumes first after lane 31 posts)
   w.bits[p] = (l ? w.bits[p] : 0u) | (uint32_t)(value & 1u) << l;
+  if (l == LANES - 1 && kind >= BUDDY_EMU_SUM) whole_warp(w, kind, w.slot[p], p);  // every lane has posted
   const uint32_t next = (l + 1) % LANES;
   if (w.done[next]) fail("a lane is at a collective its warp's next lane never reached", l);
   w.current = next;
@@ -253,16 +282,29 @@ inline uint64_t buddy_emu_warp(int kind, unsigned mask, uint64_t value, int arg,
       for (uint32_t i = 0; i < LANES; ++i) bits |= (uint64_t)(s[i] == value) << i;
       return bits;
     }
+    case BUDDY_EMU_SUM:
+    case BUDDY_EMU_MAX:
+    case BUDDY_EMU_OR:
+      return w.whole[p];
+    case BUDDY_EMU_EXCLUSIVE_SCAN:
+      return w.prefix[p][l] | w.whole[p] << 32;
+    case BUDDY_EMU_TRANSPOSE:
+      return w.prefix[p][l];
     default:  // __syncwarp: the lanes share a thread, every write is visible
       return 0;
   }
 }
+
+// buddy_warp.h's whole-warp operations (BUDDY_HOST_WARP_OPS): one exchange each.
+inline uint64_t buddy_host_warp_op(int kind, uint32_t v) { return buddy_emu_warp(kind, 0xffffffffu, v, 0, "", 0); }
 
 inline void buddy_emu_syncthreads(const char* file, int line) {
   buddy_emu_warp(BUDDY_EMU_SYNCWARP, 0xffffffffu, 0, 0, file, line);  // a block is one warp
 }
 
 #define BUDDY_SHARED_STORAGE static thread_local __attribute__((aligned(16)))
+inline uint64_t buddy_host_warp_op(int kind, uint32_t v);
+#define BUDDY_HOST_WARP_OPS 1  // buddy_warp.h's sums, maxima, ORs and scans in one exchange (below)
 #include "cuda_shim.h"
 // the shim first: the sources then compile as for a device
 #include "buddy_kernels.cu"
