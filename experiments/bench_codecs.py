@@ -222,6 +222,11 @@ def bench_memcpy(name: str, x: torch.Tensor, repeats: int) -> Row:
     return make_row(name, x, "memcpy", compressed_bytes=nbytes(x), comp_times=times, decomp_times=times)
 
 
+def buddy_method(codec: str, backend: str) -> str:
+    """A buddy method's name in the table: ``buddy:<codec>``, with ``@<backend>`` unless buddy chose it."""
+    return f"buddy:{codec}" if backend == "auto" else f"buddy:{codec}@{backend}"
+
+
 def bench_buddy(
     name: str, x: torch.Tensor, codec: str, entry_bytes: int, repeats: int, backend: str = "auto"
 ) -> Row:
@@ -235,7 +240,7 @@ def bench_buddy(
         return make_row(
             name,
             x,
-            f"buddy:{codec}" if backend == "auto" else f"buddy:{codec}@{backend}",
+            buddy_method(codec, backend),
             compressed_bytes=bt.compressed_bytes,
             comp_times=comp_times,
             decomp_times=decomp_times,
@@ -362,7 +367,7 @@ def methods(
     """``(method, measure)`` for every method on tensor ``x``, in table order."""
     jobs: list[tuple[str, Callable[[], Row]]] = [("memcpy", partial(bench_memcpy, name, x, args.repeats))]
     jobs += [
-        (f"buddy:{c}" if b == "auto" else f"buddy:{c}@{b}", partial(bench_buddy, name, x, c, args.entry_bytes, args.repeats, b))
+        (buddy_method(c, b), partial(bench_buddy, name, x, c, args.entry_bytes, args.repeats, b))
         for c in args.codecs
         for b in args.backends
     ]

@@ -557,7 +557,7 @@ def step_cost(files: Sequence[Results]) -> Section | None:
 
 def cpu_engines(files: Sequence[Results]) -> Section | None:
     """Compress and decompress GB/s of the CPU engines against lz4 and zstd-3, per tensor, from bench_codecs."""
-    result = _latest(files, lambda r: r.experiment == "bench_codecs" and "@" in "".join(x["method"] for x in r.rows()))
+    result = _latest(files, lambda r: r.experiment == "bench_codecs" and any("@" in x["method"] for x in r.rows()))
     if result is None:
         return None
     rows = [

@@ -104,8 +104,9 @@ class EmulatorError(AssertionError):
         for section in re.split(r"\n(?=  \S)", self.report):
             if re.match(r"  (Previous )?(atomic |Atomic )?(read|write|Read|Write) of size", section):
                 frames = re.findall(r"#\d+ (.*) (/\S+?):(\d+)(?::\d+)? \(", section)
+                own = (SOURCES, HOST)  # the shim's and the emulator's frames
                 stacks.append(
-                    [Frame(Path(path).name, int(line), fn) for fn, path, line in frames if Path(path).parent not in (SOURCES, HOST)]
+                    [Frame(Path(path).name, int(line), fn) for fn, path, line in frames if Path(path).parent not in own]
                 )
         return stacks
 
@@ -164,7 +165,8 @@ def _compile(cmd: list[str], out: Path) -> Path:
 
 def _runtime(kind: str) -> Path:
     """runtime.cpp compiled for ``kind`` (it does not depend on the kernels: one object for every build)."""
-    cmd = ["g++", "-std=c++17", *_FLAGS, *_RUNTIME[kind], f"-I{SOURCES}", f"-I{HOST}", "-c", str(SOURCES / "runtime.cpp")]
+    cmd = ["g++", "-std=c++17", *_FLAGS, *_RUNTIME[kind], f"-I{SOURCES}", f"-I{HOST}", "-c"]
+    cmd.append(str(SOURCES / "runtime.cpp"))
     key = _digest(_tree(SOURCES), _tree(HOST), _FLAGS, _RUNTIME[kind], _compiler())
     out = cache_dir() / f"runtime-{kind}-{key}.o"
     return out if out.exists() else _compile(cmd, out)
@@ -182,7 +184,8 @@ def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all",
     options = list(bcuda.compile_options(entry_bytes, codec, word_bytes))
     kernels = ["g++", *options, *_FLAGS, *_SANITIZE[kind], f"-I{csrc}", f"-I{SOURCES}", f"-I{HOST}", "-c"]
     # the sources' text, not their folder: a copy elsewhere (a mutation test's, another session's) is the same build
-    key = _digest(_tree(Path(csrc)), _tree(SOURCES), _tree(HOST), options, _FLAGS, _SANITIZE[kind], _RUNTIME[kind], _compiler())
+    trees = (_tree(Path(csrc)), _tree(SOURCES), _tree(HOST))
+    key = _digest(*trees, options, _FLAGS, _SANITIZE[kind], _RUNTIME[kind], _compiler())
     words = "" if word_bytes is None else f"-w{word_bytes}"
     exe = cache_dir() / f"emulator-{kind}-E{entry_bytes}-{codec}{words}-{key}"
     if exe.exists():

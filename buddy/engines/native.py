@@ -3,26 +3,26 @@
 ``csrc/buddy_kernels.cu`` and its headers -- the very sources NVRTC compiles
 for the GPU -- are compiled by the host's C++ compiler through the CUDA shim
 (``csrc/host/cuda_shim.h``) into a shared library per (codec, entry size),
-with the loader's defines (:func:`buddy.cuda.compile_options`), and run by a
+with the loader's defines (:func:`buddy.engines.cuda.compile_options`), and run by a
 runtime made for speed (``csrc/host/native.cpp``): every block one warp,
 its 32 lanes fibers switched at collectives in a fixed order, the blocks
 spread over host threads (``torch.get_num_threads()``, or ``BUDDY_NATIVE_THREADS``). :class:`NativeEngine`
-is :class:`~buddy.cuda.CudaEngine` with this launch on CPU tensors, so the
+is :class:`~buddy.engines.cuda.CudaEngine` with this launch on CPU tensors, so the
 glue -- argument checks, the table codecs' count and fit kernels, the
 overflow's prefix sum, the error flag -- is the GPU path's, byte for byte.
 
-Registered in :mod:`buddy.dispatch` as the default (``backend="auto"``) of
-every codec with kernels on the CPU, behind the same self-test as the GPU's
-(golden vectors through it both ways, once per process and codec);
-``backend="native"`` asks for it explicitly, ``backend="reference"`` or
+Registered in :mod:`buddy.dispatch` for every codec with kernels on the CPU,
+the default (``backend="auto"``) of :data:`DEFAULT_CODECS`, behind the same
+self-test as the GPU's (golden vectors through it both ways, once per process
+and codec); ``backend="native"`` asks for it explicitly, ``backend="reference"`` or
 ``BUDDY_BACKEND=reference`` for the torch reference (the oracle).
 
 Builds are compiled at first use (about 3 s a codec and entry size on two
-cores) and cached on disk by the hash of the sources, flags and compiler
-(``BUDDY_NATIVE_CACHE``, default ``~/.cache/buddy/native``). Where no
-compiler is found (``CXX``, else ``g++``, ``c++``, ``clang++``) or a build
-fails, :func:`why_unusable` / the self-test say why and the reference runs;
-``BUDDY_NATIVE=0`` turns the engine off.
+cores) and cached on disk by the hash of the sources, flags, compiler and
+processor (``BUDDY_NATIVE_CACHE``, default ``~/.cache/buddy/native``). Where
+no compiler is found (``CXX``, else ``g++``, ``c++``, ``clang++``) or a build
+fails, :func:`why_unusable` / the self-test say why, one warning says so, and
+the reference runs; ``BUDDY_NATIVE=0`` turns the engine off.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from . import Implementation, cuda
 from ..codecs.base import Codec
 
 __all__ = [
-    "NativeEngine", "why_unusable", "switched_off", "describe", "library", "launch", "rows", "DEFAULT_CODECS", "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS",
-    "ENTRIES_PER_BLOCK",
+    "NativeEngine", "why_unusable", "switched_off", "describe", "library", "launch", "rows", "DEFAULT_CODECS",
+    "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS", "ENTRIES_PER_BLOCK",
 ]  # fmt: skip
 
 #: ``BUDDY_NATIVE=0`` turns the native engine off (the reference runs on the CPU)
@@ -244,7 +244,7 @@ def _threads() -> int:
 
 
 def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple) -> None:
-    """:class:`~buddy.cuda.Kernels`' ``launch=``: kernel ``buddy_<codec>_<op>`` natively on the host."""
+    """:class:`~buddy.engines.cuda.Kernels`' ``launch=``: kernel ``buddy_<codec>_<op>`` natively on the host."""
     del device  # CPU tensors: Kernels checked them
     lib = library(codec, entry_bytes)
     threads = _threads()

@@ -1,6 +1,6 @@
 // The native CPU engine: the kernels of csrc/buddy_kernels.cu, unchanged,
 // compiled for the host through cuda_shim.h (as the block emulator compiles
-// them) and run by a runtime made for speed. buddy/native.py builds it into a
+// them) and run by a runtime made for speed. buddy/engines/native.py builds it into a
 // shared library per (codec, entry size) with the loader's defines and
 // launches its kernels with the arguments buddy.engines.cuda.Kernels checks.
 //
@@ -15,7 +15,10 @@
 // The blocks of a launch are spread over `threads` host threads (a pool kept
 // between launches), each taking the next block from a counter; the static
 // __shared__ arrays are one per host thread (thread_local), the dynamic shared
-// buffer too. Atomics are the shim's relaxed __atomic builtins.
+// buffer too. Atomics are the shim's relaxed __atomic builtins. buddy_warp.h's
+// whole-warp sum, maximum, OR, exclusive scan and bpc's bit transpose are one
+// exchange each here (BUDDY_HOST_WARP_OPS), the last lane to post computing
+// the result once, where the GPU and the emulator run shuffle ladders.
 //
 // What this runtime does not do is check: lanes at different collectives abort
 // the process with a message (the emulator, which runs the same sources with
@@ -76,7 +79,6 @@ struct Worker {
   uint32_t prefix[2][LANES];  // an exclusive scan's or a transpose's, per lane
   uint32_t calls[LANES];    // collectives each lane has made in this block
   bool done[LANES];
-  uint32_t finished = 0;
   std::vector<uint8_t> shared;  // dynamic shared memory
   uint8_t* shared_base = nullptr;  // 16-byte aligned inside it
   const BuddyEmuKernel* kernel = nullptr;
@@ -133,14 +135,12 @@ void lane_main(int l) {
   Worker& w = self();
   w.kernel->run(w.args);
   w.done[l] = true;
-  ++w.finished;
   hand_over(w, (uint32_t)l);
   fail("a finished lane was resumed", (uint32_t)l);
 }
 
 void Worker::run_block(uint32_t b) {
   block = b;
-  finished = 0;
   for (uint32_t l = 0; l < LANES; ++l) {
     calls[l] = 0;
     done[l] = false;
@@ -213,12 +213,6 @@ Pool& pool() {
 
 std::mutex launching;  // one launch at a time (a launch uses every thread it is given)
 
-}  // namespace buddy_native
-
-// ---------------------------------------------------------------------------
-// the runtime's functions as cuda_shim.h calls them, inline
-// ---------------------------------------------------------------------------
-namespace buddy_native {
 // A whole-warp operation over the 32 posted values s (the low 32 bits of each), computed once by the last lane.
 inline void whole_warp(Worker& w, int kind, const uint64_t* s, uint32_t p) {
   if (kind == BUDDY_EMU_TRANSPOSE) {  // block swaps of 16, 8, 4, 2 and 1 bits: (row k, bit c) -> (row c, bit k)
@@ -242,7 +236,12 @@ inline void whole_warp(Worker& w, int kind, const uint64_t* s, uint32_t p) {
   }
   w.whole[p] = acc;
 }
+
 }  // namespace buddy_native
+
+// ---------------------------------------------------------------------------
+// the runtime's functions as cuda_shim.h calls them, inline
+// ---------------------------------------------------------------------------
 
 inline BuddyEmuDim buddy_emu_thread_idx() { return {buddy_native::self().current, 0, 0}; }
 inline BuddyEmuDim buddy_emu_block_idx() { return {buddy_native::self().block, 0, 0}; }
@@ -303,8 +302,7 @@ inline void buddy_emu_syncthreads(const char* file, int line) {
 }
 
 #define BUDDY_SHARED_STORAGE static thread_local __attribute__((aligned(16)))
-inline uint64_t buddy_host_warp_op(int kind, uint32_t v);
-#define BUDDY_HOST_WARP_OPS 1  // buddy_warp.h's sums, maxima, ORs and scans in one exchange (below)
+#define BUDDY_HOST_WARP_OPS 1  // buddy_warp.h's whole-warp operations through buddy_host_warp_op (above)
 #include "cuda_shim.h"
 // the shim first: the sources then compile as for a device
 #include "buddy_kernels.cu"
