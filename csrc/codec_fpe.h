@@ -276,7 +276,7 @@ struct BuddyFpe {
         }
         base += total & 0xFFFFu;
         tails += total >> 16;
-      } else {
+      } else {  // the serial layout: tables of format 1, 2 (fits make format 3)
         uint32_t pos = base + buddy_warp_exclusive_scan(warp, h + z * tail_bits(), &total);
         if (valid) {
           for (uint32_t i = 0; i < unit_words; ++i) pos = put(stream, pos, unit_word(unit, i), sp);

@@ -107,6 +107,7 @@ class Kernel:
     instrs: list = field(default_factory=list)  # (address, text, source line)
     labels: dict = field(default_factory=dict)
     chains: dict = field(default_factory=dict)  # address -> the source line and the lines it was inlined at
+    routines: dict = field(default_factory=dict)  # a called routine ($__internal_...) -> its instructions to RET
 
 
 def _tool(name: str) -> str:
@@ -159,7 +160,7 @@ def _build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[
             grouped = True
             continue
         grouped = False
-        if (label := re.match(r"^(\.L_x_\d+):", row.strip())) is not None:
+        if (label := re.match(r"^(\.L_x_\d+|\$[\w$]+):", row.strip())) is not None:
             pending.append(label.group(1))  # at the address of the next instruction
         elif (ins := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", row)) is not None:
             addr = int(ins.group(1), 16)
@@ -167,6 +168,12 @@ def _build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[
             pending.clear()
             current.instrs.append((addr, ins.group(2).strip(), line))
             current.chains[addr] = chain
+    for kern in kernels.values():  # a routine the compiler calls (64-bit division): its length to its RET
+        for name, start in kern.labels.items():
+            if name.startswith("$"):
+                body = [t for a, t, _ in kern.instrs if a >= start]
+                kern.routines[name] = next((i + 1 for i, t in enumerate(body) if re.match(r"(@\S+\s+)?RET\b", t)),
+                                           len(body))  # fmt: skip
     return kernels, text.splitlines()
 
 
@@ -226,13 +233,17 @@ OTHER_MEMBERS = frozenset({"codec_zvc.h", "codec_fpx.h", "codec_bpc.h", "codec_a
 #: blocks of the decode walks taken for one code alone (ESC with its symbol; a lane's last codes), by the
 #: comment that opens them: they run on that share of the steps (the lane simulation's), not every step
 RARE_BLOCKS = ("} else {  // ESC with its symbol, or not a code", "} else {  // one code: ESC with its symbol")
+#: code of the serial layout (tables of format 1 and 2), by its opening line: not run on what fits make now
+SERIAL_BLOCKS = ("} else {  // the serial layout: tables of format 1, 2", "BUDDY_HD uint32_t put(uint32_t* stream",
+                 "BUDDY_HD uint32_t walk_serial(", "BUDDY_WARP_FN uint32_t decode_serial(")  # fmt: skip
 
 
-def rare_lines(source: list[str]) -> set[int]:
-    """Lines (1-based) inside the :data:`RARE_BLOCKS`: from the opening line to the brace that closes it."""
+def block_lines(source: list[str], openings=RARE_BLOCKS) -> set[int]:
+    """Lines (1-based) inside the blocks opened by a line starting with one of ``openings``: from the opening
+    line to the brace that closes it (at the opening line's indent)."""
     out = set()
     for i, text in enumerate(source):
-        if any(text.strip().startswith(b) for b in RARE_BLOCKS):
+        if any(text.strip().startswith(b) for b in openings):
             indent = len(text) - len(text.lstrip())
             j = i + 1
             while j < len(source) and not (source[j].strip() == "}" and len(source[j]) - len(source[j].lstrip()) == indent):
@@ -241,12 +252,38 @@ def rare_lines(source: list[str]) -> set[int]:
     return out
 
 
-def per_entry(kernel: Kernel, source: list[str], trips: dict[str, float], skip=frozenset()) -> tuple[float, list[str]]:
+#: per loop key, a source line run once per iteration of the loop's source and compiled to one load: the
+#: loads of it (not of the constant bank) in a compiled copy of the loop are the iterations that copy's body
+#: does at once (its unroll)
+ANCHORS = {
+    "unit_words": r"const uint32_t c = table->enc\[sym\];",  # fpe's encode: a word's code from the table
+}
+
+
+def unrolled(kernel: Kernel, source: list[str], a: int, b: int, key: str | None) -> int:
+    """Source iterations one pass of the compiled loop ``[a, b]`` does: the loads of its key's anchor line."""
+    pattern = ANCHORS.get(key or "")
+    if pattern is None:
+        return 1
+    hits = sum(1 for addr, text, line in kernel.instrs
+               if a <= addr <= b and re.match(r"(@\S+\s+)?LD[GS]?\.", text) and re.search(pattern, source[line - 1]))
+    return max(1, hits)
+
+
+def per_entry(kernel: Kernel, source: list[str], trips: dict[str, float], skip=frozenset(),
+              parts: dict | None = None) -> tuple[float, list[str]]:
     """Warp instructions per entry (see the module doc) and the loops counted once for want of a trip count;
     instructions from the headers in ``skip`` are not run (code of the modes an entry does not have), those
-    of the :data:`RARE_BLOCKS` on ``trips["single"]`` of the steps."""
+    of the :data:`RARE_BLOCKS` (and of the functions inlined into them) on ``trips["single"]`` of the steps,
+    those of the :data:`SERIAL_BLOCKS` never.
+
+    A source loop the compiler made several copies of (unswitched on a condition that holds for the whole
+    loop, or unrolled with a remainder: the same closing line, key and enclosing loop) is charged once, as its
+    largest copy per source iteration (:func:`unrolled`) times the iterations. ``parts``, if given, gets the
+    instructions per entry by the innermost loop they are in (its trip key; "body": in no loop but the
+    grid's) and, under ``(key, "sass")``, the SASS instructions counted for it."""
     where = headers(source)
-    rare = rare_lines(source)
+    rare, serial = block_lines(source, RARE_BLOCKS), block_lines(source, SERIAL_BLOCKS)
     found = [loop for loop in loops(kernel, source) if where[loop[2] - 1] not in skip]
     keyed = [(a, b, _loop_key(source, line, chain), line) for a, b, line, chain in found]
     # the walk inside the resynchronizing rounds steps only as far as a lane resynchronizes
@@ -257,21 +294,49 @@ def per_entry(kernel: Kernel, source: list[str], trips: dict[str, float], skip=f
     if not grid:
         return float("nan"), ["no loop over entries"]
     g0, g1 = min(a for a, _ in grid), max(b for _, b in grid)
+
+    def parent(a: int, b: int) -> tuple:
+        around = [(b1 - a1, a1, b1) for a1, b1, key, _ in keyed if a1 < a and b < b1 and key != "grid"]
+        return min(around)[1:] if around else ()
+
+    # each instruction's weight: the run of its copy of a loop; the copies of one loop but the largest, 0
+    weight: dict[tuple[int, int], float] = {}
+    groups: dict[tuple, list] = {}
+    for a, b, key, line in keyed:
+        if key == "grid":
+            continue
+        u = unrolled(kernel, source, a, b, key)
+        size = sum(1 for addr, _, _ in kernel.instrs if a <= addr <= b)
+        groups.setdefault((key, line, parent(a, b)), []).append((size / u, a, b, u))
+    for copies in groups.values():
+        best = max(copies)
+        for copy in copies:
+            weight[copy[1], copy[2]] = 1.0 / copy[3] if copy is best else 0.0
     unknown, total = set(), 0.0
-    for addr, _, line in kernel.instrs:
+    for addr, text, line in kernel.instrs:
         if not g0 <= addr <= g1 or (0 < line <= len(where) and where[line - 1] in skip):
             continue  # once per warp, not per entry; or not run
-        inner = [(b - a, key, line) for a, b, key, line in keyed if a <= addr <= b and key != "grid"]
+        chain = kernel.chains.get(addr, (line,))
+        share = trips.get("single", 1.0) if any(at in rare for at in chain) else 1.0
+        share *= 0.0 if any(at in serial for at in chain) else 1.0
+        inner = [(b - a, key, line, a, b) for a, b, key, line in keyed if a <= addr <= b and key != "grid"]
         if not inner:
-            total += trips.get("grid", 1.0)
-            continue
-        _, key, loop_line = min(inner)
-        share = trips.get("single", 1.0) if line in rare else 1.0
-        if key is None:
-            unknown.add(f"line {loop_line}: {source[loop_line - 1].strip()[:60]}")
-            total += share
+            n, key = trips.get("grid", 1.0) * share, "body"
         else:
-            total += trips.get(key, 1.0) * share
+            _, key, loop_line, a, b = min(inner)
+            # not run in a copy of an enclosing loop that is not charged
+            scale = weight[a, b] * math.prod(1.0 if weight[a1, b1] else 0.0 for _, _, _, a1, b1 in inner)
+            if key is None:
+                unknown.add(f"line {loop_line}: {source[loop_line - 1].strip()[:60]}")
+                n, key = share * scale, "unnamed"
+            else:
+                n = trips.get(key, 1.0) * share * scale
+        if (callee := re.search(r"CALL\.\S+\s+`\((\$[\w$]+)\)", text)) is not None:
+            n *= 1 + kernel.routines.get(callee.group(1), 0)  # the routine's instructions, once a call
+        total += n
+        if parts is not None:
+            parts[key] = parts.get(key, 0.0) + n
+            parts[(key, "sass")] = parts.get((key, "sass"), 0) + (n > 0)
     return total, sorted(unknown)
 
 
@@ -341,7 +406,8 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
         else:
             moved = 0
         skip = OTHER_MEMBERS if op in ("pack", "unpack") else frozenset()  # an entry of fpe's mode
-        instr, unknown = per_entry(kern, source, trips, skip) if op != "fit" else (float("nan"), [])
+        parts: dict = {}
+        instr, unknown = per_entry(kern, source, trips, skip, parts) if op != "fit" else (float("nan"), [])
         warps = occupancy(kern.regs, kern.smem + shared // max(1, threads // 32) * max(1, threads // 32), threads)
         clock = H100["clock_ghz"] * 1e9
         row = {"kernel": f"{codec} {op}", "dtype": str(dtype).removeprefix("torch."), "regs": kern.regs,
@@ -357,6 +423,7 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
             bound = min(bounds, key=bounds.__getitem__)
             row |= {f"{b} GB/s": v for b, v in bounds.items()} | {"estimate GB/s": bounds[bound], "bound": bound}
         row["loops counted once"] = unknown
+        row["parts"] = parts
         rows.append(row)
     return rows
 

@@ -1,0 +1,77 @@
+"""The kernel budget's counting rules (experiments/kernel_budget.py) on small made-up SASS listings.
+
+The budget itself needs nvcc and nvdisasm and is run by hand (docs/kernel_budget.md); what is checked here
+is how it turns a listing into instructions per entry: a loop the compiler copied (unswitched, unrolled)
+charged once per source iteration, a called routine charged at each call, blocks that do not run on what is
+written now charged nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.kernel_budget import Kernel, per_entry
+
+SOURCE = [
+    "for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride()) {",  # 1: the grid
+    "  const uint32_t c = table->enc[sym];",  # 2: the unit_words loop's anchor
+    "  for (uint32_t i = 0; i < unit_words; ++i) {",  # 3
+    "  x = y;",  # 4
+    "  } else {  // the serial layout: tables of format 1, 2 (fits make format 3)",  # 5
+    "    z = w;",  # 6
+    "  }",  # 7
+]
+
+
+def _kernel(copy_a: int, serial: int = 0) -> Kernel:
+    """A grid loop holding two compiled copies of the unit_words loop -- A unrolled twice (two anchor loads
+    and ``copy_a`` instructions in all), B not (three) -- a call of a three-instruction routine and
+    ``serial`` instructions of the serial layout's block."""
+    k = Kernel("k")
+    code = [(0x00, "MOV R0, R1", 4)]
+    addr = 0x10
+    k.labels[".L_x_1"] = addr
+    code += [(addr, "LDG.E.U16 R1, desc[UR4][R2.64]", 2), (addr + 0x10, "LDG.E.U16 R3, desc[UR4][R4.64]", 2)]
+    addr += 0x20
+    for _ in range(copy_a - 3):
+        code.append((addr, "IADD3 R5, R5, 0x1, RZ", 4))
+        addr += 0x10
+    code.append((addr, "BRA `(.L_x_1)", 3))
+    addr += 0x10
+    k.labels[".L_x_2"] = addr
+    code += [(addr, "LDG.E.U16 R1, desc[UR4][R2.64]", 2), (addr + 0x10, "IADD3 R5, R5, 0x1, RZ", 4),
+             (addr + 0x20, "BRA `(.L_x_2)", 3)]  # fmt: skip
+    addr += 0x30
+    for _ in range(serial):
+        code.append((addr, "SHF.L.U32 R6, R6, 0x1, RZ", 6))
+        addr += 0x10
+    code += [(addr, "CALL.REL.NOINC `($__internal_0_div)", 4), (addr + 0x10, "BRA `(.L_x_0)", 1)]
+    k.labels[".L_x_0"] = 0x00
+    addr += 0x100
+    k.labels["$__internal_0_div"] = addr
+    code += [(addr, "IMAD R0, R1, R2, RZ", 4), (addr + 0x10, "IADD3 R0, R0, 0x1, RZ", 4), (addr + 0x20, "RET.ABS.NODEC R20 0x0", 4)]
+    k.instrs = code
+    k.routines["$__internal_0_div"] = 3
+    return k
+
+
+@pytest.mark.parametrize("copy_a, expected", [(4, 1 + 3 * 8 + 4 + 1), (8, 1 + 8 * 8 / 2 + 4 + 1)])
+def test_a_copied_loop_is_charged_once(copy_a, expected):
+    # A does 2 source iterations a pass: 4 instructions are 2 an iteration (B's 3 win), 8 are 4 (A's win)
+    parts: dict = {}
+    total, unknown = per_entry(_kernel(copy_a), SOURCE, {"grid": 1.0, "unit_words": 8.0}, parts=parts)
+    assert total == pytest.approx(expected)
+    assert unknown == []
+    assert parts["unit_words"] == pytest.approx(expected - 6)  # the rest: the MOV, the call and its routine, the BRA
+
+
+def test_the_serial_layout_is_not_charged():
+    plain, _ = per_entry(_kernel(4), SOURCE, {"grid": 1.0, "unit_words": 8.0})
+    with_serial, _ = per_entry(_kernel(4, serial=5), SOURCE, {"grid": 1.0, "unit_words": 8.0})
+    assert with_serial == plain
+
+
+def test_more_iterations_cost_more():
+    few, _ = per_entry(_kernel(4), SOURCE, {"grid": 1.0, "unit_words": 8.0})
+    many, _ = per_entry(_kernel(4), SOURCE, {"grid": 1.0, "unit_words": 16.0})
+    assert many - few == pytest.approx(3 * 8)
