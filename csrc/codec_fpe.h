@@ -48,7 +48,7 @@
 //            spans of equal bits -- its length C estimated from k and the
 //            table (span_model; nothing is stored, so the layout costs no
 //            bit). A prefix code resynchronizes: decoded from inside a code,
-//            it soon lands on a true boundary. So lane l decodes from 64
+//            it soon lands on a true boundary. So lane l decodes from 128
 //            bits before its span (warm_up) to the first code start in it,
 //            then every code that starts inside the span, a step taking
 //            every code that lies in the next 12 bits (multi rows: a run of
@@ -136,7 +136,7 @@ struct BuddyFpe {
   static constexpr uint32_t min_span = 64u;
   static constexpr uint32_t window = 32u;     // bits of a span whose code starts a lane records
   static constexpr uint32_t overshoot = 32u;  // the first pass covers the estimated C and 1/32 more
-  static constexpr uint32_t warmup = 64u;     // a lane decodes this many bits before its span to fall in step
+  static constexpr uint32_t warmup = 128u;    // a lane decodes this many bits before its span to fall in step
 
   // The table is on the device; b is read once per warp (a host-built table has it checked: buddy.engines.cuda), what
   // follows from it is computed where it is used (the object lives in registers across a kernel's loop).
@@ -416,25 +416,34 @@ struct BuddyFpe {
 
   // Writes the words of the first `count` codes from pos: word index `first` on, the tails from the entry's
   // (tail_first)-th on (the j-th at end - (j + 1) t); *tails: how many. Returns the bit after the last code,
-  // or `never` for an escape of a symbol the table has a code for or a tail outside the payload.
+  // or `never` for an escape of a symbol the table has a code for or a tail outside the payload. That last
+  // check is made once, after the walk (the places of a lane's tails only go down): a tail before the
+  // payload reads as zeros (buddy_peek of a place past it) and the entry is then flagged and zeroed.
   BUDDY_HD uint32_t emit(const uint8_t* payload, uint32_t n64, uint32_t pos, uint32_t count, uint32_t first,
                          uint32_t tail_first, uint32_t end, uint8_t* out, uint32_t* tails) const {
     uint32_t done = 0, j = tail_first;
     while (done < count) {
       const uint64_t bits = buddy_peek(payload, n64, pos);
+      // both rows of the next 12 bits at once (two independent loads): the step's codes, and the first code's
+      // symbol and length -- all a step of one code needs (most steps of 2-byte words)
       const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+      const uint32_t one = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
       const uint32_t starts = row & 0xFFFu;
       if (row && buddy_popc(starts) <= count - done) {  // the codes of the step, unless the lane's end is inside it
-        for (uint32_t m = (row >> 12) & 0xFFFu; m; m &= m - 1u) {
+        uint32_t m = (row >> 12) & 0xFFFu;  // the codes with tails (the first starts at bit 0)
+        if (m & 1u) {
+          put_word(payload, n64, one & 0xFFFFu, end, j++, out + (size_t)WB * (first + done));
+          m &= m - 1u;
+        }
+        for (; m; m &= m - 1u) {
           const uint32_t off = buddy_ctz(m);
           const uint32_t sym = table->dec[(uint32_t)(bits >> off) & (BUDDY_FPE_ROWS - 1u)] & 0xFFFFu;
           const uint32_t at = done + buddy_popc(starts & ((1u << off) - 1u));
-          if (!put_word(payload, n64, sym, end, j++, out + (size_t)WB * (first + at))) return never;
+          put_word(payload, n64, sym, end, j++, out + (size_t)WB * (first + at));
         }
         done += buddy_popc(starts);
         pos += row >> 24;
       } else {  // one code: ESC with its symbol, a code the table lacks, or the lane's last codes
-        const uint32_t one = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
         uint32_t len = one >> 16, sym = one & 0xFFFFu;
         if (len == 0) return never;  // (the find walk stops before such a code: not reached)
         if (sym == esc_sym()) {
@@ -442,27 +451,22 @@ struct BuddyFpe {
           if (table->enc[sym]) return never;
           len += sym_bits;
         }
-        if (sym != zero_sym() && !put_word(payload, n64, sym, end, j++, out + (size_t)WB * (first + done)))
-          return never;
+        if (sym != zero_sym()) put_word(payload, n64, sym, end, j++, out + (size_t)WB * (first + done));
         done += 1;
         pos += len;
       }
     }
     *tails = j - tail_first;
-    return pos;
+    return (uint64_t)j * tail_bits() > end ? never : pos;  // the lane's last tail (the (j - 1)-th) in the payload
   }
 
-  // Writes the word of symbol sym and the entry's j-th tail (at end - (j + 1) t) to out; false if that
-  // tail is not in the payload.
-  BUDDY_HD bool put_word(const uint8_t* payload, uint32_t n64, uint32_t sym, uint32_t end, uint32_t j,
+  // Writes the word of symbol sym and the entry's j-th tail (at end - (j + 1) t) to out; a tail placed before
+  // the payload's start (the place wraps past it) reads as zeros: emit checks the places.
+  BUDDY_HD void put_word(const uint8_t* payload, uint32_t n64, uint32_t sym, uint32_t end, uint32_t j,
                          uint8_t* out) const {
     uint64_t word = (uint64_t)sym << tail_bits();
-    if (tail_bits()) {
-      if ((uint64_t)(j + 1u) * tail_bits() > end) return false;
-      word |= buddy_peek(payload, n64, end - (j + 1u) * tail_bits()) & tail_mask();
-    }
+    if (tail_bits()) word |= buddy_peek(payload, n64, end - (j + 1u) * tail_bits()) & tail_mask();
     buddy_store<word_t>(out, (word_t)word);
-    return true;
   }
 
   template <class Warp>

@@ -53,7 +53,7 @@ OVERSHOOT = 32
 #: bits at the start of a lane's span whose code starts it records (csrc/codec_fpe.h: `window`)
 WINDOW = 32
 #: bits a lane decodes before its span to fall in step (csrc/codec_fpe.h: `warmup`)
-WARMUP = 64
+WARMUP = 128
 #: no span is shorter (bits), and none longer (a lane's counts fit 16 bits)
 MIN_SPAN, MAX_SPAN = 64, 0x7FFF
 
@@ -92,6 +92,7 @@ class _Lane:
         self.start, self.n, self.tails, self.starts, self.tail_starts = start, 0, 0, 0, 0
         self.steps = 0  # steps taken in the latest round
         self.singles = 0  # of them, steps over one code alone (ESC with its symbol)
+        self.rest = 0  # codes with tails after a step's first code (the emit walk's inner loop)
         self.end, self.invalid = self._walk(start, lambda pos: False)
 
     def _walk(self, pos: int, merged) -> tuple[int, bool]:
@@ -111,6 +112,7 @@ class _Lane:
                     tails &= (1 << bits) - 1
                 s = bits
                 count, tail_count = bin(starts).count("1"), bin(tails).count("1")
+                self.rest += bin(tails & ~1).count("1")
             else:
                 s = int(self.step[pos])
                 if s == 0:
@@ -191,7 +193,7 @@ def _emit_work(lanes: list[_Lane], step, zero, multi, *, done: int, n_words: int
         if lane.invalid and done + lane.n < n_words:
             raise RuntimeError("a valid stream decoded to a code the table lacks")
         again = _Lane(step, zero, multi, lane.start, lane.limit, use_multi)  # the emit pass's walk
-        work.append((again.steps, min(lane.tails, n_words - done)))
+        work.append((again.steps, min(lane.tails, n_words - done), again.rest))
         done += lane.n
     return work, done
 
@@ -212,7 +214,7 @@ def simulate_entry(payload_row: np.ndarray, k: int, n_words: int, table: fpe.Tab
     step, zero, multi = _steps(bits, table)
     step, zero, multi = step.tolist(), zero.tolist(), multi.tolist()
     estimate = fpe.code_section_estimate(k, n_words, table.tail_bits, table.span_model)
-    base, done, passes, rounds, find, emit, emit_steps, emit_tails, resync = 0, 0, 0, 0, 0, 0, 0, 0, 0
+    base, done, passes, rounds, find, emit, emit_steps, emit_tails, emit_rest, resync = 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
     steps = singles = warm_steps = 0
     remaining_bits = estimate + (estimate // overshoot if overshoot else 0)
     while done < n_words:
@@ -232,14 +234,15 @@ def simulate_entry(payload_row: np.ndarray, k: int, n_words: int, table: fpe.Tab
         find += round_steps
         resync += round_steps
         work, done = _emit_work(lanes, step, zero, multi, done=done, n_words=n_words, use_multi=use_multi)
-        emit += max(a + b for a, b in work)
-        emit_steps += max(a for a, _ in work)
-        emit_tails += max(b for _, b in work)
+        emit += max(a + b for a, b, _ in work)
+        emit_steps += max(a for a, _, _ in work)
+        emit_tails += max(b for _, b, _ in work)
+        emit_rest += max(c for _, _, c in work)
         if done < n_words:
             base = lanes[-1].end
             remaining_bits = max(1, (n_words - done) * base // max(1, done))
     return {"passes": passes, "rounds": rounds, "find": find, "emit": emit, "emit_steps": emit_steps,
-            "emit_tails": emit_tails, "estimate": estimate, "single": singles / max(1, steps),
+            "emit_tails": emit_tails, "emit_rest": emit_rest, "estimate": estimate, "single": singles / max(1, steps),
             "resync": resync, "warm": warm_steps}
 
 

@@ -77,7 +77,7 @@ LAUNCH_US, READBACK_US = 4.0, 15.0
 TRIPS = [
     (r"while \(pos < limit\)", "find"),               # fpe: the find walk (and resync)
     (r"while \(done < count\)", "emit_steps"),        # fpe: the emit walk
-    (r"for \(uint32_t m = \(row >> 12\)", "emit_tails"),  # fpe: a step's words with tails
+    (r"for \(; m; m &= m - 1u\)", "emit_rest"),         # fpe: a step's words with tails after its first code
     (r"for \(uint32_t round = 0; round < BUDDY_WARP_SIZE", "rounds"),
     (r"while \(done < words\)", "passes"),
     (r"u < n / 16; u \+= BUDDY_WARP_SIZE", "fill16"),  # 16-byte copies and fills
@@ -92,7 +92,7 @@ TRIPS = [
     (r"while \(p < stop\)", "rounds"),                 # fpe: tails of the codes a resynchronized lane drops
     (r"for \(uint32_t i = 0; i < words; \+\+i\)", "serial_words"),  # the serial layout's walk (not run)
     (r"r0 < rounds; r0 \+= 15", "fpx_blocks"),           # auto2's fpx member sizing an entry
-    (r"for \(uint32_t r = r0; r < r1; \+\+r\)", "words32"),
+    (r"for \(uint32_t r = r0; r < r1; \+\+r\)", "fpx_words"),  # auto2's fpx member: a word a lane an iteration
     (r"for \(uint32_t c = 0; c < C; \+\+c\)", "words32"),  # auto2's bpc member: 32-delta chunks
     (r"u = total / 64u \+ warp.lane\(\); u < n64", "bits_after"),  # the serial layout's and other codecs' check
 ]
@@ -253,10 +253,11 @@ def block_lines(source: list[str], openings=RARE_BLOCKS) -> set[int]:
 
 
 #: per loop key, a source line run once per iteration of the loop's source and compiled to one load: the
-#: loads of it (not of the constant bank) in a compiled copy of the loop are the iterations that copy's body
-#: does at once (its unroll)
+#: loads of it (not of the constant bank; the line itself or the one it is inlined at) in a compiled copy of
+#: the loop are the iterations that copy's body does at once (its unroll)
 ANCHORS = {
     "unit_words": r"const uint32_t c = table->enc\[sym\];",  # fpe's encode: a word's code from the table
+    "fpx_words": r"return i < words \? buddy_load<word_t>\(entry_bytes \+ i \* WB\)",  # fpx's word_at: the word
 }
 
 
@@ -266,7 +267,8 @@ def unrolled(kernel: Kernel, source: list[str], a: int, b: int, key: str | None)
     if pattern is None:
         return 1
     hits = sum(1 for addr, text, line in kernel.instrs
-               if a <= addr <= b and re.match(r"(@\S+\s+)?LD[GS]?\.", text) and re.search(pattern, source[line - 1]))
+               if a <= addr <= b and re.match(r"(@\S+\s+)?LD[GS]?\.", text)
+               and any(re.search(pattern, source[at - 1]) for at in kernel.chains.get(addr, (line,))))  # fmt: skip
     return max(1, hits)
 
 
@@ -362,7 +364,7 @@ def lane_trips(dtype: torch.dtype, entry_bytes: int, sample: int, cache) -> dict
                        cache=cache)  # fmt: skip
     tensors = [s.tensor for w in workloads for c in caps[w] for s in c.tensors if s.tensor.dtype == dtype]
     sims = lane_work(tensors, entry_bytes, sample, torch.Generator().manual_seed(0))
-    keys = ("passes", "rounds", "find", "resync", "warm", "emit_steps", "emit_tails", "single")
+    keys = ("passes", "rounds", "find", "resync", "warm", "emit_steps", "emit_tails", "emit_rest", "single")
     mean = {key: statistics.mean(s[key] for s in sims) for key in keys}
     mean["k"] = statistics.mean(s["k"] for s in sims)
     mean["entries"] = len(sims)
@@ -388,11 +390,11 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
         words32 = entry_bytes // word / 32
         trips = {"grid": 1.0, "one": 1.0, "rounds16": units, "serial_words": 0.0, "fill8": 0.0, "none": 0.0,
                  "units": units, "gather": math.ceil(2 * k / 32), "payload": math.ceil(2 * k / 32),
-                 "unit_words": units * 16 // word, "words32": words32, "fpx_blocks": math.ceil(words32 / 15),
+                 "unit_words": units * 16 // word, "words32": words32, "fpx_words": words32, "fpx_blocks": math.ceil(words32 / 15),
                  "bits_after": 0.0}  # fmt: skip
         if op == "unpack":  # a coded entry of the split layout: its gather (k sectors), zero fill, copy out
             trips |= {key: sim[key] for key in ("passes", "rounds", "find", "resync", "warm", "emit_steps",
-                                                 "emit_tails", "single")}  # fmt: skip
+                                                 "emit_tails", "emit_rest", "single")}  # fmt: skip
             trips["find"] = sim["find"] - sim["resync"] - sim["warm"]  # the first walk's (sim["find"]: all three)
             trips["rounds"] += sim["passes"]  # the check that ends the resync loop
             moved = 32 * k + entry_bytes + spec.meta_bytes(entry_bytes)
@@ -418,7 +420,7 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
             memory = H100["hbm_gbps"] * entry_bytes / moved
             bounds = {"issue": issue, "memory": memory}
             if op == "unpack":  # the data-dependent walks: every step a dependent chain
-                steps = sim["find"] + sim["emit_steps"] + sim["emit_tails"]
+                steps = sim["find"] + sim["emit_steps"] + sim["emit_rest"]  # a lookup a step, one more a later code
                 bounds["latency"] = H100["sms"] * clock * warps / (STEP_CYCLES * steps) * entry_bytes / 1e9
             bound = min(bounds, key=bounds.__getitem__)
             row |= {f"{b} GB/s": v for b, v in bounds.items()} | {"estimate GB/s": bounds[bound], "bound": bound}
@@ -496,12 +498,12 @@ def render(rows, sims, totals, fit, args, machine: str) -> str:
     out += ["", "Trip counts of the split layout's decoder (mean per entry, the lane simulation on the capture "
             "workloads' coded entries; a warp's steps, the most any lane takes; find steps include the warm-up "
             "and resync steps):", "", "| dtype | entries | k (sectors) | passes | resync rounds | find steps | "
-            "warm-up steps | resync steps | emit steps | emit tails | one-code steps |", "| --- | --- | --- | --- | "
-            "--- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+            "warm-up steps | resync steps | emit steps | emit tails | of them after a step's first code | one-code "
+            "steps |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, s in sims.items():
         out.append(f"| {name} | {s['entries']} | {s['k']:.1f} | {s['passes']:.2f} | {s['rounds']:.2f} | "
                    f"{s['find']:.1f} | {s['warm']:.1f} | {s['resync']:.1f} | {s['emit_steps']:.1f} | "
-                   f"{s['emit_tails']:.1f} | {s['single']:.1%} |")  # fmt: skip
+                   f"{s['emit_tails']:.1f} | {s['emit_rest']:.1f} | {s['single']:.1%} |")  # fmt: skip
     out += ["", f"The fit kernel (one warp, once per compress with nothing learned): {fit[0]:,} SASS instructions, "
             f"about {fit[1]:,.0f} run for 257 leaves of 4,096 symbols, at {FIT_CPI} cycles each about {fit[2]:.0f} us "
             "(a rough figure: `fit_time_us`).", ""]
