@@ -150,6 +150,8 @@ struct BuddyFpe {
   BUDDY_HD uint32_t zero_sym() const { return 1u << sym_bits; }        // ZERO = S
   BUDDY_HD uint32_t esc_sym() const { return (1u << sym_bits) + 1u; }  // ESC = S + 1
   BUDDY_HD uint64_t tail_mask() const { return ((uint64_t)1 << tail_bits()) - 1u; }  // t <= 52
+  // Whether words have tails: always for words of 2 bytes and more (b <= 12), so the compiler makes one path
+  BUDDY_HD bool has_tails() const { return WB > 1 || tail_bits() != 0u; }
 
   static BUDDY_HD bool coded_mode(uint32_t mode) { return mode == 0; }
 
@@ -171,13 +173,17 @@ struct BuddyFpe {
     uint32_t head, head_bits;
     bool tail;
   };
+  // Without branches (selects: a warp's lanes take no different paths): the symbol's entry is loaded for a
+  // zero word too (symbol 0's, unused).
   BUDDY_HD Field field(word_t x, Specials sp) const {
-    if (x == 0 && sp.zero) return {sp.zero & 0xFFFu, sp.zero >> 12, false};
     const uint32_t sym = (uint32_t)((uint64_t)x >> tail_bits()) & (zero_sym() - 1u);
     const uint32_t c = table->enc[sym];
-    if (c) return {c & 0xFFFu, c >> 12, true};
     const uint32_t len = sp.esc >> 12;
-    return {(sp.esc & 0xFFFu) | sym << len, len + sym_bits, true};
+    const bool zero = x == 0 && sp.zero;
+    const uint32_t entry = zero ? sp.zero : c;  // a code of the table: stream code | length << 12 (0: none)
+    const uint32_t head = entry ? entry & 0xFFFu : (sp.esc & 0xFFFu) | sym << len;
+    const uint32_t bits = entry ? entry >> 12 : len + sym_bits;
+    return {head, bits, !zero};
   }
 
   // Word i (0 .. 16 / WB - 1) of a 16-byte unit.
@@ -231,7 +237,7 @@ struct BuddyFpe {
     uint32_t head = 0, tails = 0;
     for (uint32_t r = 0; r < rounds; ++r) {
       const uint32_t u = r * BUDDY_WARP_SIZE + warp.lane();
-      if (u < units) {
+      if (units % BUDDY_WARP_SIZE == 0 || u < units) {  // (always, at E >= 512: one path)
         uint32_t h, z;
         unit_bits(buddy_load<buddy_u128>(entry_bytes + 16u * u), sp, &h, &z);
         head += h;
@@ -255,28 +261,34 @@ struct BuddyFpe {
     uint32_t base = 0, tails = 0;  // code bits and tails of earlier rounds
     for (uint32_t r = 0; r < rounds; ++r) {
       const uint32_t u = r * BUDDY_WARP_SIZE + warp.lane();
-      const bool valid = u < units;
+      const bool valid = units % BUDDY_WARP_SIZE == 0 || u < units;  // (always, at E >= 512: one path)
       const buddy_u128 zero = {0, 0};
       const buddy_u128 unit = valid ? buddy_load<buddy_u128>(entry_bytes + 16u * u) : zero;
       uint32_t h = 0, z = 0, total;
-      if (valid) unit_bits(unit, sp, &h, &z);
       if (table->split) {
+        // each word's field once (registers: head < 2^24 | its bits << 24 | a tail follows << 31)
+        uint32_t packed[unit_words];
+        for (uint32_t i = 0; i < unit_words; ++i) {
+          const Field f = valid ? field(unit_word(unit, i), sp) : Field{0u, 0u, false};
+          packed[i] = f.head | f.head_bits << 24 | (uint32_t)f.tail << 31;
+          h += f.head_bits;
+          z += f.tail;
+        }
         // code bits (at most 16 words x 24 bits a lane) and tails (16) of a round in one scan
         const uint32_t before = buddy_warp_exclusive_scan(warp, h | z << 16, &total);
         uint32_t pos = base + (before & 0xFFFFu), j = tails + (before >> 16);
         if (valid) {
           for (uint32_t i = 0; i < unit_words; ++i) {
-            const word_t x = unit_word(unit, i);
-            const Field f = field(x, sp);
-            buddy_put32(stream, pos, f.head);
-            pos += f.head_bits;
-            if (f.tail && tail_bits()) put_tail(stream, end - (j + 1u) * tail_bits(), x);
-            j += f.tail;
+            buddy_put32(stream, pos, packed[i] & 0xFFFFFFu);
+            pos += (packed[i] >> 24) & 0x1Fu;
+            if (packed[i] >> 31 && has_tails()) put_tail(stream, end - (j + 1u) * tail_bits(), unit_word(unit, i));
+            j += packed[i] >> 31;
           }
         }
         base += total & 0xFFFFu;
         tails += total >> 16;
       } else {  // the serial layout: tables of format 1, 2 (fits make format 3)
+        if (valid) unit_bits(unit, sp, &h, &z);
         uint32_t pos = base + buddy_warp_exclusive_scan(warp, h + z * tail_bits(), &total);
         if (valid) {
           for (uint32_t i = 0; i < unit_words; ++i) pos = put(stream, pos, unit_word(unit, i), sp);
@@ -465,7 +477,7 @@ struct BuddyFpe {
   BUDDY_HD void put_word(const uint8_t* payload, uint32_t n64, uint32_t sym, uint32_t end, uint32_t j,
                          uint8_t* out) const {
     uint64_t word = (uint64_t)sym << tail_bits();
-    if (tail_bits()) word |= buddy_peek(payload, n64, end - (j + 1u) * tail_bits()) & tail_mask();
+    if (has_tails()) word |= buddy_peek(payload, n64, end - (j + 1u) * tail_bits()) & tail_mask();
     buddy_store<word_t>(out, (word_t)word);
   }
 
