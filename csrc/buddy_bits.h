@@ -46,6 +46,15 @@ BUDDY_HD uint64_t buddy_peek(const uint8_t* payload, uint32_t n64, uint32_t pos)
   return (lo >> s) | ((hi << 1) << (63u - s));  // hi << (64 - s), 0 for s = 0
 }
 
+// The 32 stream bits from bit pos (< the payload's bits) of a payload
+// followed by at least 8 zero bytes (buddy_op_unpack's staging for the
+// codecs that decode there): two 4-byte loads and a funnel shift, no bounds.
+BUDDY_HD uint32_t buddy_peek32_padded(const uint8_t* payload, uint32_t pos) {
+  const uint32_t q = pos >> 5;
+  const uint32_t lo = buddy_load<uint32_t>(payload + 4u * q), hi = buddy_load<uint32_t>(payload + 4u * q + 4u);
+  return (uint32_t)(((uint64_t)hi << 32 | lo) >> (pos & 31u));
+}
+
 // Whether a bit at or after stream bit `total` is set in a payload of n64
 // 8-byte words: this lane's share of the words (OR it over the warp).
 template <class Warp>

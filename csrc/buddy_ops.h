@@ -15,7 +15,8 @@
 //          and the overflow stays inside the bounds it is given. A codec whose
 //          lanes write words at scattered places (Codec::STAGED_DECODE: fpe,
 //          auto2) decodes into the staging buffer's second E bytes, copied out
-//          16 bytes a lane store.
+//          16 bytes a lane store. A codec that needs zeros after its payload
+//          (Codec::DECODE_PAD: fpe, auto2) gets them there.
 //
 // All lanes of a warp call these together (see buddy_warp.h), with the codec
 // object the kernel built (buddy_codec in buddy_entry.h). Pointers are
@@ -42,6 +43,16 @@ template <class Codec>
 BUDDY_HD constexpr uint32_t buddy_unpack_staging_entries() {
   return buddy_staged_decode<Codec>::value ? 2u : 1u;
 }
+
+// Zero bytes a codec's decoder needs after its payload (Codec::DECODE_PAD; 0 when it does not say).
+template <class Codec, class = void>
+struct buddy_decode_pad {
+  static constexpr uint32_t value = 0;
+};
+template <class Codec>
+struct buddy_decode_pad<Codec, decltype((void)Codec::DECODE_PAD)> {
+  static constexpr uint32_t value = Codec::DECODE_PAD;
+};
 
 // Copies `sectors` sectors from src to dst (both 8-byte aligned), 8 bytes per lane store.
 template <class Warp>
@@ -93,6 +104,12 @@ BUDDY_WARP_FN uint32_t buddy_op_unpack(const Warp& warp, const Codec& codec, bud
   const uint32_t in_slot = k < s ? k : s;
   buddy_warp_copy_sectors(warp, slot, staging, in_slot);
   if (k > s) buddy_warp_copy_sectors(warp, overflow, staging + s * BUDDY_SECTOR_BYTES, k - s);
+  if constexpr (buddy_decode_pad<Codec>::value > 0) {  // zeros after a coded payload (k < E/32: they fit)
+    static_assert(buddy_decode_pad<Codec>::value % 8 == 0 && buddy_decode_pad<Codec>::value < BUDDY_SECTOR_BYTES,
+                  "whole 8-byte words, inside the sector a coded payload leaves");
+    if (k < BUDDY_SECTORS_PER_ENTRY && warp.lane() < buddy_decode_pad<Codec>::value / 8)
+      buddy_store<uint64_t>(staging + k * BUDDY_SECTOR_BYTES + 8u * warp.lane(), 0u);
+  }
   warp.sync();  // the gathered payload is complete before any lane decodes from it
   if constexpr (buddy_staged_decode<Codec>::value) {
     uint8_t* decoded = staging + BUDDY_ENTRY_BYTES;

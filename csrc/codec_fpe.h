@@ -123,6 +123,7 @@ struct BuddyFpe {
   typedef typename buddy_uint<WB>::type word_t;
   static constexpr bool TABLED = true;
   static constexpr bool STAGED_DECODE = true;  // lanes write words at scattered places: decode into shared memory
+  static constexpr uint32_t DECODE_PAD = 8;    // zeros after the payload: the walks' 32-bit reads need no bounds
   static constexpr uint32_t ZERO_MODE = 0;
   static constexpr uint32_t RAW_MODE = 0;
   static constexpr uint32_t entry = BUDDY_ENTRY_BYTES;  // bytes per entry, E
@@ -325,16 +326,20 @@ struct BuddyFpe {
     return (uint32_t)buddy_min<int64_t>(256 * (int64_t)k, buddy_max<int64_t>(1, c));
   }
 
+  // The walks below read the 32 stream bits at a place before the payload's end (a code and an escaped symbol
+  // are at most 24 bits) with two 4-byte loads and no bounds: the payload is followed by DECODE_PAD zero
+  // bytes (buddy_op_unpack's staging), so bits past it read as zeros, as the reference reads them.
+  //
   // Steps from pos over the codes of the code section that start before `limit`, recording them in sp, until
   // it meets a code start the lane recorded before (bit i of `merge`: a start at merge_at + i; 0: none).
   // Returns where it stopped: a code start at or past the limit, the start it met, or `never` at a code the
   // table lacks.
-  BUDDY_HD uint32_t walk(const uint8_t* payload, uint32_t n64, BuddyFpeSpan& sp, uint32_t pos, uint32_t limit,
+  BUDDY_HD uint32_t walk(const uint8_t* payload, BuddyFpeSpan& sp, uint32_t pos, uint32_t limit,
                          uint32_t merge_at, uint32_t merge) const {
     while (pos < limit) {
       const uint32_t d = pos - merge_at;  // (wraps when pos < merge_at)
       if (d < window && (merge >> d) & 1u) break;
-      const uint64_t bits = buddy_peek(payload, n64, pos);
+      const uint32_t bits = buddy_peek32_padded(payload, pos);
       const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
       uint32_t starts, tails, step;
       if (row) {  // the codes inside the next 12 bits at once
@@ -369,10 +374,10 @@ struct BuddyFpe {
   // `warmup` bits before it (not before `base`, the pass's true start) -- a prefix code falls in step within a
   // few codes, so this is nearly always the true end of the lane before, and the lane need not decode again.
   // `guess` itself if that decode meets a code the table lacks.
-  BUDDY_HD uint32_t warm_up(const uint8_t* payload, uint32_t n64, uint32_t guess, uint32_t base) const {
+  BUDDY_HD uint32_t warm_up(const uint8_t* payload, uint32_t guess, uint32_t base) const {
     uint32_t pos = guess - base > warmup ? guess - warmup : base;
     while (pos < guess) {
-      const uint64_t bits = buddy_peek(payload, n64, pos);
+      const uint32_t bits = buddy_peek32_padded(payload, pos);
       const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
       if (row) {
         const uint32_t ahead = guess - pos < (row >> 24) ? (row & 0xFFFu) & ~((1u << (guess - pos)) - 1u) : 0u;
@@ -388,11 +393,11 @@ struct BuddyFpe {
 
   // The lane's span decoded again from `from` (the true end of the lane before), until it meets a start of
   // its earlier decode: from there that decode is the true one, and its counts and end stand.
-  BUDDY_HD void resync(const uint8_t* payload, uint32_t n64, BuddyFpeSpan& sp, uint32_t from, uint32_t limit) const {
+  BUDDY_HD void resync(const uint8_t* payload, BuddyFpeSpan& sp, uint32_t from, uint32_t limit) const {
     const BuddyFpeSpan old = sp;
     sp.start = from;
     sp.counts = sp.marks = 0;
-    const uint32_t pos = walk(payload, n64, sp, from, limit, old.start, old.marks);
+    const uint32_t pos = walk(payload, sp, from, limit, old.start, old.marks);
     const uint32_t d = pos - old.start;
     if (pos >= limit || d >= window || !((old.marks >> d) & 1u)) {  // (never >= limit: a code the table lacks)
       sp.end = pos;
@@ -400,7 +405,7 @@ struct BuddyFpe {
     }
     // the old codes before the meeting point are not the lane's: their count, and their tails counted again
     const uint32_t before = buddy_popc(old.marks & ((1u << d) - 1u));  // d < 32
-    sp.counts += old.counts - (before | tails_between(payload, n64, old.start, pos) << 16);
+    sp.counts += old.counts - (before | tails_between(payload, old.start, pos) << 16);
     const uint32_t off = pos - from;
     if (off < window) sp.marks |= (old.marks >> d) << off;
     sp.end = old.end;
@@ -408,10 +413,10 @@ struct BuddyFpe {
 
   // Codes with tails among those from p to `stop`, both code starts of one decode (a few codes: p and stop
   // are less than `window` bits apart).
-  BUDDY_HD uint32_t tails_between(const uint8_t* payload, uint32_t n64, uint32_t p, uint32_t stop) const {
+  BUDDY_HD uint32_t tails_between(const uint8_t* payload, uint32_t p, uint32_t stop) const {
     uint32_t tails = 0;
     while (p < stop) {
-      const uint64_t bits = buddy_peek(payload, n64, p);
+      const uint32_t bits = buddy_peek32_padded(payload, p);
       const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
       if (row) {
         const uint32_t step = buddy_min(row >> 24, stop - p);  // the codes that start before `stop` end there
@@ -430,12 +435,12 @@ struct BuddyFpe {
   // (tail_first)-th on (the j-th at end - (j + 1) t); *tails: how many. Returns the bit after the last code,
   // or `never` for an escape of a symbol the table has a code for or a tail outside the payload. That last
   // check is made once, after the walk (the places of a lane's tails only go down): a tail before the
-  // payload reads as zeros (buddy_peek of a place past it) and the entry is then flagged and zeroed.
+  // payload reads as zeros (a peek past the payload) and the entry is then flagged and zeroed.
   BUDDY_HD uint32_t emit(const uint8_t* payload, uint32_t n64, uint32_t pos, uint32_t count, uint32_t first,
                          uint32_t tail_first, uint32_t end, uint8_t* out, uint32_t* tails) const {
     uint32_t done = 0, j = tail_first;
     while (done < count) {
-      const uint64_t bits = buddy_peek(payload, n64, pos);
+      const uint32_t bits = buddy_peek32_padded(payload, pos);
       // both rows of the next 12 bits at once (two independent loads): the step's codes, and the first code's
       // symbol and length -- all a step of one code needs (most steps of 2-byte words)
       const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
@@ -476,8 +481,13 @@ struct BuddyFpe {
   // the payload's start (the place wraps past it) reads as zeros: emit checks the places.
   BUDDY_HD void put_word(const uint8_t* payload, uint32_t n64, uint32_t sym, uint32_t end, uint32_t j,
                          uint8_t* out) const {
+    (void)n64;  // (a tail of 8-byte words is read with bounds)
     uint64_t word = (uint64_t)sym << tail_bits();
-    if (has_tails()) word |= buddy_peek(payload, n64, end - (j + 1u) * tail_bits()) & tail_mask();
+    const uint32_t at = buddy_min(end - (j + 1u) * tail_bits(), end);  // (a place before the payload wraps)
+    if constexpr (WB == 8)  // a tail of up to 52 bits
+      word |= buddy_peek(payload, n64, at) & tail_mask();
+    else if (has_tails())   // at most 23 bits
+      word |= buddy_peek32_padded(payload, at) & (uint32_t)tail_mask();
     buddy_store<word_t>(out, (word_t)word);
   }
 
@@ -497,15 +507,15 @@ struct BuddyFpe {
       const uint32_t span = buddy_min(0x7FFFu, buddy_max(min_span, (want + BUDDY_WARP_SIZE - 1u) / BUDDY_WARP_SIZE));
       const uint32_t limit = buddy_min(base + (lane + 1u) * span, end);
       BuddyFpeSpan sp = {buddy_min(base + lane * span, end), 0, 0, 0};
-      if (lane) sp.start = warm_up(payload, n64, sp.start, base);
-      sp.end = walk(payload, n64, sp, sp.start, limit, never, 0u);
+      if (lane) sp.start = warm_up(payload, sp.start, base);
+      sp.end = walk(payload, sp, sp.start, limit, never, 0u);
       // a lane whose start is not the true end of the lane before decodes again from there, until none does
       for (uint32_t round = 0; round < BUDDY_WARP_SIZE; ++round) {
         uint32_t from = warp.shfl_up(sp.end, 1u);
         if (lane == 0) from = base;
         const bool redo = from != never && from != sp.start;  // nothing true follows a code the table lacks
         if (!warp.ballot(redo)) break;
-        if (redo) resync(payload, n64, sp, from, limit);
+        if (redo) resync(payload, sp, from, limit);
       }
       // the lanes up to the first that stopped at a code the table lacks hold the true codes
       const uint32_t invalid = warp.ballot(sp.end == never);

@@ -32,9 +32,14 @@
 //       this mode: its stream, then zero bits. Writes nothing else.
 //   uint32_t decode(warp, payload, k, mode, out)    a coded entry (0 < k <
 //       E/32, coded_mode(mode)) back into all E bytes of out. Reads payload
-//       bytes [0, 32k); bytes after them (the rest of a staging buffer) may
-//       hold anything and never change a valid decode. Returns 0, or
-//       BUDDY_ERR_STREAM when the payload disagrees with k (out is then zeros).
+//       bytes [0, 32k + DECODE_PAD); bytes after them (the rest of a staging
+//       buffer) may hold anything and never change a valid decode. Returns 0,
+//       or BUDDY_ERR_STREAM when the payload disagrees with k (out is then
+//       zeros).
+//   static constexpr uint32_t DECODE_PAD (optional, 0 when absent)  zero
+//       bytes the decoder needs after the payload (buddy_op_unpack writes
+//       them into its staging: k < E/32 leaves room), so its reads of a few
+//       bytes at a place inside the payload need no bounds (codec_fpe.h).
 // Pointers address E bytes each, are 8-byte aligned, and never alias.
 #pragma once
 

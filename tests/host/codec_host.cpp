@@ -162,7 +162,7 @@ static uint8_t* guarded(size_t n) {
     perror("mmap");
     exit(2);
   }
-  return base + span - n;  // 8-byte aligned: n is a multiple of 32
+  return base + span - n;  // 8-byte aligned: n is a multiple of 8
 }
 
 static std::vector<uint8_t> read_file(const char* path) {
@@ -177,6 +177,13 @@ static std::vector<uint8_t> read_file(const char* path) {
   while ((got = fread(buf, 1, sizeof buf, f)) > 0) data.insert(data.end(), buf, buf + got);
   fclose(f);
   return data;
+}
+
+// The zeros a codec's decoder needs after a coded payload of k sectors in a staging buffer of E bytes, as
+// buddy_op_unpack writes them (Codec::DECODE_PAD); the rest stays as it is.
+template <class Codec>
+static void pad_after_payload(uint8_t* staged, uint32_t k) {
+  if (k > 0 && k < BUDDY_SECTORS_PER_ENTRY) memset(staged + k * BUDDY_SECTOR_BYTES, 0, buddy_decode_pad<Codec>::value);
 }
 
 // ---------------------------------------------------------------------------
@@ -207,6 +214,7 @@ static void encode(const Codec& codec, size_t n, const uint8_t* in, FILE* out) {
       if (l == 0) {
         memset(staged, 0xAB, E);
         if (k) memcpy(staged, payload[k], k * BUDDY_SECTOR_BYTES);
+        pad_after_payload<Codec>(staged, k);
         memset(decoded, 0xAB, E);
       }
       warp.sync();
@@ -243,6 +251,7 @@ static void decode(const Codec& codec, size_t n, const uint8_t* in, FILE* out) {
     for (size_t i = 0; i < n; ++i) {
       if (l == 0) {
         memcpy(payload, payloads + i * E, E);
+        pad_after_payload<Codec>(payload, (uint32_t)ks[i]);
         memset(decoded, 0xAB, E);
       }
       warp.sync();
@@ -265,8 +274,8 @@ static void stream(const Codec& codec, size_t n, const uint8_t* in, FILE* out) {
   const uint32_t kmax = 2 * BUDDY_SECTORS_PER_ENTRY;
   uint8_t* entry = guarded(E);
   uint8_t* decoded = guarded(E);
-  std::vector<uint8_t*> payload(kmax + 1);  // payload[k]: exactly 32k bytes, for encode and decode alike
-  for (uint32_t k = 1; k <= kmax; ++k) payload[k] = guarded(k * BUDDY_SECTOR_BYTES);
+  std::vector<uint8_t*> payload(kmax + 1);  // payload[k]: exactly 32k bytes (and the decoder's zeros), for both
+  for (uint32_t k = 1; k <= kmax; ++k) payload[k] = guarded(k * BUDDY_SECTOR_BYTES + buddy_decode_pad<Codec>::value);
   std::vector<int32_t> ks(n), modes(n);
   std::vector<uint32_t> errs(n, 0);
   std::vector<uint8_t> pay(n * 2 * E, 0), dec(n * E, 0);
@@ -281,6 +290,7 @@ static void stream(const Codec& codec, size_t n, const uint8_t* in, FILE* out) {
       const bool coded = k >= 1 && k <= kmax;
       if (l == 0 && coded) {
         memset(payload[k], 0xAB, k * BUDDY_SECTOR_BYTES);
+        memset(payload[k] + k * BUDDY_SECTOR_BYTES, 0, buddy_decode_pad<Codec>::value);
         memset(decoded, 0xAB, E);
       }
       warp.sync();
