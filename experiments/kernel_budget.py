@@ -15,7 +15,13 @@ and ``compile_options`` for one word size) for sm_90 with nvcc:
   as often as the split layout's decoder steps on real data -- the lane
   simulation of :mod:`experiments.fpe_lanes` on the capture workloads --
   and a copy loop E / 16 / 32 times). Every instruction of a loop body
-  counts, both sides of its branches: an upper bound. Loops the table does
+  counts, both sides of its branches: an upper bound, but for the blocks
+  run on a known share of the steps (:data:`RARE_BLOCKS`) or not at all
+  on what is written now (:data:`SERIAL_BLOCKS`). A loop the compiler
+  made several copies of (unswitched, or unrolled: :data:`ANCHORS` says
+  how many source iterations a copy's pass does) counts once, as its
+  largest copy per source iteration; a call of a routine (64-bit
+  division) counts the routine's instructions. Loops the table does
   not name count once and are listed;
 * **bytes moved** per entry (reads and writes of device memory);
 * the **estimated GB/s** of input on an H100 (132 SMs, 4 schedulers each
@@ -93,7 +99,7 @@ TRIPS = [
     (r"for \(uint32_t i = 0; i < words; \+\+i\)", "serial_words"),  # the serial layout's walk (not run)
     (r"r0 < rounds; r0 \+= 15", "fpx_blocks"),           # auto2's fpx member sizing an entry
     (r"for \(uint32_t r = r0; r < r1; \+\+r\)", "fpx_words"),  # auto2's fpx member: a word a lane an iteration
-    (r"for \(uint32_t c = 0; c < C; \+\+c\)", "words32"),  # auto2's bpc member: 32-delta chunks
+    (r"for \(uint32_t c = 0; c < C; \+\+c\)", "bpc_chunks"),  # auto2's bpc member: 32-delta chunks
     (r"u = total / 64u \+ warp.lane\(\); u < n64", "bits_after"),  # the serial layout's and other codecs' check
 ]
 
@@ -390,7 +396,8 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
         words32 = entry_bytes // word / 32
         trips = {"grid": 1.0, "one": 1.0, "rounds16": units, "serial_words": 0.0, "fill8": 0.0, "none": 0.0,
                  "units": units, "gather": math.ceil(2 * k / 32), "payload": math.ceil(2 * k / 32),
-                 "unit_words": units * 16 // word, "words32": words32, "fpx_words": words32, "fpx_blocks": math.ceil(words32 / 15),
+                 "unit_words": units * 16 // word, "bpc_chunks": words32, "fpx_words": words32,
+                 "fpx_blocks": math.ceil(words32 / 15),
                  "bits_after": 0.0}  # fmt: skip
         if op == "unpack":  # a coded entry of the split layout: its gather (k sectors), zero fill, copy out
             trips |= {key: sim[key] for key in ("passes", "rounds", "find", "resync", "warm", "emit_steps",
@@ -504,6 +511,16 @@ def render(rows, sims, totals, fit, args, machine: str) -> str:
         out.append(f"| {name} | {s['entries']} | {s['k']:.1f} | {s['passes']:.2f} | {s['rounds']:.2f} | "
                    f"{s['find']:.1f} | {s['warm']:.1f} | {s['resync']:.1f} | {s['emit_steps']:.1f} | "
                    f"{s['emit_tails']:.1f} | {s['emit_rest']:.1f} | {s['single']:.1%} |")  # fmt: skip
+    out += ["", "Where each kernel's instructions go (per entry, by the innermost loop they are in: its key in "
+            "`TRIPS`; `body`: in no loop but the one over entries; the SASS instructions counted for it, and the "
+            "instructions per entry over them: about the iterations a warp runs it):", "",
+            "| kernel | dtype | part | SASS | instr/entry / SASS | instr/entry | share |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in rows:
+        parts = {k: v for k, v in r.get("parts", {}).items() if not isinstance(k, tuple) and v >= 0.5}
+        for key, n in sorted(parts.items(), key=lambda kv: -kv[1])[:6]:
+            sass = r["parts"][(key, "sass")]
+            out.append(f"| {r['kernel']} | {r['dtype']} | {key} | {sass} | {n / max(1, sass):.1f} | {n:,.0f} | "
+                       f"{n / r['instr/entry']:.0%} |")
     out += ["", f"The fit kernel (one warp, once per compress with nothing learned): {fit[0]:,} SASS instructions, "
             f"about {fit[1]:,.0f} run for 257 leaves of 4,096 symbols, at {FIT_CPI} cycles each about {fit[2]:.0f} us "
             "(a rough figure: `fit_time_us`).", ""]
@@ -527,17 +544,19 @@ def render(rows, sims, totals, fit, args, machine: str) -> str:
 
 
 SHORT = """What bounds it is the issue rate: every kernel but count is issue-bound by these counts (memory would
-allow 1.9-3.3 TB/s of input). Unpack: the decode walks cost about 45-75 SASS instructions a find step and
-40-200 an emit step (both sides of each branch counted), twice over the code section (find, then emit), plus a
-warm-up and a resync round; auto2's measure sizes every entry with all four members (bpc alone is half of it);
-pack ORs every code and tail into shared memory with atomics; the fit is one warp's serial work (sorting 257
-leaves by ranking, a 43-pass radix select, two Huffman builds) and dominates a compress with nothing learned.
-What was tried: multi-code steps (a run of short codes per lookup: 2-3 times fewer find steps on ReLU
-float32), a 32-bit record of each span's first code starts and a 64-bit warm-up so lanes rarely decode again,
-64 registers without spills (24 warps an SM, shared memory limits it), 16-byte copies. Next: one walk instead
-of two (find and emit fused: symbols kept in shared memory), stream words assembled in registers instead of
-shared atomics, auto2 measuring fpe first and the others only where fpe is long, a fit of more lanes; and
-counting the dynamic path (ncu below) instead of every instruction of a loop body."""
+allow 1.9-3.3 TB/s of input); the parts table above says where the instructions go. Unpack: every code is
+stepped over twice (the find walk, then the emit walk that writes it) after a warm-up, each step a 32-bit read
+of the payload, one or two table lookups and the bookkeeping of the lanes' spans. Measure: auto2 sizes every
+entry with all four members, bpc's bit-plane transpose alone about half of it. Pack: fpe's codes and tails ORed
+into shared memory a field at a time. Nothing learned: the fit, one warp's serial work (sorting 257 leaves by
+ranking, a 43-pass radix select, two Huffman builds), dominates.
+Done so far: multi-code steps, a 128-bit warm-up and a 32-bit record of code starts (0.2-0.3 resynchronizing
+rounds a pass), the walks' 32-bit reads without bounds (DECODE_PAD zeros after the payload), a step's first code
+written from the row loaded beside its multi row, the tails' bounds checked once a lane, encode fields without
+branches and computed once. Next, by the parts table: one walk instead of two (the find walk keeping its
+symbols), auto2 choosing its member without sizing all four (a change of the choice rule: weigh its capacity
+cost first), a fit of more warps; and counting the code outside loops on the path it takes instead of every
+branch (ncu below)."""
 
 NCU = """## Checking it on a GPU
 
@@ -553,9 +572,9 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     python -m experiments.bench_cuda --codecs auto2 --entry-bytes 4096 --repeats 1
 ```
 
-`sm__inst_executed.sum` / entries is the instructions per entry above (an upper bound: both sides of every
-branch are counted here), `dram__bytes_*` / entries the bytes moved, `sm__warps_active` the occupancy, and
-`gpu__time_duration` gives the GB/s.
+`sm__inst_executed.sum` / entries is the instructions per entry above (counted here with both sides of every
+branch but the blocks named rare or not run: an upper bound), `dram__bytes_*` / entries the bytes moved,
+`sm__warps_active` the occupancy, and `gpu__time_duration` gives the GB/s.
 """
 
 
