@@ -161,7 +161,10 @@ def _build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[
             continue
         if "//## File" in row:
             if not grouped:  # a group of locations, the innermost first, then each place it was inlined at
-                chain = tuple(int(n) for n in re.findall(r"line (\d+)", row))
+                # (only the translation unit's lines: CUDA's own headers -- atomicOr, __shfl_up_sync -- have
+                # lines of their own)
+                chain = tuple(int(n) for f, n in re.findall(r'"([^"]+)", line (\d+)', row)
+                              if Path(f).name == unit.name) or (0,)  # fmt: skip
                 line = chain[0]
             grouped = True
             continue
