@@ -14,9 +14,10 @@
 //            below 2^53, so the total is exact in any order of summation.
 //   coded    the MAX_CODED regular symbols of largest (c, -symbol); the
 //            others' c summed is ESC's weight (at least 1). The 255th largest
-//            key c << 12 | (4095 - symbol) is found by a radix select, a bit
-//            at a time from the top (43 warp counts), when more than 255
-//            regular symbols occur.
+//            key c << 12 | (4095 - symbol) is found by a radix select, a
+//            4-bit digit at a time from the top (11 passes, each lane
+//            counting its keys' digits in packed counters, then 8 warp sums),
+//            when more than 255 regular symbols occur.
 //   leaves   coded symbols, ZERO (when c > 0) and ESC, sorted by (weight,
 //            symbol): each lane ranks its leaves against all the others.
 //   lengths  Huffman by two queues -- leaves in sorted order, merged nodes in
@@ -36,11 +37,11 @@
 //            Kraft sum of the codes before it (a warp scan) at its length.
 // Cost: two serial passes of at most 256 merges (the 32 round trees side by
 // side, then lane 0 alone), O(L^2 / 32) compares per ranking (L <= 257
-// leaves) and, when more than 255 symbols occur, 43 passes of S / 32 counts
-// per lane for the radix select (S = 4096 for the 12-bit symbols of table
-// format 2: about 5500 a lane) -- tens of microseconds of one warp,
-// estimated, not measured on a GPU; the kernel runs once per compress that
-// has no learned table.
+// leaves: three rankings) and, when more than 255 symbols occur, 11 passes
+// of S / 32 keys per lane for the radix select (S = 4096 for the 12-bit
+// symbols: about 1400 a lane) -- about 130,000 warp instructions
+// (python -m experiments.kernel_budget, docs/kernel_budget.md), not measured
+// on a GPU; the kernel runs once per compress that has no learned table.
 #pragma once
 
 #include "buddy_warp.h"
@@ -177,6 +178,52 @@ BUDDY_HD void buddy_fit_lengths(BuddyFpeFitWork* wk, uint32_t n) {
   for (uint32_t i = 0; i < n; ++i) wk->len[i] = wk->depth[i];
 }
 
+// The r-th largest (r >= 1) of the keys c[i] << 12 | (4095 - i) of the symbols i < S with c[i] > 0 (c < 2^31,
+// S <= 4096: distinct keys below 2^44; at least r of them), on every lane: a radix select, a 4-bit digit at a
+// time from the top. Per digit each lane counts the digits of the keys that share the digits found so far, 16
+// counters of 8 bits in two words (a lane has at most S / 32 = 128 symbols), and the warp adds them up, 16
+// bits a counter (at most S); the digit is the one at which the count from 15 down reaches r.
+template <class Warp>
+BUDDY_WARP_FN uint64_t buddy_fit_select(const Warp& warp, const uint32_t* c, uint32_t S, uint32_t r) {
+  uint64_t found = 0;  // the digits above `shift` found so far
+  for (int shift = 40; shift >= 0; shift -= 4) {
+    uint64_t lo = 0, hi = 0;  // digits 0-7 and 8-15, 8 bits each
+    for (uint32_t i = warp.lane(); i < S; i += BUDDY_WARP_SIZE) {
+      const uint64_t key = (uint64_t)c[i] << 12 | (4095u - i);
+      const bool in = c[i] && (key >> (shift + 4)) == (found >> (shift + 4));
+      const uint32_t d = (uint32_t)(key >> shift) & 15u;
+      const uint64_t one = in ? (uint64_t)1 << (8u * (d & 7u)) : 0u;
+      lo += d < 8u ? one : 0u;
+      hi += d < 8u ? 0u : one;
+    }
+    // the warp's counts, two 16-bit counters a 32-bit sum: even digits of a word, then odd ones
+    uint32_t count[16];
+    for (uint32_t half = 0; half < 2; ++half) {
+      const uint64_t h = half ? hi : lo;
+      const uint64_t even = h & 0x00FF00FF00FF00FFull, odd = (h >> 8) & 0x00FF00FF00FF00FFull;
+      for (uint32_t w = 0; w < 2; ++w) {
+        const uint32_t e = buddy_warp_sum(warp, (uint32_t)(even >> (32u * w)));
+        const uint32_t o = buddy_warp_sum(warp, (uint32_t)(odd >> (32u * w)));
+        count[8u * half + 4u * w + 0u] = e & 0xFFFFu;
+        count[8u * half + 4u * w + 1u] = o & 0xFFFFu;
+        count[8u * half + 4u * w + 2u] = e >> 16;
+        count[8u * half + 4u * w + 3u] = o >> 16;
+      }
+    }
+    uint32_t above = 0, digit = 0;
+    for (uint32_t d = 16; d-- > 0;) {
+      if (above + count[d] >= r) {
+        digit = d;
+        break;
+      }
+      above += count[d];
+    }
+    r -= above;
+    found |= (uint64_t)digit << shift;
+  }
+  return found;
+}
+
 // Fits the fpe table of word size word_bytes to counts (S + 2 int64: the
 // regular symbols, ZERO, ESC (only in the total); non-negative) as Table.from_counts
 // does: a table of format 3 (S = 2^12; 2^8 for 1-byte words). Writes the
@@ -204,17 +251,10 @@ BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32
   nonzero = buddy_warp_sum(warp, nonzero);
   warp.sync();
 
-  // which regular symbols get codes: all, or the 255 of largest key c << 12 | (4095 - symbol)
+  // which regular symbols get codes: all, or the 255 of largest key c << 12 | (4095 - symbol) (distinct keys
+  // below 2^44): the threshold is the 255th largest key, found a 4-bit digit at a time from the top
   uint64_t threshold = 0;
-  if (nonzero > BUDDY_FPE_MAX_CODED) {
-    for (int bit = 42; bit >= 0; --bit) {
-      const uint64_t candidate = threshold | (uint64_t)1 << bit;
-      uint32_t above = 0;
-      for (uint32_t i = lane; i < S; i += BUDDY_WARP_SIZE)
-        above += wk->c[i] && ((uint64_t)wk->c[i] << 12 | (4095u - i)) >= candidate;
-      if (buddy_warp_sum(warp, above) >= BUDDY_FPE_MAX_CODED) threshold = candidate;
-    }
-  }
+  if (nonzero > BUDDY_FPE_MAX_CODED) threshold = buddy_fit_select(warp, wk->c, S, BUDDY_FPE_MAX_CODED);
   // the leaves in symbol order (a ballot per 32 symbols), the others' weight for ESC
   uint32_t n = 0, rest = 0;
   for (uint32_t base = 0; base < S; base += BUDDY_WARP_SIZE) {

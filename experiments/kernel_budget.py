@@ -447,11 +447,13 @@ FIT_CPI = 12
 #: the fit's loops: iterations a warp runs them, for S = 4096 symbols all present and 257 leaves
 FIT_ITERATIONS = [
     (r"i < S \+ 2u; i \+= BUDDY_WARP_SIZE", 129), (r"i < S \+ 1u; i \+= BUDDY_WARP_SIZE", 129),
-    (r"i < S; i \+= BUDDY_WARP_SIZE", 43 * 128), (r"int bit = 42", 43), (r"base < S; base \+= BUDDY_WARP_SIZE", 128),
+    (r"i = warp.lane\(\); i < S; i \+= BUDDY_WARP_SIZE", 11 * 128), (r"int shift = 40", 11),
+    (r"base < S; base \+= BUDDY_WARP_SIZE", 128),
     (r"rank \+= \(\(uint64_t\)buddy_max", 2 * 9 * 257), (r"i = warp.lane\(\); i < n; i \+= BUDDY_WARP_SIZE", 2 * 9),
     (r"m \+ 1 < n", 256), (r"x-- > 0", 512), (r"i < n; \+\+i\) wk->len", 257),
     (r"v < BUDDY_FPE_ROWS; v \+= BUDDY_WARP_SIZE\) table->dec", 128), (r"i < BUDDY_FPE_SYMBOLS", 129),
-    (r"i < BUDDY_FPE_SERIAL_BYTES", 25), (r"rank \+= \(wk->len", 9 * 257), (r"i = lane; i < n; i \+= BUDDY_WARP_SIZE", 9),
+    (r"i < BUDDY_FPE_SERIAL_BYTES", 25), (r"rank \+= \(wk->len", 9 * 257),
+    (r"i = lane; i < n; i \+= BUDDY_WARP_SIZE", 9),
     (r"bit < len", 72), (r"v = stream; v < BUDDY_FPE_ROWS", 128), (r"base < n; base \+= BUDDY_WARP_SIZE", 9),
     (r"while \(pos < BUDDY_FPE_CODE_BITS\)", 512), (r"v = lane; v < BUDDY_FPE_ROWS; v \+= BUDDY_WARP_SIZE\) \{", 128),
 ]  # fmt: skip
@@ -460,23 +462,39 @@ FIT_ITERATIONS = [
 def fit_time_us(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[int, float, float]:
     """The fit kernel (one warp): its SASS instructions, the instructions it runs and the time they take.
 
-    Each loop's iterations (:data:`FIT_ITERATIONS`, split evenly among the copies the compiler made of it:
-    an unrolled body and its remainder) times its instructions, the rest once, at :data:`FIT_CPI` cycles an
-    instruction: a rough figure, its order of magnitude is what the compress totals need.
+    Each loop's iterations (:data:`FIT_ITERATIONS`) times its instructions per iteration, the rest once, at
+    :data:`FIT_CPI` cycles an instruction: a rough figure, its order of magnitude is what the compress totals
+    need. Of the copies the compiler made of a loop (an unrolled body and its remainder) the largest per
+    source iteration is charged for all of them (a pass of an unrolled copy loads each line's values that
+    many times: :func:`unroll` inside).
     """
     kernels, source = build(codec, word, entry_bytes, folder)
     kern = kernels[f"buddy_{codec}_fit"]
     found = loops(kern, source)
 
-    def iterations(line: int) -> float:
-        text = source[line - 1]
-        n = next((n for pattern, n in FIT_ITERATIONS if re.search(pattern, text)), 1)
-        return n / sum(1 for _, _, other, _ in found if other == line)  # the copies of this loop
+    def unroll(a: int, b: int) -> int:
+        """Source iterations a pass of the copy [a, b] does: the loads each source line of its own (not of the
+        loops inside it) has, their greatest common divisor (a line loads once an iteration)."""
+        inside = [(a1, b1) for a1, b1, _, _ in found if a < a1 and b1 < b]
+        per_line: dict[int, int] = {}
+        for addr, text, line in kern.instrs:
+            if a <= addr <= b and re.match(r"(@\S+\s+)?LD[GS]?\.", text) and not any(a1 <= addr <= b1 for a1, b1 in inside):
+                per_line[line] = per_line.get(line, 0) + 1
+        return math.gcd(*per_line.values()) if per_line else 1
+
+    weight: dict[tuple[int, int], float] = {}  # per copy: iterations of its body
+    for line in {line for _, _, line, _ in found}:
+        n = next((n for pattern, n in FIT_ITERATIONS if re.search(pattern, source[line - 1])), 1)
+        copies = [(a, b) for a, b, other, _ in found if other == line]
+        per = {(a, b): (b - a, unroll(a, b)) for a, b in copies}
+        best = max(copies, key=lambda ab: per[ab][0] / per[ab][1])
+        for ab in copies:
+            weight[ab] = n / per[ab][1] if ab == best else 0.0
 
     total = 0.0
     for addr, _, _ in kern.instrs:
-        inner = [(b - a, line) for a, b, line, _ in found if a <= addr <= b]
-        total += iterations(min(inner)[1]) if inner else 1
+        inner = [(b - a, a, b) for a, b, _, _ in found if a <= addr <= b]
+        total += weight[min(inner)[1:]] if inner else 1
     return len(kern.instrs), total, total * FIT_CPI / (H100["clock_ghz"] * 1e3)
 
 
