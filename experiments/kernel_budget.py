@@ -569,12 +569,12 @@ allow 1.9-3.3 TB/s of input); the parts table above says where the instructions 
 stepped over twice (the find walk, then the emit walk that writes it) after a warm-up, each step a 32-bit read
 of the payload, one or two table lookups and the bookkeeping of the lanes' spans. Measure: auto2 sizes every
 entry with all four members, bpc's bit-plane transpose alone about half of it. Pack: fpe's codes and tails ORed
-into shared memory a field at a time. Nothing learned: the fit, one warp's serial work (sorting 257 leaves by
-ranking, a 43-pass radix select, two Huffman builds), dominates.
+into shared memory a field at a time. Nothing learned: the fit, one warp's serial work (ranking 257 leaves,
+an 11-pass radix select, two Huffman builds), takes about as long as the rest of a 256 MiB compress.
 Done so far: multi-code steps, a 128-bit warm-up and a 32-bit record of code starts (0.2-0.3 resynchronizing
 rounds a pass), the walks' 32-bit reads without bounds (DECODE_PAD zeros after the payload), a step's first code
 written from the row loaded beside its multi row, the tails' bounds checked once a lane, encode fields without
-branches and computed once. Next, by the parts table: one walk instead of two (the find walk keeping its
+branches and computed once, the fit's radix select by 4-bit digits. Next, by the parts table: one walk instead of two (the find walk keeping its
 symbols), auto2 choosing its member without sizing all four (a change of the choice rule: weigh its capacity
 cost first), a fit of more warps; and counting the code outside loops on the path it takes instead of every
 branch (ncu below)."""
