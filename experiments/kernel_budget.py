@@ -325,9 +325,9 @@ def per_entry(kernel: Kernel, source: list[str], trips: dict[str, float], skip=f
             weight[copy[1], copy[2]] = 1.0 / copy[3] if copy is best else 0.0
     unknown, total = set(), 0.0
     for addr, text, line in kernel.instrs:
-        if not g0 <= addr <= g1 or (0 < line <= len(where) and where[line - 1] in skip):
-            continue  # once per warp, not per entry; or not run
         chain = kernel.chains.get(addr, (line,))
+        if not g0 <= addr <= g1 or any(0 < at <= len(where) and where[at - 1] in skip for at in chain):
+            continue  # once per warp, not per entry; or not run (a skipped header's code, or code inlined into it)
         share = trips.get("single", 1.0) if any(at in rare for at in chain) else 1.0
         share *= 0.0 if any(at in serial for at in chain) else 1.0
         inner = [(b - a, key, line, a, b) for a, b, key, line in keyed if a <= addr <= b and key != "grid"]
