@@ -558,9 +558,14 @@ def render(rows, sims, totals, fit, args, machine: str) -> str:
             + ("the targets are met." if worst["decompress"] >= 800 and worst["learned"] >= 500 else
                "short of the targets. " + SHORT)]  # fmt: skip
     unknown = sorted({u for r in rows for u in r["loops counted once"]})
-    out += ["", "Loops counted once per entry (no trip count named for them; compile-time short or not run on "
-            "coded fpe entries):", ""] + [f"* {u}" for u in unknown] + [""]  # fmt: skip
-    out += NCU.splitlines()
+    if unknown:
+        out += ["", "Loops counted once per entry (no trip count named for them; compile-time short or not run on "
+                "coded fpe entries):", ""] + [f"* {u}" for u in unknown] + [""]  # fmt: skip
+    else:
+        out += ["", "Every loop the kernels run on a coded fpe entry has its trip count (`TRIPS`).", ""]
+    from experiments.gpu_session import NCU_METRICS
+
+    out += NCU.format(metrics=", ".join(f"`{m}`" for m in NCU_METRICS)).splitlines()
     return "\n".join(out) + "\n"
 
 
@@ -581,21 +586,13 @@ branch (ncu below)."""
 
 NCU = """## Checking it on a GPU
 
-The GPU runbook's `bench` phase runs this next to the benchmark, on a large bfloat16 and a float32 activation
-(each kernel once, after a warm-up), and the doc's estimate is compared with what `ncu` reports:
-
-```
-ncu --target-processes all -k regex:buddy_auto2_ --launch-skip 4 --launch-count 10 \\
-    --metrics gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,\\
-sm__inst_executed.sum,smsp__inst_executed.avg.per_cycle_active,dram__bytes_read.sum,dram__bytes_write.sum,\\
-launch__registers_per_thread,launch__shared_mem_per_block_dynamic,launch__occupancy_limit_registers,\\
-smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_latency_issue_stalled_short_scoreboard \\
-    python -m experiments.bench_cuda --codecs auto2 --entry-bytes 4096 --repeats 1
-```
-
-`sm__inst_executed.sum` / entries is the instructions per entry above (counted here with both sides of every
-branch but the blocks named rare or not run: an upper bound), `dram__bytes_*` / entries the bytes moved,
-`sm__warps_active` the occupancy, and `gpu__time_duration` gives the GB/s.
+The GPU runbook's `ncu` phase (`bash experiments/gpu_session.sh ncu`, experiments/gpu_session.py) runs
+`experiments.bench_cuda` on the default codec (64 MiB of each activation, once) under Nsight Compute and writes a row
+per kernel launch with {metrics}.
+Per kernel, `smsp__inst_executed.sum` over the launch's entries is the instructions per entry above (counted here
+with both sides of every branch but the blocks named rare or not run: an upper bound), `dram__bytes.sum` over them
+the bytes moved, `sm__warps_active` the occupancy, `launch__registers_per_thread` the registers, and
+`gpu__time_duration` gives the GB/s the estimate stands for.
 """
 
 
