@@ -255,7 +255,8 @@ def block_lines(source: list[str], openings=RARE_BLOCKS) -> set[int]:
         if any(text.strip().startswith(b) for b in openings):
             indent = len(text) - len(text.lstrip())
             j = i + 1
-            while j < len(source) and not (source[j].strip() == "}" and len(source[j]) - len(source[j].lstrip()) == indent):
+            while j < len(source) and not (source[j].strip() == "}"
+                                           and len(source[j]) - len(source[j].lstrip()) == indent):  # fmt: skip
                 out.add(j + 1)
                 j += 1
     return out
@@ -270,15 +271,37 @@ ANCHORS = {
 }
 
 
-def unrolled(kernel: Kernel, source: list[str], a: int, b: int, key: str | None) -> int:
-    """Source iterations one pass of the compiled loop ``[a, b]`` does: the loads of its key's anchor line."""
-    pattern = ANCHORS.get(key or "")
-    if pattern is None:
-        return 1
-    hits = sum(1 for addr, text, line in kernel.instrs
-               if a <= addr <= b and re.match(r"(@\S+\s+)?LD[GS]?\.", text)
-               and any(re.search(pattern, source[at - 1]) for at in kernel.chains.get(addr, (line,))))  # fmt: skip
-    return max(1, hits)
+_LOAD = re.compile(r"(@\S+\s+)?LD[GS]?\.")  # a load of global or shared memory (not of the constant bank)
+
+
+def unrolled(kernel: Kernel, source: list[str], a: int, b: int, anchor: str | None = None, inside=()) -> int:
+    """Source iterations one pass of the compiled loop ``[a, b]`` does, from its loads (not those inside the
+    loops ``inside`` it): with an ``anchor`` (a pattern of a source line loaded once an iteration: the line or
+    the one it is inlined at) the anchor's loads; without one, the greatest common divisor of the loads each
+    source line makes (for loops whose lines each load once an iteration: the fit's)."""
+    per_line: dict[int, int] = {}
+    for addr, text, line in kernel.instrs:
+        if a <= addr <= b and _LOAD.match(text) and not any(a1 <= addr <= b1 for a1, b1 in inside):
+            chain = kernel.chains.get(addr, (line,))
+            if anchor is None or any(re.search(anchor, source[at - 1]) for at in chain):
+                per_line[line] = per_line.get(line, 0) + 1
+    if anchor is not None:
+        return max(1, sum(per_line.values()))
+    return math.gcd(*per_line.values()) if per_line else 1
+
+
+def charged_copies(kernel: Kernel, groups, unroll) -> dict[tuple[int, int], float]:
+    """Per compiled copy ``(a, b)`` of a source loop (``groups``: the lists of copies of one loop each), the
+    passes charged per source iteration: ``1 / unroll(a, b)`` for the copy with the most instructions per
+    source iteration, 0 for the others (unswitched copies: one of them runs; a remainder: its few iterations
+    at the largest copy's cost)."""
+    weight: dict[tuple[int, int], float] = {}
+    for copies in groups:
+        per = {ab: (sum(1 for addr, _, _ in kernel.instrs if ab[0] <= addr <= ab[1]), unroll(*ab)) for ab in copies}
+        best = max(copies, key=lambda ab: per[ab][0] / per[ab][1])
+        for ab in copies:
+            weight[ab] = 1.0 / per[ab][1] if ab == best else 0.0
+    return weight
 
 
 def per_entry(kernel: Kernel, source: list[str], trips: dict[str, float], skip=frozenset(),
@@ -289,10 +312,11 @@ def per_entry(kernel: Kernel, source: list[str], trips: dict[str, float], skip=f
     those of the :data:`SERIAL_BLOCKS` never.
 
     A source loop the compiler made several copies of (unswitched on a condition that holds for the whole
-    loop, or unrolled with a remainder: the same closing line, key and enclosing loop) is charged once, as its
-    largest copy per source iteration (:func:`unrolled`) times the iterations. ``parts``, if given, gets the
-    instructions per entry by the innermost loop they are in (its trip key; "body": in no loop but the
-    grid's) and, under ``(key, "sass")``, the SASS instructions counted for it."""
+    loop, or unrolled with a remainder: the same key, closing line, call site and enclosing loop) is charged
+    once, as its largest copy per source iteration (:func:`charged_copies`, :func:`unrolled`) times the
+    iterations. ``parts``, if given, gets the instructions per entry by the innermost loop they are in (its
+    trip key; "body": in no loop but the grid's) and, under ``(key, "sass")``, the SASS instructions counted
+    for it."""
     where = headers(source)
     rare, serial = block_lines(source, RARE_BLOCKS), block_lines(source, SERIAL_BLOCKS)
     found = [loop for loop in loops(kernel, source) if where[loop[2] - 1] not in skip]
@@ -310,19 +334,19 @@ def per_entry(kernel: Kernel, source: list[str], trips: dict[str, float], skip=f
         around = [(b1 - a1, a1, b1) for a1, b1, key, _ in keyed if a1 < a and b < b1 and key != "grid"]
         return min(around)[1:] if around else ()
 
-    # each instruction's weight: the run of its copy of a loop; the copies of one loop but the largest, 0
-    weight: dict[tuple[int, int], float] = {}
-    groups: dict[tuple, list] = {}
+    # each copy's passes per source iteration: the copies of one loop but the largest, 0
+    groups: dict[tuple, list] = {}  # a source loop: its key, the lines it closes at and is inlined at, the loop around
+    sites = {(a, b): chain for a, b, _, chain in found}
     for a, b, key, line in keyed:
-        if key == "grid":
-            continue
-        u = unrolled(kernel, source, a, b, key)
-        size = sum(1 for addr, _, _ in kernel.instrs if a <= addr <= b)
-        groups.setdefault((key, line, parent(a, b)), []).append((size / u, a, b, u))
-    for copies in groups.values():
-        best = max(copies)
-        for copy in copies:
-            weight[copy[1], copy[2]] = 1.0 / copy[3] if copy is best else 0.0
+        if key != "grid":
+            groups.setdefault((key, sites[a, b], parent(a, b)), []).append((a, b))
+    anchors = {(a, b): ANCHORS.get(key or "") for a, b, key, _ in keyed}  # (no anchor: not unrolled)
+
+    def unroll(a: int, b: int) -> int:
+        anchor = anchors[a, b]
+        return unrolled(kernel, source, a, b, anchor) if anchor else 1
+
+    weight = charged_copies(kernel, groups.values(), unroll)
     unknown, total = set(), 0.0
     for addr, text, line in kernel.instrs:
         chain = kernel.chains.get(addr, (line,))
@@ -465,31 +489,21 @@ def fit_time_us(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[
     Each loop's iterations (:data:`FIT_ITERATIONS`) times its instructions per iteration, the rest once, at
     :data:`FIT_CPI` cycles an instruction: a rough figure, its order of magnitude is what the compress totals
     need. Of the copies the compiler made of a loop (an unrolled body and its remainder) the largest per
-    source iteration is charged for all of them (a pass of an unrolled copy loads each line's values that
-    many times: :func:`unroll` inside).
+    source iteration is charged for all of them (:func:`charged_copies`; a pass of an unrolled copy loads each
+    line's values that many times: :func:`unrolled`).
     """
     kernels, source = build(codec, word, entry_bytes, folder)
     kern = kernels[f"buddy_{codec}_fit"]
     found = loops(kern, source)
 
-    def unroll(a: int, b: int) -> int:
-        """Source iterations a pass of the copy [a, b] does: the loads each source line of its own (not of the
-        loops inside it) has, their greatest common divisor (a line loads once an iteration)."""
-        inside = [(a1, b1) for a1, b1, _, _ in found if a < a1 and b1 < b]
-        per_line: dict[int, int] = {}
-        for addr, text, line in kern.instrs:
-            if a <= addr <= b and re.match(r"(@\S+\s+)?LD[GS]?\.", text) and not any(a1 <= addr <= b1 for a1, b1 in inside):
-                per_line[line] = per_line.get(line, 0) + 1
-        return math.gcd(*per_line.values()) if per_line else 1
+    def inside(a: int, b: int) -> list:
+        return [(a1, b1) for a1, b1, _, _ in found if a < a1 and b1 < b]
 
-    weight: dict[tuple[int, int], float] = {}  # per copy: iterations of its body
-    for line in {line for _, _, line, _ in found}:
-        n = next((n for pattern, n in FIT_ITERATIONS if re.search(pattern, source[line - 1])), 1)
-        copies = [(a, b) for a, b, other, _ in found if other == line]
-        per = {(a, b): (b - a, unroll(a, b)) for a, b in copies}
-        best = max(copies, key=lambda ab: per[ab][0] / per[ab][1])
-        for ab in copies:
-            weight[ab] = n / per[ab][1] if ab == best else 0.0
+    lines = {line for _, _, line, _ in found}
+    groups = [[(a, b) for a, b, other, _ in found if other == line] for line in lines]
+    weight = charged_copies(kern, groups, lambda a, b: unrolled(kern, source, a, b, inside=inside(a, b)))
+    for a, b, line, _ in found:  # times the loop's iterations
+        weight[a, b] *= next((n for pattern, n in FIT_ITERATIONS if re.search(pattern, source[line - 1])), 1)
 
     total = 0.0
     for addr, _, _ in kern.instrs:
@@ -535,7 +549,8 @@ def render(rows, sims, totals, fit, args, machine: str) -> str:
     out += ["", "Where each kernel's instructions go (per entry, by the innermost loop they are in: its key in "
             "`TRIPS`; `body`: in no loop but the one over entries; the SASS instructions counted for it, and the "
             "instructions per entry over them: about the iterations a warp runs it):", "",
-            "| kernel | dtype | part | SASS | instr/entry / SASS | instr/entry | share |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+            "| kernel | dtype | part | SASS | instr/entry / SASS | instr/entry | share |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
         parts = {k: v for k, v in r.get("parts", {}).items() if not isinstance(k, tuple) and v >= 0.5}
         for key, n in sorted(parts.items(), key=lambda kv: -kv[1])[:6]:

@@ -49,7 +49,8 @@ def _kernel(copy_a: int, serial: int = 0) -> Kernel:
     k.labels[".L_x_0"] = 0x00
     addr += 0x100
     k.labels["$__internal_0_div"] = addr
-    code += [(addr, "IMAD R0, R1, R2, RZ", 4), (addr + 0x10, "IADD3 R0, R0, 0x1, RZ", 4), (addr + 0x20, "RET.ABS.NODEC R20 0x0", 4)]
+    code += [(addr, "IMAD R0, R1, R2, RZ", 4), (addr + 0x10, "IADD3 R0, R0, 0x1, RZ", 4),
+             (addr + 0x20, "RET.ABS.NODEC R20 0x0", 4)]  # fmt: skip
     k.instrs = code
     k.routines["$__internal_0_div"] = 3
     return k
