@@ -79,7 +79,7 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("check", "tests", "sanitize", "bench", "step", "ncu")
+PHASES = ("lease", "check", "tests", "sanitize", "bench", "step", "ncu")
 #: shards of the ``tests`` phase: each is one call (see experiments/README.md for the expected times)
 TEST_SHARDS = 2
 #: compute-sanitizer's tools, each run over the sanitize subset
@@ -109,7 +109,7 @@ TEST_FILES = (
 TEST_TIMEOUT_S = 120
 #: the most a phase's steps may take together (their time limits added up): a call is at most 10 minutes,
 #: a phase at most 8, and the installs before the steps take well under 30 s
-PHASE_BUDGET_S = 450
+PHASE_BUDGET_S = 480
 
 
 # ---- the steps of a phase ----------------------------------------------------------------------
@@ -177,6 +177,22 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
     """The steps of ``phase`` (``shard``: ``I/N`` of the tests phase; default ``1/TEST_SHARDS``)."""
     args: tuple[str, ...]
     wrapper: tuple[str, ...]
+    if phase == "lease":
+        # The most of a session one call holds, for a lease of 15 minutes (a start, one call, nothing left
+        # for a second start): the golden check, the default's and every codec's speed against nvcomp and
+        # memcpy (fewer repeats), and step time (fewer methods); no tests, sanitizers, max_batch or ncu.
+        bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1")
+        step_args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--steps", "4",
+                     "--warmup", "2", "--methods", "none", "buddy", "save_on_cpu", "checkpoint",
+                     "--out", "{work}/step_time")  # fmt: skip
+        return [
+            _compile(timeout_s=100),
+            Python("check", "experiments.gpu_check", ("--json", "{work}/check.json"), 110, "{work}/check.json"),
+            Python("bench_cuda", "experiments.bench_cuda", bench_args, 160, "{work}/bench/results.json",
+                   (("--no-nvcomp",),)),  # fmt: skip
+            Python("step_time", "experiments.step_time", step_args, 110, "{work}/step_time/results.json",
+                   (("--backend", "reference"),)),  # fmt: skip
+        ]
     if phase == "check":
         return [
             _compile(),
@@ -454,6 +470,7 @@ def run_phase(phase: str, out: Path, shard: str | None = None, command: str | No
             if done["rc"] == 0:
                 done.pop("tail")  # the log has it all; keep the JSON small
             record["steps"].append(done)
+            path.write_text(json.dumps(record, indent=1, default=str) + "\n")  # what ran so far, if the call is cut
             print(f"=== {phase}: {step.name}: rc {done['rc']} in {done['seconds']:.0f} s", flush=True)
             if done["rc"] != 0 and isinstance(step, Python) and step.required:
                 break
