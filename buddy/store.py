@@ -21,8 +21,10 @@ Nothing is ever dropped silently.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import mmap
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,9 +56,36 @@ _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every C
 
 
 def _cuda_call(name: str, *args) -> None:
-    err = getattr(torch.cuda.cudart(), name)(*args)
+    cudart = torch.cuda.cudart()
+    err = getattr(cudart, name)(*args)
     if int(err) != 0:
-        raise RuntimeError(f"{name} failed: {err}")
+        _take_last_error()
+        raise RuntimeError(f"{name} failed: CUDA error {int(err)} ({cudart.cudaGetErrorString(err)})")
+
+
+def _take_last_error() -> None:
+    """Clear the CUDA runtime's last error of this thread after a failed call.
+
+    A runtime call that fails also leaves its error as the thread's last error, and PyTorch's
+    check after its next kernel launch (``cudaGetLastError``) would raise it there, as that
+    kernel's error: a refused pin, answered here with :class:`HostStoreFull`, would fail an
+    unrelated operation later. The runtime PyTorch loaded is asked by its soname; where it
+    cannot be found (not loaded, another platform), nothing is cleared.
+    """
+    major = (torch.version.cuda or "").split(".")[0]
+    try:
+        runtime = ctypes.CDLL(f"libcudart.so.{major}", mode=os.RTLD_NOLOAD)
+        runtime.cudaGetLastError()
+    except (OSError, AttributeError):
+        pass
+
+
+def _unpin(address: int) -> None:
+    """Unregister a block's pages: at its release, or when it is collected without one."""
+    try:
+        _cuda_call("cudaHostUnregister", address)
+    except RuntimeError:  # the context is gone (interpreter exit): nothing is left to unpin
+        pass
 
 
 class _Block:
@@ -66,6 +95,7 @@ class _Block:
         self._map = mmap.mmap(-1, nbytes)  # page-aligned, exactly nbytes, unmapped with its last reference
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
         self.pinned = False
+        self._unpin: weakref.finalize | None = None
         if pin:
             try:
                 _cuda_call("cudaHostRegister", self.buffer.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE)
@@ -73,6 +103,10 @@ class _Block:
                 self.release()
                 raise
             self.pinned = True
+            # A block collected without release() (its store dropped) must unpin too: its pages go back
+            # to the OS, and a later mapping at the same address would be refused as already registered.
+            self._unpin = weakref.finalize(self, _unpin, self.buffer.data_ptr())
+            self._unpin.atexit = False
         self.nbytes = nbytes
         self.free_starts = [0]
         self.free_sizes = [nbytes]
@@ -85,7 +119,8 @@ class _Block:
         block is unused and no one kept a view.
         """
         if self.pinned:
-            _cuda_call("cudaHostUnregister", self.buffer.data_ptr())
+            assert self._unpin is not None
+            self._unpin()  # once: the finalizer is spent
             self.pinned = False
         self.buffer = self._map = None  # type: ignore[assignment]  # released: the block is never used again
 

@@ -104,6 +104,8 @@ TEST_FILES = (
     "tests/test_experiments.py",
     "tests/test_workloads.py",
     "tests/test_api.py",
+    "tests/test_selftest.py",
+    "tests/test_autograd_checks.py",
 )
 #: the longest one test may run before pytest-timeout ends it (the thread method: a hung launch included)
 TEST_TIMEOUT_S = 120

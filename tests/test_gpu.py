@@ -69,6 +69,33 @@ def test_default_store_pins_with_cuda(cuda):
     assert buddy.BuddyStore(capacity_bytes=MiB).pin
 
 
+def test_stores_dropped_without_trim_leave_nothing_pinned(cuda, gen):
+    """Each store dropped holding its blocks: the next ones pin fresh mappings, often at the same addresses."""
+    for _ in range(20):
+        store = buddy.BuddyStore(capacity_bytes=64 * MiB, block_bytes=4 * MiB, pin=True)
+        t = make_data("random_bytes", 300_000, torch.float32, gen).cuda()
+        bt = buddy.compress(t, 4.0, "zvc", store=store)
+        assert bt.buddy_bytes > 0
+        assert_roundtrip(bt, t)
+        del bt, store
+        gc.collect()
+
+
+def test_a_refused_pin_fails_no_later_launch(cuda):
+    """A failed cudaHostRegister is answered by the store; its error is not left for PyTorch's next launch."""
+    from buddy import store as store_module
+
+    store = buddy.BuddyStore(capacity_bytes=64 * MiB, block_bytes=4 * MiB, pin=True)
+    alloc = store.allocate(1000)
+    assert alloc.block is not None
+    with pytest.raises(RuntimeError, match="cudaHostRegister failed: CUDA error"):  # pinned already
+        store_module._cuda_call("cudaHostRegister", alloc.block.buffer.data_ptr(), 4096, 1)
+    x = torch.arange(10, device="cuda") * 2  # a kernel launch, checked by PyTorch
+    torch.cuda.synchronize()
+    assert x.sum().item() == 90
+    store.release(alloc)
+
+
 @pytest.mark.parametrize("codec", ids("codec", CODECS))
 @pytest.mark.parametrize("e", ids("E", (128, 512)))
 @pytest.mark.parametrize("ratio", ids("ratio", (math.inf, 4.0, 2.0), ratio_name))

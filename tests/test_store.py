@@ -375,3 +375,63 @@ def test_default_store(fresh_default_store, gen):
     with pytest.raises(TypeError):
         buddy.set_default_store("not a store")
     assert buddy.default_store() is fresh
+
+
+# ---------------------------------------------------------------------------
+# pinning (CUDA's calls recorded: the bookkeeping runs without a GPU)
+# ---------------------------------------------------------------------------
+def _recorded_pins(monkeypatch) -> list[tuple[str, int]]:
+    from buddy import store as store_module
+
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(store_module, "_cuda_call", lambda name, address, *rest: calls.append((name, address)))
+    return calls
+
+
+def _addresses(calls, name):
+    return sorted(a for n, a in calls if n == name)
+
+
+def test_a_dropped_store_unpins_every_block(monkeypatch):
+    calls = _recorded_pins(monkeypatch)
+    store = buddy.BuddyStore(capacity_bytes=MiB, block_bytes=64 * KiB, pin=True)
+    kept = [store.allocate(1000), store.allocate(100 * KiB)]  # two blocks
+    pinned = _addresses(calls, "cudaHostRegister")
+    assert len(pinned) == 2 and _addresses(calls, "cudaHostUnregister") == []
+    del kept, store
+    gc.collect()
+    assert _addresses(calls, "cudaHostUnregister") == pinned
+
+
+def test_a_trimmed_block_is_unpinned_once(monkeypatch):
+    calls = _recorded_pins(monkeypatch)
+    store = buddy.BuddyStore(capacity_bytes=MiB, block_bytes=64 * KiB, pin=True)
+    store.release(store.allocate(1000))
+    assert store.trim() == 64 * KiB
+    pinned = _addresses(calls, "cudaHostRegister")
+    assert _addresses(calls, "cudaHostUnregister") == pinned
+    del store
+    gc.collect()
+    assert _addresses(calls, "cudaHostUnregister") == pinned  # not again when the store goes
+
+
+def test_a_refused_pin_says_which_error_and_clears_it(monkeypatch):
+    from buddy import store as store_module
+
+    class Runtime:
+        def cudaHostRegister(self, *args):
+            return 712
+
+        def cudaGetErrorString(self, err):
+            return "part or all of the requested memory range is already mapped"
+
+    cleared = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", Runtime)
+    monkeypatch.setattr(store_module, "_take_last_error", lambda: cleared.append(True))
+    store = buddy.BuddyStore(capacity_bytes=MiB, block_bytes=64 * KiB, pin=True)
+    with pytest.raises(buddy.HostStoreFull, match="CUDA error 712 .part or all of the requested memory range"):
+        store.allocate(1000)
+    assert cleared == [True] and store.stats().buddy_blocks == 0
+
