@@ -60,7 +60,8 @@ def test_cuda_buffer_placement(codec, cuda, pinned_store, gen):
     assert meta.is_cuda and slots.is_cuda
     assert overflow.device.type == "cpu" and overflow.is_pinned()
     assert overflow.numel() == bt.buddy_bytes > 0
-    assert meta.numel() + slots.numel() == bt.device_bytes
+    table = 0 if bt.table is None else bt.table.numel()  # fpe and auto2 keep their table on the device too
+    assert (bt.table is None or bt.table.is_cuda) and meta.numel() + slots.numel() + table == bt.device_bytes
     assert pinned_store.stats().pinned
     assert_roundtrip(bt, t)
 
@@ -110,12 +111,17 @@ def test_cuda_buffers_match_cpu(dtype, kind, ratio, e, codec, cuda, pinned_store
     assert (on_gpu.device_bytes, on_gpu.buddy_bytes) == (on_cpu.device_bytes, on_cpu.buddy_bytes)
     for name, g, c in zip(("meta", "slots", "overflow"), on_gpu.buffers(), on_cpu.buffers()):
         assert torch.equal(g.cpu(), c), f"{name} differs between CUDA and CPU"
-    # and each side decodes the other's buffers
+    assert (on_gpu.table is None) == (on_cpu.table is None)  # fpe and auto2: the fitted table, on each side
+    if on_cpu.table is not None:
+        assert torch.equal(on_gpu.table.cpu(), on_cpu.table), "table differs between CUDA and CPU"
+    # and each side decodes the other's buffers (with the other's table)
     meta, slots, overflow = on_cpu.buffers()
     kw = dict(codec=codec, entry_bytes=e, slot_sectors=on_cpu.slot_sectors, shape=t.shape, dtype=dtype)
-    assert_bitexact(buddy.unpack(meta.to(cuda), slots.to(cuda), overflow, **kw), t.to(cuda))
+    table = None if on_cpu.table is None else on_cpu.table.to(cuda)
+    assert_bitexact(buddy.unpack(meta.to(cuda), slots.to(cuda), overflow, table=table, **kw), t.to(cuda))
     meta, slots, overflow = on_gpu.buffers()
-    assert_bitexact(buddy.unpack(meta.cpu(), slots.cpu(), overflow.clone(), **kw), t)
+    table = None if on_gpu.table is None else on_gpu.table.cpu()
+    assert_bitexact(buddy.unpack(meta.cpu(), slots.cpu(), overflow.clone(), table=table, **kw), t)
 
 
 def test_cuda_multi_chunk_matches_single_chunk(cuda, pinned_store, gen, monkeypatch):
