@@ -20,7 +20,11 @@ times):
 * ``step``: :mod:`experiments.step_time` and :mod:`experiments.max_batch` on
   the GPU under a real per-process memory cap;
 * ``ncu`` (optional): Nsight Compute over the default codec's kernels, the
-  metrics of :data:`NCU_METRICS`.
+  metrics of :data:`NCU_METRICS`;
+* ``essentials``: check, bench (fewer repeats), step time (fewer methods, one
+  compressed step profiled) and ncu in one phase; and ``lease``, for a lease
+  of 15 minutes: :data:`LEASE`'s phases in one call, each step's limit cut to
+  what is left before the call's deadline.
 
 Every phase writes ``<phase>.json`` to ``--out`` (the environment -- device,
 driver, CUDA, torch, CuPy, nvcomp --, the commit, the exact command of the
@@ -79,7 +83,12 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("lease", "check", "tests", "sanitize", "bench", "step", "ncu")
+PHASES = ("essentials", "check", "tests", "sanitize", "bench", "step", "ncu")
+#: a lease of 15 minutes in one call (a start, one call of at most 10 minutes): these phases in this order, each
+#: step's limit cut to what is left before the call's deadline (``--deadline-s``), so the call ends in time
+LEASE = (("essentials", None), ("tests", "1/1"), ("sanitize", None))
+#: the seconds a lease's phases may take together (the call's 10 minutes less a start's installs and margin)
+LEASE_DEADLINE_S = 540
 #: shards of the ``tests`` phase: each is one call (see experiments/README.md for the expected times)
 TEST_SHARDS = 2
 #: compute-sanitizer's tools, each run over the sanitize subset
@@ -94,6 +103,8 @@ NCU_METRICS = (
     "launch__registers_per_thread",  # registers
     "smsp__inst_executed.sum",  # instructions executed
     "launch__grid_size",  # blocks of the launch
+    "smsp__issue_active.avg.pct_of_peak_sustained_active",  # issue slots used: low with many warps is latency
+    "sm__cycles_elapsed.avg.per_second",  # the SM clock the launch ran at (the clocks are left alone)
 )
 #: files of the curated GPU subset (tests/gpu_subset.py): passed explicitly so only they are collected
 TEST_FILES = (
@@ -162,6 +173,16 @@ def _compile(
     return Python("compile", "experiments.gpu_check", tuple(args), timeout_s, "{work}/compile.json", required=True)
 
 
+def _ncu(timeout_s: int) -> Python:
+    """The bench of the default codec (64 MiB, once) under Nsight Compute, a row per launch in ``ncu.csv``."""
+    metrics = os.environ.get("BUDDY_NCU_METRICS") or ",".join(NCU_METRICS)
+    wrapper = ("{ncu}", "--metrics", metrics, "--kernel-name", "regex:^buddy_", "--clock-control", "none",
+               "--target-processes", "all", "--csv", "--log-file", "{out}/ncu.csv")  # fmt: skip
+    args = ("--mib", "64", "--codecs", _default_codec(), "--repeats", "1", "--warmup", "0", "--no-nvcomp",
+            "--out", "{work}/ncu")  # fmt: skip
+    return Python("ncu", "experiments.bench_cuda", args, timeout_s, "{work}/ncu/results.json", wrapper=wrapper)
+
+
 def _default_codec() -> str:
     from buddy.config import defaults
 
@@ -179,21 +200,22 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
     """The steps of ``phase`` (``shard``: ``I/N`` of the tests phase; default ``1/TEST_SHARDS``)."""
     args: tuple[str, ...]
     wrapper: tuple[str, ...]
-    if phase == "lease":
-        # The most of a session one call holds, for a lease of 15 minutes (a start, one call, nothing left
-        # for a second start): the golden check, the default's and every codec's speed against nvcomp and
-        # memcpy (fewer repeats), and step time (fewer methods); no tests, sanitizers, max_batch or ncu.
+    if phase == "essentials":
+        # What a first look at a GPU needs most, in one phase: the golden check, every codec's speed against
+        # nvcomp and memcpy (fewer repeats), step time (fewer methods) with one compressed step profiled, and
+        # Nsight Compute over the default's kernels (64 MiB). The lease runs it first (LEASE).
         bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1")
         step_args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--steps", "4",
-                     "--warmup", "2", "--methods", "none", "buddy", "save_on_cpu", "checkpoint",
+                     "--warmup", "2", "--methods", "none", "buddy", "save_on_cpu", "checkpoint", "--profile",
                      "--out", "{work}/step_time")  # fmt: skip
         return [
             _compile(timeout_s=100),
-            Python("check", "experiments.gpu_check", ("--json", "{work}/check.json"), 110, "{work}/check.json"),
-            Python("bench_cuda", "experiments.bench_cuda", bench_args, 160, "{work}/bench/results.json",
+            Python("check", "experiments.gpu_check", ("--json", "{work}/check.json"), 60, "{work}/check.json"),
+            Python("bench_cuda", "experiments.bench_cuda", bench_args, 100, "{work}/bench/results.json",
                    (("--no-nvcomp",),)),  # fmt: skip
-            Python("step_time", "experiments.step_time", step_args, 110, "{work}/step_time/results.json",
+            Python("step_time", "experiments.step_time", step_args, 130, "{work}/step_time/results.json",
                    (("--backend", "reference"),)),  # fmt: skip
+            _ncu(timeout_s=90),
         ]
     if phase == "check":
         return [
@@ -242,13 +264,7 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
         )  # fmt: skip
         return [_compile(codecs=(_default_codec(),), entry_bytes=(4096,), timeout_s=60), step_time, max_batch]
     if phase == "ncu":
-        metrics = os.environ.get("BUDDY_NCU_METRICS") or ",".join(NCU_METRICS)
-        wrapper = ("{ncu}", "--metrics", metrics, "--kernel-name", "regex:^buddy_", "--clock-control", "none",
-                   "--target-processes", "all", "--csv", "--log-file", "{out}/ncu.csv")  # fmt: skip
-        args = ("--mib", "64", "--codecs", _default_codec(), "--repeats", "1", "--warmup", "0", "--no-nvcomp",
-                "--out", "{work}/ncu")  # fmt: skip
-        profiled = Python("ncu", "experiments.bench_cuda", args, 390, "{work}/ncu/results.json", wrapper=wrapper)
-        return [_compile(codecs=(_default_codec(),), entry_bytes=(4096,), timeout_s=60), profiled]
+        return [_compile(codecs=(_default_codec(),), entry_bytes=(4096,), timeout_s=60), _ncu(timeout_s=390)]
     raise ValueError(f"unknown phase {phase!r}: {', '.join(PHASES)}")
 
 
@@ -302,6 +318,9 @@ def preflight(phase: str) -> list[str]:
 
 
 # ---- running a phase ------------------------------------------------------------------------------
+#: the fewest seconds a step of a lease is started with
+_LEAST_S = 20
+
 def _fill(template: str, values: Mapping[str, str]) -> str:
     return re.sub(r"\{([a-z-]+)\}", lambda m: values[m.group(1)] if m.group(1) in values else m.group(0), template)
 
@@ -400,6 +419,8 @@ def _values(out: Path, work: Path) -> dict[str, str]:
 
 
 def _commit() -> str:
+    if os.environ.get("BUDDY_COMMIT"):  # said by the caller: a copied tree's .git may name an older commit
+        return os.environ["BUDDY_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         return sha.stdout.strip()
@@ -428,8 +449,14 @@ def label_of(phase: str, shard: str | None) -> str:
     return phase if not shard else f"{phase}-{shard.replace('/', 'of')}"
 
 
-def run_phase(phase: str, out: Path, shard: str | None = None, command: str | None = None) -> int:
-    """Run ``phase`` and write ``<label>.json`` under ``out``; 0 when every step passed."""
+def run_phase(
+    phase: str, out: Path, shard: str | None = None, command: str | None = None, deadline: float | None = None
+) -> int:
+    """Run ``phase`` and write ``<label>.json`` under ``out``; 0 when every step passed.
+
+    ``deadline`` (a ``time.perf_counter()`` instant): each step's limit is cut to the time left before it, and a
+    step with under :data:`_LEAST_S` left is not started (recorded as such, rc 125).
+    """
     from buddy import env
 
     if phase == "tests":
@@ -461,8 +488,20 @@ def run_phase(phase: str, out: Path, shard: str | None = None, command: str | No
         print(f"{phase}: cannot run here:\n  " + "\n  ".join(missing), flush=True)
     else:
         for step in plan(phase, shard):
+            limit = step.timeout_s
+            if deadline is not None:
+                # a step stopped at its limit gets 30 s to write its report before it is killed
+                limit = min(limit, int(deadline - time.perf_counter()) - 30)
+                if limit < _LEAST_S:
+                    print(f"\n=== {phase}: {step.name}: not started, {limit + 30} s left before the deadline")
+                    record["steps"].append({
+                        "name": step.name, "command": shlex.join(command_of(step, values)), "rc": 125,
+                        "timed_out": False, "timeout_s": 0, "seconds": 0.0, "error_summary": [],
+                        "not_started": "too little time left before the lease's deadline",
+                    })  # fmt: skip
+                    continue
             print(f"\n=== {phase}: {step.name}", flush=True)
-            done = _run(command_of(step, values), step.env, step.timeout_s)
+            done = _run(command_of(step, values), step.env, limit)
             done["name"] = step.name
             if isinstance(step, Python) and step.result:
                 result = Path(_fill(step.result, values))
@@ -542,7 +581,8 @@ def dry_run(phases: Sequence[str] = PHASES) -> bool:
     with tempfile.TemporaryDirectory(prefix="buddy-dry-run-") as tmp:
         values = _values(Path(tmp) / "out", Path(tmp) / "work")
         for phase in phases:
-            shards = [f"{i}/{TEST_SHARDS}" for i in range(1, TEST_SHARDS + 1)] if phase == "tests" else [None]
+            # the tests' shards, and the one shard a lease runs
+            shards = [f"{i}/{TEST_SHARDS}" for i in range(1, TEST_SHARDS + 1)] + ["1/1"] if phase == "tests" else [None]
             for shard in shards:
                 print(f"== {label_of(phase, shard)}: would need here: {'; '.join(preflight(phase)) or 'nothing more'}")
                 for step in plan(phase, shard):
@@ -567,11 +607,12 @@ def dry_run(phases: Sequence[str] = PHASES) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu_session", description=__doc__.split("\n\n")[0])
-    p.add_argument("phase", nargs="?", choices=PHASES, help="the phase to run")
+    p.add_argument("phase", nargs="?", choices=(*PHASES, "lease"), help="the phase to run (lease: LEASE's phases)")
     p.add_argument("shard", nargs="?", default=None, help=f"tests: I/N (default 1/{TEST_SHARDS})")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/gpu")))
     p.add_argument("--command", default=None, help="the command that started the phase (recorded as given)")
     p.add_argument("--dry-run", nargs="*", choices=PHASES, default=None, metavar="PHASE", help="dry run (all phases)")
+    p.add_argument("--deadline-s", type=int, default=LEASE_DEADLINE_S, help="lease: seconds for all its phases")
     args = p.parse_args(argv)
     if args.dry_run is not None:
         return 0 if dry_run(args.dry_run or PHASES) else 1
@@ -581,6 +622,12 @@ def main(argv: list[str] | None = None) -> int:
         match = re.fullmatch(r"([1-9]\d*)/([1-9]\d*)", args.shard)
         if args.phase != "tests" or match is None or int(match.group(1)) > int(match.group(2)):
             p.error("only the tests phase takes a shard, as I/N with 1 <= I <= N")
+    if args.phase == "lease":
+        if args.shard is not None:
+            p.error("lease takes no shard")
+        deadline = time.perf_counter() + args.deadline_s
+        failed = [run_phase(phase, args.out, shard, args.command, deadline) for phase, shard in LEASE]
+        return 1 if any(failed) else 0
     return run_phase(args.phase, args.out, args.shard, args.command)
 
 

@@ -2,8 +2,10 @@
 # One phase of a GPU session, in one call on a lent machine: install the carried wheels, run the phase,
 # write <phase>.json and <phase>.log under $OUT (flat names; experiments/gpu_session.py says what each holds).
 #
-#   bash experiments/gpu_session.sh lease         a lease of 15 minutes in one call: check, bench (5 repeats),
-#                                                 step time (4 methods); the phases below are for 30 minutes
+#   bash experiments/gpu_session.sh lease         a lease of 15 minutes in one call: essentials, tests 1/1,
+#                                                 sanitize, each step cut to the call's deadline (540 s)
+#   bash experiments/gpu_session.sh essentials    check, bench (5 repeats), step time (4 methods, one step
+#                                                 profiled) and ncu in one phase
 #   bash experiments/gpu_session.sh check         golden vectors through every kernel both ways
 #   bash experiments/gpu_session.sh tests 1/2     the curated GPU tests, shard 1 of 2 (then 2/2)
 #   bash experiments/gpu_session.sh sanitize      compute-sanitizer memcheck, racecheck, synccheck, initcheck
@@ -44,10 +46,10 @@ fi
 phase=${1:-}
 shard=${2:-}
 case "$phase" in
-lease | check | sanitize | bench | step | ncu) [ -z "$shard" ] || { echo "only tests takes a shard" >&2; exit 2; } ;;
+lease | essentials | check | sanitize | bench | step | ncu) [ -z "$shard" ] || { echo "only tests takes a shard" >&2; exit 2; } ;;
 tests) shard=${shard:-1/2} ;; # 2: TEST_SHARDS in experiments/gpu_session.py
 *)
-  echo "usage: bash experiments/gpu_session.sh lease | check | tests I/N | sanitize | bench | step | ncu | --dry-run" >&2
+  echo "usage: bash experiments/gpu_session.sh lease | essentials | check | tests I/N | sanitize | bench | step | ncu | --dry-run" >&2
   exit 2
   ;;
 esac

@@ -267,10 +267,55 @@ class Measurement:
     state_bytes: int | None
     device: str
     buddy: dict | None = None  # what the last buddy session held
+    profile: dict | None = None  # where one more step's time went (--profile): see profile_step
 
 
-def measure(spec: Model, method: str, *, device, steps: int, warmup: int, seed: int = 0) -> Measurement:
-    """``warmup`` untimed steps, then ``steps`` timed ones, each synchronised; peak memory over the timed ones."""
+def profile_step(step: Callable[[], None], device: torch.device, top: int = 25) -> dict:
+    """Where one step's time goes: host Python functions (cProfile, by own time) and PyTorch ops (the profiler,
+    by device time where there is a device, else by host time), the ``top`` of each, in milliseconds."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    _sync(device)
+    python = cProfile.Profile()
+    start_s = time.perf_counter()
+    python.enable()
+    step()
+    _sync(device)
+    python.disable()
+    wall_ms = (time.perf_counter() - start_s) * 1e3
+    stats = pstats.Stats(python).stats  # type: ignore[attr-defined]
+    functions = sorted(
+        ({"function": f"{Path(f).name}:{line}:{name}", "calls": nc, "own_ms": tt * 1e3, "cumulative_ms": ct * 1e3}
+         for (f, line, name), (_, nc, tt, ct, _) in stats.items()),
+        key=lambda r: -r["own_ms"],
+    )[:top]  # fmt: skip
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        step()
+        _sync(device)
+
+    def device_us(event) -> float:
+        return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)) or 0.0)
+
+    events = prof.key_averages()
+    ops = sorted(
+        ({"op": e.key, "calls": e.count, "host_ms": e.self_cpu_time_total / 1e3, "device_ms": device_us(e) / 1e3}
+         for e in events),
+        key=lambda r: -(r["device_ms"] if device.type == "cuda" else r["host_ms"]),
+    )[:top]  # fmt: skip
+    return {"wall_ms_under_cprofile": wall_ms, "python": functions, "ops": ops}
+
+
+def measure(
+    spec: Model, method: str, *, device, steps: int, warmup: int, seed: int = 0, profile: bool = False
+) -> Measurement:
+    """``warmup`` untimed steps, then ``steps`` timed ones, each synchronised; peak memory over the timed ones.
+
+    ``profile``: for a buddy method, one more step under the profilers (:func:`profile_step`), not timed."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     device = torch.device(device)
@@ -285,27 +330,34 @@ def measure(spec: Model, method: str, *, device, steps: int, warmup: int, seed: 
     store = buddy.BuddyStore() if method.startswith("buddy") else None
     tracker = buddy.Tracker()
     times, peak, state = [], None, None
-    for i in range(warmup + steps):
+    sessions = []
+
+    def step() -> None:
         optimizer.zero_grad(set_to_none=True)
+        with _context(method, device, store, tracker) as session:
+            loss = _loss(model, spec, batch)
+        loss.backward()
+        optimizer.step()
+        sessions[:] = [session]
+
+    for i in range(warmup + steps):
         _sync(device)
         if device.type == "cuda" and i == warmup:
             torch.cuda.reset_peak_memory_stats(device)
             state = torch.cuda.memory_allocated(device)  # parameters and optimizer state
         start_s = time.perf_counter()
-        with _context(method, device, store, tracker) as session:
-            loss = _loss(model, spec, batch)
-        loss.backward()
-        optimizer.step()
+        step()
         _sync(device)
         if i >= warmup:
             times.append((time.perf_counter() - start_s) * 1e3)
-        del loss
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
+    session = sessions[0]
     held = session.stats().to_dict() if isinstance(session, buddy.Session) else None
     if held is not None:
         held = {k: held[k] for k in ("original_bytes", "device_bytes", "buddy_bytes", "effective_capacity")}
-    return Measurement(method, spec.name, statistics.median(times), times, peak, state, str(device), held)
+    where = profile_step(step, device) if profile and method.startswith("buddy") else None
+    return Measurement(method, spec.name, statistics.median(times), times, peak, state, str(device), held, where)
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -317,6 +369,9 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=None, help="batch size (default: per model and device kind)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (the tracker learns; kernels compile)")
+    p.add_argument("--profile", action="store_true",
+                   help="buddy's methods: one more step under cProfile and the PyTorch profiler, its top functions "
+                        "and ops kept in the results (not timed)")  # fmt: skip
     cli.add_common_arguments(p, out="results/step_time", backend=True, plot=True)
     return p.parse_args(argv)
 
@@ -344,6 +399,17 @@ def _rows(measurements: list[Measurement]) -> list[dict]:
         r["capacity"] = base / added if added and base else None
         r["buddy_capacity"] = r["buddy"]["effective_capacity"] if r["buddy"] else None
     return rows
+
+
+def format_profile(row: dict, top: int = 12) -> str:
+    """The profiled step of ``row``: its top host functions and ops."""
+    p = row["profile"]
+    lines = [f"\n  {row['model']} / {row['method']}: one step under cProfile {p['wall_ms_under_cprofile']:.0f} ms "
+             f"(timed steps {row['step_ms']:.0f} ms); own time of the top functions:"]  # fmt: skip
+    lines += [f"    {f['own_ms']:9.1f} ms {f['calls']:7d} calls  {f['function']}" for f in p["python"][:top]]
+    lines.append("  the top ops (host ms / device ms, calls):")
+    lines += [f"    {o['host_ms']:9.1f} / {o['device_ms']:9.1f} ms {o['calls']:7d}  {o['op'][:80]}" for o in p["ops"][:top]]
+    return "\n".join(lines)
 
 
 def _verdicts(rows: list[dict]) -> list[str]:
@@ -420,7 +486,10 @@ def main(argv=None) -> list[dict]:
     measurements = []
     jobs = [(s, m) for s in specs for m in args.methods]
     for spec, method in progress(jobs, desc="step time", enabled=not args.no_progress):
-        measurements.append(measure(spec, method, device=device, steps=args.steps, warmup=args.warmup, seed=args.seed))
+        measurements.append(
+            measure(spec, method, device=device, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                    profile=args.profile)
+        )  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
     rows = _rows(measurements)
@@ -428,6 +497,9 @@ def main(argv=None) -> list[dict]:
     print(format_table(rows, COLUMNS))
     verdicts = _verdicts(rows) if kind == "cuda" else ["  (targets are checked on a GPU only)"]
     print("\n".join(verdicts))
+    for r in rows:
+        if r["profile"]:
+            print(format_profile(r))
     cli.finish(
         args, header, rows, plot=plot, mention_csv=False,
         experiment="step_time", backend=backend, models={s.name: s.description for s in specs},

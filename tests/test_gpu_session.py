@@ -169,6 +169,26 @@ def test_a_phase_writes_what_ran_and_why_it_failed(tmp_path, monkeypatch):
     assert slow["rc"] == 124 and slow["timed_out"] and slow["seconds"] < 40
 
 
+def test_a_lease_cuts_each_step_to_its_deadline_and_records_what_it_could_not_start(tmp_path, monkeypatch):
+    """A lease's phases share one deadline: a step's limit is what is left (less the 30 s a stopped step gets to
+    write its report), and a step with too little left is recorded as not started."""
+    steps = {
+        "essentials": [gpu_session.Python("sleeps", "timeit", ("-n", "1", "import time; time.sleep(60)"), 300)],
+        "tests": [gpu_session.Python("help", "json.tool", ("--help",), 60)],
+        "sanitize": [gpu_session.Python("help", "json.tool", ("--help",), 60)],
+    }
+    monkeypatch.setattr(gpu_session, "preflight", lambda phase: [])
+    monkeypatch.setattr(gpu_session, "plan", lambda phase, shard=None: steps[phase])
+    monkeypatch.setattr(gpu_session, "_LEAST_S", 1)
+    out = tmp_path / "out"
+    assert gpu_session.main(["lease", "--out", str(out), "--deadline-s", "33"]) == 1
+    first = json.loads((out / "essentials.json").read_text())["steps"][0]
+    assert first["timed_out"] and first["timeout_s"] <= 3 and first["seconds"] < 30
+    later = [json.loads((out / name).read_text())["steps"][0] for name in ("tests-1of1.json", "sanitize.json")]
+    assert all(s["rc"] == 125 and "deadline" in s["not_started"] for s in later)
+    assert [p for p, _ in gpu_session.LEASE] == ["essentials", "tests", "sanitize"]
+
+
 def test_a_phase_missing_what_it_needs_fails_saying_so(tmp_path, monkeypatch):
     monkeypatch.setenv("BUDDY_WHEELS_MISSING", "nvidia_libnvcomp_cu13; lz4")
     monkeypatch.setattr(gpu_session, "plan", lambda phase, shard=None: pytest.fail("nothing may run"))
