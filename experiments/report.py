@@ -583,7 +583,66 @@ def cpu_engines(files: Sequence[Results]) -> Section | None:
     return Section("cpu_engines", "The CPU engines against lz4 and zstd", body, plots)
 
 
-SECTIONS = (main_job, decision, full_capacity, over_training, max_batch, step_cost, cpu_engines, speed)
+#: the committed records of GPU sessions: one folder per session (date and GPU), each phase's JSON in it
+GPU_RESULTS = ROOT / "experiments" / "results" / "gpu"
+
+
+def _gpu_record(folder: Path = GPU_RESULTS) -> tuple[Path, dict, dict[str, dict]] | None:
+    """The latest session's phase record holding a bench result: ``(path, record, its steps by name)``."""
+    found = []
+    for path in sorted(folder.glob("*/*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        steps = {s.get("name"): s for s in record.get("steps", []) if isinstance(s, dict)} if isinstance(record, dict) else {}
+        if (steps.get("bench_cuda") or {}).get("result"):
+            found.append((path, record, steps))
+    return found[-1] if found else None
+
+
+def gpu(files: Sequence[Results], folder: Path = GPU_RESULTS) -> Section | None:
+    """The latest GPU session's bench and step times (committed under experiments/results/gpu/)."""
+    got = _gpu_record(folder)
+    if got is None:
+        return None
+    path, record, steps = got
+    env = record.get("environment", {})
+    where = (f"{env.get('gpu', '?')}, driver {env.get('driver', '?')}, CUDA {env.get('cuda', '?')}, torch "
+             f"{env.get('torch', '?')}, CuPy {env.get('cupy', '?')}, nvcomp {env.get('nvcomp', '?')}")  # fmt: skip
+    source = f"`{record.get('command', '?')}` — {where}; {record.get('finished', '?')}. Files: `{path.parent.relative_to(ROOT)}/`."
+    bench = steps["bench_cuda"]["result"]
+    args = bench.get("args", {})
+    rows = [
+        [r["tensor"], r["dtype"], r["method"], _x(r["ratio"]), f"{r['compress_gbps']:,.0f}", f"{r['decompress_gbps']:,.0f}"]
+        for r in bench.get("rows", [])
+    ]  # fmt: skip
+    parts = [
+        f"Every codec with kernels and every nvcomp algorithm on {args.get('mib', '?')} MiB of real activations of "
+        f"each dtype, GB/s of input, median of {args.get('repeats', '?')} timed runs after {args.get('warmup', '?')} "
+        "untimed, every round trip checked byte for byte. A buddy figure includes its buddy memory's traffic over "
+        "PCIe (the default policy sends about 10 % of the bytes there) and, in compress, fitting the table (nothing "
+        "learned).",
+        "",
+        _table(["tensor", "dtype", "method", "ratio", "compress GB/s", "decompress GB/s"], rows),
+    ]
+    step = (steps.get("step_time") or {}).get("result")
+    if step:
+        srows = [
+            [r["model"], r["method"], f"{r['step_ms']:,.1f}", _x(r.get("vs_none")), f"{r['peak_gib']:.2f}" if r.get("peak_gib") else "-",
+             _x(r.get("capacity"))]
+            for r in step.get("rows", [])
+        ]  # fmt: skip
+        models = step.get("models", {})
+        parts += ["", "Training step time (median of the timed steps) and peak device memory, buddy on its kernels: "
+                  + "; ".join(f"{k}: {v}" for k, v in models.items()) + ".", "",
+                  _table(["model", "method", "step ms", "vs none", "peak GiB", "capacity"], srows)]  # fmt: skip
+        parts += [""] + [f"* {v.strip()}" for v in step.get("verdicts", [])]
+    parts += ["", source]
+    return Section("gpu", "On a GPU", "\n".join(parts))
+
+
+SECTIONS = (main_job, gpu, decision, full_capacity, over_training, max_batch, step_cost, cpu_engines, speed)
 
 
 def _sets(result: Results) -> dict[str, dict]:
@@ -646,8 +705,9 @@ under `results/` (not committed); run the command a table names to get its file 
 `python -m experiments.report` to regenerate this page. How the numbers are read and what chose the defaults:
 [choosing.md](choosing.md); what each experiment measures: [experiments.md](experiments.md).
 
-No result here comes from a GPU: every run so far is on the CPU (the reference path; since the native CPU engine
-landed, the native engine for the codecs it is the default of -- the step-cost table says which ran).
+One section comes from a GPU ("On a GPU": the latest session's files, committed under `experiments/results/gpu/`);
+every other run is on the CPU (the reference path; since the native CPU engine landed, the native engine for the
+codecs it is the default of -- the step-cost table says which ran).
 """
 
 _BEGIN, _END = "<!-- report:{} -->", "<!-- /report:{} -->"

@@ -339,6 +339,31 @@ def test_region_slots_on_a_case_worked_by_hand():
         place_per_region(k, nbytes, e)
 
 
+def test_report_shows_the_latest_gpu_sessions_bench_and_step_time(tmp_path, monkeypatch):
+    from experiments import report
+
+    assert report.gpu([], folder=tmp_path) is None  # no session committed: no section
+    env = {"gpu": "NVIDIA H200", "driver": "580", "cuda": "13.0", "torch": "2.11", "cupy": "14", "nvcomp": "6"}
+    bench = {"args": {"mib": 256, "repeats": 5, "warmup": 1}, "rows": [
+        {"tensor": "t", "dtype": "float32", "method": "buddy:auto2/cuda", "ratio": 1.47, "compress_gbps": 99.6,
+         "decompress_gbps": 181.6}]}  # fmt: skip
+    step = {"models": {"gpt2": "a decoder"}, "verdicts": ["  gpt2: NOT met"], "rows": [
+        {"model": "gpt2", "method": "buddy", "step_ms": 1694.2, "vs_none": 33.7, "peak_gib": 15.1, "capacity": 1.03}]}
+    for day, gbps in (("2026-11-26-h100", 1.0), ("2026-11-27-h200", 99.6)):
+        (tmp_path / day).mkdir()
+        bench["rows"][0]["compress_gbps"] = gbps
+        record = {"command": "bash experiments/gpu_session.sh lease", "environment": env, "finished": day,
+                  "steps": [{"name": "bench_cuda", "result": bench}, {"name": "step_time", "result": step}]}
+        (tmp_path / day / "essentials.json").write_text(json.dumps(record))
+    (tmp_path / "2026-11-27-h200" / "sanitize.json").write_text(json.dumps({"steps": [{"name": "sanitize-memcheck"}]}))
+    monkeypatch.setattr(report, "ROOT", tmp_path.parent)  # the files' folder is named relative to it
+    section = report.gpu([], folder=tmp_path)
+    assert section is not None and section.key == "gpu"
+    assert "| t | float32 | buddy:auto2/cuda | 1.47 | 100 | 182 |" in section.body  # the latest session's
+    assert "| gpt2 | buddy | 1,694.2 | 33.70 | 15.10 | 1.03 |" in section.body and "* gpt2: NOT met" in section.body
+    assert "NVIDIA H200, driver 580" in section.body and "2026-11-27-h200" in section.body
+
+
 def test_region_report_per_workload_and_set():
     from experiments import regions
     from experiments.common import capture_all
