@@ -331,7 +331,11 @@ def unpack(
     Without a ``checksum``, damage the format cannot see (a changed mantissa
     bit) decodes to a tensor of the right shape with wrong values; with one
     (:attr:`BuddyTensor.checksum`), the buffers are checked before anything
-    is decoded. ``table``: the codec table of a format version 2 tensor
+    is decoded. The exception: nvcomp's Zstd, GDeflate, Cascaded and Bitcomp
+    decompressors are undefined on a damaged stream (their documentation), so
+    for ``nvcomp-zstd``, ``-gdeflate``, ``-cascaded`` and ``-bitcomp`` only a
+    checksum keeps such damage from them (:mod:`buddy.engines.nvcomp`).
+    ``table``: the codec table of a format version 2 tensor
     (:attr:`BuddyTensor.table`); codecs without one refuse it.
     """
     codec = get_codec(codec)

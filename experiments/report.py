@@ -595,7 +595,9 @@ def _gpu_record(folder: Path = GPU_RESULTS) -> tuple[Path, dict, dict[str, dict]
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        steps = {s.get("name"): s for s in record.get("steps", []) if isinstance(s, dict)} if isinstance(record, dict) else {}
+        if not isinstance(record, dict):
+            continue
+        steps = {str(s.get("name")): s for s in record.get("steps", []) if isinstance(s, dict)}
         if (steps.get("bench_cuda") or {}).get("result"):
             found.append((path, record, steps))
     return found[-1] if found else None

@@ -330,7 +330,7 @@ def measure(
     store = buddy.BuddyStore() if method.startswith("buddy") else None
     tracker = buddy.Tracker()
     times, peak, state = [], None, None
-    sessions = []
+    sessions: list = []  # the last step's session (a Session, or a context manager of another method)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)

@@ -25,6 +25,16 @@ name and be one bound here, else :class:`~buddy.errors.MissingDependencyError`.
 The batched C API keeps no state between calls: the loaded library is the only
 thing threads share. Temp space is a torch allocation on the device, made for
 each call on the stream the call runs on.
+
+What ``DecompressAsync`` may be handed (the 6.x headers): every chunk must be a
+stream nvcomp's compressor of that algorithm wrote -- an empty chunk is not one.
+Only LZ4 on its CUDA backend and ANS report a damaged chunk in its status
+(:data:`REPORTS_DAMAGE`); for Zstd, GDeflate, Cascaded and Bitcomp "passing
+corrupt, invalid, or insufficient data leads to undefined behavior or
+out-of-bound errors". Bitcomp moreover ignores the compressed sizes ("this
+argument is not used") and reads every chunk's header on the host before it
+launches (it synchronizes the stream to do so): one chunk that is not a Bitcomp
+stream fails the whole call with ``nvcompErrorCannotDecompress``.
 """
 
 from __future__ import annotations
@@ -46,6 +56,9 @@ __all__ = [
     "SUPPORTED_MAJORS",
     "ALGORITHMS",
     "STATUS",
+    "CANNOT_DECOMPRESS",
+    "REPORTS_DAMAGE",
+    "NvcompError",
     "Batched",
     "Library",
     "find_library",
@@ -60,6 +73,9 @@ __all__ = [
 SUPPORTED_MAJORS = (4, 5, 6)
 #: algorithms as the C API spells them (``nvcompBatched<name>...``)
 ALGORITHMS = ("LZ4", "ANS", "Bitcomp", "Cascaded", "Gdeflate", "Zstd")
+#: algorithms whose batched decompression sets a chunk's status for a damaged stream (LZ4 on the CUDA backend,
+#: which :func:`decompress_options` selects); the others' headers call such input undefined behaviour
+REPORTS_DAMAGE = frozenset({"LZ4", "ANS"})
 _INSTALL = "pip install 'buddy[cuda12]' or 'buddy[cuda13]'"
 
 #: ``nvcompStatus_t`` (shared_types.h; later majors only add codes)
@@ -72,6 +88,18 @@ STATUS = {
     23: "nvcompErrorSubChunkCountTooSmall", 24: "nvcompErrorOutputBufferAlignmentTooSmall",
     1000: "nvcompErrorCudaError", 10000: "nvcompErrorInternal",
 }  # fmt: skip
+#: ``nvcompErrorCannotDecompress``: what Bitcomp's batched decompression returns for the whole call when a
+#: chunk is not a Bitcomp stream (it reads every chunk's header on the host before it launches anything)
+CANNOT_DECOMPRESS = 12
+
+
+class NvcompError(RuntimeError):
+    """An nvcomp call that returned a status other than ``nvcompSuccess`` (:attr:`status`)."""
+
+    def __init__(self, function: str, status: int):
+        self.function, self.status = function, status
+        super().__init__(f"nvcomp {function} failed: {STATUS.get(status, 'unknown status')} ({status})")
+
 
 # nvcompType_t values used here (the same in every major)
 _CHAR, _UCHAR, _INT, _UINT, _BITS = 0, 1, 4, 5, 0xFF
@@ -360,11 +388,10 @@ class Library:
 
     @staticmethod
     def call(fn, *args) -> None:
-        """Call an nvcomp function; ``RuntimeError`` naming the status unless it succeeded."""
+        """Call an nvcomp function; :class:`NvcompError` (a ``RuntimeError``) naming the status unless it succeeded."""
         status = fn(*args)
         if status != 0:
-            name = STATUS.get(status, "unknown status")
-            raise RuntimeError(f"nvcomp {fn.__name__} failed: {name} ({status})")
+            raise NvcompError(fn.__name__, int(status))
 
     def algorithm(self, name: str) -> Batched:
         """The bound calls of algorithm ``name`` (bound once per library)."""

@@ -34,13 +34,34 @@ whole tensor:
   It reads nothing back.
 * ``unpack`` gathers the payloads from slots and overflow on the device
   (:func:`buddy.format.gather_overflow`), decompresses the coded entries in
-  one batched call over every entry (the others' chunks are empty, over
-  zeros, and write to a scratch entry: no host read picks the coded ones
-  out), copies the raw entries and zeroes the zero entries. Sizes,
-  modes, stream lengths, nvcomp's statuses and decoded sizes are checked on
+  one batched call over every entry, copies the raw entries and zeroes the
+  zero entries. No host read picks the coded entries out, so every other
+  chunk of the call decodes a *filler*: nvcomp's own stream of an all-zero
+  entry, compressed once per algorithm, device and entry size and kept,
+  decoded into that entry's unused stream row. (nvcomp's decompressors take
+  no empty chunk: Zstd's reads out of bounds on one, Bitcomp reads every
+  chunk's header and refuses the whole call.) Sizes, modes, the overflow's
+  size, stream lengths, nvcomp's statuses and decoded sizes are checked on
   the device; the error flag is read back only with ``check=True`` (the
   public :func:`buddy.unpack` passes it), otherwise entries that failed a
   check decode to zeros.
+
+What reaches nvcomp's decompressor on damaged buffers: only the streams of
+coded entries whose length fits their ``k`` sectors, and none at all when the
+metadata or the overflow's size is inconsistent (a ``k`` past the entry, a
+mode this codec never writes, an overflow of another size than the metadata
+needs: the positions of every stream are then suspect, so every coded entry
+decodes to zeros, flagged). Damage inside a stream's bytes is beyond what the
+format can see. nvcomp's LZ4 (CUDA backend) and ANS decompressors report it
+in their statuses (flagged, the entry decodes to zeros); its Zstd, GDeflate,
+Cascaded and Bitcomp decompressors are documented to be undefined on such
+input (:data:`buddy.engines._nvcomp_capi.REPORTS_DAMAGE`), so for those codecs
+only a checksum (``buddy.compress(..., checksum=True)``, checked before
+anything is decoded) keeps damaged buffers from reaching them. Bitcomp
+refuses a whole call whose chunks it cannot parse: its coded entries then all
+decode to zeros, flagged. Bitcomp's decompression also reads every chunk's
+header on the host, so it waits for the stream inside nvcomp (outside
+torch's sight) in every decompress.
 
 nvcomp is called through its batched C API (``nvcompBatched<Algo>CompressAsync``
 and ``DecompressAsync``, device arrays of chunk pointers computed with torch as
@@ -49,17 +70,20 @@ and ``DecompressAsync``, device arrays of chunk pointers computed with torch as
 :mod:`buddy.engines._nvcomp_capi`. nvcomp's Python API is not used: before
 nvcomp 6 it batches only a Python list of per-entry arrays, and it reads
 compressed sizes back to the host. The C API keeps no state, so threads share
-nothing but the loaded library. Every call runs with the tensor's device
-current, on torch's current stream of that device (passed explicitly: the
-legacy default stream is passed as the handle torch reports for it), and
-every device buffer -- temp space, staging, pointer and size arrays -- is a
-torch allocation on that stream. ``import buddy`` loads nothing of nvcomp:
+nothing but the loaded library and the fillers (made under a lock; a stream
+that did not make one waits for it with an event, on the device). Every call
+runs with the tensor's device current, on torch's current stream of that
+device (passed explicitly: the legacy default stream is passed as the handle
+torch reports for it), and every device buffer -- temp space, staging,
+pointer and size arrays -- is a torch allocation on that stream. ``import buddy`` loads nothing of nvcomp:
 the library is found on disk when asked whether it can run and loaded on first use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -151,7 +175,9 @@ def chunk_pointers(base: int, stride: int, n: int, device, *, last: int | None =
     """``(n,)`` int64 addresses ``base + i * stride``, the last one ``last`` when given: computed on the device."""
     ptrs = torch.arange(n, dtype=torch.int64, device=device).mul_(stride).add_(base)
     if last is not None and n:
-        ptrs[n - 1] = last  # a fill on the device: nothing is read back
+        # a fill kernel with the value as its argument (``ptrs[n - 1] = last`` would copy a host scalar into
+        # CUDA memory, a blocking copy that waits for the stream)
+        ptrs[n - 1 :].fill_(last)
     return ptrs
 
 
@@ -229,6 +255,20 @@ def _refuse_host(name: str, t: torch.Tensor) -> None:
         f"codec {name!r} runs nvcomp on the GPU: move the tensor to CUDA first "
         f"(got a {t.device.type} tensor), or use a reference codec such as 'auto' on the CPU"
     )
+
+
+class _Filler(NamedTuple):
+    """nvcomp's stream of one all-zero entry: what every chunk of a decompress that is not a coded entry decodes."""
+
+    stream: torch.Tensor  # (stride,) uint8, the stream at its start
+    length: torch.Tensor  # (1,) int64: the stream's length, on the device
+    stream_of: object  # the CUDA stream that wrote it (None on the CPU)
+    ready: object  # a torch.cuda.Event recorded after it was written (None on the CPU)
+
+
+#: fillers by the object that runs nvcomp's batched calls, then by (device, entry size)
+_FILLERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FILLERS_LOCK = threading.Lock()
 
 
 class _Staged(NamedTuple):
@@ -381,7 +421,9 @@ class NvcompEngine(Engine):
         raw = (k == spe) & ~bad
         streams, lengths = self._gather(slots, spared, k, raw, starts, slot, entry_bytes, out)
         coded = (k > 0) & (k < spe) & ~bad
-        return error | self._decompress(batch, streams, lengths, k, coded, entry_bytes, out)
+        # inconsistent metadata or overflow: where every stream lies is suspect, so none is handed to nvcomp
+        consistent = error == 0
+        return error | self._decompress(batch, streams, lengths, k, coded, consistent, entry_bytes, out)
 
     @staticmethod
     def _gather(slots, spared, k, raw, starts, slot, entry_bytes, out):
@@ -400,24 +442,73 @@ class NvcompEngine(Engine):
             rows[a:b] = torch.where(raw[a:b].unsqueeze(1), payload, 0)  # coded rows: written by nvcomp next
         return streams, lengths
 
-    def _decompress(self, batch, streams, lengths, k, coded, entry_bytes, out) -> torch.Tensor:
-        """The coded entries decompressed into their rows of ``out`` in one call; the error bit of those that failed."""
+    def _decompress(self, batch, streams, lengths, k, coded, consistent, entry_bytes, out) -> torch.Tensor:
+        """The coded entries decompressed into their rows of ``out`` in one call; the error bit of those that failed.
+
+        A chunk is an entry's stream only where the entry is coded, ``consistent`` (a 0-dim bool: the metadata
+        and overflow passed their checks) holds and the stream's length fits its sectors; every other chunk is
+        the filler, decoded into that entry's own row of ``streams`` (a row no other chunk reads or writes).
+        """
         n, device = k.numel(), out.device
-        fits = coded & (lengths > 0) & (lengths + _LENGTH_BYTES <= k.to(torch.int64) * spec.SECTOR_BYTES)
-        # the other chunks are empty, over zeros, and write to a scratch entry
-        nothing = torch.zeros(entry_bytes, dtype=torch.uint8, device=device)
-        scratch = torch.empty(entry_bytes, dtype=torch.uint8, device=device)
+        fits = coded & consistent & (lengths > 0) & (lengths + _LENGTH_BYTES <= k.to(torch.int64) * spec.SECTOR_BYTES)
+        filler = self._filler(batch, device, entry_bytes)
+        stream_rows = chunk_pointers(streams.data_ptr(), entry_bytes, n, device)
         decoded = torch.zeros(n, dtype=torch.int64, device=device)
         statuses = torch.full((n,), -1, dtype=torch.int32, device=device)
         with self._on(device):
-            batch.decompress(
-                device=device, stream=self._stream(device),
-                in_ptrs=torch.where(fits, chunk_pointers(streams.data_ptr(), entry_bytes, n, device), nothing.data_ptr()),
-                in_bytes=torch.where(fits, lengths, 0),
-                out_capacity=torch.full((n,), entry_bytes, dtype=torch.int64, device=device), out_bytes=decoded,
-                out_ptrs=torch.where(coded, chunk_pointers(out.data_ptr(), entry_bytes, n, device), scratch.data_ptr()),
-                statuses=statuses, chunk_bytes=entry_bytes,
-            )  # fmt: skip
+            try:
+                batch.decompress(
+                    device=device, stream=self._stream(device),
+                    in_ptrs=torch.where(fits, stream_rows, filler.stream.data_ptr()),
+                    in_bytes=torch.where(fits, lengths, filler.length),
+                    out_capacity=torch.full((n,), entry_bytes, dtype=torch.int64, device=device), out_bytes=decoded,
+                    out_ptrs=torch.where(fits, chunk_pointers(out.data_ptr(), entry_bytes, n, device), stream_rows),
+                    statuses=statuses, chunk_bytes=entry_bytes,
+                )  # fmt: skip
+            except capi.NvcompError as exc:
+                if exc.status != capi.CANNOT_DECOMPRESS:
+                    raise
+                # the call refused the batch as a whole (Bitcomp parses every chunk first): nothing was decoded,
+                # the statuses stay failed
         failed = coded & ~(fits & (statuses == 0) & (decoded == entry_bytes))
         out.view(n, entry_bytes).masked_fill_(failed.unsqueeze(1), 0)
         return _flag(failed, ERR_STREAM)
+
+    def _filler(self, batch, device: torch.device, entry_bytes: int) -> _Filler:
+        """The filler of ``batch`` for ``entry_bytes`` on ``device``, made on first use; ordered before this stream."""
+        with _FILLERS_LOCK:
+            try:
+                per_batch = _FILLERS.setdefault(batch, {})
+            except TypeError:  # an object that cannot be weakly referenced: a filler for this call alone
+                per_batch = {}
+            found = per_batch.get((device, entry_bytes))
+            if found is None:
+                found = per_batch[device, entry_bytes] = self._make_filler(batch, device, entry_bytes)
+        if found.ready is not None:
+            current = torch.cuda.current_stream(device)
+            current.wait_event(found.ready)  # on the device: the host does not wait
+            if current != found.stream_of:
+                found.stream.record_stream(current)
+                found.length.record_stream(current)
+        return found
+
+    def _make_filler(self, batch, device: torch.device, entry_bytes: int) -> _Filler:
+        """nvcomp's stream of one all-zero entry, compressed on this stream (nothing is read back)."""
+        zero = torch.zeros(entry_bytes, dtype=torch.uint8, device=device)
+        stride = _round_up(max(batch.max_compressed_bytes(entry_bytes), entry_bytes), max(64, batch.alignment()))
+        stream = torch.zeros(stride, dtype=torch.uint8, device=device)
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+        with self._on(device):
+            batch.compress(
+                device=device, stream=self._stream(device),
+                in_ptrs=chunk_pointers(zero.data_ptr(), entry_bytes, 1, device),
+                in_bytes=torch.full((1,), entry_bytes, dtype=torch.int64, device=device), chunk_bytes=entry_bytes,
+                out_ptrs=chunk_pointers(stream.data_ptr(), stride, 1, device), out_bytes=length,
+                statuses=torch.zeros(1, dtype=torch.int32, device=device),
+            )  # fmt: skip
+            if device.type != "cuda":
+                return _Filler(stream, length, None, None)
+            stream_of = torch.cuda.current_stream(device)
+            ready = torch.cuda.Event()
+            ready.record(stream_of)
+        return _Filler(stream, length, stream_of, ready)
