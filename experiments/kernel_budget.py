@@ -590,7 +590,7 @@ first GPU run (an H200, "Measured on a GPU" below) says more: the instructions c
 those run (an upper bound, as meant), but unpack ran at 277 / 116 GB/s, not 583 / 390: it issues in about a
 quarter of the scheduler slots (its warps wait on dependent loads, 16-21 warps an SM where 24 fit), so the
 decode walks are bound by latency, and more warps in flight or shorter chains pay before fewer instructions;
-measure and pack came within 10-25 % of the estimate; count ran 5-7 times the instructions counted (a block
+measure and pack came within 3-21 % of the estimate; count ran 5-7 times the instructions counted (a block
 per 4 KiB zeroed and added a 16 KiB histogram: now at most 1,024 blocks, not yet measured on a GPU); the fit
 took 0.34-0.38 ms, not the 0.9 ms estimated. The parts table above says where the instructions go. Unpack: every code is
 stepped over twice (the find walk, then the emit walk that writes it) after a warm-up, each step a 32-bit read
