@@ -53,6 +53,9 @@ def _round_up(n: int, align: int) -> int:
 
 
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+#: cudaHostRegisterMapped: mapped into the devices' address space too, so a kernel may read the overflow where it
+#: is (buddy.engines.cuda.reads_overflow_in_place); asked for first, and left out where the runtime refuses it
+_CUDA_HOST_REGISTER_MAPPED = 2
 
 
 def _cuda_call(name: str, *args) -> None:
@@ -84,7 +87,7 @@ def _unpin(address: int) -> None:
     """Unregister a block's pages: at its release, or when it is collected without one."""
     try:
         _cuda_call("cudaHostUnregister", address)
-    except RuntimeError:  # the context is gone (interpreter exit): nothing is left to unpin
+    except Exception:  # a finalizer must not raise: the context is gone (interpreter exit), nothing is left to unpin
         pass
 
 
@@ -95,10 +98,17 @@ class _Block:
         self._map = mmap.mmap(-1, nbytes)  # page-aligned, exactly nbytes, unmapped with its last reference
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
         self.pinned = False
+        #: pinned and mapped into the devices' address space (see _CUDA_HOST_REGISTER_MAPPED)
+        self.mapped = False
         self._unpin: weakref.finalize | None = None
         if pin:
+            portable, mapped = _CUDA_HOST_REGISTER_PORTABLE, _CUDA_HOST_REGISTER_MAPPED
             try:
-                _cuda_call("cudaHostRegister", self.buffer.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE)
+                try:
+                    _cuda_call("cudaHostRegister", self.buffer.data_ptr(), nbytes, portable | mapped)
+                    self.mapped = True
+                except RuntimeError:
+                    _cuda_call("cudaHostRegister", self.buffer.data_ptr(), nbytes, portable)
             except BaseException:
                 self.release()
                 raise

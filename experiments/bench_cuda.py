@@ -37,12 +37,14 @@ versions and the command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import shlex
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,20 @@ def _row(
         "decompress_gbps": _gbps(nbytes, d["median_s"]),
         **extra,
     }
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """``name=value`` in the environment for the block (buddy reads its switches at every use)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -213,11 +229,14 @@ def run(
     warmup: int = 2,
     baselines: Sequence[Baseline] = (),
     pcie: bool = True,
+    zero_copy: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Benchmark every tensor (all on one device) with every method; ``{"rows", "pcie", "errors"}``.
 
-    ``baselines``: nvcomp's (:func:`nvcomp_or_exit`). A baseline that fails
+    ``zero_copy``: each codec's kernels once more with ``BUDDY_ZERO_COPY=1`` (method ``.../cuda+zero-copy``:
+    unpack reads the overflow in pinned host memory instead of copying it to the device first; compress is the
+    same code either way). ``baselines``: nvcomp's (:func:`nvcomp_or_exit`). A baseline that fails
     on a tensor is recorded in ``errors`` (method, tensor, the error) and
     the run goes on; buddy's codecs must round trip or the run stops.
     """
@@ -237,6 +256,12 @@ def run(
                 row, kept[backend] = bench_buddy(name, x, codec, backend, store, repeats, warmup)
                 rows.append(row)
                 log(_line(rows[-1]))
+            if zero_copy and "cuda" in backends:
+                with _environment(buddy.engines.cuda.ZERO_COPY_ENV, "1"):
+                    row, in_place = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
+                rows.append({**row, "method": f"{row['method']}+zero-copy", "zero_copy": True})
+                log(_line(rows[-1]))
+                in_place.free()
             first, *others = kept.values()
             for other in others:
                 check_backends_agree(name, first, other)
@@ -317,6 +342,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10, help="timed runs per measurement (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed ones")
     p.add_argument("--no-nvcomp", action="store_true", help="measure without nvcomp (by default it is required)")
+    p.add_argument("--zero-copy", action="store_true",
+                   help="each codec once more with BUDDY_ZERO_COPY=1 (unpack reads the overflow in pinned host memory)")
     p.add_argument("--out", type=Path, default=Path("results/bench_cuda"))
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.mib < 1:
@@ -344,6 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         repeats=args.repeats,
         warmup=args.warmup,
         baselines=baselines,
+        zero_copy=args.zero_copy,
     )
     print()
     print(format_table(result))

@@ -202,8 +202,9 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
     wrapper: tuple[str, ...]
     if phase == "essentials":
         # What a first look at a GPU needs most, in one phase: the golden check, every codec's speed against
-        # nvcomp and memcpy (fewer repeats), step time (fewer methods) with one compressed step profiled, and
-        # Nsight Compute over the default's kernels (64 MiB). The lease runs it first (LEASE).
+        # nvcomp and memcpy (fewer repeats), step time (fewer methods) with one compressed step profiled,
+        # Nsight Compute over the default's kernels (64 MiB), and unpack reading the overflow in place. The lease
+        # runs it first (LEASE).
         bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1")
         step_args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--steps", "4",
                      "--warmup", "2", "--methods", "none", "buddy", "save_on_cpu", "checkpoint", "--profile",
@@ -213,9 +214,14 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
             Python("check", "experiments.gpu_check", ("--json", "{work}/check.json"), 60, "{work}/check.json"),
             Python("bench_cuda", "experiments.bench_cuda", bench_args, 100, "{work}/bench/results.json",
                    (("--no-nvcomp",),)),  # fmt: skip
-            Python("step_time", "experiments.step_time", step_args, 130, "{work}/step_time/results.json",
+            Python("step_time", "experiments.step_time", step_args, 120, "{work}/step_time/results.json",
                    (("--backend", "reference"),)),  # fmt: skip
-            _ncu(timeout_s=90),
+            _ncu(timeout_s=60),
+            # unpack reading the overflow in pinned host memory (BUDDY_ZERO_COPY=1) beside the copy first: last,
+            # in its own process, since an unmapped overflow would end the process with an illegal access
+            Python("bench_zero_copy", "experiments.bench_cuda", ("--codecs", _default_codec(), "zvc", "--no-nvcomp",
+                   "--zero-copy", "--repeats", "5", "--warmup", "1", "--out", "{work}/bench_zero_copy"), 40,
+                   "{work}/bench_zero_copy/results.json"),  # fmt: skip
         ]
     if phase == "check":
         return [

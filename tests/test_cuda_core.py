@@ -529,3 +529,20 @@ def _aten_ops(prof) -> list[str]:
     return sorted(
         e.name for e in events if e.cpu_parent is None and e.name.startswith("aten::") and e.name not in _NO_LAUNCH
     )
+
+
+def test_the_overflow_is_read_in_place_only_when_asked_pinned_and_supported(monkeypatch):
+    """BUDDY_ZERO_COPY=1, a pinned overflow with bytes, a device that takes registered host pointers: all four."""
+    overflow, device = torch.zeros(64, dtype=torch.uint8), torch.device("cuda", 0)
+    monkeypatch.delenv(bcuda.ZERO_COPY_ENV, raising=False)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    monkeypatch.setattr(bcuda, "_takes_host_pointers", lambda index: True)
+    assert not bcuda.reads_overflow_in_place(overflow, device)  # not asked
+    monkeypatch.setenv(bcuda.ZERO_COPY_ENV, "1")
+    assert bcuda.reads_overflow_in_place(overflow, device)
+    assert not bcuda.reads_overflow_in_place(overflow[:0], device)  # nothing to read
+    monkeypatch.setattr(bcuda, "_takes_host_pointers", lambda index: False)
+    assert not bcuda.reads_overflow_in_place(overflow, device)
+    monkeypatch.setattr(bcuda, "_takes_host_pointers", lambda index: True)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    assert not bcuda.reads_overflow_in_place(overflow, device)

@@ -325,3 +325,16 @@ def test_compress_free_cycles_return_device_memory(cuda, pinned_store, gen):
     pinned_store.trim()
     assert torch.cuda.memory_allocated(cuda) == baseline
     assert pinned_store.bytes_held == 0 and buddy.default_ledger().stats().device_bytes_held == 0
+
+
+@pytest.mark.parametrize("codec", ids("codec", KERNEL_CODECS))
+def test_overflow_read_in_place_decodes_the_same(codec, cuda, pinned_store, gen, monkeypatch):
+    """BUDDY_ZERO_COPY=1: the unpack kernel reads the overflow in pinned host memory, over the bus."""
+    t = make_data("random_bytes", 300_001, torch.float32, gen).to(cuda)  # overflows at 4x, a partial last entry
+    bt = buddy.compress(t, 4.0, codec, store=pinned_store, backend="cuda")
+    assert bt.buddy_bytes > 0
+    copied = bt.decompress()
+    monkeypatch.setenv(bcuda.ZERO_COPY_ENV, "1")
+    assert bcuda.reads_overflow_in_place(bt.buffers()[2], cuda)
+    assert_bitexact(bt.decompress(), t)
+    assert_bitexact(copied, t)

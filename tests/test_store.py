@@ -433,5 +433,27 @@ def test_a_refused_pin_says_which_error_and_clears_it(monkeypatch):
     store = buddy.BuddyStore(capacity_bytes=MiB, block_bytes=64 * KiB, pin=True)
     with pytest.raises(buddy.HostStoreFull, match="CUDA error 712 .part or all of the requested memory range"):
         store.allocate(1000)
-    assert cleared == [True] and store.stats().buddy_blocks == 0
+    assert cleared == [True, True] and store.stats().buddy_blocks == 0  # mapped refused, then plain pinning too
+
+
+def test_a_block_is_pinned_unmapped_where_mapping_is_refused(monkeypatch):
+    from buddy import store as store_module
+
+    asked = []
+
+    def register(name, address, *rest):
+        asked.append((name, *rest))
+        if name == "cudaHostRegister" and rest[-1] & 2:  # cudaHostRegisterMapped
+            raise RuntimeError("cudaHostRegister failed: CUDA error 1 (invalid argument)")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(store_module, "_cuda_call", register)
+    store = buddy.BuddyStore(capacity_bytes=MiB, block_bytes=64 * KiB, pin=True)
+    alloc = store.allocate(1000)
+    assert alloc.block.pinned and not alloc.block.mapped and store.stats().buddy_pinned_bytes == 64 * KiB
+    registered = [a for a in asked if a[0] == "cudaHostRegister"]
+    assert registered == [("cudaHostRegister", 64 * KiB, 3), ("cudaHostRegister", 64 * KiB, 1)]
+    del alloc, store
+    gc.collect()  # unpinned while CUDA's calls are still the recorded ones
+    assert [a[0] for a in asked].count("cudaHostUnregister") == 1
 

@@ -60,8 +60,10 @@ shape, contiguity, alignment of data pointers): a bad one raises
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.resources
+import os
 import re
 import struct
 import threading
@@ -511,20 +513,57 @@ class Kernels:
         self.launch(self.name, "pack", layout.entry_bytes, device, n, args)
 
     def unpack(self, layout: Layout, meta, ends, slot: int, slots, overflow, out, error, table=None) -> None:
-        """The entries into ``out`` (``n * E`` bytes); ``error`` (one int32) ORed with what was flagged."""
+        """The entries into ``out`` (``n * E`` bytes); ``error`` (one int32) ORed with what was flagged.
+
+        ``overflow`` is on the device, or (CUDA kernels) in pinned host memory, read where it is over the bus
+        (:func:`reads_overflow_in_place`)."""
         if overflow.numel() % spec.SECTOR_BYTES:
             raise CorruptDataError(f"overflow holds {overflow.numel()} bytes, not a whole number of sectors")
         n = layout.n_entries
-        device = self._check(
-            layout, meta=(meta, torch.uint8, layout.meta_bytes), ends=(ends, torch.int64, n),
-            slots=(slots, torch.uint8, layout.slots_bytes(slot)), overflow=(overflow, torch.uint8, overflow.numel()),
-            out=(out, torch.uint8, n * layout.entry_bytes), error=(error, torch.int32, 1),
+        in_place = self.device_type == "cuda" and isinstance(overflow, torch.Tensor) and overflow.device.type == "cpu"
+        buffers = dict(
+            meta=(meta, torch.uint8, layout.meta_bytes), ends=(ends, torch.int64, n),
+            slots=(slots, torch.uint8, layout.slots_bytes(slot)), out=(out, torch.uint8, n * layout.entry_bytes),
+            error=(error, torch.int32, 1),
         )  # fmt: skip
+        if not in_place:
+            buffers["overflow"] = (overflow, torch.uint8, overflow.numel())
+        device = self._check(layout, **buffers)
+        if in_place:
+            if overflow.numel() and not overflow.is_pinned():
+                raise ValueError("an overflow in host memory must be pinned for the CUDA kernels to read it")
+            _check_tensor("overflow", overflow, device=overflow.device, dtype=torch.uint8, shape=(overflow.numel(),))
         m = overflow.numel() // spec.SECTOR_BYTES
         table = self._table(table, device)
         word = _i32(layout.word_bytes)
         args = (meta, ends, _i32(slot), slots, overflow, _i64(m), out, error, _i64(n), table, word)
         self.launch(self.name, "unpack", layout.entry_bytes, device, n, args)
+
+
+#: ``BUDDY_ZERO_COPY=1``: unpack reads the overflow where it is, in pinned host memory (read at every decompress)
+ZERO_COPY_ENV = "BUDDY_ZERO_COPY"
+#: cudaDevAttrCanUseHostPointerForRegisteredMem: a registered host pointer is a valid device pointer as it is
+_HOST_POINTER_ATTRIBUTE = 91
+
+
+def reads_overflow_in_place(overflow: torch.Tensor, device: torch.device) -> bool:
+    """Whether an unpack on ``device`` reads ``overflow`` in pinned host memory, over the bus, as its kernel runs.
+
+    By default the overflow is first copied to the device whole (on the compute stream, before the kernel):
+    its time adds to the kernel's. Read in place, the copy is the kernel's own loads, overlapped with its
+    decoding. Opt-in (``BUDDY_ZERO_COPY=1``) until a GPU run says which is faster; it needs the overflow
+    pinned and a device that takes registered host pointers as they are.
+    """
+    if os.environ.get(ZERO_COPY_ENV) != "1":
+        return False
+    if overflow.device.type != "cpu" or not overflow.numel() or not overflow.is_pinned():
+        return False
+    return _takes_host_pointers(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _takes_host_pointers(index: int) -> bool:
+    return bool(_cupy().cuda.runtime.deviceGetAttribute(_HOST_POINTER_ATTRIBUTE, index))
 
 
 def _error_flag(given: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -691,7 +730,8 @@ class CudaEngine(Engine):
         out = torch.empty(n * e, dtype=torch.uint8, device=slots.device)
         if n:
             meta = meta if meta.data_ptr() % 2 == 0 else meta.clone()  # 2-byte words are read aligned
-            overflow = overflow.to(slots.device, non_blocking=True)  # H2D from pinned memory, on the current stream
+            if not reads_overflow_in_place(overflow, slots.device):
+                overflow = overflow.to(slots.device, non_blocking=True)  # H2D from pinned memory, on the current stream
             error = _error_flag(error_flag, slots.device)
             ends = self._ends(meta, slot, layout)
             table = self._table(slots.device, layout.word_bytes)
