@@ -628,9 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         match = re.fullmatch(r"([1-9]\d*)/([1-9]\d*)", args.shard)
         if args.phase != "tests" or match is None or int(match.group(1)) > int(match.group(2)):
             p.error("only the tests phase takes a shard, as I/N with 1 <= I <= N")
-    if args.phase == "lease":
-        if args.shard is not None:
-            p.error("lease takes no shard")
+    if args.phase == "lease":  # (a shard was refused above: only the tests phase takes one)
         deadline = time.perf_counter() + args.deadline_s
         failed = [run_phase(phase, args.out, shard, args.command, deadline) for phase, shard in LEASE]
         return 1 if any(failed) else 0

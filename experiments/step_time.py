@@ -270,7 +270,7 @@ class Measurement:
     profile: dict | None = None  # where one more step's time went (--profile): see profile_step
 
 
-def profile_step(step: Callable[[], None], device: torch.device, top: int = 25) -> dict:
+def profile_step(step: Callable[[], object], device: torch.device, top: int = 25) -> dict:
     """Where one step's time goes: host Python functions (cProfile, by own time) and PyTorch ops (the profiler,
     by device time where there is a device, else by host time), the ``top`` of each, in milliseconds."""
     import cProfile
@@ -330,15 +330,15 @@ def measure(
     store = buddy.BuddyStore() if method.startswith("buddy") else None
     tracker = buddy.Tracker()
     times, peak, state = [], None, None
-    sessions: list = []  # the last step's session (a Session, or a context manager of another method)
 
-    def step() -> None:
+    def step():
+        """One training step; its session (a buddy.Session, or what another method's context gave)."""
         optimizer.zero_grad(set_to_none=True)
         with _context(method, device, store, tracker) as session:
             loss = _loss(model, spec, batch)
         loss.backward()
         optimizer.step()
-        sessions[:] = [session]
+        return session
 
     for i in range(warmup + steps):
         _sync(device)
@@ -346,13 +346,12 @@ def measure(
             torch.cuda.reset_peak_memory_stats(device)
             state = torch.cuda.memory_allocated(device)  # parameters and optimizer state
         start_s = time.perf_counter()
-        step()
+        session = step()
         _sync(device)
         if i >= warmup:
             times.append((time.perf_counter() - start_s) * 1e3)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-    session = sessions[0]
     held = session.stats().to_dict() if isinstance(session, buddy.Session) else None
     if held is not None:
         held = {k: held[k] for k in ("original_bytes", "device_bytes", "buddy_bytes", "effective_capacity")}
