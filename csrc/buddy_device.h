@@ -125,9 +125,11 @@ BUDDY_HD uint32_t buddy_ctz64(uint64_t x) {
 #endif
 }
 
-// *p += v, atomically on the device (shared or global memory); a plain add on the host.
+// *p += v, atomically on the device (shared or global memory); a plain add on the host and in the native
+// engine's blocks of one lane (csrc/host/native.cpp, BUDDY_NATIVE_SOLO), which only add to their own block's
+// shared memory here.
 BUDDY_HD void buddy_atomic_add(uint32_t* p, uint32_t v) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && !defined(BUDDY_NATIVE_SOLO)
   atomicAdd(p, v);
 #else
   *p += v;
@@ -160,9 +162,10 @@ __device__ __forceinline__ uint8_t* buddy_dynamic_shared() {
 #endif
 
 // *p |= v, atomically on the device (lanes of a warp may share a stream word);
-// the host emulation runs one lane at a time, so a plain OR is atomic there.
+// the host emulation runs one lane at a time, so a plain OR is atomic there, as
+// in the native engine's warps of one lane (BUDDY_NATIVE_SOLO).
 BUDDY_HD void buddy_atomic_or(uint32_t* p, uint32_t v) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && !defined(BUDDY_NATIVE_SOLO)
   atomicOr(p, v);
 #else
   *p |= v;

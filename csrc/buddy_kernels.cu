@@ -207,7 +207,8 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
   // 16 bytes a lane; the warps loop together (the counts are aggregated over a warp)
   const BuddyCudaWarp warp;
   const long long n16 = n_units / 2, stride = (long long)gridDim.x * blockDim.x;
-  for (long long u0 = (long long)blockIdx.x * blockDim.x + (threadIdx.x & ~31u); u0 < n16; u0 += stride) {
+  for (long long u0 = (long long)blockIdx.x * blockDim.x + (threadIdx.x & ~(BUDDY_WARP_SIZE - 1u)); u0 < n16;
+       u0 += stride) {
     const long long u = u0 + warp.lane();
     const buddy_u128 zero = {0, 0};
     buddy_fpe_count_unit16<WB>(warp, u < n16 ? buddy_load<buddy_u128>(data + 16 * u) : zero, u < n16, local);
@@ -237,7 +238,7 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
   }
 #endif
 
-#define BUDDY_FIT_KERNELS(NAME)                                                                                    \
+#define BUDDY_COUNT_KERNEL(NAME)                                                                                   \
   /* symbol counts of the tensor's whole words (fpe.symbol_counts; added to: zero them first) */                   \
   extern "C" __global__ void buddy_##NAME##_count(                                                                 \
       const uint8_t* __restrict__ data,          /* in: n_units * 8 bytes, the tensor's whole entries */           \
@@ -248,7 +249,12 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
       int word_bytes) {                          /* word size in bytes: 1, 2, 4 or 8 */                             \
     __shared__ uint32_t local[BUDDY_FPE_SYMBOLS];                                                                  \
     BUDDY_COUNT_SWITCH(data, n_units, tail, tail_words, counts, local)                                             \
-  }                                                                                                                \
+  }
+
+// The fit is a warp of 32 lanes (codec_fpe_fit.h): a build of one lane a warp (the native engine's,
+// BUDDY_WARP_SIZE 1) has the count kernel and not the fit, which its engine runs from its build of 32 lanes.
+#if BUDDY_WARP_SIZE == 32
+#define BUDDY_FIT_KERNEL(NAME)                                                                                     \
   /* the table fitted to the counts (fpe.Table.from_counts): its device table and its serialized bytes */          \
   extern "C" __global__ void buddy_##NAME##_fit(                                                                   \
       const long long* __restrict__ counts, /* in: S + 2 symbol counts */                                          \
@@ -260,6 +266,10 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
     buddy_fpe_fit(BuddyCudaWarp(), reinterpret_cast<const int64_t*>(counts), (uint32_t)word_bytes,                 \
                   reinterpret_cast<BuddyFpeFitWork*>(work), reinterpret_cast<BuddyFpeTable*>(table), serial);       \
   }
+#define BUDDY_FIT_KERNELS(NAME) BUDDY_COUNT_KERNEL(NAME) BUDDY_FIT_KERNEL(NAME)
+#else
+#define BUDDY_FIT_KERNELS(NAME) BUDDY_COUNT_KERNEL(NAME)
+#endif
 
 #if defined(BUDDY_CODEC_ZVC) || defined(BUDDY_CODEC_ALL)
 BUDDY_FORMAT_KERNELS(zvc, BuddyZvc, FREE)

@@ -16,7 +16,14 @@
 
 #include "buddy_device.h"
 
+// Lanes a warp: 32 on the GPU and under the emulator. The native CPU engine's build of one lane a warp
+// (csrc/host/native.cpp, BUDDY_NATIVE_SOLO) defines it as 1, so the work of a warp's 32 lanes runs as one
+// lane's plain loops and every collective is the lane's own value -- for code written for any warp size: the
+// helpers here, buddy_ops.h, buddy_entry.h, buddy_bits.h and fpe's codec (codec_fpe.h). The codecs whose
+// formats tile 32 lanes (zvc, fpx, bpc) and fpe's fit assert 32.
+#ifndef BUDDY_WARP_SIZE
 #define BUDDY_WARP_SIZE 32u
+#endif
 
 // Sum of v over the warp, on every lane.
 template <class Warp>

@@ -60,6 +60,7 @@
 
 template <int WB>
 struct BuddyBpc {
+  static_assert(WB > 0 && BUDDY_WARP_SIZE == 32u, "bpc's warp tiling is 32 lanes (buddy_warp.h)");
   static_assert(WB == 1 || WB == 2 || WB == 4 || WB == 8, "bpc words are 1, 2, 4 or 8 bytes");
   static constexpr bool TABLED = false;
   static constexpr uint32_t ZERO_MODE = 0;

@@ -180,7 +180,7 @@ struct BuddyFpe {
     const uint32_t sym = (uint32_t)((uint64_t)x >> tail_bits()) & (zero_sym() - 1u);
     const uint32_t c = table->enc[sym];
     const uint32_t len = sp.esc >> 12;
-    const bool zero = x == 0 && sp.zero;
+    const bool zero = (x == 0) & (sp.zero != 0);  // (no short circuit: a host compiler keeps it a select too)
     const uint32_t entry = zero ? sp.zero : c;  // a code of the table: stream code | length << 12 (0: none)
     const uint32_t head = entry ? entry & 0xFFFu : (sp.esc & 0xFFFu) | sym << len;
     const uint32_t bits = entry ? entry >> 12 : len + sym_bits;

@@ -52,10 +52,12 @@
 #define BUDDY_FPE_SERIAL_BYTES (4u + 3u * BUDDY_FPE_MAX_LEAVES)  // the longest serialized table: 775 bytes
 #define BUDDY_FPE_TABLE_FORMAT 3u                            // byte 0 of a fitted table (fpe.TABLE_FORMAT)
 
+#define BUDDY_FPE_FIT_LANES 32u  // the fit is a warp of 32 lanes: lane t builds the tree of round t (below)
+
 // Scratch of one fit (buddy.engines.cuda.FIT_WORK_BYTES), in global memory.
 struct BuddyFpeFitWork {
-  uint64_t node[(BUDDY_FPE_MAX_LEAVES - 1u) * BUDDY_WARP_SIZE];  // lane t's merged nodes: weight | height << 40
-  uint64_t part[BUDDY_WARP_SIZE];                                // a 64-bit warp sum's lane partials
+  uint64_t node[(BUDDY_FPE_MAX_LEAVES - 1u) * BUDDY_FPE_FIT_LANES];  // lane t's merged nodes: weight | height << 40
+  uint64_t part[BUDDY_FPE_FIT_LANES];                                // a 64-bit warp sum's lane partials
   uint32_t c[BUDDY_FPE_SYMBOLS];                                 // scaled counts
   uint32_t leaf_w[BUDDY_FPE_MAX_LEAVES], leaf_s[BUDDY_FPE_MAX_LEAVES];  // the leaves, by symbol
   uint32_t w[BUDDY_FPE_MAX_LEAVES], s[BUDDY_FPE_MAX_LEAVES];            // the leaves sorted (weight, symbol)
@@ -233,6 +235,7 @@ BUDDY_WARP_FN uint64_t buddy_fit_select(const Warp& warp, const uint32_t* c, uin
 template <class Warp>
 BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32_t word_bytes, BuddyFpeFitWork* wk,
                                  BuddyFpeTable* table, uint8_t* serial) {
+  static_assert(sizeof(Warp) > 0 && BUDDY_WARP_SIZE == BUDDY_FPE_FIT_LANES, "the fit runs 32 lanes a warp");
   const uint32_t lane = warp.lane();
   const uint32_t b = word_bytes == 1 ? buddy_fpe_fit_split<1>::b : buddy_fpe_fit_split<2>::b;
   const uint32_t S = 1u << b, ZERO = S, ESC = S + 1u;

@@ -57,6 +57,7 @@
 
 template <int WB>
 struct BuddyFpx {
+  static_assert(WB > 0 && BUDDY_WARP_SIZE == 32u, "fpx's warp tiling is 32 lanes (buddy_warp.h)");
   static_assert(WB == 1 || WB == 2 || WB == 4 || WB == 8, "fpx words are 1, 2, 4 or 8 bytes");
   typedef typename buddy_uint<WB>::type word_t;
   typedef typename buddy_uint<WB == 8 ? 8 : 4>::type wide_t;  // holds a sign-mantissa (1 + m bits)

@@ -48,6 +48,7 @@
 
 template <int WB>
 struct BuddyZvc {
+  static_assert(WB > 0 && BUDDY_WARP_SIZE == 32u, "zvc's warp tiling is 32 lanes (buddy_warp.h)");
   static_assert(WB == 1 || WB == 2 || WB == 4 || WB == 8, "zvc words are 1, 2, 4 or 8 bytes");
   typedef typename buddy_uint<WB>::type word_t;
   static constexpr bool TABLED = false;

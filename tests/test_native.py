@@ -4,8 +4,8 @@
 NVRTC compiles for the GPU, through the shim the block emulator uses) into a
 library per codec and entry size and runs it with a fast runtime
 (``csrc/host/native.cpp``: one warp a block, lanes as fibers in a fixed
-order, blocks over host threads). Here, as the emulator's tests do for the
-emulated kernels:
+order, blocks over host threads; fpe's kernels from its build of one lane a
+warp). Here, as the emulator's tests do for the emulated kernels:
 
 * every codec on real activations (float32, bfloat16, float64, int64, text
   bytes; partial last entries; slots that overflow and the zero slot): the
@@ -251,6 +251,42 @@ def test_threads_compress_at_once(store):
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         assert all(pool.map(roundtrip, inputs))
+
+
+def test_fpe_runs_one_lane_a_warp(monkeypatch, store):
+    """fpe's kernels run from the build of one lane a warp (no fibers), its fit from the build of 32 lanes, and the
+    other table codec's count from fpe's one-lane build; the bytes are the reference's (the tests above)."""
+    ran: list[tuple[str, str]] = []
+    launch = native._Library.launch
+
+    def spy(self, name, grid, shared, args, threads):
+        ran.append(("solo" if "-solo-" in self.path.name else "warp", name))
+        return launch(self, name, grid, shared, args, threads)
+
+    monkeypatch.setattr(native._Library, "launch", spy)
+    t = torch.relu(torch.randn(5000, generator=torch.Generator().manual_seed(3)))
+    for codec in ("fpe", "auto2"):
+        bt = buddy.compress(t, 2.0, codec, backend="native", store=store)
+        assert_bitexact(bt.decompress(), t)
+        bt.free()
+    assert ran == [
+        ("solo", "buddy_fpe_count"), ("warp", "buddy_fpe_fit"), ("solo", "buddy_fpe_measure"),
+        ("solo", "buddy_fpe_pack"), ("solo", "buddy_fpe_unpack"),
+        ("solo", "buddy_fpe_count"), ("warp", "buddy_auto2_fit"), ("warp", "buddy_auto2_measure"),
+        ("warp", "buddy_auto2_pack"), ("warp", "buddy_auto2_unpack"),
+    ]  # fmt: skip
+    solo = native.library("fpe", 4096, solo=True)
+    with pytest.raises(ValueError, match="no kernel buddy_fpe_fit"):  # the fit is a warp of 32 lanes
+        solo.kernel("buddy_fpe_fit")
+    with pytest.raises(ValueError, match="zvc's kernels tile 32 lanes a warp"):
+        native.library("zvc", 4096, solo=True)
+
+
+def test_a_codec_that_tiles_32_lanes_does_not_build_with_one(monkeypatch, tmp_path):
+    """zvc, fpx and bpc lay their formats out by 32 lanes: a build of one lane a warp stops at their assertion."""
+    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
+    with pytest.raises(RuntimeError, match="zvc's warp tiling is 32 lanes"):
+        native._build("zvc", 256, solo=True)
 
 
 def test_builds_are_cached_on_disk(monkeypatch, tmp_path):

@@ -6,7 +6,11 @@ for the GPU -- are compiled by the host's C++ compiler through the CUDA shim
 with the loader's defines (:func:`buddy.engines.cuda.compile_options`), and run by a
 runtime made for speed (``csrc/host/native.cpp``): every block one warp,
 its 32 lanes fibers switched at collectives in a fixed order, the blocks
-spread over host threads (``torch.get_num_threads()``, or ``BUDDY_NATIVE_THREADS``). :class:`NativeEngine`
+spread over host threads (``torch.get_num_threads()``, or ``BUDDY_NATIVE_THREADS``).
+The codecs of :data:`SOLO_CODECS`, whose sources are written for any warp
+size, have a second build of one lane a warp (``BUDDY_WARP_SIZE`` 1): a
+block is a plain call, the lane's loops doing what 32 lanes do on a GPU, no
+fibers; it runs their kernels but the fit. :class:`NativeEngine`
 is :class:`~buddy.engines.cuda.CudaEngine` with this launch on CPU tensors, so the
 glue -- argument checks, the table codecs' count and fit kernels, the
 overflow's prefix sum, the error flag -- is the GPU path's, byte for byte.
@@ -46,7 +50,7 @@ from ..codecs.base import Codec
 
 __all__ = [
     "NativeEngine", "why_unusable", "switched_off", "describe", "library", "launch", "rows", "DEFAULT_CODECS",
-    "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS", "ENTRIES_PER_BLOCK",
+    "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS", "ENTRIES_PER_BLOCK", "SOLO_CODECS",
 ]  # fmt: skip
 
 #: ``BUDDY_NATIVE=0`` turns the native engine off (the reference runs on the CPU)
@@ -60,6 +64,12 @@ ENTRIES_PER_BLOCK = 16
 _COUNT_UNITS_PER_BLOCK = 64 * 64  # a warp counts 64 units a round
 _FLAGS = ("-O2", "-march=native", "-fPIC", "-shared", "-fvisibility=hidden", "-pthread", "-fno-strict-aliasing")
 _REPO_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+#: the codecs whose kernel sources are written for any warp size (``BUDDY_WARP_SIZE``, csrc/buddy_warp.h): their
+#: native build runs one lane a warp -- a block is one plain call, the work of a warp's 32 lanes that lane's loops,
+#: every collective its own value -- with no fibers (csrc/host/native.cpp, ``BUDDY_NATIVE_SOLO``); their ``fit``
+#: (a warp of 32 lanes by design) runs from the build of 32 lanes. The others tile 32 lanes in their formats.
+SOLO_CODECS = frozenset({"fpe"})
+_SOLO_DEFINES = ("-DBUDDY_NATIVE_SOLO=1", "-DBUDDY_WARP_SIZE=1u")
 _lock = threading.Lock()
 
 
@@ -186,33 +196,37 @@ class _Library:
             raise ValueError(f"{name}: {why.value.decode()}")
 
 
-_libraries: dict[tuple[str, int], _Library] = {}
+_libraries: dict[tuple[str, int, bool], _Library] = {}
 
 
-def library(codec: str, entry_bytes: int) -> _Library:
-    """The native build of ``codec``'s kernels at ``entry_bytes``: compiled on first use (cached on disk)."""
-    key = (codec, entry_bytes)
+def library(codec: str, entry_bytes: int, solo: bool = False) -> _Library:
+    """The native build of ``codec``'s kernels at ``entry_bytes``: compiled on first use (cached on disk).
+    ``solo``: the build of one lane a warp (only for :data:`SOLO_CODECS`; it has no ``fit`` kernel)."""
+    if solo and codec not in SOLO_CODECS:
+        raise ValueError(f"{codec}'s kernels tile 32 lanes a warp: it has no build of one lane a warp")
+    key = (codec, entry_bytes, solo)
     found = _libraries.get(key)
     if found is not None:
         return found
     with _lock:
         found = _libraries.get(key)
         if found is None:
-            found = _libraries[key] = _Library(_build(codec, entry_bytes))
+            found = _libraries[key] = _Library(_build(codec, entry_bytes, solo))
     return found
 
 
-def _build(codec: str, entry_bytes: int) -> Path:
+def _build(codec: str, entry_bytes: int, solo: bool = False) -> Path:
     compiler = _compiler()
     if isinstance(compiler, str):
         raise RuntimeError(f"the native engine cannot be built: {compiler}")
     cxx, version = compiler
     csrc = _csrc()
-    options = cuda.compile_options(entry_bytes, codec)
+    options = cuda.compile_options(entry_bytes, codec) + (_SOLO_DEFINES if solo else ())
     h = hashlib.sha256()
     for part in (*_sources(csrc), options, _FLAGS, version, _machine()):
         h.update(repr(part).encode())
-    out = _cache_dir() / f"buddy-native-{codec}-E{entry_bytes}-{h.hexdigest()[:20]}.so"
+    kind = "-solo" if solo else ""
+    out = _cache_dir() / f"buddy-native-{codec}{kind}-E{entry_bytes}-{h.hexdigest()[:20]}.so"
     if out.exists():
         return out
     tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -246,12 +260,24 @@ def _threads() -> int:
 def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple) -> None:
     """:class:`~buddy.engines.cuda.Kernels`' ``launch=``: kernel ``buddy_<codec>_<op>`` natively on the host."""
     del device  # CPU tensors: Kernels checked them
-    lib = library(codec, entry_bytes)
+    solo = _solo_build(codec, op)
+    lib = library(codec, entry_bytes) if solo is None else library(solo, entry_bytes, solo=True)
     threads = _threads()
     grid = _grid(op, n_entries, threads)
     _, block, shared = cuda.launch_config(op, entry_bytes, n_entries, codec)
     shared = shared // (block // 32)  # a native block is one warp: one warp's staging
-    lib.launch(f"buddy_{codec}_{op}", grid, shared, args, min(threads, grid))
+    lib.launch(f"buddy_{solo or codec}_{op}", grid, shared, args, min(threads, grid))
+
+
+def _solo_build(codec: str, op: str) -> str | None:
+    """The codec whose build of one lane a warp runs ``codec``'s kernel ``op``, or ``None`` (the build of 32
+    lanes runs it): the codec's own for :data:`SOLO_CODECS` (``fit`` excepted), and ``fpe``'s ``count`` for
+    every table codec (one source, ``buddy_count_body``, whatever the codec)."""
+    if op == "fit":
+        return None
+    if codec in SOLO_CODECS:
+        return codec
+    return "fpe" if op == "count" else None
 
 
 class NativeEngine(cuda.CudaEngine):

@@ -20,6 +20,13 @@
 // exchange each here (BUDDY_HOST_WARP_OPS), the last lane to post computing
 // the result once, where the GPU and the emulator run shuffle ladders.
 //
+// One lane a warp (-DBUDDY_NATIVE_SOLO with -DBUDDY_WARP_SIZE=1u: the build of
+// buddy.engines.native.SOLO_CODECS). For sources written for any warp size
+// (buddy_warp.h) a block is one plain call of the kernel on its host thread
+// (blockDim.x = 1): the lane's loops do the work of a warp's 32 lanes, each
+// collective returns the lane's own value, and no fiber is made. The codecs
+// tiled by 32 lanes assert BUDDY_WARP_SIZE 32 and do not build this way.
+//
 // What this runtime does not do is check: lanes at different collectives abort
 // the process with a message (the emulator, which runs the same sources with
 // random schedules and sanitizers in the tests, reports such bugs before they
@@ -58,6 +65,34 @@ constexpr size_t STACK_BYTES = 256u << 10;  // per lane (reserved; touched as us
   abort();
 }
 
+#if defined(BUDDY_NATIVE_SOLO)
+// One lane a warp (BUDDY_NATIVE_SOLO, with BUDDY_WARP_SIZE 1: buddy_warp.h): a block is one call of the
+// kernel on the host thread, its lane's loops doing the work of a warp's 32 lanes, every collective the lane's
+// own value. Only for sources written for any warp size (fpe's: buddy.engines.native.SOLO_CODECS).
+struct Worker {
+  uint32_t block = 0, grid = 1;
+  std::vector<uint8_t> shared;     // dynamic shared memory
+  uint8_t* shared_base = nullptr;  // 16-byte aligned inside it
+  const BuddyEmuKernel* kernel = nullptr;
+  const BuddyEmuArg* args = nullptr;
+
+  void reserve_shared(size_t bytes) {
+    if (shared.size() < bytes + 16) shared.resize(bytes + 16);
+    shared_base = (uint8_t*)(((uintptr_t)shared.data() + 15) & ~(uintptr_t)15);
+  }
+  void run_block(uint32_t b) {
+    block = b;
+    kernel->run(args);
+  }
+};
+
+Worker& worker() {
+  thread_local Worker mine;
+  return mine;
+}
+inline Worker& self() { return worker(); }
+
+#else  // 32 lanes a warp, fibers
 // A host thread's warp: its lanes' contexts and stacks, the collectives' mailbox, its shared memory. The lanes'
 // stacks lie in one region of REGION bytes aligned to REGION, whose first page holds the worker's address: a lane
 // finds its worker from its stack pointer (one mask and a load, where a thread_local in a loaded library would be
@@ -152,6 +187,8 @@ void Worker::run_block(uint32_t b) {
     if (calls[l] != calls[0]) fail("the lanes of a warp made different numbers of collectives", l);
 }
 
+#endif
+
 // A pool of host threads kept between launches; the launching thread works too. Helpers are detached and the
 // pool never destroyed (its threads wait for work until the process ends); a forked child makes its own.
 class Pool {
@@ -213,6 +250,7 @@ Pool& pool() {
 
 std::mutex launching;  // one launch at a time (a launch uses every thread it is given)
 
+#if !defined(BUDDY_NATIVE_SOLO)
 // A whole-warp operation over the 32 posted values s (the low 32 bits of each), computed once by the last lane.
 inline void whole_warp(Worker& w, int kind, const uint64_t* s, uint32_t p) {
   if (kind == BUDDY_EMU_TRANSPOSE) {  // block swaps of 16, 8, 4, 2 and 1 bits: (row k, bit c) -> (row c, bit k)
@@ -237,8 +275,39 @@ inline void whole_warp(Worker& w, int kind, const uint64_t* s, uint32_t p) {
   w.whole[p] = acc;
 }
 
+#endif
 }  // namespace buddy_native
 
+#if defined(BUDDY_NATIVE_SOLO)
+// ---------------------------------------------------------------------------
+// the runtime's functions as cuda_shim.h calls them, inline: one lane a warp
+// ---------------------------------------------------------------------------
+
+inline BuddyEmuDim buddy_emu_thread_idx() { return {0, 0, 0}; }
+inline BuddyEmuDim buddy_emu_block_idx() { return {buddy_native::self().block, 0, 0}; }
+inline BuddyEmuDim buddy_emu_block_dim() { return {1, 1, 1}; }
+inline BuddyEmuDim buddy_emu_grid_dim() { return {buddy_native::self().grid, 1, 1}; }
+inline uint8_t* buddy_emu_dynamic_shared() { return buddy_native::self().shared_base; }
+
+// A warp of one lane: a ballot is its own bit, a shuffle its own value, a match itself.
+inline uint64_t buddy_emu_warp(int kind, unsigned, uint64_t value, int, const char*, int) {
+  switch (kind) {
+    case BUDDY_EMU_BALLOT:
+      return value & 1u;
+    case BUDDY_EMU_MATCH_ANY:
+      return 1u;
+    case BUDDY_EMU_SYNCWARP:
+      return 0;
+    default:
+      return value;
+  }
+}
+
+inline void buddy_emu_syncthreads(const char*, int) {}
+
+#define BUDDY_SHARED_STORAGE static thread_local __attribute__((aligned(16)))
+
+#else
 // ---------------------------------------------------------------------------
 // the runtime's functions as cuda_shim.h calls them, inline
 // ---------------------------------------------------------------------------
@@ -303,6 +372,7 @@ inline void buddy_emu_syncthreads(const char* file, int line) {
 
 #define BUDDY_SHARED_STORAGE static thread_local __attribute__((aligned(16)))
 #define BUDDY_HOST_WARP_OPS 1  // buddy_warp.h's whole-warp operations through buddy_host_warp_op (above)
+#endif
 #include "cuda_shim.h"
 // the shim first: the sources then compile as for a device
 #include "buddy_kernels.cu"
