@@ -22,6 +22,14 @@ struct buddy_float_split {
 
 // ORs v (its set bits inside the stream) into the stream at bit pos.
 BUDDY_HD void buddy_put32(uint32_t* stream, uint32_t pos, uint32_t v) {
+#if defined(BUDDY_NATIVE_SOLO)
+  // one lane writes its own staging buffer, which native.cpp follows with spare bytes: one 8-byte OR, no branch
+  uint64_t w;
+  memcpy(&w, stream + (pos >> 5), 8);
+  w |= (uint64_t)v << (pos & 31u);
+  memcpy(stream + (pos >> 5), &w, 8);
+  return;
+#endif
   const uint32_t s = pos & 31u;
   const uint32_t lo = v << s;
   const uint32_t hi = (v >> 1) >> (31u - s);  // v >> (32 - s), 0 for s = 0

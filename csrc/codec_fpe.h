@@ -282,7 +282,13 @@ struct BuddyFpe {
           for (uint32_t i = 0; i < unit_words; ++i) {
             buddy_put32(stream, pos, packed[i] & 0xFFFFFFu);
             pos += (packed[i] >> 24) & 0x1Fu;
-            if (packed[i] >> 31 && has_tails()) put_tail(stream, end - (j + 1u) * tail_bits(), unit_word(unit, i));
+            if constexpr (BUDDY_WARP_SIZE == 1 && WB < 8) {
+              // one lane (buddy_warp.h): no branch on zero words -- a word without a tail is a zero word, its 0
+              // ORed in at bit 0
+              put_tail(stream, packed[i] >> 31 ? end - (j + 1u) * tail_bits() : 0u, unit_word(unit, i));
+            } else if (packed[i] >> 31 && has_tails()) {
+              put_tail(stream, end - (j + 1u) * tail_bits(), unit_word(unit, i));
+            }
             j += packed[i] >> 31;
           }
         }
@@ -440,6 +446,9 @@ struct BuddyFpe {
                          uint32_t tail_first, uint32_t end, uint8_t* out, uint32_t* tails) const {
     uint32_t done = 0, j = tail_first;
     while (done < count) {
+      if constexpr (BUDDY_WARP_SIZE == 1) {  // one lane walks unchecked codes (decode_split): stay in the payload
+        if (pos >= end) return never;
+      }
       const uint32_t bits = buddy_peek32_padded(payload, pos);
       // both rows of the next 12 bits at once (two independent loads): the step's codes, and the first code's
       // symbol and length -- all a step of one code needs (most steps of 2-byte words)
@@ -502,6 +511,15 @@ struct BuddyFpe {
     uint32_t want = estimate(k);                         // bits the pass's spans cover: the estimate and
     want += want / overshoot;                            // a little more, so one pass nearly always does
     bool bad = false;
+    if constexpr (BUDDY_WARP_SIZE == 1) {
+      // A warp of one lane (the native engine's build, buddy_warp.h): its span is the whole code section and
+      // its first word is word 0, so it writes the words as it walks -- no find walk, no passes; the walk stops
+      // at the payload's end, and the checks below are the warp's.
+      (void)lane, (void)want;
+      codes = emit(payload, n64, 0u, words, 0u, 0u, end, out, &tails);
+      bad = codes == never;
+      done = words;
+    }
     while (done < words) {
       // (a span has fewer than 2^15 bits: a lane's counts fit 16 bits each)
       const uint32_t span = buddy_min(0x7FFFu, buddy_max(min_span, (want + BUDDY_WARP_SIZE - 1u) / BUDDY_WARP_SIZE));

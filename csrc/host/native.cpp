@@ -76,8 +76,9 @@ struct Worker {
   const BuddyEmuKernel* kernel = nullptr;
   const BuddyEmuArg* args = nullptr;
 
+  // 16 bytes to spare after the buffer: the one lane's bit-field writes are 8-byte ORs (buddy_bits.h)
   void reserve_shared(size_t bytes) {
-    if (shared.size() < bytes + 16) shared.resize(bytes + 16);
+    if (shared.size() < bytes + 32) shared.resize(bytes + 32);
     shared_base = (uint8_t*)(((uintptr_t)shared.data() + 15) & ~(uintptr_t)15);
   }
   void run_block(uint32_t b) {
