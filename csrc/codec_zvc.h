@@ -48,7 +48,6 @@
 
 template <int WB>
 struct BuddyZvc {
-  static_assert(WB > 0 && BUDDY_WARP_SIZE == 32u, "zvc's warp tiling is 32 lanes (buddy_warp.h)");
   static_assert(WB == 1 || WB == 2 || WB == 4 || WB == 8, "zvc words are 1, 2, 4 or 8 bytes");
   typedef typename buddy_uint<WB>::type word_t;
   static constexpr bool TABLED = false;
@@ -139,26 +138,34 @@ struct BuddyZvc {
       uint32_t total;
       uint32_t pos = padded + (before + rank(warp, m, &total)) * WB;
       for (uint32_t i = 0; i < lane_words; ++i) {
-        if ((m >> i) & 1u) {
+        if constexpr (BUDDY_WARP_SIZE == 1) {  // one lane: every word stored, a zero one overwritten by the next
+          buddy_store<word_t>(payload + pos, chunk_word(c, i));
+          pos += WB * ((m >> i) & 1u);
+        } else if ((m >> i) & 1u) {
           buddy_store<word_t>(payload + pos, chunk_word(c, i));
           pos += WB;
         }
       }
       // bitmap: the lanes whose words share a byte OR their bits together, and
-      // the lane holding the byte's first word writes it
-      const uint32_t shift = (lane * lane_words) & 7u;
+      // the lane holding the byte's first word writes it (a warp of one lane:
+      // its steps share the byte, the first writes it and the others OR in)
+      const uint32_t shift = first & 7u;
       uint32_t bits = m << shift;
-      for (uint32_t d = 1; d < 8 / lane_words; d <<= 1) bits |= warp.shfl_xor(bits, d);
-      if (valid && shift == 0) payload[first / 8] = (uint8_t)bits;
+      if constexpr (BUDDY_WARP_SIZE == 1) {
+        if (valid) payload[first / 8] = (uint8_t)(shift ? payload[first / 8] | bits : bits);
+      } else {
+        for (uint32_t d = 1; d < 8 / lane_words; d <<= 1) bits |= warp.shfl_xor(bits, d);
+        if (valid && shift == 0) payload[first / 8] = (uint8_t)bits;
+      }
       before += total;
     }
     // zeros: the bitmap's padding [B, P) and everything after the packed words up to 32k
     if constexpr (padded > bitmap) {
-      if (lane < padded - bitmap) payload[bitmap + lane] = 0;
+      for (uint32_t b = lane; b < padded - bitmap; b += BUDDY_WARP_SIZE) payload[bitmap + b] = 0;
     }
     const uint32_t tail = padded + before * WB;  // first byte after the packed words
     const uint32_t aligned = (tail + 7u) & ~7u;  // next 8-byte boundary (<= 32k: a multiple of 8)
-    if (lane < aligned - tail) payload[tail + lane] = 0;
+    for (uint32_t b = lane; b < aligned - tail; b += BUDDY_WARP_SIZE) payload[tail + b] = 0;
     for (uint32_t u = aligned / 8 + lane; u < k * (BUDDY_SECTOR_BYTES / 8); u += BUDDY_WARP_SIZE)
       buddy_store<uint64_t>(payload + 8 * u, (uint64_t)0);
   }
@@ -192,7 +199,11 @@ struct BuddyZvc {
       uint32_t pos = padded + (before + rank(warp, m, &total)) * WB;
       chunk_t c = 0;
       for (uint32_t i = 0; i < lane_words; ++i) {
-        if ((m >> i) & 1u) {
+        if constexpr (BUDDY_WARP_SIZE == 1) {  // one lane: no branch on zero words (pos stays inside 32k bytes)
+          const word_t keep = (word_t)0 - (word_t)((m >> i) & 1u);
+          c |= (chunk_t)(buddy_load<word_t>(payload + pos) & keep) << (8u * WB * i);
+          pos += WB * ((m >> i) & 1u);
+        } else if ((m >> i) & 1u) {
           c |= (chunk_t)buddy_load<word_t>(payload + pos) << (8u * WB * i);
           pos += WB;
         }
