@@ -57,7 +57,6 @@
 
 template <int WB>
 struct BuddyFpx {
-  static_assert(WB > 0 && BUDDY_WARP_SIZE == 32u, "fpx's warp tiling is 32 lanes (buddy_warp.h)");
   static_assert(WB == 1 || WB == 2 || WB == 4 || WB == 8, "fpx words are 1, 2, 4 or 8 bytes");
   typedef typename buddy_uint<WB>::type word_t;
   typedef typename buddy_uint<WB == 8 ? 8 : 4>::type wide_t;  // holds a sign-mantissa (1 + m bits)
@@ -288,8 +287,9 @@ struct BuddyFpx {
     const uint32_t per_word = b + 1u + m;
     const uint32_t start = header + (zmode ? words : 0u);
     const uint32_t esc_code = (1u << b) - 1u;
-    // bitmap bits that name words (all 32 unless W < 32)
-    const uint32_t round_mask = words < BUDDY_WARP_SIZE ? (1u << (words % BUDDY_WARP_SIZE)) - 1u : 0xFFFFFFFFu;
+    // bitmap bits of a round that name words (all 32 unless W < 32; one for a warp of one lane)
+    constexpr uint32_t round_bits = words < BUDDY_WARP_SIZE ? words : BUDDY_WARP_SIZE;
+    const uint32_t round_mask = round_bits < 32u ? (1u << round_bits) - 1u : 0xFFFFFFFFu;
 
     // listed words: their count places the escapes
     uint32_t listed_total = words;

@@ -278,15 +278,16 @@ def test_fpe_runs_one_lane_a_warp(monkeypatch, store):
     solo = native.library("fpe", 4096, solo=True)
     with pytest.raises(ValueError, match="no kernel buddy_fpe_fit"):  # the fit is a warp of 32 lanes
         solo.kernel("buddy_fpe_fit")
-    with pytest.raises(ValueError, match="fpx's kernels tile 32 lanes a warp"):
-        native.library("fpx", 4096, solo=True)
+    with pytest.raises(ValueError, match="bpc's kernels tile 32 lanes a warp"):
+        native.library("bpc", 4096, solo=True)
 
 
 def test_a_codec_that_tiles_32_lanes_does_not_build_with_one(monkeypatch, tmp_path):
-    """fpx and bpc lay their formats out by 32 lanes: a build of one lane a warp stops at their assertion."""
+    """bpc lays its format out by 32 lanes (a 32 x 32 bit transpose across them): a build of one lane a warp stops at
+    its assertion."""
     monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
-    with pytest.raises(RuntimeError, match="fpx's warp tiling is 32 lanes"):
-        native._build("fpx", 256, solo=True)
+    with pytest.raises(RuntimeError, match="bpc's warp tiling is 32 lanes"):
+        native._build("bpc", 256, solo=True)
 
 
 def test_builds_are_cached_on_disk(monkeypatch, tmp_path):

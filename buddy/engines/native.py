@@ -68,7 +68,7 @@ _REPO_CSRC = Path(__file__).resolve().parents[2] / "csrc"
 #: native build runs one lane a warp -- a block is one plain call, the work of a warp's 32 lanes that lane's loops,
 #: every collective its own value -- with no fibers (csrc/host/native.cpp, ``BUDDY_NATIVE_SOLO``); their ``fit``
 #: (a warp of 32 lanes by design) runs from the build of 32 lanes. The others tile 32 lanes in their formats.
-SOLO_CODECS = frozenset({"fpe", "zvc"})
+SOLO_CODECS = frozenset({"fpe", "zvc", "fpx"})
 _SOLO_DEFINES = ("-DBUDDY_NATIVE_SOLO=1", "-DBUDDY_WARP_SIZE=1u")
 _lock = threading.Lock()
 
