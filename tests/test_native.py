@@ -4,8 +4,9 @@
 NVRTC compiles for the GPU, through the shim the block emulator uses) into a
 library per codec and entry size and runs it with a fast runtime
 (``csrc/host/native.cpp``: one warp a block, lanes as fibers in a fixed
-order, blocks over host threads; fpe's kernels from its build of one lane a
-warp). Here, as the emulator's tests do for the emulated kernels:
+order, blocks over host threads; fpe's, zvc's and fpx's kernels from their
+builds of one lane a warp). Here, as the emulator's tests do for the
+emulated kernels:
 
 * every codec on real activations (float32, bfloat16, float64, int64, text
   bytes; partial last entries; slots that overflow and the zero slot): the

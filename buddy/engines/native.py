@@ -291,10 +291,10 @@ class NativeEngine(cuda.CudaEngine):
 
 #: the codecs the native engine is the CPU default of: those whose compress and decompress together take less time
 #: natively than through the torch reference on real activations (docs/cpu_engine.md: ``python -m
-#: experiments.bench_codecs --entry-bytes 4096 --backends reference native``). The other two lean on collectives
-#: (bpc's decode ladders, zvc's ballots and bitmap shuffles per word), each of which costs every lane a fiber
-#: switch here, and run faster as the reference's vectorised torch ops.
-DEFAULT_CODECS = frozenset({"auto2", "fpe", "fpx", "auto"})
+#: experiments.bench_codecs --entry-bytes 4096 --backends reference native``). bpc leans on collectives (its
+#: transposes and decode ladders across 32 lanes), each of which costs every lane a fiber switch here, and runs
+#: faster as the reference's vectorised torch ops.
+DEFAULT_CODECS = frozenset({"auto2", "fpe", "fpx", "zvc", "auto"})
 
 
 def rows() -> tuple[Implementation, ...]:
