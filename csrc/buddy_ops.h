@@ -107,9 +107,9 @@ BUDDY_WARP_FN uint32_t buddy_op_unpack(const Warp& warp, const Codec& codec, bud
   if constexpr (buddy_decode_pad<Codec>::value > 0) {  // zeros after a coded payload (k < E/32: they fit)
     static_assert(buddy_decode_pad<Codec>::value % 8 == 0 && buddy_decode_pad<Codec>::value < BUDDY_SECTOR_BYTES,
                   "whole 8-byte words, inside the sector a coded payload leaves");
-    if (k < BUDDY_SECTORS_PER_ENTRY)
-      for (uint32_t u = warp.lane(); u < buddy_decode_pad<Codec>::value / 8; u += BUDDY_WARP_SIZE)
-        buddy_store<uint64_t>(staging + k * BUDDY_SECTOR_BYTES + 8u * u, 0u);
+    static_assert(buddy_decode_pad<Codec>::value / 8 <= BUDDY_WARP_SIZE, "a lane a word of them");
+    if (k < BUDDY_SECTORS_PER_ENTRY && warp.lane() < buddy_decode_pad<Codec>::value / 8)
+      buddy_store<uint64_t>(staging + k * BUDDY_SECTOR_BYTES + 8u * warp.lane(), 0u);
   }
   warp.sync();  // the gathered payload is complete before any lane decodes from it
   if constexpr (buddy_staged_decode<Codec>::value) {

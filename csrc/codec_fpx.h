@@ -288,8 +288,8 @@ struct BuddyFpx {
     const uint32_t start = header + (zmode ? words : 0u);
     const uint32_t esc_code = (1u << b) - 1u;
     // bitmap bits of a round that name words (all 32 unless W < 32; one for a warp of one lane)
-    constexpr uint32_t round_bits = words < BUDDY_WARP_SIZE ? words : BUDDY_WARP_SIZE;
-    const uint32_t round_mask = round_bits < 32u ? (1u << round_bits) - 1u : 0xFFFFFFFFu;
+    const uint32_t round_mask = BUDDY_WARP_SIZE == 1 ? 1u
+                                : words < BUDDY_WARP_SIZE ? (1u << (words % BUDDY_WARP_SIZE)) - 1u : 0xFFFFFFFFu;
 
     // listed words: their count places the escapes
     uint32_t listed_total = words;

@@ -149,7 +149,7 @@ struct BuddyZvc {
       // bitmap: the lanes whose words share a byte OR their bits together, and
       // the lane holding the byte's first word writes it (a warp of one lane:
       // its steps share the byte, the first writes it and the others OR in)
-      const uint32_t shift = first & 7u;
+      const uint32_t shift = BUDDY_WARP_SIZE == 1 ? first & 7u : (lane * lane_words) & 7u;
       uint32_t bits = m << shift;
       if constexpr (BUDDY_WARP_SIZE == 1) {
         if (valid) payload[first / 8] = (uint8_t)(shift ? payload[first / 8] | bits : bits);
@@ -160,12 +160,18 @@ struct BuddyZvc {
       before += total;
     }
     // zeros: the bitmap's padding [B, P) and everything after the packed words up to 32k
-    if constexpr (padded > bitmap) {
-      for (uint32_t b = lane; b < padded - bitmap; b += BUDDY_WARP_SIZE) payload[bitmap + b] = 0;
-    }
+    // (fewer than 8 bytes each: a lane a byte, or one lane's loop)
     const uint32_t tail = padded + before * WB;  // first byte after the packed words
     const uint32_t aligned = (tail + 7u) & ~7u;  // next 8-byte boundary (<= 32k: a multiple of 8)
-    for (uint32_t b = lane; b < aligned - tail; b += BUDDY_WARP_SIZE) payload[tail + b] = 0;
+    if constexpr (BUDDY_WARP_SIZE == 1) {
+      for (uint32_t b = bitmap; b < padded; ++b) payload[b] = 0;
+      for (uint32_t b = tail; b < aligned; ++b) payload[b] = 0;
+    } else {
+      if constexpr (padded > bitmap) {
+        if (lane < padded - bitmap) payload[bitmap + lane] = 0;
+      }
+      if (lane < aligned - tail) payload[tail + lane] = 0;
+    }
     for (uint32_t u = aligned / 8 + lane; u < k * (BUDDY_SECTOR_BYTES / 8); u += BUDDY_WARP_SIZE)
       buddy_store<uint64_t>(payload + 8 * u, (uint64_t)0);
   }
