@@ -68,7 +68,7 @@ constexpr size_t STACK_BYTES = 256u << 10;  // per lane (reserved; touched as us
 #if defined(BUDDY_NATIVE_SOLO)
 // One lane a warp (BUDDY_NATIVE_SOLO, with BUDDY_WARP_SIZE 1: buddy_warp.h): a block is one call of the
 // kernel on the host thread, its lane's loops doing the work of a warp's 32 lanes, every collective the lane's
-// own value. Only for sources written for any warp size (fpe's: buddy.engines.native.SOLO_CODECS).
+// own value. Only for sources written for any warp size (buddy.engines.native.SOLO_CODECS: fpe, zvc, fpx).
 struct Worker {
   uint32_t block = 0, grid = 1;
   std::vector<uint8_t> shared;     // dynamic shared memory
@@ -76,7 +76,7 @@ struct Worker {
   const BuddyEmuKernel* kernel = nullptr;
   const BuddyEmuArg* args = nullptr;
 
-  // 16 bytes to spare after the buffer: the one lane's bit-field writes are 8-byte ORs (buddy_bits.h)
+  // at least 16 bytes to spare after the buffer: the one lane's bit-field writes are 8-byte ORs (buddy_bits.h)
   void reserve_shared(size_t bytes) {
     if (shared.size() < bytes + 32) shared.resize(bytes + 32);
     shared_base = (uint8_t*)(((uintptr_t)shared.data() + 15) & ~(uintptr_t)15);
