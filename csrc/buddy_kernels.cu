@@ -145,7 +145,7 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
 #define BUDDY_UNPACK_BOUNDS_FREE
 
 // The extern "C" entry points of one codec (NAME: its registry name; BOUNDS: FREE or LIMITED, the unpack's).
-#define BUDDY_FORMAT_KERNELS(NAME, CODEC, BOUNDS)                                                                    \
+#define BUDDY_MEASURE_KERNEL(NAME, CODEC)                                                                          \
   /* k and mode of every entry into the metadata; the histogram of k (added to: zero it first) */                  \
   extern "C" __global__ void buddy_##NAME##_measure(                                                                \
       const uint8_t* __restrict__ data,          /* in: the tensor's bytes, n_full * E of whole entries */          \
@@ -158,7 +158,8 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
       int word_bytes) {                          /* word size in bytes: 1, 2, 4 or 8 */                              \
     BUDDY_WORD_SWITCH(CODEC, buddy_measure_body, data, tail, n_full, n_entries,                                     \
                       reinterpret_cast<buddy_meta_t*>(meta), histogram, table)                                     \
-  }                                                                                                                 \
+  }
+#define BUDDY_PACK_KERNEL(NAME, CODEC)                                                                             \
   /* every entry's slot, and its overflow compacted in entry order */                                              \
   extern "C" __global__ void buddy_##NAME##_pack(                                                                   \
       const uint8_t* __restrict__ data,   /* in: the tensor's bytes, n_full * E of whole entries */                 \
@@ -174,7 +175,8 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
       int word_bytes) {                   /* word size in bytes: 1, 2, 4 or 8 */                                     \
     BUDDY_WORD_SWITCH(CODEC, buddy_pack_body, data, tail, n_full, n_entries,                                        \
                       reinterpret_cast<const buddy_meta_t*>(meta), ends, (uint32_t)slot, slots, overflow, table)   \
-  }                                                                                                                 \
+  }
+#define BUDDY_UNPACK_KERNEL(NAME, CODEC, BOUNDS)                                                                   \
   /* the tensor's entries back; inconsistent buffers never cause an out-of-bounds access: flagged entries decode   \
      to zeros and *error gets their BUDDY_ERR_* bits (the caller zeroes it before the launch) */                   \
   extern "C" __global__ BUDDY_UNPACK_BOUNDS_##BOUNDS void buddy_##NAME##_unpack(                                  \
@@ -192,6 +194,15 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
     BUDDY_WORD_SWITCH(CODEC, buddy_unpack_body, reinterpret_cast<const buddy_meta_t*>(meta), ends, (uint32_t)slot, \
                       slots, overflow, overflow_sectors, out, error, n_entries, table)                             \
   }
+// A build of one lane a warp (the native engine's) of a codec whose encode needs 32 lanes (bpc, and auto and
+// auto2, which hold it): its measure and unpack (-DBUDDY_NO_PACK, from buddy.engines.native).
+#if defined(BUDDY_NO_PACK)
+#define BUDDY_FORMAT_KERNELS(NAME, CODEC, BOUNDS) \
+  BUDDY_MEASURE_KERNEL(NAME, CODEC) BUDDY_UNPACK_KERNEL(NAME, CODEC, BOUNDS)
+#else
+#define BUDDY_FORMAT_KERNELS(NAME, CODEC, BOUNDS) \
+  BUDDY_MEASURE_KERNEL(NAME, CODEC) BUDDY_PACK_KERNEL(NAME, CODEC) BUDDY_UNPACK_KERNEL(NAME, CODEC, BOUNDS)
+#endif
 
 // A codec with a table fits it where the tensor is: its symbol counts (one
 // pass over the tensor), then the table (one warp). Launch: count, any grid,

@@ -60,7 +60,6 @@
 
 template <int WB>
 struct BuddyBpc {
-  static_assert(WB > 0 && BUDDY_WARP_SIZE == 32u, "bpc's warp tiling is 32 lanes (buddy_warp.h)");
   static_assert(WB == 1 || WB == 2 || WB == 4 || WB == 8, "bpc words are 1, 2, 4 or 8 bytes");
   static constexpr bool TABLED = false;
   static constexpr uint32_t ZERO_MODE = 0;
@@ -307,9 +306,78 @@ struct BuddyBpc {
   template <class Warp>
   static BUDDY_WARP_FN uint32_t measure(const Warp& warp, const uint8_t* entry_bytes, uint32_t* mode) {
     *mode = 0;
-    Code code[NS];
-    uint32_t kept[KC][NS];
-    return (plan(warp, entry_bytes, code, kept) + 255u) / 256u;
+    if constexpr (BUDDY_WARP_SIZE == 1) {
+      (void)warp;
+      return (plan_one_lane(entry_bytes) + 255u) / 256u;
+    } else {
+      Code code[NS];
+      uint32_t kept[KC][NS];
+      return (plan(warp, entry_bytes, code, kept) + 255u) / 256u;
+    }
+  }
+
+  // The stream's length T of plan, by a warp of one lane (buddy_warp.h: the native engine's build): it holds a
+  // chunk's 32 deltas itself and transposes them in place, and every plane is its own -- the warp's lane l and
+  // slot s are plane 32s + l here, its ballots, ORs and sums over lanes are loops over planes.
+  static BUDDY_HD uint32_t plan_one_lane(const uint8_t* entry_bytes) {
+    constexpr uint32_t PLANES = 32u * G;  // the lane-owned planes' places (those at ROW and above hold none)
+    Summary sum[PLANES], top;             // top: the uniform sign plane (UTOP)
+    word_t dor = 0;
+    for (uint32_t c = 0; c < C; ++c) {
+      uint32_t rows[G][32];  // rows[s][l]: DBX bits 32s .. 32s + 31 of delta 32c + l
+      uint32_t signs = 0;
+      for (uint32_t l = 0; l < 32u; ++l) {
+        const uint32_t i = 32u * c + l;
+        word_t lo = 0;
+        bool neg = false;
+        if (i < L) {
+          const word_t a = buddy_load<word_t>(entry_bytes + i * (WS / 8));
+          const word_t b = buddy_load<word_t>(entry_bytes + (i + 1) * (WS / 8));
+          lo = (word_t)(b - a);
+          neg = less_signed(b, a);
+        }
+        dor |= lo;
+        if constexpr (WS == 16) {
+          const uint32_t d = (uint32_t)lo | (uint32_t)neg << 16;
+          rows[0][l] = d ^ (d >> 1);
+        } else {
+          const word_t x = (word_t)(lo ^ (lo >> 1) ^ ((word_t)neg << (WS - 1)));
+          rows[0][l] = (uint32_t)x;
+          if constexpr (WS == 64) rows[G - 1][l] = (uint32_t)((uint64_t)x >> 32);
+          signs |= (uint32_t)neg << l;
+        }
+      }
+      for (uint32_t s = 0; s < G; ++s) {
+        transpose_local(rows[s]);  // rows[s][j]: piece c of plane 32s + j
+        for (uint32_t j = 0; j < 32u; ++j) sum[32u * s + j].add(rows[s][j], c);
+      }
+      if constexpr (UTOP) top.add(signs, c);
+    }
+    const uint64_t dbp = (uint64_t)dor;
+    uint64_t nz = 0;
+    for (uint32_t j = 0; j < PLANES; ++j) nz |= (uint64_t)(sum[j].count != 0) << j;
+    bool top_nz;
+    if constexpr (UTOP) {
+      top_nz = top.count != 0;
+      if constexpr (WS < 64) nz |= (uint64_t)top_nz << WS;
+    } else {
+      top_nz = ((nz >> WS) & 1u) != 0;
+    }
+    uint32_t bits = WS + (UTOP ? code_of(WS, top, nz, top_nz, dbp).bits : 0u);
+    for (uint32_t j = 0; j < PLANES && j < ROW; ++j) bits += code_of(j, sum[j], nz, top_nz, dbp).bits;
+    return bits;
+  }
+
+  // The 32 x 32 bit transpose of `transpose` on one lane's 32 rows: bit l of row j becomes bit j of row l.
+  static BUDDY_HD void transpose_local(uint32_t (&r)[32]) {
+    uint32_t m = 0x0000FFFFu;  // the low half of every 2w-bit block
+    for (uint32_t w = 16; w != 0; w >>= 1, m ^= m << w)
+      for (uint32_t k = 0; k < 32u; ++k) {
+        if (k & w) continue;
+        const uint32_t t = ((r[k] >> w) ^ r[k + w]) & m;
+        r[k] ^= t << w;
+        r[k + w] ^= t;
+      }
   }
 
   // ---------------------------------------------------------------------------
@@ -347,6 +415,7 @@ struct BuddyBpc {
   template <class Warp>
   static BUDDY_WARP_FN void encode(const Warp& warp, const uint8_t* entry_bytes, uint32_t k, uint32_t mode,
                                    uint8_t* payload) {
+    static_assert(sizeof(Warp) > 0 && BUDDY_WARP_SIZE == 32u, "bpc's encode is 32 lanes (a transpose across them)");
     (void)mode;
     const uint32_t lane = warp.lane();
     Code code[NS];
@@ -442,6 +511,129 @@ struct BuddyBpc {
   static BUDDY_WARP_FN uint32_t decode(const Warp& warp, const uint8_t* payload, uint32_t k, uint32_t mode,
                                        uint8_t* out) {
     (void)mode;
+    if constexpr (BUDDY_WARP_SIZE == 1) {
+      return decode_one_lane(warp, payload, k, out);
+    } else {
+      return decode_warp(warp, payload, k, out);
+    }
+  }
+
+  // decode by a warp of one lane (buddy_warp.h: the native engine's build): the same walk and checks, every plane
+  // the lane's own, a chunk's 32 deltas transposed in place and summed in order.
+  template <class Warp>
+  static BUDDY_WARP_FN uint32_t decode_one_lane(const Warp& warp, const uint8_t* payload, uint32_t k, uint8_t* out) {
+    constexpr uint32_t PLANES = 32u * G;  // plane j's code at [j] (j < ROW); the uniform sign plane's at [PLANES]
+    const uint32_t nw = k * (BUDDY_SECTOR_BYTES / 4), last = nw - 1;
+    uint32_t info[PLANES + 1];
+    for (uint32_t j = 0; j <= PLANES; ++j) info[j] = K_ZERO;
+    uint32_t off = WS, p = 0;
+    while (p < P) {
+      const uint32_t w = off >> 5;
+      const uint32_t h = funnel(stream_word(payload, w, last), stream_word(payload, w + 1, last), off & 31u);
+      uint32_t kind, bits, n = 1, arg = (h >> 5) & ((1u << PB) - 1u);
+      if (h & 1u) {
+        kind = K_RAW, bits = RAW_BITS, arg = off + 1;
+      } else if (h & 2u) {
+        kind = K_ZERO, bits = 2 + RB, n = 2 + ((h >> 2) & ((1u << RB) - 1u));
+      } else if (h & 4u) {
+        kind = K_ZERO, bits = 3;
+      } else {
+        kind = 1 + ((h >> 3) & 3u), bits = h & 8u ? 5 + PB : 5;
+      }
+      const uint32_t j = WS - p;
+      if (UTOP && j == WS)
+        info[PLANES] = kind | arg << 3;
+      else if (j < ROW)
+        info[j] = kind | arg << 3;
+      off += bits;
+      p += n;
+    }
+    bool bad = p != P || (off + 255) / 256 != k;
+    for (uint32_t j = 0; j <= PLANES; ++j) {
+      const uint32_t kind = info[j] & 7u, arg = info[j] >> 3, plane = j == PLANES ? WS : j;
+      bad = bad || (kind == K_ONE && arg >= L) || (kind == K_TWO && arg + 1 >= L) || (kind == K_DBP0 && plane == WS);
+    }
+    for (uint32_t l = 0; !bad && l < 8u; ++l) {  // bits after the stream
+      const uint32_t w = (off >> 5) + l;
+      if (w < nw) bad = (stream_word(payload, w, last) & (l ? ~0u : ~0u << (off & 31u))) != 0;
+    }
+    if (bad) return fail(warp, out);
+
+    uint64_t heads = 0;
+    for (uint32_t j = 0; j < PLANES; ++j) heads |= (uint64_t)((info[j] & 7u) == K_DBP0) << j;
+    row_t open[STEPS];
+    {
+      uint64_t f = heads;
+      for (uint32_t t = 0; t < STEPS; ++t) {
+        open[t] = (row_t)~f;
+        f |= f >> (1u << t);
+      }
+    }
+    const row_t under_top = (row_t)~low_bits(bit_length64(heads));
+    RawReader raw[PLANES + 1];
+    for (uint32_t j = 0; j <= PLANES; ++j) {
+      const uint32_t a = info[j] >> 3;
+      raw[j] = {a >> 5, a & 31u, (info[j] & 7u) == K_RAW ? stream_word(payload, a >> 5, last) : 0u};
+    }
+    word_t x = buddy_load<word_t>(payload);
+    if constexpr (WS == 16) x = (word_t)(x & 0xFFFFu);
+    buddy_store<word_t>(out, x);
+    row_t dbp_any = 0;
+    uint32_t top_any = 0;
+    bool wrong_sign = false;
+    for (uint32_t c = 0; c < C; ++c) {
+      uint32_t rows[G][32], top = 0;  // the planes' pieces, then (transposed) the deltas' DBX rows
+      for (uint32_t j = 0; j <= PLANES; ++j) {
+        if (j == PLANES && !UTOP) break;
+        const uint32_t kind = info[j] & 7u;
+        const uint32_t rel = (info[j] >> 3) - 32u * c;
+        uint32_t v = 0;
+        if (kind == K_RAW) v = raw[j].get(payload, c, last);
+        if (kind == K_ONES) v = piece_mask(c);
+        if (kind == K_ONE && rel < 32) v = 1u << rel;
+        if (kind == K_TWO) v = rel < 32 ? 3u << rel : rel == ~0u ? 1u : 0u;
+        if (j == PLANES)
+          top = v;
+        else
+          rows[j / 32u][j % 32u] = v;
+      }
+      for (uint32_t s = 0; s < G; ++s) transpose_local(rows[s]);
+      top_any |= top;
+      for (uint32_t l = 0; l < 32u; ++l) {
+        row_t y = rows[0][l];
+        if constexpr (WS == 64) y |= (row_t)rows[G - 1][l] << 32;
+        for (uint32_t t = 0; t < STEPS; ++t) y ^= (y >> (1u << t)) & open[t];
+        bool neg;
+        if constexpr (UTOP) {
+          neg = (top >> l) & 1u;
+          if (neg) y ^= under_top;
+        } else {
+          neg = (y >> WS) & 1u;
+        }
+        dbp_any |= y;
+        const word_t next = (word_t)(x + (word_t)y);  // x_{32c + l + 1}
+        const uint32_t i = 32u * c + l;
+        if (i < L) {
+          wrong_sign = wrong_sign || less_signed(next, x) != neg;
+          buddy_store<word_t>(out + (i + 1) * (WS / 8), next);
+        }
+        x = next;
+      }
+    }
+    uint64_t dbp_nz = (uint64_t)dbp_any;
+    if constexpr (WS == 64) {
+      bad = (heads & ~(dbp_nz >> 1) & ~(1ull << 63)) != 0 || ((heads >> 63) && !top_any);
+    } else {
+      if constexpr (UTOP) dbp_nz |= (uint64_t)(top_any != 0) << WS;
+      bad = (heads & ~(dbp_nz >> 1)) != 0;
+    }
+    if (bad || wrong_sign) return fail(warp, out);
+    return 0;
+  }
+
+  template <class Warp>
+  static BUDDY_WARP_FN uint32_t decode_warp(const Warp& warp, const uint8_t* payload, uint32_t k, uint8_t* out) {
+    static_assert(sizeof(Warp) > 0 && BUDDY_WARP_SIZE == 32u, "a transpose across 32 lanes");
     const uint32_t lane = warp.lane();
     const uint32_t nw = k * (BUDDY_SECTOR_BYTES / 4), last = nw - 1;  // stream words
 

@@ -255,8 +255,9 @@ def test_threads_compress_at_once(store):
 
 
 def test_fpe_runs_one_lane_a_warp(monkeypatch, store):
-    """fpe's kernels run from the build of one lane a warp (no fibers), its fit from the build of 32 lanes, and the
-    other table codec's count from fpe's one-lane build; the bytes are the reference's (the tests above)."""
+    """fpe's kernels run from the build of one lane a warp (no fibers), its fit from the build of 32 lanes; auto2's
+    count, measure and unpack from its own one-lane build (no pack: bpc's encode is 32 lanes), its pack and fit from
+    32 lanes; the bytes are the reference's (the tests above)."""
     ran: list[tuple[str, str]] = []
     launch = native._Library.launch
 
@@ -273,21 +274,27 @@ def test_fpe_runs_one_lane_a_warp(monkeypatch, store):
     assert ran == [
         ("solo", "buddy_fpe_count"), ("warp", "buddy_fpe_fit"), ("solo", "buddy_fpe_measure"),
         ("solo", "buddy_fpe_pack"), ("solo", "buddy_fpe_unpack"),
-        ("solo", "buddy_fpe_count"), ("warp", "buddy_auto2_fit"), ("warp", "buddy_auto2_measure"),
-        ("warp", "buddy_auto2_pack"), ("warp", "buddy_auto2_unpack"),
+        ("solo", "buddy_auto2_count"), ("warp", "buddy_auto2_fit"), ("solo", "buddy_auto2_measure"),
+        ("warp", "buddy_auto2_pack"), ("solo", "buddy_auto2_unpack"),
     ]  # fmt: skip
     solo = native.library("fpe", 4096, solo=True)
     with pytest.raises(ValueError, match="no kernel buddy_fpe_fit"):  # the fit is a warp of 32 lanes
         solo.kernel("buddy_fpe_fit")
-    with pytest.raises(ValueError, match="bpc's kernels tile 32 lanes a warp"):
-        native.library("bpc", 4096, solo=True)
+    no_pack = native.library("auto2", 4096, solo=True)
+    no_pack.kernel("buddy_auto2_measure")  # (raises for a kernel the build lacks)
+    no_pack.kernel("buddy_auto2_unpack")
+    with pytest.raises(ValueError, match="no kernel buddy_auto2_pack"):  # bpc's encode is 32 lanes
+        no_pack.kernel("buddy_auto2_pack")
+    with pytest.raises(ValueError, match="raw's kernels tile 32 lanes a warp"):
+        native.library("raw", 4096, solo=True)
 
 
-def test_a_codec_that_tiles_32_lanes_does_not_build_with_one(monkeypatch, tmp_path):
-    """bpc lays its format out by 32 lanes (a 32 x 32 bit transpose across them): a build of one lane a warp stops at
-    its assertion."""
+def test_bpc_packs_with_32_lanes_only(monkeypatch, tmp_path):
+    """bpc's encode holds a chunk's deltas across 32 lanes: a one-lane build of it stops at its assertion (the
+    engine builds bpc's measure and unpack alone with one lane)."""
     monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
-    with pytest.raises(RuntimeError, match="bpc's warp tiling is 32 lanes"):
+    monkeypatch.setattr(native, "SOLO_CODECS", native.SOLO_CODECS | {"bpc"})  # as if it had them all
+    with pytest.raises(RuntimeError, match="bpc's encode is 32 lanes"):
         native._build("bpc", 256, solo=True)
 
 

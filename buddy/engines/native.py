@@ -50,7 +50,7 @@ from ..codecs.base import Codec
 
 __all__ = [
     "NativeEngine", "why_unusable", "switched_off", "describe", "library", "launch", "rows", "DEFAULT_CODECS",
-    "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS", "ENTRIES_PER_BLOCK", "SOLO_CODECS",
+    "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS", "ENTRIES_PER_BLOCK", "SOLO_CODECS", "SOLO_NO_PACK_CODECS",
 ]  # fmt: skip
 
 #: ``BUDDY_NATIVE=0`` turns the native engine off (the reference runs on the CPU)
@@ -69,6 +69,9 @@ _REPO_CSRC = Path(__file__).resolve().parents[2] / "csrc"
 #: every collective its own value -- with no fibers (csrc/host/native.cpp, ``BUDDY_NATIVE_SOLO``); their ``fit``
 #: (a warp of 32 lanes by design) runs from the build of 32 lanes. The others tile 32 lanes in their formats.
 SOLO_CODECS = frozenset({"fpe", "zvc", "fpx"})
+#: the codecs whose ``measure`` and ``unpack`` run one lane a warp and ``pack`` on 32 lanes: bpc's plan and decode
+#: have a one-lane form, its encode (a 32 x 32 bit transpose across the lanes) not yet; auto and auto2 hold bpc
+SOLO_NO_PACK_CODECS = frozenset({"bpc", "auto", "auto2"})
 _SOLO_DEFINES = ("-DBUDDY_NATIVE_SOLO=1", "-DBUDDY_WARP_SIZE=1u")
 _lock = threading.Lock()
 
@@ -202,7 +205,7 @@ _libraries: dict[tuple[str, int, bool], _Library] = {}
 def library(codec: str, entry_bytes: int, solo: bool = False) -> _Library:
     """The native build of ``codec``'s kernels at ``entry_bytes``: compiled on first use (cached on disk).
     ``solo``: the build of one lane a warp (only for :data:`SOLO_CODECS`; it has no ``fit`` kernel)."""
-    if solo and codec not in SOLO_CODECS:
+    if solo and codec not in SOLO_CODECS | SOLO_NO_PACK_CODECS:
         raise ValueError(f"{codec}'s kernels tile 32 lanes a warp: it has no build of one lane a warp")
     key = (codec, entry_bytes, solo)
     found = _libraries.get(key)
@@ -221,7 +224,9 @@ def _build(codec: str, entry_bytes: int, solo: bool = False) -> Path:
         raise RuntimeError(f"the native engine cannot be built: {compiler}")
     cxx, version = compiler
     csrc = _csrc()
-    options = cuda.compile_options(entry_bytes, codec) + (_SOLO_DEFINES if solo else ())
+    options = cuda.compile_options(entry_bytes, codec)
+    if solo:
+        options += _SOLO_DEFINES + (("-DBUDDY_NO_PACK=1",) if codec not in SOLO_CODECS else ())
     h = hashlib.sha256()
     for part in (*_sources(csrc), options, _FLAGS, version, _machine()):
         h.update(repr(part).encode())
@@ -270,14 +275,14 @@ def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: 
 
 
 def _solo_build(codec: str, op: str) -> str | None:
-    """The codec whose build of one lane a warp runs ``codec``'s kernel ``op``, or ``None`` (the build of 32
-    lanes runs it): the codec's own for :data:`SOLO_CODECS` (``fit`` excepted), and ``fpe``'s ``count`` for
-    every table codec (one source, ``buddy_count_body``, whatever the codec)."""
+    """The codec whose build of one lane a warp runs ``codec``'s kernel ``op`` (its own), or ``None`` (the build of
+    32 lanes runs it): every kernel of :data:`SOLO_CODECS` but the fit, and every kernel of
+    :data:`SOLO_NO_PACK_CODECS` but the fit and the pack."""
     if op == "fit":
         return None
-    if codec in SOLO_CODECS:
+    if codec in SOLO_CODECS or (op != "pack" and codec in SOLO_NO_PACK_CODECS):
         return codec
-    return "fpe" if op == "count" else None
+    return None
 
 
 class NativeEngine(cuda.CudaEngine):
