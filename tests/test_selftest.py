@@ -296,21 +296,21 @@ def test_explicit_backends_run_what_they_name(kernels_on_the_cpu, store, gen):
 
 
 def test_the_record_of_what_ran_and_why(store, gen):
-    """On this machine: bpc's CPU tensors run the reference (its CPU default); a CUDA device would run it too,
-    saying why."""
-    buddy.compress(make_data("relu", 5000, torch.float32, gen), codec="bpc", store=store)
+    """On this machine: raw's CPU tensors run the reference (its CPU default: it has no kernels); a CUDA device would
+    run it too, saying why; and zvc's CUDA tensors would fall back to the reference, saying why."""
+    buddy.compress(make_data("relu", 5000, torch.float32, gen), codec="raw", store=store)
     (row,) = buddy.implementations()
-    assert (row.device, row.codec, row.backend, row.why) == ("cpu", "bpc", "reference", "the default on cpu tensors")
+    assert (row.device, row.codec, row.backend, row.why) == ("cpu", "raw", "reference", "the default on cpu tensors")
     assert "the default on cpu tensors" in str(row)
     engine = dispatch.engine(buddy.get_codec("raw"), "cuda")  # no kernels: the reference (nothing runs yet)
     assert engine.backend == "reference"
-    assert buddy.implementations("raw")[0].why == "codec 'raw' has no CUDA kernels"
+    assert buddy.implementations("raw", device="cuda")[0].why == "codec 'raw' has no CUDA kernels"
     why = bcuda.why_unusable()
     if why is not None:  # no CuPy or no GPU here: the kernels' default falls back to the reference, saying why
         assert dispatch.engine(buddy.get_codec("zvc"), "cuda").backend == "reference"
         (row,) = buddy.implementations("zvc", device="cuda")
         assert row.backend == "reference" and row.why == why
-    assert buddy.implementations(device="cpu") == [buddy.implementations("bpc")[0]]
+    assert buddy.implementations(device="cpu") == [buddy.implementations("raw")[0]]
 
 
 def test_a_codec_object_the_kernels_do_not_reproduce_runs_the_reference(kernels_on_the_cpu, store, gen):
