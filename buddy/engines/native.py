@@ -31,6 +31,7 @@ the reference runs; ``BUDDY_NATIVE=0`` turns the engine off.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -204,7 +205,9 @@ _libraries: dict[tuple[str, int, bool], _Library] = {}
 
 def library(codec: str, entry_bytes: int, solo: bool = False) -> _Library:
     """The native build of ``codec``'s kernels at ``entry_bytes``: compiled on first use (cached on disk).
-    ``solo``: the build of one lane a warp (only for :data:`SOLO_CODECS`; it has no ``fit`` kernel)."""
+    ``solo``: the build of one lane a warp (:data:`SOLO_CODECS`, :data:`SOLO_NO_PACK_CODECS`; no ``fit`` in it).
+    A codec whose kernels come from both builds has the other one compiled beside it, in the background (a build
+    is one compiler process: the second core is otherwise idle)."""
     if solo and codec not in SOLO_CODECS | SOLO_NO_PACK_CODECS:
         raise ValueError(f"{codec}'s kernels tile 32 lanes a warp: it has no build of one lane a warp")
     key = (codec, entry_bytes, solo)
@@ -214,11 +217,30 @@ def library(codec: str, entry_bytes: int, solo: bool = False) -> _Library:
     with _lock:
         found = _libraries.get(key)
         if found is None:
+            for other in _builds_of(codec):
+                if other != solo and (codec, entry_bytes, other) not in _libraries:
+                    _build(codec, entry_bytes, other, wait=False)
             found = _libraries[key] = _Library(_build(codec, entry_bytes, solo))
     return found
 
 
-def _build(codec: str, entry_bytes: int, solo: bool = False) -> Path:
+def _builds_of(codec: str) -> tuple[bool, ...]:
+    """The builds (``solo`` or not) ``codec``'s kernels run from (:func:`launch`)."""
+    if codec in SOLO_CODECS:
+        return (True, False) if codec in cuda.TABLED_KERNELS else (True,)  # (a table codec's fit: 32 lanes)
+    if codec in SOLO_NO_PACK_CODECS:
+        return (True, False)
+    return (False,)
+
+
+#: compiler processes started by :func:`_build` with ``wait=False``: the library's path -> (process, its temporary
+#: file, its command line, the process that started it)
+_started: dict[Path, tuple[subprocess.Popen, Path, list[str], int]] = {}
+
+
+def _build(codec: str, entry_bytes: int, solo: bool = False, wait: bool = True) -> Path:
+    """The library's path, compiled unless cached; ``wait=False`` starts the compiler and returns at once (a later
+    call with ``wait=True`` finishes it)."""
     compiler = _compiler()
     if isinstance(compiler, str):
         raise RuntimeError(f"the native engine cannot be built: {compiler}")
@@ -232,16 +254,44 @@ def _build(codec: str, entry_bytes: int, solo: bool = False) -> Path:
         h.update(repr(part).encode())
     kind = "-solo" if solo else ""
     out = _cache_dir() / f"buddy-native-{codec}{kind}-E{entry_bytes}-{h.hexdigest()[:20]}.so"
+    started = _started.pop(out, None)
+    if started is not None and started[3] != os.getpid():
+        started = None  # a forked child: its parent's compiler is not its own to wait for
     if out.exists():
+        if started is not None:
+            _started[out] = started  # (someone else's build finished first: this one is left to finish)
         return out
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    cmd = [cxx, *options, *_FLAGS, f"-I{csrc}", f"-I{csrc / 'host'}", str(csrc / "host" / "native.cpp"), "-o", str(tmp)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode:
+    if started is None:
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        cmd = [cxx, *options, *_FLAGS, f"-I{csrc}", f"-I{csrc / 'host'}", str(csrc / "host" / "native.cpp"), "-o",
+               str(tmp)]  # fmt: skip
+        started = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), tmp, cmd,
+                   os.getpid())  # fmt: skip
+    if not wait:
+        _started[out] = started
+        return out
+    process, tmp, cmd, _ = started
+    _, stderr = process.communicate()
+    if process.returncode:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"the native engine's build failed ({' '.join(cmd)}):\n{result.stderr[-4000:]}")
+        raise RuntimeError(f"the native engine's build failed ({' '.join(cmd)}):\n{stderr[-4000:]}")
     os.replace(tmp, out)  # atomic: concurrent builds of one key write the same file
     return out
+
+
+@atexit.register
+def _stop_started() -> None:
+    """Compilers still running at exit are stopped and their temporary files removed (finished ones are kept)."""
+    for out, (process, tmp, _, owner) in list(_started.items()):
+        if owner != os.getpid():
+            continue
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.returncode == 0 and tmp.exists() and not out.exists():
+            os.replace(tmp, out)
+        tmp.unlink(missing_ok=True)
+    _started.clear()
 
 
 def _grid(op: str, n: int, threads: int) -> int:
