@@ -7,10 +7,10 @@ with the loader's defines (:func:`buddy.engines.cuda.compile_options`), and run 
 runtime made for speed (``csrc/host/native.cpp``): every block one warp,
 its 32 lanes fibers switched at collectives in a fixed order, the blocks
 spread over host threads (``torch.get_num_threads()``, or ``BUDDY_NATIVE_THREADS``).
-The codecs of :data:`SOLO_CODECS`, whose sources are written for any warp
-size, have a second build of one lane a warp (``BUDDY_WARP_SIZE`` 1): a
-block is a plain call, the lane's loops doing what 32 lanes do on a GPU, no
-fibers; it runs their kernels but the fit. :class:`NativeEngine`
+Each codec with kernels has a second build of one lane a warp (``BUDDY_WARP_SIZE`` 1):
+a block is a plain call, the lane's loops doing what 32 lanes do on a GPU, no
+fibers; it runs every kernel of :data:`SOLO_CODECS` but the fit, and those of
+:data:`SOLO_NO_PACK_CODECS` but the fit and the pack. :class:`NativeEngine`
 is :class:`~buddy.engines.cuda.CudaEngine` with this launch on CPU tensors, so the
 glue -- argument checks, the table codecs' count and fit kernels, the
 overflow's prefix sum, the error flag -- is the GPU path's, byte for byte.
@@ -224,13 +224,11 @@ def library(codec: str, entry_bytes: int, solo: bool = False) -> _Library:
     return found
 
 
-def _builds_of(codec: str) -> tuple[bool, ...]:
-    """The builds (``solo`` or not) ``codec``'s kernels run from (:func:`launch`)."""
-    if codec in SOLO_CODECS:
-        return (True, False) if codec in cuda.TABLED_KERNELS else (True,)  # (a table codec's fit: 32 lanes)
-    if codec in SOLO_NO_PACK_CODECS:
-        return (True, False)
-    return (False,)
+def _builds_of(codec: str) -> set[bool]:
+    """The builds (``solo`` or not) ``codec``'s kernels run from (:func:`launch`): those of its format operations,
+    and of a table codec's count and fit."""
+    ops = ("measure", "pack", "unpack") + (("count", "fit") if codec in cuda.TABLED_KERNELS else ())
+    return {_one_lane(codec, op) for op in ops}
 
 
 #: compiler processes started by :func:`_build` with ``wait=False``: the library's path -> (process, its temporary
@@ -315,24 +313,21 @@ def _threads() -> int:
 def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple) -> None:
     """:class:`~buddy.engines.cuda.Kernels`' ``launch=``: kernel ``buddy_<codec>_<op>`` natively on the host."""
     del device  # CPU tensors: Kernels checked them
-    solo = _solo_build(codec, op)
-    lib = library(codec, entry_bytes) if solo is None else library(solo, entry_bytes, solo=True)
+    lib = library(codec, entry_bytes, solo=_one_lane(codec, op))
     threads = _threads()
     grid = _grid(op, n_entries, threads)
     _, block, shared = cuda.launch_config(op, entry_bytes, n_entries, codec)
     shared = shared // (block // 32)  # a native block is one warp: one warp's staging
-    lib.launch(f"buddy_{solo or codec}_{op}", grid, shared, args, min(threads, grid))
+    lib.launch(f"buddy_{codec}_{op}", grid, shared, args, min(threads, grid))
 
 
-def _solo_build(codec: str, op: str) -> str | None:
-    """The codec whose build of one lane a warp runs ``codec``'s kernel ``op`` (its own), or ``None`` (the build of
-    32 lanes runs it): every kernel of :data:`SOLO_CODECS` but the fit, and every kernel of
-    :data:`SOLO_NO_PACK_CODECS` but the fit and the pack."""
+def _one_lane(codec: str, op: str) -> bool:
+    """Whether ``codec``'s kernel ``op`` runs from its build of one lane a warp (else from its build of 32 lanes):
+    every kernel of :data:`SOLO_CODECS` but the fit, and every kernel of :data:`SOLO_NO_PACK_CODECS` but the fit and
+    the pack."""
     if op == "fit":
-        return None
-    if codec in SOLO_CODECS or (op != "pack" and codec in SOLO_NO_PACK_CODECS):
-        return codec
-    return None
+        return False
+    return codec in SOLO_CODECS or (op != "pack" and codec in SOLO_NO_PACK_CODECS)
 
 
 class NativeEngine(cuda.CudaEngine):
