@@ -194,15 +194,8 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
     BUDDY_WORD_SWITCH(CODEC, buddy_unpack_body, reinterpret_cast<const buddy_meta_t*>(meta), ends, (uint32_t)slot, \
                       slots, overflow, overflow_sectors, out, error, n_entries, table)                             \
   }
-// A build of one lane a warp (the native engine's) of a codec whose encode needs 32 lanes (bpc, and auto and
-// auto2, which hold it): its measure and unpack (-DBUDDY_NO_PACK, from buddy.engines.native).
-#if defined(BUDDY_NO_PACK)
-#define BUDDY_FORMAT_KERNELS(NAME, CODEC, BOUNDS) \
-  BUDDY_MEASURE_KERNEL(NAME, CODEC) BUDDY_UNPACK_KERNEL(NAME, CODEC, BOUNDS)
-#else
 #define BUDDY_FORMAT_KERNELS(NAME, CODEC, BOUNDS) \
   BUDDY_MEASURE_KERNEL(NAME, CODEC) BUDDY_PACK_KERNEL(NAME, CODEC) BUDDY_UNPACK_KERNEL(NAME, CODEC, BOUNDS)
-#endif
 
 // A codec with a table fits it where the tensor is: its symbol counts (one
 // pass over the tensor), then the table (one warp). Launch: count, any grid,

@@ -47,7 +47,7 @@ struct BuddyAuto {
       }
     }
     if (k > 1) {
-      const uint32_t b = Bpc::measure(warp, entry, &member_mode);
+      const uint32_t b = Bpc::measure_below(warp, entry, &member_mode, k);  // (only whether b < k matters)
       if (b < k) {
         k = b;
         *mode = BUDDY_AUTO_MODE_BPC;

@@ -39,7 +39,7 @@ struct BuddyAuto2 {
     uint32_t k = Auto::measure(warp, entry, mode);  // already clamped to E/32
     if (k > 1) {
       uint32_t member_mode;
-      const uint32_t f = fpe.measure(warp, entry, &member_mode);
+      const uint32_t f = fpe.measure_below(warp, entry, &member_mode, k);  // (only whether f < k matters)
       if (f < k) {
         k = f;
         *mode = BUDDY_AUTO_MODE_FPE;

@@ -308,7 +308,8 @@ struct BuddyBpc {
     *mode = 0;
     if constexpr (BUDDY_WARP_SIZE == 1) {
       (void)warp;
-      return (plan_one_lane(entry_bytes) + 255u) / 256u;
+      Code code[P];
+      return (plan_one_lane(entry_bytes, code, nullptr) + 255u) / 256u;
     } else {
       Code code[NS];
       uint32_t kept[KC][NS];
@@ -316,10 +317,30 @@ struct BuddyBpc {
     }
   }
 
-  // The stream's length T of plan, by a warp of one lane (buddy_warp.h: the native engine's build): it holds a
-  // chunk's 32 deltas itself and transposes them in place, and every plane is its own -- the warp's lane l and
-  // slot s are plane 32s + l here, its ballots, ORs and sums over lanes are loops over planes.
-  static BUDDY_HD uint32_t plan_one_lane(const uint8_t* entry_bytes) {
+  // measure for a caller that only asks whether the entry takes fewer than `limit` (>= 1) sectors (auto's choice):
+  // k when it does, else some k >= limit. A warp of one lane stops once the planes sure to be raw make the stream
+  // that long (noisy planes: after a chunk or two); a warp of 32 measures the whole entry.
+  template <class Warp>
+  static BUDDY_WARP_FN uint32_t measure_below(const Warp& warp, const uint8_t* entry_bytes, uint32_t* mode,
+                                              uint32_t limit) {
+    if constexpr (BUDDY_WARP_SIZE == 1) {
+      *mode = 0;
+      Code code[P];
+      return (plan_one_lane(entry_bytes, code, nullptr, 256u * (limit - 1u) + 1u) + 255u) / 256u;
+    } else {
+      (void)limit;
+      return measure(warp, entry_bytes, mode);
+    }
+  }
+
+  // plan by a warp of one lane (buddy_warp.h: the native engine's build): it holds a chunk's 32 deltas itself and
+  // transposes them in place, and every plane is its own -- the warp's lane l and slot s are plane 32s + l here, its
+  // ballots, ORs and sums over lanes are loops over planes. code[j]: plane j's code (j = 0 .. ws); keep, when given
+  // (C * P words): piece c of plane j at [P * c + j]. Returns the stream's length T in bits -- or, once the planes
+  // sure to be raw (at least 3 set bits, not all ones, DBP not zero) make WS + their bits >= stop, that many bits,
+  // the codes then unset.
+  static BUDDY_HD uint32_t plan_one_lane(const uint8_t* entry_bytes, Code (&code)[P], uint32_t* keep,
+                                         uint32_t stop = ~0u) {
     constexpr uint32_t PLANES = 32u * G;  // the lane-owned planes' places (those at ROW and above hold none)
     Summary sum[PLANES], top;             // top: the uniform sign plane (UTOP)
     word_t dor = 0;
@@ -352,6 +373,16 @@ struct BuddyBpc {
         for (uint32_t j = 0; j < 32u; ++j) sum[32u * s + j].add(rows[s][j], c);
       }
       if constexpr (UTOP) top.add(signs, c);
+      if (keep) {
+        for (uint32_t j = 0; j < ROW; ++j) keep[P * c + j] = rows[j / 32u][j % 32u];
+        if constexpr (UTOP) keep[P * c + WS] = signs;
+      }
+      if (stop != ~0u && (c < 2u || (c & 3u) == 3u)) {
+        uint32_t raw = UTOP && top.count >= 3u && !top.ones;
+        for (uint32_t j = 0; j < ROW; ++j)
+          raw += sum[j].count >= 3u && !sum[j].ones && (j >= WS || ((dor >> j) & 1u));
+        if (WS + raw * RAW_BITS >= stop) return WS + raw * RAW_BITS;
+      }
     }
     const uint64_t dbp = (uint64_t)dor;
     uint64_t nz = 0;
@@ -363,8 +394,11 @@ struct BuddyBpc {
     } else {
       top_nz = ((nz >> WS) & 1u) != 0;
     }
-    uint32_t bits = WS + (UTOP ? code_of(WS, top, nz, top_nz, dbp).bits : 0u);
-    for (uint32_t j = 0; j < PLANES && j < ROW; ++j) bits += code_of(j, sum[j], nz, top_nz, dbp).bits;
+    uint32_t bits = WS;
+    for (uint32_t j = 0; j < P; ++j) {
+      code[j] = code_of(j, UTOP && j == WS ? top : sum[j], nz, top_nz, dbp);
+      bits += code[j].bits;
+    }
     return bits;
   }
 
@@ -415,8 +449,59 @@ struct BuddyBpc {
   template <class Warp>
   static BUDDY_WARP_FN void encode(const Warp& warp, const uint8_t* entry_bytes, uint32_t k, uint32_t mode,
                                    uint8_t* payload) {
-    static_assert(sizeof(Warp) > 0 && BUDDY_WARP_SIZE == 32u, "bpc's encode is 32 lanes (a transpose across them)");
     (void)mode;
+    if constexpr (BUDDY_WARP_SIZE == 1) {
+      (void)warp;
+      encode_one_lane(entry_bytes, k, payload);
+    } else {
+      encode_warp(warp, entry_bytes, k, payload);
+    }
+  }
+
+  // encode by a warp of one lane: the codes and raw planes appended in stream order (the sign plane, then DBX_{ws-1}
+  // down to DBX_0), the rest of the k sectors zeroed. The stream fits them (k from measure); a write past them is
+  // dropped all the same.
+  static BUDDY_HD void encode_one_lane(const uint8_t* entry_bytes, uint32_t k, uint8_t* payload) {
+    Code code[P];
+    uint32_t keep[C * P];
+    plan_one_lane(entry_bytes, code, keep);
+    const uint32_t nw = k * (BUDDY_SECTOR_BYTES / 4);
+    uint64_t acc = 0;     // the bits not yet stored, the first at bit 0
+    uint32_t n = 0, w = 0;  // bits in acc (< 32); words stored
+    auto put = [&](uint32_t value, uint32_t bits) {  // value: a field of `bits` <= 32 bits
+      acc |= (uint64_t)value << n;
+      n += bits;
+      if (n >= 32) {
+        if (w < nw) buddy_store<uint32_t>(payload + 4 * w, (uint32_t)acc);
+        ++w;
+        acc >>= 32;
+        n -= 32;
+      }
+    };
+    const word_t base = buddy_load<word_t>(entry_bytes);
+    if constexpr (WS == 64) {
+      put((uint32_t)base, 32);
+      put((uint32_t)((uint64_t)base >> 32), 32);
+    } else {
+      put((uint32_t)base, WS);
+    }
+    constexpr uint32_t LAST_BITS = L - 32u * (C - 1);  // bits of a plane's last piece
+    for (uint32_t j = P; j-- > 0;) {
+      if (code[j].kind != K_RAW) {
+        if (code[j].bits) put(code[j].value, code[j].bits);
+        continue;
+      }
+      put(1u, 1);
+      for (uint32_t c = 0; c + 1 < C; ++c) put(keep[P * c + j], 32);
+      put(keep[P * (C - 1) + j], LAST_BITS);
+    }
+    if (n && w < nw) buddy_store<uint32_t>(payload + 4 * w, (uint32_t)acc);
+    for (w += n != 0; w < nw; ++w) buddy_store<uint32_t>(payload + 4 * w, 0u);
+  }
+
+  template <class Warp>
+  static BUDDY_WARP_FN void encode_warp(const Warp& warp, const uint8_t* entry_bytes, uint32_t k, uint8_t* payload) {
+    static_assert(sizeof(Warp) > 0 && BUDDY_WARP_SIZE == 32u, "a transpose across 32 lanes");
     const uint32_t lane = warp.lane();
     Code code[NS];
     uint32_t kept[KC][NS];

@@ -249,6 +249,31 @@ struct BuddyFpe {
     return sectors(buddy_warp_sum(warp, head) + buddy_warp_sum(warp, tails) * tail_bits());
   }
 
+  // measure for a caller that only asks whether the entry takes fewer than `limit` (>= 1) sectors (auto2's choice):
+  // k when it does, else some k >= limit. A warp of one lane stops once the words sized so far take that many; a
+  // warp of 32 measures the whole entry.
+  template <class Warp>
+  BUDDY_WARP_FN uint32_t measure_below(const Warp& warp, const uint8_t* entry_bytes, uint32_t* mode,
+                                       uint32_t limit) const {
+    if constexpr (BUDDY_WARP_SIZE == 1) {
+      *mode = 0;
+      const Specials sp = specials();
+      const uint32_t stop = 8u * BUDDY_SECTOR_BYTES * (limit - 1u) + 1u;
+      uint32_t head = 0, tails = 0;
+      for (uint32_t u = 0; u < units; ++u) {
+        uint32_t h, z;
+        unit_bits(buddy_load<buddy_u128>(entry_bytes + 16u * u), sp, &h, &z);
+        head += h;
+        tails += z;
+        if ((u & 15u) == 15u && head + tails * tail_bits() >= stop) break;
+      }
+      return sectors(head + tails * tail_bits());
+    } else {
+      (void)limit;
+      return measure(warp, entry_bytes, mode);
+    }
+  }
+
   template <class Warp>
   BUDDY_WARP_FN void encode(const Warp& warp, const uint8_t* entry_bytes, uint32_t k, uint32_t mode,
                             uint8_t* payload) const {

@@ -4,8 +4,8 @@
 NVRTC compiles for the GPU, through the shim the block emulator uses) into a
 library per codec and entry size and runs it with a fast runtime
 (``csrc/host/native.cpp``: one warp a block, lanes as fibers in a fixed
-order, blocks over host threads; fpe's, zvc's and fpx's kernels from their
-builds of one lane a warp). Here, as the emulator's tests do for the
+order, blocks over host threads; every kernel but the fits from the
+codec's build of one lane a warp). Here, as the emulator's tests do for the
 emulated kernels:
 
 * every codec on real activations (float32, bfloat16, float64, int64, text
@@ -254,9 +254,37 @@ def test_threads_compress_at_once(store):
         assert all(pool.map(roundtrip, inputs))
 
 
+@pytest.mark.parametrize("codec", ("auto", "auto2"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.int64))
+def test_auto_choice_with_early_stops(codec, dtype, store):
+    """auto's and auto2's one-lane measure stop sizing bpc (and fpe) once it cannot win: on entries made so the
+    members' sizes straddle each other -- a ramp plus noise of 0 to all bits, zeros from none to most, bpc winning
+    by a plane or losing by one -- every entry's metadata (mode and k) and the slots are the reference's."""
+    e = 1024
+    per = e // torch.tensor([], dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(11)
+    bits = 16 if dtype == torch.bfloat16 else 64 if dtype == torch.int64 else 32
+    entries = []
+    for noise in range(bits + 1):
+        for zeros in (0.0, 0.3, 0.7):
+            ramp = torch.arange(per, dtype=torch.int64) * (noise + 1)
+            jitter = torch.randint(0, 2 ** min(noise, 62), (per,), generator=g) if noise else 0
+            words = (ramp + 1000 + jitter) & ((1 << min(bits, 63)) - 1)
+            words[torch.rand(per, generator=g) < zeros] = 0
+            entries.append(words)
+    raw = torch.cat(entries)
+    if dtype == torch.int64:
+        t = raw
+    elif dtype == torch.float32:
+        t = raw.to(torch.int32).view(torch.float32)
+    else:
+        t = raw.to(torch.int16).view(torch.bfloat16)
+    t = t.clone()
+    check_reference_buffers("native", codec, t, e, lambda h: 12, store, codec in TABLED)
+
+
 def test_fpe_runs_one_lane_a_warp(monkeypatch, store):
-    """fpe's kernels run from the build of one lane a warp (no fibers), its fit from the build of 32 lanes; auto2's
-    count, measure and unpack from its own one-lane build (no pack: bpc's encode is 32 lanes), its pack and fit from
+    """fpe's and auto2's kernels run from their builds of one lane a warp (no fibers), their fits from the builds of
     32 lanes; the bytes are the reference's (the tests above)."""
     ran: list[tuple[str, str]] = []
     launch = native._Library.launch
@@ -267,7 +295,7 @@ def test_fpe_runs_one_lane_a_warp(monkeypatch, store):
 
     monkeypatch.setattr(native._Library, "launch", spy)
     t = torch.relu(torch.randn(5000, generator=torch.Generator().manual_seed(3)))
-    for codec in ("fpe", "auto2"):
+    for codec in ("fpe", "auto2", "bpc"):
         bt = buddy.compress(t, 2.0, codec, backend="native", store=store)
         assert_bitexact(bt.decompress(), t)
         bt.free()
@@ -275,27 +303,17 @@ def test_fpe_runs_one_lane_a_warp(monkeypatch, store):
         ("solo", "buddy_fpe_count"), ("warp", "buddy_fpe_fit"), ("solo", "buddy_fpe_measure"),
         ("solo", "buddy_fpe_pack"), ("solo", "buddy_fpe_unpack"),
         ("solo", "buddy_auto2_count"), ("warp", "buddy_auto2_fit"), ("solo", "buddy_auto2_measure"),
-        ("warp", "buddy_auto2_pack"), ("solo", "buddy_auto2_unpack"),
+        ("solo", "buddy_auto2_pack"), ("solo", "buddy_auto2_unpack"),
+        ("solo", "buddy_bpc_measure"), ("solo", "buddy_bpc_pack"), ("solo", "buddy_bpc_unpack"),
     ]  # fmt: skip
-    solo = native.library("fpe", 4096, solo=True)
-    with pytest.raises(ValueError, match="no kernel buddy_fpe_fit"):  # the fit is a warp of 32 lanes
-        solo.kernel("buddy_fpe_fit")
-    no_pack = native.library("auto2", 4096, solo=True)
-    no_pack.kernel("buddy_auto2_measure")  # (raises for a kernel the build lacks)
-    no_pack.kernel("buddy_auto2_unpack")
-    with pytest.raises(ValueError, match="no kernel buddy_auto2_pack"):  # bpc's encode is 32 lanes
-        no_pack.kernel("buddy_auto2_pack")
+    for codec in ("fpe", "auto2"):
+        solo = native.library(codec, 4096, solo=True)
+        for op in ("count", "measure", "pack", "unpack"):
+            solo.kernel(f"buddy_{codec}_{op}")  # (raises for a kernel the build lacks)
+        with pytest.raises(ValueError, match=f"no kernel buddy_{codec}_fit"):  # the fit is a warp of 32 lanes
+            solo.kernel(f"buddy_{codec}_fit")
     with pytest.raises(ValueError, match="raw's kernels tile 32 lanes a warp"):
         native.library("raw", 4096, solo=True)
-
-
-def test_bpc_packs_with_32_lanes_only(monkeypatch, tmp_path):
-    """bpc's encode holds a chunk's deltas across 32 lanes: a one-lane build of it stops at its assertion (the
-    engine builds bpc's measure and unpack alone with one lane)."""
-    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
-    monkeypatch.setattr(native, "SOLO_CODECS", native.SOLO_CODECS | {"bpc"})  # as if it had them all
-    with pytest.raises(RuntimeError, match="bpc's encode is 32 lanes"):
-        native._build("bpc", 256, solo=True)
 
 
 def test_builds_are_cached_on_disk(monkeypatch, tmp_path):

@@ -57,11 +57,11 @@ def kernels_on_the_cpu():
     added: list[str] = []
     before = buddy.registered_implementations(device="cpu")
     yield register
-    for name in added:  # the CPU rows as they were (the native engine the default of some codecs)
-        buddy.unregister_implementation(name, "cpu")
-        for row in (r for r in before if r.codec == name):
+    for name in added:  # the CPU rows as they were, each in its place in the table (the native engine the default)
+        buddy.unregister_implementation(name, "cpu", "cuda")
+        for row in (r for r in before if r.codec == name and r.default):
             buddy.register_implementation(
-                name, "cpu", row.backend, row.factory, default=row.default, requires=row.requires, replace=True
+                name, "cpu", row.backend, row.factory, default=True, requires=row.requires, replace=True
             )
 
 

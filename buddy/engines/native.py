@@ -9,8 +9,7 @@ its 32 lanes fibers switched at collectives in a fixed order, the blocks
 spread over host threads (``torch.get_num_threads()``, or ``BUDDY_NATIVE_THREADS``).
 Each codec with kernels has a second build of one lane a warp (``BUDDY_WARP_SIZE`` 1):
 a block is a plain call, the lane's loops doing what 32 lanes do on a GPU, no
-fibers; it runs every kernel of :data:`SOLO_CODECS` but the fit, and those of
-:data:`SOLO_NO_PACK_CODECS` but the fit and the pack. :class:`NativeEngine`
+fibers; it runs every kernel of :data:`SOLO_CODECS` but the fit. :class:`NativeEngine`
 is :class:`~buddy.engines.cuda.CudaEngine` with this launch on CPU tensors, so the
 glue -- argument checks, the table codecs' count and fit kernels, the
 overflow's prefix sum, the error flag -- is the GPU path's, byte for byte.
@@ -51,7 +50,7 @@ from ..codecs.base import Codec
 
 __all__ = [
     "NativeEngine", "why_unusable", "switched_off", "describe", "library", "launch", "rows", "DEFAULT_CODECS",
-    "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS", "ENTRIES_PER_BLOCK", "SOLO_CODECS", "SOLO_NO_PACK_CODECS",
+    "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS", "ENTRIES_PER_BLOCK", "SOLO_CODECS",
 ]  # fmt: skip
 
 #: ``BUDDY_NATIVE=0`` turns the native engine off (the reference runs on the CPU)
@@ -69,10 +68,7 @@ _REPO_CSRC = Path(__file__).resolve().parents[2] / "csrc"
 #: native build runs one lane a warp -- a block is one plain call, the work of a warp's 32 lanes that lane's loops,
 #: every collective its own value -- with no fibers (csrc/host/native.cpp, ``BUDDY_NATIVE_SOLO``); their ``fit``
 #: (a warp of 32 lanes by design) runs from the build of 32 lanes. The others tile 32 lanes in their formats.
-SOLO_CODECS = frozenset({"fpe", "zvc", "fpx"})
-#: the codecs whose ``measure`` and ``unpack`` run one lane a warp and ``pack`` on 32 lanes: bpc's plan and decode
-#: have a one-lane form, its encode (a 32 x 32 bit transpose across the lanes) not yet; auto and auto2 hold bpc
-SOLO_NO_PACK_CODECS = frozenset({"bpc", "auto", "auto2"})
+SOLO_CODECS = frozenset({"fpe", "zvc", "fpx", "bpc", "auto", "auto2"})
 _SOLO_DEFINES = ("-DBUDDY_NATIVE_SOLO=1", "-DBUDDY_WARP_SIZE=1u")
 _lock = threading.Lock()
 
@@ -205,10 +201,10 @@ _libraries: dict[tuple[str, int, bool], _Library] = {}
 
 def library(codec: str, entry_bytes: int, solo: bool = False) -> _Library:
     """The native build of ``codec``'s kernels at ``entry_bytes``: compiled on first use (cached on disk).
-    ``solo``: the build of one lane a warp (:data:`SOLO_CODECS`, :data:`SOLO_NO_PACK_CODECS`; no ``fit`` in it).
+    ``solo``: the build of one lane a warp (:data:`SOLO_CODECS`; no ``fit`` in it).
     A codec whose kernels come from both builds has the other one compiled beside it, in the background (a build
     is one compiler process: the second core is otherwise idle)."""
-    if solo and codec not in SOLO_CODECS | SOLO_NO_PACK_CODECS:
+    if solo and codec not in SOLO_CODECS:
         raise ValueError(f"{codec}'s kernels tile 32 lanes a warp: it has no build of one lane a warp")
     key = (codec, entry_bytes, solo)
     found = _libraries.get(key)
@@ -246,7 +242,7 @@ def _build(codec: str, entry_bytes: int, solo: bool = False, wait: bool = True) 
     csrc = _csrc()
     options = cuda.compile_options(entry_bytes, codec)
     if solo:
-        options += _SOLO_DEFINES + (("-DBUDDY_NO_PACK=1",) if codec not in SOLO_CODECS else ())
+        options += _SOLO_DEFINES
     h = hashlib.sha256()
     for part in (*_sources(csrc), options, _FLAGS, version, _machine()):
         h.update(repr(part).encode())
@@ -323,11 +319,8 @@ def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: 
 
 def _one_lane(codec: str, op: str) -> bool:
     """Whether ``codec``'s kernel ``op`` runs from its build of one lane a warp (else from its build of 32 lanes):
-    every kernel of :data:`SOLO_CODECS` but the fit, and every kernel of :data:`SOLO_NO_PACK_CODECS` but the fit and
-    the pack."""
-    if op == "fit":
-        return False
-    return codec in SOLO_CODECS or (op != "pack" and codec in SOLO_NO_PACK_CODECS)
+    every kernel of :data:`SOLO_CODECS` but the fit."""
+    return op != "fit" and codec in SOLO_CODECS
 
 
 class NativeEngine(cuda.CudaEngine):

@@ -70,12 +70,8 @@ void run(const BuddyEmuArg* args) {
 }  // namespace
 
 #define BUDDY_EMU_KERNEL(F) {#F, check<&F>, run<&F>},
-#if defined(BUDDY_NO_PACK)  // (buddy_kernels.cu: a one-lane build of a codec that packs with 32 lanes)
-#define BUDDY_EMU_FORMAT(NAME) BUDDY_EMU_KERNEL(buddy_##NAME##_measure) BUDDY_EMU_KERNEL(buddy_##NAME##_unpack)
-#else
 #define BUDDY_EMU_FORMAT(NAME) \
   BUDDY_EMU_KERNEL(buddy_##NAME##_measure) BUDDY_EMU_KERNEL(buddy_##NAME##_pack) BUDDY_EMU_KERNEL(buddy_##NAME##_unpack)
-#endif
 // the fit kernel of fpe, buddy_fpe_fit, overloads the device function of that name (codec_fpe_fit.h): by its type
 typedef void (*BuddyEmuFit)(const long long*, uint8_t*, uint8_t*, uint8_t*, int);
 #if BUDDY_WARP_SIZE == 32
