@@ -181,6 +181,16 @@ struct BuddyFpe {
     const uint32_t c = table->enc[sym];
     const uint32_t len = sp.esc >> 12;
     const bool zero = (x == 0) & (sp.zero != 0);  // (no short circuit: a host compiler keeps it a select too)
+    if constexpr (BUDDY_WARP_SIZE == 1) {
+      // one lane (buddy_warp.h): the selects as masks -- a host compiler turns `zero ? :` into a branch, which
+      // half-zero activations mispredict
+      const uint32_t z = 0u - (uint32_t)zero;
+      const uint32_t entry = (sp.zero & z) | (c & ~z);
+      const uint32_t e = 0u - (uint32_t)(entry == 0u);  // an escape (rare)
+      const uint32_t head = (entry & 0xFFFu & ~e) | (((sp.esc & 0xFFFu) | sym << len) & e);
+      const uint32_t bits = ((entry >> 12) & ~e) | ((len + sym_bits) & e);
+      return {head, bits, !zero};
+    }
     const uint32_t entry = zero ? sp.zero : c;  // a code of the table: stream code | length << 12 (0: none)
     const uint32_t head = entry ? entry & 0xFFFu : (sp.esc & 0xFFFu) | sym << len;
     const uint32_t bits = entry ? entry >> 12 : len + sym_bits;
@@ -274,10 +284,59 @@ struct BuddyFpe {
     }
   }
 
+  // The split layout's encode by a warp of one lane (words of 1, 2 or 4 bytes): the codes appended from bit 0 and
+  // the tails from the end down, each through a 64-bit bit buffer whose current 32-bit word is stored after every
+  // word (plain stores, no read-modify-write, no branch on the data: the tails' first, then the codes', so where
+  // the two share a word the codes' partial word stands until the end, which stores both).
+  BUDDY_HD void encode_split_one_lane(const uint8_t* entry_bytes, uint32_t k, uint8_t* payload) const {
+    const Specials sp = specials();
+    const uint32_t nw = k * (BUDDY_SECTOR_BYTES / 4u), t = tail_bits();
+    uint32_t* stream = reinterpret_cast<uint32_t*>(payload);
+    for (uint32_t w = 0; w < nw; ++w) stream[w] = 0u;
+    // codes: nc bits from word cw's bit 0 on; tails: the nt bits below word tw + 1, from bit 63 down
+    uint64_t codes = 0, tails = 0;
+    uint32_t nc = 0, cw = 0, nt = 0, tw = nw - 1u;
+    for (uint32_t i = 0; i < words; ++i) {
+      const word_t x = buddy_load<word_t>(entry_bytes + (size_t)WB * i);
+      const Field f = field(x, sp);
+      const uint64_t has = 0ull - (uint64_t)f.tail;  // (masks, not selects: a host compiler branches on those)
+      const uint32_t tb = t & (uint32_t)has;
+      nt += tb;
+      tails |= ((uint64_t)x & tail_mask() & has) << ((64u - nt) & 63u);  // (nt = 0: no tail, nothing ORed)
+      stream[buddy_min(tw, nw - 1u)] = (uint32_t)(tails >> 32);
+      const uint32_t full = nt >> 5;  // a word filled (nt < 32 + 23)
+      tails <<= 32u * full;
+      nt -= 32u * full;
+      tw -= full;
+      codes |= (uint64_t)f.head << nc;
+      nc += f.head_bits;
+      stream[buddy_min(cw, nw - 1u)] = (uint32_t)codes;
+      const uint32_t c = nc >> 5;  // a word filled (nc < 32 + 24)
+      codes >>= 32u * c;
+      nc -= 32u * c;
+      cw += c;
+    }
+    // the words where the codes end and the tails begin (one word when they share it)
+    const uint32_t last = (uint32_t)codes, first = (uint32_t)(tails >> 32);
+    if (cw == tw) {
+      if (cw < nw) stream[cw] = last | first;
+    } else {
+      if (nc && cw < nw) stream[cw] = last;
+      if (nt && tw < nw) stream[tw] = first;
+    }
+  }
+
   template <class Warp>
   BUDDY_WARP_FN void encode(const Warp& warp, const uint8_t* entry_bytes, uint32_t k, uint32_t mode,
                             uint8_t* payload) const {
     (void)mode;
+    if constexpr (BUDDY_WARP_SIZE == 1 && WB < 8) {
+      if (table->split) {
+        (void)warp;
+        encode_split_one_lane(entry_bytes, k, payload);
+        return;
+      }
+    }
     const Specials sp = specials();
     // zero bits first: the fields are ORed in, and everything between and after them stays zero
     buddy_warp_fill(warp, nullptr, payload, k * BUDDY_SECTOR_BYTES);

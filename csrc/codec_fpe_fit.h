@@ -74,6 +74,10 @@ static_assert(sizeof(BuddyFpeFitWork) == BUDDY_FPE_FIT_WORK_BYTES, "the loader a
 template <int WB>
 BUDDY_HD uint32_t buddy_fpe_count_key(typename BuddyFpe<WB>::word_t x) {
   constexpr uint32_t t = buddy_fpe_fit_split<WB>::t, zero = 1u << buddy_fpe_fit_split<WB>::b;
+  if constexpr (BUDDY_WARP_SIZE == 1) {  // a mask, not a branch half-zero activations mispredict (buddy_warp.h)
+    const uint32_t z = 0u - (uint32_t)(x == 0);
+    return (zero & z) | ((uint32_t)((uint64_t)x >> t) & (zero - 1u) & ~z);
+  }
   return x == 0 ? zero : (uint32_t)((uint64_t)x >> t) & (zero - 1u);
 }
 
@@ -86,6 +90,11 @@ BUDDY_HD uint32_t buddy_fpe_count_key(typename BuddyFpe<WB>::word_t x) {
 // half of a ReLU's words -- cost one atomic a warp, not one a lane.
 template <int WB, class Warp>
 BUDDY_WARP_FN void buddy_fpe_count_unit16(const Warp& warp, buddy_u128 unit, bool valid, uint32_t* counts) {
+  if constexpr (BUDDY_WARP_SIZE == 1) {  // one lane (buddy_warp.h): no peers to aggregate with
+    for (uint32_t i = 0; valid && i < 16u / WB; ++i)
+      buddy_atomic_add(&counts[buddy_fpe_count_key<WB>(BuddyFpe<WB>::unit_word(unit, i))], 1u);
+    return;
+  }
   for (uint32_t i = 0; i < 16u / WB; ++i) {
     const uint32_t key = valid ? buddy_fpe_count_key<WB>(BuddyFpe<WB>::unit_word(unit, i)) : BUDDY_FPE_NO_KEY;
     const uint32_t peers = buddy_warp_match(warp, key, BUDDY_FPE_KEY_BITS);

@@ -151,7 +151,11 @@ struct BuddyFpx {
       const uint32_t r1 = buddy_min(r0 + 15u, rounds);
       for (uint32_t r = r0; r < r1; ++r) {
         const word_t x = word_at(entry_bytes, r * BUDDY_WARP_SIZE + lane);
-        const uint32_t v = x != 0 ? emax - exponent(x) + 1u : 0u;
+        uint32_t v;
+        if constexpr (BUDDY_WARP_SIZE == 1)  // one lane: a mask, not the branch a host compiler makes of `? :`
+          v = (emax - exponent(x) + 1u) & (0u - (uint32_t)(x != 0));
+        else
+          v = x != 0 ? emax - exponent(x) + 1u : 0u;
         hist += (uint64_t)1 << (4u * buddy_bit_length(v));
       }
       // field i += fields above it: 1, 2, 4, then 8 fields (sums <= 15: no carries)
