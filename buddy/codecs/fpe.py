@@ -189,25 +189,31 @@ def _tree_height(weights: list[int]) -> int:
 
     A tree's height does not depend on how equal weights are ordered, so this
     is the height of :func:`_code_lengths`'s tree (and of what the device fit
-    computes per halving round).
+    computes per halving round). Each step takes the next leaf unless the next
+    merged node weighs less (ties: the leaf); a leaf's height is 0.
     """
     n = len(weights)
     if n == 1:
         return 1
-    node_w: list[int] = []
-    node_h: list[int] = []
-    leaf = node = 0
+    node_w = [0] * (n - 1)  # merged nodes in the order they are made (their weights never decrease)
+    node_h = [0] * (n - 1)
+    leaf = node = made = 0
     for _ in range(n - 1):
-        total = height = 0
-        for _ in range(2):
-            if leaf < n and (node >= len(node_w) or weights[leaf] <= node_w[node]):
-                total, height = total + weights[leaf], max(height, 1)
-                leaf += 1
-            else:
-                total, height = total + node_w[node], max(height, node_h[node] + 1)
-                node += 1
-        node_w.append(total)
-        node_h.append(height)
+        if leaf < n and (node == made or weights[leaf] <= node_w[node]):
+            w1, h1 = weights[leaf], 0
+            leaf += 1
+        else:
+            w1, h1 = node_w[node], node_h[node]
+            node += 1
+        if leaf < n and (node == made or weights[leaf] <= node_w[node]):
+            w2, h2 = weights[leaf], 0
+            leaf += 1
+        else:
+            w2, h2 = node_w[node], node_h[node]
+            node += 1
+        node_w[made] = w1 + w2
+        node_h[made] = (h1 if h1 > h2 else h2) + 1
+        made += 1
     return node_h[-1]
 
 
@@ -238,11 +244,11 @@ def _huffman_lengths(weights: dict[int, int]) -> dict[int, int]:
     as it takes the longest code to fit: each round's height is found without
     building its code, the code is built once.
     """
+    ordered = sorted(weights.values())  # (halving keeps the order: max(1, w >> t) does not decrease with w)
     t = 0
     while True:
-        shifted = {s: max(1, w >> t) for s, w in weights.items()}
-        if _tree_height(sorted(shifted.values())) <= MAX_CODE_BITS:
-            lengths = _code_lengths(shifted)
+        if _tree_height([(w >> t) or 1 for w in ordered]) <= MAX_CODE_BITS:
+            lengths = _code_lengths({s: (w >> t) or 1 for s, w in weights.items()})
             if max(lengths.values()) <= MAX_CODE_BITS:
                 return lengths
         t += 1
