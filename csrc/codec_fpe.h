@@ -284,32 +284,45 @@ struct BuddyFpe {
     }
   }
 
-  // The split layout's encode by a warp of one lane (words of 1, 2 or 4 bytes): the codes appended from bit 0 and
-  // the tails from the end down, each through a 64-bit bit buffer whose current 32-bit word is stored after every
-  // word (plain stores, no read-modify-write, no branch on the data: the tails' first, then the codes', so where
-  // the two share a word the codes' partial word stands until the end, which stores both).
+  // The split layout's encode by a warp of one lane (words of 1, 2 or 4 bytes): the tails from the payload's end
+  // down, then the codes from bit 0 (two passes: each keeps its bit buffer and counters in registers), each through
+  // a 64-bit bit buffer whose current 32-bit word is stored after every word (plain stores, no read-modify-write,
+  // no branch on the data); where the two share a word the codes' partial word stands, and the end stores both.
   BUDDY_HD void encode_split_one_lane(const uint8_t* entry_bytes, uint32_t k, uint8_t* payload) const {
     const Specials sp = specials();
-    const uint32_t nw = k * (BUDDY_SECTOR_BYTES / 4u), t = tail_bits();
-    uint32_t* stream = reinterpret_cast<uint32_t*>(payload);
+    const BuddyFpeTable* const tab = table;  // (locals: the stores below could alias the members for a compiler)
+    const uint32_t b = sym_bits, t = 8u * WB - b, nw = k * (BUDDY_SECTOR_BYTES / 4u);
+    const uint64_t tmask = ((uint64_t)1 << t) - 1u;
+    uint32_t* const stream = reinterpret_cast<uint32_t*>(payload);
     for (uint32_t w = 0; w < nw; ++w) stream[w] = 0u;
-    // codes: nc bits from word cw's bit 0 on; tails: the nt bits below word tw + 1, from bit 63 down
-    uint64_t codes = 0, tails = 0;
-    uint32_t nc = 0, cw = 0, nt = 0, tw = nw - 1u;
+    // the tails: a word has one unless it is zero and the table has ZERO
+    const uint64_t zero_tails = sp.zero ? 0u : ~0ull;
+    uint64_t tails = 0;  // the nt bits below word tw + 1, from bit 63 down
+    uint32_t nt = 0, tw = nw - 1u;
     for (uint32_t i = 0; i < words; ++i) {
       const word_t x = buddy_load<word_t>(entry_bytes + (size_t)WB * i);
-      const Field f = field(x, sp);
-      const uint64_t has = 0ull - (uint64_t)f.tail;  // (masks, not selects: a host compiler branches on those)
-      const uint32_t tb = t & (uint32_t)has;
-      nt += tb;
-      tails |= ((uint64_t)x & tail_mask() & has) << ((64u - nt) & 63u);  // (nt = 0: no tail, nothing ORed)
+      const uint64_t has = (0ull - (uint64_t)(x != 0)) | zero_tails;
+      nt += t & (uint32_t)has;
+      tails |= ((uint64_t)x & tmask & has) << ((64u - nt) & 63u);  // (nt = 0: no tail, nothing ORed)
       stream[buddy_min(tw, nw - 1u)] = (uint32_t)(tails >> 32);
       const uint32_t full = nt >> 5;  // a word filled (nt < 32 + 23)
       tails <<= 32u * full;
       nt -= 32u * full;
       tw -= full;
-      codes |= (uint64_t)f.head << nc;
-      nc += f.head_bits;
+    }
+    // the codes
+    uint64_t codes = 0;  // the nc bits from word cw's bit 0 on
+    uint32_t nc = 0, cw = 0;
+    const uint32_t esc_head = sp.esc & 0xFFFu, esc_len = sp.esc >> 12;
+    for (uint32_t i = 0; i < words; ++i) {
+      const word_t x = buddy_load<word_t>(entry_bytes + (size_t)WB * i);
+      const uint32_t sym = (uint32_t)((uint64_t)x >> t) & ((1u << b) - 1u);
+      const uint32_t z = 0u - ((uint32_t)(x == 0) & (uint32_t)(sp.zero != 0));
+      const uint32_t entry = (sp.zero & z) | (tab->enc[sym] & ~z);  // a code of the table: code | length << 12
+      const uint32_t e = 0u - (uint32_t)(entry == 0u);                // none: ESC's code and the symbol (rare)
+      const uint32_t head = (entry & 0xFFFu & ~e) | ((esc_head | sym << esc_len) & e);
+      codes |= (uint64_t)head << nc;
+      nc += ((entry >> 12) & ~e) | ((esc_len + b) & e);
       stream[buddy_min(cw, nw - 1u)] = (uint32_t)codes;
       const uint32_t c = nc >> 5;  // a word filled (nc < 32 + 24)
       codes >>= 32u * c;
