@@ -262,10 +262,12 @@ struct BuddyBpc {
   }
 
   // Every slot's code (kept: the DBX pieces, when KEEP); returns the stream's
-  // length T in bits, the same on every lane.
-  template <class Warp>
+  // length T in bits, the same on every lane. BELOW (measure_below): once the
+  // planes sure to be raw (at least 3 set bits, not all ones, DBP not zero)
+  // make WS + their bits >= stop, returns that many bits, the codes unset.
+  template <bool BELOW = false, class Warp>
   static BUDDY_WARP_FN uint32_t plan(const Warp& warp, const uint8_t* entry_bytes, Code (&code)[NS],
-                                     uint32_t (&kept)[KC][NS]) {
+                                     uint32_t (&kept)[KC][NS], uint32_t stop = ~0u) {
     const uint32_t lane = warp.lane();
     Summary sum[NS];
     word_t dor = 0;
@@ -277,6 +279,21 @@ struct BuddyBpc {
       for (uint32_t s = 0; s < NS; ++s) {
         sum[s].add(dbx[s], c);
         if constexpr (KEEP) kept[c][s] = dbx[s];
+      }
+      if constexpr (BELOW) {
+        if (c < 2u || (c & 3u) == 3u) {  // (uniform: every lane stops at the same chunk)
+          uint64_t dbp = buddy_warp_or(warp, (uint32_t)dor);
+          if constexpr (WS == 64) dbp |= (uint64_t)buddy_warp_or(warp, (uint32_t)((uint64_t)dor >> 32)) << 32;
+          uint32_t mine = 0;
+          BUDDY_BPC_PRAGMA(unroll)
+          for (uint32_t s = 0; s < G; ++s) {
+            const uint32_t j = plane_of(s, lane);
+            mine += j != ~0u && sum[s].count >= 3u && !sum[s].ones && (j >= WS || ((dbp >> j) & 1u));
+          }
+          uint32_t raw = buddy_warp_sum(warp, mine);
+          if constexpr (UTOP) raw += sum[G].count >= 3u && !sum[G].ones;
+          if (WS + raw * RAW_BITS >= stop) return WS + raw * RAW_BITS;
+        }
       }
     }
     // DBP_j has a set bit iff some delta has bit j set
@@ -318,18 +335,20 @@ struct BuddyBpc {
   }
 
   // measure for a caller that only asks whether the entry takes fewer than `limit` (>= 1) sectors (auto's choice):
-  // k when it does, else some k >= limit. A warp of one lane stops once the planes sure to be raw make the stream
-  // that long (noisy planes: after a chunk or two); a warp of 32 measures the whole entry.
+  // k when it does, else some k >= limit: the plan stops once the planes sure to be raw make the stream that long
+  // (noisy planes: after a chunk or two), checked after chunks 0, 1, 3, 7, 11, ...
   template <class Warp>
   static BUDDY_WARP_FN uint32_t measure_below(const Warp& warp, const uint8_t* entry_bytes, uint32_t* mode,
                                               uint32_t limit) {
+    *mode = 0;
     if constexpr (BUDDY_WARP_SIZE == 1) {
-      *mode = 0;
+      (void)warp;
       Code code[P];
       return (plan_one_lane(entry_bytes, code, nullptr, 256u * (limit - 1u) + 1u) + 255u) / 256u;
     } else {
-      (void)limit;
-      return measure(warp, entry_bytes, mode);
+      Code code[NS];
+      uint32_t kept[KC][NS];
+      return (plan<true>(warp, entry_bytes, code, kept, 256u * (limit - 1u) + 1u) + 255u) / 256u;
     }
   }
 

@@ -91,7 +91,7 @@ TRIPS = [
     (r"u < n / 8; u \+= BUDDY_WARP_SIZE", "fill8"),
     (r"buddy_bits_between|u <= \(hi - 1u\) / 64u", "one"),
     (r"i \+= buddy_warp_stride\(\)", "grid"),          # the format kernels' loop over entries
-    (r"u0 \+= stride", "grid"),                        # the count kernel's
+    (r"u0 \+= stride|for \(long long u0 = ", "grid"),  # the count kernel's (either line of its for)
     (r"for \(uint32_t r = 0; r < rounds; \+\+r\)", "rounds16"),
     (r"i < unit_words; \+\+i\) pos = put\(", "serial_words"),  # the serial layout's encode (not run)
     (r"for \(uint32_t i = 0; i < unit_words; \+\+i\)", "unit_words"),  # the words of a 16-byte round
@@ -402,7 +402,78 @@ def lane_trips(dtype: torch.dtype, entry_bytes: int, sample: int, cache) -> dict
     mean = {key: statistics.mean(s[key] for s in sims) for key in keys}
     mean["k"] = statistics.mean(s["k"] for s in sims)
     mean["entries"] = len(sims)
-    return mean
+    return mean | bpc_stops(tensors, entry_bytes, sample, torch.Generator().manual_seed(1))
+
+
+def bpc_stops(tensors, e: int, sample: int, g: torch.Generator) -> dict:
+    """auto2's measure on up to ``sample`` entries drawn from ``tensors`` (any entry: measure sizes them all): the
+    share whose bpc member is sized (zvc's and then fpx's size above one sector, as codec_auto.h) and the mean
+    32-delta chunks bpc's plan steps for them before it stops (``measure_below``: once the planes sure to be raw
+    make it no smaller than the size so far, checked after chunks 0, 1, 3, 7, 11, ...)."""
+    from experiments.fpe_lanes import _entries
+
+    zvc, fpx = buddy.get_codec("zvc"), buddy.get_codec("fpx")
+    sized, chunks, seen, of = 0, [], 0, 0
+    for i in torch.randperm(len(tensors), generator=g).tolist():
+        got = _entries(tensors[i], e)
+        if got is None:
+            continue
+        entries, word, _ = got
+        of = -(-(e // {2: 2, 8: 8}.get(word, 4) - 1) // 32)  # chunks of 32 deltas between bpc's words
+        pick = entries[torch.randperm(entries.shape[0], generator=g)[:16]]
+        kz = zvc.analyse(pick, word).sectors.clamp(max=e // 32)
+        kf = fpx.analyse(pick, word).sectors
+        for row in range(pick.shape[0]):
+            seen += 1
+            k = int(kz[row])
+            if k > 1:
+                k = min(k, int(kf[row]))
+            if k > 1:
+                sized += 1
+                chunks.append(bpc_chunks_stepped(pick[row].numpy(), word, 256 * (k - 1) + 1))
+        if seen >= sample:
+            break
+    return {"bpc_sized": sized / max(1, seen), "bpc_chunks": statistics.mean(chunks) if chunks else 0.0,
+            "bpc_entries": seen, "bpc_of": of}  # fmt: skip
+
+
+def bpc_chunks_stepped(entry, word: int, stop: int) -> int:
+    """The chunks of 32 deltas bpc's plan (csrc/codec_bpc.h, ``plan<true>``) steps over the entry's bytes before
+    the planes sure to be raw -- at least 3 set bits, not all ones, DBP not zero (the sign plane: any) -- make
+    ``WS + raw * (L + 1) >= stop`` at a check (after chunks 0, 1, 3, 7, 11, ...); all of them if never."""
+    import numpy as np
+
+    ws = {2: 16, 8: 64}.get(word, 32)
+    x = entry.view({16: np.uint16, 32: np.uint32, 64: np.uint64}[ws]).astype(np.uint64)
+    top = np.uint64(1 << (ws - 1))
+    lo = (x[1:] - x[:-1]) & np.uint64((1 << ws) - 1 if ws < 64 else 0xFFFFFFFFFFFFFFFF)
+    neg = (x[1:] ^ top) < (x[:-1] ^ top)  # the delta's sign: the words compared as signed
+    n_deltas = lo.shape[0]
+    if ws == 16:  # DBX bits 0..16, the sign plane among them
+        d = lo | (neg.astype(np.uint64) << np.uint64(16))
+        rows, planes = d ^ (d >> np.uint64(1)), 17
+    else:  # DBX bits 0..ws-1, the sign plane apart
+        rows, planes = lo ^ (lo >> np.uint64(1)) ^ (neg.astype(np.uint64) << np.uint64(ws - 1)), ws
+    bits = ((rows[None, :] >> np.arange(planes, dtype=np.uint64)[:, None]) & np.uint64(1)).astype(bool)
+    if ws != 16:
+        bits = np.vstack([bits, neg[None, :]])  # the sign plane last (j = ws)
+    dbp = ((lo[None, :] >> np.arange(min(ws, 64), dtype=np.uint64)[:, None]) & np.uint64(1)).astype(bool)
+    n_chunks = -(-n_deltas // 32)
+    count = np.zeros(bits.shape[0], dtype=np.int64)
+    ones = np.ones(bits.shape[0], dtype=bool)
+    dor = np.zeros(min(ws, 64), dtype=bool)
+    for c in range(n_chunks):
+        piece = bits[:, 32 * c : 32 * c + 32]
+        count += piece.sum(1)
+        ones &= piece.all(1)
+        dor |= dbp[:, 32 * c : 32 * c + 32].any(1)
+        if c < 2 or c % 4 == 3:
+            j = np.arange(bits.shape[0])
+            not_dbp0 = (j >= ws) | np.concatenate([dor, np.zeros(max(0, bits.shape[0] - dor.shape[0]), bool)])
+            raw = int(((count >= 3) & ~ones & not_dbp0).sum())
+            if ws + raw * (n_deltas + 1) >= stop:
+                return c + 1
+    return n_chunks
 
 
 def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: Path) -> list[dict]:
@@ -424,7 +495,7 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
         words32 = entry_bytes // word / 32
         trips = {"grid": 1.0, "one": 1.0, "rounds16": units, "serial_words": 0.0, "fill8": 0.0, "none": 0.0,
                  "units": units, "gather": math.ceil(2 * k / 32), "payload": math.ceil(2 * k / 32),
-                 "unit_words": units * 16 // word, "bpc_chunks": words32, "fpx_words": words32,
+                 "unit_words": units * 16 // word, "bpc_chunks": sim["bpc_chunks"], "fpx_words": words32,
                  "fpx_blocks": math.ceil(words32 / 15),
                  "bits_after": 0.0}  # fmt: skip
         if op == "unpack":  # a coded entry of the split layout: its gather (k sectors), zero fill, copy out
@@ -547,6 +618,12 @@ def render(rows, sims, totals, fit, args, machine: str) -> str:
         out.append(f"| {name} | {s['entries']} | {s['k']:.1f} | {s['passes']:.2f} | {s['rounds']:.2f} | "
                    f"{s['find']:.1f} | {s['warm']:.1f} | {s['resync']:.1f} | {s['emit_steps']:.1f} | "
                    f"{s['emit_tails']:.1f} | {s['emit_rest']:.1f} | {s['single']:.1%} |")  # fmt: skip
+    out += ["", "auto2's measure and bpc (`bpc_stops`, entries drawn from the same captures; bpc is sized where zvc "
+            "and then fpx leave an entry above one sector, and stops once the planes sure to be raw make it no "
+            "smaller than the size so far):", "", "| dtype | entries | bpc sized | its 32-delta chunks stepped, of |",
+            "| --- | --- | --- | --- |"]  # fmt: skip
+    for name, s in sims.items():
+        out.append(f"| {name} | {s['bpc_entries']} | {s['bpc_sized']:.0%} | {s['bpc_chunks']:.2f} of {s['bpc_of']} |")
     out += ["", "Where each kernel's instructions go (per entry, by the innermost loop they are in: its key in "
             "`TRIPS`; `body`: in no loop but the one over entries; the SASS instructions counted for it, and the "
             "instructions per entry over them: about the iterations a warp runs it):", "",
@@ -595,18 +672,19 @@ per 4 KiB zeroed and added a 16 KiB histogram: now at most 1,024 blocks, not yet
 took 0.34-0.38 ms, not the 0.9 ms estimated. The parts table above says where the instructions go. Unpack: every code is
 stepped over twice (the find walk, then the emit walk that writes it) after a warm-up, each step a 32-bit read
 of the payload, one or two table lookups and the bookkeeping of the lanes' spans. Measure: auto2 sizes every
-entry with all four members, bpc's bit-plane transpose alone about half of it. Pack: fpe's codes and tails ORed
+entry with all four members; bpc's bit-plane transpose was about half of it (measured on the H200) until bpc
+stopped once it cannot win (`measure_below`, not yet run on a GPU: the measure figures above count it, with the
+chunks it steps from the simulation below the decoder's table). Pack: fpe's codes and tails ORed
 into shared memory a field at a time. Nothing learned: the fit, one warp's serial work (ranking 257 leaves,
 an 11-pass radix select, two Huffman builds), takes about as long as the rest of a 256 MiB compress.
 Done so far: multi-code steps, a 128-bit warm-up and a 32-bit record of code starts (0.2-0.3 resynchronizing
 rounds a pass), the walks' 32-bit reads without bounds (DECODE_PAD zeros after the payload), a step's first code
 written from the row loaded beside its multi row, the tails' bounds checked once a lane, encode fields without
-branches and computed once, the fit's radix select by 4-bit digits.
+branches and computed once, the fit's radix select by 4-bit digits, bpc's early stop in auto2's measure.
 Next, by the parts table: one walk instead of two, the find walk keeping each code's symbol in shared memory (by
 the lane simulation a lane finds 34 codes on average for 32 float32 words and 72 for 64 bfloat16 words: room for
 twice a lane's words, 4 KiB and 8 KiB more a warp, leaves a lane over it in 11 % and 3 % of the passes, which
-would walk again); auto2 choosing its member without sizing all four (a change of the choice rule: weigh its
-capacity cost first); a fit of more warps; and counting the code outside loops on the path it takes instead of
+would walk again); fpx's two passes in auto2's measure (about a third of it now); a fit of more warps; and counting the code outside loops on the path it takes instead of
 every branch (ncu below)."""
 
 NCU = """## Checking it on a GPU

@@ -168,6 +168,29 @@ def check_reference_buffers(backend: str, codec: str, t: torch.Tensor, e: int, s
     return slot, got
 
 
+def straddling_entries(dtype: torch.dtype, e: int) -> torch.Tensor:
+    """Entries of ``e`` bytes made so auto's members' sizes straddle each other (their early stops, measure_below):
+    per entry a ramp plus noise of 0 to all bits, zeros from none to most -- bpc winning by a plane or losing by
+    one, zvc or fpx ahead or not."""
+    per = e // torch.tensor([], dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(11)
+    bits = 16 if dtype == torch.bfloat16 else 64 if dtype == torch.int64 else 32
+    entries = []
+    for noise in range(bits + 1):
+        for zeros in (0.0, 0.3, 0.7):
+            ramp = torch.arange(per, dtype=torch.int64) * (noise + 1)
+            jitter = torch.randint(0, 2 ** min(noise, 62), (per,), generator=g) if noise else 0
+            words = (ramp + 1000 + jitter) & ((1 << min(bits, 63)) - 1)
+            words[torch.rand(per, generator=g) < zeros] = 0
+            entries.append(words)
+    raw = torch.cat(entries)
+    if dtype == torch.int64:
+        return raw
+    if dtype == torch.float32:
+        return raw.to(torch.int32).view(torch.float32).clone()
+    return raw.to(torch.int16).view(torch.bfloat16).clone()
+
+
 def check_tensors_of_one_entry(backend: str, codec: str, activations, store) -> None:
     """One whole entry, one partial entry (the tail alone: no whole entry, so count reads only the tail), and a
     tensor of one element; int64 max-pool indices and float32 activations."""

@@ -57,6 +57,7 @@ from kernel_cases import (
     check_golden,
     check_reference_buffers,
     check_tensors_of_one_entry,
+    straddling_entries,
 )
 from test_golden import CASES as GOLDEN_CASES
 from test_golden import SETS as GOLDEN_SETS
@@ -111,6 +112,8 @@ def _builds_of(item) -> set[tuple]:
     if "case" in params:
         case = params["case"]
         return {(params["build"], case.entry_bytes, "all", CSRC, _WORD_BYTES[case.data])}
+    if "dtype" in params:
+        return {(params["build"], 512, "all", CSRC, params["dtype"].itemsize)}
     return {(params["build"], 512, "all", CSRC, w) for w in (4, 8)}  # float32 and int64 entries
 
 
@@ -175,6 +178,17 @@ def test_kernels_write_and_read_the_reference_buffers(build, codec, case, activa
     if case.max_blocks:
         blocks = {op: grid for op, (_, grid, _, _) in zip(ops_of(emu), emu.launches)}
         assert blocks["measure"] == case.max_blocks < bcuda.launch_config("measure", e, got.n_entries)[0]
+
+
+@pytest.mark.parametrize("build", BUILDS[:1])
+@pytest.mark.parametrize("codec", ("auto", "auto2"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.int64), ids=str)
+def test_auto_choice_with_early_stops(build, codec, dtype, store, request):
+    """auto's and auto2's measure stop sizing bpc once it cannot win (measure_below, 32 lanes: after chunks 0, 1, 3,
+    7, ...): on entries made so the members' sizes straddle each other, every entry's metadata and the slots are the
+    reference's."""
+    with emulated_cuda(build, seed=_seed(request)):
+        check_reference_buffers("cuda", codec, straddling_entries(dtype, 512), 512, lambda h: 6, store, codec in TABLED)
 
 
 @pytest.mark.parametrize("build", BUILDS)

@@ -76,3 +76,32 @@ def test_more_iterations_cost_more():
     few, _ = per_entry(_kernel(4), SOURCE, {"grid": 1.0, "unit_words": 8.0})
     many, _ = per_entry(_kernel(4), SOURCE, {"grid": 1.0, "unit_words": 16.0})
     assert many - few == pytest.approx(3 * 8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64"])
+def test_bpc_stops_only_where_it_cannot_win(dtype):
+    """The budget's model of bpc's early stop in auto's measure (``bpc_chunks_stepped``, the rule of
+    csrc/codec_bpc.h's ``plan<true>``): where it stops before the last chunk, bpc's whole size is no smaller
+    than the size so far -- so the choice is the same -- and noisy entries stop within two chunks."""
+    import torch
+
+    import buddy
+    from experiments.kernel_budget import bpc_chunks_stepped
+    from kernel_cases import straddling_entries
+
+    e = 1024
+    entries = straddling_entries(getattr(torch, dtype), e).view(torch.uint8).view(-1, e)
+    word = getattr(torch, dtype).itemsize
+    sizes = buddy.get_codec("bpc").analyse(entries, word).sectors.tolist()
+    chunks = -(-(e // {2: 2, 8: 8}.get(word, 4) - 1) // 32)  # of 32 deltas between the entry's bpc words
+    stopped = 0
+    for row, size in enumerate(sizes):
+        for limit in (2, 8, e // 32, size, size + 1):  # (size + 1: bpc wins, so it must never stop)
+            got = bpc_chunks_stepped(entries[row].numpy(), word, 256 * (limit - 1) + 1)
+            assert 1 <= got <= chunks
+            if got < chunks:
+                assert size >= limit, (row, limit, got)
+                stopped += 1
+    assert stopped > len(sizes)  # the rule does stop (most noisy entries, at every limit)
+    noise = torch.randint(0, 256, (e,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert bpc_chunks_stepped(noise.numpy(), word, 256 * 7 + 1) <= 2

@@ -45,6 +45,7 @@ from kernel_cases import (
     check_golden,
     check_reference_buffers,
     check_tensors_of_one_entry,
+    straddling_entries,
 )
 from test_fuzz import tensors
 from test_golden import CASES as GOLDEN_CASES
@@ -258,29 +259,8 @@ def test_threads_compress_at_once(store):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.int64))
 def test_auto_choice_with_early_stops(codec, dtype, store):
     """auto's and auto2's one-lane measure stop sizing bpc (and fpe) once it cannot win: on entries made so the
-    members' sizes straddle each other -- a ramp plus noise of 0 to all bits, zeros from none to most, bpc winning
-    by a plane or losing by one -- every entry's metadata (mode and k) and the slots are the reference's."""
-    e = 1024
-    per = e // torch.tensor([], dtype=dtype).element_size()
-    g = torch.Generator().manual_seed(11)
-    bits = 16 if dtype == torch.bfloat16 else 64 if dtype == torch.int64 else 32
-    entries = []
-    for noise in range(bits + 1):
-        for zeros in (0.0, 0.3, 0.7):
-            ramp = torch.arange(per, dtype=torch.int64) * (noise + 1)
-            jitter = torch.randint(0, 2 ** min(noise, 62), (per,), generator=g) if noise else 0
-            words = (ramp + 1000 + jitter) & ((1 << min(bits, 63)) - 1)
-            words[torch.rand(per, generator=g) < zeros] = 0
-            entries.append(words)
-    raw = torch.cat(entries)
-    if dtype == torch.int64:
-        t = raw
-    elif dtype == torch.float32:
-        t = raw.to(torch.int32).view(torch.float32)
-    else:
-        t = raw.to(torch.int16).view(torch.bfloat16)
-    t = t.clone()
-    check_reference_buffers("native", codec, t, e, lambda h: 12, store, codec in TABLED)
+    members' sizes straddle each other, every entry's metadata (mode and k) and the slots are the reference's."""
+    check_reference_buffers("native", codec, straddling_entries(dtype, 1024), 1024, lambda h: 12, store, codec in TABLED)
 
 
 def test_fpe_runs_one_lane_a_warp(monkeypatch, store):
