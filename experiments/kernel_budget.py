@@ -412,7 +412,10 @@ def bpc_stops(tensors, e: int, sample: int, g: torch.Generator) -> dict:
     make it no smaller than the size so far, checked after chunks 0, 1, 3, 7, 11, ...)."""
     from experiments.fpe_lanes import _entries
 
-    zvc, fpx = buddy.get_codec("zvc"), buddy.get_codec("fpx")
+    from buddy.codecs.fpx import FPXCodec
+    from buddy.codecs.zvc import ZVCCodec
+
+    zvc, fpx = ZVCCodec(), FPXCodec()
     sized, chunks, seen, of = 0, [], 0, 0
     for i in torch.randperm(len(tensors), generator=g).tolist():
         got = _entries(tensors[i], e)
