@@ -177,24 +177,27 @@ struct BuddyFpe {
   // Without branches (selects: a warp's lanes take no different paths): the symbol's entry is loaded for a
   // zero word too (symbol 0's, unused).
   BUDDY_HD Field field(word_t x, Specials sp) const {
+    if constexpr (BUDDY_WARP_SIZE == 1) return field_one_lane(x, sp);
     const uint32_t sym = (uint32_t)((uint64_t)x >> tail_bits()) & (zero_sym() - 1u);
     const uint32_t c = table->enc[sym];
     const uint32_t len = sp.esc >> 12;
     const bool zero = (x == 0) & (sp.zero != 0);  // (no short circuit: a host compiler keeps it a select too)
-    if constexpr (BUDDY_WARP_SIZE == 1) {
-      // one lane (buddy_warp.h): the selects as masks -- a host compiler turns `zero ? :` into a branch, which
-      // half-zero activations mispredict
-      const uint32_t z = 0u - (uint32_t)zero;
-      const uint32_t entry = (sp.zero & z) | (c & ~z);
-      const uint32_t e = 0u - (uint32_t)(entry == 0u);  // an escape (rare)
-      const uint32_t head = (entry & 0xFFFu & ~e) | (((sp.esc & 0xFFFu) | sym << len) & e);
-      const uint32_t bits = ((entry >> 12) & ~e) | ((len + sym_bits) & e);
-      return {head, bits, !zero};
-    }
     const uint32_t entry = zero ? sp.zero : c;  // a code of the table: stream code | length << 12 (0: none)
     const uint32_t head = entry ? entry & 0xFFFu : (sp.esc & 0xFFFu) | sym << len;
     const uint32_t bits = entry ? entry >> 12 : len + sym_bits;
     return {head, bits, !zero};
+  }
+  // field for one lane (buddy_warp.h): the selects as masks -- a host compiler turns `zero ? :` into a branch,
+  // which half-zero activations mispredict.
+  BUDDY_HD Field field_one_lane(word_t x, Specials sp) const {
+    const uint32_t sym = (uint32_t)((uint64_t)x >> tail_bits()) & (zero_sym() - 1u);
+    const uint32_t len = sp.esc >> 12;
+    const bool zero = (x == 0) & (sp.zero != 0);
+    const uint32_t z = 0u - (uint32_t)zero;
+    const uint32_t entry = (sp.zero & z) | (table->enc[sym] & ~z);
+    const uint32_t e = 0u - (uint32_t)(entry == 0u);  // an escape (rare)
+    const uint32_t head = (entry & 0xFFFu & ~e) | (((sp.esc & 0xFFFu) | sym << len) & e);
+    return {head, ((entry >> 12) & ~e) | ((len + sym_bits) & e), !zero};
   }
 
   // Word i (0 .. 16 / WB - 1) of a 16-byte unit.
