@@ -335,7 +335,7 @@ class NativeEngine(cuda.CudaEngine):
 #: the codecs the native engine is the CPU default of: those whose compress and decompress together take less time
 #: natively than through the torch reference on real activations (docs/cpu_engine.md: ``python -m
 #: experiments.bench_codecs --entry-bytes 4096 --backends reference native``): all six since their one-lane builds
-#: (bpc, the last, 1.3 s against the reference's 2.0-3.2 s for the bench's 72 MiB, its pack still on 32 lanes).
+#: (bpc, the slowest, 0.37 s against the reference's 2.0 s for the bench's 72 MiB).
 DEFAULT_CODECS = frozenset({"auto2", "fpe", "fpx", "zvc", "auto", "bpc"})
 
 
