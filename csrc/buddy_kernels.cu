@@ -60,6 +60,18 @@ __device__ __forceinline__ uint8_t* buddy_staging(uint32_t entries = 1) {
   return buddy_dynamic_shared() + (threadIdx.x / BUDDY_WARP_SIZE) * entries * BUDDY_ENTRY_BYTES;
 }
 
+// A __shared__ array's address, for a loop that uses it: on the device as it is. On a host runtime
+// (BUDDY_EMULATOR, csrc/host/cuda_shim.h) whose __shared__ storage is thread_local (the native engine's), one the
+// compiler cannot trace back to that storage, so the thread's copy is found once, not at every access in the loop
+// (in a shared library each is a call into the dynamic linker: the count kernel made one a word).
+template <class T>
+__device__ __forceinline__ T* buddy_shared_array(T* p) {
+#if defined(BUDDY_EMULATOR)
+  asm("" : "+r"(p));
+#endif
+  return p;
+}
+
 template <class Codec>
 __device__ __forceinline__ void buddy_measure_body(const uint8_t* __restrict__ data, const uint8_t* __restrict__ tail,
                                                    long long n_full, long long n_entries,
@@ -252,7 +264,7 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
       unsigned long long* __restrict__ counts,   /* in/out: S + 2 counts (ESC's stays 0) */                         \
       int word_bytes) {                          /* word size in bytes: 1, 2, 4 or 8 */                             \
     __shared__ uint32_t local[BUDDY_FPE_SYMBOLS];                                                                  \
-    BUDDY_COUNT_SWITCH(data, n_units, tail, tail_words, counts, local)                                             \
+    BUDDY_COUNT_SWITCH(data, n_units, tail, tail_words, counts, buddy_shared_array(local))                         \
   }
 
 // The fit is a warp of 32 lanes (codec_fpe_fit.h): a build of one lane a warp (the native engine's,
