@@ -225,7 +225,15 @@ struct BuddyBpc {
       count += buddy_popc(v);
       ones = ones && v == piece_mask(c);
     }
+    // Whether plane j's code is sure to be raw whatever the chunks still to come (dbp: bit j set iff a delta so
+    // far has bit j, so DBP_j is not zero): at least 3 set bits, not all ones -- no shorter code fits it.
+    BUDDY_HD bool sure_raw(uint32_t j, uint64_t dbp) const {
+      return count >= 3u && !ones && (j >= WS || ((dbp >> j) & 1u));
+    }
   };
+
+  // Whether the plan of measure_below checks for its early stop after chunk c: after chunks 0, 1, 3, 7, 11, ...
+  static BUDDY_HD bool stop_checked(uint32_t c) { return c < 2u || (c & 3u) == 3u; }
 
   // A plane's code: its kind, its length in bits and its value as an LSB-first
   // field of at most 32 bits (a raw plane: just the prefix bit).
@@ -281,17 +289,17 @@ struct BuddyBpc {
         if constexpr (KEEP) kept[c][s] = dbx[s];
       }
       if constexpr (BELOW) {
-        if (c < 2u || (c & 3u) == 3u) {  // (uniform: every lane stops at the same chunk)
+        if (stop_checked(c)) {  // (uniform: every lane stops at the same chunk)
           uint64_t dbp = buddy_warp_or(warp, (uint32_t)dor);
           if constexpr (WS == 64) dbp |= (uint64_t)buddy_warp_or(warp, (uint32_t)((uint64_t)dor >> 32)) << 32;
           uint32_t mine = 0;
           BUDDY_BPC_PRAGMA(unroll)
           for (uint32_t s = 0; s < G; ++s) {
             const uint32_t j = plane_of(s, lane);
-            mine += j != ~0u && sum[s].count >= 3u && !sum[s].ones && (j >= WS || ((dbp >> j) & 1u));
+            mine += j != ~0u && sum[s].sure_raw(j, dbp);
           }
           uint32_t raw = buddy_warp_sum(warp, mine);
-          if constexpr (UTOP) raw += sum[G].count >= 3u && !sum[G].ones;
+          if constexpr (UTOP) raw += sum[G].sure_raw(WS, dbp);
           if (WS + raw * RAW_BITS >= stop) return WS + raw * RAW_BITS;
         }
       }
@@ -396,10 +404,9 @@ struct BuddyBpc {
         for (uint32_t j = 0; j < ROW; ++j) keep[P * c + j] = rows[j / 32u][j % 32u];
         if constexpr (UTOP) keep[P * c + WS] = signs;
       }
-      if (stop != ~0u && (c < 2u || (c & 3u) == 3u)) {
-        uint32_t raw = UTOP && top.count >= 3u && !top.ones;
-        for (uint32_t j = 0; j < ROW; ++j)
-          raw += sum[j].count >= 3u && !sum[j].ones && (j >= WS || ((dor >> j) & 1u));
+      if (stop != ~0u && stop_checked(c)) {
+        uint32_t raw = UTOP && top.sure_raw(WS, (uint64_t)dor);
+        for (uint32_t j = 0; j < ROW; ++j) raw += sum[j].sure_raw(j, (uint64_t)dor);
         if (WS + raw * RAW_BITS >= stop) return WS + raw * RAW_BITS;
       }
     }
@@ -611,6 +618,27 @@ struct BuddyBpc {
     return BUDDY_ERR_STREAM;
   }
 
+  // The code at stream bit off: its kind, bits, planes n and argument (a position, or where a raw plane's bits
+  // start), as decode's walk takes it.
+  struct Step {
+    uint32_t kind, bits, n, arg;
+  };
+  static BUDDY_HD Step step_at(const uint8_t* payload, uint32_t off, uint32_t last) {
+    const uint32_t w = off >> 5;
+    const uint32_t h = funnel(stream_word(payload, w, last), stream_word(payload, w + 1, last), off & 31u);
+    Step st = {0u, 0u, 1u, (h >> 5) & ((1u << PB) - 1u)};
+    if (h & 1u) {
+      st.kind = K_RAW, st.bits = RAW_BITS, st.arg = off + 1;
+    } else if (h & 2u) {
+      st.kind = K_ZERO, st.bits = 2 + RB, st.n = 2 + ((h >> 2) & ((1u << RB) - 1u));
+    } else if (h & 4u) {
+      st.kind = K_ZERO, st.bits = 3;
+    } else {
+      st.kind = 1 + ((h >> 3) & 3u), st.bits = h & 8u ? 5 + PB : 5;  // two ones and single one take a position
+    }
+    return st;
+  }
+
   template <class Warp>
   static BUDDY_WARP_FN uint32_t decode(const Warp& warp, const uint8_t* payload, uint32_t k, uint32_t mode,
                                        uint8_t* out) {
@@ -632,25 +660,14 @@ struct BuddyBpc {
     for (uint32_t j = 0; j <= PLANES; ++j) info[j] = K_ZERO;
     uint32_t off = WS, p = 0;
     while (p < P) {
-      const uint32_t w = off >> 5;
-      const uint32_t h = funnel(stream_word(payload, w, last), stream_word(payload, w + 1, last), off & 31u);
-      uint32_t kind, bits, n = 1, arg = (h >> 5) & ((1u << PB) - 1u);
-      if (h & 1u) {
-        kind = K_RAW, bits = RAW_BITS, arg = off + 1;
-      } else if (h & 2u) {
-        kind = K_ZERO, bits = 2 + RB, n = 2 + ((h >> 2) & ((1u << RB) - 1u));
-      } else if (h & 4u) {
-        kind = K_ZERO, bits = 3;
-      } else {
-        kind = 1 + ((h >> 3) & 3u), bits = h & 8u ? 5 + PB : 5;
-      }
+      const Step st = step_at(payload, off, last);
       const uint32_t j = WS - p;
       if (UTOP && j == WS)
-        info[PLANES] = kind | arg << 3;
+        info[PLANES] = st.kind | st.arg << 3;
       else if (j < ROW)
-        info[j] = kind | arg << 3;
-      off += bits;
-      p += n;
+        info[j] = st.kind | st.arg << 3;
+      off += st.bits;
+      p += st.n;
     }
     bool bad = p != P || (off + 255) / 256 != k;
     for (uint32_t j = 0; j <= PLANES; ++j) {
@@ -749,23 +766,12 @@ struct BuddyBpc {
     for (uint32_t s = 0; s < NS; ++s) plane[s] = plane_of(s, lane), info[s] = K_ZERO;
     uint32_t off = WS, p = 0;  // the next code's bit offset and stream plane (DBX_{ws-p})
     while (p < P) {
-      const uint32_t w = off >> 5;
-      const uint32_t h = funnel(stream_word(payload, w, last), stream_word(payload, w + 1, last), off & 31u);
-      uint32_t kind, bits, n = 1, arg = (h >> 5) & ((1u << PB) - 1u);
-      if (h & 1u) {
-        kind = K_RAW, bits = RAW_BITS, arg = off + 1;
-      } else if (h & 2u) {
-        kind = K_ZERO, bits = 2 + RB, n = 2 + ((h >> 2) & ((1u << RB) - 1u));
-      } else if (h & 4u) {
-        kind = K_ZERO, bits = 3;
-      } else {
-        kind = 1 + ((h >> 3) & 3u), bits = h & 8u ? 5 + PB : 5;  // two ones and single one take a position
-      }
+      const Step st = step_at(payload, off, last);
       BUDDY_BPC_PRAGMA(unroll)
       for (uint32_t s = 0; s < NS; ++s)
-        if (plane[s] == WS - p) info[s] = kind | arg << 3;
-      off += bits;
-      p += n;
+        if (plane[s] == WS - p) info[s] = st.kind | st.arg << 3;
+      off += st.bits;
+      p += st.n;
     }
     // The walk must end exactly at the last plane and in the last of k sectors,
     // the sign plane cannot be "DBP = 0", positions lie inside the plane.

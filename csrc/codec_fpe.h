@@ -382,11 +382,7 @@ struct BuddyFpe {
           for (uint32_t i = 0; i < unit_words; ++i) {
             buddy_put32(stream, pos, packed[i] & 0xFFFFFFu);
             pos += (packed[i] >> 24) & 0x1Fu;
-            if constexpr (BUDDY_WARP_SIZE == 1 && WB < 8) {
-              // one lane (buddy_warp.h): no branch on zero words -- a word without a tail is a zero word, its 0
-              // ORed in at bit 0
-              put_tail(stream, packed[i] >> 31 ? end - (j + 1u) * tail_bits() : 0u, unit_word(unit, i));
-            } else if (packed[i] >> 31 && has_tails()) {
+            if (packed[i] >> 31 && has_tails()) {  // (one lane with words under 8 bytes: encode_split_one_lane)
               put_tail(stream, end - (j + 1u) * tail_bits(), unit_word(unit, i));
             }
             j += packed[i] >> 31;

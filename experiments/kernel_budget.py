@@ -464,16 +464,15 @@ def bpc_chunks_stepped(entry, word: int, stop: int) -> int:
     n_chunks = -(-n_deltas // 32)
     count = np.zeros(bits.shape[0], dtype=np.int64)
     ones = np.ones(bits.shape[0], dtype=bool)
-    dor = np.zeros(min(ws, 64), dtype=bool)
+    dor = np.zeros(bits.shape[0], dtype=bool)  # per plane: a delta so far has its bit (none past bit ws - 1)
+    sign = np.arange(bits.shape[0]) >= ws  # the sign plane: never "DBP = 0"
     for c in range(n_chunks):
         piece = bits[:, 32 * c : 32 * c + 32]
         count += piece.sum(1)
         ones &= piece.all(1)
-        dor |= dbp[:, 32 * c : 32 * c + 32].any(1)
+        dor[: dbp.shape[0]] |= dbp[:, 32 * c : 32 * c + 32].any(1)
         if c < 2 or c % 4 == 3:
-            j = np.arange(bits.shape[0])
-            not_dbp0 = (j >= ws) | np.concatenate([dor, np.zeros(max(0, bits.shape[0] - dor.shape[0]), bool)])
-            raw = int(((count >= 3) & ~ones & not_dbp0).sum())
+            raw = int(((count >= 3) & ~ones & (sign | dor)).sum())
             if ws + raw * (n_deltas + 1) >= stop:
                 return c + 1
     return n_chunks
