@@ -115,7 +115,12 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
                                                   uint8_t* __restrict__ out, int* __restrict__ error,
                                                   long long n_entries, const uint8_t* __restrict__ table) {
   const BuddyCudaWarp warp;
+#if defined(BUDDY_NATIVE_SOLO)
+  Codec codec = buddy_codec<Codec>(table);
+  if constexpr (buddy_walks<Codec>::value) codec.prepare_walk();  // (fpe, auto2: codec_fpe.h)
+#else
   const Codec codec = buddy_codec<Codec>(table);
+#endif
   uint8_t* staging = buddy_staging(buddy_unpack_staging_entries<Codec>());
   uint32_t err = 0;
   for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride())

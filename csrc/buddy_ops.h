@@ -30,14 +30,15 @@
 #define BUDDY_SECTOR_UNITS (BUDDY_SECTOR_BYTES / 8)
 
 // Whether a codec decodes into shared memory first (Codec::STAGED_DECODE; false when it does not say), and
-// so the entries of staging buffer a warp of unpack needs: 2, else 1.
+// so the entries of staging buffer a warp of unpack needs: 2, else 1. A warp of one lane (the native engine)
+// decodes into the output: its scattered writes are one thread's, and the copy would cost more than it saves.
 template <class Codec, class = void>
 struct buddy_staged_decode {
   static constexpr bool value = false;
 };
 template <class Codec>
 struct buddy_staged_decode<Codec, decltype((void)Codec::STAGED_DECODE)> {
-  static constexpr bool value = Codec::STAGED_DECODE;
+  static constexpr bool value = Codec::STAGED_DECODE && BUDDY_WARP_SIZE > 1;
 };
 template <class Codec>
 BUDDY_HD constexpr uint32_t buddy_unpack_staging_entries() {
@@ -52,6 +53,17 @@ struct buddy_decode_pad {
 template <class Codec>
 struct buddy_decode_pad<Codec, decltype((void)Codec::DECODE_PAD)> {
   static constexpr uint32_t value = Codec::DECODE_PAD;
+};
+
+// Whether a codec's decoder steps with a walk table in the native engine's one-lane build (Codec::WALKS, made by
+// Codec::prepare_walk: codec_fpe.h).
+template <class Codec, class = void>
+struct buddy_walks {
+  static constexpr bool value = false;
+};
+template <class Codec>
+struct buddy_walks<Codec, decltype((void)Codec::WALKS)> {
+  static constexpr bool value = Codec::WALKS != 0;
 };
 
 // Copies `sectors` sectors from src to dst (both 8-byte aligned), 8 bytes per lane store.

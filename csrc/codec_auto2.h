@@ -32,6 +32,11 @@ struct BuddyAuto2 {
 
   BUDDY_HD explicit BuddyAuto2(const uint8_t* device_table) : fpe(device_table) {}
 
+#if defined(BUDDY_NATIVE_SOLO)
+  static constexpr uint32_t WALKS = Fpe::WALKS;  // (fpe's decoder's walk table: codec_fpe.h)
+  BUDDY_HD void prepare_walk() { fpe.prepare_walk(); }
+#endif
+
   static BUDDY_HD bool coded_mode(uint32_t mode) { return Auto::coded_mode(mode) || mode == BUDDY_AUTO_MODE_FPE; }
 
   template <class Warp>

@@ -147,6 +147,59 @@ struct BuddyFpe {
   BUDDY_HD explicit BuddyFpe(const uint8_t* device_table)
       : table(reinterpret_cast<const BuddyFpeTable*>(device_table)), sym_bits(table->sym_bits) {}
 
+#if defined(BUDDY_NATIVE_SOLO)
+  // The native engine's one-lane decoder steps with a walk table (emit_walk): one 8-byte row per value of the
+  // next WALK_BITS stream bits, 16 KiB (a step reads one row, not dec's and multi's, 32 KiB together: a host
+  // core's whole L1 cache). A row takes the codes wholly inside those bits, up to the third with a tail:
+  //   bits | codes << 4 | tails << 8 | at0 << 10 | at1 << 14 | sym0 << 18 | sym1 << 30
+  // (at: the tail code's place among the row's codes, `codes` for a tail code the row lacks; bits 0: the first
+  // code is ESC, not in the table, or longer than WALK_BITS -- emit_walk's one-code path). The rows follow from
+  // dec and b alone; a host thread keeps the last table's (about 40 us to make, a 16 KiB compare to reuse).
+  static constexpr uint32_t WALKS = 1u, WALK_BITS = 11u, WALK_ROWS = 1u << WALK_BITS;
+  struct WalkCache {
+    bool made = false;
+    uint32_t sym_bits = 0;
+    uint32_t dec[BUDDY_FPE_ROWS];
+    uint64_t rows[WALK_ROWS];
+  };
+  const uint64_t* walk_rows = nullptr;  // null: emit (tables of the serial layout, words of 8 bytes)
+
+  BUDDY_HD void build_walk(uint64_t* rows) const {
+    const BuddyFpeTable* const tab = table;
+    const uint32_t zero = zero_sym(), esc = esc_sym();
+    for (uint32_t v = 0; v < WALK_ROWS; ++v) {
+      uint32_t pos = 0, codes = 0, tails = 0, at[2] = {0u, 0u}, sym[2] = {0u, 0u};
+      for (;;) {
+        const uint32_t one = tab->dec[(v >> pos) & (BUDDY_FPE_ROWS - 1u)], len = one >> 16, s = one & 0xFFFFu;
+        if (len == 0 || s == esc || pos + len > WALK_BITS) break;  // (decided by the bits inside: taken)
+        if (s != zero) {
+          if (tails == 2u) break;
+          at[tails] = codes;
+          sym[tails++] = s;
+        }
+        ++codes;
+        pos += len;
+      }
+      for (uint32_t i = tails; i < 2u; ++i) at[i] = codes;
+      rows[v] = pos | codes << 4 | tails << 8 | at[0] << 10 | at[1] << 14 | (uint64_t)sym[0] << 18 |
+                (uint64_t)sym[1] << 30;
+    }
+  }
+  // Points walk_rows at this host thread's rows of the table (made when the table differs from the last one's).
+  BUDDY_HD void prepare_walk() {
+    // emit_walk reads two tails at once (2 t + 7 <= 64 bits) from the split layout
+    if (!table->split || WB == 8 || 2u * tail_bits() + 7u > 64u) return;
+    static thread_local WalkCache cache;
+    if (!cache.made || cache.sym_bits != sym_bits || memcmp(cache.dec, table->dec, sizeof(cache.dec)) != 0) {
+      build_walk(cache.rows);
+      memcpy(cache.dec, table->dec, sizeof(cache.dec));
+      cache.sym_bits = sym_bits;
+      cache.made = true;
+    }
+    walk_rows = cache.rows;
+  }
+#endif
+
   BUDDY_HD uint32_t tail_bits() const { return 8u * WB - sym_bits; }  // t: the bits after the symbol
   BUDDY_HD uint32_t zero_sym() const { return 1u << sym_bits; }        // ZERO = S
   BUDDY_HD uint32_t esc_sym() const { return (1u << sym_bits) + 1u; }  // ESC = S + 1
@@ -189,15 +242,16 @@ struct BuddyFpe {
   }
   // field for one lane (buddy_warp.h): the selects as masks -- a host compiler turns `zero ? :` into a branch,
   // which half-zero activations mispredict.
+  // ZERO's entry is enc[S], and a zero word's symbol is 0: its index is the symbol with bit b set.
   BUDDY_HD Field field_one_lane(word_t x, Specials sp) const {
     const uint32_t sym = (uint32_t)((uint64_t)x >> tail_bits()) & (zero_sym() - 1u);
-    const uint32_t len = sp.esc >> 12;
     const bool zero = (x == 0) & (sp.zero != 0);
-    const uint32_t z = 0u - (uint32_t)zero;
-    const uint32_t entry = (sp.zero & z) | (table->enc[sym] & ~z);
-    const uint32_t e = 0u - (uint32_t)(entry == 0u);  // an escape (rare)
-    const uint32_t head = (entry & 0xFFFu & ~e) | (((sp.esc & 0xFFFu) | sym << len) & e);
-    return {head, ((entry >> 12) & ~e) | ((len + sym_bits) & e), !zero};
+    const uint32_t entry = table->enc[sym | (uint32_t)zero << sym_bits];
+    if (entry == 0u) {  // an escape (rare: a branch the host predicts)
+      const uint32_t len = sp.esc >> 12;
+      return {(sp.esc & 0xFFFu) | sym << len, len + sym_bits, !zero};
+    }
+    return {entry & 0xFFFu, entry >> 12, !zero};
   }
 
   // Word i (0 .. 16 / WB - 1) of a 16-byte unit.
@@ -306,7 +360,7 @@ struct BuddyFpe {
       const word_t x = buddy_load<word_t>(entry_bytes + (size_t)WB * i);
       const uint64_t has = (0ull - (uint64_t)(x != 0)) | zero_tails;
       nt += t & (uint32_t)has;
-      tails |= ((uint64_t)x & tmask & has) << ((64u - nt) & 63u);  // (nt = 0: no tail, nothing ORed)
+      tails |= ((uint64_t)x & tmask) << ((64u - nt) & 63u);  // (a word without a tail is zero: nothing ORed)
       stream[buddy_min(tw, nw - 1u)] = (uint32_t)(tails >> 32);
       const uint32_t full = nt >> 5;  // a word filled (nt < 32 + 23)
       tails <<= 32u * full;
@@ -317,15 +371,18 @@ struct BuddyFpe {
     uint64_t codes = 0;  // the nc bits from word cw's bit 0 on
     uint32_t nc = 0, cw = 0;
     const uint32_t esc_head = sp.esc & 0xFFFu, esc_len = sp.esc >> 12;
+    const uint32_t zero_at = (uint32_t)(sp.zero != 0) << b;  // ZERO's entry is enc[S] (a zero word's symbol is 0)
     for (uint32_t i = 0; i < words; ++i) {
       const word_t x = buddy_load<word_t>(entry_bytes + (size_t)WB * i);
       const uint32_t sym = (uint32_t)((uint64_t)x >> t) & ((1u << b) - 1u);
-      const uint32_t z = 0u - ((uint32_t)(x == 0) & (uint32_t)(sp.zero != 0));
-      const uint32_t entry = (sp.zero & z) | (tab->enc[sym] & ~z);  // a code of the table: code | length << 12
-      const uint32_t e = 0u - (uint32_t)(entry == 0u);                // none: ESC's code and the symbol (rare)
-      const uint32_t head = (entry & 0xFFFu & ~e) | ((esc_head | sym << esc_len) & e);
+      const uint32_t entry = tab->enc[sym | (zero_at & (0u - (uint32_t)(x == 0)))];  // code | length << 12
+      uint32_t head = entry & 0xFFFu, len = entry >> 12;
+      if (entry == 0u) {  // no code: ESC's code and the symbol (rare: a branch the host predicts)
+        head = esc_head | sym << esc_len;
+        len = esc_len + b;
+      }
       codes |= (uint64_t)head << nc;
-      nc += ((entry >> 12) & ~e) | ((esc_len + b) & e);
+      nc += len;
       stream[buddy_min(cw, nw - 1u)] = (uint32_t)codes;
       const uint32_t c = nc >> 5;  // a word filled (nc < 32 + 24)
       codes >>= 32u * c;
@@ -582,6 +639,83 @@ struct BuddyFpe {
     return (uint64_t)j * tail_bits() > end ? never : pos;  // the lane's last tail (the (j - 1)-th) in the payload
   }
 
+#if defined(BUDDY_NATIVE_SOLO)
+  // emit for one lane with the walk table, from the code section's start: a step of a row stores its tail codes'
+  // words (two slots, no branch: a slot the row lacks stores zero after the row's codes, the next code's place,
+  // which that code writes again); ZERO words are the zeroed output's. Steps so while a row's codes and that place
+  // are inside the entry; the last codes, ESC and codes the table lacks take emit's one-code path. Same result
+  // and checks as emit.
+  BUDDY_HD uint32_t emit_walk(const uint8_t* payload, uint32_t end, uint8_t* out, uint32_t* tails) const {
+    const uint64_t* const rows = walk_rows;
+    const BuddyFpeTable* const tab = table;
+    const uint32_t t = tail_bits(), zero = zero_sym(), esc = esc_sym(), b = sym_bits;
+    const uint32_t tmask = (uint32_t)tail_mask();
+    uint32_t done = 0, j = 0, pos = 0;
+    auto word = [&](uint32_t sym, uint32_t jj) -> uint32_t {  // symbol sym with the jj-th tail
+      const uint32_t at = buddy_min(end - (jj + 1u) * t, end);  // (a place before the payload wraps: zeros)
+      return sym << t | (buddy_peek32_padded(payload, at) & tmask);
+    };
+    // The stream's next bits in a 64-bit buffer, refilled after every step without a branch: a step's lookup
+    // waits on the buffer's shift, not on a load from a place computed from the step before. `ptr`: the first
+    // byte not wholly in the buffer; `count`: its bits (56-63 after a refill, a step takes at most 24). The 8-byte
+    // reads end at most 16 bytes past the code bits read (< end + 24 bits): inside the staging buffer (the
+    // payload is at most E - 32 bytes of it); the bits they bring past the payload's pad are never a step's.
+    const uint8_t* ptr = payload;
+    uint64_t buf = 0;
+    uint32_t count = 0;
+    auto refill = [&]() {
+      uint64_t next;
+      __builtin_memcpy(&next, ptr, 8);
+      buf |= next << count;
+      ptr += (63u - count) >> 3;
+      count |= 56u;
+    };
+    refill();
+    while (done < words) {
+      if (pos >= end) return never;  // unchecked codes: stay in the payload
+      const uint32_t bits = (uint32_t)buf;
+      const uint64_t row = rows[bits & (WALK_ROWS - 1u)];
+      uint32_t len;
+      if ((row & 15u) && done + WALK_BITS < words) {
+        const uint32_t n = (uint32_t)(row >> 8) & 3u;
+        uint8_t* const o = out + (size_t)WB * done;
+        // the j-th and (j + 1)-th tails with one read (2 t + 7 <= 64): the (j + 1)-th is below the j-th
+        const uint32_t at = buddy_min(end - (j + 2u) * t, end);
+        uint64_t both;
+        __builtin_memcpy(&both, payload + (at >> 3), 8);
+        both >>= at & 7u;
+        const uint32_t w0 = ((uint32_t)(row >> 18 & 0xFFFu) << t | ((uint32_t)(both >> t) & tmask)) &
+                            (0u - (uint32_t)(n > 0u));
+        const uint32_t w1 = ((uint32_t)(row >> 30 & 0xFFFu) << t | ((uint32_t)both & tmask)) &
+                            (0u - (uint32_t)(n > 1u));
+        buddy_store<word_t>(o + (size_t)WB * ((row >> 10) & 15u), (word_t)w0);
+        buddy_store<word_t>(o + (size_t)WB * ((row >> 14) & 15u), (word_t)w1);
+        j += n;
+        done += (uint32_t)(row >> 4) & 15u;
+        len = (uint32_t)row & 15u;
+      } else {  // one code: ESC with its symbol, a code the table lacks, or the section's last codes
+        const uint32_t one = tab->dec[bits & (BUDDY_FPE_ROWS - 1u)];
+        len = one >> 16;
+        uint32_t sym = one & 0xFFFFu;
+        if (len == 0) return never;
+        if (sym == esc) {
+          sym = (bits >> len) & (zero - 1u);
+          if (tab->enc[sym]) return never;
+          len += b;
+        }
+        if (sym != zero) buddy_store<word_t>(out + (size_t)WB * done, (word_t)word(sym, j++));
+        done += 1;
+      }
+      pos += len;
+      buf >>= len;
+      count -= len;
+      refill();
+    }
+    *tails = j;
+    return (uint64_t)j * t > end ? never : pos;  // the last tail (the (j - 1)-th) in the payload
+  }
+#endif
+
   // Writes the word of symbol sym and the entry's j-th tail (at end - (j + 1) t) to out; a tail placed before
   // the payload's start (the place wraps past it) reads as zeros: emit checks the places.
   BUDDY_HD void put_word(const uint8_t* payload, uint32_t n64, uint32_t sym, uint32_t end, uint32_t j,
@@ -612,7 +746,15 @@ struct BuddyFpe {
       // its first word is word 0, so it writes the words as it walks -- no find walk, no passes; the walk stops
       // at the payload's end, and the checks below are the warp's.
       (void)lane, (void)want;
-      codes = emit(payload, n64, 0u, words, 0u, 0u, end, out, &tails);
+#if defined(BUDDY_NATIVE_SOLO)
+      if constexpr (WB < 8) {
+        if (walk_rows)
+          codes = emit_walk(payload, end, out, &tails);
+        else
+          codes = emit(payload, n64, 0u, words, 0u, 0u, end, out, &tails);
+      } else
+#endif
+        codes = emit(payload, n64, 0u, words, 0u, 0u, end, out, &tails);
       bad = codes == never;
       done = words;
     }
