@@ -111,6 +111,7 @@ from __future__ import annotations
 import functools
 import heapq
 
+import numpy as np
 import torch
 
 from ..errors import CorruptDataError
@@ -184,13 +185,15 @@ def symbol_counts(flat: torch.Tensor, word_bytes: int) -> torch.Tensor:
     return torch.bincount(torch.where(zero, s - 2, sym), minlength=s)
 
 
-def _tree_height(weights: list[int]) -> int:
+def _tree_height(weights: list[int], limit: int | None = None) -> int:
     """The height of a Huffman tree over ``weights`` (sorted, ascending): two queues, no tree kept.
 
     A tree's height does not depend on how equal weights are ordered, so this
     is the height of :func:`_code_lengths`'s tree (and of what the device fit
     computes per halving round). Each step takes the next leaf unless the next
-    merged node weighs less (ties: the leaf); a leaf's height is 0.
+    merged node weighs less (ties: the leaf); a leaf's height is 0. With a
+    ``limit``, the height of the first merged node above it once one is made
+    (the root is at least as high): a round that cannot fit stops there.
     """
     n = len(weights)
     if n == 1:
@@ -211,8 +214,11 @@ def _tree_height(weights: list[int]) -> int:
         else:
             w2, h2 = node_w[node], node_h[node]
             node += 1
+        h = (h1 if h1 > h2 else h2) + 1
+        if limit is not None and h > limit:
+            return h
         node_w[made] = w1 + w2
-        node_h[made] = (h1 if h1 > h2 else h2) + 1
+        node_h[made] = h
         made += 1
     return node_h[-1]
 
@@ -247,7 +253,7 @@ def _huffman_lengths(weights: dict[int, int]) -> dict[int, int]:
     ordered = sorted(weights.values())  # (halving keeps the order: max(1, w >> t) does not decrease with w)
     t = 0
     while True:
-        if _tree_height([(w >> t) or 1 for w in ordered]) <= MAX_CODE_BITS:
+        if _tree_height([(w >> t) or 1 for w in ordered], MAX_CODE_BITS) <= MAX_CODE_BITS:
             lengths = _code_lengths({s: (w >> t) or 1 for s, w in weights.items()})
             if max(lengths.values()) <= MAX_CODE_BITS:
                 return lengths
@@ -303,13 +309,16 @@ class Table:
             raise ValueError(f"fpe: symbol counts must be {s} non-negative numbers for {word_bytes}-byte words")
         total = float(counts.sum())
         scale = (1 << 30) / total if total > 0 else 1.0  # counts or frequencies alike: integers summing to ~2**30
-        c = [max(1, round(v * scale)) if v > 0 else 0 for v in counts.tolist()]
-        regular = sorted((sym for sym in range(s - 2) if c[sym] > 0), key=lambda sym: (-c[sym], sym))
-        coded = regular[:MAX_CODED]
-        weights = {sym: c[sym] for sym in coded}
+        v = counts.numpy()
+        # max(1, round(v * scale)) for v > 0 (round half to even, as Python's round), else 0
+        c = np.where(v > 0, np.maximum(1.0, np.rint(v * scale)), 0.0).astype(np.int64)
+        present = np.flatnonzero(c[: s - 2] > 0)
+        regular = present[np.lexsort((present, -c[present]))]  # by count, descending, then symbol
+        coded = regular[:MAX_CODED].tolist()
+        weights = dict(zip(coded, c[coded].tolist()))
         if c[s - 2] > 0:
-            weights[s - 2] = c[s - 2]
-        weights[s - 1] = max(1, sum(c[sym] for sym in regular[MAX_CODED:]))
+            weights[s - 2] = int(c[s - 2])
+        weights[s - 1] = max(1, int(c[regular[MAX_CODED:]].sum()))
         table = cls(word_bytes, _huffman_lengths(weights), table_format)
         table.fit_slack = table.slack(counts)
         return table
@@ -420,18 +429,18 @@ class Table:
         the first code is one). The GPU decoder of the split layout steps
         over a run of short codes with one lookup.
         """
-        _, _, dec_sym, dec_len = self.lookups("cpu")
-        v = torch.arange(1 << MAX_CODE_BITS, dtype=torch.int64)
-        pos, starts, tails = torch.zeros_like(v), torch.zeros_like(v), torch.zeros_like(v)
-        active = torch.ones_like(v, dtype=torch.bool)
+        _, _, dec_sym, dec_len = (t.numpy() for t in self.lookups("cpu"))  # (numpy: 4096 rows, 12 rounds)
+        v = np.arange(1 << MAX_CODE_BITS, dtype=np.int64)
+        pos, starts, tails = np.zeros_like(v), np.zeros_like(v), np.zeros_like(v)
+        active = np.ones(v.shape, dtype=bool)
         for _ in range(MAX_CODE_BITS):
             u = v >> pos  # bits past the window read as zero: a code is taken only if it ends inside it
             sym, n = dec_sym[u], dec_len[u]
             active &= (n > 0) & (sym != self.esc) & (pos + n <= MAX_CODE_BITS)
-            starts |= active.long() << pos
-            tails |= (active & (sym != self.zero)).long() << pos
+            starts |= active.astype(np.int64) << pos
+            tails |= (active & (sym != self.zero)).astype(np.int64) << pos
             pos += active * n
-        return starts | tails << 12 | pos << 24
+        return torch.from_numpy(starts | tails << 12 | pos << 24)
 
     # ---- lookups ------------------------------------------------------------------
     def lookups(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -448,14 +457,25 @@ class Table:
 def _lookups(
     s: int, codes: tuple[tuple[int, int, int], ...], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:meth:`Table.lookups` of ``(symbol, length, code)`` in canonical order, ``s`` symbols (ZERO and ESC too)."""
-    enc_len, enc_code = [0] * s, [0] * s
-    dec_sym, dec_len = [0] * (1 << MAX_CODE_BITS), [0] * (1 << MAX_CODE_BITS)
-    for sym, n, code in codes:
-        stream = int(f"{code:0{n}b}"[::-1], 2)  # first code bit = first stream bit = bit 0
-        enc_len[sym], enc_code[sym] = n, stream
-        for index in range(stream, 1 << MAX_CODE_BITS, 1 << n):
-            dec_sym[index], dec_len[index] = sym, n
+    """:meth:`Table.lookups` of ``(symbol, length, code)`` in canonical order, ``s`` symbols (ZERO and ESC too).
+
+    Whole arrays at once (numpy): each code's bits reversed (its first bit is stream bit 0), then the rows of
+    each code length -- a prefix code gives each row at most one code."""
+    sym, n, code = (np.array([c[i] for c in codes], dtype=np.int64) for i in range(3))
+    stream = np.zeros_like(code)
+    for i in range(MAX_CODE_BITS):  # code bit n - 1 - i (from the top) is stream bit i
+        stream |= np.where(i < n, (code >> np.maximum(n - 1 - i, 0)) & 1, 0) << i
+    enc_len, enc_code = np.zeros(s, dtype=np.int64), np.zeros(s, dtype=np.int64)
+    enc_len[sym], enc_code[sym] = n, stream
+    rows = np.arange(1 << MAX_CODE_BITS, dtype=np.int64)
+    dec_sym, dec_len = np.zeros_like(rows), np.zeros_like(rows)
+    for length in np.unique(n).tolist():
+        which = np.full(1 << length, -1, dtype=np.int64)  # the code (its index) whose stream bits are these
+        of = np.flatnonzero(n == length)
+        which[stream[of]] = of
+        hit = which[rows & ((1 << length) - 1)]
+        found = hit >= 0
+        dec_sym[found], dec_len[found] = sym[hit[found]], length
     as_t = functools.partial(torch.tensor, dtype=torch.int64, device=device)
     return as_t(enc_len), as_t(enc_code), as_t(dec_sym), as_t(dec_len)
 

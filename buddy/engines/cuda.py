@@ -65,11 +65,11 @@ import hashlib
 import importlib.resources
 import os
 import re
-import struct
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .. import spec
@@ -370,14 +370,14 @@ def device_table(table: Table) -> torch.Tensor:
         if found is not None:
             _HOST_TABLES[key] = found  # the newest again
             return found
-    enc_len, enc_code, dec_sym, dec_len = (t.tolist() for t in table.lookups("cpu"))
-    enc = [code | length << 12 for code, length in zip(enc_code, enc_len)]
-    enc += [0] * (n_symbols(8) - len(enc))  # the layout has room for the widest words' symbols
-    dec = [sym | length << 16 for sym, length in zip(dec_sym, dec_len)]
-    multi = table.multi_rows.tolist()
+    enc_len, enc_code, dec_sym, dec_len = (t.numpy() for t in table.lookups("cpu"))
+    enc = np.zeros(n_symbols(8), dtype="<u2")  # the layout has room for the widest words' symbols
+    enc[: len(enc_code)] = enc_code | enc_len << 12
+    dec = (dec_sym | dec_len << 16).astype("<u4")
+    multi = table.multi_rows.numpy().astype("<u4")
     zero, head = table.span_model
-    tail = (table.symbol_bits, int(table.split), zero | head << 8)
-    raw = struct.pack(f"<{len(dec)}I{len(multi)}I{len(enc)}H3I", *dec, *multi, *enc, *tail)
+    tail = np.array([table.symbol_bits, int(table.split), zero | head << 8], dtype="<u4")
+    raw = b"".join(part.tobytes() for part in (dec, multi, enc, tail))
     out = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     if torch.cuda.is_available():
         out = out.pin_memory()
