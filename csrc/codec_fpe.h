@@ -191,7 +191,7 @@ struct BuddyFpe {
   // Points walk_rows at this host thread's rows of the table (made when the table differs from the last one's).
   BUDDY_HD void prepare_walk() {
     // emit_walk reads two tails at once (2 t + 7 <= 64 bits) from the split layout
-    if (!table->split || WB == 8 || 2u * tail_bits() + 7u > 64u) return;
+    if (!table->split || WB == 8 || sym_bits != buddy_fpe_fit_split<WB>::b || 2u * tail_bits() + 7u > 64u) return;
     static thread_local WalkCache cache;
     if (!cache.made || cache.sym_bits != sym_bits || memcmp(cache.dec, table->dec, sizeof(cache.dec)) != 0) {
       build_walk(cache.rows);
@@ -665,8 +665,9 @@ struct BuddyFpe {
   BUDDY_HD uint32_t emit_walk(const uint8_t* payload, uint32_t end, uint8_t* out, uint32_t* tails) const {
     const uint64_t* const rows = walk_rows;
     const BuddyFpeTable* const tab = table;
-    const uint32_t t = tail_bits(), zero = zero_sym(), esc = esc_sym(), b = sym_bits;
-    const uint32_t tmask = (uint32_t)tail_mask();
+    // a table of the split layout has the fit's b (prepare_walk checks): constants, and registers to spare
+    constexpr uint32_t b = buddy_fpe_fit_split<WB>::b, t = buddy_fpe_fit_split<WB>::t;
+    constexpr uint32_t zero = 1u << b, esc = zero + 1u, tmask = (uint32_t)(((uint64_t)1 << t) - 1u);
     uint32_t done = 0, j = 0, pos = 0;
     auto word = [&](uint32_t sym, uint32_t jj) -> uint32_t {  // symbol sym with the jj-th tail
       const uint32_t at = buddy_min(end - (jj + 1u) * t, end);  // (a place before the payload wraps: zeros)
