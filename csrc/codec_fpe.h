@@ -321,10 +321,12 @@ struct BuddyFpe {
 
   // measure_below by a warp of one lane: word by word (a word's code bits from its enc entry, ZERO's at enc[S],
   // an escape's without a branch), checked against the limit every 256 bytes.
+  // B: the table's b when it is the fit's (a constant: the usual case), 0 for any other (read from the table).
+  template <uint32_t B>
   BUDDY_HD uint32_t measure_below_one_lane(const uint8_t* entry_bytes, uint32_t limit) const {
     const Specials sp = specials();
     const uint16_t* const enc = table->enc;
-    const uint32_t t = tail_bits(), b = sym_bits, esc_bits = (sp.esc >> 12) + b;
+    const uint32_t b = B ? B : sym_bits, t = 8u * WB - b, esc_bits = (sp.esc >> 12) + b;
     const uint32_t zero_at = (uint32_t)(sp.zero != 0) << b, no_zero = sp.zero == 0;
     const uint32_t stop = 8u * BUDDY_SECTOR_BYTES * (limit - 1u) + 1u;
     constexpr uint32_t chunk = 256u / WB < words ? 256u / WB : words;  // words between checks
@@ -351,7 +353,9 @@ struct BuddyFpe {
                                        uint32_t limit) const {
     if constexpr (BUDDY_WARP_SIZE == 1) {
       *mode = 0;
-      return measure_below_one_lane(entry_bytes, limit);
+      constexpr uint32_t fit_b = buddy_fpe_fit_split<WB>::b;
+      return sym_bits == fit_b ? measure_below_one_lane<fit_b>(entry_bytes, limit)
+                               : measure_below_one_lane<0u>(entry_bytes, limit);
     } else {
       (void)limit;
       return measure(warp, entry_bytes, mode);
@@ -362,10 +366,12 @@ struct BuddyFpe {
   // down, then the codes from bit 0 (two passes: each keeps its bit buffer and counters in registers), each through
   // a 64-bit bit buffer whose current 32-bit word is stored after every word (plain stores, no read-modify-write,
   // no branch on the data); where the two share a word the codes' partial word stands, and the end stores both.
+  // B: as measure_below_one_lane's.
+  template <uint32_t B>
   BUDDY_HD void encode_split_one_lane(const uint8_t* entry_bytes, uint32_t k, uint8_t* payload) const {
     const Specials sp = specials();
     const BuddyFpeTable* const tab = table;  // (locals: the stores below could alias the members for a compiler)
-    const uint32_t b = sym_bits, t = 8u * WB - b, nw = k * (BUDDY_SECTOR_BYTES / 4u);
+    const uint32_t b = B ? B : sym_bits, t = 8u * WB - b, nw = k * (BUDDY_SECTOR_BYTES / 4u);
     const uint64_t tmask = ((uint64_t)1 << t) - 1u;
     uint32_t* const stream = reinterpret_cast<uint32_t*>(payload);
     for (uint32_t w = 0; w < nw; ++w) stream[w] = 0u;
@@ -423,7 +429,11 @@ struct BuddyFpe {
     if constexpr (BUDDY_WARP_SIZE == 1 && WB < 8) {
       if (table->split) {
         (void)warp;
-        encode_split_one_lane(entry_bytes, k, payload);
+        constexpr uint32_t fit_b = buddy_fpe_fit_split<WB>::b;
+        if (sym_bits == fit_b)
+          encode_split_one_lane<fit_b>(entry_bytes, k, payload);
+        else
+          encode_split_one_lane<0u>(entry_bytes, k, payload);
         return;
       }
     }
