@@ -274,10 +274,77 @@ struct BuddyFpx {
     }
   }
 
+#if defined(BUDDY_NATIVE_SOLO)
+  // decode by the native engine's warp of one lane (words of 1, 2 or 4 bytes, k >= 1): the same pass word by word,
+  // each field from one unaligned 8-byte read (at least 57 bits: a field has at most 33) at a place clamped into
+  // the payload -- a stream that reads past it is longer than k sectors, which the checks reject as decode's do, so
+  // what such reads bring never reaches the output -- an escape's exponent read for every word and selected (no
+  // branch on the data), the bitmap 32 bits at a time.
+  template <class Warp>
+  static BUDDY_WARP_FN uint32_t decode_one_lane(const Warp& warp, const uint8_t* payload, uint32_t k, uint8_t* out) {
+    const uint32_t n64 = k * (BUDDY_SECTOR_BYTES / 8u);
+    const uint32_t last = 8u * BUDDY_SECTOR_BYTES * k - 1u;  // the payload's last bit (staged: 8 bytes after it read)
+    auto peek = [&](uint32_t p) -> uint64_t {
+      p = buddy_min(p, last);
+      uint64_t v;
+      __builtin_memcpy(&v, payload + (p >> 3), 8);
+      return v >> (p & 7u);
+    };
+    const uint32_t head = (uint32_t)peek(0);
+    const uint32_t zmode = head & 1u;
+    const uint32_t emax = (head >> 1) & ((1u << e) - 1u);
+    const uint32_t b = (head >> (1u + e)) & ((1u << bb) - 1u);
+    if (b > max_b) {
+      buddy_warp_fill(warp, nullptr, out, entry);
+      return BUDDY_ERR_STREAM;
+    }
+    const uint32_t per_word = b + 1u + m;
+    const uint32_t start = header + (zmode ? words : 0u);
+    const uint32_t esc_code = (1u << b) - 1u, emask = (1u << e) - 1u;
+    const uint32_t has_escapes = b > 0;
+    uint32_t listed_total = words;
+    if (zmode) {
+      listed_total = 0;
+      for (uint32_t r = 0; r < words; r += 32u) {
+        const uint32_t n = words - r < 32u ? words - r : 32u;
+        listed_total += buddy_popc((uint32_t)peek(header + r) & (uint32_t)(((uint64_t)1 << n) - 1u));
+      }
+    }
+    const uint32_t esc_start = start + listed_total * per_word;
+    uint32_t rank = 0, escs = 0, below_zero = 0, bitmap = 0xFFFFFFFFu;
+    for (uint32_t i = 0; i < words; ++i) {
+      if (zmode && (i & 31u) == 0u) bitmap = (uint32_t)peek(header + i);
+      const uint32_t listed = zmode ? (bitmap >> (i & 31u)) & 1u : 1u;
+      const uint64_t field = peek(start + rank * per_word);
+      const uint32_t code = (uint32_t)field & esc_code;
+      const uint32_t escaped = listed & has_escapes & (uint32_t)(code == esc_code);
+      const uint32_t escape = (uint32_t)peek(esc_start + escs * e) & emask;
+      const uint32_t exp = escaped ? escape : emax - code;
+      below_zero |= listed & (escaped ^ 1u) & (uint32_t)(code > emax);
+      const word_t w = compose(exp, (wide_t)(field >> b));
+      buddy_store<word_t>(out + (size_t)i * WB, (word_t)(w & (word_t)(0u - listed)));
+      rank += listed;
+      escs += escaped;
+    }
+    // the stream's length must give k, and nothing may follow it
+    const uint32_t total = esc_start + escs * e;
+    bool bad = below_zero || (total + 8u * BUDDY_SECTOR_BYTES - 1u) / (8u * BUDDY_SECTOR_BYTES) != k;
+    bad |= buddy_bits_after(warp, payload, n64, total);
+    if (!bad) return 0;
+    buddy_warp_fill(warp, nullptr, out, entry);
+    return BUDDY_ERR_STREAM;
+  }
+#endif
+
   template <class Warp>
   static BUDDY_WARP_FN uint32_t decode(const Warp& warp, const uint8_t* payload, uint32_t k, uint32_t mode,
                                        uint8_t* out) {
     (void)mode;
+#if defined(BUDDY_NATIVE_SOLO)
+    if constexpr (WB < 8) {
+      if (k > 0) return decode_one_lane(warp, payload, k, out);
+    }
+#endif
     const uint32_t lane = warp.lane();
     const uint32_t n64 = k * (BUDDY_SECTOR_BYTES / 8u);  // 8-byte words of the payload
     const uint32_t head = (uint32_t)buddy_peek(payload, n64, 0);
