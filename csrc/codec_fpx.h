@@ -124,6 +124,10 @@ struct BuddyFpx {
 
   template <class Warp>
   static BUDDY_WARP_FN Choice choose(const Warp& warp, const uint8_t* entry_bytes) {
+#if defined(BUDDY_NATIVE_SOLO)
+    (void)warp;
+    return choose_one_lane(entry_bytes);
+#else
     const uint32_t lane = warp.lane();
     // pass 1: emax (zero words have exponent 0: no harm) and the non-zero count
     uint32_t top = 0, nnz = 0;
@@ -174,12 +178,37 @@ struct BuddyFpx {
     // never escapes).
     BUDDY_FPX_UNROLL
     for (uint32_t p = 0; p < pairs; ++p) esc2[p] = buddy_warp_sum(warp, esc2[p]);
+    return pick(emax, nnz, [&](uint32_t b) { return (esc2[(b - 1) / 2] >> (16u * ((b - 1) % 2))) & 0xFFFFu; });
+#endif
+  }
 
-    // T(zmode, b) for every b, the first minimum of zmode 0, then of zmode 1.
-    // In zmode 0 the zero words are listed too, with offset emax: they escape
-    // at b iff emax + 1 >= 2^b.
+#if defined(BUDDY_NATIVE_SOLO)
+  // choose by the native engine's warp of one lane: the same two passes as plain loops over the words (a host
+  // compiler vectorizes them), the escapes at each code width b counted directly, v >= 2^b per word.
+  static BUDDY_HD Choice choose_one_lane(const uint8_t* entry_bytes) {
+    uint32_t top = 0, nnz = 0;
+    for (uint32_t i = 0; i < words; ++i) {
+      const word_t x = buddy_load<word_t>(entry_bytes + (size_t)i * WB);
+      top = buddy_max(top, exponent(x));
+      nnz += x != 0;
+    }
+    uint32_t esc[e + 1] = {};  // esc[b]: the non-zero words that escape at code width b (1 <= b <= e)
+    for (uint32_t i = 0; i < words; ++i) {
+      const word_t x = buddy_load<word_t>(entry_bytes + (size_t)i * WB);
+      const uint32_t v = (top - exponent(x) + 1u) & (0u - (uint32_t)(x != 0));
+      for (uint32_t b = 1; b <= e; ++b) esc[b] += v >= (1u << b);
+    }
+    return pick(top, nnz, [&](uint32_t b) { return esc[b]; });
+  }
+#endif
+
+  // T(zmode, b) for every b, the first minimum of zmode 0, then of zmode 1, from the entry's emax, its non-zero
+  // count and escaped(b): the non-zero words that escape at code width b, 1 <= b <= e (none at b = e + 1).
+  // In zmode 0 the zero words are listed too, with offset emax: they escape at b iff emax + 1 >= 2^b.
+  template <class Escaped>
+  static BUDDY_HD Choice pick(uint32_t emax, uint32_t nnz, Escaped escaped_at) {
     const uint32_t zeros = words - nnz;
-    const bool flat = (esc2[0] & 0xFFFFu) == 0;  // every non-zero word has exponent emax: b = 0 possible
+    const bool flat = escaped_at(1u) == 0;  // every non-zero word has exponent emax: b = 0 possible
     Choice c;
     c.emax = emax;
     uint32_t dense_bits = flat && (zeros == 0 || emax == 0) ? header + words * (1u + m) : never;
@@ -188,7 +217,7 @@ struct BuddyFpx {
     uint32_t sparse_b = 0, sparse_esc = 0;
     BUDDY_FPX_UNROLL
     for (uint32_t b = 1; b <= max_b; ++b) {
-      const uint32_t escaped = b <= e ? (esc2[(b - 1) / 2] >> (16u * ((b - 1) % 2))) & 0xFFFFu : 0u;
+      const uint32_t escaped = b <= e ? escaped_at(b) : 0u;
       const uint32_t escaped_zeros = emax + 1u >= (1u << b) ? zeros : 0u;
       const uint32_t dense = header + words * (b + 1u + m) + e * (escaped + escaped_zeros);
       const uint32_t sparse = header + words + nnz * (b + 1u + m) + e * escaped;
