@@ -48,12 +48,28 @@
 #error "compile with -DBUDDY_CODEC_<NAME> for the codec whose kernels to build"
 #endif
 
-__device__ __forceinline__ long long buddy_first_warp() {
+// The entries of n a warp takes: from buddy_first_warp(n) to before buddy_last_warp(n), buddy_warp_stride() apart.
+// On a GPU the grid's warps take every (warps in the grid)-th entry, their loads side by side; the native engine's
+// one-lane blocks (BUDDY_NATIVE_SOLO) take a contiguous run each, so that a host thread's reads and writes stream.
+#if defined(BUDDY_NATIVE_SOLO)
+__device__ __forceinline__ long long buddy_first_warp(long long n) {
+  return (long long)blockIdx.x * ((n + gridDim.x - 1) / gridDim.x);
+}
+__device__ __forceinline__ long long buddy_last_warp(long long n) {
+  const long long end = buddy_first_warp(n) + (n + gridDim.x - 1) / gridDim.x;
+  return end < n ? end : n;
+}
+__device__ __forceinline__ long long buddy_warp_stride() { return 1; }
+#else
+__device__ __forceinline__ long long buddy_first_warp(long long n) {
+  (void)n;
   return ((long long)blockIdx.x * blockDim.x + threadIdx.x) / BUDDY_WARP_SIZE;
 }
+__device__ __forceinline__ long long buddy_last_warp(long long n) { return n; }
 __device__ __forceinline__ long long buddy_warp_stride() {
   return (long long)gridDim.x * blockDim.x / BUDDY_WARP_SIZE;
 }
+#endif
 
 // This warp's staging buffer: `entries` * E bytes of the block's dynamic shared memory (16-byte aligned).
 __device__ __forceinline__ uint8_t* buddy_staging(uint32_t entries = 1) {
@@ -84,7 +100,7 @@ __device__ __forceinline__ void buddy_measure_body(const uint8_t* __restrict__ d
   __syncthreads();
   const BuddyCudaWarp warp;
   const Codec codec = buddy_codec<Codec>(table);
-  for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride()) {
+  for (long long i = buddy_first_warp(n_entries), end = buddy_last_warp(n_entries); i < end; i += buddy_warp_stride()) {
     const uint32_t k = buddy_measure_entry<Codec>(warp, codec, i, data, tail, n_full, meta);
     if (warp.lane() == 0) atomicAdd(&counts[k], 1u);
   }
@@ -103,7 +119,7 @@ __device__ __forceinline__ void buddy_pack_body(const uint8_t* __restrict__ data
   const BuddyCudaWarp warp;
   const Codec codec = buddy_codec<Codec>(table);
   uint8_t* staging = buddy_staging();
-  for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride())
+  for (long long i = buddy_first_warp(n_entries), end = buddy_last_warp(n_entries); i < end; i += buddy_warp_stride())
     buddy_pack_entry<Codec>(warp, codec, i, data, tail, n_full, meta, ends, s, slots, overflow, staging);
 }
 
@@ -123,7 +139,7 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
 #endif
   uint8_t* staging = buddy_staging(buddy_unpack_staging_entries<Codec>());
   uint32_t err = 0;
-  for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride())
+  for (long long i = buddy_first_warp(n_entries), end = buddy_last_warp(n_entries); i < end; i += buddy_warp_stride())
     err |= buddy_unpack_entry<Codec>(warp, codec, i, n_entries, meta, ends, s, slots, overflow, overflow_sectors,
                                      staging, out);
   if (err && warp.lane() == 0) atomicOr(error, (int)err);
@@ -228,11 +244,20 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
   // 16 bytes a lane; the warps loop together (the counts are aggregated over a warp)
   const BuddyCudaWarp warp;
   const long long n16 = n_units / 2, stride = (long long)gridDim.x * blockDim.x;
-  for (long long u0 = (long long)blockIdx.x * blockDim.x + (threadIdx.x & ~(BUDDY_WARP_SIZE - 1u)); u0 < n16;
-       u0 += stride) {
-    const long long u = u0 + warp.lane();
-    const buddy_u128 zero = {0, 0};
-    buddy_fpe_count_unit16<WB>(warp, u < n16 ? buddy_load<buddy_u128>(data + 16 * u) : zero, u < n16, local);
+  if constexpr (BUDDY_WARP_SIZE == 1) {
+    // one lane a block (the native engine): a block counts a contiguous run of units -- strided by the grid, each
+    // block read a 16-byte unit of every 16 x 16 bytes, and every cache line came from memory once per block
+    const long long per = (n16 + gridDim.x - 1) / gridDim.x, first = (long long)blockIdx.x * per;
+    const long long last = first + per < n16 ? first + per : n16;
+    for (const uint8_t* unit = data + 16 * first; unit < data + 16 * last; unit += 16)
+      buddy_fpe_count_unit16<WB>(warp, buddy_load<buddy_u128>(unit), true, local);
+  } else {
+    for (long long u0 = (long long)blockIdx.x * blockDim.x + (threadIdx.x & ~(BUDDY_WARP_SIZE - 1u)); u0 < n16;
+         u0 += stride) {
+      const long long u = u0 + warp.lane();
+      const buddy_u128 zero = {0, 0};
+      buddy_fpe_count_unit16<WB>(warp, u < n16 ? buddy_load<buddy_u128>(data + 16 * u) : zero, u < n16, local);
+    }
   }
   if (blockIdx.x == 0) {  // the odd 8 bytes, and the words of the last, partial entry
     for (int w = threadIdx.x; w < (int)(n_units % 2) * (8 / WB); w += blockDim.x)
