@@ -245,12 +245,11 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
   const BuddyCudaWarp warp;
   const long long n16 = n_units / 2, stride = (long long)gridDim.x * blockDim.x;
   if constexpr (BUDDY_WARP_SIZE == 1) {
-    // one lane a block (the native engine): a block counts a contiguous run of units -- strided by the grid, each
-    // block read a 16-byte unit of every 16 x 16 bytes, and every cache line came from memory once per block
-    const long long per = (n16 + gridDim.x - 1) / gridDim.x, first = (long long)blockIdx.x * per;
-    const long long last = first + per < n16 ? first + per : n16;
-    for (const uint8_t* unit = data + 16 * first; unit < data + 16 * last; unit += 16)
-      buddy_fpe_count_unit16<WB>(warp, buddy_load<buddy_u128>(unit), true, local);
+    // one lane a block (the native engine): the units buddy_first_warp gives the block, as the entries of the
+    // format kernels (a contiguous run: strided by the grid, each block read a 16-byte unit of every 16 x 16 bytes,
+    // and every cache line came from memory once per block)
+    for (long long u = buddy_first_warp(n16), end = buddy_last_warp(n16); u < end; u += buddy_warp_stride())
+      buddy_fpe_count_unit16<WB>(warp, buddy_load<buddy_u128>(data + u * 16), true, local);
   } else {
     for (long long u0 = (long long)blockIdx.x * blockDim.x + (threadIdx.x & ~(BUDDY_WARP_SIZE - 1u)); u0 < n16;
          u0 += stride) {

@@ -190,8 +190,9 @@ struct BuddyFpe {
   }
   // Points walk_rows at this host thread's rows of the table (made when the table differs from the last one's).
   BUDDY_HD void prepare_walk() {
-    // emit_walk reads two tails at once (2 t + 7 <= 64 bits) from the split layout
-    if (!table->split || WB == 8 || sym_bits != buddy_fpe_fit_split<WB>::b || 2u * tail_bits() + 7u > 64u) return;
+    // emit_walk: the split layout's b as a constant, and two tails read at once (2 t + 7 <= 64 bits)
+    static_assert(WB == 8 || 2u * buddy_fpe_fit_split<WB>::t + 7u <= 64u, "two tails in one 8-byte read");
+    if (!table->split || WB == 8 || sym_bits != buddy_fpe_fit_split<WB>::b) return;
     static thread_local WalkCache cache;
     if (!cache.made || cache.sym_bits != sym_bits || memcmp(cache.dec, table->dec, sizeof(cache.dec)) != 0) {
       build_walk(cache.rows);
@@ -650,13 +651,8 @@ struct BuddyFpe {
         done += buddy_popc(starts);
         pos += row >> 24;
       } else {  // one code: ESC with its symbol, a code the table lacks, or the lane's last codes
-        uint32_t len = one >> 16, sym = one & 0xFFFFu;
-        if (len == 0) return never;  // (the find walk stops before such a code: not reached)
-        if (sym == esc_sym()) {
-          sym = (uint32_t)(bits >> len) & (zero_sym() - 1u);
-          if (table->enc[sym]) return never;
-          len += sym_bits;
-        }
+        uint32_t sym, len;
+        if (!code_at(bits, one, &sym, &len)) return never;  // (the find walk stops before such a code: not reached)
         if (sym != zero_sym()) put_word(payload, n64, sym, end, j++, out + (size_t)WB * (first + done));
         done += 1;
         pos += len;
@@ -677,12 +673,8 @@ struct BuddyFpe {
     const BuddyFpeTable* const tab = table;
     // a table of the split layout has the fit's b (prepare_walk checks): constants, and registers to spare
     constexpr uint32_t b = buddy_fpe_fit_split<WB>::b, t = buddy_fpe_fit_split<WB>::t;
-    constexpr uint32_t zero = 1u << b, esc = zero + 1u, tmask = (uint32_t)(((uint64_t)1 << t) - 1u);
+    constexpr uint32_t zero = 1u << b, tmask = (uint32_t)(((uint64_t)1 << t) - 1u);
     uint32_t done = 0, j = 0, pos = 0;
-    auto word = [&](uint32_t sym, uint32_t jj) -> uint32_t {  // symbol sym with the jj-th tail
-      const uint32_t at = buddy_min(end - (jj + 1u) * t, end);  // (a place before the payload wraps: zeros)
-      return sym << t | (buddy_peek32_padded(payload, at) & tmask);
-    };
     // The stream's next bits in a 64-bit buffer, refilled after every step without a branch: a step's lookup
     // waits on the buffer's shift, not on a load from a place computed from the step before. `ptr`: the first
     // byte not wholly in the buffer; `count`: its bits (56-63 after a refill, a step takes at most 24). The 8-byte
@@ -722,16 +714,9 @@ struct BuddyFpe {
         done += (uint32_t)(row >> 4) & 15u;
         len = (uint32_t)row & 15u;
       } else {  // one code: ESC with its symbol, a code the table lacks, or the section's last codes
-        const uint32_t one = tab->dec[bits & (BUDDY_FPE_ROWS - 1u)];
-        len = one >> 16;
-        uint32_t sym = one & 0xFFFFu;
-        if (len == 0) return never;
-        if (sym == esc) {
-          sym = (bits >> len) & (zero - 1u);
-          if (tab->enc[sym]) return never;
-          len += b;
-        }
-        if (sym != zero) buddy_store<word_t>(out + (size_t)WB * done, (word_t)word(sym, j++));
+        uint32_t sym;
+        if (!code_at(bits, tab->dec[bits & (BUDDY_FPE_ROWS - 1u)], &sym, &len)) return never;
+        if (sym != zero) put_word(payload, 0u, sym, end, j++, out + (size_t)WB * done);
         done += 1;
       }
       pos += len;
@@ -743,6 +728,21 @@ struct BuddyFpe {
     return (uint64_t)j * t > end ? never : pos;  // the last tail (the (j - 1)-th) in the payload
   }
 #endif
+
+  // The code that starts the stream bits `bits` (at least the next 24; `one`: their dec row): its symbol (ESC's:
+  // the symbol that follows it) in *sym and its bits in *len; false for a code the table lacks or an escape of a
+  // symbol the table has a code for.
+  BUDDY_HD bool code_at(uint32_t bits, uint32_t one, uint32_t* sym, uint32_t* len) const {
+    *len = one >> 16;
+    *sym = one & 0xFFFFu;
+    if (*len == 0) return false;
+    if (*sym == esc_sym()) {
+      *sym = (bits >> *len) & (zero_sym() - 1u);
+      if (table->enc[*sym]) return false;
+      *len += sym_bits;
+    }
+    return true;
+  }
 
   // Writes the word of symbol sym and the entry's j-th tail (at end - (j + 1) t) to out; a tail placed before
   // the payload's start (the place wraps past it) reads as zeros: emit checks the places.
@@ -852,14 +852,8 @@ struct BuddyFpe {
     for (uint32_t i = 0; i < words; ++i) {
       if (pos >= limit) return never;
       const uint64_t bits = buddy_peek(payload, n64, pos);
-      const uint32_t row = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
-      uint32_t len = row >> 16, sym = row & 0xFFFFu;
-      if (len == 0) return never;
-      if (sym == esc_sym()) {
-        sym = (uint32_t)(bits >> len) & (zero_sym() - 1u);
-        if (table->enc[sym]) return never;
-        len += sym_bits;
-      }
+      uint32_t sym, len;
+      if (!code_at((uint32_t)bits, table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)], &sym, &len)) return never;
       pos += len;
       uint64_t word = 0;
       if (sym != zero_sym()) {

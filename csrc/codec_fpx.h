@@ -304,13 +304,16 @@ struct BuddyFpx {
   }
 
 #if defined(BUDDY_NATIVE_SOLO)
-  // decode by the native engine's warp of one lane (words of 1, 2 or 4 bytes, k >= 1): the same pass word by word,
-  // each field from one unaligned 8-byte read (at least 57 bits: a field has at most 33) at a place clamped into
-  // the payload -- a stream that reads past it is longer than k sectors, which the checks reject as decode's do, so
+  // decode by the native engine's warp of one lane (words of 1, 2 or 4 bytes, k >= 1), after decode has read the
+  // header: the same pass word by word, each field from one unaligned 8-byte read (at least 57 bits: a field has at
+  // most 33) at a place clamped into the payload -- a stream that reads past it is longer than k sectors, which the checks reject as decode's do, so
   // what such reads bring never reaches the output -- an escape's exponent read for every word and selected (no
   // branch on the data), the bitmap 32 bits at a time.
+  // (decode's header fields and the stream's layout from them: zmode, emax, b, per_word, start, esc_code.)
   template <class Warp>
-  static BUDDY_WARP_FN uint32_t decode_one_lane(const Warp& warp, const uint8_t* payload, uint32_t k, uint8_t* out) {
+  static BUDDY_WARP_FN uint32_t decode_one_lane(const Warp& warp, const uint8_t* payload, uint32_t k, uint8_t* out,
+                                                uint32_t zmode, uint32_t emax, uint32_t b, uint32_t per_word,
+                                                uint32_t start, uint32_t esc_code) {
     const uint32_t n64 = k * (BUDDY_SECTOR_BYTES / 8u);
     const uint32_t last = 8u * BUDDY_SECTOR_BYTES * k - 1u;  // the payload's last bit (staged: 8 bytes after it read)
     auto peek = [&](uint32_t p) -> uint64_t {
@@ -319,17 +322,7 @@ struct BuddyFpx {
       __builtin_memcpy(&v, payload + (p >> 3), 8);
       return v >> (p & 7u);
     };
-    const uint32_t head = (uint32_t)peek(0);
-    const uint32_t zmode = head & 1u;
-    const uint32_t emax = (head >> 1) & ((1u << e) - 1u);
-    const uint32_t b = (head >> (1u + e)) & ((1u << bb) - 1u);
-    if (b > max_b) {
-      buddy_warp_fill(warp, nullptr, out, entry);
-      return BUDDY_ERR_STREAM;
-    }
-    const uint32_t per_word = b + 1u + m;
-    const uint32_t start = header + (zmode ? words : 0u);
-    const uint32_t esc_code = (1u << b) - 1u, emask = (1u << e) - 1u;
+    const uint32_t emask = (1u << e) - 1u;
     const uint32_t has_escapes = b > 0;
     uint32_t listed_total = words;
     if (zmode) {
@@ -369,11 +362,6 @@ struct BuddyFpx {
   static BUDDY_WARP_FN uint32_t decode(const Warp& warp, const uint8_t* payload, uint32_t k, uint32_t mode,
                                        uint8_t* out) {
     (void)mode;
-#if defined(BUDDY_NATIVE_SOLO)
-    if constexpr (WB < 8) {
-      if (k > 0) return decode_one_lane(warp, payload, k, out);
-    }
-#endif
     const uint32_t lane = warp.lane();
     const uint32_t n64 = k * (BUDDY_SECTOR_BYTES / 8u);  // 8-byte words of the payload
     const uint32_t head = (uint32_t)buddy_peek(payload, n64, 0);
@@ -387,6 +375,11 @@ struct BuddyFpx {
     const uint32_t per_word = b + 1u + m;
     const uint32_t start = header + (zmode ? words : 0u);
     const uint32_t esc_code = (1u << b) - 1u;
+#if defined(BUDDY_NATIVE_SOLO)
+    if constexpr (WB < 8) {
+      if (k > 0) return decode_one_lane(warp, payload, k, out, zmode, emax, b, per_word, start, esc_code);
+    }
+#endif
     // bitmap bits of a round that name words (all 32 unless W < 32; one for a warp of one lane)
     const uint32_t round_mask = BUDDY_WARP_SIZE == 1 ? 1u
                                 : words < BUDDY_WARP_SIZE ? (1u << (words % BUDDY_WARP_SIZE)) - 1u : 0xFFFFFFFFu;
