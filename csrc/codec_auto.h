@@ -37,10 +37,12 @@ struct BuddyAuto {
   static BUDDY_WARP_FN uint32_t measure(const Warp& warp, const uint8_t* entry, uint32_t* mode) {
     uint32_t member_mode;
     *mode = BUDDY_AUTO_MODE_ZVC;
-    uint32_t k = Zvc::measure(warp, entry, &member_mode);
+    // one pass for zvc's size (its non-zero words) and fpx's emax: fpx's first
+    const typename Fpx::Census census = Fpx::census(warp, entry);
+    uint32_t k = Zvc::sectors(census.nnz);
     k = k < BUDDY_SECTORS_PER_ENTRY ? k : BUDDY_SECTORS_PER_ENTRY;  // compared clamped, as the reference
     if (k > 1) {
-      const uint32_t f = Fpx::measure(warp, entry, &member_mode);
+      const uint32_t f = Fpx::measure(warp, entry, census, &member_mode);
       if (f < k) {
         k = f;
         *mode = BUDDY_AUTO_MODE_FPX;

@@ -43,7 +43,9 @@
 //            warp sum.
 //   encode   the same sizes, per round one warp scan of (code bits, tails)
 //            for the codes' offsets and the tails' places, then each lane
-//            ORs its words' fields into the zeroed payload (shared memory).
+//            ORs its words' fields into the zeroed payload (shared memory)
+//            through two 64-bit buffers, its codes' and its tails', a
+//            32-bit word at a time (put_unit).
 //   decode   split layout: every lane. The code section is cut into 32
 //            spans of equal bits -- its length C estimated from k and the
 //            table (span_model; nothing is stored, so the layout costs no
@@ -233,15 +235,18 @@ struct BuddyFpe {
   };
   // Without branches (selects: a warp's lanes take no different paths): the symbol's entry is loaded for a
   // zero word too (symbol 0's, unused).
+  // B: the table's b when it is known at compile time (the split layout's, buddy_fpe_fit_split), 0 for any.
+  template <uint32_t B = 0u>
   BUDDY_HD Field field(word_t x, Specials sp) const {
     if constexpr (BUDDY_WARP_SIZE == 1) return field_one_lane(x, sp);
-    const uint32_t sym = (uint32_t)((uint64_t)x >> tail_bits()) & (zero_sym() - 1u);
+    const uint32_t b = B ? B : sym_bits;
+    const uint32_t sym = (uint32_t)((uint64_t)x >> (8u * WB - b)) & ((1u << b) - 1u);
     const uint32_t c = table->enc[sym];
     const uint32_t len = sp.esc >> 12;
     const bool zero = (x == 0) & (sp.zero != 0);  // (no short circuit: a host compiler keeps it a select too)
     const uint32_t entry = zero ? sp.zero : c;  // a code of the table: stream code | length << 12 (0: none)
     const uint32_t head = entry ? entry & 0xFFFu : (sp.esc & 0xFFFu) | sym << len;
-    const uint32_t bits = entry ? entry >> 12 : len + sym_bits;
+    const uint32_t bits = entry ? entry >> 12 : len + b;
     return {head, bits, !zero};
   }
   // field for one lane (buddy_warp.h): the selects as masks -- a host compiler turns `zero ? :` into a branch,
@@ -423,6 +428,44 @@ struct BuddyFpe {
     }
   }
 
+  // The split layout's fields of a lane's 16-byte unit (words of 1, 2 or 4 bytes; `packed` as encode makes them):
+  // its codes from stream bit `pos` up and its tails from bit `top` down, each through a 64-bit buffer that ORs
+  // a 32-bit word into the stream once the word is whole (and at the end the partial ones): a unit's fields lie
+  // in a few words, of which only the first and last can hold another lane's, where a field at a time took two
+  // ORs a field. Words with no set bit are not touched.
+  template <uint32_t B>
+  BUDDY_HD void put_unit(uint32_t* stream, uint32_t pos, uint32_t top, const uint32_t* packed,
+                         buddy_u128 unit) const {
+    const uint32_t t = 8u * WB - (B ? B : sym_bits);
+    const uint64_t tmask = ((uint64_t)1 << t) - 1u;
+    uint64_t codes = 0;  // the nc bits from word cw's bit 0 on (those below pos: zeros, not this lane's)
+    uint32_t nc = pos & 31u, cw = pos >> 5;
+    uint64_t tails = 0;  // the nt bits below word tw + 1, from bit 63 down (those at and above top: zeros)
+    uint32_t tw = (top - 1u) >> 5, nt = 32u * (tw + 1u) - top;
+    for (uint32_t i = 0; i < unit_words; ++i) {
+      codes |= (uint64_t)(packed[i] & 0xFFFFFFu) << nc;
+      nc += (packed[i] >> 24) & 0x1Fu;  // (a code of at most 24 bits: nc < 32 + 24)
+      if (nc >= 32u) {
+        if ((uint32_t)codes) buddy_atomic_or(stream + cw, (uint32_t)codes);
+        codes >>= 32;
+        nc -= 32u;
+        ++cw;
+      }
+      if (WB > 1 || t != 0u) {  // (has_tails)
+        nt += t & (0u - (packed[i] >> 31));  // (a word without a tail is zero: nothing ORed)
+        tails |= ((uint64_t)unit_word(unit, i) & tmask) << ((64u - nt) & 63u);
+        if (nt >= 32u) {  // (t <= 23: nt < 32 + 23)
+          if (tails >> 32) buddy_atomic_or(stream + tw, (uint32_t)(tails >> 32));
+          tails <<= 32;
+          nt -= 32u;
+          --tw;
+        }
+      }
+    }
+    if ((uint32_t)codes) buddy_atomic_or(stream + cw, (uint32_t)codes);
+    if (tails >> 32) buddy_atomic_or(stream + tw, (uint32_t)(tails >> 32));
+  }
+
   template <class Warp>
   BUDDY_WARP_FN void encode(const Warp& warp, const uint8_t* entry_bytes, uint32_t k, uint32_t mode,
                             uint8_t* payload) const {
@@ -443,46 +486,77 @@ struct BuddyFpe {
     buddy_warp_fill(warp, nullptr, payload, k * BUDDY_SECTOR_BYTES);
     warp.sync();
     uint32_t* stream = reinterpret_cast<uint32_t*>(payload);
-    const uint32_t end = 8u * BUDDY_SECTOR_BYTES * k;
+    if (!table->split) {
+      encode_serial(warp, entry_bytes, stream, sp);
+    } else if (sym_bits == buddy_fpe_fit_split<WB>::b) {  // b a constant
+      encode_split<buddy_fpe_fit_split<WB>::b>(warp, entry_bytes, k, stream, sp);
+    } else {  // a split table of another b (none: fpe.symbol_bits gives every table of the layout the fit's)
+      encode_split<0u>(warp, entry_bytes, k, stream, sp);
+    }
+  }
+
+  // The 16-byte unit a lane holds in round r of encode (*valid: whether it is inside the entry; zeros if not).
+  template <class Warp>
+  static BUDDY_WARP_FN buddy_u128 round_unit(const Warp& warp, const uint8_t* entry_bytes, uint32_t r, bool* valid) {
+    const uint32_t u = r * BUDDY_WARP_SIZE + warp.lane();
+    *valid = units % BUDDY_WARP_SIZE == 0 || u < units;  // (always, at E >= 512: one path)
+    const buddy_u128 zero = {0, 0};
+    return *valid ? buddy_load<buddy_u128>(entry_bytes + 16u * u) : zero;
+  }
+
+  // The serial layout's encode by a warp (tables of format 1, 2; fits make format 3).
+  template <class Warp>
+  BUDDY_WARP_FN void encode_serial(const Warp& warp, const uint8_t* entry_bytes, uint32_t* stream,
+                                   Specials sp) const {
+    uint32_t base = 0;  // bits of earlier rounds
+    for (uint32_t r = 0; r < rounds; ++r) {
+      bool valid;
+      const buddy_u128 unit = round_unit(warp, entry_bytes, r, &valid);
+      uint32_t h = 0, z = 0, total;
+      if (valid) unit_bits(unit, sp, &h, &z);
+      uint32_t pos = base + buddy_warp_exclusive_scan(warp, h + z * tail_bits(), &total);
+      if (valid) {
+        for (uint32_t i = 0; i < unit_words; ++i) pos = put(stream, pos, unit_word(unit, i), sp);
+      }
+      base += total;
+    }
+  }
+
+  // The split layout's encode by a warp (into the zeroed payload). B: as field's.
+  template <uint32_t B, class Warp>
+  BUDDY_WARP_FN void encode_split(const Warp& warp, const uint8_t* entry_bytes, uint32_t k, uint32_t* stream,
+                                  Specials sp) const {
+    const uint32_t end = 8u * BUDDY_SECTOR_BYTES * k, t = 8u * WB - (B ? B : sym_bits);
     uint32_t base = 0, tails = 0;  // code bits and tails of earlier rounds
     for (uint32_t r = 0; r < rounds; ++r) {
-      const uint32_t u = r * BUDDY_WARP_SIZE + warp.lane();
-      const bool valid = units % BUDDY_WARP_SIZE == 0 || u < units;  // (always, at E >= 512: one path)
-      const buddy_u128 zero = {0, 0};
-      const buddy_u128 unit = valid ? buddy_load<buddy_u128>(entry_bytes + 16u * u) : zero;
+      bool valid;
+      const buddy_u128 unit = round_unit(warp, entry_bytes, r, &valid);
       uint32_t h = 0, z = 0, total;
-      if (table->split) {
-        // each word's field once (registers: head < 2^24 | its bits << 24 | a tail follows << 31)
-        uint32_t packed[unit_words];
-        for (uint32_t i = 0; i < unit_words; ++i) {
-          const Field f = valid ? field(unit_word(unit, i), sp) : Field{0u, 0u, false};
-          packed[i] = f.head | f.head_bits << 24 | (uint32_t)f.tail << 31;
-          h += f.head_bits;
-          z += f.tail;
-        }
-        // code bits (at most 16 words x 24 bits a lane) and tails (16) of a round in one scan
-        const uint32_t before = buddy_warp_exclusive_scan(warp, h | z << 16, &total);
-        uint32_t pos = base + (before & 0xFFFFu), j = tails + (before >> 16);
-        if (valid) {
+      // each word's field once (registers: head < 2^24 | its bits << 24 | a tail follows << 31)
+      uint32_t packed[unit_words];
+      for (uint32_t i = 0; i < unit_words; ++i) {
+        const Field f = valid ? field<B>(unit_word(unit, i), sp) : Field{0u, 0u, false};
+        packed[i] = f.head | f.head_bits << 24 | (uint32_t)f.tail << 31;
+        h += f.head_bits;
+        z += f.tail;
+      }
+      // code bits (at most 16 words x 24 bits a lane) and tails (16) of a round in one scan
+      const uint32_t before = buddy_warp_exclusive_scan(warp, h | z << 16, &total);
+      uint32_t pos = base + (before & 0xFFFFu), j = tails + (before >> 16);
+      if (valid) {
+        if constexpr (WB < 8) {  // (one lane: encode_split_one_lane)
+          put_unit<B>(stream, pos, end - j * t, packed, unit);
+        } else {  // a tail of up to 52 bits: a field at a time
           for (uint32_t i = 0; i < unit_words; ++i) {
             buddy_put32(stream, pos, packed[i] & 0xFFFFFFu);
             pos += (packed[i] >> 24) & 0x1Fu;
-            if (packed[i] >> 31 && has_tails()) {  // (one lane with words under 8 bytes: encode_split_one_lane)
-              put_tail(stream, end - (j + 1u) * tail_bits(), unit_word(unit, i));
-            }
+            if (packed[i] >> 31) put_tail(stream, end - (j + 1u) * t, unit_word(unit, i));
             j += packed[i] >> 31;
           }
         }
-        base += total & 0xFFFFu;
-        tails += total >> 16;
-      } else {  // the serial layout: tables of format 1, 2 (fits make format 3)
-        if (valid) unit_bits(unit, sp, &h, &z);
-        uint32_t pos = base + buddy_warp_exclusive_scan(warp, h + z * tail_bits(), &total);
-        if (valid) {
-          for (uint32_t i = 0; i < unit_words; ++i) pos = put(stream, pos, unit_word(unit, i), sp);
-        }
-        base += total;
       }
+      base += total & 0xFFFFu;
+      tails += total >> 16;
     }
   }
 

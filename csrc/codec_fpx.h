@@ -25,8 +25,10 @@
 // 32 r + l, so a ballot over a round is 32 bits of the bitmap and a popc of
 // a ballot under the lane's mask is its rank among the listed (or escaped)
 // words of the round.
-//   measure  two passes over the entry: emax (warp max) and the non-zero
-//            count (ballots); then per lane a histogram of how far below
+//   measure  two passes over the entry, 16 bytes a lane a round (which
+//            lane holds a word does not matter to a maximum or a count):
+//            emax (warp max) and the non-zero count (the census, which auto
+//            also sizes zvc by); then per lane a histogram of how far below
 //            emax its words lie (one shift and add per word), turned into
 //            the number of escapes at every code width b and summed over the
 //            warp, two 16-bit counters per shuffle. Every T(zmode, b)
@@ -49,10 +51,14 @@
 
 // Loops over an fpx word's code widths: unrolled on the device so per-width
 // counters live in registers (their indices are then constants).
+// The choice's loops over a lane's 16-byte units are kept rolled there: unrolled, their loads in flight take
+// the registers of a few more warps.
 #if defined(__CUDACC__)
 #define BUDDY_FPX_UNROLL _Pragma("unroll")
+#define BUDDY_FPX_ROLLED _Pragma("unroll 1")
 #else
 #define BUDDY_FPX_UNROLL
+#define BUDDY_FPX_ROLLED
 #endif
 
 template <int WB>
@@ -66,6 +72,10 @@ struct BuddyFpx {
   static constexpr uint32_t entry = BUDDY_ENTRY_BYTES;  // bytes per entry, E
   static constexpr uint32_t words = entry / WB;          // words per entry, W
   static constexpr uint32_t rounds = (words + BUDDY_WARP_SIZE - 1) / BUDDY_WARP_SIZE;  // 32 words each
+  // the choice's tiling: per round, lane l reads the 16 bytes at 16 (32 r + l)
+  static constexpr uint32_t units = entry / 16u;
+  static constexpr uint32_t unit_words = 16u / WB;
+  static constexpr uint32_t unit_rounds = (units + BUDDY_WARP_SIZE - 1u) / BUDDY_WARP_SIZE;
   // the split (e, m) and the header: zmode (1) | emax (e) | b (bb bits, bb = bit_length(e + 1))
   static constexpr uint32_t e = buddy_float_split<WB>::e;
   static constexpr uint32_t m = buddy_float_split<WB>::m;
@@ -104,6 +114,13 @@ struct BuddyFpx {
     return i < words ? buddy_load<word_t>(entry_bytes + i * WB) : (word_t)0;
   }
 
+  // Word i (0 .. 16 / WB - 1) of a 16-byte unit.
+  static BUDDY_HD word_t unit_word(buddy_u128 unit, uint32_t i) {
+    const uint32_t half = 8u / WB;  // words per 8 bytes
+    const uint64_t v = i < half ? unit.lo : unit.hi;
+    return (word_t)(v >> (8u * WB * (i % half)));
+  }
+
   // Lanes below this one.
   template <class Warp>
   static BUDDY_WARP_FN uint32_t below(const Warp& warp) {
@@ -122,55 +139,104 @@ struct BuddyFpx {
     uint32_t bits;     // stream length T
   };
 
+  // Pass 1 of the choice: the entry's largest exponent field (zero words have exponent 0: no harm) and its
+  // non-zero words (zvc's size: auto takes both from one pass, codec_auto.h).
+  struct Census {
+    uint32_t emax, nnz;
+  };
   template <class Warp>
-  static BUDDY_WARP_FN Choice choose(const Warp& warp, const uint8_t* entry_bytes) {
+  static BUDDY_WARP_FN Census census(const Warp& warp, const uint8_t* entry_bytes) {
 #if defined(BUDDY_NATIVE_SOLO)
     (void)warp;
-    return choose_one_lane(entry_bytes);
+    uint32_t top = 0, nnz = 0;  // (plain loops over the words: a host compiler vectorizes them)
+    for (uint32_t i = 0; i < words; ++i) {
+      const word_t x = buddy_load<word_t>(entry_bytes + (size_t)i * WB);
+      top = buddy_max(top, exponent(x));
+      nnz += x != 0;
+    }
+    return {top, nnz};
+#else
+    // Both passes read the entry 16 bytes a lane at a time (lane l: units l, l + 32, ...): a maximum and counts
+    // do not depend on which lane holds which word.
+    const uint32_t lane = warp.lane();
+    uint32_t top = 0, nz = 0;
+    BUDDY_FPX_ROLLED
+    for (uint32_t r = 0; r < unit_rounds; ++r) {
+      const uint32_t u = r * BUDDY_WARP_SIZE + lane;
+      if (units % BUDDY_WARP_SIZE == 0 || u < units) {  // (always, at E >= 512: one path)
+        const buddy_u128 unit = buddy_load<buddy_u128>(entry_bytes + 16u * u);
+        BUDDY_FPX_UNROLL
+        for (uint32_t i = 0; i < unit_words; ++i) {
+          const word_t x = unit_word(unit, i);
+          top = buddy_max(top, exponent(x));
+          nz += x != 0;
+        }
+      }
+    }
+    return {buddy_warp_max(warp, top), buddy_warp_sum(warp, nz)};
+#endif
+  }
+
+  template <class Warp>
+  static BUDDY_WARP_FN Choice choose(const Warp& warp, const uint8_t* entry_bytes) {
+    return choose(warp, entry_bytes, census(warp, entry_bytes));
+  }
+
+  // Pass 2 and the choice, from pass 1's census.
+  template <class Warp>
+  static BUDDY_WARP_FN Choice choose(const Warp& warp, const uint8_t* entry_bytes, Census census) {
+#if defined(BUDDY_NATIVE_SOLO)
+    (void)warp;
+    // one lane: a plain loop over the words, the escapes at each code width b counted directly, v >= 2^b
+    uint32_t esc[e + 1] = {};  // esc[b]: the non-zero words that escape at code width b (1 <= b <= e)
+    for (uint32_t i = 0; i < words; ++i) {
+      const word_t x = buddy_load<word_t>(entry_bytes + (size_t)i * WB);
+      const uint32_t v = (census.emax - exponent(x) + 1u) & (0u - (uint32_t)(x != 0));
+      for (uint32_t b = 1; b <= e; ++b) esc[b] += v >= (1u << b);
+    }
+    return pick(census.emax, census.nnz, [&](uint32_t b) { return esc[b]; });
 #else
     const uint32_t lane = warp.lane();
-    // pass 1: emax (zero words have exponent 0: no harm) and the non-zero count
-    uint32_t top = 0, nnz = 0;
-    for (uint32_t r = 0; r < rounds; ++r) {
-      const word_t x = word_at(entry_bytes, r * BUDDY_WARP_SIZE + lane);
-      top = buddy_max(top, exponent(x));
-      nnz += buddy_popc(warp.ballot(x != 0));
-    }
-    const uint32_t emax = buddy_warp_max(warp, top);
-
     // pass 2: the non-zero words that escape at each code width b. With
     // v = emax - x + 1 (0 for a zero word: those are counted apart) a word
     // escapes at b iff v >= 2^b, i.e. iff bit_length(v) > b (never at
-    // b = e + 1, as v <= 2^e). Each lane histograms bit_length(v) <= 12 in
-    // 4-bit fields of one 64-bit word, a shift and an add per word; every 15
-    // rounds, before a field can overflow, suffix sums turn the histogram into
-    // counts of bit_length(v) >= i, added to 16-bit counters two to a word:
-    // esc2[p] counts the escapes at b = 2p + 1 (low half) and b = 2p + 2.
+    // b = e + 1, as v <= 2^e). Each lane histograms bit_length(v) <= e + 1
+    // in F-bit fields of one 64-bit word, a shift and an add per word; every
+    // `block` units, before a field can overflow, suffix sums turn the
+    // histogram into counts of bit_length(v) >= i, added to 16-bit counters
+    // two to a word: esc2[p] counts the escapes at b = 2p + 1 (low half) and
+    // b = 2p + 2.
+    constexpr uint32_t F = 64u / (e + 2u);              // 10, 6, 6, 4 bits for words of 1, 2, 4, 8 bytes
+    constexpr uint64_t field_max = ((uint64_t)1 << F) - 1u;
+    constexpr uint32_t block = (uint32_t)field_max / unit_words;  // units before a field could overflow
+    static_assert(block >= 1u, "a unit's words fit a field");
     constexpr uint32_t pairs = (e + 1) / 2;
     uint32_t esc2[pairs];
     BUDDY_FPX_UNROLL
     for (uint32_t p = 0; p < pairs; ++p) esc2[p] = 0;
-    for (uint32_t r0 = 0; r0 < rounds; r0 += 15) {
+    for (uint32_t r0 = 0; r0 < unit_rounds; r0 += block) {
       uint64_t hist = 0;
-      const uint32_t r1 = buddy_min(r0 + 15u, rounds);
+      const uint32_t r1 = buddy_min(r0 + block, unit_rounds);
+      BUDDY_FPX_ROLLED
       for (uint32_t r = r0; r < r1; ++r) {
-        const word_t x = word_at(entry_bytes, r * BUDDY_WARP_SIZE + lane);
-        uint32_t v;
-        if constexpr (BUDDY_WARP_SIZE == 1)  // one lane: a mask, not the branch a host compiler makes of `? :`
-          v = (emax - exponent(x) + 1u) & (0u - (uint32_t)(x != 0));
-        else
-          v = x != 0 ? emax - exponent(x) + 1u : 0u;
-        hist += (uint64_t)1 << (4u * buddy_bit_length(v));
+        const uint32_t u = r * BUDDY_WARP_SIZE + lane;
+        if (units % BUDDY_WARP_SIZE == 0 || u < units) {
+          const buddy_u128 unit = buddy_load<buddy_u128>(entry_bytes + 16u * u);
+          BUDDY_FPX_UNROLL
+          for (uint32_t i = 0; i < unit_words; ++i) {
+            const word_t x = unit_word(unit, i);
+            const uint32_t v = x != 0 ? census.emax - exponent(x) + 1u : 0u;
+            hist += (uint64_t)1 << (F * buddy_bit_length(v));
+          }
+        }
       }
-      // field i += fields above it: 1, 2, 4, then 8 fields (sums <= 15: no carries)
-      hist += hist >> 4;
-      hist += hist >> 8;
-      hist += hist >> 16;
-      hist += hist >> 32;
+      // field i += the fields above it: 1, 2, 4, then 8 fields (sums <= field_max: no carries)
+      BUDDY_FPX_UNROLL
+      for (uint32_t s = F; s < 64u; s *= 2u) hist += hist >> s;
       BUDDY_FPX_UNROLL
       for (uint32_t p = 0; p < pairs; ++p) {  // fields 2p + 2 and 2p + 3: bit_length(v) > 2p + 1, > 2p + 2
-        const uint32_t two = (uint32_t)(hist >> (8u * p + 8u)) & 0xFFu;
-        esc2[p] += (two & 0xFu) | ((two & 0xF0u) << 12);
+        esc2[p] += (uint32_t)((hist >> (F * (2u * p + 2u))) & field_max) |
+                   (uint32_t)((hist >> (F * (2u * p + 3u))) & field_max) << 16;
       }
     }
     // Warp sums of the 16-bit counters: a lane counts at most W/32 <= 2048
@@ -178,29 +244,10 @@ struct BuddyFpx {
     // never escapes).
     BUDDY_FPX_UNROLL
     for (uint32_t p = 0; p < pairs; ++p) esc2[p] = buddy_warp_sum(warp, esc2[p]);
-    return pick(emax, nnz, [&](uint32_t b) { return (esc2[(b - 1) / 2] >> (16u * ((b - 1) % 2))) & 0xFFFFu; });
+    return pick(census.emax, census.nnz,
+                [&](uint32_t b) { return (esc2[(b - 1) / 2] >> (16u * ((b - 1) % 2))) & 0xFFFFu; });
 #endif
   }
-
-#if defined(BUDDY_NATIVE_SOLO)
-  // choose by the native engine's warp of one lane: the same two passes as plain loops over the words (a host
-  // compiler vectorizes them), the escapes at each code width b counted directly, v >= 2^b per word.
-  static BUDDY_HD Choice choose_one_lane(const uint8_t* entry_bytes) {
-    uint32_t top = 0, nnz = 0;
-    for (uint32_t i = 0; i < words; ++i) {
-      const word_t x = buddy_load<word_t>(entry_bytes + (size_t)i * WB);
-      top = buddy_max(top, exponent(x));
-      nnz += x != 0;
-    }
-    uint32_t esc[e + 1] = {};  // esc[b]: the non-zero words that escape at code width b (1 <= b <= e)
-    for (uint32_t i = 0; i < words; ++i) {
-      const word_t x = buddy_load<word_t>(entry_bytes + (size_t)i * WB);
-      const uint32_t v = (top - exponent(x) + 1u) & (0u - (uint32_t)(x != 0));
-      for (uint32_t b = 1; b <= e; ++b) esc[b] += v >= (1u << b);
-    }
-    return pick(top, nnz, [&](uint32_t b) { return esc[b]; });
-  }
-#endif
 
   // T(zmode, b) for every b, the first minimum of zmode 0, then of zmode 1, from the entry's emax, its non-zero
   // count and escaped(b): the non-zero words that escape at code width b, 1 <= b <= e (none at b = e + 1).
@@ -246,8 +293,14 @@ struct BuddyFpx {
   // ---------------------------------------------------------------------------
   template <class Warp>
   static BUDDY_WARP_FN uint32_t measure(const Warp& warp, const uint8_t* entry_bytes, uint32_t* mode) {
+    return measure(warp, entry_bytes, census(warp, entry_bytes), mode);
+  }
+
+  // measure with pass 1's census made (auto's measure: codec_auto.h)
+  template <class Warp>
+  static BUDDY_WARP_FN uint32_t measure(const Warp& warp, const uint8_t* entry_bytes, Census c, uint32_t* mode) {
     *mode = 0;
-    return (choose(warp, entry_bytes).bits + 8u * BUDDY_SECTOR_BYTES - 1u) / (8u * BUDDY_SECTOR_BYTES);
+    return (choose(warp, entry_bytes, c).bits + 8u * BUDDY_SECTOR_BYTES - 1u) / (8u * BUDDY_SECTOR_BYTES);
   }
 
   template <class Warp>

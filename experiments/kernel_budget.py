@@ -98,8 +98,9 @@ TRIPS = [
     (r"while \(pos < guess\)", "warm"),                # fpe: a lane's warm-up before its span
     (r"while \(p < stop\)", "rounds"),                 # fpe: tails of the codes a resynchronized lane drops
     (r"for \(uint32_t i = 0; i < words; \+\+i\)", "serial_words"),  # the serial layout's walk (not run)
-    (r"r0 < rounds; r0 \+= 15", "fpx_blocks"),           # auto2's fpx member sizing an entry
-    (r"for \(uint32_t r = r0; r < r1; \+\+r\)", "fpx_words"),  # auto2's fpx member: a word a lane an iteration
+    (r"r0 < unit_rounds; r0 \+= block", "fpx_blocks"),  # auto2's fpx member sizing an entry: its histograms
+    (r"for \(uint32_t r = r0; r < r1; \+\+r\)", "fpx_words"),  # auto2's fpx member: 16 bytes a lane an iteration
+    (r"for \(uint32_t r = 0; r < unit_rounds; \+\+r\)", "rounds16"),  # fpx's first pass: 16 bytes a lane
     (r"for \(uint32_t c = 0; c < C; \+\+c\)", "bpc_chunks"),  # auto2's bpc member: 32-delta chunks
     (r"u = total / 64u \+ warp.lane\(\); u < n64", "bits_after"),  # the serial layout's and other codecs' check
 ]
@@ -152,21 +153,36 @@ def _build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[
         smem = re.search(r"(\d+) bytes smem", m.group(0).split("\n")[-1])
         kernels[m.group(1)] = Kernel(m.group(1), int(m.group(3)), int(smem.group(1)) if smem else 0, int(m.group(2)))
     sass = subprocess.run([_tool("nvdisasm"), "-gi", "-c", str(cubin)], check=True, capture_output=True, text=True)
+    read_listing(sass.stdout, kernels, unit.name)
+    return kernels, text.splitlines()
+
+
+def read_listing(listing: str, kernels: dict[str, Kernel], unit_name: str) -> None:
+    """Fills ``kernels`` (by name) with the instructions, labels, inlining chains and called routines of an
+    ``nvdisasm -gi`` listing whose source is the file named ``unit_name``.
+
+    Before each run of instructions the listing gives their location as a group of rows, one a level: the
+    innermost place (and the place it is inlined at), then each place that one is inlined at, out to the kernel.
+    An instruction's chain is the translation unit's lines of the whole group, innermost first (CUDA's own
+    headers -- atomicOr, __shfl_up_sync -- have lines of their own and are left out); its line, the chain's first.
+    """
     current, line, grouped, pending = None, 0, False, []
     chain: tuple[int, ...] = ()
-    for row in sass.stdout.splitlines():
+    levels: list[int] = []
+    for row in listing.splitlines():
         if row.startswith("\t.section\t.text."):
             current = kernels.get(row.split(".text.")[1].split(",")[0])
             continue
         if current is None:
             continue
         if "//## File" in row:
-            if not grouped:  # a group of locations, the innermost first, then each place it was inlined at
-                # (only the translation unit's lines: CUDA's own headers -- atomicOr, __shfl_up_sync -- have
-                # lines of their own)
-                chain = tuple(int(n) for f, n in re.findall(r'"([^"]+)", line (\d+)', row)
-                              if Path(f).name == unit.name) or (0,)  # fmt: skip
-                line = chain[0]
+            found = [(Path(f).name == unit_name, int(n)) for f, n in re.findall(r'"([^"]+)", line (\d+)', row)]
+            if not grouped:
+                levels = []
+            levels += [n for ours, n in (found[1:] if grouped else found) if ours]  # (a later row's first place:
+            # the row before's "inlined at")
+            chain = tuple(levels) or (0,)
+            line = chain[0]
             grouped = True
             continue
         grouped = False
@@ -184,7 +200,6 @@ def _build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[
                 body = [t for a, t, _ in kern.instrs if a >= start]
                 kern.routines[name] = next((i + 1 for i, t in enumerate(body) if re.match(r"(@\S+\s+)?RET\b", t)),
                                            len(body))  # fmt: skip
-    return kernels, text.splitlines()
 
 
 def loops(kernel: Kernel, source: list[str]) -> list[tuple[int, int, int, tuple]]:
@@ -244,8 +259,9 @@ OTHER_MEMBERS = frozenset({"codec_zvc.h", "codec_fpx.h", "codec_bpc.h", "codec_a
 #: comment that opens them: they run on that share of the steps (the lane simulation's), not every step
 RARE_BLOCKS = ("} else {  // ESC with its symbol, or not a code", "} else {  // one code: ESC with its symbol")
 #: code of the serial layout (tables of format 1 and 2), by its opening line: not run on what fits make now
-SERIAL_BLOCKS = ("} else {  // the serial layout: tables of format 1, 2", "BUDDY_HD uint32_t put(uint32_t* stream",
-                 "BUDDY_HD uint32_t walk_serial(", "BUDDY_WARP_FN uint32_t decode_serial(")  # fmt: skip
+SERIAL_BLOCKS = ("BUDDY_WARP_FN void encode_serial(", "BUDDY_HD uint32_t put(uint32_t* stream",
+                 "BUDDY_HD uint32_t walk_serial(", "BUDDY_WARP_FN uint32_t decode_serial(",
+                 "} else {  // a split table of another b")  # fmt: skip
 
 
 def block_lines(source: list[str], openings=RARE_BLOCKS) -> set[int]:
@@ -268,7 +284,7 @@ def block_lines(source: list[str], openings=RARE_BLOCKS) -> set[int]:
 #: the loop are the iterations that copy's body does at once (its unroll)
 ANCHORS = {
     "unit_words": r"const uint32_t c = table->enc\[sym\];",  # fpe's encode: a word's code from the table
-    "fpx_words": r"return i < words \? buddy_load<word_t>\(entry_bytes \+ i \* WB\)",  # fpx's word_at: the word
+    "fpx_words": r"const buddy_u128 unit = buddy_load<buddy_u128>\(entry_bytes \+ 16u \* u\);",  # fpx's unit
 }
 
 
@@ -374,6 +390,13 @@ def per_entry(kernel: Kernel, source: list[str], trips: dict[str, float], skip=f
             parts[key] = parts.get(key, 0.0) + n
             parts[(key, "sass")] = parts.get((key, "sass"), 0) + (n > 0)
     return total, sorted(unknown)
+
+
+def fpx_block(word: int) -> int:
+    """Units (16 bytes) a lane of fpx's choice histograms before it sums its fields (codec_fpx.h, ``block``):
+    fields of ``64 // (e + 2)`` bits, each counting at most its largest value of words."""
+    e = {1: 4, 2: 8, 4: 8, 8: 11}[word]
+    return ((1 << (64 // (e + 2))) - 1) // (16 // word)
 
 
 def occupancy(regs: int, smem_block: int, threads: int) -> int:
@@ -494,11 +517,10 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
             blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1, codec)
         else:
             blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1 << 20, codec)
-        words32 = entry_bytes // word / 32
         trips = {"grid": 1.0, "one": 1.0, "rounds16": units, "serial_words": 0.0, "fill8": 0.0, "none": 0.0,
                  "units": units, "gather": math.ceil(2 * k / 32), "payload": math.ceil(2 * k / 32),
-                 "unit_words": units * 16 // word, "bpc_chunks": sim["bpc_chunks"], "fpx_words": words32,
-                 "fpx_blocks": math.ceil(words32 / 15),
+                 "unit_words": units * 16 // word, "bpc_chunks": sim["bpc_chunks"], "fpx_words": units,
+                 "fpx_blocks": math.ceil(units / fpx_block(word)),
                  "bits_after": 0.0}  # fmt: skip
         if op == "unpack":  # a coded entry of the split layout: its gather (k sectors), zero fill, copy out
             trips |= {key: sim[key] for key in ("passes", "rounds", "find", "resync", "warm", "emit_steps",
@@ -666,7 +688,7 @@ def render(rows, sims, totals, fit, args, machine: str) -> str:
 
 SHORT = """By these counts every kernel but count is issue-bound (memory would allow 1.9-3.3 TB/s of input). The
 first GPU run (an H200, "Measured on a GPU" below) says more: the instructions counted here are 1.0-1.7 times
-those run (an upper bound, as meant), but unpack ran at 277 / 116 GB/s, not 583 / 390: it issues in about a
+those run (an upper bound, as meant), but unpack ran at 277 / 116 GB/s, not the 583 / 390 estimated then: it issues in about a
 quarter of the scheduler slots (its warps wait on dependent loads, 16-21 warps an SM where 24 fit), so the
 decode walks are bound by latency, and more warps in flight or shorter chains pay before fewer instructions;
 measure and pack came within 3-21 % of the estimate; count ran 5-7 times the instructions counted (a block
@@ -676,17 +698,28 @@ stepped over twice (the find walk, then the emit walk that writes it) after a wa
 of the payload, one or two table lookups and the bookkeeping of the lanes' spans. Measure: auto2 sizes every
 entry with all four members; bpc's bit-plane transpose was about half of it (measured on the H200) until bpc
 stopped once it cannot win (`measure_below`, not yet run on a GPU: the measure figures above count it, with the
-chunks it steps from the simulation below the decoder's table). Pack: fpe's codes and tails ORed
-into shared memory a field at a time. Nothing learned: the fit, one warp's serial work (ranking 257 leaves,
+chunks it steps from the simulation below the decoder's table), and fpx's choice read the entry a word a lane
+a round in each of its two passes, 4-byte or 2-byte loads, after zvc had counted the non-zero words in a pass of its
+own. Pack: fpe's codes and tails, two shared-memory ORs a field. Nothing learned: the fit, one warp's serial work (ranking 257 leaves,
 an 11-pass radix select, two Huffman builds), takes about as long as the rest of a 256 MiB compress.
 Done so far: multi-code steps, a 128-bit warm-up and a 32-bit record of code starts (0.2-0.3 resynchronizing
 rounds a pass), the walks' 32-bit reads without bounds (DECODE_PAD zeros after the payload), a step's first code
 written from the row loaded beside its multi row, the tails' bounds checked once a lane, encode fields without
-branches and computed once, the fit's radix select by 4-bit digits, bpc's early stop in auto2's measure.
+branches and computed once, the fit's radix select by 4-bit digits, bpc's early stop in auto2's measure;
+fpx's two passes over 16-byte loads, its histogram in fields as wide as its word size allows (one suffix sum per 7
+or 15 units, not per 15 words), zvc's size from fpx's first pass (auto's and auto2's measure 3,105 -> 2,427
+instructions an entry for float32, 4,672 -> 3,220 for bfloat16); pack's fields through 64-bit buffers, a
+shared-memory OR per 32 bits of codes or tails, not two a field, and the split layout's b a constant (pack 3,626 ->
+3,352 instructions an entry for float32, 6,659 -> 6,249 for bfloat16, counted alike). The count itself was corrected:
+it now reads every place an instruction is inlined at, where it read the two innermost, so an intrinsic's
+instructions (atomicOr's) inside the serial layout's code are no longer charged to pack (on the same sources,
+pack 4,969 -> 3,626 instructions an entry for float32, 8,191 -> 6,659 for bfloat16; unpack 6,514 -> 6,239 and
+9,743 -> 9,100).
 Next, by the parts table: one walk instead of two, the find walk keeping each code's symbol in shared memory (by
 the lane simulation a lane finds 34 codes on average for 32 float32 words and 72 for 64 bfloat16 words: room for
 twice a lane's words, 4 KiB and 8 KiB more a warp, leaves a lane over it in 11 % and 3 % of the passes, which
-would walk again); fpx's two passes in auto2's measure (about a third of it now); a fit of more warps; and counting the code outside loops on the path it takes instead of
+would walk again); pack's fields (a word's code from the table and its selects: about 37 instructions a bfloat16
+word); a fit of more warps; and counting the code outside loops on the path it takes instead of
 every branch (ncu below)."""
 
 NCU = """## Checking it on a GPU

@@ -310,7 +310,7 @@ MUTATIONS = [
         "fpe encode: no warp.sync() between zeroing the payload and ORing the fields in", "codec_fpe.h",
         "    buddy_warp_fill(warp, nullptr, payload, k * BUDDY_SECTOR_BYTES);\n    warp.sync();\n",
         "    buddy_warp_fill(warp, nullptr, payload, k * BUDDY_SECTOR_BYTES);\n", "fpe", "tsan", "race",
-        (("buddy_bits.h", "buddy_put"), ("buddy_warp.h", "buddy_warp_fill")),
+        (("codec_fpe.h", "put_unit"), ("buddy_warp.h", "buddy_warp_fill")),
     ),
     Mutation(
         "fpe decode (split layout): no warp.sync() between zeroing the output and the lanes writing words",

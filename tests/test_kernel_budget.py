@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.kernel_budget import Kernel, per_entry
+from experiments.kernel_budget import Kernel, per_entry, read_listing
 
 SOURCE = [
     "for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride()) {",  # 1: the grid
     "  const uint32_t c = table->enc[sym];",  # 2: the unit_words loop's anchor
     "  for (uint32_t i = 0; i < unit_words; ++i) {",  # 3
     "  x = y;",  # 4
-    "  } else {  // the serial layout: tables of format 1, 2 (fits make format 3)",  # 5
+    "  BUDDY_WARP_FN void encode_serial(const Warp& warp, uint32_t* stream) const {",  # 5: the serial layout's
     "    z = w;",  # 6
     "  }",  # 7
 ]
@@ -105,3 +105,31 @@ def test_bpc_stops_only_where_it_cannot_win(dtype):
     assert stopped > len(sizes)  # the rule does stop (most noisy entries, at every limit)
     noise = torch.randint(0, 256, (e,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     assert bpc_chunks_stepped(noise.numpy(), word, 256 * 7 + 1) <= 2
+
+
+LISTING = """\t.section\t.text.k,"ax",@progbits
+\t//## File "/x/kernels.cu", line 40 inlined at "/x/kernels.cu", line 30
+\t//## File "/x/kernels.cu", line 30 inlined at "/x/kernels.cu", line 20
+\t//## File "/x/kernels.cu", line 20
+        /*0000*/                   IMAD R1, R2, 0x4, R3 ;
+\t//## File "/cuda/include/device_atomic_functions.hpp", line 187 inlined at "/x/kernels.cu", line 9
+\t//## File "/x/kernels.cu", line 9 inlined at "/x/kernels.cu", line 41
+\t//## File "/x/kernels.cu", line 41 inlined at "/x/kernels.cu", line 30
+\t//## File "/x/kernels.cu", line 30 inlined at "/x/kernels.cu", line 20
+\t//## File "/x/kernels.cu", line 20
+        /*0010*/                   ATOMS.OR RZ, [R1], R4 ;
+.L_x_1:
+\t//## File "/x/kernels.cu", line 20
+        /*0020*/                   BRA `(.L_x_1) ;
+"""
+
+
+def test_an_instruction_is_charged_to_every_place_it_is_inlined_at():
+    # the atomic's innermost place is CUDA's header: its chain is still every line of the translation unit that
+    # holds it, so a block around line 30 or 41 (the serial layout's, say) covers it
+    kernels = {"k": Kernel("k")}
+    read_listing(LISTING, kernels, "kernels.cu")
+    k = kernels["k"]
+    assert [(a, line) for a, _, line in k.instrs] == [(0x00, 40), (0x10, 9), (0x20, 20)]
+    assert k.chains == {0x00: (40, 30, 20), 0x10: (9, 41, 30, 20), 0x20: (20,)}
+    assert k.labels == {".L_x_1": 0x20}
