@@ -77,6 +77,14 @@ struct alignas(16) buddy_u128 {
   uint64_t lo, hi;
 };
 
+// Word i (0 .. 16 / sizeof(W) - 1) of a 16-byte unit, little endian.
+template <class W>
+BUDDY_HD W buddy_unit_word(buddy_u128 unit, uint32_t i) {
+  constexpr uint32_t half = 8u / sizeof(W);  // words per 8 bytes
+  const uint64_t v = i < half ? unit.lo : unit.hi;
+  return (W)(v >> (8u * sizeof(W) * (i % half)));
+}
+
 // Whether p and q are both 16-byte aligned (16-byte loads and stores may be used).
 BUDDY_HD bool buddy_aligned16(const void* p, const void* q) {
   return (((unsigned long long)p | (unsigned long long)q) & 15u) == 0;

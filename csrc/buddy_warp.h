@@ -59,6 +59,17 @@ BUDDY_WARP_FN uint32_t buddy_warp_exclusive_scan(const Warp& warp, uint32_t v, u
   return x - v;
 }
 
+// The 16 bytes a lane holds in round r of a warp's tiling of an entry of `units` 16-byte units (lane l of round r:
+// unit 32 r + l); *valid: whether that unit is inside the entry (zeros if not).
+template <class Warp>
+BUDDY_WARP_FN buddy_u128 buddy_round_unit(const Warp& warp, const uint8_t* entry_bytes, uint32_t units, uint32_t r,
+                                          bool* valid) {
+  const uint32_t u = r * BUDDY_WARP_SIZE + warp.lane();
+  *valid = units % BUDDY_WARP_SIZE == 0 || u < units;  // (always, at E >= 512: one path)
+  const buddy_u128 zero = {0, 0};
+  return *valid ? buddy_load<buddy_u128>(entry_bytes + 16u * u) : zero;
+}
+
 // Copies n bytes (src) or writes n zeros (src == nullptr); n is a multiple of
 // 8 and both pointers are 8-byte aligned. 16 bytes per lane load and store
 // where n and both pointers allow it (sectors are 32 bytes, the buffers'

@@ -264,11 +264,7 @@ struct BuddyFpe {
   }
 
   // Word i (0 .. 16 / WB - 1) of a 16-byte unit.
-  static BUDDY_HD word_t unit_word(buddy_u128 unit, uint32_t i) {
-    const uint32_t half = 8u / WB;  // words per 8 bytes
-    const uint64_t v = i < half ? unit.lo : unit.hi;
-    return (word_t)(v >> (8u * WB * (i % half)));
-  }
+  static BUDDY_HD word_t unit_word(buddy_u128 unit, uint32_t i) { return buddy_unit_word<word_t>(unit, i); }
 
   // Code bits and tails of the words of a 16-byte unit.
   BUDDY_HD void unit_bits(buddy_u128 unit, Specials sp, uint32_t* head_bits, uint32_t* tails) const {
@@ -313,10 +309,11 @@ struct BuddyFpe {
     const Specials sp = specials();
     uint32_t head = 0, tails = 0;
     for (uint32_t r = 0; r < rounds; ++r) {
-      const uint32_t u = r * BUDDY_WARP_SIZE + warp.lane();
-      if (units % BUDDY_WARP_SIZE == 0 || u < units) {  // (always, at E >= 512: one path)
+      bool valid;
+      const buddy_u128 unit = buddy_round_unit(warp, entry_bytes, units, r, &valid);
+      if (valid) {
         uint32_t h, z;
-        unit_bits(buddy_load<buddy_u128>(entry_bytes + 16u * u), sp, &h, &z);
+        unit_bits(unit, sp, &h, &z);
         head += h;
         tails += z;
       }
@@ -495,15 +492,6 @@ struct BuddyFpe {
     }
   }
 
-  // The 16-byte unit a lane holds in round r of encode (*valid: whether it is inside the entry; zeros if not).
-  template <class Warp>
-  static BUDDY_WARP_FN buddy_u128 round_unit(const Warp& warp, const uint8_t* entry_bytes, uint32_t r, bool* valid) {
-    const uint32_t u = r * BUDDY_WARP_SIZE + warp.lane();
-    *valid = units % BUDDY_WARP_SIZE == 0 || u < units;  // (always, at E >= 512: one path)
-    const buddy_u128 zero = {0, 0};
-    return *valid ? buddy_load<buddy_u128>(entry_bytes + 16u * u) : zero;
-  }
-
   // The serial layout's encode by a warp (tables of format 1, 2; fits make format 3).
   template <class Warp>
   BUDDY_WARP_FN void encode_serial(const Warp& warp, const uint8_t* entry_bytes, uint32_t* stream,
@@ -511,7 +499,7 @@ struct BuddyFpe {
     uint32_t base = 0;  // bits of earlier rounds
     for (uint32_t r = 0; r < rounds; ++r) {
       bool valid;
-      const buddy_u128 unit = round_unit(warp, entry_bytes, r, &valid);
+      const buddy_u128 unit = buddy_round_unit(warp, entry_bytes, units, r, &valid);
       uint32_t h = 0, z = 0, total;
       if (valid) unit_bits(unit, sp, &h, &z);
       uint32_t pos = base + buddy_warp_exclusive_scan(warp, h + z * tail_bits(), &total);
@@ -530,7 +518,7 @@ struct BuddyFpe {
     uint32_t base = 0, tails = 0;  // code bits and tails of earlier rounds
     for (uint32_t r = 0; r < rounds; ++r) {
       bool valid;
-      const buddy_u128 unit = round_unit(warp, entry_bytes, r, &valid);
+      const buddy_u128 unit = buddy_round_unit(warp, entry_bytes, units, r, &valid);
       uint32_t h = 0, z = 0, total;
       // each word's field once (registers: head < 2^24 | its bits << 24 | a tail follows << 31)
       uint32_t packed[unit_words];

@@ -114,13 +114,6 @@ struct BuddyFpx {
     return i < words ? buddy_load<word_t>(entry_bytes + i * WB) : (word_t)0;
   }
 
-  // Word i (0 .. 16 / WB - 1) of a 16-byte unit.
-  static BUDDY_HD word_t unit_word(buddy_u128 unit, uint32_t i) {
-    const uint32_t half = 8u / WB;  // words per 8 bytes
-    const uint64_t v = i < half ? unit.lo : unit.hi;
-    return (word_t)(v >> (8u * WB * (i % half)));
-  }
-
   // Lanes below this one.
   template <class Warp>
   static BUDDY_WARP_FN uint32_t below(const Warp& warp) {
@@ -158,16 +151,15 @@ struct BuddyFpx {
 #else
     // Both passes read the entry 16 bytes a lane at a time (lane l: units l, l + 32, ...): a maximum and counts
     // do not depend on which lane holds which word.
-    const uint32_t lane = warp.lane();
     uint32_t top = 0, nz = 0;
     BUDDY_FPX_ROLLED
     for (uint32_t r = 0; r < unit_rounds; ++r) {
-      const uint32_t u = r * BUDDY_WARP_SIZE + lane;
-      if (units % BUDDY_WARP_SIZE == 0 || u < units) {  // (always, at E >= 512: one path)
-        const buddy_u128 unit = buddy_load<buddy_u128>(entry_bytes + 16u * u);
+      bool valid;
+      const buddy_u128 unit = buddy_round_unit(warp, entry_bytes, units, r, &valid);
+      if (valid) {
         BUDDY_FPX_UNROLL
         for (uint32_t i = 0; i < unit_words; ++i) {
-          const word_t x = unit_word(unit, i);
+          const word_t x = buddy_unit_word<word_t>(unit, i);
           top = buddy_max(top, exponent(x));
           nz += x != 0;
         }
@@ -196,7 +188,6 @@ struct BuddyFpx {
     }
     return pick(census.emax, census.nnz, [&](uint32_t b) { return esc[b]; });
 #else
-    const uint32_t lane = warp.lane();
     // pass 2: the non-zero words that escape at each code width b. With
     // v = emax - x + 1 (0 for a zero word: those are counted apart) a word
     // escapes at b iff v >= 2^b, i.e. iff bit_length(v) > b (never at
@@ -219,12 +210,12 @@ struct BuddyFpx {
       const uint32_t r1 = buddy_min(r0 + block, unit_rounds);
       BUDDY_FPX_ROLLED
       for (uint32_t r = r0; r < r1; ++r) {
-        const uint32_t u = r * BUDDY_WARP_SIZE + lane;
-        if (units % BUDDY_WARP_SIZE == 0 || u < units) {
-          const buddy_u128 unit = buddy_load<buddy_u128>(entry_bytes + 16u * u);
+        bool valid;
+        const buddy_u128 unit = buddy_round_unit(warp, entry_bytes, units, r, &valid);
+        if (valid) {
           BUDDY_FPX_UNROLL
           for (uint32_t i = 0; i < unit_words; ++i) {
-            const word_t x = unit_word(unit, i);
+            const word_t x = buddy_unit_word<word_t>(unit, i);
             const uint32_t v = x != 0 ? census.emax - exponent(x) + 1u : 0u;
             hist += (uint64_t)1 << (F * buddy_bit_length(v));
           }
