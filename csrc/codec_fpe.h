@@ -137,6 +137,7 @@ struct BuddyFpe {
   static constexpr uint32_t rounds = (units + BUDDY_WARP_SIZE - 1u) / BUDDY_WARP_SIZE;
   // The split layout's decoder: no span shorter than this many bits; resynchronizing rounds at most.
   static constexpr uint32_t min_span = 64u;
+  static_assert(min_span > BUDDY_FPE_CODE_BITS, "walk: limit - 12 does not wrap");
   static constexpr uint32_t window = 32u;     // bits of a span whose code starts a lane records
   static constexpr uint32_t overshoot = 32u;  // the first pass covers the estimated C and 1/32 more
   static constexpr uint32_t warmup = 128u;    // a lane decodes this many bits before its span to fall in step
@@ -582,57 +583,91 @@ struct BuddyFpe {
   // Steps from pos over the codes of the code section that start before `limit`, recording them in sp, until
   // it meets a code start the lane recorded before (bit i of `merge`: a start at merge_at + i; 0: none).
   // Returns where it stopped: a code start at or past the limit, the start it met, or `never` at a code the
-  // table lacks.
+  // table lacks. In three loops, each a step a lookup: the span's first bits (its starts recorded, and those
+  // recorded before met), the steps that end before the limit (no code of the next lane's to cut, nothing to
+  // record or meet: most steps), and the last steps before the limit.
   BUDDY_HD uint32_t walk(const uint8_t* payload, BuddyFpeSpan& sp, uint32_t pos, uint32_t limit,
                          uint32_t merge_at, uint32_t merge) const {
-    while (pos < limit) {
+    const uint32_t early = (merge ? buddy_max(sp.start, merge_at) : sp.start) + window;  // (a start met: before)
+    // (`never`, a code the table lacks, ends every loop: limit >= min_span > 12)
+    while (pos < limit && pos < early) {  // the first bits: every check
       const uint32_t d = pos - merge_at;  // (wraps when pos < merge_at)
-      if (d < window && (merge >> d) & 1u) break;
-      const uint32_t bits = buddy_peek32_padded(payload, pos);
-      const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
-      uint32_t starts, tails, step;
-      if (row) {  // the codes inside the next 12 bits at once
-        starts = row & 0xFFFu;
-        tails = (row >> 12) & 0xFFFu;
-        step = row >> 24;
-        // codes from the limit on are the next lane's (a start the walk meets inside a step is not looked
-        // for: the decodes agree from there on, so the step's end is a recorded start too, or past them)
-        const uint32_t cut = limit - pos < step ? starts & ~((1u << (limit - pos)) - 1u) : 0u;
-        if (cut) {
-          step = buddy_ctz(cut);
-          starts &= (1u << step) - 1u;
-          tails &= starts;
-        }
-      } else {  // ESC with its symbol, or not a code
-        const uint32_t one = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
-        const uint32_t len = one >> 16, sym = one & 0xFFFFu;
-        if (len == 0) return never;
-        starts = 1u;
-        tails = sym != (1u << sym_bits);  // not ZERO
-        step = len + (sym == (1u << sym_bits) + 1u ? sym_bits : 0u);  // ESC: its symbol follows
-      }
-      const uint32_t off = pos - sp.start;
-      if (off < window) sp.marks |= starts << off;
-      sp.counts += buddy_popc(starts) | buddy_popc(tails) << 16;
-      pos += step;
+      if (d < window && (merge >> d) & 1u) return pos;
+      pos = step<true>(buddy_peek32_padded(payload, pos), sp, pos, limit);
+    }
+    while (pos <= limit - BUDDY_FPE_CODE_BITS) {  // the middle: a step's codes all start before the limit
+      pos = step<false>(buddy_peek32_padded(payload, pos), sp, pos, limit);
+    }
+    while (pos < limit) {  // the last bits: a step cut at the limit
+      pos = step<true>(buddy_peek32_padded(payload, pos), sp, pos, limit);
     }
     return pos;
+  }
+
+  // A walk's step at pos (`bits`: the 32 stream bits there): the codes in the next 12 bits (a multi row: a run
+  // of 1-bit ZERO codes is one step), or ESC with its symbol, added to sp's counts; where the next step starts,
+  // or `never` at a code the table lacks. EDGE: the codes from the limit on are cut (the next lane's), and
+  // those in the span's first `window` bits are recorded.
+  template <bool EDGE>
+  BUDDY_HD uint32_t step(uint32_t bits, BuddyFpeSpan& sp, uint32_t pos, uint32_t limit) const {
+    const uint32_t row = table->multi[bits & (BUDDY_FPE_ROWS - 1u)];
+    uint32_t starts, tails, took;
+    if (row) {  // the codes inside the next 12 bits at once
+      starts = row & 0xFFFu;
+      tails = (row >> 12) & 0xFFFu;
+      took = row >> 24;
+      if constexpr (EDGE) {
+        // codes from the limit on are the next lane's (a start the walk meets inside a step is not looked
+        // for: the decodes agree from there on, so the step's end is a recorded start too, or past them)
+        const uint32_t cut = limit - pos < took ? starts & ~((1u << (limit - pos)) - 1u) : 0u;
+        if (cut) {
+          took = buddy_ctz(cut);
+          starts &= (1u << took) - 1u;
+          tails &= starts;
+        }
+      }
+    } else {  // ESC with its symbol, or not a code
+      const uint32_t one = table->dec[bits & (BUDDY_FPE_ROWS - 1u)];
+      const uint32_t len = one >> 16, sym = one & 0xFFFFu;
+      if (len == 0) return never;
+      starts = 1u;
+      tails = sym != (1u << sym_bits);  // not ZERO
+      took = len + (sym == (1u << sym_bits) + 1u ? sym_bits : 0u);  // ESC: its symbol follows
+    }
+    if constexpr (EDGE) {
+      const uint32_t off = pos - sp.start;
+      if (off < window) sp.marks |= starts << off;
+    }
+    sp.counts += buddy_popc(starts) | buddy_popc(tails) << 16;
+    return pos + took;
   }
 
   // Where a lane whose span starts at `guess` starts: the first code start at or past it of a decode from
   // `warmup` bits before it (not before `base`, the pass's true start) -- a prefix code falls in step within a
   // few codes, so this is nearly always the true end of the lane before, and the lane need not decode again.
-  // `guess` itself if that decode meets a code the table lacks.
+  // `guess` itself if that decode meets a code the table lacks. Two loops: the steps that end before the guess,
+  // then the last (a step that crosses it stops at its first code start past it).
   BUDDY_HD uint32_t warm_up(const uint8_t* payload, uint32_t guess, uint32_t base) const {
     uint32_t pos = guess - base > warmup ? guess - warmup : base;
+    while (pos + BUDDY_FPE_CODE_BITS <= guess) {
+      const uint32_t bits = buddy_peek32_padded(payload, pos);
+      const uint32_t row = table->multi[bits & (BUDDY_FPE_ROWS - 1u)];
+      if (row) {
+        pos += row >> 24;
+      } else {  // ESC with its symbol, or not a code
+        const uint32_t one = table->dec[bits & (BUDDY_FPE_ROWS - 1u)];
+        if ((one >> 16) == 0) return guess;
+        pos += (one >> 16) + ((one & 0xFFFFu) == esc_sym() ? sym_bits : 0u);
+      }
+    }
     while (pos < guess) {
       const uint32_t bits = buddy_peek32_padded(payload, pos);
-      const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+      const uint32_t row = table->multi[bits & (BUDDY_FPE_ROWS - 1u)];
       if (row) {
         const uint32_t ahead = guess - pos < (row >> 24) ? (row & 0xFFFu) & ~((1u << (guess - pos)) - 1u) : 0u;
         pos += ahead ? buddy_ctz(ahead) : row >> 24;  // the first start at or past the guess, if in this step
-      } else {
-        const uint32_t one = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+      } else {  // ESC with its symbol, or not a code
+        const uint32_t one = table->dec[bits & (BUDDY_FPE_ROWS - 1u)];
         if ((one >> 16) == 0) return guess;
         pos += (one >> 16) + ((one & 0xFFFFu) == esc_sym() ? sym_bits : 0u);
       }

@@ -56,6 +56,10 @@ WINDOW = 32
 WARMUP = 128
 #: no span is shorter (bits), and none longer (a lane's counts fit 16 bits)
 MIN_SPAN, MAX_SPAN = 64, 0x7FFF
+#: the bits a step looks at: a step from ``pos`` cuts no code at a limit ``pos + CODE_BITS`` or later
+CODE_BITS = 12
+#: a walk's three loops (csrc/codec_fpe.h, ``walk``): the span's first WINDOW bits, the middle, the last steps
+PHASES = ("head", "mid", "tail")
 
 
 def _bits(row: np.ndarray, nbits: int) -> np.ndarray:
@@ -91,6 +95,8 @@ class _Lane:
         self.step, self.zero, self.multi, self.limit, self.use_multi = step, zero, multi, limit, use_multi
         self.start, self.n, self.tails, self.starts, self.tail_starts = start, 0, 0, 0, 0
         self.steps = 0  # steps taken in the latest round
+        self.phase_steps = dict.fromkeys(PHASES, 0)  # of them, in each of the walk's loops
+        self.early = start + WINDOW  # the walk's first loop: before this
         self.singles = 0  # of them, steps over one code alone (ESC with its symbol)
         self.rest = 0  # codes with tails after a step's first code (the emit walk's inner loop)
         self.end, self.invalid = self._walk(start, lambda pos: False)
@@ -101,6 +107,8 @@ class _Lane:
         A step takes every code wholly inside the next 12 bits (:func:`multi_rows`), or one ESC with its symbol.
         """
         while pos < self.limit and not merged(pos):
+            phase = "head" if pos < self.early else "mid" if pos + CODE_BITS <= self.limit else "tail"
+            self.phase_steps[phase] += 1
             row = int(self.multi[pos]) if self.use_multi else 0
             if row:
                 starts, tails, bits = row & 0xFFF, row >> 12 & 0xFFF, row >> 24
@@ -133,7 +141,9 @@ class _Lane:
         """Decodes again from ``true_start`` (the true end of the lane before) until it meets a code start
         this lane recorded -- from there on its decode is the true one -- or to its limit."""
         self.steps = 0
+        self.phase_steps = dict.fromkeys(PHASES, 0)
         old = (self.start, self.starts, self.tail_starts, self.n, self.tails, self.end, self.invalid)
+        self.early = max(true_start, old[0]) + WINDOW
 
         def merged(pos: int) -> bool:
             return 0 <= pos - old[0] < WINDOW and bool((old[1] >> (pos - old[0])) & 1)
@@ -154,23 +164,34 @@ class _Lane:
         self.end, self.invalid = old[5], old[6]
 
 
-def _warm_up(step: list, base: int, starts: list[int]) -> list[int]:
+def _warm_up(step: list, multi: list, base: int, starts: list[int], use_multi: bool = True) -> dict[str, list[int]]:
     """Moves each lane's start but the first to its first code start in its span, found by a decode from
-    :data:`WARMUP` bits before the span (``starts`` changes in place); returns the steps each lane took."""
-    warm = [0] * LANES
+    :data:`WARMUP` bits before the span (``starts`` changes in place); returns the steps each lane took in
+    each of the warm-up's two loops (csrc/codec_fpe.h, ``warm_up``): "mid", the steps that end before its
+    span, and "tail", the last."""
+    warm = {"mid": [0] * LANES, "tail": [0] * LANES}
     for j in range(1, LANES):
-        pos = max(base, starts[j] - WARMUP)
-        while pos < starts[j] and step[pos]:
-            pos += int(step[pos])
-            warm[j] += 1
-        starts[j] = pos if pos >= starts[j] or step[pos] else starts[j]  # (no read past the stream)
+        guess = starts[j]
+        pos = max(base, guess - WARMUP)
+        while pos < guess:
+            warm["mid" if pos + CODE_BITS <= guess else "tail"][j] += 1
+            row = int(multi[pos]) if use_multi else 0
+            if row:  # a step of a multi row, stopped at its first code start at or past the guess
+                ahead = (row & 0xFFF) & ~((1 << (guess - pos)) - 1) if guess - pos < row >> 24 else 0
+                pos += (ahead & -ahead).bit_length() - 1 if ahead else row >> 24
+            elif step[pos]:
+                pos += int(step[pos])
+            else:  # a code the table lacks: the lane starts at the guess
+                pos = guess
+        starts[j] = pos
     return warm
 
 
-def _resync(lanes: list[_Lane], base: int) -> tuple[int, int]:
+def _resync(lanes: list[_Lane], base: int) -> tuple[int, dict[str, int]]:
     """A lane whose start is not the true end of the lane before decodes again from it, round after round,
-    until none is left; returns the rounds and their find steps (per round the most steps any lane took)."""
-    rounds = steps = 0
+    until none is left; returns the rounds and their steps in each of the walk's loops (:data:`PHASES`; per
+    round and loop the most steps any lane took)."""
+    rounds, steps = 0, dict.fromkeys(PHASES, 0)
     while True:
         ends = [base] + [lane.end for lane in lanes[:-1]]
         dead = [False] + [lane.invalid for lane in lanes[:-1]]
@@ -180,7 +201,8 @@ def _resync(lanes: list[_Lane], base: int) -> tuple[int, int]:
         rounds += 1
         for i in redo:  # in lockstep, from the ends the lanes before had at the start of the round
             lanes[i].resync(ends[i])
-        steps += max(lanes[i].steps for i in redo)
+        for phase in PHASES:
+            steps[phase] += max(lanes[i].phase_steps[phase] for i in redo)
 
 
 def _emit_work(lanes: list[_Lane], step, zero, multi, *, done: int, n_words: int, use_multi: bool):
@@ -207,32 +229,38 @@ def simulate_entry(payload_row: np.ndarray, k: int, n_words: int, table: fpe.Tab
     passes, the resynchronizing rounds, the warp's find steps (per round the
     most steps any lane takes) and emit work (per pass the most steps plus
     tails any lane takes from its true start; and the most steps, the most
-    tails), and the estimate of ``C``.
+    tails), and the estimate of ``C``. The find steps are counted per loop of
+    the kernel's (the warm-up's two, the walk's three: :data:`PHASES`), a
+    warp running each as long as its slowest lane: ``warm_mid``,
+    ``warm_tail``, ``find_head``, ``find_mid``, ``find_tail`` and the
+    ``resync_`` ones; ``warm``, ``resync`` and ``find`` (all of them) sum them.
     """
     end = 256 * k
     bits = _bits(payload_row, end)
     step, zero, multi = _steps(bits, table)
     step, zero, multi = step.tolist(), zero.tolist(), multi.tolist()
     estimate = fpe.code_section_estimate(k, n_words, table.tail_bits, table.span_model)
-    base, done, passes, rounds, find, emit, emit_steps, emit_tails, emit_rest, resync = 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
-    steps = singles = warm_steps = 0
+    base, done, passes, rounds, emit, emit_steps, emit_tails, emit_rest = 0, 0, 0, 0, 0, 0, 0, 0
+    steps = singles = 0
+    loops = dict.fromkeys(("warm_mid", "warm_tail", *(f"{w}_{p}" for w in ("find", "resync") for p in PHASES)), 0)
     remaining_bits = estimate + (estimate // overshoot if overshoot else 0)
     while done < n_words:
         passes += 1
         span = min(MAX_SPAN, max(MIN_SPAN, -(-remaining_bits // LANES)))
         limits = [min(base + (lane + 1) * span, end) for lane in range(LANES)]
         starts = [min(base + lane * span, end) for lane in range(LANES)]
-        warm = _warm_up(step, base, starts)
+        warm_steps = _warm_up(step, multi, base, starts, use_multi)
         lanes = [_Lane(step, zero, multi, starts[lane], limits[lane], use_multi) for lane in range(LANES)]
-        find += max(warm)
-        warm_steps += max(warm)
+        for phase, counts in warm_steps.items():
+            loops[f"warm_{phase}"] += max(counts)
         steps += sum(lane.steps for lane in lanes)
         singles += sum(lane.singles for lane in lanes)
-        find += max(lane.steps for lane in lanes)
+        for phase in PHASES:
+            loops[f"find_{phase}"] += max(lane.phase_steps[phase] for lane in lanes)
         more_rounds, round_steps = _resync(lanes, base)
         rounds += more_rounds
-        find += round_steps
-        resync += round_steps
+        for phase, n in round_steps.items():
+            loops[f"resync_{phase}"] += n
         work, done = _emit_work(lanes, step, zero, multi, done=done, n_words=n_words, use_multi=use_multi)
         emit += max(a + b for a, b, _ in work)
         emit_steps += max(a for a, _, _ in work)
@@ -241,9 +269,12 @@ def simulate_entry(payload_row: np.ndarray, k: int, n_words: int, table: fpe.Tab
         if done < n_words:
             base = lanes[-1].end
             remaining_bits = max(1, (n_words - done) * base // max(1, done))
+    warm = loops["warm_mid"] + loops["warm_tail"]
+    resync = sum(loops[f"resync_{phase}"] for phase in PHASES)
+    find = warm + resync + sum(loops[f"find_{phase}"] for phase in PHASES)
     return {"passes": passes, "rounds": rounds, "find": find, "emit": emit, "emit_steps": emit_steps,
             "emit_tails": emit_tails, "emit_rest": emit_rest, "estimate": estimate, "single": singles / max(1, steps),
-            "resync": resync, "warm": warm_steps}
+            "resync": resync, "warm": warm} | loops
 
 
 def layout_bits(analysis, entry_bytes: int) -> dict[str, torch.Tensor]:

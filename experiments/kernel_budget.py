@@ -80,9 +80,15 @@ TENSOR_BYTES = 256 << 20
 #: fixed costs: a kernel launch, the one device-to-host read of a compress (histogram and fitted table)
 LAUNCH_US, READBACK_US = 4.0, 15.0
 
+#: the split layout's find loops (experiments.fpe_lanes: a warp's steps in each, per entry)
+FIND_LOOPS = ("warm_mid", "warm_tail", "find_head", "find_mid", "find_tail", "resync_head", "resync_mid",
+              "resync_tail")
+
 #: (pattern on the source line that closes a loop, key of its iterations per entry per warp); see `_trips`
 TRIPS = [
-    (r"while \(pos < limit\)", "find"),               # fpe: the find walk (and resync)
+    (r"while \(pos < limit && pos < early\)", "find_head"),  # fpe: the find walk (and resync): the span's first bits
+    (r"while \(pos <= limit - BUDDY_FPE_CODE_BITS\)", "find_mid"),  # its middle
+    (r"while \(pos < limit\)", "find_tail"),          # its last steps
     (r"while \(done < count\)", "emit_steps"),        # fpe: the emit walk
     (r"for \(; m; m &= m - 1u\)", "emit_rest"),         # fpe: a step's words with tails after its first code
     (r"for \(uint32_t round = 0; round < BUDDY_WARP_SIZE", "rounds"),
@@ -95,7 +101,8 @@ TRIPS = [
     (r"for \(uint32_t r = 0; r < rounds; \+\+r\)", "rounds16"),
     (r"i < unit_words; \+\+i\) pos = put\(", "serial_words"),  # the serial layout's encode (not run)
     (r"for \(uint32_t i = 0; i < unit_words; \+\+i\)", "unit_words"),  # the words of a 16-byte round
-    (r"while \(pos < guess\)", "warm"),                # fpe: a lane's warm-up before its span
+    (r"while \(pos \+ BUDDY_FPE_CODE_BITS <= guess\)", "warm_mid"),  # fpe: a lane's warm-up before its span
+    (r"while \(pos < guess\)", "warm_tail"),           # its last steps
     (r"while \(p < stop\)", "rounds"),                 # fpe: tails of the codes a resynchronized lane drops
     (r"for \(uint32_t i = 0; i < words; \+\+i\)", "serial_words"),  # the serial layout's walk (not run)
     (r"r0 < unit_rounds; r0 \+= block", "fpx_blocks"),  # auto2's fpx member sizing an entry: its histograms
@@ -204,10 +211,11 @@ def read_listing(listing: str, kernels: dict[str, Kernel], unit_name: str) -> No
 
 def loops(kernel: Kernel, source: list[str]) -> list[tuple[int, int, int, tuple]]:
     """``(start, end, closing source line, its inlining chain)`` of each loop: a branch back to an earlier
-    label from a line of a ``for`` or ``while`` (other branches back come from blocks moved out of line)."""
+    label from a line of a ``for`` or ``while`` (other branches back come from blocks moved out of line); a
+    branch that also tests a predicate operand (``@!P0 BRA P1, target``: a condition of two) counts."""
     out = []
     for addr, text, line in kernel.instrs:
-        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
+        m = re.search(r"BRA\s+(?:!?P\d, )?`\((\.L_x_\d+)\)", text)  # (`BRA P1, ...`: also on a predicate)
         if m and kernel.labels.get(m.group(1)) is not None and kernel.labels[m.group(1)] <= addr:
             if 0 < line <= len(source) and re.search(r"\b(for|while)\b", source[line - 1]):
                 out.append((kernel.labels[m.group(1)], addr, line, kernel.chains.get(addr, (line,))))
@@ -340,8 +348,8 @@ def per_entry(kernel: Kernel, source: list[str], trips: dict[str, float], skip=f
     keyed = [(a, b, _loop_key(source, line, chain), line) for a, b, line, chain in found]
     # the walk inside the resynchronizing rounds steps only as far as a lane resynchronizes
     rounds = [(a, b) for a, b, key, _ in keyed if key == "rounds"]
-    keyed = [(a, b, "resync" if key == "find" and any(r0 < a and b < r1 for r0, r1 in rounds) else key, line)
-             for a, b, key, line in keyed]  # fmt: skip
+    keyed = [(a, b, key.replace("find", "resync") if key and key.startswith("find_") and
+              any(r0 < a and b < r1 for r0, r1 in rounds) else key, line) for a, b, key, line in keyed]  # fmt: skip
     grid = [(a, b) for a, b, key, _ in keyed if key == "grid"]
     if not grid:
         return float("nan"), ["no loop over entries"]
@@ -421,7 +429,8 @@ def lane_trips(dtype: torch.dtype, entry_bytes: int, sample: int, cache) -> dict
                        cache=cache)  # fmt: skip
     tensors = [s.tensor for w in workloads for c in caps[w] for s in c.tensors if s.tensor.dtype == dtype]
     sims = lane_work(tensors, entry_bytes, sample, torch.Generator().manual_seed(0))
-    keys = ("passes", "rounds", "find", "resync", "warm", "emit_steps", "emit_tails", "emit_rest", "single")
+    keys = ("passes", "rounds", "find", "resync", "warm", *FIND_LOOPS, "emit_steps", "emit_tails", "emit_rest",
+            "single")
     mean = {key: statistics.mean(s[key] for s in sims) for key in keys}
     mean["k"] = statistics.mean(s["k"] for s in sims)
     mean["entries"] = len(sims)
@@ -523,9 +532,8 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
                  "fpx_blocks": math.ceil(units / fpx_block(word)),
                  "bits_after": 0.0}  # fmt: skip
         if op == "unpack":  # a coded entry of the split layout: its gather (k sectors), zero fill, copy out
-            trips |= {key: sim[key] for key in ("passes", "rounds", "find", "resync", "warm", "emit_steps",
-                                                 "emit_tails", "emit_rest", "single")}  # fmt: skip
-            trips["find"] = sim["find"] - sim["resync"] - sim["warm"]  # the first walk's (sim["find"]: all three)
+            trips |= {key: sim[key] for key in (*FIND_LOOPS, "passes", "rounds", "emit_steps", "emit_tails",
+                                                 "emit_rest", "single")}  # fmt: skip
             trips["rounds"] += sim["passes"]  # the check that ends the resync loop
             moved = 32 * k + entry_bytes + spec.meta_bytes(entry_bytes)
         elif op == "pack":
@@ -714,7 +722,14 @@ shared-memory OR per 32 bits of codes or tails, not two a field, and the split l
 it now reads every place an instruction is inlined at, where it read the two innermost, so an intrinsic's
 instructions (atomicOr's) inside the serial layout's code are no longer charged to pack (on the same sources,
 pack 4,969 -> 3,626 instructions an entry for float32, 8,191 -> 6,659 for bfloat16; unpack 6,514 -> 6,239 and
-9,743 -> 9,100).
+9,743 -> 9,100). Then: the find walk in three loops (`walk`: the span's first 32 bits with every check; the
+middle, where a step's codes all start before the limit, with no cut, no record of starts and no meeting point
+to look for -- most steps; the last steps, cut at the limit) and the warm-up in two (the steps that end before
+the guess, then the last): unpack 5,519 -> 4,823 instructions an entry for float32 and 8,713 -> 7,437 for
+bfloat16, on the corrected counts of two more fixes to the count: the simulation's warm-up stepped a code at a
+time where the kernel's steps a multi row (its warm-up steps 34.4 -> 17.7 and 26.3 -> 17.3 an entry; the old
+kernel's unpack 6,239 -> 5,519 and 9,100 -> 8,713 on them), and a loop whose branch back tests two predicates
+(`BRA P1, ...`) was not seen as a loop (the find walk's first loop: its steps were charged once a pass).
 Next, by the parts table: one walk instead of two, the find walk keeping each code's symbol in shared memory (by
 the lane simulation a lane finds 34 codes on average for 32 float32 words and 72 for 64 bfloat16 words: room for
 twice a lane's words, 4 KiB and 8 KiB more a warp, leaves a lane over it in 11 % and 3 % of the passes, which

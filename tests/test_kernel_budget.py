@@ -133,3 +133,18 @@ def test_an_instruction_is_charged_to_every_place_it_is_inlined_at():
     assert [(a, line) for a, _, line in k.instrs] == [(0x00, 40), (0x10, 9), (0x20, 20)]
     assert k.chains == {0x00: (40, 30, 20), 0x10: (9, 41, 30, 20), 0x20: (20,)}
     assert k.labels == {".L_x_1": 0x20}
+
+
+@pytest.mark.parametrize("branch", ["BRA `(.L_x_1)", "@P0 BRA `(.L_x_1)", "@!P0 BRA P1, `(.L_x_1)"])
+def test_a_branch_back_from_a_loop_line_is_a_loop(branch):
+    # a loop of two conditions closes with a branch that tests a second predicate (`BRA P1, ...`); a branch
+    # back from a line that is no loop's (a block moved out of line) and a forward one are not loops
+    from experiments.kernel_budget import loops
+
+    source = ["while (pos < limit && pos < early) {", "  x = y;", "}"]
+    k = Kernel("k")
+    k.labels[".L_x_1"] = 0x10
+    k.labels[".L_x_2"] = 0x60
+    k.instrs = [(0x10, "IADD3 R1, R1, 0x1, RZ", 2), (0x20, branch, 1), (0x30, "BRA `(.L_x_1)", 2),
+                (0x40, "BRA `(.L_x_2)", 1)]  # fmt: skip
+    assert loops(k, source) == [(0x10, 0x20, 1, (1,))]
