@@ -27,9 +27,13 @@ and ``compile_options`` for one word size) for sm_90 with nvcc:
 * the **estimated GB/s** of input on an H100 (132 SMs, 4 schedulers each
   issuing one warp instruction a cycle, 1.755 GHz, HBM 3.35 TB/s) as the
   least of three bounds: issue (instructions / 4 per cycle per SM), memory
-  (bytes / 3.35 TB/s) and latency (each resident warp's dependent chain of
-  one decode step, :data:`STEP_CYCLES`, for the data-dependent loops), and
-  which one binds.
+  (bytes / 3.35 TB/s) and, given a GPU run (``--ncu``), latency: each
+  resident warp issuing one instruction per the cycles an instruction took
+  a warp in that run (:func:`cycles_per_instruction`: the kernel's time x
+  clock x SMs x resident warps over the instructions it ran), at the warps
+  allowed here -- the run measures how long the kernel's dependent chains
+  keep a warp waiting, which no count of instructions says; and which one
+  binds.
 
 A whole compress with nothing learned runs count, fit, measure and pack
 (and reads back the histogram); with a learned table, count (the
@@ -72,9 +76,6 @@ __all__ = ["H100", "TRIPS", "main"]
 #: the machine the estimate is for
 H100 = {"sms": 132, "schedulers": 4, "clock_ghz": 1.755, "hbm_gbps": 3350.0, "regs": 65536, "smem": 228 << 10,
         "max_warps": 64, "max_blocks": 32}  # fmt: skip
-#: cycles of one step of a data-dependent decode loop's dependent chain: a shared-memory peek (~30), the
-#: table's row from L1 (~35), the add; a warp waits this long per step, other warps issue meanwhile
-STEP_CYCLES = 90
 #: bytes of a tensor the compress and decompress totals are for
 TENSOR_BYTES = 256 << 20
 #: fixed costs: a kernel launch, the one device-to-host read of a compress (histogram and fitted table)
@@ -510,7 +511,18 @@ def bpc_chunks_stepped(entry, word: int, stop: int) -> int:
     return n_chunks
 
 
-def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: Path) -> list[dict]:
+def cycles_per_instruction(row: dict) -> float:
+    """Cycles a warp took per instruction in a GPU run's launch of a kernel (a row of :func:`ncu_measured`): the
+    launch's time x SM clock x SMs x resident warps an SM over the warp instructions it ran. Where the schedulers
+    are far from busy (the first run's kernels: 9-18 cycles an instruction with 4 to 9 warps a scheduler), this
+    is the latency of the kernel's dependent chains a warp waits out, which a count of instructions does not
+    give (the clock: the run's, else the H100's; the H200's SMs are the H100's 132)."""
+    clock = row["clock GHz"] if not math.isnan(row.get("clock GHz", math.nan)) else H100["clock_ghz"]
+    return row["us"] * 1e-6 * clock * 1e9 * H100["sms"] * row["warps/SM"] / row["instr"]
+
+
+def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: Path,
+           measured: dict | None = None) -> list[dict]:  # fmt: skip
     word = spec.word_bytes(dtype)
     kernels, source = build(codec, word, entry_bytes, folder)
     units = entry_bytes // 16 // 32  # 16-byte rounds of a warp over an entry
@@ -557,9 +569,10 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
             issue = H100["sms"] * H100["schedulers"] * clock / instr * entry_bytes / 1e9
             memory = H100["hbm_gbps"] * entry_bytes / moved
             bounds = {"issue": issue, "memory": memory}
-            if op == "unpack":  # the data-dependent walks: every step a dependent chain
-                steps = sim["find"] + sim["emit_steps"] + sim["emit_rest"]  # a lookup a step, one more a later code
-                bounds["latency"] = H100["sms"] * clock * warps / (STEP_CYCLES * steps) * entry_bytes / 1e9
+            ran = (measured or {}).get("rows", {}).get((f"{codec} {op}", row["dtype"]))
+            if ran is not None:  # a warp's instructions at the cycles each took it in the GPU run
+                row["cycles/instr"] = cpi = cycles_per_instruction(ran)
+                bounds["latency"] = H100["sms"] * clock * warps / (instr * cpi) * entry_bytes / 1e9
             bound = min(bounds, key=bounds.__getitem__)
             row |= {f"{b} GB/s": v for b, v in bounds.items()} | {"estimate GB/s": bounds[bound], "bound": bound}
         row["loops counted once"] = unknown
@@ -622,9 +635,17 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def render(rows, sims, totals, fit, args, machine: str) -> str:
+def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = None) -> str:
     cols = ["kernel", "dtype", "regs", "smem/block", "spills", "warps/SM", "instr/entry", "instr/byte",
-            "bytes moved/entry", "issue GB/s", "memory GB/s", "latency GB/s", "estimate GB/s", "bound"]  # fmt: skip
+            "bytes moved/entry", "issue GB/s", "memory GB/s", "cycles/instr", "latency GB/s", "estimate GB/s",
+            "bound"]  # fmt: skip
+    if measured is None:
+        latency = "no GPU run given (`--ncu`): no latency bound."
+    else:
+        latency = (f"latency: a warp's instructions at the cycles per instruction (`cycles/instr`) it took in the "
+                   f"GPU run below ({measured['device']}, commit {str(measured['commit'])[:10]}), at the warps "
+                   "allowed here -- that run's code, not this one's where they differ: a run of this code "
+                   "measures them again.")  # fmt: skip
     out = [
         "# Kernel budget: the default codec at 4 KiB entries on an H100 (estimated)",
         "",
@@ -634,7 +655,7 @@ def render(rows, sims, totals, fit, args, machine: str) -> str:
         "(below).",
         "",
         f"H100: {H100['sms']} SMs x {H100['schedulers']} schedulers at {H100['clock_ghz']} GHz, HBM "
-        f"{H100['hbm_gbps'] / 1000:.2f} TB/s; a decode step's dependent chain {STEP_CYCLES} cycles.",
+        f"{H100['hbm_gbps'] / 1000:.2f} TB/s; {latency}",
         "",
         "| " + " | ".join(cols) + " |",
         "| " + " | ".join("---" for _ in cols) + " |",
@@ -694,14 +715,19 @@ def render(rows, sims, totals, fit, args, machine: str) -> str:
     return "\n".join(out) + "\n"
 
 
-SHORT = """By these counts every kernel but count is issue-bound (memory would allow 1.9-3.3 TB/s of input). The
-first GPU run (an H200, "Measured on a GPU" below) says more: the instructions counted here are 1.0-1.7 times
-those run (an upper bound, as meant), but unpack ran at 277 / 116 GB/s, not the 583 / 390 estimated then: it issues in about a
-quarter of the scheduler slots (its warps wait on dependent loads, 16-21 warps an SM where 24 fit), so the
-decode walks are bound by latency, and more warps in flight or shorter chains pay before fewer instructions;
-measure and pack came within 3-21 % of the estimate; count ran 5-7 times the instructions counted (a block
-per 4 KiB zeroed and added a 16 KiB histogram: now at most 1,024 blocks, not yet measured on a GPU); the fit
-took 0.34-0.38 ms, not the 0.9 ms estimated. The parts table above says where the instructions go. Unpack: every code is
+SHORT = """By the instructions counted alone every kernel but count would be issue-bound (`issue GB/s`: memory
+would allow 1.9-3.3 TB/s of input), but the first GPU run (an H200, "Measured on a GPU" below) found every kernel
+waiting on latency: a warp took 9-18 cycles an instruction (`cycles/instr`; count 22-36) with 4 to 9 warps a
+scheduler (count 15) -- its warps wait on dependent loads and ALU chains --, so the estimate takes that run's
+cycles per instruction as a bound of its own (`latency GB/s`), and it binds every kernel but float32's count. The
+instructions counted here were 1.0-1.7 times those run (an upper bound, as meant); unpack ran at 277 / 116 GB/s
+with 16-21 warps an SM where 24 fit; measure and pack came within 3-21 % of what was estimated for their code then;
+count ran 5-7 times the instructions counted now (a block per 4 KiB zeroed and added a 16 KiB histogram: now at
+most 1,024 blocks, not yet measured on a GPU, so its cycles per instruction above are the old code's); the fit took
+0.34-0.38 ms, not the 0.9 ms estimated. So the lever is latency: more warps in flight (unpack's 32 KiB of shared
+memory a block of 4 warps allows 24 an SM, its 64 registers 32), more independent work a warp (two entries a warp,
+their steps interleaved), shorter dependent chains; fewer instructions pay in proportion only while the cycles an
+instruction takes hold. The parts table above says where the instructions go. Unpack: every code is
 stepped over twice (the find walk, then the emit walk that writes it) after a warm-up, each step a 32-bit read
 of the payload, one or two table lookups and the bookkeeping of the lanes' spans. Measure: auto2 sizes every
 entry with all four members; bpc's bit-plane transpose was about half of it (measured on the H200) until bpc
@@ -730,12 +756,16 @@ bfloat16, on the corrected counts of two more fixes to the count: the simulation
 time where the kernel's steps a multi row (its warm-up steps 34.4 -> 17.7 and 26.3 -> 17.3 an entry; the old
 kernel's unpack 6,239 -> 5,519 and 9,100 -> 8,713 on them), and a loop whose branch back tests two predicates
 (`BRA P1, ...`) was not seen as a loop (the find walk's first loop: its steps were charged once a pass).
-Next, by the parts table: one walk instead of two, the find walk keeping each code's symbol in shared memory (by
-the lane simulation a lane finds 34 codes on average for 32 float32 words and 72 for 64 bfloat16 words: room for
-twice a lane's words, 4 KiB and 8 KiB more a warp, leaves a lane over it in 11 % and 3 % of the passes, which
-would walk again); pack's fields (a word's code from the table and its selects: about 37 instructions a bfloat16
-word); a fit of more warps; and counting the code outside loops on the path it takes instead of
-every branch (ncu below)."""
+Tried and not kept: an emit walk on 8-byte rows holding the symbols and places of a step's first two codes with
+tails (the native engine's walk rows, 32 KiB more of device table): 80 instructions a step by this count, where a
+step and its later tails take 67-74 (a warp runs a row's second word whenever any of its lanes has one); a shorter warm-up (64,
+32 or 16 bits, with a 32 to 128-bit record of starts): the resynchronizing it leaves costs more steps than it saves.
+Next: a run of this code on a GPU (the runbook's `ncu` phase) to measure its cycles per instruction; then the
+latency levers above -- unpack's shared memory (4 KiB of payload and 4 KiB of output a warp) is what holds it at 24
+warps an SM; two entries a warp with their walks interleaved; one walk instead of two (the find walk keeping each
+code's symbol in shared memory: by the lane simulation a lane finds 34 codes on average for 32 float32 words and 72
+for 64 bfloat16 words); pack's fields (a word's code from the table and its selects: about 37 instructions a
+bfloat16 word); a fit of more warps."""
 
 NCU = """## Checking it on a GPU
 
@@ -865,7 +895,7 @@ def main(argv=None) -> str:
             sim = lane_trips(dtype, args.entry_bytes, args.sample, args.cache)
             name = str(dtype).removeprefix("torch.")
             sims[name] = sim
-            mine = budget(args.codec, dtype, args.entry_bytes, sim, folder)
+            mine = budget(args.codec, dtype, args.entry_bytes, sim, folder, measured)
             rows += mine
             by = {r["kernel"].split()[-1]: r for r in mine}
             fit = fit_time_us(args.codec, spec.word_bytes(dtype), args.entry_bytes, folder)
@@ -881,7 +911,7 @@ def main(argv=None) -> str:
                 "cold": n / (seconds("count") + fit[2] * 1e-6 + LAUNCH_US * 1e-6 + seconds("measure") + seconds("pack")
                              + READBACK_US * 1e-6) / 1e9,
             }  # fmt: skip
-    text = render(rows, sims, totals, fit, argv, machine)
+    text = render(rows, sims, totals, fit, argv, machine, measured)
     if measured is not None:
         text += "\n" + "\n".join(render_measured(measured, rows, str(args.ncu)))
     if args.out == "-":

@@ -148,3 +148,13 @@ def test_a_branch_back_from_a_loop_line_is_a_loop(branch):
     k.instrs = [(0x10, "IADD3 R1, R1, 0x1, RZ", 2), (0x20, branch, 1), (0x30, "BRA `(.L_x_1)", 2),
                 (0x40, "BRA `(.L_x_2)", 1)]  # fmt: skip
     assert loops(k, source) == [(0x10, 0x20, 1, (1,))]
+
+
+def test_cycles_per_instruction_of_a_gpu_run():
+    # a launch of 242 us at 16 warps an SM that ran 4,322 warp instructions an entry over 16,384 entries: with the
+    # H100's clock (the run recorded none) and 132 SMs, a warp took about 12.7 cycles an instruction
+    from experiments.kernel_budget import cycles_per_instruction
+
+    row = {"us": 242.0, "warps/SM": 16.0, "instr": 4322.0 * 16384, "clock GHz": float("nan")}
+    assert cycles_per_instruction(row) == pytest.approx(242e-6 * 1.755e9 * 132 * 16 / (4322 * 16384))
+    assert cycles_per_instruction(row | {"clock GHz": 1.98}) == pytest.approx(12.66 * 1.98 / 1.755, rel=1e-3)
