@@ -105,6 +105,12 @@ NCU_METRICS = (
     "launch__grid_size",  # blocks of the launch
     "smsp__issue_active.avg.pct_of_peak_sustained_active",  # issue slots used: low with many warps is latency
     "sm__cycles_elapsed.avg.per_second",  # the SM clock the launch ran at (the clocks are left alone)
+    # where a warp's cycles between two instructions go (the latency bound of docs/kernel_budget.md): all of them,
+    # waiting on L1TEX (global loads: the table's rows, the gathers), waiting on shared memory; the L1 hit rate
+    "smsp__average_warps_active_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio",
+    "l1tex__t_sector_hit_rate.pct",
 )
 #: files of the curated GPU subset (tests/gpu_subset.py): passed explicitly so only they are collected
 TEST_FILES = (

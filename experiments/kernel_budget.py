@@ -775,7 +775,10 @@ per kernel launch with {metrics}.
 Per kernel, `smsp__inst_executed.sum` over the launch's entries is the instructions per entry above (counted here
 with both sides of every branch but the blocks named rare or not run: an upper bound), `dram__bytes.sum` over them
 the bytes moved, `sm__warps_active` the occupancy, `launch__registers_per_thread` the registers, and
-`gpu__time_duration` gives the GB/s the estimate stands for.
+`gpu__time_duration` gives the GB/s the estimate stands for; with the clock and the occupancy it gives the cycles an
+instruction took a warp (the latency bound's), which `smsp__average_warps_active_per_issue_active` measures
+directly, with the part of them a warp waited on L1TEX (`long_scoreboard`: global loads, the table's rows) and on
+shared memory (`short_scoreboard`), beside the L1 hit rate.
 """
 
 
@@ -835,6 +838,10 @@ def ncu_measured(folder: Path) -> dict:
                 "instr": median("smsp__inst_executed.sum"),
                 "issue %": median("smsp__issue_active.avg.pct_of_peak_sustained_active"),
                 "clock GHz": median("sm__cycles_elapsed.avg.per_second") / 1e9,
+                "cycles/issue": median("smsp__average_warps_active_per_issue_active.ratio"),
+                "long sb": median("smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"),
+                "short sb": median("smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio"),
+                "L1 hit %": median("l1tex__t_sector_hit_rate.pct"),
                 "block": median("block"),
             }
     return {"device": record.get("device"), "commit": record.get("commit"), "command": record.get("command"),
@@ -851,17 +858,22 @@ def render_measured(measured: dict, rows: list[dict], where: str) -> list[str]:
            "the H200's is 4.8 TB/s, the SMs and clocks the same): the kernels here are not memory bound, so the "
            "two compare.", "",
            "| kernel | dtype | us a launch | GB/s measured | GB/s estimated | instr/entry measured | instr/entry "
-           "estimated | warps/SM measured | warps/SM allowed | regs | DRAM % of peak | issue slots busy % |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+           "estimated | warps/SM measured | warps/SM allowed | regs | DRAM % of peak | issue slots busy % | cycles "
+           "a warp per instruction (of them: waiting on L1TEX, on shared memory) | L1 hit % |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for (kernel, dtype), m in sorted(measured["rows"].items(), key=lambda kv: (kv[0][1], kv[0][0])):
         e = est.get((kernel, dtype), {})
         once = kernel.endswith(" fit")  # one warp, once a compress: a time, not a rate
         gbps = "(once)" if once else f"{m['GB/s']:,.0f}"
         instr = f"{m['instr']:,.0f} a launch" if once else f"{m['instr/entry']:,.0f}"
         issue = "" if math.isnan(m["issue %"]) else f"{m['issue %']:.0f}"
+        cpi = f"{cycles_per_instruction(m):.1f} (from the time)"
+        if not math.isnan(m.get("cycles/issue", math.nan)):
+            cpi = f"{m['cycles/issue']:.1f} ({m['long sb']:.1f}, {m['short sb']:.1f})"
+        hit = "" if math.isnan(m.get("L1 hit %", math.nan)) else f"{m['L1 hit %']:.0f}"
         out.append(f"| {kernel} | {dtype} | {m['us']:,.0f} | {gbps} | {_fmt(e.get('estimate GB/s', ''))} | {instr} | "
                    f"{_fmt(e.get('instr/entry', ''))} | {m['warps/SM']:.1f} | {_fmt(e.get('warps/SM', ''))} | "
-                   f"{m['regs']:.0f} | {m['dram %']:.1f} | {issue} |")  # fmt: skip
+                   f"{m['regs']:.0f} | {m['dram %']:.1f} | {issue} | {'' if once else cpi} | {hit} |")  # fmt: skip
     return out + [""]
 
 
