@@ -111,6 +111,18 @@ def _environment(name: str, value: str) -> Iterator[None]:
             os.environ[name] = before
 
 
+@contextlib.contextmanager
+def _max_blocks(n: int) -> Iterator[None]:
+    """At most ``n`` blocks a launch of the CUDA kernels for the block: their warps loop over the entries (by
+    default a launch has a warp per entry)."""
+    before = buddy.engines.cuda.MAX_BLOCKS
+    buddy.engines.cuda.MAX_BLOCKS = n
+    try:
+        yield
+    finally:
+        buddy.engines.cuda.MAX_BLOCKS = before
+
+
 def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
     a = x.detach().contiguous().reshape(-1).view(torch.uint8)
     b = y.detach().contiguous().reshape(-1).view(torch.uint8).to(a.device)
@@ -230,13 +242,17 @@ def run(
     baselines: Sequence[Baseline] = (),
     pcie: bool = True,
     zero_copy: bool = False,
+    max_blocks: Sequence[int] = (),
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Benchmark every tensor (all on one device) with every method; ``{"rows", "pcie", "errors"}``.
 
     ``zero_copy``: each codec's kernels once more with ``BUDDY_ZERO_COPY=1`` (method ``.../cuda+zero-copy``:
     unpack reads the overflow in pinned host memory instead of copying it to the device first; compress is the
-    same code either way). ``baselines``: nvcomp's (:func:`nvcomp_or_exit`). A baseline that fails
+    same code either way). ``max_blocks``: each codec's kernels once more for each ``n`` with at most ``n`` blocks
+    a launch (method ``.../cuda+blocks<=n``), the warps looping over the entries: whether a grid of about one wave
+    keeps more warps resident than a warp per entry, whose blocks hold their shared memory until their slowest
+    warp is done. ``baselines``: nvcomp's (:func:`nvcomp_or_exit`). A baseline that fails
     on a tensor is recorded in ``errors`` (method, tensor, the error) and
     the run goes on; buddy's codecs must round trip or the run stops.
     """
@@ -262,6 +278,12 @@ def run(
                 rows.append({**row, "method": f"{row['method']}+zero-copy", "zero_copy": True})
                 log(_line(rows[-1]))
                 in_place.free()
+            for n in max_blocks if "cuda" in backends else ():
+                with _max_blocks(n):
+                    row, capped = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
+                rows.append({**row, "method": f"{row['method']}+blocks<={n}", "max_blocks": n})
+                log(_line(rows[-1]))
+                capped.free()
             first, *others = kept.values()
             for other in others:
                 check_backends_agree(name, first, other)
@@ -344,10 +366,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-nvcomp", action="store_true", help="measure without nvcomp (by default it is required)")
     p.add_argument("--zero-copy", action="store_true",
                    help="each codec once more with BUDDY_ZERO_COPY=1 (unpack reads the overflow in pinned host memory)")
+    p.add_argument("--max-blocks", type=int, nargs="+", default=[], metavar="N",
+                   help="each codec once more with at most N blocks a kernel launch (the warps loop over the entries)")
     p.add_argument("--out", type=Path, default=Path("results/bench_cuda"))
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0 or args.mib < 1:
-        p.error("--repeats and --mib must be >= 1 and --warmup >= 0")
+    if args.repeats < 1 or args.warmup < 0 or args.mib < 1 or any(n < 1 for n in args.max_blocks):
+        p.error("--repeats, --mib and --max-blocks must be >= 1 and --warmup >= 0")
     return args
 
 
@@ -372,6 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         warmup=args.warmup,
         baselines=baselines,
         zero_copy=args.zero_copy,
+        max_blocks=tuple(args.max_blocks),
     )
     print()
     print(format_table(result))

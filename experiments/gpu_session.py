@@ -22,7 +22,8 @@ times):
 * ``ncu`` (optional): Nsight Compute over the default codec's kernels, the
   metrics of :data:`NCU_METRICS`;
 * ``essentials``: check, bench (fewer repeats), step time (fewer methods, one
-  compressed step profiled) and ncu in one phase; and ``lease``, for a lease
+  compressed step profiled), ncu and the default's kernels on a grid of one
+  and two waves in one phase; and ``lease``, for a lease
   of 15 minutes: :data:`LEASE`'s phases in one call, each step's limit cut to
   what is left before the call's deadline.
 
@@ -218,11 +219,18 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
         return [
             _compile(timeout_s=100),
             Python("check", "experiments.gpu_check", ("--json", "{work}/check.json"), 60, "{work}/check.json"),
-            Python("bench_cuda", "experiments.bench_cuda", bench_args, 100, "{work}/bench/results.json",
+            # (every codec with kernels: 23 s on the H200)
+            Python("bench_cuda", "experiments.bench_cuda", bench_args, 70, "{work}/bench/results.json",
                    (("--no-nvcomp",),)),  # fmt: skip
             Python("step_time", "experiments.step_time", step_args, 120, "{work}/step_time/results.json",
                    (("--backend", "reference"),)),  # fmt: skip
             _ncu(timeout_s=60),
+            # the default's kernels with a grid of about one and two waves of unpack's blocks (132 SMs x 6), the
+            # warps looping over the entries, beside a warp per entry: the H200 run kept 16-21 of unpack's 24 warps
+            # an SM resident, its blocks holding their shared memory until their slowest warp was done
+            Python("bench_grid", "experiments.bench_cuda", ("--codecs", _default_codec(), "--no-nvcomp",
+                   "--max-blocks", "792", "1584", "--repeats", "5", "--warmup", "1", "--out", "{work}/bench_grid"),
+                   30, "{work}/bench_grid/results.json"),  # fmt: skip
             # unpack reading the overflow in pinned host memory (BUDDY_ZERO_COPY=1) beside the copy first: last,
             # in its own process, since an unmapped overflow would end the process with an illegal access
             Python("bench_zero_copy", "experiments.bench_cuda", ("--codecs", _default_codec(), "zvc", "--no-nvcomp",

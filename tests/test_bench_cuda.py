@@ -113,3 +113,32 @@ def test_activation_bytes_are_a_workloads_saved_tensors():
     (cap,) = capture("resnet-fp32", size="tiny", points=(0,))
     first = cap.tensors[0].tensor.reshape(-1)
     assert torch.equal(x[: first.numel()].view(torch.int32), first.view(torch.int32))
+
+
+def test_max_blocks_times_the_cuda_kernels_again_on_a_capped_grid(gen, monkeypatch):
+    """--max-blocks: each codec's CUDA kernels once more per cap, the loader's block cap set while they run and
+    restored after; the rows named by the cap."""
+    seen = []
+
+    class Freed:
+        buddy_bytes = 0
+
+        def free(self):
+            pass
+
+    def fake(name, x, codec, backend, store, repeats, warmup):
+        seen.append((codec, backend, bench_cuda.buddy.engines.cuda.MAX_BLOCKS))
+        return {"method": f"buddy:{codec}/{backend}", "tensor": name, "dtype": "float32", "compress_gbps": 1.0,
+                "decompress_gbps": 1.0, "ratio": 1.0}, Freed()  # fmt: skip
+
+    monkeypatch.setattr(bench_cuda, "bench_buddy", fake)
+    monkeypatch.setattr(bench_cuda, "check_backends_agree", lambda *a: None)
+    before = bench_cuda.buddy.engines.cuda.MAX_BLOCKS
+    t = {"relu.f32": make_data("relu", 1_001, torch.float32, gen)}
+    result = bench_cuda.run(t, codecs=("auto2",), backends=("cuda",), repeats=1, warmup=0, pcie=False,
+                            max_blocks=(792, 1584), log=lambda line: None)  # fmt: skip
+    assert seen == [("auto2", "cuda", before), ("auto2", "cuda", 792), ("auto2", "cuda", 1584)]
+    assert bench_cuda.buddy.engines.cuda.MAX_BLOCKS == before
+    methods = [r["method"] for r in result["rows"]]
+    assert methods == ["memcpy", "buddy:auto2/cuda", "buddy:auto2/cuda+blocks<=792", "buddy:auto2/cuda+blocks<=1584"]
+    assert [r.get("max_blocks") for r in result["rows"]] == [None, None, 792, 1584]
