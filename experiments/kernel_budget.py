@@ -758,8 +758,11 @@ kernel's unpack 6,239 -> 5,519 and 9,100 -> 8,713 on them), and a loop whose bra
 (`BRA P1, ...`) was not seen as a loop (the find walk's first loop: its steps were charged once a pass).
 Tried and not kept: an emit walk on 8-byte rows holding the symbols and places of a step's first two codes with
 tails (the native engine's walk rows, 32 KiB more of device table): 80 instructions a step by this count, where a
-step and its later tails take 67-74 (a warp runs a row's second word whenever any of its lanes has one); a shorter warm-up (64,
-32 or 16 bits, with a 32 to 128-bit record of starts): the resynchronizing it leaves costs more steps than it saves.
+step and its later tails take 67-74 (a warp runs a row's second word whenever any of its lanes has one); a shorter
+warm-up (64, 32 bits or none), whose resynchronizing costs more than it saves: find steps a warp, float32 /
+bfloat16, 49.2 / 80.5 now, 53.0-55.2 / 98.3-109.0 with the 32-bit record of starts, 49.1-51.3 / 79.1-103.6 with
+a 64-bit record (two registers more; 49.1 / 79.1 with the 128-bit warm-up), 45.1 / 81.6 with a 128-bit record and
+no warm-up (four more).
 Next: a run of this code on a GPU (the runbook's `ncu` phase) to measure its cycles per instruction; then the
 latency levers above -- unpack's shared memory (4 KiB of payload and 4 KiB of output a warp) is what holds it at 24
 warps an SM; two entries a warp with their walks interleaved; one walk instead of two (the find walk keeping each
