@@ -642,6 +642,12 @@ struct BuddyFpe {
     return pos + took;
   }
 
+  // The bits of the one code at the stream bits `bits`, ESC with its symbol; 0 for a code the table lacks.
+  BUDDY_HD uint32_t one_code(uint32_t bits) const {
+    const uint32_t one = table->dec[bits & (BUDDY_FPE_ROWS - 1u)];
+    return (one >> 16) == 0 ? 0u : (one >> 16) + ((one & 0xFFFFu) == esc_sym() ? sym_bits : 0u);
+  }
+
   // Where a lane whose span starts at `guess` starts: the first code start at or past it of a decode from
   // `warmup` bits before it (not before `base`, the pass's true start) -- a prefix code falls in step within a
   // few codes, so this is nearly always the true end of the lane before, and the lane need not decode again.
@@ -655,9 +661,9 @@ struct BuddyFpe {
       if (row) {
         pos += row >> 24;
       } else {  // ESC with its symbol, or not a code
-        const uint32_t one = table->dec[bits & (BUDDY_FPE_ROWS - 1u)];
-        if ((one >> 16) == 0) return guess;
-        pos += (one >> 16) + ((one & 0xFFFFu) == esc_sym() ? sym_bits : 0u);
+        const uint32_t len = one_code(bits);
+        if (len == 0) return guess;
+        pos += len;
       }
     }
     while (pos < guess) {
@@ -667,9 +673,9 @@ struct BuddyFpe {
         const uint32_t ahead = guess - pos < (row >> 24) ? (row & 0xFFFu) & ~((1u << (guess - pos)) - 1u) : 0u;
         pos += ahead ? buddy_ctz(ahead) : row >> 24;  // the first start at or past the guess, if in this step
       } else {  // ESC with its symbol, or not a code
-        const uint32_t one = table->dec[bits & (BUDDY_FPE_ROWS - 1u)];
-        if ((one >> 16) == 0) return guess;
-        pos += (one >> 16) + ((one & 0xFFFFu) == esc_sym() ? sym_bits : 0u);
+        const uint32_t len = one_code(bits);
+        if (len == 0) return guess;
+        pos += len;
       }
     }
     return pos;
