@@ -452,17 +452,27 @@ struct BuddyFpe {
       if (WB > 1 || t != 0u) {  // (has_tails)
         nt += t & (0u - (packed[i] >> 31));  // (a word without a tail is zero: nothing ORed)
         tails |= ((uint64_t)unit_word(unit, i) & tmask) << ((64u - nt) & 63u);
-        if (nt >= 32u) {  // (t <= 23: nt < 32 + 23)
-          if (tails >> 32) buddy_atomic_or(stream + tw, (uint32_t)(tails >> 32));
-          tails <<= 32;
-          nt -= 32u;
-          --tw;
+        if constexpr (!tails_fit<B>) {
+          if (nt >= 32u) {  // (t <= 23: nt < 32 + 23)
+            if (tails >> 32) buddy_atomic_or(stream + tw, (uint32_t)(tails >> 32));
+            tails <<= 32;
+            nt -= 32u;
+            --tw;
+          }
         }
       }
     }
     if ((uint32_t)codes) buddy_atomic_or(stream + cw, (uint32_t)codes);
     if (tails >> 32) buddy_atomic_or(stream + tw, (uint32_t)(tails >> 32));
+    if constexpr (tails_fit<B>) {  // the bits below word tw: in word tw - 1 (there are some where it is not 0)
+      if ((uint32_t)tails) buddy_atomic_or(stream + tw - 1u, (uint32_t)tails);
+    }
   }
+
+  // Whether a unit's tails fill the 64-bit buffer's bits below its first word's at most (the split layout's b a
+  // constant B): then put_unit ORs them once, after the unit (2-byte words: 8 tails of 4 bits).
+  template <uint32_t B>
+  static constexpr bool tails_fit = B != 0u && unit_words * (8u * WB - B) + 31u <= 64u;
 
   template <class Warp>
   BUDDY_WARP_FN void encode(const Warp& warp, const uint8_t* entry_bytes, uint32_t k, uint32_t mode,
