@@ -137,6 +137,20 @@ struct BuddyFpx {
   struct Census {
     uint32_t emax, nnz;
   };
+#if !defined(BUDDY_NATIVE_SOLO)
+  // f(x) for each word x of the lane's 16-byte unit of round r (buddy_round_unit; none past the entry): both
+  // passes of the choice read the entry so.
+  template <class Warp, class F>
+  static BUDDY_WARP_FN void round_words(const Warp& warp, const uint8_t* entry_bytes, uint32_t r, F&& f) {
+    bool valid;
+    const buddy_u128 unit = buddy_round_unit(warp, entry_bytes, units, r, &valid);
+    if (valid) {
+      BUDDY_FPX_UNROLL
+      for (uint32_t i = 0; i < unit_words; ++i) f(buddy_unit_word<word_t>(unit, i));
+    }
+  }
+#endif
+
   template <class Warp>
   static BUDDY_WARP_FN Census census(const Warp& warp, const uint8_t* entry_bytes) {
 #if defined(BUDDY_NATIVE_SOLO)
@@ -154,16 +168,10 @@ struct BuddyFpx {
     uint32_t top = 0, nz = 0;
     BUDDY_FPX_ROLLED
     for (uint32_t r = 0; r < unit_rounds; ++r) {
-      bool valid;
-      const buddy_u128 unit = buddy_round_unit(warp, entry_bytes, units, r, &valid);
-      if (valid) {
-        BUDDY_FPX_UNROLL
-        for (uint32_t i = 0; i < unit_words; ++i) {
-          const word_t x = buddy_unit_word<word_t>(unit, i);
-          top = buddy_max(top, exponent(x));
-          nz += x != 0;
-        }
-      }
+      round_words(warp, entry_bytes, r, [&](word_t x) {
+        top = buddy_max(top, exponent(x));
+        nz += x != 0;
+      });
     }
     return {buddy_warp_max(warp, top), buddy_warp_sum(warp, nz)};
 #endif
@@ -210,16 +218,10 @@ struct BuddyFpx {
       const uint32_t r1 = buddy_min(r0 + block, unit_rounds);
       BUDDY_FPX_ROLLED
       for (uint32_t r = r0; r < r1; ++r) {
-        bool valid;
-        const buddy_u128 unit = buddy_round_unit(warp, entry_bytes, units, r, &valid);
-        if (valid) {
-          BUDDY_FPX_UNROLL
-          for (uint32_t i = 0; i < unit_words; ++i) {
-            const word_t x = buddy_unit_word<word_t>(unit, i);
-            const uint32_t v = x != 0 ? census.emax - exponent(x) + 1u : 0u;
-            hist += (uint64_t)1 << (F * buddy_bit_length(v));
-          }
-        }
+        round_words(warp, entry_bytes, r, [&](word_t x) {
+          const uint32_t v = x != 0 ? census.emax - exponent(x) + 1u : 0u;
+          hist += (uint64_t)1 << (F * buddy_bit_length(v));
+        });
       }
       // field i += the fields above it: 1, 2, 4, then 8 fields (sums <= field_max: no carries)
       BUDDY_FPX_UNROLL

@@ -95,9 +95,9 @@ class _Lane:
         self.step, self.zero, self.multi, self.limit, self.use_multi = step, zero, multi, limit, use_multi
         self.start, self.n, self.tails, self.starts, self.tail_starts = start, 0, 0, 0, 0
         self.steps = 0  # steps taken in the latest round
+        self.singles = 0  # of them, steps over one code alone (ESC with its symbol)
         self.phase_steps = dict.fromkeys(PHASES, 0)  # of them, in each of the walk's loops
         self.early = start + WINDOW  # the walk's first loop: before this
-        self.singles = 0  # of them, steps over one code alone (ESC with its symbol)
         self.rest = 0  # codes with tails after a step's first code (the emit walk's inner loop)
         self.end, self.invalid = self._walk(start, lambda pos: False)
 

@@ -11,8 +11,9 @@ and ``compile_options`` for one word size) for sm_90 with nvcc:
   is cut into its loops (a backward branch closes one); each instruction
   counts once per entry, times the iterations per entry of the innermost
   loop around it. The iterations come from the source line that closes the
-  loop (:data:`TRIPS`: e.g. fpe's find walk, ``while (pos < limit)``, steps
-  as often as the split layout's decoder steps on real data -- the lane
+  loop (:data:`TRIPS`: e.g. the middle of fpe's find walk, ``while (pos <=
+  limit - BUDDY_FPE_CODE_BITS)``, steps as often as the split layout's
+  decoder steps there on real data -- the lane
   simulation of :mod:`experiments.fpe_lanes` on the capture workloads --
   and a copy loop E / 16 / 32 times). Every instruction of a loop body
   counts, both sides of its branches: an upper bound, but for the blocks
