@@ -32,6 +32,7 @@ import os
 import stat
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,3 +305,45 @@ def test_builds_are_cached_on_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_libraries", {})
     mtime = os.stat(first).st_mtime_ns
     assert native.library("zvc", 256).path == first and os.stat(first).st_mtime_ns == mtime  # not built again
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or "OpenMP" not in torch.__config__.parallel_info(), reason="torch built with OpenMP"
+)
+def test_launches_run_on_torchs_openmp_runtime(store):
+    """Built with OpenMP, the engine's launches run on the process's one OpenMP runtime -- torch's -- and not on
+    threads of their own beside torch's spinning ones."""
+    assert native._openmp_flags() == ("-fopenmp",)
+    t = torch.relu(torch.randn(50000, generator=torch.Generator().manual_seed(4)))
+    bt = buddy.compress(t, 2.0, "auto2", backend="native", store=store)
+    assert_bitexact(bt.decompress(), t)
+    with open("/proc/self/maps") as maps:  # the runtime the library was linked to, by its soname
+        runtimes = {line.split()[-1] for line in maps if line.rstrip().endswith("/libgomp.so.1")}
+    bundled = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    assert runtimes == ({str(bundled)} if bundled.exists() else runtimes) and len(runtimes) == 1, runtimes
+
+
+def test_a_compiler_without_openmp_builds_without_it(monkeypatch, tmp_path, store):
+    real = native._compiler()
+    if isinstance(real, str):
+        pytest.skip(real)
+    wrapper = tmp_path / "c++"
+    wrapper.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "no OpenMP" >&2; exit 1; }}; done\n'
+        f'exec "{real[0]}" "$@"\n'
+    )
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_libraries", {})
+    native._compiler.cache_clear()
+    try:
+        assert native._openmp_flags() == ()
+        t = torch.relu(torch.randn(50000, generator=torch.Generator().manual_seed(5)))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(native.ENV_THREADS, "2")  # the engine's own pool
+            bt = buddy.compress(t, 2.0, "auto2", backend="native", store=store)
+            assert_bitexact(bt.decompress(), t)
+    finally:
+        monkeypatch.undo()
+        native._compiler.cache_clear()

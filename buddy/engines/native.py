@@ -6,7 +6,8 @@ for the GPU -- are compiled by the host's C++ compiler through the CUDA shim
 with the loader's defines (:func:`buddy.engines.cuda.compile_options`), and run by a
 runtime made for speed (``csrc/host/native.cpp``): every block one warp,
 its 32 lanes fibers switched at collectives in a fixed order, the blocks
-spread over host threads (``torch.get_num_threads()``, or ``BUDDY_NATIVE_THREADS``).
+spread over host threads (``torch.get_num_threads()``, or ``BUDDY_NATIVE_THREADS``): the OpenMP runtime's, which
+is torch's (:func:`_openmp_flags`), else the engine's own.
 Each codec with kernels has a second build of one lane a warp (``BUDDY_WARP_SIZE`` 1):
 a block is a plain call, the lane's loops doing what 32 lanes do on a GPU, no
 fibers; it runs every kernel of :data:`SOLO_CODECS` but the fit. :class:`NativeEngine`
@@ -39,6 +40,7 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -109,6 +111,29 @@ def _compiler() -> tuple[str, str] | str:
             continue
         return path, version
     return f"no C++ compiler found ({', '.join(names)}; set CXX)"
+
+
+def _openmp_flags() -> tuple[str, ...]:
+    """``("-fopenmp",)`` where the compiler builds OpenMP code, else nothing (a launch then runs on the engine's own
+    threads). Built with it, a launch runs on the OpenMP runtime's threads -- torch's, where torch is built with
+    OpenMP (the process holds one runtime): its threads spin a while after each of torch's operations, and a
+    launch on threads of its own would share the cores with them."""
+    compiler = _compiler()
+    return () if isinstance(compiler, str) else _openmp_probe(compiler[0])
+
+
+@functools.cache
+def _openmp_probe(compiler: str) -> tuple[str, ...]:
+    """:func:`_openmp_flags` of ``compiler``: whether it builds a library with ``-fopenmp``."""
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "probe.cpp"
+        source.write_text("#include <omp.h>\nint buddy_probe() { return omp_in_parallel(); }\n")
+        try:
+            built = subprocess.run([compiler, "-fopenmp", "-fPIC", "-shared", str(source), "-o",
+                                    str(Path(folder) / "probe.so")], capture_output=True, timeout=120)  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return ()
+    return ("-fopenmp",) if built.returncode == 0 else ()
 
 
 def switched_off() -> bool:
@@ -244,7 +269,7 @@ def _build(codec: str, entry_bytes: int, solo: bool = False, wait: bool = True) 
     if solo:
         options += _SOLO_DEFINES
     h = hashlib.sha256()
-    for part in (*_sources(csrc), options, _FLAGS, version, _machine()):
+    for part in (*_sources(csrc), options, _FLAGS + _openmp_flags(), version, _machine()):
         h.update(repr(part).encode())
     kind = "-solo" if solo else ""
     out = _cache_dir() / f"buddy-native-{codec}{kind}-E{entry_bytes}-{h.hexdigest()[:20]}.so"
@@ -257,7 +282,7 @@ def _build(codec: str, entry_bytes: int, solo: bool = False, wait: bool = True) 
         return out
     if started is None:
         tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        cmd = [cxx, *options, *_FLAGS, f"-I{csrc}", f"-I{csrc / 'host'}", str(csrc / "host" / "native.cpp"), "-o",
+        cmd = [cxx, *options, *_FLAGS, *_openmp_flags(), f"-I{csrc}", f"-I{csrc / 'host'}", str(csrc / "host" / "native.cpp"), "-o",
                str(tmp)]  # fmt: skip
         started = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), tmp, cmd,
                    os.getpid())  # fmt: skip

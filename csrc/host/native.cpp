@@ -12,8 +12,12 @@
 // hands over to the next lane; when lane 31 has posted, lane 0 resumes with
 // every lane's value. Results are those of the GPU's collectives, with the
 // memory of every lane's earlier writes visible (the fibers share a thread).
-// The blocks of a launch are spread over `threads` host threads (a pool kept
-// between launches), each taking the next block from a counter; the static
+// The blocks of a launch are spread over `threads` host threads, each taking
+// the next block from a counter: built with OpenMP, the runtime's threads (the
+// process has one runtime: torch's, where torch is built with it, whose
+// threads spin a while after each of torch's operations and would otherwise
+// share the cores with the launch), else, and in a child forked after the
+// runtime started, a pool of the engine's own kept between launches; the static
 // __shared__ arrays are one per host thread (thread_local), the dynamic shared
 // buffer too. Atomics are the shim's relaxed __atomic builtins. buddy_warp.h's
 // whole-warp sum, maximum, OR, exclusive scan and bpc's bit transpose are one
@@ -48,6 +52,9 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 #include <vector>
 
 #define BUDDY_FIBER_NO_FP_STATE 1  // the lanes never change the SSE or x87 control words
@@ -251,6 +258,13 @@ Pool& pool() {
 
 std::mutex launching;  // one launch at a time (a launch uses every thread it is given)
 
+#if defined(_OPENMP)
+// Whether a launch may run on the OpenMP runtime's threads: not inside a parallel region, and not in a child
+// forked after the runtime started its threads (its team would wait for threads the child does not have).
+const pid_t openmp_owner = getpid();
+bool openmp_usable() { return !omp_in_parallel() && getpid() == openmp_owner; }
+#endif
+
 #if !defined(BUDDY_NATIVE_SOLO)
 // A whole-warp operation over the 32 posted values s (the low 32 bits of each), computed once by the last lane.
 inline void whole_warp(Worker& w, int kind, const uint64_t* s, uint32_t p) {
@@ -401,13 +415,21 @@ extern "C" __attribute__((visibility("default"))) int buddy_native_launch(int ke
   threads = threads < 1 ? 1 : threads > grid ? grid : threads;
   std::lock_guard<std::mutex> lock(launching);
   std::atomic<unsigned> next{0};
-  pool().run(threads, [&] {
+  auto work = [&] {
     Worker& w = worker();
     w.kernel = k;
     w.args = args;
     w.grid = grid;
     w.reserve_shared(shared_bytes);
     for (unsigned b = next++; b < grid; b = next++) w.run_block(b);
-  });
+  };
+#if defined(_OPENMP)
+  if (threads > 1 && openmp_usable()) {
+#pragma omp parallel num_threads(threads)
+    work();
+    return 0;
+  }
+#endif
+  pool().run(threads, work);
   return 0;
 }
