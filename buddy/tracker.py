@@ -63,6 +63,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from . import spec
@@ -490,12 +491,11 @@ class KeyHistory(LaidOut):
     def predicted(self) -> tuple[float, ...]:
         """Exponentially weighted mean histogram; the newest step weighs most."""
         weights = [self.decay**age for age in range(len(self.histograms))]
-        mixed = [0.0] * len(self.histograms[0])
-        for w, hist in zip(weights, reversed(self.histograms)):
-            for k, n in enumerate(hist):
-                mixed[k] += w * n
+        mixed = np.zeros(len(self.histograms[0]))
+        for w, hist in zip(weights, reversed(self.histograms)):  # a bin's sum in the same order, the same bits
+            mixed += w * np.asarray(hist, dtype=np.float64)
         total = sum(weights)
-        return tuple(m / total for m in mixed)
+        return tuple((mixed / total).tolist())
 
     def add(
         self, histogram, observation: Observation, statistics: torch.Tensor | None = None, fitted=None

@@ -306,9 +306,10 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
       uint8_t* __restrict__ work,           /* scratch: sizeof(BuddyFpeFitWork) bytes, 8-byte aligned */           \
       uint8_t* __restrict__ table,          /* out: the device table (sizeof(BuddyFpeTable) bytes) */              \
       uint8_t* __restrict__ serial,         /* out: fpe.Table.to_bytes, zeros after (BUDDY_FPE_SERIAL_BYTES) */    \
-      int word_bytes) {                     /* word size in bytes: 1, 2, 4 or 8 */                                 \
+      int word_bytes,                       /* word size in bytes: 1, 2, 4 or 8 */                                 \
+      int weighted) {                       /* 1: counts are the fit's weights (fpe.fit_weights), not scaled */    \
     if (blockIdx.x != 0 || threadIdx.x >= BUDDY_WARP_SIZE) return;                                                 \
-    buddy_fpe_fit(BuddyCudaWarp(), reinterpret_cast<const int64_t*>(counts), (uint32_t)word_bytes,                 \
+    buddy_fpe_fit(BuddyCudaWarp(), reinterpret_cast<const int64_t*>(counts), (uint32_t)word_bytes, weighted != 0,  \
                   reinterpret_cast<BuddyFpeFitWork*>(work), reinterpret_cast<BuddyFpeTable*>(table), serial);       \
   }
 #define BUDDY_FIT_KERNELS(NAME) BUDDY_COUNT_KERNEL(NAME) BUDDY_FIT_KERNEL(NAME)

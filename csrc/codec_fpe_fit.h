@@ -240,24 +240,26 @@ BUDDY_WARP_FN uint64_t buddy_fit_select(const Warp& warp, const uint32_t* c, uin
 // does: a table of format 3 (S = 2^12; 2^8 for 1-byte words). Writes the
 // kernels' device table (every byte: its multi rows and span model too) and
 // the serialized table (fpe.Table.to_bytes; BUDDY_FPE_SERIAL_BYTES bytes,
-// zeros after it).
+// zeros after it). weighted: the counts are the weights the reference's scale
+// makes of them (fpe.fit_weights: each below 2^31, ESC's not read), taken as
+// they are -- how a learned prior, frequencies rather than counts, is fitted.
 template <class Warp>
-BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32_t word_bytes, BuddyFpeFitWork* wk,
-                                 BuddyFpeTable* table, uint8_t* serial) {
+BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32_t word_bytes, bool weighted,
+                                 BuddyFpeFitWork* wk, BuddyFpeTable* table, uint8_t* serial) {
   static_assert(sizeof(Warp) > 0 && BUDDY_WARP_SIZE == BUDDY_FPE_FIT_LANES, "the fit runs 32 lanes a warp");
   const uint32_t lane = warp.lane();
   const uint32_t b = word_bytes == 1 ? buddy_fpe_fit_split<1>::b : buddy_fpe_fit_split<2>::b;
   const uint32_t S = 1u << b, ZERO = S, ESC = S + 1u;
 
-  // scale the counts to integers summing to about 2^30
+  // scale the counts to integers summing to about 2^30 (weights: as they are)
   uint64_t mine = 0;
-  for (uint32_t i = lane; i < S + 2u; i += BUDDY_WARP_SIZE) mine += (uint64_t)counts[i];  // ESC's too, as the reference
-  const uint64_t total = buddy_fit_sum64(warp, wk->part, mine);
+  for (uint32_t i = lane; !weighted && i < S + 2u; i += BUDDY_WARP_SIZE) mine += (uint64_t)counts[i];  // ESC's too
+  const uint64_t total = weighted ? 0u : buddy_fit_sum64(warp, wk->part, mine);
   const double scale = total > 0 ? 1073741824.0 / (double)total : 1.0;
   uint32_t nonzero = 0;
   for (uint32_t i = lane; i < S + 1u; i += BUDDY_WARP_SIZE) {
     const int64_t v = counts[i];
-    wk->c[i] = v > 0 ? buddy_max(1u, (uint32_t)buddy_rint((double)v * scale)) : 0u;
+    wk->c[i] = v <= 0 ? 0u : weighted ? (uint32_t)v : buddy_max(1u, (uint32_t)buddy_rint((double)v * scale));
     nonzero += i < S && v > 0;
   }
   nonzero = buddy_warp_sum(warp, nonzero);

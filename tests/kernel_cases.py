@@ -158,7 +158,8 @@ def check_reference_buffers(backend: str, codec: str, t: torch.Tensor, e: int, s
     assert_bitexact(a.decompress(backend="reference"), t)  # and the reference theirs
     a.free()
     b.free()
-    if tabled:  # with learned statistics the host fits the table: count, then measure with it
+    if tabled:  # with learned statistics (and no table to keep) the table is fitted to their weights, as the host fits
+        # the statistics themselves (fpe.fit_weights): count, fit, then measure with it
         prior = got.statistics.double() + 1
         again = buddy.measure(t, codec, entry_bytes=e, backend=backend, prior=prior)
         want = buddy.measure(t, codec, entry_bytes=e, backend="reference", prior=prior)

@@ -329,8 +329,8 @@ class HostKernels:
             r.done()
             return
         if op == "fit":
-            counts, _, table, serial = args[:4]
-            got_table, got_serial = device_fit(exe, counts, word, self.tmp_path)
+            counts, _, table, serial, word, weighted = args
+            got_table, got_serial = device_fit(exe, counts, int(word), self.tmp_path, bool(int(weighted)))
             table.copy_(got_table)
             serial.copy_(got_serial)
             return
@@ -480,8 +480,10 @@ def test_host_reads_of_codecs_with_a_table(emulated_gpu, codec, gen):
 
     Without a prior (a key's first step in a session, a standalone compress)
     the table is fitted on the device and comes back with the histogram; with
-    one the host fits it to the prior. Either way the reference's table and
-    buffers, and the tensor's symbol counts as its statistics.
+    one it is fitted to the prior there alike (the host makes the prior's
+    weights: fpe.fit_weights), unless the table fitted to it before still
+    codes it well, which is kept (no fit). Either way the reference's table
+    and buffers, and the tensor's symbol counts as its statistics.
     """
     for numel in (40_003, 777):
         t = make_data("relu", numel, torch.float32, gen)
@@ -494,11 +496,20 @@ def test_host_reads_of_codecs_with_a_table(emulated_gpu, codec, gen):
         assert torch.equal(first.statistics, reference.statistics)
         assert first.histogram == reference.histogram
         assert torch.equal(first.measurement.meta, reference.measurement.meta)
+        prior = first.statistics.to(torch.float64) / 3 + 0.5  # frequencies, not counts; every symbol seen
+        want = buddy.measure(t, codec, entry_bytes=512, backend="reference", prior=prior)
         emulated_gpu.launches.clear()
-        again = buddy.measure(t, codec, entry_bytes=512, backend="cuda", prior=first.statistics.to(torch.float64))
-        assert emulated_gpu.launches == ["count", "measure"]
+        fitted = buddy.measure(t, codec, entry_bytes=512, backend="cuda", prior=prior)
+        assert emulated_gpu.launches == ["count", "fit", "measure"]
+        assert fitted.engine.readbacks == 1, "the histogram and the table, together"
+        assert torch.equal(fitted.table, want.table) and fitted.histogram == want.histogram
+        assert torch.equal(fitted.measurement.meta, want.measurement.meta)
+        assert torch.equal(fitted.statistics, reference.statistics)
+        emulated_gpu.launches.clear()
+        again = buddy.measure(t, codec, entry_bytes=512, backend="cuda", prior=prior, keep=fitted.codec)
+        assert emulated_gpu.launches == ["count", "measure"]  # the table fitted to the prior, kept
         assert again.engine.readbacks == 1, "the histogram alone"
-        assert torch.equal(again.table, first.table) and again.histogram == first.histogram
+        assert torch.equal(again.table, want.table) and again.histogram == want.histogram
         engine = again.engine
         slots, overflow = engine.pack(again.flat, again.measurement, 4, again.layout)
         out = engine.unpack(again.measurement.meta, slots, overflow, 4, again.layout, check=False)

@@ -50,7 +50,9 @@ from buddy.engines import cuda as bcuda
 from buddy import spec
 from buddy.codecs._bitstream import StreamWriter, write_fields
 from buddy.codecs.bpc import geometry
-from buddy.codecs.fpe import MAX_CODE_BITS, FPECodec, Table, default_table, n_symbols, symbol_bits, symbol_counts
+from buddy.codecs.fpe import (
+    MAX_CODE_BITS, FPECodec, Table, default_table, fit_weights, n_symbols, symbol_bits, symbol_counts,
+)  # fmt: skip
 from buddy.codecs.fpx import _write_streams, header_geometry
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
@@ -1297,11 +1299,15 @@ def test_fpe_device_flags_damage_like_reference(host_exe, word, tmp_path):
 # ---------------------------------------------------------------------------
 # fpe's table on the device: symbol counts and the fit (csrc/codec_fpe_fit.h)
 # ---------------------------------------------------------------------------
-def device_fit(exe: Path, counts: torch.Tensor, word: int, tmp_path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(device table, serialized table)`` the fit kernel's warp writes for ``counts`` (int64, ``S + 2``)."""
+def device_fit(
+    exe: Path, counts: torch.Tensor, word: int, tmp_path: Path, weighted: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(device table, serialized table)`` the fit kernel's warp writes for ``counts`` (int64, ``S + 2``);
+    ``weighted``: the counts are the fit's weights (``fpe.fit_weights``)."""
     src, dst = tmp_path / "fit.in", tmp_path / "fit.out"
     counts.to(torch.int64).numpy().tofile(src)
-    subprocess.run([str(exe), "fpe", "fit", str(word), str(src), str(dst)], check=True, timeout=120)
+    op = "fit-weights" if weighted else "fit"
+    subprocess.run([str(exe), "fpe", op, str(word), str(src), str(dst)], check=True, timeout=120)
     r = _Reader(np.fromfile(dst, dtype=np.uint8))
     table, serial = r.take(bcuda.DEVICE_TABLE_BYTES), r.take(bcuda.FIT_SERIAL_BYTES)
     r.done()
@@ -1380,6 +1386,38 @@ def test_fpe_table_fitted_on_the_device(host_exe, word, tmp_path):
         if _unlimited_depth(counts, word) > MAX_CODE_BITS:
             halved.append(name)
     assert "halves" in halved and len(halved) >= 2, f"cases that needed halving rounds: {halved}"
+
+
+@pytest.mark.parametrize("word", ids("w", WORDS))
+def test_fpe_table_fitted_to_a_prior_on_the_device(host_exe, word, tmp_path):
+    """Given fpe.fit_weights of a prior -- frequencies, as a tracker learns them, or counts --, the fit kernel
+    writes Table.from_counts's table of the prior itself, byte for byte."""
+    g = torch.Generator().manual_seed(11 + word)
+    exe = host_exe(512)
+    priors = {name: counts.double() / max(1, int(counts.sum())) for name, counts in fit_cases(word, g).items()}
+    s = n_symbols(word)
+    priors["tiny frequencies"] = torch.exp(-40 * torch.rand(s, generator=g, dtype=torch.float64))
+    priors["sparse powers"] = torch.rand(s, generator=g, dtype=torch.float64) ** 8 * (torch.rand(s, generator=g) < 0.3)
+    priors["counts, not frequencies"] = fit_cases(word, g)["random 0"]
+    for name, prior in priors.items():
+        want = Table.from_counts(prior, word)
+        weights = fit_weights(prior, word)
+        table, serial = device_fit(exe, weights, word, tmp_path, weighted=True)
+        expected = want.to_bytes()
+        assert torch.equal(serial[: expected.numel()], expected), f"{name}: serialized table"
+        assert not serial[expected.numel() :].any(), f"{name}: bytes after the serialized table"
+        assert torch.equal(table, bcuda.device_table(want)), f"{name}: device table"
+    # weights taken as they are, not scaled: Fibonacci weights of a small total halve into a table of their own
+    weights = torch.zeros(s, dtype=torch.int64)
+    a, b = 1, 1
+    for i in range(24):
+        weights[3 * i], (a, b) = a, (b, a + b)
+    total = weights.clone()
+    total[s - 1] = (1 << 30) - int(weights.sum())  # ESC's count: a total of 2**30, so the scale is 1
+    want = Table.from_counts(total, word)
+    assert want != Table.from_counts(weights, word)  # (scaled, they would fit another table)
+    table, serial = device_fit(exe, weights, word, tmp_path, weighted=True)
+    assert torch.equal(serial[: want.nbytes], want.to_bytes()) and torch.equal(table, bcuda.device_table(want))
 
 
 @pytest.mark.parametrize("word", ids("w", WORDS))

@@ -169,6 +169,26 @@ def test_table_codecs_read_once(codec, cuda, pinned_store, gen):
     assert torch.equal(measured.statistics.cpu(), reference.statistics.cpu())
 
 
+@pytest.mark.parametrize("codec", ids("codec", ("fpe", "auto2")))
+def test_table_fitted_to_a_prior_on_the_gpu(codec, cuda, pinned_store, gen):
+    """With learned statistics (frequencies) and no table to keep, the fit kernel fits their weights: the table the
+    host's fit of them makes, in the one read, with nothing else waiting for the GPU."""
+    t = make_data("relu", 4 * MiB, torch.bfloat16, gen)
+    prior = buddy.measure(t, codec, backend="reference").statistics.double() / 3 + 0.5
+    want = buddy.measure(t, codec, backend="reference", prior=prior)
+    x = t.to(cuda)
+    buddy.measure(x, codec, backend="cuda", prior=prior)  # compiled, allocator warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        measured = buddy.measure(x, codec, backend="cuda", prior=prior)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert measured.engine.readbacks == 1
+    assert torch.equal(measured.table, want.table) and measured.histogram == want.histogram
+    assert torch.equal(measured.measurement.meta.cpu(), want.measurement.meta)
+
+
 @pytest.mark.parametrize("codec", ids("codec", KERNEL_CODECS))
 def test_no_hidden_syncs(codec, cuda, pinned_store, gen):
     """Under torch's sync debug mode nothing waits for the GPU in a compress but the engine's one read, and

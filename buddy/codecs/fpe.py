@@ -121,7 +121,7 @@ from .fpx import SPLITS
 
 __all__ = [
     "FPECodec", "Table", "default_table", "fit_table", "symbol_counts", "symbol_bits", "MAX_CODE_BITS", "MAX_CODED",
-    "TABLE_FORMAT", "TABLE_FORMATS", "SPLIT_FORMAT", "REFIT_BITS", "code_section_estimate",
+    "TABLE_FORMAT", "TABLE_FORMATS", "SPLIT_FORMAT", "REFIT_BITS", "code_section_estimate", "fit_weights", "refits",
 ]  # fmt: skip
 
 #: the longest code (bits): the decoder's lookup table has 2**MAX_CODE_BITS rows
@@ -304,14 +304,8 @@ class Table:
         older tensors hold.
         """
         s = n_symbols(word_bytes, table_format)
-        counts = torch.as_tensor(counts).detach().to("cpu", torch.float64)
-        if counts.shape != (s,) or bool((counts < 0).any()) or not bool(torch.isfinite(counts).all()):
-            raise ValueError(f"fpe: symbol counts must be {s} non-negative numbers for {word_bytes}-byte words")
-        total = float(counts.sum())
-        scale = (1 << 30) / total if total > 0 else 1.0  # counts or frequencies alike: integers summing to ~2**30
-        v = counts.numpy()
-        # max(1, round(v * scale)) for v > 0 (round half to even, as Python's round), else 0
-        c = np.where(v > 0, np.maximum(1.0, np.rint(v * scale)), 0.0).astype(np.int64)
+        counts = _checked_counts(counts, s, word_bytes)
+        c = _weights(counts)
         present = np.flatnonzero(c[: s - 2] > 0)
         regular = present[np.lexsort((present, -c[present]))]  # by count, descending, then symbol
         coded = regular[:MAX_CODED].tolist()
@@ -386,12 +380,14 @@ class Table:
         counts = torch.as_tensor(counts).detach().to("cpu", torch.float64)
         if counts.shape != (self.esc + 1,):
             raise ValueError(f"fpe: counts of {self.esc + 1} symbols for this table, got shape {tuple(counts.shape)}")
-        total = float(counts.sum())
+        c = counts.numpy()  # (numpy: a few small arrays, where torch's per-operation cost dominates)
+        total = float(c.sum())
         if total <= 0:
             return 0.0
-        p = counts / total
-        entropy = float(-(p[p > 0] * p[p > 0].log2()).sum()) + self.tail_bits * (1 - float(p[self.zero]))
-        return float(p @ self.word_bits) - entropy
+        p = c / total
+        seen = p[p > 0]
+        entropy = float(-(seen * np.log2(seen)).sum()) + self.tail_bits * (1 - float(p[self.zero]))
+        return float(p @ self.word_bits.numpy()) - entropy
 
     # ---- the code section's length, estimated (the GPU decoder's spans) -------------
     @functools.cached_property
@@ -642,18 +638,53 @@ def code_section_estimate(k: int, n_words: int, tail_bits: int, span_model: tupl
     return min(256 * k, max(1, (middle - 256 * tails * tail_bits) // 256))
 
 
+def _checked_counts(counts, s: int, word_bytes: int) -> torch.Tensor:
+    """``counts`` as float64 on the CPU; ``ValueError`` unless they are ``s`` non-negative finite numbers."""
+    counts = torch.as_tensor(counts).detach().to("cpu", torch.float64)
+    if counts.shape != (s,) or bool((counts < 0).any()) or not bool(torch.isfinite(counts).all()):
+        raise ValueError(f"fpe: symbol counts must be {s} non-negative numbers for {word_bytes}-byte words")
+    return counts
+
+
+def _weights(counts: torch.Tensor) -> np.ndarray:
+    """The integer weights :meth:`Table.from_counts` fits (int64): ``max(1, round(v * 2**30 / total))`` for each
+    count ``v > 0`` (round half to even, as Python's round), else 0 -- counts or frequencies alike."""
+    total = float(counts.sum())
+    v = counts.numpy()
+    scale = (1 << 30) / total if total > 0 else 1.0
+    return np.where(v > 0, np.maximum(1.0, np.rint(v * scale)), 0.0).astype(np.int64)
+
+
+def fit_weights(counts, word_bytes: int) -> torch.Tensor:
+    """The integer weights (int64, ``(S + 2,)``) :meth:`Table.from_counts` fits for ``counts``: each count
+    ``v > 0`` scaled to ``max(1, round(v * 2**30 / total))`` (round half to even), 0 for the others and for
+    ESC's (which enters only the total). What an engine's ``fit`` kernel takes, unscaled, to fit a learned
+    prior -- frequencies, not counts -- on the device, byte for byte as the host would."""
+    s = n_symbols(word_bytes)
+    c = _weights(_checked_counts(counts, s, word_bytes))
+    c[s - 1] = 0
+    return torch.from_numpy(c)
+
+
+def refits(counts, word_bytes: int, keep: Table | None) -> bool:
+    """Whether :func:`fit_table` fits a new table to ``counts``: unless ``keep`` (a table fitted earlier, e.g. to
+    the same key's statistics a step before) codes them within :data:`REFIT_BITS` of its :meth:`~Table.slack` on
+    the counts it was fitted to."""
+    if keep is not None and (keep.word_bytes, keep.format) == (word_bytes, TABLE_FORMAT) and keep.fit_slack is not None:
+        return keep.slack(counts) > keep.fit_slack + REFIT_BITS
+    return True
+
+
 def fit_table(counts, word_bytes: int, keep: Table | None = None) -> Table:
     """:meth:`Table.from_counts`, or ``keep`` while it codes ``counts`` nearly as well as those it was fitted to.
 
-    ``keep`` (a table fitted earlier, e.g. to the same key's statistics a
-    step before) is returned when its :meth:`~Table.slack` on ``counts`` is
-    within :data:`REFIT_BITS` of its slack on its own counts: the fit (about
-    a millisecond of Python) is skipped, at most that many bits per word lost.
+    ``keep`` is returned unless :func:`refits` says otherwise: the fit (about
+    a millisecond of Python) is skipped, at most :data:`REFIT_BITS` bits per
+    word lost.
     """
-    if keep is not None and (keep.word_bytes, keep.format) == (word_bytes, TABLE_FORMAT) and keep.fit_slack is not None:
-        if keep.slack(counts) <= keep.fit_slack + REFIT_BITS:
-            return keep
-    return Table.from_counts(counts, word_bytes)
+    if keep is None or refits(counts, word_bytes, keep):
+        return Table.from_counts(counts, word_bytes)
+    return keep
 
 
 @functools.cache

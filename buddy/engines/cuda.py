@@ -40,11 +40,13 @@ Codecs with a table (format version 2: ``fpe``, and ``auto2`` through its
 (``BuddyFpeTable`` in ``csrc/codec_fpe.h``), and every kernel takes it by
 pointer (null for the other codecs). Their engine fits the table itself
 (:meth:`CudaEngine.fit_measure`): a ``count`` kernel gives the tensor's
-symbol counts, and when no learned statistics (a prior) are given a ``fit``
-kernel -- one warp, :meth:`~buddy.codecs.fpe.Table.from_counts` byte for byte
-(``csrc/codec_fpe_fit.h``) -- writes the device table and the serialized
-table, which comes back in the histogram's read. So a compress reads the
-device once with or without a prior.
+symbol counts, and a ``fit`` kernel -- one warp,
+:meth:`~buddy.codecs.fpe.Table.from_counts` byte for byte
+(``csrc/codec_fpe_fit.h``) -- fits a table to them, or to learned statistics
+(a prior) when the table fitted to the prior before no longer codes it well,
+and writes the device table and the serialized table, which comes back in the
+histogram's read. So a compress reads the device once with or without a
+prior, and the host lays out no table it fitted.
 
 The sources ship as package data (``buddy.csrc``, the repository's
 ``csrc/``). They are compiled once per process for each (codec, entry size,
@@ -76,7 +78,7 @@ from .. import spec
 from ..codecs.auto import AUTO_MEMBERS, AutoCodec, member_kinds
 from ..codecs.base import Codec, CodecLike
 from ..codecs.bpc import BPCCodec
-from ..codecs.fpe import MAX_CODE_BITS, MAX_CODED, FPECodec, Table, default_table, n_symbols
+from ..codecs.fpe import MAX_CODE_BITS, MAX_CODED, FPECodec, Table, default_table, fit_weights, n_symbols, refits
 from ..codecs.fpx import FPXCodec
 from ..codecs.zvc import ZVCCodec
 from ..deps import available, require
@@ -364,7 +366,7 @@ def device_table(table: Table) -> torch.Tensor:
     tables -- a tracker's learned table comes back step after step -- and never
     written again.
     """
-    key = (table.word_bytes, table.format, tuple(sorted(table.lengths.items())))
+    key = _table_key(table)
     with _lock:
         found = _HOST_TABLES.pop(key, None)
         if found is not None:
@@ -378,14 +380,24 @@ def device_table(table: Table) -> torch.Tensor:
     zero, head = table.span_model
     tail = np.array([table.symbol_bits, int(table.split), zero | head << 8], dtype="<u4")
     raw = b"".join(part.tobytes() for part in (dec, multi, enc, tail))
-    out = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return remember_device_table(table, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def _table_key(table: Table) -> tuple:
+    return table.word_bytes, table.format, tuple(sorted(table.lengths.items()))
+
+
+def remember_device_table(table: Table, laid_out: torch.Tensor) -> torch.Tensor:
+    """Keeps ``laid_out`` (on the host: :func:`device_table`'s bytes of ``table``, e.g. as a fit kernel of the
+    native engine wrote them) as :func:`device_table` of ``table`` from now on, pinned when CUDA is present;
+    returns what is kept. Nothing may write ``laid_out`` after."""
     if torch.cuda.is_available():
-        out = out.pin_memory()
+        laid_out = laid_out.pin_memory()
     with _lock:
-        _HOST_TABLES[key] = out
+        _HOST_TABLES[_table_key(table)] = laid_out
         while len(_HOST_TABLES) > _HOST_TABLES_KEPT:
             del _HOST_TABLES[next(iter(_HOST_TABLES))]
-    return out
+    return laid_out
 
 
 def codec_table(codec: Codec, word_bytes: int) -> Table | None:
@@ -394,9 +406,7 @@ def codec_table(codec: Codec, word_bytes: int) -> Table | None:
     ``fpe``'s own, or ``auto2``'s fpe member's: the table it was fitted to or bound
     to, else (an unfitted codec, as the reference) the word size's default table.
     """
-    fpe = codec if isinstance(codec, FPECodec) else None
-    if isinstance(codec, AutoCodec):
-        fpe = next((member for _, member in codec.members if isinstance(member, FPECodec)), None)
+    fpe = _fpe_member(codec)
     if fpe is None:
         return None
     table = fpe.fitted
@@ -405,6 +415,19 @@ def codec_table(codec: Codec, word_bytes: int) -> Table | None:
     if table.word_bytes != word_bytes:
         raise ValueError(f"this fpe table is for {table.word_bytes}-byte words, got {word_bytes}-byte words")
     return table
+
+
+def _fpe_member(codec: CodecLike | None) -> FPECodec | None:
+    """``codec`` itself if it is fpe, else its fpe member (an auto codec's), else ``None``."""
+    if isinstance(codec, AutoCodec):
+        return next((member for _, member in codec.members if isinstance(member, FPECodec)), None)
+    return codec if isinstance(codec, FPECodec) else None
+
+
+def _fitted_table(codec: CodecLike | None) -> Table | None:
+    """The table ``codec`` (or its fpe member) was fitted to or bound to; ``None`` for none or an unfitted one."""
+    fpe = _fpe_member(codec)
+    return None if fpe is None else fpe.fitted
 
 
 # ---------------------------------------------------------------------------
@@ -482,17 +505,18 @@ class Kernels:
         args = (data, _i64(n_units), tail, _i32(tail_words), counts, _i32(word))
         self.launch(self.name, "count", layout.entry_bytes, device, n_units, args)
 
-    def fit(self, layout: Layout, counts, work, table, serial) -> None:
+    def fit(self, layout: Layout, counts, work, table, serial, weighted: bool = False) -> None:
         """The table fitted to ``counts`` (:meth:`Table.from_counts`): the device table into ``table``
         (:data:`DEVICE_TABLE_BYTES`), the serialized one into ``serial`` (:data:`FIT_SERIAL_BYTES`, zeros
-        after it); ``work``: :data:`FIT_WORK_BYTES` of scratch."""
+        after it); ``work``: :data:`FIT_WORK_BYTES` of scratch. ``weighted``: ``counts`` are the weights
+        :func:`~buddy.codecs.fpe.fit_weights` makes of counts or frequencies, fitted as they are."""
         self._tabled()
         device = self._check(
             layout, counts=(counts, torch.int64, n_symbols(layout.word_bytes)),
             work=(work, torch.uint8, FIT_WORK_BYTES), table=(table, torch.uint8, DEVICE_TABLE_BYTES),
             serial=(serial, torch.uint8, FIT_SERIAL_BYTES),
         )  # fmt: skip
-        args = (counts, work, table, serial, _i32(layout.word_bytes))
+        args = (counts, work, table, serial, _i32(layout.word_bytes), _i32(int(weighted)))
         self.launch(self.name, "fit", layout.entry_bytes, device, 1, args)
 
     def _tabled(self) -> None:
@@ -599,7 +623,7 @@ class CudaEngine(Engine):
 
     ``launch`` and ``device_type``: see :class:`Kernels`. :attr:`readbacks`
     counts the device-to-host reads made (per compress one: the histogram,
-    with a table codec's fitted table when it has no prior; none per
+    with a table codec's table when it fits one; none per
     decompress unless ``check=True``).
     """
 
@@ -677,13 +701,18 @@ class CudaEngine(Engine):
         A codec with a table (:data:`TABLED_KERNELS`) is counted and fitted
         on the device: the ``count`` kernel gives the tensor's symbol counts
         (the fitted codec's :attr:`~buddy.codecs.base.Codec.statistics`, left
-        on the device). With a ``prior`` the host fits the table to it
-        (nothing read; ``keep`` as in :meth:`~buddy.codecs.base.Codec.fit`);
-        without one the ``fit`` kernel fits it to the counts, and the
-        serialized table comes back with the histogram, from which the host
-        rebuilds the same :class:`~buddy.codecs.fpe.Table`
-        (:meth:`~buddy.codecs.fpe.Table.from_bytes`). Any other codec has
-        nothing to fit.
+        on the device). The ``fit`` kernel fits the table to them, or, with a
+        ``prior``, to the weights the host's fit makes of it
+        (:func:`~buddy.codecs.fpe.fit_weights`: the table
+        :meth:`~buddy.codecs.fpe.Table.from_counts` would make of the prior)
+        -- unless ``keep``'s table still codes the prior well
+        (:func:`~buddy.codecs.fpe.refits`), which is then kept (nothing
+        fitted, nothing more read). A fitted table's serialized bytes come
+        back with the histogram, from which the host rebuilds the same
+        :class:`~buddy.codecs.fpe.Table`
+        (:meth:`~buddy.codecs.fpe.Table.from_bytes`); on the CPU its laid-out
+        bytes are kept for the engines of later steps
+        (:func:`remember_device_table`). Any other codec has nothing to fit.
         """
         if self.codec.name not in TABLED_KERNELS:
             return super().fit_measure(flat, layout, prior, keep)
@@ -691,17 +720,20 @@ class CudaEngine(Engine):
         entries = self._entries(flat, layout)
         counts = torch.zeros(n_symbols(word), dtype=torch.int64, device=device)
         self.kernels.count(layout, *entries, counts)
-        if prior is not None:
-            self.codec = codec.fit(flat, word, prior, self.read, keep, counts)
+        if prior is not None and not refits(prior, word, _fitted_table(keep)):
+            self.codec = codec.fit(flat, word, prior, self.read, keep, counts)  # keep's table, still good
             self._tables.clear()  # the fitted table, not the unfitted codec's
             return self.codec, self._measure_read(flat, entries, layout)
+        # fitted here: to the tensor's counts, or to the prior's weights (the host's fit of them, byte for byte)
+        weighted = prior is not None
+        fit_to = counts if prior is None else fit_weights(prior, word).to(device, non_blocking=True)
         # one buffer for what comes back: the histogram, then (16-byte aligned) the serialized table
         at = -(-layout.bins // 2) * 2
         readout = torch.zeros(at + -(-FIT_SERIAL_BYTES // 8), dtype=torch.int64, device=device)
         serial = readout[at:].view(torch.uint8)[:FIT_SERIAL_BYTES]
         table = torch.empty(DEVICE_TABLE_BYTES, dtype=torch.uint8, device=device)
         work = torch.empty(FIT_WORK_BYTES, dtype=torch.uint8, device=device)
-        self.kernels.fit(layout, counts, work, table, serial)
+        self.kernels.fit(layout, fit_to, work, table, serial, weighted)
         self._tables[(device, word)] = table
         meta = self._measure(flat, entries, layout, readout[: layout.bins])
         host = self.read(readout)
@@ -709,7 +741,12 @@ class CudaEngine(Engine):
         n = int(raw[2]) | int(raw[3]) << 8
         if n > MAX_CODED + 2:
             raise RuntimeError(f"the fit kernel wrote a table of {n} codes (at most {MAX_CODED + 2})")
-        self.codec = codec.with_table(Table.from_bytes(raw[: 4 + 3 * n].clone(), word), counts)
+        fitted = Table.from_bytes(raw[: 4 + 3 * n].clone(), word)
+        if prior is not None:
+            fitted.fit_slack = fitted.slack(prior)  # as Table.from_counts sets it: the next step may keep the table
+            if device.type == "cpu":
+                remember_device_table(fitted, table)  # the next step's engine need not lay it out again
+        self.codec = codec.with_table(fitted, counts)
         return self.codec, Measurement(meta, tuple(host[: layout.bins].tolist()), reuse=entries)
 
     def pack(self, flat, measured, slot, layout):

@@ -45,7 +45,9 @@
 //          units and TAIL_WORDS words of a partial last entry
 //          IN:  units (N_UNITS * 8) | tail (E)     OUT: counts (S + 2 uint64)
 //        codec_host fpe fit WORD_BYTES IN OUT
-//          the table fitted to symbol counts by one warp (codec_fpe_fit.h)
+//        codec_host fpe fit-weights WORD_BYTES IN OUT
+//          the table fitted to symbol counts by one warp (codec_fpe_fit.h);
+//          fit-weights: to the fit's weights (fpe.fit_weights), not scaled
 //          IN:  counts (S + 2 int64)
 //          OUT: device table (sizeof(BuddyFpeTable)) | serialized table
 //               (BUDDY_FPE_SERIAL_BYTES)
@@ -535,7 +537,7 @@ static void count_words(const uint8_t* units, size_t n_units, const uint8_t* tai
 }
 
 static int table_main(int argc, char** argv) {
-  const bool count = strcmp(argv[2], "count") == 0;
+  const bool count = strcmp(argv[2], "count") == 0, weighted = strcmp(argv[2], "fit-weights") == 0;
   if (strcmp(argv[1], "fpe") != 0 || argc != (count ? 8 : 6)) {
     fprintf(stderr, "%s: usage at the top of codec_host.cpp (codec fpe only)\n", argv[2]);
     return 2;
@@ -586,7 +588,8 @@ static int table_main(int argc, char** argv) {
   memset(table, 0xAB, sizeof(BuddyFpeTable));
   memset(serial, 0xAB, BUDDY_FPE_SERIAL_BYTES);
   run_warp([&](uint32_t l) {
-    buddy_fpe_fit(HostWarp{l}, counts, (uint32_t)word, work, reinterpret_cast<BuddyFpeTable*>(table), serial);
+    buddy_fpe_fit(HostWarp{l}, counts, (uint32_t)word, weighted, work, reinterpret_cast<BuddyFpeTable*>(table),
+                  serial);
   });
   fwrite(table, 1, sizeof(BuddyFpeTable), out);
   fwrite(serial, 1, BUDDY_FPE_SERIAL_BYTES, out);
@@ -594,7 +597,8 @@ static int table_main(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  if (argc > 2 && (strcmp(argv[2], "count") == 0 || strcmp(argv[2], "fit") == 0)) return table_main(argc, argv);
+  if (argc > 2 && (strcmp(argv[2], "count") == 0 || strcmp(argv[2], "fit") == 0 || strcmp(argv[2], "fit-weights") == 0))
+    return table_main(argc, argv);
   if (argc > 2 && (strcmp(argv[2], "measure") == 0 || strcmp(argv[2], "pack") == 0 || strcmp(argv[2], "unpack") == 0))
     return tensor_main(argc, argv);
   if (argc != 7 ||
