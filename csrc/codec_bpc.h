@@ -428,16 +428,24 @@ struct BuddyBpc {
     return bits;
   }
 
-  // The 32 x 32 bit transpose of `transpose` on one lane's 32 rows: bit l of row j becomes bit j of row l.
-  static BUDDY_HD void transpose_local(uint32_t (&r)[32]) {
-    uint32_t m = 0x0000FFFFu;  // the low half of every 2w-bit block
-    for (uint32_t w = 16; w != 0; w >>= 1, m ^= m << w)
-      for (uint32_t k = 0; k < 32u; ++k) {
-        if (k & w) continue;
-        const uint32_t t = ((r[k] >> w) ^ r[k + w]) & m;
-        r[k] ^= t << w;
-        r[k + w] ^= t;
+  // The 32 x 32 bit transpose of `transpose` on one lane's 32 rows: bit l of row j becomes bit j of row l. Its
+  // rounds of block swaps one by one, each a loop of a constant count over runs of W rows (W = 16, 8, 4: runs a
+  // host compiler makes vector code of -- the transpose was half of one lane's plan as a loop over rows).
+  template <uint32_t W>
+  static BUDDY_HD void transpose_round_local(uint32_t (&r)[32], uint32_t m) {  // m: the low half of each 2W bits
+    for (uint32_t base = 0; base < 32u; base += 2u * W)
+      for (uint32_t k = base; k < base + W; ++k) {
+        const uint32_t t = ((r[k] >> W) ^ r[k + W]) & m;
+        r[k] ^= t << W;
+        r[k + W] ^= t;
       }
+  }
+  static BUDDY_HD void transpose_local(uint32_t (&r)[32]) {
+    transpose_round_local<16>(r, 0x0000FFFFu);
+    transpose_round_local<8>(r, 0x00FF00FFu);
+    transpose_round_local<4>(r, 0x0F0F0F0Fu);
+    transpose_round_local<2>(r, 0x33333333u);
+    transpose_round_local<1>(r, 0x55555555u);
   }
 
   // ---------------------------------------------------------------------------
