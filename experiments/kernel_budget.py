@@ -38,7 +38,8 @@ and ``compile_options`` for one word size) for sm_90 with nvcc:
 
 A whole compress with nothing learned runs count, fit, measure and pack
 (and reads back the histogram); with a learned table, count (the
-statistics it learns from), measure and pack.
+statistics it learns from), measure and pack -- and fit again on the steps
+where the learned statistics have drifted from the table kept.
 Decompress is unpack. The totals are for a 256 MiB tensor.
 
     python -m experiments.kernel_budget                      # writes docs/kernel_budget.md
@@ -689,7 +690,8 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
             sass = r["parts"][(key, "sass")]
             out.append(f"| {r['kernel']} | {r['dtype']} | {key} | {sass} | {n / max(1, sass):.1f} | {n:,.0f} | "
                        f"{n / r['instr/entry']:.0%} |")
-    out += ["", f"The fit kernel (one warp, once per compress with nothing learned): {fit[0]:,} SASS instructions, "
+    out += ["", "The fit kernel (one warp, once per compress with nothing learned, or whose learned statistics the "
+            f"kept table no longer codes well): {fit[0]:,} SASS instructions, "
             f"about {fit[1]:,.0f} run for 257 leaves of 4,096 symbols, at {FIT_CPI} cycles each about {fit[2]:.0f} us "
             "(a rough figure: `fit_time_us`).", ""]
     out += ["Totals for a 256 MiB tensor (kernel times from the estimates above, plus "
