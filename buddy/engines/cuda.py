@@ -720,13 +720,17 @@ class CudaEngine(Engine):
         entries = self._entries(flat, layout)
         counts = torch.zeros(n_symbols(word), dtype=torch.int64, device=device)
         self.kernels.count(layout, *entries, counts)
-        if prior is not None and not refits(prior, word, _fitted_table(keep)):
-            self.codec = codec.fit(flat, word, prior, self.read, keep, counts)  # keep's table, still good
+        kept = _fitted_table(keep)
+        if prior is not None and kept is not None and not refits(prior, word, kept):
+            self.codec = codec.with_table(kept, counts)  # keep's table, still good: what codec.fit(prior) returns
             self._tables.clear()  # the fitted table, not the unfitted codec's
             return self.codec, self._measure_read(flat, entries, layout)
         # fitted here: to the tensor's counts, or to the prior's weights (the host's fit of them, byte for byte)
         weighted = prior is not None
-        fit_to = counts if prior is None else fit_weights(prior, word).to(device, non_blocking=True)
+        fit_to = counts
+        if prior is not None:
+            weights = fit_weights(prior, word)
+            fit_to = (weights.pin_memory() if device.type == "cuda" else weights).to(device, non_blocking=True)
         # one buffer for what comes back: the histogram, then (16-byte aligned) the serialized table
         at = -(-layout.bins // 2) * 2
         readout = torch.zeros(at + -(-FIT_SERIAL_BYTES // 8), dtype=torch.int64, device=device)
