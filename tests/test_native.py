@@ -347,3 +347,23 @@ def test_a_compiler_without_openmp_builds_without_it(monkeypatch, tmp_path, stor
     finally:
         monkeypatch.undo()
         native._compiler.cache_clear()
+
+
+@pytest.mark.parametrize("codec", ("fpe", "auto2"))
+@pytest.mark.parametrize("kept_from", ("fpe", "auto2"))
+def test_a_prior_keeps_a_table_as_the_reference_does(codec, kept_from, store):
+    """With learned statistics and an earlier step's codec to keep (of this codec or, after a change of codec,
+    of the other), the native engine keeps or fits the table exactly as the reference's fit does."""
+    t = torch.relu(torch.randn(60_000, generator=torch.Generator().manual_seed(6)))
+    other = torch.relu(torch.randn(60_000, generator=torch.Generator().manual_seed(7)) * 37)
+    stats = [buddy.measure(x, "fpe", backend="reference").statistics.double() for x in (t, other)]
+    before, drift = (s / s.sum() for s in stats)
+    kept = buddy.measure(t, kept_from, backend="reference", prior=before).codec
+    prior = 0.995 * before + 0.005 * drift  # drifted a little: a table fitted to it differs, the old one still fits
+    got = buddy.measure(t, codec, backend="native", prior=prior, keep=kept)
+    want = buddy.measure(t, codec, backend="reference", prior=prior, keep=kept)
+    # fpe keeps an fpe codec's table, auto2 an auto2 codec's fpe member's or an fpe codec's (Codec.fit)
+    assert torch.equal(want.table, kept.table) == (codec == "auto2" or kept_from == "fpe")
+    assert torch.equal(got.table, want.table) and got.histogram == want.histogram
+    assert torch.equal(got.measurement.meta, want.measurement.meta)
+    assert torch.equal(got.statistics, want.statistics)
