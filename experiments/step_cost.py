@@ -5,7 +5,8 @@ buddy's defaults (codec, entry size, the tracker's policy; on the CPU the defaul
 kernel sources built for the host, or with ``--backend reference`` the torch reference). Every step's
 **CPU time** is measured -- the process's, all its threads -- so other work on the machine does not stretch it the
 way it stretches wall time; the wall time is recorded beside it. Medians over the timed steps, after warm-up steps
-in which the tracker learns.
+in which the tracker learns. Of the wall time buddy adds, what its native kernels took
+(:func:`buddy.engines.native.kernel_seconds`, also by operation in the JSON) and the rest, the host's work.
 
     python -m experiments.step_cost                       # the tuning set, quick size
     python -m experiments.step_cost --workloads resnet-fp32 --steps 3
@@ -36,13 +37,17 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int) -> dict
     """One workload's row: median CPU and wall seconds of a plain and of a compressed step, and their ratios."""
     from experiments.workloads import make_run
 
+    from buddy.engines import native
+
     run = make_run(name, size, seed=seed)
     tracker = buddy.Tracker()  # this run's own history
     min_bytes = run.workload.min_bytes(size)
     seconds: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
+    kernels: list[dict[str, float]] = []  # per timed buddy step: its native launches' wall seconds, by operation
     capacity = None
     for i in range(warmup + steps):
         for method in METHODS:  # alternating, so that a slow stretch of the machine hits both alike
+            before = native.kernel_seconds()
             cpu0, wall0 = time.process_time(), time.perf_counter()
             with buddy.compressed_activations(tracker=tracker, min_bytes=min_bytes, enabled=method == "buddy") as s:
                 loss = run.forward_loss()
@@ -52,6 +57,9 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int) -> dict
                 seconds[method].append((cpu, wall))
             if method == "buddy":
                 capacity = s.stats().effective_capacity
+                if i >= warmup:
+                    after = native.kernel_seconds()
+                    kernels.append({op: t - before.get(op, 0.0) for op, t in after.items()})
     cpus = {m: statistics.median(c for c, _ in seconds[m]) for m in METHODS}
     walls = {m: statistics.median(w for _, w in seconds[m]) for m in METHODS}
     codec = buddy.defaults().codec
@@ -69,6 +77,13 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int) -> dict
         "none_wall_s": walls["none"],
         "buddy_wall_s": walls["buddy"],
         "wall_ratio": walls["buddy"] / walls["none"],
+        # the buddy step's wall time in the native engine's kernels (median), by operation; the rest of what buddy
+        # adds to the wall time is the host's work around them
+        "kernels_s": statistics.median(sum(k.values()) for k in kernels),
+        "kernels_by_op_s": {
+            op: statistics.median(k.get(op, 0.0) for k in kernels) for op in sorted(set().union(*kernels))
+        },
+        "host_s": walls["buddy"] - walls["none"] - statistics.median(sum(k.values()) for k in kernels),
         "capacity": capacity,
     }
 
@@ -80,6 +95,8 @@ COLUMNS = [
     ("buddy_cpu_s", "buddy step (CPU s)", ".3f"),
     ("cpu_ratio", "buddy / plain (CPU)", ".1f"),
     ("wall_ratio", "buddy / plain (wall)", ".1f"),
+    ("kernels_s", "kernels (wall s)", ".3f"),
+    ("host_s", "host's work (wall s)", ".3f"),
     ("capacity", "capacity", ".2f"),
 ]
 

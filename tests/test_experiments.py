@@ -143,6 +143,10 @@ def test_step_cost_tiny(tmp_path):
     assert (row["codec"], row["entry_bytes"]) == (buddy.defaults().codec, buddy.defaults().entry_bytes)
     assert row["none_cpu_s"] > 0 and row["buddy_cpu_s"] > 0 and row["capacity"] > 1
     assert row["cpu_ratio"] == pytest.approx(row["buddy_cpu_s"] / row["none_cpu_s"])
+    # one timed step: its kernels' seconds are the sum of its operations'; the rest of the added wall time the host's
+    assert row["kernels_s"] == pytest.approx(sum(row["kernels_by_op_s"].values()))
+    assert (row["kernels_s"] > 0) == (row["backend"] == "native")
+    assert row["host_s"] == pytest.approx(row["buddy_wall_s"] - row["none_wall_s"] - row["kernels_s"])
     assert json.loads((tmp_path / "results.json").read_text())["experiment"] == "step_cost"
 
 

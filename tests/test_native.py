@@ -367,3 +367,16 @@ def test_a_prior_keeps_a_table_as_the_reference_does(codec, kept_from, store):
     assert torch.equal(got.table, want.table) and got.histogram == want.histogram
     assert torch.equal(got.measurement.meta, want.measurement.meta)
     assert torch.equal(got.statistics, want.statistics)
+
+
+def test_kernel_seconds_count_the_launches(store):
+    """native.kernel_seconds: each operation's launches add their wall time (what experiments.step_cost reports)."""
+    t = torch.relu(torch.randn(50_000, generator=torch.Generator().manual_seed(8)))
+    buddy.compress(t, 2.0, "auto2", backend="native", store=store).free()  # built
+    before = native.kernel_seconds()
+    bt = buddy.compress(t, 2.0, "auto2", backend="native", store=store)
+    bt.decompress()
+    after = native.kernel_seconds()
+    grew = {op for op in after if after[op] > before.get(op, 0.0)}
+    assert {"count", "fit", "measure", "pack", "unpack"} <= grew, (before, after)
+    bt.free()

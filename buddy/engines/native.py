@@ -42,6 +42,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -331,6 +332,18 @@ def _threads() -> int:
     return int(value)
 
 
+#: wall seconds the launches of each operation took in this process, by op (:func:`kernel_seconds`)
+_seconds: dict[str, float] = {}
+_seconds_lock = threading.Lock()
+
+
+def kernel_seconds() -> dict[str, float]:
+    """Wall seconds this process's native launches took so far, by operation (``count``, ``fit``, ``measure``,
+    ``pack``, ``unpack``): take it before and after a piece of work to see what of it the kernels were."""
+    with _seconds_lock:
+        return dict(_seconds)
+
+
 def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple) -> None:
     """:class:`~buddy.engines.cuda.Kernels`' ``launch=``: kernel ``buddy_<codec>_<op>`` natively on the host."""
     del device  # CPU tensors: Kernels checked them
@@ -339,7 +352,11 @@ def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: 
     grid = _grid(op, n_entries, threads)
     _, block, shared = cuda.launch_config(op, entry_bytes, n_entries, codec)
     shared = shared // (block // 32)  # a native block is one warp: one warp's staging
+    start = time.perf_counter()
     lib.launch(f"buddy_{codec}_{op}", grid, shared, args, min(threads, grid))
+    took = time.perf_counter() - start
+    with _seconds_lock:
+        _seconds[op] = _seconds.get(op, 0.0) + took
 
 
 def _one_lane(codec: str, op: str) -> bool:
