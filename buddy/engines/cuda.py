@@ -728,7 +728,6 @@ class CudaEngine(Engine):
             self._tables.clear()  # the fitted table, not the unfitted codec's
             return self.codec, self._measure_read(flat, entries, layout)
         # fitted here: to the tensor's counts, or to the prior's weights (the host's fit of them, byte for byte)
-        weighted = prior is not None
         fit_to = counts
         if prior is not None:
             weights = fit_weights(prior, word)
@@ -739,7 +738,7 @@ class CudaEngine(Engine):
         serial = readout[at:].view(torch.uint8)[:FIT_SERIAL_BYTES]
         table = torch.empty(DEVICE_TABLE_BYTES, dtype=torch.uint8, device=device)
         work = torch.empty(FIT_WORK_BYTES, dtype=torch.uint8, device=device)
-        self.kernels.fit(layout, fit_to, work, table, serial, weighted)
+        self.kernels.fit(layout, fit_to, work, table, serial, weighted=prior is not None)
         self._tables[(device, word)] = table
         meta = self._measure(flat, entries, layout, readout[: layout.bins])
         host = self.read(readout)

@@ -269,8 +269,9 @@ def _build(codec: str, entry_bytes: int, solo: bool = False, wait: bool = True) 
     options = cuda.compile_options(entry_bytes, codec)
     if solo:
         options += _SOLO_DEFINES
+    flags = _FLAGS + _openmp_flags()
     h = hashlib.sha256()
-    for part in (*_sources(csrc), options, _FLAGS + _openmp_flags(), version, _machine()):
+    for part in (*_sources(csrc), options, flags, version, _machine()):
         h.update(repr(part).encode())
     kind = "-solo" if solo else ""
     out = _cache_dir() / f"buddy-native-{codec}{kind}-E{entry_bytes}-{h.hexdigest()[:20]}.so"
@@ -283,7 +284,7 @@ def _build(codec: str, entry_bytes: int, solo: bool = False, wait: bool = True) 
         return out
     if started is None:
         tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        cmd = [cxx, *options, *_FLAGS, *_openmp_flags(), f"-I{csrc}", f"-I{csrc / 'host'}", str(csrc / "host" / "native.cpp"), "-o",
+        cmd = [cxx, *options, *flags, f"-I{csrc}", f"-I{csrc / 'host'}", str(csrc / "host" / "native.cpp"), "-o",
                str(tmp)]  # fmt: skip
         started = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), tmp, cmd,
                    os.getpid())  # fmt: skip
