@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import spec
-from .base import Analysis, Codec, Fitting
+from .base import Analysis, Codec, CodecLike, Fitting
 from .bpc import BPCCodec
 from .fpe import FPECodec
 from .fpx import FPXCodec
@@ -170,8 +170,16 @@ class AutoCodec(Codec):
         tabled = self._tabled
         if tabled is None:
             return self
-        kept = how.keep._tabled if isinstance(how.keep, AutoCodec) else how.keep
-        return self._with(tabled._fit(flat, word_bytes, how._replace(keep=kept)))
+        return self._with(tabled._fit(flat, word_bytes, how._replace(keep=self._member_keep(how.keep))))
+
+    @staticmethod
+    def _member_keep(keep: CodecLike | None) -> CodecLike | None:
+        """What the tabled member keeps from ``keep``: an auto codec's tabled member, else ``keep`` itself."""
+        return keep._tabled if isinstance(keep, AutoCodec) else keep
+
+    def kept_table(self, keep: CodecLike | None):
+        tabled = self._tabled
+        return None if tabled is None else tabled.kept_table(self._member_keep(keep))
 
     def with_table(self, table, statistics: torch.Tensor) -> AutoCodec:
         tabled = self._tabled

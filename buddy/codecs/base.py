@@ -129,6 +129,11 @@ class CodecLike:
         """:meth:`fit`, its options as one :class:`Fitting`."""
         return self
 
+    def kept_table(self, keep: CodecLike | None):
+        """The table a :meth:`fit` with ``keep`` may keep instead of fitting one (while it still codes the prior
+        well), or ``None``: for a codec without a table, none."""
+        return None
+
     def with_table(self, table, statistics: torch.Tensor) -> Self:
         """This codec holding a ``table`` fitted elsewhere (an engine fits it on the tensor's device) and the
         tensor's ``statistics``; only for a codec that carries a table."""

@@ -116,7 +116,7 @@ import torch
 
 from ..errors import CorruptDataError
 from ._bitstream import StreamWriter, bits_after, bits_between, lookup, read_bits, stream_windows
-from .base import Analysis, Codec, Fitting, bits_to_sectors
+from .base import Analysis, Codec, CodecLike, Fitting, bits_to_sectors
 from .fpx import SPLITS
 
 __all__ = [
@@ -753,8 +753,11 @@ class FPECodec(Codec):
         counts = symbol_counts(flat, word_bytes) if how.counts is None else how.counts
         if how.prior is None:
             return FPECodec(Table.from_counts((how.read or torch.Tensor.cpu)(counts), word_bytes), counts)
-        kept = how.keep.fitted if isinstance(how.keep, FPECodec) else None
-        return FPECodec(fit_table(how.prior, word_bytes, kept), counts)
+        return FPECodec(fit_table(how.prior, word_bytes, self.kept_table(how.keep)), counts)
+
+    def kept_table(self, keep: CodecLike | None) -> Table | None:
+        """An fpe ``keep``'s table (``None`` for any other codec, or an unfitted one)."""
+        return keep.fitted if isinstance(keep, FPECodec) else None
 
     def with_table(self, table: Table, statistics: torch.Tensor) -> FPECodec:
         if not isinstance(table, Table):

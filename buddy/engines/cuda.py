@@ -424,14 +424,6 @@ def _fpe_member(codec: CodecLike | None) -> FPECodec | None:
     return codec if isinstance(codec, FPECodec) else None
 
 
-def _kept_table(codec: CodecLike, keep: CodecLike | None) -> Table | None:
-    """The table ``codec.fit(..., keep=keep)`` may keep (:func:`~buddy.codecs.fpe.fit_table`): an fpe ``keep``'s,
-    or for an auto codec its fpe member's (an auto ``keep``'s member, or an fpe ``keep``); else ``None``."""
-    if isinstance(codec, AutoCodec) and isinstance(keep, AutoCodec):
-        keep = _fpe_member(keep)
-    return keep.fitted if isinstance(keep, FPECodec) else None
-
-
 # ---------------------------------------------------------------------------
 # the kernels of one codec: strict (no copies), checked before any launch
 # ---------------------------------------------------------------------------
@@ -722,7 +714,7 @@ class CudaEngine(Engine):
         entries = self._entries(flat, layout)
         counts = torch.zeros(n_symbols(word), dtype=torch.int64, device=device)
         self.kernels.count(layout, *entries, counts)
-        kept = _kept_table(codec, keep)
+        kept = codec.kept_table(keep)
         if prior is not None and kept is not None and not refits(prior, word, kept):
             self.codec = codec.with_table(kept, counts)  # keep's table, still good: what codec.fit(prior) returns
             self._tables.clear()  # the fitted table, not the unfitted codec's
