@@ -25,12 +25,20 @@ _INSTALL = {
 }
 
 
+_FOUND: dict[str, bool] = {}
+
+
 def available(module: str) -> bool:
-    """Whether ``module`` can be imported (without importing it)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+    """Whether ``module`` can be imported (without importing it): looked up once per process, as an import is
+    (engines ask at every compress; a lookup reads the file system)."""
+    found = _FOUND.get(module)
+    if found is None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        _FOUND[module] = found
+    return found
 
 
 def require(module: str, feature: str):

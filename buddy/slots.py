@@ -53,7 +53,8 @@ def overflow_sectors(histogram: Sequence[float], slot_sectors: int) -> float: ..
 
 def overflow_sectors(histogram: Sequence[float], slot_sectors: int) -> float:
     """Sectors that go to buddy memory with a slot of ``slot_sectors`` (a float for a predicted, float histogram)."""
-    return sum((k - slot_sectors) * n for k, n in enumerate(histogram) if k > slot_sectors)
+    first = max(slot_sectors + 1, 0)  # the bins past the slot, summed in order as before (the same bits)
+    return sum((k - slot_sectors) * n for k, n in enumerate(histogram[first:], first))
 
 
 def larger_than(histogram: Sequence[float]) -> list[float]:

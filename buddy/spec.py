@@ -199,12 +199,19 @@ def word_bytes(dtype: torch.dtype) -> int:
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
     if dtype in _QUANTIZED:
         raise ValueError(f"{dtype} is a quantized dtype; compress tensor.int_repr() and keep the scale and zero point")
+    size = _WORD_BYTES.get(dtype)
+    if size is not None:
+        return size
     if dtype in _COMPLEX_WORD:
         return _COMPLEX_WORD[dtype]
     size = torch.empty((), dtype=dtype).element_size()
     if size not in (1, 2, 4, 8):
         raise ValueError(f"no word size for dtype {dtype} ({size}-byte elements)")
+    _WORD_BYTES[dtype] = size
     return size
+
+
+_WORD_BYTES: dict[torch.dtype, int] = {}  # word_bytes of the dtypes seen (asked at every compress)
 
 
 def c_defines(entry_bytes: int = DEFAULT_ENTRY_BYTES) -> dict[str, int]:

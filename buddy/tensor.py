@@ -7,6 +7,7 @@ restores the strides) is :mod:`buddy.layout`'s.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Sequence
@@ -60,11 +61,10 @@ def _wrapper_kind(tensor: torch.Tensor) -> str | None:
             "tensors batched by torch.func.vmap are not supported: compress outside vmap, or the whole "
             "batch before vmap"
         )
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-    except ImportError:  # pragma: no cover - older torch: nothing more to detect
+    detectors = _detectors()
+    if detectors is None:  # pragma: no cover - older torch: nothing more to detect
         return None
+    is_fake, is_traceable_wrapper_subclass = detectors
     if is_fake(tensor):
         return "FakeTensors (torch.compile tracing, FakeTensorMode) hold no data to compress"
     if is_traceable_wrapper_subclass(tensor):
@@ -73,6 +73,17 @@ def _wrapper_kind(tensor: torch.Tensor) -> str | None:
             f"tensors, or a plain tensor made from it"
         )
     return None
+
+
+@functools.cache
+def _detectors():
+    """torch's ``is_fake`` and ``is_traceable_wrapper_subclass`` (imported once), or ``None`` where it has none."""
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    return is_fake, is_traceable_wrapper_subclass
 
 
 def _release(store: BuddyStore, alloc: BuddyAllocation, hold: Hold) -> None:

@@ -393,13 +393,14 @@ class OverflowBudget(Policy):
         # cheapest spill first; at equal cost the widest slot, so that the spill spreads over the keys
         heap = [(beyond[key][s - 1] / n[key], -s, key) for key, s in plan.items() if s > 0 and n[key]]
         heapq.heapify(heap)
+        room_left = np.array(slack, dtype=np.float64)  # (numpy: the same subtractions, element by element)
         while heap:
             _, _, key = heapq.heappop(heap)
             added = beyond[key][plan[key] - 1] * spec.SECTOR_BYTES
-            if added > min(slack[at[key] :]):
+            after = room_left[at[key] :]
+            if added > after.min():
                 continue  # this key's next steps down spill more still: it stays where it is
-            for j in range(at[key], len(slack)):
-                slack[j] -= added
+            after -= added
             plan[key] -= 1
             if plan[key] > 0:
                 heapq.heappush(heap, (beyond[key][plan[key] - 1] / n[key], -plan[key], key))
@@ -479,6 +480,8 @@ class KeyHistory(LaidOut):
     fitted: CodecLike | None = None
     #: GPU statistics on their way to the host: (pinned copy, event), oldest first
     _pending: deque = field(default_factory=deque, repr=False)
+    #: (what it was made from, predicted()): the last one made
+    _predicted: tuple | None = field(default=None, repr=False, compare=False)
 
     def fits(self, layout: Layout) -> bool:
         """Whether a tensor of ``layout`` is the tensor this history is of (same entry size, same entries)."""
@@ -490,12 +493,19 @@ class KeyHistory(LaidOut):
 
     def predicted(self) -> tuple[float, ...]:
         """Exponentially weighted mean histogram; the newest step weighs most."""
+        # asked by the step's plan and again by each tensor's decision: made once per history, and again when it
+        # changed (its window's first and last histograms, tuples the deque holds, and how many there are)
+        key = (len(self.histograms), id(self.histograms[0]), id(self.histograms[-1]), self.decay)
+        if self._predicted is not None and self._predicted[0] == key:
+            return self._predicted[1]
         weights = [self.decay**age for age in range(len(self.histograms))]
         mixed = np.zeros(len(self.histograms[0]))
         for w, hist in zip(weights, reversed(self.histograms)):  # a bin's sum in the same order, the same bits
             mixed += w * np.asarray(hist, dtype=np.float64)
         total = sum(weights)
-        return tuple((mixed / total).tolist())
+        made = tuple((mixed / total).tolist())
+        self._predicted = (key, made)
+        return made
 
     def add(
         self, histogram, observation: Observation, statistics: torch.Tensor | None = None, fitted=None
@@ -525,10 +535,13 @@ class KeyHistory(LaidOut):
             self._mix(statistics)
 
     def _mix(self, statistics: torch.Tensor) -> None:
-        new = statistics.to(torch.float64)
-        new = new / new.sum().clamp(min=1)
+        # (numpy: the same operations, element by element, on a few thousand numbers; the sum of counts is exact)
+        new = statistics.detach().to("cpu", torch.float64).numpy()
+        new = new / max(float(new.sum()), 1.0)
         old = self.statistics
-        self.statistics = new if old is None or old.shape != new.shape else (new + self.decay * old) / (1 + self.decay)
+        if old is not None and old.shape == new.shape:
+            new = (new + self.decay * old.numpy()) / (1 + self.decay)
+        self.statistics = torch.from_numpy(new)
 
     @property
     def learned(self) -> torch.Tensor | None:

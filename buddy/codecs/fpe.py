@@ -274,25 +274,34 @@ class Table:
         self.split = table_format >= SPLIT_FORMAT
         #: :meth:`slack` on the counts :meth:`from_counts` fitted it to (``None``: a table read from bytes)
         self.fit_slack: float | None = None
+        self._serialized: torch.Tensor | None = None  # to_bytes(), made once
         s = n_symbols(word_bytes, table_format)
         self.zero, self.esc = s - 2, s - 1
         if self.esc not in lengths:
             raise CorruptDataError("fpe table: no code for ESC")
-        for sym, length in lengths.items():
-            if not 0 <= sym < s or not 1 <= length <= MAX_CODE_BITS:
-                raise CorruptDataError(f"fpe table: symbol {sym} with a code of {length} bits is out of range")
+        # (numpy: a table has up to 259 codes, made or read once or twice a compress)
+        try:
+            syms = np.fromiter(lengths, dtype=np.int64, count=len(lengths))
+            lens = np.fromiter(lengths.values(), dtype=np.int64, count=len(lengths))
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise CorruptDataError(f"fpe table: symbols and code lengths must be small integers ({exc})") from None
+        bad = (syms < 0) | (syms >= s) | (lens < 1) | (lens > MAX_CODE_BITS)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise CorruptDataError(f"fpe table: symbol {syms[i]} with a code of {lens[i]} bits is out of range")
         if len(lengths) - 1 - (self.zero in lengths) > MAX_CODED:
             raise CorruptDataError(f"fpe table: more than {MAX_CODED} regular symbols")
-        if sum(1 << (MAX_CODE_BITS - n) for n in lengths.values()) > 1 << MAX_CODE_BITS:
+        room = np.left_shift(1, MAX_CODE_BITS - lens)  # of the 2**12 values of the next 12 bits, a code's
+        if int(room.sum()) > 1 << MAX_CODE_BITS:
             raise CorruptDataError("fpe table: the code lengths do not form a prefix code")
-        self.order = sorted(lengths, key=lambda sym: (lengths[sym], sym))  # canonical order
-        self.lengths = dict(lengths)
-        self.codes = {}
-        code, previous = 0, lengths[self.order[0]]
-        for sym in self.order:
-            code <<= lengths[sym] - previous
-            self.codes[sym] = code
-            code, previous = code + 1, lengths[sym]
+        ranked = np.lexsort((syms, lens))  # canonical order: by length, then symbol
+        syms, lens, room = syms[ranked], lens[ranked], room[ranked]
+        # canonical codes: each the previous plus one, shifted to its length -- the room before it, in its bits
+        codes = (np.cumsum(room) - room) >> (MAX_CODE_BITS - lens)
+        self.order: list[int] = syms.tolist()
+        self.lengths = dict(zip(self.order, lens.tolist()))
+        self.codes: dict[int, int] = dict(zip(self.order, codes.tolist()))
+        self._coded = (syms, lens)  # the order and its lengths, as arrays
 
     # ---- making one -------------------------------------------------------------
     @classmethod
@@ -322,23 +331,25 @@ class Table:
         """The table serialized in ``data`` (uint8); :class:`CorruptDataError` for anything else."""
         if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
             raise CorruptDataError("fpe table: expected a uint8 tensor")
-        raw = bytes(data.detach().reshape(-1).cpu().tolist())
-        if len(raw) < 4 or raw[0] not in TABLE_FORMATS:
+        flat = data.detach().reshape(-1).cpu()
+        raw = flat.numpy()
+        if len(raw) < 4 or int(raw[0]) not in TABLE_FORMATS:
             raise CorruptDataError(f"fpe table: not a table of format {' or '.join(map(str, TABLE_FORMATS))}")
         if raw[1] != word_bytes:
             raise CorruptDataError(f"fpe table is for {raw[1]}-byte words, the tensor has {word_bytes}-byte words")
-        n = raw[2] | raw[3] << 8
+        n = int(raw[2]) | int(raw[3]) << 8
         if len(raw) != 4 + 3 * n:
             raise CorruptDataError(f"fpe table: {len(raw)} bytes for {n} symbols")
-        lengths = {}
-        for i in range(n):
-            sym, length = raw[4 + 3 * i] | raw[5 + 3 * i] << 8, raw[6 + 3 * i]
-            if sym in lengths:
-                raise CorruptDataError(f"fpe table: symbol {sym} twice")
-            lengths[sym] = length
-        table = cls(word_bytes, lengths, raw[0])
-        if [s for s in table.order] != [raw[4 + 3 * i] | raw[5 + 3 * i] << 8 for i in range(n)]:
+        fields = raw[4:].reshape(n, 3).astype(np.int64)
+        symbols = (fields[:, 0] | fields[:, 1] << 8).tolist()
+        lengths = dict(zip(symbols, fields[:, 2].tolist()))
+        if len(lengths) != n:
+            twice = next(sym for i, sym in enumerate(symbols) if sym in symbols[:i])
+            raise CorruptDataError(f"fpe table: symbol {twice} twice")
+        table = cls(word_bytes, lengths, int(raw[0]))
+        if table.order != symbols:
             raise CorruptDataError("fpe table: symbols not in canonical order")
+        table._serialized = flat.clone()  # what to_bytes() would make: the same bytes
         return table
 
     @property
@@ -347,11 +358,19 @@ class Table:
         return 4 + 3 * len(self.order)
 
     def to_bytes(self) -> torch.Tensor:
-        """The serialized table (uint8, on the CPU)."""
-        out = [self.format, self.word_bytes, len(self.order) & 0xFF, len(self.order) >> 8]
-        for sym in self.order:
-            out += [sym & 0xFF, sym >> 8, self.lengths[sym]]
-        return torch.tensor(out, dtype=torch.uint8)
+        """The serialized table (uint8, on the CPU; a new tensor each call)."""
+        if self._serialized is None:
+            order = np.array(self.order, dtype=np.int64)
+            fields = np.stack([order & 0xFF, order >> 8, np.array([self.lengths[s] for s in self.order])], axis=1)
+            head = [self.format, self.word_bytes, len(self.order) & 0xFF, len(self.order) >> 8]
+            self._serialized = torch.from_numpy(np.concatenate([head, fields.reshape(-1)]).astype(np.uint8))
+        return self._serialized.clone()
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        """What identifies the table's code: its word size, format and code lengths (hashable; for caches of what
+        is made from a table, e.g. its device layout)."""
+        return self.word_bytes, self.format, tuple(sorted(self.lengths.items()))
 
     def __eq__(self, other) -> bool:
         mine, theirs = (self.word_bytes, self.format, self.lengths), (other.word_bytes, other.format, other.lengths)
@@ -367,13 +386,14 @@ class Table:
     @functools.cached_property
     def word_bits(self) -> torch.Tensor:
         """``(S + 2,)`` float64: the bits a word of each symbol takes (code, escaped symbol, tail); ESC 0."""
-        bits = torch.full((self.esc + 1,), float(self.lengths[self.esc] + self.symbol_bits), dtype=torch.float64)
-        coded = [sym for sym in self.lengths if sym < self.zero]
-        bits[coded] = torch.tensor([float(self.lengths[sym]) for sym in coded], dtype=torch.float64)
+        bits = np.full(self.esc + 1, float(self.lengths[self.esc] + self.symbol_bits))
+        syms, lens = self._coded
+        regular = syms < self.zero
+        bits[syms[regular]] = lens[regular]
         bits[: self.zero] += self.tail_bits
         bits[self.zero] = self.lengths.get(self.zero, bits[0])  # a zero word without ZERO: symbol 0 and its tail
         bits[self.esc] = 0
-        return bits
+        return torch.from_numpy(bits)
 
     def slack(self, counts) -> float:
         """Bits per word this table spends on words of symbol ``counts`` beyond their entropy (tails as they are)."""
@@ -641,7 +661,8 @@ def code_section_estimate(k: int, n_words: int, tail_bits: int, span_model: tupl
 def _checked_counts(counts, s: int, word_bytes: int) -> torch.Tensor:
     """``counts`` as float64 on the CPU; ``ValueError`` unless they are ``s`` non-negative finite numbers."""
     counts = torch.as_tensor(counts).detach().to("cpu", torch.float64)
-    if counts.shape != (s,) or bool((counts < 0).any()) or not bool(torch.isfinite(counts).all()):
+    c = counts.numpy()  # (numpy: torch's per-operation cost is most of it on a few thousand numbers)
+    if counts.shape != (s,) or bool((c < 0).any()) or not bool(np.isfinite(c).all()):
         raise ValueError(f"fpe: symbol counts must be {s} non-negative numbers for {word_bytes}-byte words")
     return counts
 

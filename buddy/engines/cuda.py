@@ -366,7 +366,7 @@ def device_table(table: Table) -> torch.Tensor:
     tables -- a tracker's learned table comes back step after step -- and never
     written again.
     """
-    key = _table_key(table)
+    key = table.key
     with _lock:
         found = _HOST_TABLES.pop(key, None)
         if found is not None:
@@ -383,10 +383,6 @@ def device_table(table: Table) -> torch.Tensor:
     return remember_device_table(table, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
-def _table_key(table: Table) -> tuple:
-    return table.word_bytes, table.format, tuple(sorted(table.lengths.items()))
-
-
 def remember_device_table(table: Table, laid_out: torch.Tensor) -> torch.Tensor:
     """Keeps ``laid_out`` (on the host: :func:`device_table`'s bytes of ``table``, e.g. as a fit kernel of the
     native engine wrote them) as :func:`device_table` of ``table`` from now on, pinned when CUDA is present;
@@ -394,7 +390,7 @@ def remember_device_table(table: Table, laid_out: torch.Tensor) -> torch.Tensor:
     if torch.cuda.is_available():
         laid_out = laid_out.pin_memory()
     with _lock:
-        _HOST_TABLES[_table_key(table)] = laid_out
+        _HOST_TABLES[table.key] = laid_out
         while len(_HOST_TABLES) > _HOST_TABLES_KEPT:
             del _HOST_TABLES[next(iter(_HOST_TABLES))]
     return laid_out
@@ -667,6 +663,10 @@ class CudaEngine(Engine):
     def _ends(meta: torch.Tensor, slot: int, layout: Layout) -> torch.Tensor:
         """Per entry, the overflow sectors of entries 0..i: the prefix sum that places each entry's overflow."""
         mb, k_bits, _ = layout.meta_fields
+        if meta.device.type == "cpu":  # the same sums in numpy: torch's per-operation cost is most of it here
+            m = meta.numpy()
+            sizes = (m if mb == 1 else m.view("<u2")).astype(np.int64) & ((1 << k_bits) - 1)
+            return torch.from_numpy(np.cumsum(np.maximum(sizes - slot, 0)))
         words = meta.to(torch.int32) if mb == 1 else meta.view(layout.n_entries, 2).to(torch.int32)
         k = (words if mb == 1 else words[:, 0] | (words[:, 1] << 8)) & ((1 << k_bits) - 1)
         return torch.cumsum(k.sub_(slot).clamp_(min=0), 0)
