@@ -274,7 +274,7 @@ class Table:
         self.split = table_format >= SPLIT_FORMAT
         #: :meth:`slack` on the counts :meth:`from_counts` fitted it to (``None``: a table read from bytes)
         self.fit_slack: float | None = None
-        self._serialized: torch.Tensor | None = None  # to_bytes(), made once
+        self._serialized: np.ndarray | None = None  # to_bytes()'s bytes, made once
         s = n_symbols(word_bytes, table_format)
         self.zero, self.esc = s - 2, s - 1
         if self.esc not in lengths:
@@ -331,8 +331,7 @@ class Table:
         """The table serialized in ``data`` (uint8); :class:`CorruptDataError` for anything else."""
         if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
             raise CorruptDataError("fpe table: expected a uint8 tensor")
-        flat = data.detach().reshape(-1).cpu()
-        raw = flat.numpy()
+        raw = np.array(data.detach().reshape(-1).cpu().tolist(), dtype=np.uint8)  # (tolist: no torch op to run)
         if len(raw) < 4 or int(raw[0]) not in TABLE_FORMATS:
             raise CorruptDataError(f"fpe table: not a table of format {' or '.join(map(str, TABLE_FORMATS))}")
         if raw[1] != word_bytes:
@@ -349,7 +348,7 @@ class Table:
         table = cls(word_bytes, lengths, int(raw[0]))
         if table.order != symbols:
             raise CorruptDataError("fpe table: symbols not in canonical order")
-        table._serialized = flat.clone()  # what to_bytes() would make: the same bytes
+        table._serialized = raw.copy()  # what to_bytes() would make: the same bytes
         return table
 
     @property
@@ -363,8 +362,8 @@ class Table:
             order = np.array(self.order, dtype=np.int64)
             fields = np.stack([order & 0xFF, order >> 8, np.array([self.lengths[s] for s in self.order])], axis=1)
             head = [self.format, self.word_bytes, len(self.order) & 0xFF, len(self.order) >> 8]
-            self._serialized = torch.from_numpy(np.concatenate([head, fields.reshape(-1)]).astype(np.uint8))
-        return self._serialized.clone()
+            self._serialized = np.concatenate([head, fields.reshape(-1)]).astype(np.uint8)
+        return torch.from_numpy(self._serialized.copy())
 
     @functools.cached_property
     def key(self) -> tuple:

@@ -451,6 +451,20 @@ class Kernels:
             data, tail = entries
             whole = (data, torch.uint8, layout.n_full * layout.entry_bytes)
             buffers = dict(data=whole, tail=(tail, torch.uint8, layout.entry_bytes), **buffers)
+        # what the engine's own buffers are (a launch's every buffer passes): checked at once, else one by one below,
+        # which says what is wrong
+        first = next(iter(buffers.values()), (None,))[0]
+        if isinstance(first, torch.Tensor) and first.device.type == self.device_type:
+            on = first.device
+            for t, dtype, numel in buffers.values():
+                if not (
+                    type(t) is torch.Tensor and t.dtype is dtype and t.shape == (numel,) and t.device == on
+                    and t.layout is torch.strided and t.is_contiguous()
+                    and (not numel or (t.data_ptr() and not t.data_ptr() % ALIGN_BYTES))
+                ):  # fmt: skip
+                    break
+            else:
+                return on
         device: torch.device | None = None
         for what, (t, dtype, numel) in buffers.items():
             if not isinstance(t, torch.Tensor):

@@ -40,6 +40,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -77,12 +78,19 @@ _lock = threading.Lock()
 
 
 class _Arg(ctypes.Structure):
-    """``BuddyEmuArg`` (csrc/host/launch.h): a buffer or an integer of a launch."""
+    """``BuddyEmuArg`` (csrc/host/launch.h): a buffer or an integer of a launch (its layout: three 8-byte fields,
+    the kind's int padded, as :meth:`_Library.launch` lays them out)."""
 
     _fields_ = [("kind", ctypes.c_int), ("ptr", ctypes.c_void_p), ("value", ctypes.c_longlong)]
 
 
-_BUFFER, _I32, _I64 = 0, 1, 2
+
+#: whether _Arg is three 8-byte fields, as :meth:`_Library.launch` lays the arguments out (else the engine is off)
+_ARGS_LAID_OUT = (ctypes.sizeof(_Arg), _Arg.ptr.offset, _Arg.value.offset) == (24, 8, 16)
+
+
+# an argument's kind, as the first int64 of its _Arg holds it (the int and its padding)
+_BUFFER, _I32, _I64 = (kind << (0 if sys.byteorder == "little" else 32) for kind in range(3))
 
 
 def _csrc() -> Path:
@@ -146,6 +154,8 @@ def why_unusable() -> str | None:
     """Why the native engine cannot run here (off, no compiler), or ``None``."""
     if switched_off():
         return f"{ENV_SWITCH}=0"
+    if not _ARGS_LAID_OUT:
+        return f"a launch's arguments are not three 8-byte fields on this platform ({ctypes.sizeof(_Arg)} bytes)"
     found = _compiler()
     return found if isinstance(found, str) else None
 
@@ -191,9 +201,9 @@ class _Library:
         self.dll.buddy_native_kernel.argtypes = [ctypes.c_char_p]
         self.dll.buddy_native_kernel.restype = ctypes.c_int
         self.dll.buddy_native_launch.argtypes = [
-            ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, ctypes.POINTER(_Arg), ctypes.c_size_t, ctypes.c_uint,
+            ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint,
             ctypes.c_char_p, ctypes.c_size_t,
-        ]  # fmt: skip
+        ]  # fmt: skip  (the arguments: an array of BuddyEmuArg, _Arg's layout, made in numpy: launch)
         self.dll.buddy_native_launch.restype = ctypes.c_int
         self._kernels: dict[str, int] = {}
 
@@ -207,18 +217,19 @@ class _Library:
 
     def launch(self, name: str, grid: int, shared: int, args: tuple, threads: int) -> None:
         """Run kernel ``name`` over ``grid`` blocks (one warp each) on ``threads`` host threads."""
-        c_args = (_Arg * len(args))()
+        fields: list[int] = []  # per argument its _Arg: kind, pointer, value (the kind's int and its padding in one int64)
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                c_args[i] = _Arg(_BUFFER, a.data_ptr() if a.numel() else None, 0)
+                fields += (_BUFFER, a.data_ptr() if a.numel() else 0, 0)
             elif isinstance(a, np.int32):
-                c_args[i] = _Arg(_I32, None, int(a))
+                fields += (_I32, 0, int(a))
             elif isinstance(a, np.int64):
-                c_args[i] = _Arg(_I64, None, int(a))
+                fields += (_I64, 0, int(a))
             else:
                 raise TypeError(f"{name}: argument {i} must be a tensor, numpy.int32 or numpy.int64, got {type(a)}")
+        c_args = np.array(fields, dtype=np.int64)
         why = ctypes.create_string_buffer(256)
-        if self.dll.buddy_native_launch(self.kernel(name), grid, shared, c_args, len(args), threads, why, 256):
+        if self.dll.buddy_native_launch(self.kernel(name), grid, shared, c_args.ctypes.data, len(args), threads, why, 256):
             raise ValueError(f"{name}: {why.value.decode()}")
 
 
