@@ -4,9 +4,13 @@ Each workload trains one run, its steps alternately plain and inside ``buddy.com
 buddy's defaults (codec, entry size, the tracker's policy; on the CPU the default codec runs the native engine, the
 kernel sources built for the host, or with ``--backend reference`` the torch reference). Every step's
 **CPU time** is measured -- the process's, all its threads -- so other work on the machine does not stretch it the
-way it stretches wall time; the wall time is recorded beside it. Medians over the timed steps, after warm-up steps
-in which the tracker learns. Of the wall time buddy adds, what its native kernels took
-(:func:`buddy.engines.native.kernel_seconds`, also by operation in the JSON) and the rest, the host's work.
+way it stretches wall time; the wall time is recorded beside it, and the **main thread's** CPU time: the step's
+critical path (the thread that runs the model and buddy's host work, and takes part in every parallel region), which
+counts neither other work on the machine nor the spin-waits of torch's OpenMP threads between parallel regions
+(they count in the process's CPU time, and buddy's host work between its kernels lengthens them). Medians over
+the timed steps, after warm-up steps in which the tracker learns. Of the wall time buddy adds, what its native
+kernels took (:func:`buddy.engines.native.kernel_seconds`, also by operation in the JSON) and the rest, the host's
+work, also per tensor compressed (each tensor is compressed once and decompressed once a step).
 
     python -m experiments.step_cost                       # the tuning set, quick size
     python -m experiments.step_cost --workloads resnet-fp32 --steps 3
@@ -42,26 +46,28 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int) -> dict
     run = make_run(name, size, seed=seed)
     tracker = buddy.Tracker()  # this run's own history
     min_bytes = run.workload.min_bytes(size)
-    seconds: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
+    seconds: dict[str, list[tuple[float, float, float]]] = {m: [] for m in METHODS}  # CPU, wall, main thread's CPU
     kernels: list[dict[str, float]] = []  # per timed buddy step: its native launches' wall seconds, by operation
-    capacity = None
+    capacity, tensors = None, 0
     for i in range(warmup + steps):
         for method in METHODS:  # alternating, so that a slow stretch of the machine hits both alike
             before = native.kernel_seconds()
-            cpu0, wall0 = time.process_time(), time.perf_counter()
+            cpu0, wall0, main0 = time.process_time(), time.perf_counter(), time.thread_time()
             with buddy.compressed_activations(tracker=tracker, min_bytes=min_bytes, enabled=method == "buddy") as s:
                 loss = run.forward_loss()
             run.step(loss)
-            cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+            cpu, wall, main = time.process_time() - cpu0, time.perf_counter() - wall0, time.thread_time() - main0
             if i >= warmup:
-                seconds[method].append((cpu, wall))
+                seconds[method].append((cpu, wall, main))
             if method == "buddy":
                 capacity = s.stats().effective_capacity
+                tensors = sum(r.codec != "kept" for r in s.stats().rows)
                 if i >= warmup:
                     after = native.kernel_seconds()
                     kernels.append({op: t - before.get(op, 0.0) for op, t in after.items()})
-    cpus = {m: statistics.median(c for c, _ in seconds[m]) for m in METHODS}
-    walls = {m: statistics.median(w for _, w in seconds[m]) for m in METHODS}
+    cpus = {m: statistics.median(c for c, _, _ in seconds[m]) for m in METHODS}
+    walls = {m: statistics.median(w for _, w, _ in seconds[m]) for m in METHODS}
+    mains = {m: statistics.median(t for _, _, t in seconds[m]) for m in METHODS}
     in_kernels = statistics.median(sum(k.values()) for k in kernels)
     codec = buddy.defaults().codec
     ran = buddy.implementations(codec, device="cpu")
@@ -78,6 +84,10 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int) -> dict
         "none_wall_s": walls["none"],
         "buddy_wall_s": walls["buddy"],
         "wall_ratio": walls["buddy"] / walls["none"],
+        "none_main_s": mains["none"],
+        "buddy_main_s": mains["buddy"],
+        "main_ratio": mains["buddy"] / mains["none"],
+        "tensors": tensors,
         # the buddy step's wall time in the native engine's kernels (median), by operation; the rest of what buddy
         # adds to the wall time is the host's work around them
         "kernels_s": in_kernels,
@@ -85,6 +95,7 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int) -> dict
             op: statistics.median(k.get(op, 0.0) for k in kernels) for op in sorted(set().union(*kernels))
         },
         "host_s": walls["buddy"] - walls["none"] - in_kernels,
+        "host_per_tensor_us": (walls["buddy"] - walls["none"] - in_kernels) / max(tensors, 1) * 1e6,
         "capacity": capacity,
     }
 
@@ -96,8 +107,11 @@ COLUMNS = [
     ("buddy_cpu_s", "buddy step (CPU s)", ".3f"),
     ("cpu_ratio", "buddy / plain (CPU)", ".1f"),
     ("wall_ratio", "buddy / plain (wall)", ".1f"),
+    ("main_ratio", "buddy / plain (main thread's CPU)", ".2f"),
     ("kernels_s", "kernels (wall s)", ".3f"),
     ("host_s", "host's work (wall s)", ".3f"),
+    ("tensors", "tensors compressed", "d"),
+    ("host_per_tensor_us", "host's work a tensor (us)", ".0f"),
     ("capacity", "capacity", ".2f"),
 ]
 

@@ -147,6 +147,11 @@ def test_step_cost_tiny(tmp_path):
     assert row["kernels_s"] == pytest.approx(sum(row["kernels_by_op_s"].values()))
     assert (row["kernels_s"] > 0) == (row["backend"] == "native")
     assert row["host_s"] == pytest.approx(row["buddy_wall_s"] - row["none_wall_s"] - row["kernels_s"])
+    # the main thread's CPU time: at most the process's; per tensor the host's work of the tensors the step compressed
+    for kind in ("buddy", "none"):  # (the two clocks are read one after the other: a few microseconds apart)
+        assert 0 < row[f"{kind}_main_s"] <= row[f"{kind}_cpu_s"] + 1e-3
+    assert row["main_ratio"] == pytest.approx(row["buddy_main_s"] / row["none_main_s"])
+    assert row["tensors"] >= 1 and row["host_per_tensor_us"] == pytest.approx(row["host_s"] / row["tensors"] * 1e6)
     assert json.loads((tmp_path / "results.json").read_text())["experiment"] == "step_cost"
 
 
