@@ -89,6 +89,7 @@ records).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -422,7 +423,19 @@ def _eager_only(fn):
     """
     if "torch._dynamo" not in sys.modules:
         return fn
-    return torch.compiler.disable(fn)
+    disabled = torch.compiler.disable(fn)
+    frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
+    skip_code = getattr(sys.modules["torch._dynamo"].eval_frame, "skip_code", None)
+    if frame_callback is None or skip_code is None:  # (a torch without them: always through the compiler's wrapper)
+        return disabled
+
+    def eager(*args):
+        # Where no compiled code runs (TorchDynamo's frame callback unset: most calls), fn as it is -- the
+        # compiler's wrapper costs a few microseconds a call, on every save and unpack -- else through it.
+        return fn(*args) if frame_callback() is None else disabled(*args)
+
+    skip_code(eager.__code__)  # TorchDynamo runs this frame as it is, never traces it
+    return functools.wraps(fn)(eager)
 
 
 def _release(held: _Held) -> None:
@@ -593,6 +606,11 @@ class _SavedTensorHooks:
     def _skip_reason(self, t: torch.Tensor) -> str | None:
         if not self.enabled:
             return "disabled"
+        if (
+            type(t) is torch.Tensor and t.layout is torch.strided and not t.is_nested and not self._excluded
+            and t.numel() * t.element_size() < self.min_bytes and not is_parameter(t)
+        ):  # fmt: skip
+            return "small"  # most saves (an LSTM's thousands): the checks below, which name it so or "unsupported"
         try:
             check_tensor(t)
         except UnsupportedTensorError:
