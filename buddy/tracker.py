@@ -393,14 +393,13 @@ class OverflowBudget(Policy):
         # cheapest spill first; at equal cost the widest slot, so that the spill spreads over the keys
         heap = [(beyond[key][s - 1] / n[key], -s, key) for key, s in plan.items() if s > 0 and n[key]]
         heapq.heapify(heap)
-        room_left = np.array(slack, dtype=np.float64)  # (numpy: the same subtractions, element by element)
         while heap:
             _, _, key = heapq.heappop(heap)
             added = beyond[key][plan[key] - 1] * spec.SECTOR_BYTES
-            after = room_left[at[key] :]
-            if added > after.min():
+            if added > min(slack[at[key] :]):
                 continue  # this key's next steps down spill more still: it stays where it is
-            after -= added
+            for j in range(at[key], len(slack)):
+                slack[j] -= added
             plan[key] -= 1
             if plan[key] > 0:
                 heapq.heappush(heap, (beyond[key][plan[key] - 1] / n[key], -plan[key], key))

@@ -531,10 +531,15 @@ def step_cost(files: Sequence[Results]) -> Section | None:
     result = _latest(files, lambda r: r.experiment == "step_cost")
     if result is None:
         return None
+    def known(r: dict, key: str, fmt: str) -> str:  # (columns older files do not have: "-")
+        return "-" if r.get(key) is None else format(r[key], fmt)
+
     rows = [
         [r["workload"], _set_of(r["workload"]), f"{r['codec']} @ {r['entry_bytes']}", r.get("backend", "reference"),
          f"{r['none_cpu_s']:.3f} s",
-         f"{r['buddy_cpu_s']:.3f} s", f"**{r['cpu_ratio']:.1f}x**", f"{r['wall_ratio']:.1f}x", _x(r.get("capacity"))]
+         f"{r['buddy_cpu_s']:.3f} s", f"**{r['cpu_ratio']:.1f}x**", f"{r['wall_ratio']:.1f}x",
+         known(r, "main_ratio", ".2f") + ("x" if r.get("main_ratio") is not None else ""),
+         known(r, "tensors", "d"), known(r, "host_per_tensor_us", ",.0f"), _x(r.get("capacity"))]
         for r in result.rows()
     ]  # fmt: skip
     steps = result.rows()[0]["steps"] if result.rows() else "?"
@@ -544,10 +549,14 @@ def step_cost(files: Sequence[Results]) -> Section | None:
             "`buddy.compressed_activations()` with buddy's defaults (the backend that ran the codec: its column); the "
             "CPU time of a step "
             "(the process's, all threads: other work on the machine does not stretch it as it does wall time), "
-            f"median of {steps} steps of each kind after warm-up. Wall-time ratio beside it.",
+            f"median of {steps} steps of each kind after warm-up. Wall-time ratio beside it, and the main thread's "
+            "CPU time's: the step's critical path, which neither other work nor the spin-waits of torch's OpenMP "
+            "threads lengthen. Per tensor compressed (each is compressed and decompressed once a step), the wall time "
+            "buddy adds outside its kernels: the host's work, Python and torch operations around the kernels.",
             "",
             _table(["workload", "set", "codec @ E", "backend", "plain step (CPU)", "buddy step (CPU)", "buddy / plain (CPU)",
-                    "buddy / plain (wall)", "capacity"], rows),  # fmt: skip
+                    "buddy / plain (wall)", "buddy / plain (main thread)", "tensors compressed",
+                    "host's work a tensor (us)", "capacity"], rows),  # fmt: skip
             "",
             _sources([result]),
         ]
