@@ -660,9 +660,18 @@ def _sets(result: Results) -> dict[str, dict]:
     return {r["set"]: r for r in result.doc.get("headline", []) if r.get("summary")}
 
 
-def headline(files: Sequence[Results]) -> str | None:
-    """The README's table: each set's capacity (and the largest batch, the CPU speed), linking docs/results.md."""
-    rows = []
+def headline(files: Sequence[Results], previous: str = "") -> str | None:
+    """The README's table: each set's capacity (and the largest batch, the CPU speed), linking docs/results.md.
+
+    A row (or the line on the CPU speed) whose results file none of ``files`` is keeps what ``previous`` (the
+    README's headline block as it was) says, as docs/results.md keeps its sections: a quick run does not erase the
+    full-size record.
+    """
+    rows: list = []
+    earlier = previous.splitlines()
+
+    def kept(prefix: str, contains: str = "") -> str | None:
+        return next((line for line in earlier if line.startswith(prefix) and contains in line), None)
 
     def capacity_row(label: str, result: Results, anchor: str):
         sets = _sets(result)
@@ -680,8 +689,13 @@ def headline(files: Sequence[Results]) -> str | None:
     if full is not None:
         full_codec, entry = full.codec()
         capacity_row(f"capacity, `{full_codec}` @ {entry} B, full size", full, "capacity-at-full-size")
+    elif kept("| capacity, ", ", full size |") is not None:
+        rows.append(kept("| capacity, ", ", full size |"))
     batch = _max_batch(files)
-    if batch is not None:
+    if batch is None:
+        if kept("| largest batch against none") is not None:
+            rows.append(kept("| largest batch against none"))
+    else:
         ratios: dict[str, list[float]] = {}
         for r in batch.rows():
             if r["method"] == "buddy" and r["max_batch"]:
@@ -691,9 +705,15 @@ def headline(files: Sequence[Results]) -> str | None:
                      f"[{batch.date[:10]}](docs/results.md#the-largest-batch)"])  # fmt: skip
     if not rows:
         return None
-    table = _table(["", "tuning set", "check set", "worst traffic", "details"], rows)
+    table = _table(["", "tuning set", "check set", "worst traffic", "details"], [])
+    for row in rows:  # a row made, or one kept as it was written
+        table += "\n" + (row if isinstance(row, str) else _table([""], [row]).splitlines()[-1])
     chosen = _decide(files)
-    if chosen is not None:
+    if chosen is None:
+        speed = kept("On the CPU the reference path of")
+        if speed is not None:
+            table += f"\n\n{speed}"
+    else:
         pick = chosen.doc.get("chosen", {})
         speeds = {(r["codec"], r.get("entry_bytes")): r for r in chosen.doc.get("decision", []) if "compress_gbps" in r}
         mine, zstd = speeds.get((pick.get("codec"), pick.get("entry_bytes"))), speeds.get(("zstd-3", None))
@@ -769,12 +789,14 @@ def parse_args(argv):
 
 def update_readme(readme: Path, files: Sequence[Results]) -> bool:
     """Replace the README's headline block (between its ``report:headline`` markers) with :func:`headline`."""
-    table = headline(files)
-    if table is None or not readme.is_file():
+    if not readme.is_file():
         return False
     text = readme.read_text()
     begin, end = _BEGIN.format("headline"), _END.format("headline")
     if begin not in text or end not in text:
+        return False
+    table = headline(files, previous=text.split(begin, 1)[1].split(end, 1)[0])
+    if table is None:
         return False
     before, rest = text.split(begin, 1)
     readme.write_text(f"{before}{begin}\n{table}\n{end}{rest.split(end, 1)[1]}")

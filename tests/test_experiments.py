@@ -183,6 +183,33 @@ def test_report_keeps_what_no_file_holds_and_says_where_each_date_comes_from(tmp
     assert "old" not in new and "| 1.67x-1.67x | - |" in new
 
 
+def test_report_headline_keeps_the_rows_no_file_holds(tmp_path):
+    """A quick run's files regenerate the README's headline table without erasing the full-size record."""
+    from experiments import report
+
+    folder = tmp_path / "results" / "max_batch"
+    folder.mkdir(parents=True)
+    rows = [
+        {"workload": "resnet-fp32", "method": method, "max_batch": batch, "vs_none": batch / 64, "step_seconds": 0.1, "note": ""}
+        for method, batch in (("none", 64), ("buddy", 107))
+    ]
+    doc = {"experiment": "max_batch", "size": "tiny", "environment": {"cpu": "some CPU", "cpu_count": 2}, "rows": rows}
+    (folder / "results.json").write_text(json.dumps({**doc, "command": "python -m experiments.max_batch --size tiny"}))
+    full = "| capacity, `auto2` @ 4096 B, full size | 2.03x | 1.54x | 9.93 % | [2026-11-24](docs/results.md#x) |"
+    speed = "On the CPU the reference path of `auto2` @ 4096 B compresses 0.045 GB/s (as it was)."
+    old_batch = "| largest batch against none, full size | 0.66x-2.28x | 1.31x-1.56x | - | [2026-11-24](y) |"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n<!-- report:headline -->\n| | a |\n| --- | --- |\n{full}\n{old_batch}\n\n{speed}\n"
+                      "<!-- /report:headline -->\nrest\n")  # fmt: skip
+    report.main(["--results", str(tmp_path / "results"), "--out", str(tmp_path / "results.md"), "--readme", str(readme)])
+    block = readme.read_text().split("<!-- report:headline -->\n")[1].split("<!-- /report:headline -->")[0]
+    lines = block.splitlines()
+    assert lines[0].startswith("|  | tuning set | check set |")  # the table's own header, not the old one
+    assert lines[2] == full  # no full-size file: the row as it was
+    assert lines[3].startswith("| largest batch against none, tiny size | 1.67x-1.67x | - |")  # made from the file
+    assert old_batch not in block and block.endswith(f"\n\n{speed}\n")  # no decision file: the line as it was
+
+
 def test_entropy_bound_and_simulation():
     from experiments.analysis import byte_entropy_bits, simulate_policy
 
