@@ -481,6 +481,8 @@ class KeyHistory(LaidOut):
     _pending: deque = field(default_factory=deque, repr=False)
     #: (what it was made from, predicted()): the last one made
     _predicted: tuple | None = field(default=None, repr=False, compare=False)
+    #: the window's histograms as float64 arrays (predicted's), kept beside ``histograms`` by add
+    _arrays: deque = field(default_factory=deque, repr=False, compare=False)
 
     def fits(self, layout: Layout) -> bool:
         """Whether a tensor of ``layout`` is the tensor this history is of (same entry size, same entries)."""
@@ -499,7 +501,9 @@ class KeyHistory(LaidOut):
             return self._predicted[1]
         weights = [self.decay**age for age in range(len(self.histograms))]
         mixed = np.zeros(len(self.histograms[0]))
-        for w, hist in zip(weights, reversed(self.histograms)):  # a bin's sum in the same order, the same bits
+        # the window's histograms as float64 arrays, made once each as they were added (else here)
+        arrays = self._arrays if len(self._arrays) == len(self.histograms) else self.histograms
+        for w, hist in zip(weights, reversed(arrays)):  # a bin's sum in the same order, the same bits
             mixed += w * np.asarray(hist, dtype=np.float64)
         total = sum(weights)
         made = tuple((mixed / total).tolist())
@@ -511,8 +515,11 @@ class KeyHistory(LaidOut):
     ) -> None:
         self.fitted = fitted
         self.histograms.append(tuple(histogram))
+        self._arrays.append(np.asarray(self.histograms[-1], dtype=np.float64))
         while len(self.histograms) > self.window:
             self.histograms.popleft()
+        while len(self._arrays) > len(self.histograms):
+            self._arrays.popleft()
         self.observations.append(observation)
         if statistics is not None:
             self.learn(statistics)
