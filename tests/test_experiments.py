@@ -155,6 +155,23 @@ def test_step_cost_tiny(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["experiment"] == "step_cost"
 
 
+def test_host_cost_tiny(tmp_path):
+    from experiments import host_cost
+
+    args = ["--tensors", "3", "6", "--numel", "2048", "--steps", "1", "--warmup", "1", "--no-progress"]
+    rows = host_cost.main([*args, "--out", str(tmp_path)])
+    assert [r["tensors_asked"] for r in rows] == [3, 6]
+    for row in rows:
+        # each ReLU saves its output, which the next multiply saves again (one storage; the weights are leaves,
+        # skipped): a tensor a link, and the first input unless the tracker keeps it whole (random: incompressible)
+        assert row["tensors_asked"] <= row["tensors"] <= row["tensors_asked"] + 1
+        assert row["buddy_step_s"] > 0 and row["plain_step_s"] > 0 and row["compress_us"] > 0
+        assert row["decompress_us"] > 0 and row["plan_ms"] > 0
+        added = (row["buddy_step_s"] - row["plain_step_s"]) / row["tensors"] * 1e6
+        assert row["added_per_tensor_us"] == pytest.approx(added)
+    assert json.loads((tmp_path / "results.json").read_text())["experiment"] == "host_cost"
+
+
 def test_report_keeps_what_no_file_holds_and_says_where_each_date_comes_from(tmp_path):
     from experiments import report
 

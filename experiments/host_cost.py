@@ -1,0 +1,129 @@
+"""What buddy's host work costs per saved tensor, and how the step's plan grows with the tensors a step saves.
+
+A synthetic step saves ``N`` small activations (``x = relu(x * w)``, ``N`` times: each multiply saves its input,
+each ReLU its output; a few KiB each, so the kernels take little and the rest is buddy's host work -- Python and
+torch operations around them) and runs backward, alternately plain and inside ``buddy.compressed_activations()``.
+Per tensor compressed, the wall time the session adds and its compress and decompress times (the session's own
+counters); then the tracker's per-step plan (:meth:`buddy.OverflowBudget.plan`, the default policy's) on the
+histories those steps left, timed alone. On a GPU (``--device cuda``) the same numbers are the per-tensor floor
+of a training step's overhead.
+
+    python -m experiments.host_cost                              # 32, 128 and 256 tensors a step, on the CPU
+    python -m experiments.host_cost --tensors 64 --numel 65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+import buddy
+from experiments import cli
+from experiments.common import format_table, progress
+
+__all__ = ["measure", "main"]
+
+
+def measure(n: int, *, numel: int, steps: int, warmup: int, device: str, seed: int) -> dict:
+    """One row: ``n`` tensors a step of ``numel`` float32 values each (see the module doc)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(numel, generator=gen).to(device).requires_grad_() for _ in range(n)]
+    start = torch.randn(numel, generator=gen).to(device)
+    tracker = buddy.Tracker()  # this row's own history
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def step(enabled: bool):
+        with buddy.compressed_activations(tracker=tracker, min_bytes=1024, enabled=enabled) as session:
+            x = start
+            for w in weights:
+                x = torch.relu(x * w)
+            loss = x.sum()
+        loss.backward()
+        sync()
+        return session
+
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    compress, decompress, tensors = [], [], 0
+    for i in range(warmup + steps):
+        for enabled in (True, False):  # alternating, so that a slow stretch of the machine hits both alike
+            began = time.perf_counter()
+            session = step(enabled)
+            took = time.perf_counter() - began
+            if i < warmup:
+                continue
+            walls[enabled].append(took)
+            if enabled:
+                st = session.stats()
+                tensors = sum(r.codec != "kept" for r in st.rows)
+                compress.append(st.compress_seconds / max(tensors, 1))
+                decompress.append(st.decompress_seconds / max(st.decompressions, 1))
+    plans = []
+    plan = getattr(tracker.policy, "plan", None)  # (the default policy's; a policy without one: no column)
+    if plan is not None:
+        for _ in range(max(steps, 3)):  # the plan of the histories the steps left, alone
+            began = time.perf_counter()
+            plan(tracker)
+            plans.append(time.perf_counter() - began)
+    buddy_s, plain_s = statistics.median(walls[True]), statistics.median(walls[False])
+    return {
+        "tensors_asked": n,
+        "tensors": tensors,
+        "numel": numel,
+        "device": device,
+        "steps": steps,
+        "plain_step_s": plain_s,
+        "buddy_step_s": buddy_s,
+        "added_per_tensor_us": (buddy_s - plain_s) / max(tensors, 1) * 1e6,
+        "compress_us": statistics.median(compress) * 1e6,
+        "decompress_us": statistics.median(decompress) * 1e6,
+        "plan_ms": statistics.median(plans) * 1e3 if plans else None,
+    }
+
+
+COLUMNS = [
+    ("tensors", "tensors compressed a step", "d"),
+    ("plain_step_s", "plain step (s)", ".4f"),
+    ("buddy_step_s", "buddy step (s)", ".4f"),
+    ("added_per_tensor_us", "added a tensor (us)", ",.0f"),
+    ("compress_us", "compress a tensor (us)", ",.0f"),
+    ("decompress_us", "decompress a tensor (us)", ",.0f"),
+    ("plan_ms", "the step's plan (ms)", ".2f"),
+]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tensors", type=int, nargs="+", default=[32, 128, 256], help="tensors a step saves")
+    p.add_argument("--numel", type=int, default=4096, help="float32 values of each (4096: 16 KiB, 4 entries)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps of each kind")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps of each kind first (the tracker learns)")
+    cli.add_common_arguments(p, out="results/host_cost", device="cpu")
+    args = p.parse_args(argv)
+    if min(args.tensors) < 1 or args.numel < 1 or args.steps < 1 or args.warmup < 0:
+        p.error("--tensors, --numel and --steps must be at least 1, --warmup at least 0")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args, header = cli.begin("host_cost", parse_args, argv)
+    rows = []
+    for n in progress(args.tensors, desc="tensors a step", enabled=not args.no_progress):
+        rows.append(measure(n, numel=args.numel, steps=args.steps, warmup=args.warmup, device=args.device,
+                            seed=args.seed))  # fmt: skip
+    print(f"\nbuddy's host work per tensor ({args.numel} float32 values each, {buddy.defaults().codec}, the "
+          f"tracker's default policy, {args.device}); medians of {args.steps} steps")  # fmt: skip
+    print(format_table(rows, COLUMNS))
+    cli.finish(args, header, rows, mention_csv=False, experiment="host_cost")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
