@@ -16,7 +16,8 @@ times):
   allocator off (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``) so that an access
   past a buffer is past an allocation;
 * ``bench``: :mod:`experiments.bench_cuda` (every codec with kernels, 256 MiB
-  of real activations in fp32 and bf16, against nvcomp and memcpy);
+  of real activations in fp32 and bf16, against nvcomp and memcpy), and
+  :mod:`experiments.host_cost` (the host's work per saved tensor, the plan);
 * ``step``: :mod:`experiments.step_time` and :mod:`experiments.max_batch` on
   the GPU under a real per-process memory cap;
 * ``ncu`` (optional): Nsight Compute over the default codec's kernels, the
@@ -269,7 +270,13 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
         bench = Python(
             "bench_cuda", "experiments.bench_cuda", args, 360, "{work}/bench/results.json", (("--no-nvcomp",),)
         )
-        return [_compile(entry_bytes=(4096,), timeout_s=60), bench]
+        # buddy's host work per saved tensor and the tracker's plan as the tensors a step saves grow: the floor of a
+        # step's overhead (on the CPU the plan took 46 ms a step at 256 tensors)
+        host_cost = Python(
+            "host_cost", "experiments.host_cost", ("--device", "cuda", "--no-progress", "--out", "{work}/host_cost"),
+            45, "{work}/host_cost/results.json",
+        )  # fmt: skip
+        return [_compile(entry_bytes=(4096,), timeout_s=60), bench, host_cost]
     if phase == "step":
         common = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress")
         step_time = Python(
