@@ -9,7 +9,7 @@ from conftest import tracker_step
 import buddy
 from buddy import spec
 from buddy.layout import Layout
-from buddy.slots import overflow_sectors, slot_for_overflow
+from buddy.slots import overflow_sectors, slot_for_overflow, tightest_slot
 from buddy.tracker import Decision
 
 E = 128
@@ -171,6 +171,27 @@ def test_overflow_budget_takes_the_cheapest_spill_first():
     assert repr(each) == "OverflowBudget(max_overflow=0.1)"
     with pytest.raises(ValueError):
         buddy.OverflowBudget(1.5)
+
+
+def test_overflow_budget_plan_is_the_same_with_its_room_as_a_list_or_an_array(monkeypatch):
+    """Many keys keep the plan's running room in a numpy array, a few in a list: the same slots either way, on
+    histories of random, skewed histograms (ties of cost included: shared histograms)."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [torch.rand(17, generator=gen) ** 4 for _ in range(6)]
+    tensors = [
+        (f"m/{i}", [int(v) for v in (shapes[i % 6] * (40 + i % 7 * 30)).round().tolist()]) for i in range(60)
+    ]  # fmt: skip
+    tr, policy = buddy.Tracker(), buddy.OverflowBudget(0.10)
+    for _ in range(3):
+        _step(tr, policy, tensors, 512)
+    plans = {}
+    for threshold in (1, 10**9):  # every plan as an array, and every plan as a list
+        monkeypatch.setattr(buddy.tracker, "PLAN_ARRAY_KEYS", threshold)
+        plans[threshold] = policy.plan(tr)
+    assert plans[1] == plans[10**9] and len(plans[1]) == 60
+    # (a plan of many slots, most keys stepped down from their tightest: the room was spent and checked)
+    below = sum(plans[1][key] < tightest_slot(hist) for key, hist in tensors)
+    assert len(set(plans[1].values())) > 3 and below > 30
 
 
 def test_overflow_budget_holds_the_step_to_its_bound_when_the_history_is_wrong():
