@@ -689,12 +689,12 @@ def headline(files: Sequence[Results], previous: str = "") -> str | None:
     if full is not None:
         full_codec, entry = full.codec()
         capacity_row(f"capacity, `{full_codec}` @ {entry} B, full size", full, "capacity-at-full-size")
-    elif kept("| capacity, ", ", full size |") is not None:
-        rows.append(kept("| capacity, ", ", full size |"))
+    elif (row := kept("| capacity, ", ", full size |")) is not None:
+        rows.append(row)
     batch = _max_batch(files)
     if batch is None:
-        if kept("| largest batch against none") is not None:
-            rows.append(kept("| largest batch against none"))
+        if (row := kept("| largest batch against none")) is not None:
+            rows.append(row)
     else:
         ratios: dict[str, list[float]] = {}
         for r in batch.rows():

@@ -442,6 +442,18 @@ def test_cuda_path_emulated_views_and_damage(emulated_gpu, store, gen):
         buddy.unpack(meta, slots, overflow[:-32], **kw)
 
 
+@pytest.mark.parametrize("entry_bytes", [128, 4096])  # one-byte and two-byte metadata words
+def test_overflow_ends_in_numpy_and_in_torch_are_the_formats(entry_bytes, gen):
+    """The overflow's prefix sum: numpy's on the CPU, torch's on a device (run here on CPU tensors), the format's."""
+    n = 1000
+    meta = torch.randint(0, 256, (n * spec.meta_bytes(entry_bytes),), dtype=torch.uint8, generator=gen)
+    layout = Layout(entry_bytes, n * entry_bytes, 4)
+    for slot in (0, 1, entry_bytes // 64, entry_bytes // 32):
+        want = tensor_ends(meta, slot, entry_bytes)
+        assert torch.equal(bcuda.CudaEngine._ends(meta, slot, layout), want)
+        assert torch.equal(bcuda.CudaEngine._ends_on_device(meta, slot, layout), want)
+
+
 @pytest.mark.parametrize("codec", ids("codec", ("zvc", "auto", "auto2")))
 def test_launches_and_host_reads_do_not_grow_with_the_tensor(emulated_gpu, codec, gen):
     """A compress: a handful of launches (kernels and torch ops) and one host read; a decompress: none.

@@ -207,9 +207,10 @@ def test_report_headline_keeps_the_rows_no_file_holds(tmp_path):
     folder = tmp_path / "results" / "max_batch"
     folder.mkdir(parents=True)
     rows = [
-        {"workload": "resnet-fp32", "method": method, "max_batch": batch, "vs_none": batch / 64, "step_seconds": 0.1, "note": ""}
+        {"workload": "resnet-fp32", "method": method, "max_batch": batch, "vs_none": batch / 64, "step_seconds": 0.1,
+         "note": ""}
         for method, batch in (("none", 64), ("buddy", 107))
-    ]
+    ]  # fmt: skip
     doc = {"experiment": "max_batch", "size": "tiny", "environment": {"cpu": "some CPU", "cpu_count": 2}, "rows": rows}
     (folder / "results.json").write_text(json.dumps({**doc, "command": "python -m experiments.max_batch --size tiny"}))
     full = "| capacity, `auto2` @ 4096 B, full size | 2.03x | 1.54x | 9.93 % | [2026-11-24](docs/results.md#x) |"
@@ -218,7 +219,8 @@ def test_report_headline_keeps_the_rows_no_file_holds(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n<!-- report:headline -->\n| | a |\n| --- | --- |\n{full}\n{old_batch}\n\n{speed}\n"
                       "<!-- /report:headline -->\nrest\n")  # fmt: skip
-    report.main(["--results", str(tmp_path / "results"), "--out", str(tmp_path / "results.md"), "--readme", str(readme)])
+    page = tmp_path / "results.md"
+    report.main(["--results", str(tmp_path / "results"), "--out", str(page), "--readme", str(readme)])
     block = readme.read_text().split("<!-- report:headline -->\n")[1].split("<!-- /report:headline -->")[0]
     lines = block.splitlines()
     assert lines[0].startswith("|  | tuning set | check set |")  # the table's own header, not the old one

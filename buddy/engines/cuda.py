@@ -301,7 +301,7 @@ def _check_tensor(
         raise ValueError(f"{what} is on {t.device}, expected {device} (all buffers on the same CUDA device)")
     if t.dtype != dtype:
         raise ValueError(f"{what} must be {dtype}, got {t.dtype}")
-    if shape is not None and tuple(t.shape) != shape:
+    if shape is not None and t.shape != shape:
         raise ValueError(f"{what} must have shape {shape}, got {tuple(t.shape)}")
     if t.layout != torch.strided or not t.is_contiguous():
         raise ValueError(f"{what} must be a contiguous (dense) tensor")
@@ -451,20 +451,6 @@ class Kernels:
             data, tail = entries
             whole = (data, torch.uint8, layout.n_full * layout.entry_bytes)
             buffers = dict(data=whole, tail=(tail, torch.uint8, layout.entry_bytes), **buffers)
-        # what the engine's own buffers are (a launch's every buffer passes): checked at once, else one by one below,
-        # which says what is wrong
-        first = next(iter(buffers.values()), (None,))[0]
-        if isinstance(first, torch.Tensor) and first.device.type == self.device_type:
-            on = first.device
-            for t, dtype, numel in buffers.values():
-                if not (
-                    type(t) is torch.Tensor and t.dtype is dtype and t.shape == (numel,) and t.device == on
-                    and t.layout is torch.strided and t.is_contiguous()
-                    and (not numel or (t.data_ptr() and not t.data_ptr() % ALIGN_BYTES))
-                ):  # fmt: skip
-                    break
-            else:
-                return on
         device: torch.device | None = None
         for what, (t, dtype, numel) in buffers.items():
             if not isinstance(t, torch.Tensor):
@@ -675,12 +661,21 @@ class CudaEngine(Engine):
 
     @staticmethod
     def _ends(meta: torch.Tensor, slot: int, layout: Layout) -> torch.Tensor:
-        """Per entry, the overflow sectors of entries 0..i: the prefix sum that places each entry's overflow."""
+        """Per entry, the overflow sectors of entries 0..i: the prefix sum that places each entry's overflow.
+
+        On the device, in torch (:meth:`_ends_on_device`); on the CPU the same sums in numpy, where torch's
+        per-operation cost is most of it."""
+        if meta.device.type != "cpu":
+            return CudaEngine._ends_on_device(meta, slot, layout)
         mb, k_bits, _ = layout.meta_fields
-        if meta.device.type == "cpu":  # the same sums in numpy: torch's per-operation cost is most of it here
-            m = meta.numpy()
-            sizes = (m if mb == 1 else m.view("<u2")).astype(np.int64) & ((1 << k_bits) - 1)
-            return torch.from_numpy(np.cumsum(np.maximum(sizes - slot, 0)))
+        m = meta.numpy()
+        sizes = (m if mb == 1 else m.view("<u2")).astype(np.int64) & ((1 << k_bits) - 1)
+        return torch.from_numpy(np.cumsum(np.maximum(sizes - slot, 0)))
+
+    @staticmethod
+    def _ends_on_device(meta: torch.Tensor, slot: int, layout: Layout) -> torch.Tensor:
+        """:meth:`_ends` in torch operations, where ``meta`` is (a GPU's; any device's)."""
+        mb, k_bits, _ = layout.meta_fields
         words = meta.to(torch.int32) if mb == 1 else meta.view(layout.n_entries, 2).to(torch.int32)
         k = (words if mb == 1 else words[:, 0] | (words[:, 1] << 8)) & ((1 << k_bits) - 1)
         return torch.cumsum(k.sub_(slot).clamp_(min=0), 0)

@@ -84,7 +84,6 @@ class _Arg(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("ptr", ctypes.c_void_p), ("value", ctypes.c_longlong)]
 
 
-
 #: whether _Arg is three 8-byte fields, as :meth:`_Library.launch` lays the arguments out (else the engine is off)
 _ARGS_LAID_OUT = (ctypes.sizeof(_Arg), _Arg.ptr.offset, _Arg.value.offset) == (24, 8, 16)
 
@@ -217,7 +216,7 @@ class _Library:
 
     def launch(self, name: str, grid: int, shared: int, args: tuple, threads: int) -> None:
         """Run kernel ``name`` over ``grid`` blocks (one warp each) on ``threads`` host threads."""
-        fields: list[int] = []  # per argument its _Arg: kind, pointer, value (the kind's int and its padding in one int64)
+        fields: list[int] = []  # per argument its _Arg: kind (with its padding, one int64), pointer, value
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
                 fields += (_BUFFER, a.data_ptr() if a.numel() else 0, 0)
@@ -229,7 +228,8 @@ class _Library:
                 raise TypeError(f"{name}: argument {i} must be a tensor, numpy.int32 or numpy.int64, got {type(a)}")
         c_args = np.array(fields, dtype=np.int64)
         why = ctypes.create_string_buffer(256)
-        if self.dll.buddy_native_launch(self.kernel(name), grid, shared, c_args.ctypes.data, len(args), threads, why, 256):
+        kernel = self.kernel(name)
+        if self.dll.buddy_native_launch(kernel, grid, shared, c_args.ctypes.data, len(args), threads, why, 256):
             raise ValueError(f"{name}: {why.value.decode()}")
 
 
