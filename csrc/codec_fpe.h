@@ -155,9 +155,11 @@ struct BuddyFpe {
   // next WALK_BITS stream bits (32 KiB) with all a step needs -- emit reads a multi row and a dec row a step and
   // dec again for each further code with a tail, branching on how many. A row takes the codes wholly inside
   // those bits, up to the third with a tail:
-  //   bits | codes << 4 | tails << 8 | at0 << 10 | at1 << 14 | sym0 << 18 | sym1 << 30
+  //   bits | codes << 4 | tails << 8 | at0 << 10 | at1 << 14 | sym0 << 18 | sym1 << 30 | tails * t << 42
+  //   | (tails > 1) << 62 | (tails > 0) << 63
   // (at: the tail code's place among the row's codes, `codes` for a tail code the row lacks; bits 0: the first
-  // code is ESC or not in the table -- emit_walk's one-code path). The rows follow from dec and b alone; a host
+  // code is ESC or not in the table -- emit_walk's one-code path; the last fields are what a step computes from
+  // `tails`: its tails' bits, and each slot's mask as a sign bit). The rows follow from dec and b alone; a host
   // thread keeps the last table's (about 4,096 x 6 dec reads to make, a 16 KiB compare to reuse). Measured on
   // 32 MiB of randn float32 / bfloat16, one thread: 12 bits decode about 6 % / 12 % faster than 11 (rows of two
   // codes of 6 bits), 14 bits (128 KiB) a little faster still but four times the rows to make a table.
@@ -188,13 +190,15 @@ struct BuddyFpe {
       }
       for (uint32_t i = tails; i < 2u; ++i) at[i] = codes;
       rows[v] = pos | codes << 4 | tails << 8 | at[0] << 10 | at[1] << 14 | (uint64_t)sym[0] << 18 |
-                (uint64_t)sym[1] << 30;
+                (uint64_t)sym[1] << 30 | (uint64_t)(tails * buddy_fpe_fit_split<WB>::t) << 42 |
+                (uint64_t)(tails > 1u) << 62 | (uint64_t)(tails > 0u) << 63;
     }
   }
   // Points walk_rows at this host thread's rows of the table (made when the table differs from the last one's).
   BUDDY_HD void prepare_walk() {
     // emit_walk: the split layout's b as a constant, and two tails read at once (2 t + 7 <= 64 bits)
     static_assert(WB == 8 || 2u * buddy_fpe_fit_split<WB>::t + 7u <= 64u, "two tails in one 8-byte read");
+    static_assert(WB == 8 || 2u * buddy_fpe_fit_split<WB>::t < 64u, "a row's tails' bits in its 6-bit field");
     if (!table->split || WB == 8 || sym_bits != buddy_fpe_fit_split<WB>::b) return;
     static thread_local WalkCache cache;
     if (!cache.made || cache.sym_bits != sym_bits || memcmp(cache.dec, table->dec, sizeof(cache.dec)) != 0) {
@@ -787,11 +791,19 @@ struct BuddyFpe {
     // a table of the split layout has the fit's b (prepare_walk checks): constants, and registers to spare
     constexpr uint32_t b = buddy_fpe_fit_split<WB>::b, t = buddy_fpe_fit_split<WB>::t;
     constexpr uint32_t zero = 1u << b, tmask = (uint32_t)(((uint64_t)1 << t) - 1u);
-    uint32_t done = 0, j = 0, pos = 0;
-    // The stream's next bits in a 64-bit buffer, refilled after every step without a branch: a step's lookup
-    // waits on the buffer's shift, not on a load from a place computed from the step before. `ptr`: the first
-    // byte not wholly in the buffer; `count`: its bits (56-63 after a refill, a step takes at most 24). The 8-byte
-    // reads end at most 16 bytes past the code bits read (< end + 24 bits): inside the staging buffer (the
+    uint32_t done = 0, pos = 0;
+    // `tp`: where the next two tails are read from, end - (j + 2) t for the j tails so far (mod 2^32, as the
+    // formula in 32 bits: a place before the payload wraps, and buddy_min then reads at `end`, the pad); j itself
+    // follows from it (tails_of), so a step keeps one counter for the tails, not two
+    uint32_t tp = end - 2u * t, j1 = 0;  // (j1: the tails of 1-byte words, which have no tail bits to count by)
+    auto tails_of = [&]() -> uint32_t {
+      if constexpr (t == 0) return j1;
+      return (end - 2u * t - tp) / t;
+    };
+    // The stream's next bits in a 64-bit buffer, refilled without a branch: a step's lookup waits on the
+    // buffer's shift, not on a load from a place computed from the step before. `ptr`: the first byte not wholly
+    // in the buffer; `count`: its bits (56-63 after a refill; a row takes at most 12, one code at most 24). The
+    // 8-byte reads end at most 16 bytes past the code bits read (< end + 24 bits): inside the staging buffer (the
     // payload is at most E - 32 bytes of it); the bits they bring past the payload's pad are never a step's.
     const uint8_t* ptr = payload;
     uint64_t buf = 0;
@@ -803,40 +815,61 @@ struct BuddyFpe {
       ptr += (63u - count) >> 3;
       count |= 56u;
     };
-    refill();
-    while (done < words) {
-      if (pos >= end) return never;  // unchecked codes: stay in the payload
-      const uint32_t bits = (uint32_t)buf;
-      const uint64_t row = rows[bits & (WALK_ROWS - 1u)];
-      uint32_t len;
-      if ((row & 15u) && done + WALK_BITS < words) {
-        const uint32_t n = (uint32_t)(row >> 8) & 3u;
-        uint8_t* const o = out + (size_t)WB * done;
-        // the j-th and (j + 1)-th tails with one read (2 t + 7 <= 64): the (j + 1)-th is below the j-th
-        const uint32_t at = buddy_min(end - (j + 2u) * t, end);
-        uint64_t both;
-        __builtin_memcpy(&both, payload + (at >> 3), 8);
-        both >>= at & 7u;
-        const uint32_t w0 = ((uint32_t)(row >> 18 & 0xFFFu) << t | ((uint32_t)(both >> t) & tmask)) &
-                            (0u - (uint32_t)(n > 0u));
-        const uint32_t w1 = ((uint32_t)(row >> 30 & 0xFFFu) << t | ((uint32_t)both & tmask)) &
-                            (0u - (uint32_t)(n > 1u));
-        buddy_store<word_t>(o + (size_t)WB * ((row >> 10) & 15u), (word_t)w0);
-        buddy_store<word_t>(o + (size_t)WB * ((row >> 14) & 15u), (word_t)w1);
-        j += n;
-        done += (uint32_t)(row >> 4) & 15u;
-        len = (uint32_t)row & 15u;
-      } else {  // one code: ESC with its symbol, a code the table lacks, or the section's last codes
-        uint32_t sym;
-        if (!code_at(bits, tab->dec[bits & (BUDDY_FPE_ROWS - 1u)], &sym, &len)) return never;
-        if (sym != zero) put_word(payload, 0u, sym, end, j++, out + (size_t)WB * done);
-        done += 1;
-      }
+    auto advance = [&](uint32_t len) {
       pos += len;
       buf >>= len;
       count -= len;
       refill();
+    };
+    refill();
+    for (;;) {
+      // a row's steps, while a row's codes and the place after them are inside the entry, a refill every third
+      // step, after its lookup (from 56 bits and more, three rows leave at least 20: the next lookup's 12 are in
+      // the buffer): a lookup waits on the shift before it, a refill's load on no step (16 MiB of float32 /
+      // bfloat16, one thread: a refill every step took 15-20 % longer)
+      for (uint32_t step = 0;; step = step == 2u ? 0u : step + 1u) {
+        if (done + WALK_BITS >= words) break;
+        if (pos >= end) return never;  // unchecked codes: stay in the payload
+        const uint64_t row = rows[(uint32_t)buf & (WALK_ROWS - 1u)];
+        if (step == 0) refill();
+        if (!(row & 15u)) break;
+        uint8_t* const o = out + (size_t)WB * done;
+        // the j-th and (j + 1)-th tails with one read (2 t + 7 <= 64): the (j + 1)-th is below the j-th
+        const uint32_t at = buddy_min(tp, end);
+        uint64_t both;
+        __builtin_memcpy(&both, payload + (at >> 3), 8);
+        both >>= at & 7u;
+        // a slot the row lacks stores zero (its mask: the row's sign bits)
+        const uint32_t w0 = ((uint32_t)(row >> 18 & 0xFFFu) << t | ((uint32_t)(both >> t) & tmask)) &
+                            (uint32_t)((int64_t)row >> 63);
+        const uint32_t w1 = ((uint32_t)(row >> 30 & 0xFFFu) << t | ((uint32_t)both & tmask)) &
+                            (uint32_t)((int64_t)(row << 1) >> 63);
+        buddy_store<word_t>(o + (size_t)WB * ((row >> 10) & 15u), (word_t)w0);
+        buddy_store<word_t>(o + (size_t)WB * ((row >> 14) & 15u), (word_t)w1);
+        tp -= (uint32_t)(row >> 42) & 63u;
+        if constexpr (t == 0) j1 += (uint32_t)(row >> 8) & 3u;
+        done += (uint32_t)(row >> 4) & 15u;
+        const uint32_t len = (uint32_t)row & 15u;
+        pos += len;
+        buf >>= len;
+        count -= len;
+      }
+      refill();  // (the one-code path takes up to 24 bits)
+      if (done >= words) break;
+      // one code: ESC with its symbol, a code the table lacks, or the section's last codes
+      if (pos >= end) return never;
+      const uint32_t bits = (uint32_t)buf;
+      uint32_t sym, len;
+      if (!code_at(bits, tab->dec[bits & (BUDDY_FPE_ROWS - 1u)], &sym, &len)) return never;
+      if (sym != zero) {
+        put_word(payload, 0u, sym, end, tails_of(), out + (size_t)WB * done);
+        tp -= t;
+        if constexpr (t == 0) ++j1;
+      }
+      done += 1;
+      advance(len);
     }
+    const uint32_t j = tails_of();
     *tails = j;
     return (uint64_t)j * t > end ? never : pos;  // the last tail (the (j - 1)-th) in the payload
   }
