@@ -387,13 +387,26 @@ struct BuddyFpe {
     const uint64_t zero_tails = sp.zero ? 0u : ~0ull;
     uint64_t tails = 0;  // the nt bits below word tw + 1, from bit 63 down
     uint32_t nt = 0, tw = nw - 1u;
-    for (uint32_t i = 0; i < words; ++i) {
-      const word_t x = buddy_load<word_t>(entry_bytes + (size_t)WB * i);
-      const uint64_t has = (0ull - (uint64_t)(x != 0)) | zero_tails;
-      nt += t & (uint32_t)has;
-      tails |= ((uint64_t)x & tmask) << ((64u - nt) & 63u);  // (a word without a tail is zero: nothing ORed)
+    // G words' tails at a time where they fit the buffer beside a partial word (G t <= 32; the fit's b for words
+    // of 2 bytes: 4 tails of 4 bits), else a word at a time: the buffer's counters are a chain of dependent
+    // operations per group, not per word (with the codes two at a time below, 16 MiB of bfloat16, one thread:
+    // pack 15.4 -> 11.9 ms; float32, whose tails go one at a time, 15.4 -> 14.9)
+    constexpr uint32_t G = B && 8u * WB - B <= 8u ? 4u : 1u;
+    static_assert(words % G == 0, "whole groups");
+    for (uint32_t i = 0; i < words; i += G) {
+      uint32_t group = 0, bits = 0;  // the group's tails, the first one's highest, and their bits
+      for (uint32_t g = 0; g < G; ++g) {
+        const word_t x = buddy_load<word_t>(entry_bytes + (size_t)WB * (i + g));
+        const uint64_t has = (0ull - (uint64_t)(x != 0)) | zero_tails;
+        const uint32_t n = t & (uint32_t)has;
+        group = G == 1u ? 0u : group << n;  // (a word without a tail adds nothing)
+        group |= (uint32_t)((uint64_t)x & tmask & has);
+        bits += n;
+      }
+      nt += bits;
+      tails |= (uint64_t)group << ((64u - nt) & 63u);
       stream[buddy_min(tw, nw - 1u)] = (uint32_t)(tails >> 32);
-      const uint32_t full = nt >> 5;  // a word filled (nt < 32 + 23)
+      const uint32_t full = nt >> 5;  // a word filled (nt < 32 + 23, and < 32 + 16 for groups)
       tails <<= 32u * full;
       nt -= 32u * full;
       tw -= full;
@@ -403,22 +416,38 @@ struct BuddyFpe {
     uint32_t nc = 0, cw = 0;
     const uint32_t esc_head = sp.esc & 0xFFFu, esc_len = sp.esc >> 12;
     const uint32_t zero_at = (uint32_t)(sp.zero != 0) << b;  // ZERO's entry is enc[S] (a zero word's symbol is 0)
-    for (uint32_t i = 0; i < words; ++i) {
-      const word_t x = buddy_load<word_t>(entry_bytes + (size_t)WB * i);
+    auto entry_of = [&](word_t x) {  // code | length << 12; 0: none
       const uint32_t sym = (uint32_t)((uint64_t)x >> t) & ((1u << b) - 1u);
-      const uint32_t entry = tab->enc[sym | (zero_at & (0u - (uint32_t)(x == 0)))];  // code | length << 12
-      uint32_t head = entry & 0xFFFu, len = entry >> 12;
-      if (entry == 0u) {  // no code: ESC's code and the symbol (rare: a branch the host predicts)
-        head = esc_head | sym << esc_len;
-        len = esc_len + b;
-      }
+      return (uint32_t)tab->enc[sym | (zero_at & (0u - (uint32_t)(x == 0)))];
+    };
+    auto put = [&](uint32_t head, uint32_t len) {  // len <= 24 (nc < 32 + 24)
       codes |= (uint64_t)head << nc;
       nc += len;
       stream[buddy_min(cw, nw - 1u)] = (uint32_t)codes;
-      const uint32_t c = nc >> 5;  // a word filled (nc < 32 + 24)
+      const uint32_t c = nc >> 5;  // a word filled
       codes >>= 32u * c;
       nc -= 32u * c;
       cw += c;
+    };
+    auto put_word = [&](word_t x) {
+      const uint32_t entry = entry_of(x);
+      if (entry == 0u)  // no code: ESC's code and the symbol (rare: a branch the host predicts)
+        put(esc_head | ((uint32_t)((uint64_t)x >> t) & ((1u << b) - 1u)) << esc_len, esc_len + b);
+      else
+        put(entry & 0xFFFu, entry >> 12);
+    };
+    // two words' codes at a time (at most 2 x 12 bits: one put), unless either escapes (word by word then)
+    static_assert(words % 2u == 0, "whole pairs");
+    for (uint32_t i = 0; i < words; i += 2u) {
+      const word_t x0 = buddy_load<word_t>(entry_bytes + (size_t)WB * i);
+      const word_t x1 = buddy_load<word_t>(entry_bytes + (size_t)WB * (i + 1u));
+      const uint32_t e0 = entry_of(x0), e1 = entry_of(x1);
+      if (e0 == 0u || e1 == 0u) {
+        put_word(x0);
+        put_word(x1);
+        continue;
+      }
+      put((e0 & 0xFFFu) | (e1 & 0xFFFu) << (e0 >> 12), (e0 >> 12) + (e1 >> 12));
     }
     // the words where the codes end and the tails begin (one word when they share it)
     const uint32_t last = (uint32_t)codes, first = (uint32_t)(tails >> 32);
