@@ -393,7 +393,44 @@ struct BuddyFpe {
     // pack 15.4 -> 11.9 ms; float32, whose tails go one at a time, 15.4 -> 14.9)
     constexpr uint32_t G = B && 8u * WB - B <= 8u ? 4u : 1u;
     static_assert(words % G == 0, "whole groups");
-    for (uint32_t i = 0; i < words; i += G) {
+    // 4-byte words (the fit's b: tails of 20 bits): the tails first gathered, a chunk of words at a time, then
+    // written eight at a time: 160 bits are five whole stream words (the tails start at a word's top: the payload
+    // is whole sectors), made with fixed shifts and no buffer; the last few go through the buffer below.
+    // (float32, 16 MiB, one thread: pack 14.9 -> 12.1 ms for ReLU, 15.5 -> 13.1 for randn)
+    constexpr bool gathered = B != 0 && WB == 4 && 8u * WB - B == 20u;
+    uint32_t from = gathered ? words : 0u;  // the words the loop below takes: none, or every one
+    if constexpr (gathered) {
+      constexpr uint32_t chunk = words < 64u ? words : 64u;
+      uint32_t pend[chunk + 8u];  // tails not yet written (fewer than 8 carried over), and one slot to spare
+      uint32_t np = 0;
+      for (uint32_t i0 = 0; i0 < words; i0 += chunk) {
+        for (uint32_t i = i0; i < i0 + chunk; ++i) {
+          const word_t x = buddy_load<word_t>(entry_bytes + (size_t)WB * i);
+          pend[np] = (uint32_t)x & (uint32_t)tmask;  // (kept only if the word has a tail)
+          np += (uint32_t)((x != 0) | (zero_tails != 0));
+        }
+        uint32_t g = 0;
+        for (; g + 8u <= np; g += 8u) {
+          const uint32_t* v = pend + g;  // tails v[0..7] of 20 bits, v[0]'s the highest
+          const uint32_t w[5] = {v[0] << 12 | v[1] >> 8, v[1] << 24 | v[2] << 4 | v[3] >> 16,
+                                 v[3] << 16 | v[4] >> 4, v[4] << 28 | v[5] << 8 | v[6] >> 12, v[6] << 20 | v[7]};
+          for (uint32_t q = 0; q < 5u; ++q) stream[buddy_min(tw - q, nw - 1u)] = w[q];
+          tw -= 5u;
+        }
+        for (uint32_t r = g; r < np; ++r) pend[r - g] = pend[r];
+        np -= g;
+      }
+      for (uint32_t r = 0; r < np; ++r) {  // the last tails, through the buffer
+        nt += t;
+        tails |= (uint64_t)pend[r] << (64u - nt);
+        stream[buddy_min(tw, nw - 1u)] = (uint32_t)(tails >> 32);
+        const uint32_t full = nt >> 5;
+        tails <<= 32u * full;
+        nt -= 32u * full;
+        tw -= full;
+      }
+    }
+    for (uint32_t i = from; i < words; i += G) {
       uint32_t group = 0, bits = 0;  // the group's tails, the first one's highest, and their bits
       for (uint32_t g = 0; g < G; ++g) {
         const word_t x = buddy_load<word_t>(entry_bytes + (size_t)WB * (i + g));
