@@ -99,7 +99,12 @@ __device__ __forceinline__ void buddy_measure_body(const uint8_t* __restrict__ d
   for (uint32_t j = threadIdx.x; j <= BUDDY_SECTORS_PER_ENTRY; j += blockDim.x) counts[j] = 0;
   __syncthreads();
   const BuddyCudaWarp warp;
+#if defined(BUDDY_NATIVE_SOLO)
+  Codec codec = buddy_codec<Codec>(table);
+  if constexpr (buddy_sizes<Codec>::value) codec.prepare_measure();  // (auto2: codec_auto2.h)
+#else
   const Codec codec = buddy_codec<Codec>(table);
+#endif
   for (long long i = buddy_first_warp(n_entries), end = buddy_last_warp(n_entries); i < end; i += buddy_warp_stride()) {
     const uint32_t k = buddy_measure_entry<Codec>(warp, codec, i, data, tail, n_full, meta);
     if (warp.lane() == 0) atomicAdd(&counts[k], 1u);

@@ -66,6 +66,17 @@ struct buddy_walks<Codec, decltype((void)Codec::WALKS)> {
   static constexpr bool value = Codec::WALKS != 0;
 };
 
+// Whether a codec's measure sizes with a table of its own in the native engine's one-lane build
+// (Codec::prepare_measure: codec_auto2.h).
+template <class Codec, class = void>
+struct buddy_sizes {
+  static constexpr bool value = false;
+};
+template <class Codec>
+struct buddy_sizes<Codec, decltype((void)&Codec::prepare_measure)> {
+  static constexpr bool value = true;
+};
+
 // Copies `sectors` sectors from src to dst (both 8-byte aligned), 8 bytes per lane store.
 template <class Warp>
 BUDDY_WARP_FN void buddy_warp_copy_sectors(const Warp& warp, const uint8_t* src, uint8_t* dst, uint32_t sectors) {

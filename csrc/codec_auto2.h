@@ -35,6 +35,7 @@ struct BuddyAuto2 {
 #if defined(BUDDY_NATIVE_SOLO)
   static constexpr uint32_t WALKS = Fpe::WALKS;  // (fpe's decoder's walk table: codec_fpe.h)
   BUDDY_HD void prepare_walk() { fpe.prepare_walk(); }
+  BUDDY_HD void prepare_measure() { fpe.prepare_sizes(); }  // (measure_below_one_lane's sizes table)
 #endif
 
   static BUDDY_HD bool coded_mode(uint32_t mode) { return Auto::coded_mode(mode) || mode == BUDDY_AUTO_MODE_FPE; }
