@@ -367,8 +367,8 @@ struct BuddyFpe {
         // With the sizes table (prepare_sizes): a word's code bits by its symbol alone, a zero word's as symbol
         // 0's, the difference made up per zero word at each check, and the tails from the non-zero count -- the
         // same sums at every check, so the same stop and result. (The fit's b: a word's top b bits are its
-        // symbol, nothing to mask. 16 MiB, one thread: auto2's measure 9.8 -> 6.4 ms for float32, 9.9 -> 6.9 for
-        // bfloat16.)
+        // symbol, nothing to mask. 4 Mi words, one thread: auto2's measure 9.8 -> 6.4 ms for float32, 9.9 -> 6.9
+        // for bfloat16.)
         const uint8_t* const sb = size_bits;
         const uint32_t zero_fix = sp.zero ? (sp.zero >> 12) - sb[0] : 0u;  // (mod 2^32: may be "negative")
         uint32_t sum = 0, nnz = 0, bits = 0;
@@ -437,7 +437,7 @@ struct BuddyFpe {
     uint32_t nt = 0, tw = nw - 1u;
     // G words' tails at a time where they fit the buffer beside a partial word (G t <= 32; the fit's b for words
     // of 2 bytes: 4 tails of 4 bits), else a word at a time: the buffer's counters are a chain of dependent
-    // operations per group, not per word (with the codes two at a time below, 16 MiB of bfloat16, one thread:
+    // operations per group, not per word (with the codes two at a time below, 8 MiB of bfloat16, one thread:
     // pack 15.4 -> 11.9 ms; float32, whose tails go one at a time, 15.4 -> 14.9)
     constexpr uint32_t G = B && 8u * WB - B <= 8u ? 4u : 1u;
     static_assert(words % G == 0, "whole groups");
@@ -939,7 +939,7 @@ struct BuddyFpe {
     for (;;) {
       // a row's steps, while a row's codes and the place after them are inside the entry, a refill every third
       // step, after its lookup (from 56 bits and more, three rows leave at least 20: the next lookup's 12 are in
-      // the buffer): a lookup waits on the shift before it, a refill's load on no step (16 MiB of float32 /
+      // the buffer): a lookup waits on the shift before it, a refill's load on no step (4 Mi words of float32 /
       // bfloat16, one thread: a refill every step took 15-20 % longer)
       for (uint32_t step = 0;; step = step == 2u ? 0u : step + 1u) {
         if (done + WALK_BITS >= words) break;
