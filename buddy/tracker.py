@@ -412,10 +412,10 @@ class OverflowBudget(Policy):
                     continue  # this key's next steps down spill more still: it stays where it is
                 after -= added
             else:
-                after = slack[at[key] :]
-                if added > min(after):
+                rest = slack[at[key] :]
+                if added > min(rest):
                     continue  # (as above)
-                slack[at[key] :] = [v - added for v in after]
+                slack[at[key] :] = [v - added for v in rest]
             plan[key] -= 1
             if plan[key] > 0:
                 heapq.heappush(heap, (beyond[key][plan[key] - 1] / n[key], -plan[key], key))
