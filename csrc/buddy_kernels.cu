@@ -138,7 +138,9 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
   const BuddyCudaWarp warp;
 #if defined(BUDDY_NATIVE_SOLO)
   Codec codec = buddy_codec<Codec>(table);
-  if constexpr (buddy_walks<Codec>::value) codec.prepare_walk();  // (fpe, auto2: codec_fpe.h)
+  // (fpe, auto2: codec_fpe.h) -- for a run of entries worth the walk table's rows, which a new table makes anew
+  if constexpr (buddy_walks<Codec>::value)
+    if (buddy_last_warp(n_entries) - buddy_first_warp(n_entries) >= BUDDY_WALK_MIN_ENTRIES) codec.prepare_walk();
 #else
   const Codec codec = buddy_codec<Codec>(table);
 #endif

@@ -164,6 +164,10 @@ struct BuddyFpe {
   // 32 MiB of randn float32 / bfloat16, one thread: 12 bits decode about 6 % / 12 % faster than 11 (rows of two
   // codes of 6 bits), 14 bits (128 KiB) a little faster still but four times the rows to make a table.
   static constexpr uint32_t WALKS = 1u, WALK_BITS = 12u, WALK_ROWS = 1u << WALK_BITS;
+// A launch's block makes the walk table only for a run of at least this many entries (buddy_kernels.cu): a new
+// table's rows cost about as much as decoding ten entries without them, and a tensor of a few entries is decoded
+// sooner with emit alone (host_cost's 16 KiB tensors, 34 a step: decompress 264 -> 227 us a tensor)
+#define BUDDY_WALK_MIN_ENTRIES 8
   struct WalkCache {
     bool made = false;
     uint32_t sym_bits = 0;
