@@ -255,8 +255,21 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
     // one lane a block (the native engine): the units buddy_first_warp gives the block, as the entries of the
     // format kernels (a contiguous run: strided by the grid, each block read a 16-byte unit of every 16 x 16 bytes,
     // and every cache line came from memory once per block)
-    for (long long u = buddy_first_warp(n16), end = buddy_last_warp(n16); u < end; u += buddy_warp_stride())
-      buddy_fpe_count_unit16<WB>(warp, buddy_load<buddy_u128>(data + u * 16), true, local);
+    // A word's count key is its symbol, zero words' too (a zero word's symbol is 0), and the zero words are then
+    // moved to ZERO's count: a shift a word, not a select (4 Mi words, one thread: float32 randn 3.6 -> 2.6 ms,
+    // bfloat16 3.4 -> 2.7; ReLU, half of whose words add to one count in turn, 4.4 -> 4.3)
+    constexpr uint32_t t = buddy_fpe_fit_split<WB>::t, zero = 1u << buddy_fpe_fit_split<WB>::b;
+    uint32_t zeros = 0;
+    for (long long u = buddy_first_warp(n16), end = buddy_last_warp(n16); u < end; u += buddy_warp_stride()) {
+      const buddy_u128 unit = buddy_load<buddy_u128>(data + u * 16);
+      for (uint32_t i = 0; i < 16u / WB; ++i) {
+        const typename BuddyFpe<WB>::word_t x = BuddyFpe<WB>::unit_word(unit, i);
+        local[(uint32_t)((uint64_t)x >> t)] += 1u;  // (the fit's b: a word's top b bits, below 2^b)
+        zeros += x == 0;
+      }
+    }
+    local[0] -= zeros;
+    local[zero] += zeros;
   } else {
     for (long long u0 = (long long)blockIdx.x * blockDim.x + (threadIdx.x & ~(BUDDY_WARP_SIZE - 1u)); u0 < n16;
          u0 += stride) {
