@@ -87,14 +87,10 @@ BUDDY_HD uint32_t buddy_fpe_count_key(typename BuddyFpe<WB>::word_t x) {
 // The words of each lane's 16-byte unit (valid: the lane has one) counted by
 // the warp, aggregated: per word position, the lanes with equal keys add
 // their number once (buddy_warp_match), so the common keys -- ZERO is about
-// half of a ReLU's words -- cost one atomic a warp, not one a lane.
+// half of a ReLU's words -- cost one atomic a warp, not one a lane. (A warp of one lane has no peers: its
+// block counts in buddy_count_body, buddy_kernels.cu.)
 template <int WB, class Warp>
 BUDDY_WARP_FN void buddy_fpe_count_unit16(const Warp& warp, buddy_u128 unit, bool valid, uint32_t* counts) {
-  if constexpr (BUDDY_WARP_SIZE == 1) {  // one lane (buddy_warp.h): no peers to aggregate with
-    for (uint32_t i = 0; valid && i < 16u / WB; ++i)
-      buddy_atomic_add(&counts[buddy_fpe_count_key<WB>(BuddyFpe<WB>::unit_word(unit, i))], 1u);
-    return;
-  }
   for (uint32_t i = 0; i < 16u / WB; ++i) {
     const uint32_t key = valid ? buddy_fpe_count_key<WB>(BuddyFpe<WB>::unit_word(unit, i)) : BUDDY_FPE_NO_KEY;
     const uint32_t peers = buddy_warp_match(warp, key, BUDDY_FPE_KEY_BITS);
