@@ -157,6 +157,10 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
 // instantiation alone: with all four in one kernel the compiler interleaves
 // them and the kernel needs the registers of more than the largest (fpe's
 // unpack: 80 instead of at most 64).
+#if defined(BUDDY_WORD_BYTES) && BUDDY_WORD_BYTES != 1 && BUDDY_WORD_BYTES != 2 && BUDDY_WORD_BYTES != 4 && \
+    BUDDY_WORD_BYTES != 8
+#error "BUDDY_WORD_BYTES is 1, 2, 4 or 8"
+#endif
 #if defined(BUDDY_WORD_BYTES)
 #define BUDDY_WORD_SWITCH(CODEC, BODY, ...) \
   if (word_bytes == BUDDY_WORD_BYTES) BODY<CODEC<BUDDY_WORD_BYTES>>(__VA_ARGS__); /* the loader launches no other */
@@ -326,8 +330,8 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
       uint8_t* __restrict__ work,           /* scratch: sizeof(BuddyFpeFitWork) bytes, 8-byte aligned */           \
       uint8_t* __restrict__ table,          /* out: the device table (sizeof(BuddyFpeTable) bytes) */              \
       uint8_t* __restrict__ serial,         /* out: fpe.Table.to_bytes, zeros after (BUDDY_FPE_SERIAL_BYTES) */    \
-      int word_bytes,                       /* word size in bytes: 1, 2, 4 or 8 */                                 \
-      int weighted) {                       /* 1: counts are the fit's weights (fpe.fit_weights), not scaled */    \
+      int weighted,                         /* 1: counts are the fit's weights (fpe.fit_weights), not scaled */    \
+      int word_bytes) {                     /* word size in bytes: 1, 2, 4 or 8 (every kernel's last parameter) */ \
     if (blockIdx.x != 0 || threadIdx.x >= BUDDY_WARP_SIZE) return;                                                 \
     buddy_fpe_fit(BuddyCudaWarp(), reinterpret_cast<const int64_t*>(counts), (uint32_t)word_bytes, weighted != 0,  \
                   reinterpret_cast<BuddyFpeFitWork*>(work), reinterpret_cast<BuddyFpeTable*>(table), serial);       \

@@ -33,6 +33,7 @@ from test_device_codecs import device_fit, run_tensor, tensor_ends, tensor_measu
 import buddy
 from buddy.engines import cuda as bcuda
 from buddy import spec
+from buddy.codecs.fpe import n_symbols
 from buddy.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +69,10 @@ def test_compile_options_carry_the_spec():
         assert {o for o in opts if o.startswith("-D")} == defines
     with pytest.raises(ValueError):
         bcuda.compile_options(100)
+    assert bcuda.compile_options(128, "fpe", 2)[-1] == "-DBUDDY_WORD_BYTES=2"
+    for word in (0, 3, 16):  # a module is built for the word size a launch passes last: a bad one is refused
+        with pytest.raises(ValueError, match="word sizes"):
+            bcuda.compile_options(128, "fpe", word)
 
 
 def test_launch_configuration():
@@ -329,7 +334,7 @@ class HostKernels:
             r.done()
             return
         if op == "fit":
-            counts, _, table, serial, word, weighted = args
+            counts, _, table, serial, weighted, word = args
             got_table, got_serial = device_fit(exe, counts, int(word), self.tmp_path, bool(int(weighted)))
             table.copy_(got_table)
             serial.copy_(got_serial)
@@ -392,6 +397,42 @@ def test_kernel_signatures_parsed():
             "uint8_t*", "long long*", "int", "uint8_t*", "uint8_t*", "long long", "uint8_t*", "int*", "long long",
             "uint8_t*", "int",
         ]  # fmt: skip
+
+
+def test_every_kernels_last_parameter_is_the_word_size():
+    """A launch on a GPU builds the module of the word size it reads from the kernel's last argument (one module
+    per word size). On an H200 the fit kernel's last argument was its ``weighted`` flag: a module for words of 0
+    bytes failed to compile, and every compress of fpe and auto2 with it. No build here reads the word size so."""
+    params = kernel_parameters()
+    assert {name.rsplit("_", 1)[1] for name in params} == {"measure", "pack", "unpack", "count", "fit"}
+    for name, ps in params.items():
+        assert (ps[-1].name, ps[-1].ctype) == ("word_bytes", "int"), name
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("word", [1, 2, 4, 8])
+def test_each_launch_passes_its_word_size_last(word, weighted):
+    """What :func:`buddy.engines.cuda._launch` reads as the word size is the layout's, for every kernel (the fit's
+    ``weighted`` flag, 0 or 1, once stood there)."""
+    launched = []
+    kernels = bcuda.Kernels("fpe", launch=lambda *a: launched.append(a), device_type="cpu")
+    e, n = 128, 4
+    layout = Layout(e, n * e, word)
+    data, tail = torch.zeros(n * e, dtype=torch.uint8), torch.zeros(e, dtype=torch.uint8)
+    meta, hist = torch.zeros(layout.meta_bytes, dtype=torch.uint8), torch.zeros(layout.bins, dtype=torch.int64)
+    table = torch.zeros(bcuda.DEVICE_TABLE_BYTES, dtype=torch.uint8)
+    counts = torch.zeros(n_symbols(word), dtype=torch.int64)
+    kernels.count(layout, data, tail, counts)
+    kernels.fit(layout, counts, torch.zeros(bcuda.FIT_WORK_BYTES, dtype=torch.uint8), table,
+                torch.zeros(bcuda.FIT_SERIAL_BYTES, dtype=torch.uint8), weighted=weighted)  # fmt: skip
+    kernels.measure(layout, data, tail, meta, hist, table)
+    ends, slots = torch.zeros(n, dtype=torch.int64), torch.zeros(n * 32, dtype=torch.uint8)
+    kernels.pack(layout, data, tail, meta, ends, 1, slots, torch.zeros(0, dtype=torch.uint8), table)
+    kernels.unpack(layout, meta, ends, 1, slots, torch.zeros(0, dtype=torch.uint8), data.clone(),
+                   torch.zeros(1, dtype=torch.int32), table)  # fmt: skip
+    assert [a[1] for a in launched] == ["count", "fit", "measure", "pack", "unpack"]
+    for codec, op, _, _, _, args in launched:
+        assert type(args[-1]) is np.int32 and int(args[-1]) == word, (op, args[-1])
 
 
 @pytest.mark.parametrize("codec", ids("codec", ("zvc", "auto", "auto2")))

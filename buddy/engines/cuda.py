@@ -178,6 +178,8 @@ def compile_options(entry_bytes: int, codec: str = "all", word_bytes: int | None
     given, the one word size they are built for (csrc/buddy_kernels.cu: a kernel of one word size needs fewer
     registers than one of all four)."""
     defines = spec.c_defines(spec.check_entry_bytes(entry_bytes))
+    if word_bytes is not None and word_bytes not in WORD_SIZES:  # a launch's last argument, read as the word size
+        raise ValueError(f"word sizes are 1, 2, 4 or 8 bytes, got {word_bytes!r}")
     words = () if word_bytes is None else (f"-DBUDDY_WORD_BYTES={int(word_bytes)}",)
     return ("-std=c++17", *(f"-D{k}={v}" for k, v in defines.items()), f"-DBUDDY_CODEC_{codec.upper()}=1", *words)
 
@@ -506,7 +508,7 @@ class Kernels:
             work=(work, torch.uint8, FIT_WORK_BYTES), table=(table, torch.uint8, DEVICE_TABLE_BYTES),
             serial=(serial, torch.uint8, FIT_SERIAL_BYTES),
         )  # fmt: skip
-        args = (counts, work, table, serial, _i32(layout.word_bytes), _i32(int(weighted)))
+        args = (counts, work, table, serial, _i32(int(weighted)), _i32(layout.word_bytes))
         self.launch(self.name, "fit", layout.entry_bytes, device, 1, args)
 
     def _tabled(self) -> None:
