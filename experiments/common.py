@@ -94,8 +94,10 @@ def choose_backend(script: str, requested: str | None, device: torch.device | st
     device = torch.device(device)
     if requested is None:
         usable = device.type == "cuda" and buddy.engines.cuda.why_unusable() is None
-        return "cuda" if usable else "reference"
-    if requested == "cuda":
+        if not usable:
+            return "reference"
+        requested = "cuda"
+    elif requested == "cuda":
         if device.type != "cuda":
             raise SystemExit(f"{script}: --backend cuda needs --device cuda, got {device}")
         try:
@@ -103,7 +105,21 @@ def choose_backend(script: str, requested: str | None, device: torch.device | st
             require("cupy", f"experiments.{script} --backend cuda")
         except MissingDependencyError as exc:
             raise SystemExit(f"{script}: {exc}") from exc
+    if requested == "cuda":
+        kernels_pass(script, device)
     return requested
+
+
+def kernels_pass(script: str, device: torch.device | str, codec: str | None = None) -> None:
+    """Exit with the reason unless ``codec``'s (default: the default codec's) CUDA kernels pass their self-test on
+    ``device``: where they fail, every buddy method would run the torch reference instead (one warning), and a run
+    would spend its time -- on a lent GPU, all of it -- timing the wrong thing."""
+    codec = codec or buddy.defaults().codec
+    buddy.dispatch.engine(buddy.codecs.get_codec(codec), device, "auto")  # as a first compress: the self-test
+    ran = buddy.dispatch.chosen(codec, device=str(device))
+    if not ran or ran[-1].backend != "cuda":
+        why = ran[-1].why if ran else "nothing was chosen"
+        raise SystemExit(f"{script}: the CUDA kernels of codec {codec!r} cannot run on {device} ({why})")
 
 
 def progress(iterable, *, desc: str, total: int | None = None, enabled: bool = True):

@@ -451,6 +451,38 @@ def test_step_time_tiny(tmp_path, capsys):
     assert (tmp_path / "step_time.png").stat().st_size > 10_000
 
 
+def test_a_cuda_run_exits_when_the_kernels_fail_their_self_test(monkeypatch):
+    """On an H200 the kernels of auto2 failed their self-test (a compile error), every buddy method then ran the
+    torch reference, and step_time spent its whole 150 s on it: a GPU run now stops at once, saying why."""
+    from buddy import dispatch
+    from experiments import common
+
+    calls = []
+
+    def engine(codec, device, backend=None):  # what dispatch records after a self-test, without a GPU
+        calls.append((codec.name, str(device), backend))
+        dispatch._record("cuda:0", codec.name, outcome["backend"], outcome["why"])
+
+    monkeypatch.setattr(dispatch, "engine", engine)
+    monkeypatch.setattr(dispatch, "_CHOSEN", {})
+    monkeypatch.setattr(buddy.engines.cuda, "why_unusable", lambda: None)
+    monkeypatch.setattr(common, "require_cuda", lambda what: None)  # as on a GPU machine with CuPy
+    monkeypatch.setattr(common, "require", lambda name, what: None)
+    outcome = {"backend": "reference", "why": "CompileException: static assertion failed"}
+    default = buddy.defaults().codec  # (the tests' default, the one a run compresses with)
+    with pytest.raises(SystemExit, match=f"kernels of codec '{default}' cannot run on cuda.*CompileException"):
+        common.choose_backend("step_time", None, "cuda")
+    with pytest.raises(SystemExit, match="CompileException"):
+        common.choose_backend("step_time", "cuda", "cuda")  # asked for explicitly: the same
+    outcome = {"backend": "cuda", "why": "self-test passed in 0.1 s"}
+    assert common.choose_backend("step_time", None, "cuda") == "cuda"
+    assert calls and {c[0] for c in calls} == {default}
+    calls.clear()
+    assert common.choose_backend("step_time", None, "cpu") == "reference"  # no GPU: nothing to test
+    assert common.choose_backend("step_time", "reference", "cuda") == "reference"
+    assert not calls
+
+
 @pytest.mark.gpu
 def test_side_stream_offload_is_exact(cuda):
     from experiments.step_time import SideStreamOffload
