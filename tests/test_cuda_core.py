@@ -608,5 +608,6 @@ def test_the_overflow_is_read_in_place_only_when_asked_pinned_and_supported(monk
     monkeypatch.setattr(bcuda, "_takes_host_pointers", lambda index: False)
     assert not bcuda.reads_overflow_in_place(overflow, device)
     monkeypatch.setattr(bcuda, "_takes_host_pointers", lambda index: True)
+    assert not bcuda.reads_overflow_in_place(torch.zeros(80, dtype=torch.uint8)[8:72], device)  # misaligned: copied
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
     assert not bcuda.reads_overflow_in_place(overflow, device)

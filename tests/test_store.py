@@ -453,7 +453,25 @@ def test_a_block_is_pinned_unmapped_where_mapping_is_refused(monkeypatch):
     assert alloc.block.pinned and not alloc.block.mapped and store.stats().buddy_pinned_bytes == 64 * KiB
     registered = [a for a in asked if a[0] == "cudaHostRegister"]
     assert registered == [("cudaHostRegister", 64 * KiB, 3), ("cudaHostRegister", 64 * KiB, 1)]
+    # such a block's pages are pinned (torch says so), not mapped: an unpack copies its overflow, never reads it
+    # where it is (a kernel's loads there would be an illegal address)
+    from buddy.engines import cuda as bcuda
+
+    monkeypatch.setenv(bcuda.ZERO_COPY_ENV, "1")
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    monkeypatch.setattr(bcuda, "_takes_host_pointers", lambda index: True)
+    assert not store_module.reads_in_place(alloc.data)
+    assert not bcuda.reads_overflow_in_place(alloc.data, torch.device("cuda", 0))
+    mapped = buddy.BuddyStore(capacity_bytes=MiB, block_bytes=64 * KiB, pin=True)
+    with monkeypatch.context() as m:
+        m.setattr(store_module, "_cuda_call", lambda *a: None)  # a runtime that maps it
+        other = mapped.allocate(1000)
+    assert other.block.mapped and bcuda.reads_overflow_in_place(other.data, torch.device("cuda", 0))
+    address = alloc.block.buffer.data_ptr()
     del alloc, store
     gc.collect()  # unpinned while CUDA's calls are still the recorded ones
     assert [a[0] for a in asked].count("cudaHostUnregister") == 1
+    assert address not in store_module._UNMAPPED  # unpinned: the address may be a mapped block's next
+    del other, mapped
+    gc.collect()
 

@@ -74,7 +74,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import spec
+from .. import spec, store
 from ..codecs.auto import AUTO_MEMBERS, AutoCodec, member_kinds
 from ..codecs.base import Codec, CodecLike
 from ..codecs.bpc import BPCCodec
@@ -574,6 +574,8 @@ def reads_overflow_in_place(overflow: torch.Tensor, device: torch.device) -> boo
         return False
     if overflow.device.type != "cpu" or not overflow.numel() or not overflow.is_pinned():
         return False
+    if overflow.data_ptr() % ALIGN_BYTES or not store.reads_in_place(overflow):
+        return False  # the kernels' 16-byte loads, or a store block pinned without the mapping: copied first
     return _takes_host_pointers(device.index if device.index is not None else torch.cuda.current_device())
 
 
