@@ -438,8 +438,12 @@ def test_step_time_tiny(tmp_path, capsys):
     from experiments import step_time
 
     argv = ["--device", "cpu", "--models", "resnet50", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)]
-    rows = step_time.main([*argv, "--methods", "none", "buddy-offload", "checkpoint", "--no-progress"])
+    rows = step_time.main([*argv, "--methods", "none", "buddy-offload", "checkpoint", "--no-progress", "--profile"])
     assert [r["method"] for r in rows] == ["none", "buddy-offload", "checkpoint"]
+    # --profile (the GPU lease's): one more step of each buddy method under cProfile and the PyTorch profiler
+    assert rows[0]["profile"] is None and rows[2]["profile"] is None
+    profiled = rows[1]["profile"]
+    assert profiled["wall_ms_under_cprofile"] > 0 and profiled["python"] and profiled["ops"]
     for r in rows:
         assert r["step_ms"] > 0 and r["device"] == "cpu" and r["peak_bytes"] is None and r["capacity"] is None
     offload = rows[1]["buddy"]
