@@ -399,6 +399,32 @@ def test_kernel_signatures_parsed():
         ]  # fmt: skip
 
 
+def test_one_cupy_stream_a_torch_stream_and_no_deprecation_warning(monkeypatch):
+    """CuPy 14 warns that ExternalStream is deprecated: on the H200 every launch printed it. The handle is made
+    once per torch stream, the warning left out."""
+    import types
+    import warnings
+
+    made = []
+
+    class ExternalStream:
+        def __init__(self, ptr, device_id):
+            warnings.warn("ExternalStream is deprecated", DeprecationWarning, stacklevel=2)
+            made.append((ptr, device_id))
+
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(ExternalStream=ExternalStream))
+    streams = {0: 0x1000}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=streams[0]))
+    monkeypatch.setattr(bcuda, "_streams", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = bcuda._cupy_stream(cupy, torch.device("cuda", 0))
+        assert bcuda._cupy_stream(cupy, torch.device("cuda", 0)) is first
+        streams[0] = 0x2000  # another current stream: its own handle
+        assert bcuda._cupy_stream(cupy, torch.device("cuda", 0)) is not first
+    assert made == [(0x1000, 0), (0x2000, 0)]
+
+
 def test_every_kernels_last_parameter_is_the_word_size():
     """A launch on a GPU builds the module of the word size it reads from the kernel's last argument (one module
     per word size). On an H200 the fit kernel's last argument was its ``weighted`` flag: a module for words of 0

@@ -68,6 +68,7 @@ import importlib.resources
 import os
 import re
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -276,6 +277,22 @@ def compile_module(
         _kernel(codec, "measure", layout.entry_bytes, device, 0, layout.word_bytes)
 
 
+_streams: dict[tuple[int, int | None], object] = {}
+
+
+def _cupy_stream(cupy, device: torch.device):
+    """CuPy's handle of torch's current stream on ``device``, one per stream (a wrapper of the raw handle, owning
+    nothing). CuPy 14 deprecates ``ExternalStream`` for ``Stream.from_external``, and said so at every launch: the
+    warning is left out, once per stream."""
+    ptr = torch.cuda.current_stream(device).cuda_stream
+    stream = _streams.get((ptr, device.index))
+    if stream is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = _streams.setdefault((ptr, device.index), cupy.cuda.ExternalStream(ptr, device.index))
+    return stream
+
+
 def _launch(codec: str, op: str, entry_bytes: int, device: torch.device, n_entries: int, args: tuple) -> None:
     """Launch ``buddy_<codec>_<op>`` over ``n_entries`` on the device's current torch stream."""
     import numpy
@@ -283,7 +300,7 @@ def _launch(codec: str, op: str, entry_bytes: int, device: torch.device, n_entri
     cupy = _cupy()
     blocks, threads, shared = launch_config(op, entry_bytes, n_entries, codec)
     kernel = _kernel(codec, op, entry_bytes, device, shared, int(args[-1]))  # every kernel's last argument: the word size
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    stream = _cupy_stream(cupy, device)
     # pointers and sizes as fixed-width scalars: exactly the kernel's parameter types
     c_args = tuple(numpy.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
     with cupy.cuda.Device(device.index):
