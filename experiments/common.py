@@ -114,7 +114,9 @@ def kernels_pass(script: str, device: torch.device | str, codec: str | None = No
     """Exit with the reason unless ``codec``'s (default: the default codec's) CUDA kernels pass their self-test on
     ``device``: where they fail, every buddy method would run the torch reference instead (one warning), and a run
     would spend its time -- on a lent GPU, all of it -- timing the wrong thing."""
-    codec = codec or buddy.defaults().codec
+    codec, device = codec or buddy.defaults().codec, torch.device(device)
+    if device.index is None:  # the device a tensor on "cuda" is on
+        device = torch.device(device.type, torch.cuda.current_device())
     buddy.dispatch.engine(buddy.codecs.get_codec(codec), device, "auto")  # as a first compress: the self-test
     ran = buddy.dispatch.chosen(codec, device=str(device))
     if not ran or ran[-1].backend != "cuda":

@@ -465,6 +465,7 @@ def test_a_cuda_run_exits_when_the_kernels_fail_their_self_test(monkeypatch):
 
     def engine(codec, device, backend=None):  # what dispatch records after a self-test, without a GPU
         calls.append((codec.name, str(device), backend))
+        assert str(device) == "cuda:0"  # the device's index, as the dispatch records it
         dispatch._record("cuda:0", codec.name, outcome["backend"], outcome["why"])
 
     monkeypatch.setattr(dispatch, "engine", engine)
@@ -472,6 +473,7 @@ def test_a_cuda_run_exits_when_the_kernels_fail_their_self_test(monkeypatch):
     monkeypatch.setattr(buddy.engines.cuda, "why_unusable", lambda: None)
     monkeypatch.setattr(common, "require_cuda", lambda what: None)  # as on a GPU machine with CuPy
     monkeypatch.setattr(common, "require", lambda name, what: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     outcome = {"backend": "reference", "why": "CompileException: static assertion failed"}
     default = buddy.defaults().codec  # (the tests' default, the one a run compresses with)
     with pytest.raises(SystemExit, match=f"kernels of codec '{default}' cannot run on cuda.*CompileException"):
