@@ -32,6 +32,7 @@ import torch
 
 from ._deferred import DeferredLock
 from ._process_default import ProcessDefault
+from .engines.cuda import UNMAPPED_HOST
 from .errors import HostStoreFull
 from .spec import SECTOR_BYTES
 
@@ -83,20 +84,9 @@ def _take_last_error() -> None:
         pass
 
 
-#: the start addresses of the blocks pinned but not mapped (the runtime refused the mapping): a kernel cannot read
-#: them where they are (see :func:`reads_in_place`)
-_UNMAPPED: set[int] = set()
-
-
-def reads_in_place(t: torch.Tensor) -> bool:
-    """Whether ``t`` may be read by a kernel where it is, as far as the store knows: not a view of a block pinned
-    without the mapping (memory pinned elsewhere -- ``pin_memory()`` -- is the caller's to judge)."""
-    return t.untyped_storage().data_ptr() not in _UNMAPPED
-
-
 def _unpin(address: int) -> None:
     """Unregister a block's pages: at its release, or when it is collected without one."""
-    _UNMAPPED.discard(address)
+    UNMAPPED_HOST.discard(address)
     try:
         _cuda_call("cudaHostUnregister", address)
     except Exception:  # a finalizer must not raise: the context is gone (interpreter exit), nothing is left to unpin
@@ -121,7 +111,7 @@ class _Block:
                     self.mapped = True
                 except RuntimeError:
                     _cuda_call("cudaHostRegister", self.buffer.data_ptr(), nbytes, portable)
-                    _UNMAPPED.add(self.buffer.data_ptr())  # pinned, not mapped: never read in place
+                    UNMAPPED_HOST.add(self.buffer.data_ptr())  # pinned, not mapped: never read in place
             except BaseException:
                 self.release()
                 raise

@@ -460,7 +460,7 @@ def test_a_block_is_pinned_unmapped_where_mapping_is_refused(monkeypatch):
     monkeypatch.setenv(bcuda.ZERO_COPY_ENV, "1")
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
     monkeypatch.setattr(bcuda, "_takes_host_pointers", lambda index: True)
-    assert not store_module.reads_in_place(alloc.data)
+    assert alloc.data.untyped_storage().data_ptr() in bcuda.UNMAPPED_HOST
     assert not bcuda.reads_overflow_in_place(alloc.data, torch.device("cuda", 0))
     mapped = buddy.BuddyStore(capacity_bytes=MiB, block_bytes=64 * KiB, pin=True)
     with monkeypatch.context() as m:
@@ -471,7 +471,7 @@ def test_a_block_is_pinned_unmapped_where_mapping_is_refused(monkeypatch):
     del alloc, store
     gc.collect()  # unpinned while CUDA's calls are still the recorded ones
     assert [a[0] for a in asked].count("cudaHostUnregister") == 1
-    assert address not in store_module._UNMAPPED  # unpinned: the address may be a mapped block's next
+    assert address not in bcuda.UNMAPPED_HOST  # unpinned: the address may be a mapped block's next
     del other, mapped
     gc.collect()
 

@@ -75,7 +75,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import spec, store
+from .. import spec
 from ..codecs.auto import AUTO_MEMBERS, AutoCodec, member_kinds
 from ..codecs.base import Codec, CodecLike
 from ..codecs.bpc import BPCCodec
@@ -573,6 +573,9 @@ class Kernels:
         self.launch(self.name, "unpack", layout.entry_bytes, device, n, args)
 
 
+#: the start addresses of pinned host buffers a kernel cannot read where they are: pinned without the mapping (a
+#: store block the runtime refused to map: buddy.store adds it when it pins it, removes it when it unpins it)
+UNMAPPED_HOST: set[int] = set()
 #: ``BUDDY_ZERO_COPY=1``: unpack reads the overflow where it is, in pinned host memory (read at every decompress)
 ZERO_COPY_ENV = "BUDDY_ZERO_COPY"
 #: cudaDevAttrCanUseHostPointerForRegisteredMem: a registered host pointer is a valid device pointer as it is
@@ -591,7 +594,7 @@ def reads_overflow_in_place(overflow: torch.Tensor, device: torch.device) -> boo
         return False
     if overflow.device.type != "cpu" or not overflow.numel() or not overflow.is_pinned():
         return False
-    if overflow.data_ptr() % ALIGN_BYTES or not store.reads_in_place(overflow):
+    if overflow.data_ptr() % ALIGN_BYTES or overflow.untyped_storage().data_ptr() in UNMAPPED_HOST:
         return False  # the kernels' 16-byte loads, or a store block pinned without the mapping: copied first
     return _takes_host_pointers(device.index if device.index is not None else torch.cuda.current_device())
 
