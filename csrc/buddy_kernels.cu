@@ -320,9 +320,8 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
     BUDDY_COUNT_SWITCH(data, n_units, tail, tail_words, counts, buddy_shared_array(local))                         \
   }
 
-// The fit is a warp of 32 lanes (codec_fpe_fit.h): a build of one lane a warp (the native engine's,
-// BUDDY_WARP_SIZE 1) has the count kernel and not the fit, which its engine runs from its build of 32 lanes.
-#if BUDDY_WARP_SIZE == 32
+// The fit is a warp of 32 lanes (codec_fpe_fit.h), or one: a build of one lane a warp (the native engine's,
+// BUDDY_WARP_SIZE 1) sorts where the 32 lanes rank, and tries the rounds in turn where they try one each.
 #define BUDDY_FIT_KERNEL(NAME)                                                                                     \
   /* the table fitted to the counts (fpe.Table.from_counts): its device table and its serialized bytes */          \
   extern "C" __global__ void buddy_##NAME##_fit(                                                                   \
@@ -337,9 +336,6 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
                   reinterpret_cast<BuddyFpeFitWork*>(work), reinterpret_cast<BuddyFpeTable*>(table), serial);       \
   }
 #define BUDDY_FIT_KERNELS(NAME) BUDDY_COUNT_KERNEL(NAME) BUDDY_FIT_KERNEL(NAME)
-#else
-#define BUDDY_FIT_KERNELS(NAME) BUDDY_COUNT_KERNEL(NAME)
-#endif
 
 #if defined(BUDDY_CODEC_ZVC) || defined(BUDDY_CODEC_ALL)
 BUDDY_FORMAT_KERNELS(zvc, BuddyZvc, FREE)

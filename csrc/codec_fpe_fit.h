@@ -47,6 +47,11 @@
 #include "buddy_warp.h"
 #include "codec_fpe.h"
 
+#if defined(BUDDY_NATIVE_SOLO)
+#include <algorithm>
+#include <functional>
+#endif
+
 #define BUDDY_FPE_MAX_CODED 255u                            // regular symbols with codes at most (fpe.MAX_CODED)
 #define BUDDY_FPE_MAX_LEAVES (BUDDY_FPE_MAX_CODED + 2u)      // and ZERO and ESC
 #define BUDDY_FPE_SERIAL_BYTES (4u + 3u * BUDDY_FPE_MAX_LEAVES)  // the longest serialized table: 775 bytes
@@ -120,6 +125,16 @@ BUDDY_WARP_FN uint64_t buddy_fit_sum64(const Warp& warp, uint64_t* part, uint64_
 template <class Warp>
 BUDDY_WARP_FN void buddy_fit_sort(const Warp& warp, const uint32_t* from_w, const uint32_t* from_s, uint32_t n,
                                   uint32_t t, uint32_t* to_w, uint32_t* to_s) {
+#if defined(BUDDY_NATIVE_SOLO)
+  // one lane: the keys sorted (distinct: the symbols are), the same order as the ranks (a lane's ranks are O(n^2))
+  uint64_t keys[BUDDY_FPE_MAX_LEAVES];
+  for (uint32_t i = 0; i < n; ++i) keys[i] = (uint64_t)buddy_max(1u, from_w[i] >> t) << 13 | from_s[i];
+  std::sort(keys, keys + n);
+  for (uint32_t r = 0; r < n; ++r) {
+    to_w[r] = (uint32_t)(keys[r] >> 13);
+    to_s[r] = (uint32_t)(keys[r] & 0x1FFFu);
+  }
+#else
   for (uint32_t i = warp.lane(); i < n; i += BUDDY_WARP_SIZE) {
     const uint64_t mine = (uint64_t)buddy_max(1u, from_w[i] >> t) << 13 | from_s[i];
     uint32_t rank = 0;
@@ -127,6 +142,7 @@ BUDDY_WARP_FN void buddy_fit_sort(const Warp& warp, const uint32_t* from_w, cons
     to_w[rank] = (uint32_t)(mine >> 13);
     to_s[rank] = from_s[i];
   }
+#endif
   warp.sync();
 }
 
@@ -192,6 +208,16 @@ BUDDY_HD void buddy_fit_lengths(BuddyFpeFitWork* wk, uint32_t n) {
 // bits a counter (at most S); the digit is the one at which the count from 15 down reaches r.
 template <class Warp>
 BUDDY_WARP_FN uint64_t buddy_fit_select(const Warp& warp, const uint32_t* c, uint32_t S, uint32_t r) {
+#if defined(BUDDY_NATIVE_SOLO)
+  // one lane (whose counters of 8 bits the 4,096 symbols would overflow): the r-th largest key by a partial sort
+  (void)warp;
+  uint64_t keys[BUDDY_FPE_SYMBOLS];
+  uint32_t m = 0;
+  for (uint32_t i = 0; i < S; ++i)
+    if (c[i]) keys[m++] = (uint64_t)c[i] << 12 | (4095u - i);
+  std::nth_element(keys, keys + (r - 1u), keys + m, std::greater<uint64_t>());
+  return keys[r - 1u];
+#else
   uint64_t found = 0;  // the digits above `shift` found so far
   for (int shift = 40; shift >= 0; shift -= 4) {
     uint64_t lo = 0, hi = 0;  // digits 0-7 and 8-15, 8 bits each
@@ -229,6 +255,7 @@ BUDDY_WARP_FN uint64_t buddy_fit_select(const Warp& warp, const uint32_t* c, uin
     found |= (uint64_t)digit << shift;
   }
   return found;
+#endif
 }
 
 // Fits the fpe table of word size word_bytes to counts (S + 2 int64: the
@@ -242,7 +269,8 @@ BUDDY_WARP_FN uint64_t buddy_fit_select(const Warp& warp, const uint32_t* c, uin
 template <class Warp>
 BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32_t word_bytes, bool weighted,
                                  BuddyFpeFitWork* wk, BuddyFpeTable* table, uint8_t* serial) {
-  static_assert(sizeof(Warp) > 0 && BUDDY_WARP_SIZE == BUDDY_FPE_FIT_LANES, "the fit runs 32 lanes a warp");
+  static_assert(sizeof(Warp) > 0 && (BUDDY_WARP_SIZE == BUDDY_FPE_FIT_LANES || BUDDY_WARP_SIZE == 1),
+                "the fit runs 32 lanes a warp (or one, on the host)");
   const uint32_t lane = warp.lane();
   const uint32_t b = word_bytes == 1 ? buddy_fpe_fit_split<1>::b : buddy_fpe_fit_split<2>::b;
   const uint32_t S = 1u << b, ZERO = S, ESC = S + 1u;
@@ -295,8 +323,13 @@ BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32
 
   // the first round of halving whose longest code fits: lane t tries round t
   buddy_fit_sort(warp, wk->leaf_w, wk->leaf_s, n, 0u, wk->w, wk->s);
+#if BUDDY_WARP_SIZE == 1
+  uint32_t t = 0;  // one lane: the rounds in turn, up to the first that fits (the 32 lanes' lowest)
+  while (t + 1u < BUDDY_FPE_FIT_LANES && buddy_fit_height(wk->w, n, t, wk->node, 1u) > BUDDY_FPE_CODE_BITS) ++t;
+#else
   const uint32_t height = buddy_fit_height(wk->w, n, lane, wk->node + lane, BUDDY_WARP_SIZE);
   const uint32_t t = buddy_ctz64(warp.ballot(height <= BUDDY_FPE_CODE_BITS));
+#endif
   warp.sync();
   // that round's tree with the leaves in the reference's order: every leaf's length
   buddy_fit_sort(warp, wk->leaf_w, wk->leaf_s, n, t, wk->w, wk->s);
@@ -308,6 +341,17 @@ BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32
   warp.sync();
 
   // canonical order: by (length, symbol)
+#if defined(BUDDY_NATIVE_SOLO)
+  {  // one lane: sorted (the keys are distinct), not ranked
+    uint32_t keys[BUDDY_FPE_MAX_LEAVES];
+    for (uint32_t i = 0; i < n; ++i) keys[i] = wk->len[i] << 13 | wk->s[i];
+    std::sort(keys, keys + n);
+    for (uint32_t r = 0; r < n; ++r) {
+      wk->canon_s[r] = keys[r] & 0x1FFFu;
+      wk->canon_len[r] = keys[r] >> 13;
+    }
+  }
+#else
   for (uint32_t i = lane; i < n; i += BUDDY_WARP_SIZE) {
     const uint32_t key = wk->len[i] << 13 | wk->s[i];
     uint32_t rank = 0;
@@ -315,6 +359,7 @@ BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32
     wk->canon_s[rank] = wk->s[i];
     wk->canon_len[rank] = wk->len[i];
   }
+#endif
   warp.sync();
   // codes: the Kraft sum before each, at its length; written most significant bit first
   uint32_t kraft = 0, model_num = 0, model_den = 0;  // the span model's sums (fpe.Table.span_model)

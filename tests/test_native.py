@@ -4,7 +4,7 @@
 NVRTC compiles for the GPU, through the shim the block emulator uses) into a
 library per codec and entry size and runs it with a fast runtime
 (``csrc/host/native.cpp``: one warp a block, lanes as fibers in a fixed
-order, blocks over host threads; every kernel but the fits from the
+order, blocks over host threads; every kernel, the fits too, from the
 codec's build of one lane a warp). Here, as the emulator's tests do for the
 emulated kernels:
 
@@ -34,9 +34,10 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from conftest import assert_bitexact, fuzz_settings
+from conftest import assert_bitexact, fuzz_settings, ids
 from hypothesis import given
 from hypothesis import strategies as st
 from kernel_cases import (
@@ -265,8 +266,8 @@ def test_auto_choice_with_early_stops(codec, dtype, store):
 
 
 def test_fpe_runs_one_lane_a_warp(monkeypatch, store):
-    """fpe's and auto2's kernels run from their builds of one lane a warp (no fibers), their fits from the builds of
-    32 lanes; the bytes are the reference's (the tests above)."""
+    """fpe's and auto2's kernels run from their builds of one lane a warp (no fibers), their fits too; the bytes are
+    the reference's (the tests above; the fits' tables: test_one_lane_fits_are_the_warps)."""
     ran: list[tuple[str, str]] = []
     launch = native._Library.launch
 
@@ -281,20 +282,74 @@ def test_fpe_runs_one_lane_a_warp(monkeypatch, store):
         assert_bitexact(bt.decompress(), t)
         bt.free()
     assert ran == [
-        ("solo", "buddy_fpe_count"), ("warp", "buddy_fpe_fit"), ("solo", "buddy_fpe_measure"),
+        ("solo", "buddy_fpe_count"), ("solo", "buddy_fpe_fit"), ("solo", "buddy_fpe_measure"),
         ("solo", "buddy_fpe_pack"), ("solo", "buddy_fpe_unpack"),
-        ("solo", "buddy_auto2_count"), ("warp", "buddy_auto2_fit"), ("solo", "buddy_auto2_measure"),
+        ("solo", "buddy_auto2_count"), ("solo", "buddy_auto2_fit"), ("solo", "buddy_auto2_measure"),
         ("solo", "buddy_auto2_pack"), ("solo", "buddy_auto2_unpack"),
         ("solo", "buddy_bpc_measure"), ("solo", "buddy_bpc_pack"), ("solo", "buddy_bpc_unpack"),
     ]  # fmt: skip
     for codec in ("fpe", "auto2"):
         solo = native.library(codec, 4096, solo=True)
-        for op in ("count", "measure", "pack", "unpack"):
+        for op in ("count", "fit", "measure", "pack", "unpack"):
             solo.kernel(f"buddy_{codec}_{op}")  # (raises for a kernel the build lacks)
-        with pytest.raises(ValueError, match=f"no kernel buddy_{codec}_fit"):  # the fit is a warp of 32 lanes
-            solo.kernel(f"buddy_{codec}_fit")
+    assert native._builds_of("auto2") == {True}  # no build of 32 lanes made beside it
     with pytest.raises(ValueError, match="raw's kernels tile 32 lanes a warp"):
         native.library("raw", 4096, solo=True)
+
+
+def _fit_counts(word: int, kind: int, gen: torch.Generator) -> torch.Tensor:
+    """Symbol counts of one kind: dense, a few symbols, heavy tails, zeros only, coarse, powers of two."""
+    from buddy.codecs.fpe import n_symbols
+
+    s = n_symbols(word)
+    c = torch.zeros(s, dtype=torch.int64)
+    regular = s - 2
+    if kind == 0:
+        c[:regular] = torch.randint(0, 1000, (regular,), generator=gen)
+    elif kind == 1:
+        idx = torch.randint(0, regular, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen)
+        c[idx] = torch.randint(1, 10**6, idx.shape, generator=gen)
+    elif kind == 2:
+        scale = 10 ** torch.randint(0, 9, (regular,), generator=gen).double()
+        c[:regular] = (torch.randn(regular, generator=gen).abs() * scale).long()
+    elif kind == 3:
+        c[0] = 5
+    elif kind == 4:
+        coarse = torch.randint(0, 3, (regular,), generator=gen)
+        c[:regular] = coarse * torch.randint(0, 2**19, (regular,), generator=gen)
+    else:
+        some = torch.rand(regular, generator=gen) < 0.3
+        c[:regular] = (2 ** torch.randint(0, 30, (regular,), generator=gen)) * some
+    c[s - 2] += 10**9 if kind == 3 else int(torch.randint(0, 1000, (1,), generator=gen))
+    return c
+
+
+@pytest.mark.parametrize("word", ids("word", [1, 2, 4]))
+def test_one_lane_fits_are_the_warps(word):
+    """The fit of one lane (sorts where a warp's lanes rank, the rounds in turn where each lane tries one) writes
+    the device table and the serialized table of the fit of 32 lanes (the GPU's code, here as fibers), byte for
+    byte, and the serialized table is the host's Table.from_counts -- of counts and of the weights a prior makes
+    (fpe.fit_weights), with more regular symbols than get codes and fewer."""
+    from buddy.codecs.fpe import Table, fit_weights
+
+    solo, warp = native.library("auto2", 4096, solo=True), native.library("auto2", 4096, solo=False)
+
+    def fit(lib, counts, weighted):
+        work = torch.empty(bcuda.FIT_WORK_BYTES, dtype=torch.uint8)
+        table = torch.zeros(bcuda.DEVICE_TABLE_BYTES, dtype=torch.uint8)
+        serial = torch.zeros(bcuda.FIT_SERIAL_BYTES, dtype=torch.uint8)
+        lib.launch("buddy_auto2_fit", 1, 0, (counts, work, table, serial, np.int32(weighted), np.int32(word)), 1)
+        return table, serial
+
+    gen = torch.Generator().manual_seed(word)
+    for trial in range(24):
+        counts = _fit_counts(word, trial % 6, gen)
+        host = Table.from_counts(counts, word).to_bytes()
+        for weighted in (0, 1):
+            given = fit_weights(counts, word) if weighted else counts
+            got, want = fit(solo, given.clone(), weighted), fit(warp, given.clone(), weighted)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (trial, weighted)
+            assert torch.equal(got[1][: host.numel()], host) and not got[1][host.numel() :].any(), (trial, weighted)
 
 
 def test_builds_are_cached_on_disk(monkeypatch, tmp_path):

@@ -74,14 +74,10 @@ void run(const BuddyEmuArg* args) {
   BUDDY_EMU_KERNEL(buddy_##NAME##_measure) BUDDY_EMU_KERNEL(buddy_##NAME##_pack) BUDDY_EMU_KERNEL(buddy_##NAME##_unpack)
 // the fit kernel of fpe, buddy_fpe_fit, overloads the device function of that name (codec_fpe_fit.h): by its type
 typedef void (*BuddyEmuFit)(const long long*, uint8_t*, uint8_t*, uint8_t*, int, int);
-#if BUDDY_WARP_SIZE == 32
 #define BUDDY_EMU_FIT(NAME)                                                                                \
   BUDDY_EMU_KERNEL(buddy_##NAME##_count)                                                                   \
   {"buddy_" #NAME "_fit", check<static_cast<BuddyEmuFit>(&buddy_##NAME##_fit)>,                           \
    run<static_cast<BuddyEmuFit>(&buddy_##NAME##_fit)>},
-#else  // a build of one lane a warp has no fit (buddy_kernels.cu)
-#define BUDDY_EMU_FIT(NAME) BUDDY_EMU_KERNEL(buddy_##NAME##_count)
-#endif
 
 // The kernels buddy_kernels.cu defines for the codec(s) of this build (its BUDDY_CODEC_* conditions).
 const BuddyEmuKernel buddy_emu_kernels[] = {
