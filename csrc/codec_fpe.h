@@ -119,6 +119,40 @@ struct BuddyFpeSpan {
   uint32_t marks;   // bit i: a code starts at start + i (i < 32: `window`)
 };
 
+#if defined(BUDDY_NATIVE_SOLO) && defined(__AVX2__)
+#include <immintrin.h>
+// The code bits of n words of WB bytes (2 or 4; n a multiple of 32 / WB) by their symbols' entries in the byte table
+// sb (the top b bits of a word, t = 8 WB - b below them; sb readable 3 bytes past its last symbol), and the count
+// of the non-zero words added to *nnz: measure_below_one_lane's sums, eight words a gather.
+template <int WB>
+inline uint32_t buddy_fpe_avx2_sizes(const uint8_t* p, uint32_t n, const uint8_t* sb, uint32_t t, uint32_t* nnz) {
+  const __m256i low = _mm256_set1_epi32(0xFF), zero = _mm256_setzero_si256();
+  const __m128i shift = _mm_cvtsi32_si128((int)t);
+  __m256i bits = zero;
+  uint32_t zeros = 0;
+  for (uint32_t i = 0; i < n; i += 32u / WB) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (size_t)WB * i));
+    if constexpr (WB == 4) {
+      const __m256i g = _mm256_i32gather_epi32(reinterpret_cast<const int*>(sb), _mm256_srl_epi32(x, shift), 1);
+      bits = _mm256_add_epi32(bits, _mm256_and_si256(g, low));
+      const __m256 none = _mm256_castsi256_ps(_mm256_cmpeq_epi32(x, zero));
+      zeros += (uint32_t)__builtin_popcount((uint32_t)_mm256_movemask_ps(none));
+    } else {
+      const __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(x));
+      const __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(x, 1));
+      const __m256i g0 = _mm256_i32gather_epi32(reinterpret_cast<const int*>(sb), _mm256_srl_epi32(lo, shift), 1);
+      const __m256i g1 = _mm256_i32gather_epi32(reinterpret_cast<const int*>(sb), _mm256_srl_epi32(hi, shift), 1);
+      bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_and_si256(g0, low), _mm256_and_si256(g1, low)));
+      zeros += (uint32_t)__builtin_popcount((uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi16(x, zero))) / 2u;
+    }
+  }
+  *nnz += n - zeros;
+  const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  return (uint32_t)_mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1)));
+}
+#endif
+
 template <int WB>
 struct BuddyFpe {
   static_assert(WB == 1 || WB == 2 || WB == 4 || WB == 8, "fpe words are 1, 2, 4 or 8 bytes");
@@ -204,7 +238,7 @@ struct BuddyFpe {
   struct SizeCache {
     bool made = false;
     uint16_t enc[BUDDY_FPE_SYMBOLS];
-    uint8_t bits[BUDDY_FPE_SYMBOLS];
+    uint8_t bits[BUDDY_FPE_SYMBOLS + 3u];  // (3 bytes after: a 4-byte gather at the last symbol's)
   };
   const uint8_t* size_bits = nullptr;  // null: measure_below_one_lane from enc
   BUDDY_HD void prepare_sizes() {
@@ -377,6 +411,14 @@ struct BuddyFpe {
         const uint32_t zero_fix = sp.zero ? (sp.zero >> 12) - sb[0] : 0u;  // (mod 2^32: may be "negative")
         uint32_t sum = 0, nnz = 0, bits = 0;
         for (uint32_t i0 = 0; i0 < words; i0 += chunk) {
+#if defined(__AVX2__)
+          if constexpr (WB == 4 || WB == 2) {
+            // eight words' code bits at a time by one gather (4 bytes at each symbol's byte, its low byte kept),
+            // the zero words by a compare: the same sums (auto2's measure, 4 Mi words, one thread: float32
+            // 6.3-6.4 -> 5.5-5.7 ms, bfloat16 6.8 -> 6.0)
+            sum += buddy_fpe_avx2_sizes<WB>(entry_bytes + (size_t)WB * i0, chunk, sb, t, &nnz);
+          } else
+#endif
           for (uint32_t i = i0; i < i0 + chunk; ++i) {
             const word_t x = buddy_load<word_t>(entry_bytes + (size_t)WB * i);
             sum += sb[(uint32_t)((uint64_t)x >> t)];
