@@ -244,8 +244,9 @@ _libraries: dict[tuple[str, int, bool], _Library] = {}
 def library(codec: str, entry_bytes: int, solo: bool = False) -> _Library:
     """The native build of ``codec``'s kernels at ``entry_bytes``: compiled on first use (cached on disk).
     ``solo``: the build of one lane a warp (:data:`SOLO_CODECS`).
-    A codec whose kernels come from both builds has the other one compiled beside it, in the background (a build
-    is one compiler process: the second core is otherwise idle)."""
+    A build the engine runs the codec's kernels from (:func:`_builds_of`: the one-lane build, since the fit has a
+    one-lane form), if it is not the one asked for, is compiled beside it, in the background (a build is one
+    compiler process: the second core is otherwise idle)."""
     if solo and codec not in SOLO_CODECS:
         raise ValueError(f"{codec}'s kernels tile 32 lanes a warp: it has no build of one lane a warp")
     key = (codec, entry_bytes, solo)
