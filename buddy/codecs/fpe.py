@@ -275,6 +275,8 @@ class Table:
         #: :meth:`slack` on the counts :meth:`from_counts` fitted it to (``None``: a table read from bytes)
         self.fit_slack: float | None = None
         self._serialized: np.ndarray | None = None  # to_bytes()'s bytes, made once
+        #: the kernels' layout of this table (buddy.engines.cuda.device_table's bytes, on the host), made once
+        self.laid_out: torch.Tensor | None = None
         s = n_symbols(word_bytes, table_format)
         self.zero, self.esc = s - 2, s - 1
         if self.esc not in lengths:

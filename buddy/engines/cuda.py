@@ -381,15 +381,19 @@ def device_table(table: Table) -> torch.Tensor:
     :meth:`Table.lookups`, then the table's :attr:`~Table.symbol_bits`, whether its
     payloads have the split layout (:attr:`~Table.split`; both from its format) and
     its :attr:`~Table.span_model` (``zero | head << 8``), little-endian. Pinned when CUDA
-    is present (its copy to the device is then asynchronous); kept for the last 64
-    tables -- a tracker's learned table comes back step after step -- and never
-    written again.
+    is present (its copy to the device is then asynchronous); kept with the table
+    (:attr:`Table.laid_out`: a tensor's table is laid out once, however many
+    tables a step decompresses) and for the last 64 tables seen (an equal table read
+    back from bytes), and never written again.
     """
+    if table.laid_out is not None:
+        return table.laid_out
     key = table.key
     with _lock:
         found = _HOST_TABLES.pop(key, None)
         if found is not None:
             _HOST_TABLES[key] = found  # the newest again
+            table.laid_out = found
             return found
     enc_len, enc_code, dec_sym, dec_len = (t.numpy() for t in table.lookups("cpu"))
     enc = np.zeros(n_symbols(8), dtype="<u2")  # the layout has room for the widest words' symbols
@@ -408,6 +412,7 @@ def remember_device_table(table: Table, laid_out: torch.Tensor) -> torch.Tensor:
     returns what is kept. Nothing may write ``laid_out`` after."""
     if torch.cuda.is_available():
         laid_out = laid_out.pin_memory()
+    table.laid_out = laid_out
     with _lock:
         _HOST_TABLES[table.key] = laid_out
         while len(_HOST_TABLES) > _HOST_TABLES_KEPT:
@@ -774,8 +779,8 @@ class CudaEngine(Engine):
         fitted = Table.from_bytes(raw[: 4 + 3 * n].clone(), word)
         if prior is not None:
             fitted.fit_slack = fitted.slack(prior)  # as Table.from_counts sets it: the next step may keep the table
-            if device.type == "cpu":
-                remember_device_table(fitted, table)  # the next step's engine need not lay it out again
+        if device.type == "cpu":
+            remember_device_table(fitted, table)  # its decompress, and the next step's engine, need not lay it out
         self.codec = codec.with_table(fitted, counts)
         return self.codec, Measurement(meta, tuple(host[: layout.bins].tolist()), reuse=entries)
 
