@@ -32,7 +32,6 @@ the reference runs; ``BUDDY_NATIVE=0`` turns the engine off.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import functools
 import hashlib
@@ -243,10 +242,7 @@ _libraries: dict[tuple[str, int, bool], _Library] = {}
 
 def library(codec: str, entry_bytes: int, solo: bool = False) -> _Library:
     """The native build of ``codec``'s kernels at ``entry_bytes``: compiled on first use (cached on disk).
-    ``solo``: the build of one lane a warp (:data:`SOLO_CODECS`).
-    A build the engine runs the codec's kernels from (:func:`_builds_of`: the one-lane build, since the fit has a
-    one-lane form), if it is not the one asked for, is compiled beside it, in the background (a build is one
-    compiler process: the second core is otherwise idle)."""
+    ``solo``: the build of one lane a warp (:data:`SOLO_CODECS`), the one the engine runs them from."""
     if solo and codec not in SOLO_CODECS:
         raise ValueError(f"{codec}'s kernels tile 32 lanes a warp: it has no build of one lane a warp")
     key = (codec, entry_bytes, solo)
@@ -256,28 +252,12 @@ def library(codec: str, entry_bytes: int, solo: bool = False) -> _Library:
     with _lock:
         found = _libraries.get(key)
         if found is None:
-            for other in _builds_of(codec):
-                if other != solo and (codec, entry_bytes, other) not in _libraries:
-                    _build(codec, entry_bytes, other, wait=False)
             found = _libraries[key] = _Library(_build(codec, entry_bytes, solo))
     return found
 
 
-def _builds_of(codec: str) -> set[bool]:
-    """The builds (``solo`` or not) ``codec``'s kernels run from (:func:`launch`): those of its format operations,
-    and of a table codec's count and fit."""
-    ops = ("measure", "pack", "unpack") + (("count", "fit") if codec in cuda.TABLED_KERNELS else ())
-    return {_one_lane(codec, op) for op in ops}
-
-
-#: compiler processes started by :func:`_build` with ``wait=False``: the library's path -> (process, its temporary
-#: file, its command line, the process that started it)
-_started: dict[Path, tuple[subprocess.Popen, Path, list[str], int]] = {}
-
-
-def _build(codec: str, entry_bytes: int, solo: bool = False, wait: bool = True) -> Path:
-    """The library's path, compiled unless cached; ``wait=False`` starts the compiler and returns at once (a later
-    call with ``wait=True`` finishes it)."""
+def _build(codec: str, entry_bytes: int, solo: bool = False) -> Path:
+    """The library's path, compiled unless cached."""
     compiler = _compiler()
     if isinstance(compiler, str):
         raise RuntimeError(f"the native engine cannot be built: {compiler}")
@@ -292,44 +272,16 @@ def _build(codec: str, entry_bytes: int, solo: bool = False, wait: bool = True) 
         h.update(repr(part).encode())
     kind = "-solo" if solo else ""
     out = _cache_dir() / f"buddy-native-{codec}{kind}-E{entry_bytes}-{h.hexdigest()[:20]}.so"
-    started = _started.pop(out, None)
-    if started is not None and started[3] != os.getpid():
-        started = None  # a forked child: its parent's compiler is not its own to wait for
     if out.exists():
-        if started is not None:
-            _started[out] = started  # (someone else's build finished first: this one is left to finish)
         return out
-    if started is None:
-        tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        cmd = [cxx, *options, *flags, f"-I{csrc}", f"-I{csrc / 'host'}", str(csrc / "host" / "native.cpp"), "-o",
-               str(tmp)]  # fmt: skip
-        started = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), tmp, cmd,
-                   os.getpid())  # fmt: skip
-    if not wait:
-        _started[out] = started
-        return out
-    process, tmp, cmd, _ = started
-    _, stderr = process.communicate()
-    if process.returncode:
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    cmd = [cxx, *options, *flags, f"-I{csrc}", f"-I{csrc / 'host'}", str(csrc / "host" / "native.cpp"), "-o", str(tmp)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"the native engine's build failed ({' '.join(cmd)}):\n{stderr[-4000:]}")
+        raise RuntimeError(f"the native engine's build failed ({' '.join(cmd)}):\n{result.stderr[-4000:]}")
     os.replace(tmp, out)  # atomic: concurrent builds of one key write the same file
     return out
-
-
-@atexit.register
-def _stop_started() -> None:
-    """Compilers still running at exit are stopped and their temporary files removed (finished ones are kept)."""
-    for out, (process, tmp, _, owner) in list(_started.items()):
-        if owner != os.getpid():
-            continue
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        if process.returncode == 0 and tmp.exists() and not out.exists():
-            os.replace(tmp, out)
-        tmp.unlink(missing_ok=True)
-    _started.clear()
 
 
 def _grid(op: str, n: int, threads: int) -> int:
@@ -365,7 +317,7 @@ def kernel_seconds() -> dict[str, float]:
 def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple) -> None:
     """:class:`~buddy.engines.cuda.Kernels`' ``launch=``: kernel ``buddy_<codec>_<op>`` natively on the host."""
     del device  # CPU tensors: Kernels checked them
-    lib = library(codec, entry_bytes, solo=_one_lane(codec, op))
+    lib = library(codec, entry_bytes, solo=codec in SOLO_CODECS)
     threads = _threads()
     grid = _grid(op, n_entries, threads)
     _, block, shared = cuda.launch_config(op, entry_bytes, n_entries, codec)
@@ -375,13 +327,6 @@ def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: 
     took = time.perf_counter() - start
     with _seconds_lock:
         _seconds[op] = _seconds.get(op, 0.0) + took
-
-
-def _one_lane(codec: str, op: str) -> bool:
-    """Whether ``codec``'s kernel ``op`` runs from its build of one lane a warp (else from its build of 32 lanes):
-    every kernel of :data:`SOLO_CODECS`, the fit too (one lane sorts where 32 rank: 78 against 229 us a fit)."""
-    del op  # (every op alike, now that the fit has a one-lane form)
-    return codec in SOLO_CODECS
 
 
 class NativeEngine(cuda.CudaEngine):
