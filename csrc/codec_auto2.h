@@ -23,6 +23,7 @@ struct BuddyAuto2 {
   typedef BuddyAuto<WB> Auto;
   typedef BuddyFpe<WB> Fpe;
   static constexpr bool TABLED = true;
+  static constexpr uint32_t TABLE_BYTES = Fpe::TABLE_BYTES;
   static constexpr bool STAGED_DECODE = true;  // lanes write words at scattered places: decode into shared memory
   static constexpr uint32_t DECODE_PAD = Fpe::DECODE_PAD;  // (fpe's decoder reads past its payload)
   static constexpr uint32_t ZERO_MODE = Auto::ZERO_MODE;

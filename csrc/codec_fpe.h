@@ -101,6 +101,7 @@ struct BuddyFpeTable {
   uint32_t span_model;
 };
 static_assert(sizeof(BuddyFpeTable) == 8u * BUDDY_FPE_ROWS + 2u * BUDDY_FPE_SYMBOLS + 12u, "no padding");
+static_assert(sizeof(BuddyFpeTable) % 16u == 0u, "copied to shared memory 8 bytes at a time, staging after it");
 
 // b of the tables a fit makes (table format 3): a word's top 12 bits, all of a 1-byte word's
 template <int WB>
@@ -158,6 +159,7 @@ struct BuddyFpe {
   static_assert(WB == 1 || WB == 2 || WB == 4 || WB == 8, "fpe words are 1, 2, 4 or 8 bytes");
   typedef typename buddy_uint<WB>::type word_t;
   static constexpr bool TABLED = true;
+  static constexpr uint32_t TABLE_BYTES = sizeof(BuddyFpeTable);  // the device table's (a multiple of 8)
   static constexpr bool STAGED_DECODE = true;  // lanes write words at scattered places: decode into shared memory
   static constexpr uint32_t DECODE_PAD = 8;    // zeros after the payload: the walks' 32-bit reads need no bounds
   static constexpr uint32_t ZERO_MODE = 0;

@@ -242,6 +242,7 @@ def run(
     baselines: Sequence[Baseline] = (),
     pcie: bool = True,
     zero_copy: bool = False,
+    global_table: bool = False,
     max_blocks: Sequence[int] = (),
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -249,7 +250,9 @@ def run(
 
     ``zero_copy``: each codec's kernels once more with ``BUDDY_ZERO_COPY=1`` (method ``.../cuda+zero-copy``:
     unpack reads the overflow in pinned host memory instead of copying it to the device first; compress is the
-    same code either way). ``max_blocks``: each codec's kernels once more for each ``n`` with at most ``n`` blocks
+    same code either way). ``global_table``: each table codec's kernels once more with
+    ``BUDDY_UNPACK_SHARED_TABLE=0`` (method ``.../cuda+global-table``: unpack reads the table in global memory
+    through L1, as before the table was copied into each block's shared memory). ``max_blocks``: each codec's kernels once more for each ``n`` with at most ``n`` blocks
     a launch (method ``.../cuda+blocks<=n``), the warps looping over the entries: whether a grid of about one wave
     keeps more warps resident than a warp per entry, whose blocks hold their shared memory until their slowest
     warp is done. ``baselines``: nvcomp's (:func:`nvcomp_or_exit`). A baseline that fails
@@ -278,6 +281,12 @@ def run(
                 rows.append({**row, "method": f"{row['method']}+zero-copy", "zero_copy": True})
                 log(_line(rows[-1]))
                 in_place.free()
+            if global_table and "cuda" in backends and codec in buddy.engines.cuda.TABLED_KERNELS:
+                with _environment(buddy.engines.cuda.SHARED_TABLE_ENV, "0"):
+                    row, other = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
+                rows.append({**row, "method": f"{row['method']}+global-table", "global_table": True})
+                log(_line(rows[-1]))
+                other.free()
             for n in max_blocks if "cuda" in backends else ():
                 with _max_blocks(n):
                     row, capped = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
@@ -366,6 +375,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-nvcomp", action="store_true", help="measure without nvcomp (by default it is required)")
     p.add_argument("--zero-copy", action="store_true",
                    help="each codec once more with BUDDY_ZERO_COPY=1 (unpack reads the overflow in pinned host memory)")
+    p.add_argument("--global-table", action="store_true",
+                   help="each table codec once more with BUDDY_UNPACK_SHARED_TABLE=0 (unpack reads its table in "
+                        "global memory, not a copy in each block's shared memory)")  # fmt: skip
     p.add_argument("--max-blocks", type=int, nargs="+", default=[], metavar="N",
                    help="each codec once more with at most N blocks a kernel launch (the warps loop over the entries)")
     p.add_argument("--out", type=Path, default=Path("results/bench_cuda"))
@@ -396,6 +408,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         warmup=args.warmup,
         baselines=baselines,
         zero_copy=args.zero_copy,
+        global_table=args.global_table,
         max_blocks=tuple(args.max_blocks),
     )
     print()

@@ -22,9 +22,9 @@ times):
   the GPU under a real per-process memory cap;
 * ``ncu`` (optional): Nsight Compute over the default codec's kernels, the
   metrics of :data:`NCU_METRICS`;
-* ``essentials``: check, bench (fewer repeats), step time (fewer methods, one
-  compressed step profiled), ncu and the default's kernels on a grid of one
-  and two waves in one phase; and ``lease``, for a lease
+* ``essentials``: check, bench (fewer repeats; the table codecs' unpack
+  also with the table in global memory), step time (fewer methods, one
+  compressed step profiled), ncu and unpack reading the overflow in place in one phase; and ``lease``, for a lease
   of 15 minutes: :data:`LEASE`'s phases in one call, each step's limit cut to
   what is left before the call's deadline.
 
@@ -186,8 +186,9 @@ def _ncu(timeout_s: int) -> Python:
     metrics = os.environ.get("BUDDY_NCU_METRICS") or ",".join(NCU_METRICS)
     wrapper = ("{ncu}", "--metrics", metrics, "--kernel-name", "regex:^buddy_", "--clock-control", "none",
                "--target-processes", "all", "--csv", "--log-file", "{out}/ncu.csv")  # fmt: skip
+    # (--global-table: unpack once more reading its table in global memory, beside the copy in shared memory)
     args = ("--mib", "64", "--codecs", _default_codec(), "--repeats", "1", "--warmup", "0", "--no-nvcomp",
-            "--out", "{work}/ncu")  # fmt: skip
+            "--global-table", "--out", "{work}/ncu")  # fmt: skip
     return Python("ncu", "experiments.bench_cuda", args, timeout_s, "{work}/ncu/results.json", wrapper=wrapper)
 
 
@@ -211,9 +212,9 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
     if phase == "essentials":
         # What a first look at a GPU needs most, in one phase: the golden check, every codec's speed against
         # nvcomp and memcpy (fewer repeats), step time (fewer methods) with one compressed step profiled,
-        # Nsight Compute over the default's kernels (64 MiB), and unpack reading the overflow in place. The lease
-        # runs it first (LEASE).
-        bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1")
+        # Nsight Compute over the default's kernels (64 MiB), and unpack reading the overflow in place; the table
+        # codecs' unpack also with the table in global memory (--global-table). The lease runs it first (LEASE).
+        bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1", "--global-table")
         step_args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--steps", "4",
                      "--warmup", "2", "--methods", "none", "buddy", "save_on_cpu", "checkpoint", "--profile",
                      "--out", "{work}/step_time")  # fmt: skip
@@ -226,12 +227,6 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
             Python("step_time", "experiments.step_time", step_args, 120, "{work}/step_time/results.json",
                    (("--backend", "reference"),)),  # fmt: skip
             _ncu(timeout_s=60),
-            # the default's kernels with a grid of about one and two waves of unpack's blocks (132 SMs x 6), the
-            # warps looping over the entries, beside a warp per entry: the H200 run kept 16-21 of unpack's 24 warps
-            # an SM resident, its blocks holding their shared memory until their slowest warp was done
-            Python("bench_grid", "experiments.bench_cuda", ("--codecs", _default_codec(), "--no-nvcomp",
-                   "--max-blocks", "792", "1584", "--repeats", "5", "--warmup", "1", "--out", "{work}/bench_grid"),
-                   30, "{work}/bench_grid/results.json"),  # fmt: skip
             # unpack reading the overflow in pinned host memory (BUDDY_ZERO_COPY=1) beside the copy first: last,
             # in its own process, since an unmapped overflow would end the process with an illegal access
             Python("bench_zero_copy", "experiments.bench_cuda", ("--codecs", _default_codec(), "zvc", "--no-nvcomp",

@@ -150,12 +150,17 @@ def build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[s
     return _BUILT[key]
 
 
+def _shared_table(codec: str, entry_bytes: int) -> bool:
+    """Whether the loader builds ``codec``'s unpack with its table in shared memory on an H100."""
+    return codec in bcuda.TABLED_KERNELS and bcuda.shared_table_layout(entry_bytes, bcuda.HOPPER) is not None
+
+
 def _build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[str, Kernel], list[str]]:
     unit = folder / "kernels.cu"
     text = bcuda.translation_unit()
     unit.write_text(text)
     cubin = folder / f"{codec}_{word}.cubin"
-    cmd = [_tool("nvcc"), "-arch=sm_90", "-lineinfo", "-Xptxas", "-v", *bcuda.compile_options(entry_bytes, codec, word),
+    cmd = [_tool("nvcc"), "-arch=sm_90", "-lineinfo", "-Xptxas", "-v", *bcuda.compile_options(entry_bytes, codec, word, _shared_table(codec, entry_bytes)),
            "-cubin", str(unit), "-o", str(cubin)]  # fmt: skip
     log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
     kernels: dict[str, Kernel] = {}
@@ -538,8 +543,8 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
             blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1 << 20, codec)
         elif op == "fit":
             blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1, codec)
-        else:
-            blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1 << 20, codec)
+        else:  # on an H100 (a table codec's unpack with its table in shared memory)
+            blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1 << 20, codec, bcuda.HOPPER)
         trips = {"grid": 1.0, "one": 1.0, "rounds16": units, "serial_words": 0.0, "fill8": 0.0, "none": 0.0,
                  "units": units, "gather": math.ceil(2 * k / 32), "payload": math.ceil(2 * k / 32),
                  "unit_words": units * 16 // word, "bpc_chunks": sim["bpc_chunks"], "fpx_words": units,
@@ -719,18 +724,27 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
 
 
 SHORT = """By the instructions counted alone every kernel but count would be issue-bound (`issue GB/s`: memory
-would allow 1.9-3.3 TB/s of input), but the first GPU run (an H200, "Measured on a GPU" below) found every kernel
-waiting on latency: a warp took 9-18 cycles an instruction (`cycles/instr`; count 22-36) with 4 to 9 warps a
-scheduler (count 15) -- its warps wait on dependent loads and ALU chains --, so the estimate takes that run's
-cycles per instruction as a bound of its own (`latency GB/s`), and it binds every kernel but float32's count. The
-instructions counted here were 1.0-1.7 times those run (an upper bound, as meant); unpack ran at 277 / 116 GB/s
-with 16-21 warps an SM where 24 fit; measure and pack came within 3-21 % of what was estimated for their code then;
-count ran 5-7 times the instructions counted now (a block per 4 KiB zeroed and added a 16 KiB histogram: now at
-most 1,024 blocks, not yet measured on a GPU, so its cycles per instruction above are the old code's); the fit took
-0.34-0.38 ms, not the 0.9 ms estimated. So the lever is latency: more warps in flight (unpack's 32 KiB of shared
-memory a block of 4 warps allows 24 an SM, its 64 registers 32), more independent work a warp (two entries a warp,
-their steps interleaved), shorter dependent chains; fewer instructions pay in proportion only while the cycles an
-instruction takes hold. The parts table above says where the instructions go. Unpack: every code is
+would allow 1.9-3.3 TB/s of input), but both GPU runs (an H200; "Measured on a GPU" below is the second, of the
+tree at 3421a93, whose kernels are these but for unpack's table) found every kernel waiting on latency: a warp took
+9-21 cycles an instruction (`cycles/instr`; count 69-92) with 4 to 7 warps a scheduler, so the estimate takes that
+run's cycles per instruction as a bound of its own (`latency GB/s`), and it binds every kernel. The instructions
+counted here were 0.7-1.2 times those run (bfloat16's unpack and count ran more than counted: 8,894 and 1,701 an
+entry); the fit took 0.34-0.38 ms, not the 0.9 ms estimated. The second run also read where a warp's cycles go:
+**unpack's warps waited on L1TEX for 8.5 of their 14.2 cycles an instruction (float32) and 14.8 of 21.2
+(bfloat16), with 47-51 % of L1 hits** -- the table's rows, read a code at a time at random, did not stay in the L1
+left beside 24 warps' 192 KiB of staging --; count's waited on shared memory for 35-49 of 69-92 cycles (its
+warp match and atomic adds, most of them on a few bins); measure's and pack's on neither much (2-3 cycles). So
+unpack now copies the table (40 KiB) into each block's shared memory before the warps' staging: on an H100 one
+block of 23 warps an SM, as many blocks as stay resident, their warps striding over the entries
+(`buddy.engines.cuda.launch_config`, `shared_table_layout`; `BUDDY_UNPACK_SHARED_TABLE=0` keeps the table in
+global memory, and the runbook's bench and ncu steps time both). Its instructions change little (4,824 -> 4,659 an
+entry for float32, 7,437 -> 7,209 for bfloat16: shared addresses are 32-bit); what it removes is waiting, which
+only a GPU measures: the unpack estimate above still takes the cycles an instruction took with the table in global
+memory. Were every L1TEX wait of that run gone, a warp's instruction would take 5.7 / 6.4 cycles, the latency
+bound of unpack 2.5 / 3.3 times what it is above (a ceiling: the gather of each payload from global memory still
+waits, and a shared-memory read waits too). More warps in flight, more independent work a warp (two entries a
+warp, their steps interleaved) and shorter dependent chains are the other latency levers; fewer instructions pay
+in proportion only while the cycles an instruction takes hold. The parts table above says where the instructions go. Unpack: every code is
 stepped over twice (the find walk, then the emit walk that writes it) after a warm-up, each step a 32-bit read
 of the payload, one or two table lookups and the bookkeeping of the lanes' spans. Measure: auto2 sizes every
 entry with all four members; bpc's bit-plane transpose was about half of it (measured on the H200) until bpc
@@ -769,9 +783,11 @@ warm-up (64, 32 bits or none), whose resynchronizing costs more than it saves: f
 bfloat16, 49.2 / 80.5 now, 53.0-55.2 / 98.3-109.0 with the 32-bit record of starts, 49.1-51.3 / 79.1-103.6 with
 a 64-bit record (two registers more; 49.1 / 79.1 with the 128-bit warm-up), 45.1 / 81.6 with a 128-bit record and
 no warm-up (four more).
-Next: a run of this code on a GPU (the runbook's `ncu` phase) to measure its cycles per instruction; then the
-latency levers above -- unpack's shared memory (4 KiB of payload and 4 KiB of output a warp) is what holds it at 24
-warps an SM; two entries a warp with their walks interleaved; one walk instead of two (the find walk keeping each
+Next: a run of this code on a GPU (the runbook's essentials: bench and ncu with the table in shared and in
+global memory) to measure unpack's cycles per instruction with its table in shared memory; count's waits on
+shared memory (zero words counted by a ballot, not matched and added; a privatized histogram a warp); then the
+latency levers above -- unpack's shared memory (the table, then 4 KiB of payload and 4 KiB of output a warp) is what
+holds it at 23 warps an SM; two entries a warp with their walks interleaved; one walk instead of two (the find walk keeping each
 code's symbol in shared memory: by the lane simulation a lane finds 34 codes on average for 32 float32 words and 72
 for 64 bfloat16 words); pack's fields (a word's code from the table and its selects: about 37 instructions a
 bfloat16 word); a fit of more warps."""
@@ -811,7 +827,8 @@ def ncu_measured(folder: Path) -> dict:
     record = next(r for r in (json.loads(p.read_text()) for p in (folder / "ncu.json", folder / "essentials.json")
                               if p.exists()) if any(s["name"] == "ncu" for s in r["steps"]))  # fmt: skip
     bench = next(s for s in record["steps"] if s["name"] == "ncu")["result"]
-    tensors = [r for r in bench["rows"] if r["method"].startswith("buddy:")]
+    # each tensor once (the bench may time a codec more ways than one on it: --global-table)
+    tensors = list({r["tensor"]: r for r in bench["rows"] if r["method"].startswith("buddy:")}.values())
     lines = [ln for ln in (folder / "ncu.csv").read_text().splitlines() if not ln.startswith("==")]
     launches: dict[str, dict[str, dict[str, float]]] = {}
     order: dict[str, list[str]] = {}
@@ -821,6 +838,15 @@ def ncu_measured(folder: Path) -> dict:
             launches[name][launch] = {"block": _number(row["Block Size"].strip("()").split(",")[0])}
             order.setdefault(name, []).append(launch)
         launches[name][launch][row["Metric Name"]] = _number(row["Metric Value"])
+    # a kernel launched with blocks of more sizes than one (the bench's --global-table: the table codecs' unpack
+    # also with its table in global memory, 4-warp blocks): each size its own kernel, the largest under its name
+    for name in list(order):
+        sizes = sorted({launches[name][x]["block"] for x in order[name]})
+        for size in sizes[:-1]:
+            variant = f"{name} ({size:.0f} threads)"
+            launches[variant] = {x: launches[name][x] for x in order[name] if launches[name][x]["block"] == size}
+            order[variant] = [x for x in order[name] if x in launches[variant]]
+            order[name] = [x for x in order[name] if x not in launches[variant]]
     out: dict = {}
     for name, ids in order.items():
         if len(ids) % len(tensors):

@@ -18,7 +18,7 @@ between synchronisation points, blocks one after another. Two builds:
 
 :class:`Emulator` is a ``launch=`` for :class:`buddy.engines.cuda.Kernels` and
 :class:`buddy.engines.cuda.CudaEngine`: it launches a kernel with the grid, block and
-shared memory of :func:`buddy.engines.cuda.launch_config` (optionally fewer blocks,
+shared memory of :func:`buddy.engines.cuda.launch_config` on an H100 (optionally fewer blocks,
 so the warps' grid-stride loops loop), on exactly-sized copies of the
 arguments, several schedules each, and copies the results back. Any report
 raises :class:`EmulatorError` with the emulator's text.
@@ -175,13 +175,15 @@ def _runtime(kind: str) -> Path:
 def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all", word_bytes: int | None = None) -> Path:
     """The emulator binary of ``kind`` (``"tsan"``/``"asan"``) for the kernels of ``csrc`` at this entry size.
 
-    Compiled with ``buddy.engines.cuda.compile_options(entry_bytes, codec, word_bytes)``: with a
-    word size, the module of that word size alone, as the loader compiles it;
-    cached by the hash of every source, the options and the compiler.
+    Compiled with ``buddy.engines.cuda.compile_options(entry_bytes, codec, word_bytes, shared_table)``: with a
+    word size, the module of that word size alone, as the loader compiles it; a table codec's unpack with its
+    table in shared memory where an H100's would hold it (:data:`buddy.engines.cuda.HOPPER`: every entry size),
+    as :class:`Emulator` launches it; cached by the hash of every source, the options and the compiler.
     """
     if kind not in BUILDS:
         raise ValueError(f"kind must be one of {BUILDS}, got {kind!r}")
-    options = list(bcuda.compile_options(entry_bytes, codec, word_bytes))
+    shared_table = bcuda.shared_table_layout(entry_bytes, bcuda.HOPPER) is not None
+    options = list(bcuda.compile_options(entry_bytes, codec, word_bytes, shared_table))
     kernels = ["g++", *options, *_FLAGS, *_SANITIZE[kind], f"-I{csrc}", f"-I{SOURCES}", f"-I{HOST}", "-c"]
     # the sources' text, not their folder: a copy elsewhere (a mutation test's, another session's) is the same build
     trees = (_tree(Path(csrc)), _tree(SOURCES), _tree(HOST))
@@ -297,7 +299,7 @@ class Emulator:
         shutil.rmtree(self._folder, ignore_errors=True)
 
     def __call__(self, codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple) -> None:
-        blocks, threads, shared = bcuda.launch_config(op, entry_bytes, n_entries, codec)
+        blocks, threads, shared = bcuda.launch_config(op, entry_bytes, n_entries, codec, bcuda.HOPPER)
         if self.max_blocks is not None:
             blocks = min(blocks, self.max_blocks)
         self.run(f"buddy_{codec}_{op}", entry_bytes, (blocks, threads, shared), args)

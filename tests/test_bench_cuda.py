@@ -142,3 +142,32 @@ def test_max_blocks_times_the_cuda_kernels_again_on_a_capped_grid(gen, monkeypat
     methods = [r["method"] for r in result["rows"]]
     assert methods == ["memcpy", "buddy:auto2/cuda", "buddy:auto2/cuda+blocks<=792", "buddy:auto2/cuda+blocks<=1584"]
     assert [r.get("max_blocks") for r in result["rows"]] == [None, None, 792, 1584]
+
+
+def test_global_table_times_the_table_codecs_again_with_the_table_in_global_memory(gen, monkeypatch):
+    """--global-table: each table codec's CUDA kernels once more with BUDDY_UNPACK_SHARED_TABLE=0 set while they
+    run (and restored after), the rows named so; the other codecs once."""
+    seen = []
+    env = bench_cuda.buddy.engines.cuda.SHARED_TABLE_ENV
+
+    class Freed:
+        buddy_bytes = 0
+
+        def free(self):
+            pass
+
+    def fake(name, x, codec, backend, store, repeats, warmup):
+        seen.append((codec, os.environ.get(env)))
+        return {"method": f"buddy:{codec}/{backend}", "tensor": name, "dtype": "float32", "compress_gbps": 1.0,
+                "decompress_gbps": 1.0, "ratio": 1.0}, Freed()  # fmt: skip
+
+    monkeypatch.setattr(bench_cuda, "bench_buddy", fake)
+    monkeypatch.setattr(bench_cuda, "check_backends_agree", lambda *a: None)
+    monkeypatch.delenv(env, raising=False)
+    t = {"relu.f32": make_data("relu", 1_001, torch.float32, gen)}
+    result = bench_cuda.run(t, codecs=("zvc", "auto2"), backends=("cuda",), repeats=1, warmup=0, pcie=False,
+                            global_table=True, log=lambda line: None)  # fmt: skip
+    assert seen == [("zvc", None), ("auto2", None), ("auto2", "0")]
+    assert [r["method"] for r in result["rows"]][1:] == ["buddy:zvc/cuda", "buddy:auto2/cuda",
+                                                         "buddy:auto2/cuda+global-table"]  # fmt: skip
+    assert env not in os.environ

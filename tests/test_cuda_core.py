@@ -90,20 +90,91 @@ def test_launch_configuration():
     assert bcuda.launch_config("measure", 32, 10**12)[0] == bcuda.MAX_BLOCKS  # warps stride over the rest
 
 
+def test_launch_configuration_with_the_table_in_shared_memory():
+    """Given a device's shared memory, a table codec's unpack gives each block the table before its warps'
+    staging: the most warps an SM, as many blocks as stay resident (their warps stride over the rest)."""
+    table = bcuda.DEVICE_TABLE_BYTES
+    assert table % 16 == 0
+    # an H100: one block of 23 warps an SM at 4 KiB (24 would need 232 KiB); 132 blocks however many entries
+    assert bcuda.shared_table_layout(4096, bcuda.HOPPER) == (23, 1)
+    assert bcuda.launch_config("unpack", 4096, 10**6, "auto2", bcuda.HOPPER) == (132, 736, table + 23 * 2 * 4096)
+    assert bcuda.launch_config("unpack", 4096, 50, "fpe", bcuda.HOPPER) == (3, 736, table + 23 * 2 * 4096)
+    assert bcuda.launch_config("unpack", 512, 10**6, "fpe", bcuda.HOPPER)[1] == 8 * 32  # small entries: 8 warps
+    for e in (32, 1024, 8192, 65536):  # every entry size fits an H100, within its limits
+        warps, per_sm = bcuda.shared_table_layout(e, bcuda.HOPPER)
+        block = table + warps * 2 * e
+        assert block <= bcuda.HOPPER.per_block and per_sm * (block + 1024) <= bcuda.HOPPER.per_sm, e
+        assert warps <= (24 if e >= 4096 else 8) and warps * per_sm <= 64
+    # the other codecs and ops, and no device given: as before
+    assert bcuda.launch_config("unpack", 4096, 1000, "zvc", bcuda.HOPPER) == bcuda.launch_config("unpack", 4096, 1000)
+    assert bcuda.launch_config("pack", 4096, 1000, "fpe", bcuda.HOPPER) == bcuda.launch_config("pack", 4096, 1000)
+    # a device whose block cannot hold the table and one warp's 128 KiB: the table stays in global memory
+    small = bcuda.SharedMemory(sms=108, per_block=163 << 10, per_sm=164 << 10)
+    assert bcuda.shared_table_layout(65536, small) is None
+    assert bcuda.launch_config("unpack", 65536, 3, "fpe", small) == bcuda.launch_config("unpack", 65536, 3, "fpe")
+    assert bcuda.compile_options(4096, "fpe", 4, shared_table=True)[-1] == "-DBUDDY_UNPACK_SHARED_TABLE=1"
+    assert not any("SHARED_TABLE" in o for o in bcuda.compile_options(4096, "fpe", 4))
+
+
+@pytest.mark.parametrize(("env", "shared", "entry_bytes"), [
+    pytest.param(None, bcuda.HOPPER, 4096, id="H100"),
+    pytest.param("0", bcuda.HOPPER, 4096, id="H100-BUDDY_UNPACK_SHARED_TABLE=0"),
+    pytest.param(None, bcuda.SharedMemory(108, 163 << 10, 164 << 10), 65536, id="A100-E=65536"),
+])  # fmt: skip
+def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, env, shared, entry_bytes):
+    """The loader's launch (buddy.engines.cuda._launch, CuPy faked): a table codec's kernels come from the module
+    whose unpack copies its table into shared memory, launched with that configuration, where the device holds it
+    and ``BUDDY_UNPACK_SHARED_TABLE`` is not 0; the other codecs' as before."""
+    import contextlib
+    import types
+
+    launched = []
+
+    def kernel(codec, op, e, device, shared_bytes, word, shared_table=False):
+        def launch(grid, block, args, stream, shared_mem):
+            launched.append((op, shared_table, grid[0], block[0], shared_mem))
+            assert shared_mem == shared_bytes
+
+        return launch
+
+    if env is None:
+        monkeypatch.delenv(bcuda.SHARED_TABLE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(bcuda.SHARED_TABLE_ENV, env)
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext()))
+    monkeypatch.setattr(bcuda, "_cupy", lambda: fake)
+    monkeypatch.setattr(bcuda, "_cupy_stream", lambda cupy, device: None)
+    monkeypatch.setattr(bcuda, "_device_shared_memory", lambda index: shared)
+    monkeypatch.setattr(bcuda, "_kernel", kernel)
+    device, word = torch.device("cuda", 0), np.int32(4)
+    for op in ("pack", "unpack"):
+        bcuda._launch("auto2", op, entry_bytes, device, 1000, (word,))
+    bcuda._launch("zvc", "unpack", entry_bytes, device, 1000, (word,))
+    in_shared = env is None and bcuda.shared_table_layout(entry_bytes, shared) is not None
+    # (one module for all of a codec's kernels: the define changes its unpack alone)
+    assert [a[:2] for a in launched] == [("pack", in_shared), ("unpack", in_shared), ("unpack", False)]
+    assert launched[0][2:] == bcuda.launch_config("pack", entry_bytes, 1000, "auto2")
+    want = bcuda.launch_config("unpack", entry_bytes, 1000, "auto2", shared if in_shared else None)
+    assert launched[1][2:] == want
+    assert in_shared == (env is None and entry_bytes == 4096)
+
+
 @needs_nvcc
 @pytest.mark.parametrize(
-    ("entry_bytes", "codec", "arch", "word"),
+    ("entry_bytes", "codec", "arch", "word", "table"),
     [
-        pytest.param(512, "all", "sm_80", 4, id="E=512-every-codec-sm_80-w=4"),
-        pytest.param(512, "all", "sm_90", 2, id="E=512-every-codec-sm_90-w=2"),
-        pytest.param(32, "auto", "sm_90", 1, id="E=32-auto-sm_90-w=1"),
-        pytest.param(65536, "auto2", "sm_90", 8, id="E=65536-auto2-sm_90-w=8"),
-        pytest.param(4096, "zvc", "sm_80", None, id="E=4096-zvc-sm_80-every-word"),
+        pytest.param(512, "all", "sm_80", 4, False, id="E=512-every-codec-sm_80-w=4"),
+        pytest.param(512, "all", "sm_90", 2, True, id="E=512-every-codec-sm_90-w=2-table-in-shared"),
+        pytest.param(32, "auto", "sm_90", 1, False, id="E=32-auto-sm_90-w=1"),
+        pytest.param(65536, "auto2", "sm_90", 8, False, id="E=65536-auto2-sm_90-w=8"),
+        pytest.param(4096, "auto2", "sm_90", 8, True, id="E=4096-auto2-sm_90-w=8-table-in-shared"),
+        pytest.param(4096, "zvc", "sm_80", None, False, id="E=4096-zvc-sm_80-every-word"),
     ],
 )
-def test_translation_unit_compiles_without_warnings(tmp_path, entry_bytes, codec, arch, word):
+def test_translation_unit_compiles_without_warnings(tmp_path, entry_bytes, codec, arch, word, table):
     """The exact text given to NVRTC, through nvcc with warnings as errors, no spills to local memory (the
-    loader builds a module per word size; one of all four compiles too)."""
+    loader builds a module per word size; one of all four compiles too; a table codec's unpack with its table
+    in shared memory or not)."""
     unit = tmp_path / "kernels_tu.cu"
     unit.write_text(bcuda.translation_unit())
     cmd = [
@@ -113,7 +184,7 @@ def test_translation_unit_compiles_without_warnings(tmp_path, entry_bytes, codec
         "all-warnings",
         "-Xptxas",
         "-v",
-        *bcuda.compile_options(entry_bytes, codec, word),
+        *bcuda.compile_options(entry_bytes, codec, word, table),
     ]
     result = subprocess.run(
         [*cmd, "-c", str(unit), "-o", str(tmp_path / "k.o")], check=True, capture_output=True, text=True
@@ -123,13 +194,15 @@ def test_translation_unit_compiles_without_warnings(tmp_path, entry_bytes, codec
 
 
 @needs_nvcc
+@pytest.mark.parametrize("table", [pytest.param(False, id="table-in-global"), pytest.param(True, id="table-in-shared")])
 @pytest.mark.parametrize("word", ids("w", (2, 4)))
-def test_table_codecs_unpack_within_64_registers(tmp_path, word):
+def test_table_codecs_unpack_within_64_registers(tmp_path, word, table):
     """fpe's and auto2's unpack at the default entry size for bfloat16 and float32, as the loader builds them
-    (one word size a module) for sm_90: at most 64 registers a thread, no spills."""
+    (one word size a module; the table copied into shared memory or not) for sm_90: at most 64 registers a
+    thread, no spills."""
     unit = tmp_path / "kernels_tu.cu"
     unit.write_text(bcuda.translation_unit())
-    options = bcuda.compile_options(spec.DEFAULT_ENTRY_BYTES, "all", word)
+    options = bcuda.compile_options(spec.DEFAULT_ENTRY_BYTES, "all", word, table)
     cmd = ["nvcc", "-arch=sm_90", "-Xptxas", "-v", *options, "-cubin", str(unit), "-o", str(tmp_path / "k.cubin")]
     log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
     for codec in ("fpe", "auto2"):

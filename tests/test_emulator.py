@@ -307,6 +307,11 @@ MUTATIONS = [
         "race", (("buddy_ops.h", "buddy_warp_copy_sectors"), ("buddy_entry.h", "buddy_entry_decode")),
     ),
     Mutation(
+        "unpack: no __syncthreads between copying the table into shared memory and reading it", "buddy_kernels.cu",
+        "    __syncthreads();\n    rows = shared;", "    rows = shared;", "fpe", "tsan", "race",
+        (("buddy_kernels.cu", "buddy_unpack_body"), ("codec_fpe.h", "BuddyFpe")),
+    ),
+    Mutation(
         "fpe encode: no warp.sync() between zeroing the payload and ORing the fields in", "codec_fpe.h",
         "    buddy_warp_fill(warp, nullptr, payload, k * BUDDY_SECTOR_BYTES);\n    warp.sync();\n",
         "    buddy_warp_fill(warp, nullptr, payload, k * BUDDY_SECTOR_BYTES);\n", "fpe", "tsan", "race",

@@ -158,3 +158,33 @@ def test_cycles_per_instruction_of_a_gpu_run():
     row = {"us": 242.0, "warps/SM": 16.0, "instr": 4322.0 * 16384, "clock GHz": float("nan")}
     assert cycles_per_instruction(row) == pytest.approx(242e-6 * 1.755e9 * 132 * 16 / (4322 * 16384))
     assert cycles_per_instruction(row | {"clock GHz": 1.98}) == pytest.approx(12.66 * 1.98 / 1.755, rel=1e-3)
+
+
+def test_ncu_launches_of_two_block_sizes_are_two_kernels(tmp_path):
+    # the bench under ncu with --global-table: per tensor, auto2's unpack once with the table in shared memory
+    # (736 threads a block) and once in global memory (128), measure twice with one block size
+    import json
+
+    from experiments.kernel_budget import ncu_measured
+
+    mib = 1 << 20
+    rows = [{"tensor": t, "dtype": d, "bytes": mib, "entry_bytes": 4096, "method": m}
+            for t, d in (("a", "float32"), ("b", "bfloat16"))
+            for m in ("buddy:auto2/cuda", "buddy:auto2/cuda+global-table")]  # fmt: skip
+    record = {"device": "GPU", "commit": "c", "command": "x",
+              "steps": [{"name": "ncu", "result": {"rows": rows, "args": {"mib": 1}}}]}  # fmt: skip
+    (tmp_path / "essentials.json").write_text(json.dumps(record))
+    head = '"ID","Kernel Name","Block Size","Metric Name","Metric Value"'
+    lines, launch = ["==PROF== Connected", head], 0
+    for _tensor in "ab":
+        for kernel, block, ns in (("measure", 256, 1000), ("unpack", 736, 2000), ("measure", 256, 3000),
+                                  ("unpack", 128, 4000)):  # fmt: skip
+            lines.append(f'"{launch}","buddy_auto2_{kernel}","({block}, 1, 1)","gpu__time_duration.sum","{ns}"')
+            launch += 1
+    (tmp_path / "ncu.csv").write_text("\n".join(lines) + "\n")
+    got = ncu_measured(tmp_path)["rows"]
+    assert sorted(got) == sorted((k, d) for k in ("auto2 measure", "auto2 unpack", "auto2 unpack (128 threads)")
+                                 for d in ("float32", "bfloat16"))  # fmt: skip
+    assert got["auto2 unpack", "float32"]["us"] == pytest.approx(2.0)
+    assert got["auto2 unpack (128 threads)", "bfloat16"]["us"] == pytest.approx(4.0)
+    assert got["auto2 measure", "float32"]["us"] == pytest.approx(2.0) and got["auto2 measure", "float32"]["launches"] == 2

@@ -86,9 +86,12 @@ def test_every_codec_compiles_with_nvrtc(nvrtc, entry_bytes):
 
     def one(job: tuple[str, int]):
         codec, word_bytes = job
-        return codec, word_bytes, compile_ptx(nvrtc, source, (*bcuda.compile_options(entry_bytes, codec, word_bytes), ARCH))
+        table = codec in bcuda.TABLED_KERNELS and bcuda.shared_table_layout(entry_bytes, bcuda.HOPPER) is not None
+        options = (*bcuda.compile_options(entry_bytes, codec, word_bytes, table), ARCH)
+        return codec, word_bytes, compile_ptx(nvrtc, source, options)
 
-    # what the loader compiles: a module per codec, entry size and word size
+    # what the loader compiles on an H100: a module per codec, entry size and word size, a table codec's unpack
+    # with its table in shared memory
     jobs = [(codec, w) for codec in bcuda.KERNEL_CODECS for w in WORD_SIZES]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # NVRTC compiles programs side by side
         results = list(pool.map(one, jobs))

@@ -70,6 +70,7 @@ import re
 import threading
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,9 @@ __all__ = [
     "read_source",
     "translation_unit",
     "launch_config",
+    "SharedMemory",
+    "HOPPER",
+    "shared_table_layout",
 ]
 
 #: alignment (bytes) the kernels need of the tensor's data (every other buffer is allocated here)
@@ -174,18 +178,61 @@ def translation_unit(name: str = _SOURCE) -> str:
     return f"// buddy: {name}, local includes inlined\n{expand(name)}"
 
 
-def compile_options(entry_bytes: int, codec: str = "all", word_bytes: int | None = None) -> tuple[str, ...]:
-    """NVRTC options: C++17, the format constants of this entry size, which codec's kernels to build and, when
-    given, the one word size they are built for (csrc/buddy_kernels.cu: a kernel of one word size needs fewer
-    registers than one of all four)."""
+def compile_options(
+    entry_bytes: int, codec: str = "all", word_bytes: int | None = None, shared_table: bool = False
+) -> tuple[str, ...]:
+    """NVRTC options: C++17, the format constants of this entry size, which codec's kernels to build, when given
+    the one word size they are built for (csrc/buddy_kernels.cu: a kernel of one word size needs fewer registers
+    than one of all four), and whether a table codec's unpack copies its table into shared memory
+    (``shared_table``: launched with :func:`launch_config`'s ``shared`` then)."""
     defines = spec.c_defines(spec.check_entry_bytes(entry_bytes))
     if word_bytes is not None and word_bytes not in WORD_SIZES:  # a launch's last argument, read as the word size
         raise ValueError(f"word sizes are 1, 2, 4 or 8 bytes, got {word_bytes!r}")
     words = () if word_bytes is None else (f"-DBUDDY_WORD_BYTES={int(word_bytes)}",)
-    return ("-std=c++17", *(f"-D{k}={v}" for k, v in defines.items()), f"-DBUDDY_CODEC_{codec.upper()}=1", *words)
+    table = ("-DBUDDY_UNPACK_SHARED_TABLE=1",) if shared_table else ()
+    return (
+        "-std=c++17", *(f"-D{k}={v}" for k, v in defines.items()), f"-DBUDDY_CODEC_{codec.upper()}=1", *words, *table
+    )
 
 
-def launch_config(op: str, entry_bytes: int, n_entries: int, codec: str = "") -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class SharedMemory:
+    """What a device's shared memory allows a launch: its SMs, the most dynamic shared memory one block may ask
+    for (opted in), an SM's, and what the runtime keeps of an SM's for each block resident on it."""
+
+    sms: int
+    per_block: int
+    per_sm: int
+    reserved: int = 1 << 10
+
+
+#: an H100's (SXM) and an H200's: the launches the emulator runs and the kernel budget estimates
+HOPPER = SharedMemory(sms=132, per_block=227 << 10, per_sm=228 << 10)
+#: ``BUDDY_UNPACK_SHARED_TABLE=0``: a table codec's unpack reads its table in global memory (the layout before)
+SHARED_TABLE_ENV = "BUDDY_UNPACK_SHARED_TABLE"
+
+
+def shared_table_layout(entry_bytes: int, shared: SharedMemory) -> tuple[int, int] | None:
+    """``(warps a block, blocks an SM)`` of a table codec's unpack with its table in shared memory on a device
+    of ``shared``: each block holds the table (:data:`DEVICE_TABLE_BYTES`) and ``2 E`` a warp; the most warps
+    an SM (ties: the larger blocks, fewer copies of the table), at most 24 warps a block at 4 KiB entries and
+    more (the kernel's launch bounds), 8 below, 64 warps and 32 blocks an SM. None where one warp's does not fit
+    a block: the table stays in global memory."""
+    most = 24 if entry_bytes >= 4096 else 8
+    best: tuple[int, int] | None = None
+    for warps in range(1, most + 1):
+        block = DEVICE_TABLE_BYTES + warps * 2 * entry_bytes
+        if block > shared.per_block:
+            break
+        per_sm = min(shared.per_sm // (block + shared.reserved), 64 // warps, 32)
+        if per_sm and (best is None or per_sm * warps >= best[0] * best[1]):
+            best = warps, per_sm
+    return best
+
+
+def launch_config(
+    op: str, entry_bytes: int, n_entries: int, codec: str = "", shared: SharedMemory | None = None
+) -> tuple[int, int, int]:
     """``(blocks, threads per block, dynamic shared bytes)`` of a launch of ``op`` over ``n_entries``.
 
     One warp per entry; pack and unpack give each warp ``E`` bytes of shared
@@ -196,11 +243,23 @@ def launch_config(op: str, entry_bytes: int, n_entries: int, codec: str = "") ->
     ``count`` runs 256 threads a block, a thread per 16 bytes
     (``n_entries``: the 8-byte units) up to :data:`COUNT_BLOCKS` blocks,
     which then loop; its ``fit`` is one warp.
+
+    Given the device's ``shared`` memory, a table codec's unpack copies its
+    table into each block's shared memory, before the warps' staging, where
+    :func:`shared_table_layout` finds room (the module compiled with
+    ``compile_options(..., shared_table=True)``): as many blocks as stay
+    resident at once, their warps striding over the entries, so the table is
+    copied once a resident block.
     """
     if op == "fit":
         return 1, _WARP, 0
     if op == "count":  # a lane loads 16 bytes a round; the blocks loop, their histograms zeroed and added once
         return max(1, min(COUNT_BLOCKS, -(-n_entries // 512))), 256, 0
+    found = shared_table_layout(entry_bytes, shared) if shared and op == "unpack" and codec in TABLED_KERNELS else None
+    if found is not None:
+        warps, per_sm = found
+        blocks = max(1, min(shared.sms * per_sm, -(-n_entries // warps)))  # type: ignore[union-attr]
+        return blocks, warps * _WARP, DEVICE_TABLE_BYTES + warps * 2 * entry_bytes
     staged = op != "measure"
     per_warp = entry_bytes * (2 if op == "unpack" and codec in TABLED_KERNELS else 1)
     warps = max(1, min(8, STAGING_BYTES // per_warp)) if staged else 8
@@ -212,7 +271,7 @@ def launch_config(op: str, entry_bytes: int, n_entries: int, codec: str = "") ->
 # compilation, memoised per process
 # ---------------------------------------------------------------------------
 _modules: dict[tuple[str, tuple[str, ...], str], object] = {}
-_kernels: dict[tuple[str, str, int, int | None, int], object] = {}
+_kernels: dict[tuple[str, str, int, int | None, int, bool], object] = {}
 _lock = threading.Lock()
 
 
@@ -236,14 +295,19 @@ def _module(source: str, options: tuple[str, ...], device: torch.device):
     return module
 
 
-def _kernel(codec: str, op: str, entry_bytes: int, device: torch.device, shared_bytes: int, word_bytes: int):
-    """Kernel ``buddy_<codec>_<op>`` for this entry and word size, compiled for ``device`` (and allowed its shared
-    memory): a module per codec, entry size and word size."""
-    key = (codec, op, entry_bytes, device.index, word_bytes)
+def _kernel(
+    codec: str, op: str, entry_bytes: int, device: torch.device, shared_bytes: int, word_bytes: int,
+    shared_table: bool = False,
+):  # fmt: skip
+    """Kernel ``buddy_<codec>_<op>`` for this entry and word size (and ``shared_table``: see
+    :func:`compile_options`), compiled for ``device`` (and allowed its shared memory): a module per codec, entry
+    size, word size and table place."""
+    key = (codec, op, entry_bytes, device.index, word_bytes, shared_table)
     kernel = _kernels.get(key)
     if kernel is None:
         cupy = _cupy()
-        module = _module(translation_unit(_SOURCE), compile_options(entry_bytes, codec, word_bytes), device)
+        options = compile_options(entry_bytes, codec, word_bytes, shared_table)
+        module = _module(translation_unit(_SOURCE), options, device)
         with cupy.cuda.Device(device.index):
             kernel = module.get_function(f"buddy_{codec}_{op}")  # compiles (NVRTC) on first use
             if shared_bytes > 48 << 10:  # beyond the default a block may ask for: opt in
@@ -274,7 +338,8 @@ def compile_module(
         if word_bytes not in WORD_SIZES:
             raise ValueError(f"word sizes are 1, 2, 4 or 8 bytes, got {word_bytes!r}")
         layout = Layout(entry_bytes, 0, word_bytes)  # validates the entry size
-        _kernel(codec, "measure", layout.entry_bytes, device, 0, layout.word_bytes)
+        table = _table_in_shared(codec, layout.entry_bytes, device) is not None
+        _kernel(codec, "measure", layout.entry_bytes, device, 0, layout.word_bytes, table)
 
 
 _streams: dict[tuple[int, int | None], object] = {}
@@ -293,13 +358,45 @@ def _cupy_stream(cupy, device: torch.device):
     return stream
 
 
+def device_shared_memory(device: torch.device) -> SharedMemory | None:
+    """:class:`SharedMemory` of ``device`` (its properties), or None where ``BUDDY_UNPACK_SHARED_TABLE=0`` asks a
+    table codec's unpack to read its table in global memory."""
+    if os.environ.get(SHARED_TABLE_ENV, "1").strip() == "0":
+        return None
+    return _device_shared_memory(device.index)
+
+
+def _table_in_shared(codec: str, entry_bytes: int, device: torch.device) -> SharedMemory | None:
+    """The device's :class:`SharedMemory` where ``codec``'s unpack copies its table into shared memory there (its
+    module compiled so: every kernel of the codec comes from that one module), else None."""
+    if codec not in TABLED_KERNELS:
+        return None
+    limits = device_shared_memory(device)
+    return limits if limits is not None and shared_table_layout(entry_bytes, limits) is not None else None
+
+
+#: the CUDA runtime's device attributes read (cudaDevAttr*: driver_types.h)
+_ATTR_SMS, _ATTR_SHARED_SM, _ATTR_SHARED_BLOCK, _ATTR_RESERVED = 16, 81, 97, 111
+
+
+@functools.cache
+def _device_shared_memory(index: int) -> SharedMemory:
+    attribute = _cupy().cuda.runtime.deviceGetAttribute
+    return SharedMemory(
+        sms=attribute(_ATTR_SMS, index), per_block=attribute(_ATTR_SHARED_BLOCK, index),
+        per_sm=attribute(_ATTR_SHARED_SM, index), reserved=attribute(_ATTR_RESERVED, index),
+    )  # fmt: skip
+
+
 def _launch(codec: str, op: str, entry_bytes: int, device: torch.device, n_entries: int, args: tuple) -> None:
     """Launch ``buddy_<codec>_<op>`` over ``n_entries`` on the device's current torch stream."""
     import numpy
 
     cupy = _cupy()
-    blocks, threads, shared = launch_config(op, entry_bytes, n_entries, codec)
-    kernel = _kernel(codec, op, entry_bytes, device, shared, int(args[-1]))  # every kernel's last argument: the word size
+    limits = _table_in_shared(codec, entry_bytes, device)
+    blocks, threads, shared = launch_config(op, entry_bytes, n_entries, codec, limits)
+    # every kernel's last argument: the word size
+    kernel = _kernel(codec, op, entry_bytes, device, shared, int(args[-1]), limits is not None)
     stream = _cupy_stream(cupy, device)
     # pointers and sizes as fixed-width scalars: exactly the kernel's parameter types
     c_args = tuple(numpy.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
