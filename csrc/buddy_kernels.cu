@@ -277,17 +277,43 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
 // A codec with a table fits it where the tensor is: its symbol counts (one
 // pass over the tensor), then the table (one warp). Launch: count, any grid,
 // 256 threads a block, no dynamic shared memory; fit, one block of 32 threads.
+// A GPU's count: a lane's 16-byte unit u of the n16 (zeros past them); the first unit of a lane's warp, and the
+// warps' stride (the grid's warps stride over the units together).
+__device__ __forceinline__ buddy_u128 buddy_count_unit(const uint8_t* __restrict__ data, long long u, long long n16) {
+  const buddy_u128 zero = {0, 0};
+  return u < n16 ? buddy_load<buddy_u128>(data + 16 * u) : zero;
+}
+__device__ __forceinline__ long long buddy_count_first() {
+  return (long long)blockIdx.x * blockDim.x + (threadIdx.x & ~(BUDDY_WARP_SIZE - 1u));
+}
+
+// The count by ballots (the kernel's `aggregate` 0: buddy_fpe_count_unit16_ballot), the warp's zero words added
+// once at the end. A function of its own, not a branch in the default's loop (which kept it there: 19
+// instructions more a float32 unit) nor a template flag of it (the kernel budget, which charges the default's
+// instructions, tells code apart by its source lines: its loop is left out by this function's first line).
+template <int WB>
+__device__ __forceinline__ void buddy_count_ballots(const BuddyCudaWarp& warp, const uint8_t* __restrict__ data,
+                                                    long long n16, uint32_t* local) {
+  uint32_t zeros = 0;
+  for (long long u0 = buddy_count_first(); u0 < n16; u0 += (long long)gridDim.x * blockDim.x) {
+    const long long u = u0 + warp.lane();
+    buddy_fpe_count_unit16_ballot<WB>(warp, buddy_count_unit(data, u, n16), u < n16, local, &zeros);
+  }
+  if (warp.lane() == 0 && zeros) buddy_atomic_add(&local[1u << buddy_fpe_fit_split<WB>::b], zeros);
+}
+
 template <int WB>
 __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ data, long long n_units,
                                                  const uint8_t* __restrict__ tail, int tail_words,
-                                                 unsigned long long* __restrict__ counts, uint32_t* local) {
+                                                 unsigned long long* __restrict__ counts, uint32_t* local,
+                                                 bool aggregate) {
   // the block counts in shared memory (local: S + 2 words), then adds its counts to the tensor's once
   const uint32_t symbols = (1u << buddy_fpe_fit_split<WB>::b) + 2u;
   for (uint32_t j = threadIdx.x; j < symbols; j += blockDim.x) local[j] = 0;
   __syncthreads();
   // 16 bytes a lane; the warps loop together (the counts are aggregated over a warp)
   const BuddyCudaWarp warp;
-  const long long n16 = n_units / 2, stride = (long long)gridDim.x * blockDim.x;
+  const long long n16 = n_units / 2;
   if constexpr (BUDDY_WARP_SIZE == 1) {
     // one lane a block (the native engine): the units buddy_first_warp gives the block, as the entries of the
     // format kernels (a contiguous run: strided by the grid, each block read a 16-byte unit of every 16 x 16 bytes,
@@ -307,13 +333,14 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
     }
     local[0] -= zeros;
     local[zero] += zeros;
-  } else {
-    for (long long u0 = (long long)blockIdx.x * blockDim.x + (threadIdx.x & ~(BUDDY_WARP_SIZE - 1u)); u0 < n16;
-         u0 += stride) {
+    (void)aggregate;
+  } else if (aggregate) {  // a warp's equal keys added once (buddy_fpe_count_unit16)
+    for (long long u0 = buddy_count_first(); u0 < n16; u0 += (long long)gridDim.x * blockDim.x) {
       const long long u = u0 + warp.lane();
-      const buddy_u128 zero = {0, 0};
-      buddy_fpe_count_unit16<WB>(warp, u < n16 ? buddy_load<buddy_u128>(data + 16 * u) : zero, u < n16, local);
+      buddy_fpe_count_unit16<WB>(warp, buddy_count_unit(data, u, n16), u < n16, local);
     }
+  } else {
+    buddy_count_ballots<WB>(warp, data, n16, local);
   }
   if (blockIdx.x == 0) {  // the odd 8 bytes, and the words of the last, partial entry
     for (int w = threadIdx.x; w < (int)(n_units % 2) * (8 / WB); w += blockDim.x)
@@ -348,9 +375,10 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
       const uint8_t* __restrict__ tail,          /* in: the last, partial entry (zero-padded) */                    \
       int tail_words,                            /* whole words of the tensor in tail */                            \
       unsigned long long* __restrict__ counts,   /* in/out: S + 2 counts (ESC's stays 0) */                         \
+      int aggregate,                             /* 1: a warp's equal keys added once (a match), 0: by ballots */  \
       int word_bytes) {                          /* word size in bytes: 1, 2, 4 or 8 */                             \
     __shared__ uint32_t local[BUDDY_FPE_SYMBOLS];                                                                  \
-    BUDDY_COUNT_SWITCH(data, n_units, tail, tail_words, counts, buddy_shared_array(local))                         \
+    BUDDY_COUNT_SWITCH(data, n_units, tail, tail_words, counts, buddy_shared_array(local), aggregate != 0)         \
   }
 
 // The fit is a warp of 32 lanes (codec_fpe_fit.h), or one: a build of one lane a warp (the native engine's,

@@ -103,6 +103,22 @@ BUDDY_WARP_FN void buddy_fpe_count_unit16(const Warp& warp, buddy_u128 unit, boo
   }
 }
 
+// The same count without matching keys (the count kernel's `aggregate` 0): per word position, the zero words
+// by a ballot, their number added to *zeros (the same on every lane: the warp's), and every other word by an atomic
+// add of its own -- lanes of equal keys meet at one count, which the hardware serializes. On an H200 the matched
+// count waited on shared memory for 35-49 of a warp's 69-92 cycles an instruction; this form, a ballot where the
+// match was, is there for a GPU to time beside it (docs/kernel_budget.md).
+template <int WB, class Warp>
+BUDDY_WARP_FN void buddy_fpe_count_unit16_ballot(const Warp& warp, buddy_u128 unit, bool valid, uint32_t* counts,
+                                                 uint32_t* zeros) {
+  for (uint32_t i = 0; i < 16u / WB; ++i) {
+    const typename BuddyFpe<WB>::word_t x = BuddyFpe<WB>::unit_word(unit, i);
+    const bool zero = x == 0;
+    *zeros += buddy_popc(warp.ballot(valid && zero));
+    if (valid && !zero) buddy_atomic_add(&counts[buddy_fpe_count_key<WB>(x)], 1u);
+  }
+}
+
 // One word (a lane alone: the tensor's odd 8 bytes and its last, partial entry).
 template <int WB>
 BUDDY_HD void buddy_fpe_count_word(const uint8_t* p, uint32_t* counts) {

@@ -243,6 +243,7 @@ def run(
     pcie: bool = True,
     zero_copy: bool = False,
     global_table: bool = False,
+    count_ballot: bool = False,
     max_blocks: Sequence[int] = (),
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -252,7 +253,9 @@ def run(
     unpack reads the overflow in pinned host memory instead of copying it to the device first; compress is the
     same code either way). ``global_table``: each table codec's kernels once more with
     ``BUDDY_UNPACK_SHARED_TABLE=0`` (method ``.../cuda+global-table``: unpack reads the table in global memory
-    through L1, as before the table was copied into each block's shared memory). ``max_blocks``: each codec's kernels once more for each ``n`` with at most ``n`` blocks
+    through L1, as before the table was copied into each block's shared memory). ``count_ballot``: each table
+    codec's kernels once more with ``BUDDY_COUNT_MATCH=0`` (method ``.../cuda+count-ballot``: the count kernel's zero
+    words by ballots and its other words added one by one, not a warp's equal keys matched). ``max_blocks``: each codec's kernels once more for each ``n`` with at most ``n`` blocks
     a launch (method ``.../cuda+blocks<=n``), the warps looping over the entries: whether a grid of about one wave
     keeps more warps resident than a warp per entry, whose blocks hold their shared memory until their slowest
     warp is done. ``baselines``: nvcomp's (:func:`nvcomp_or_exit`). A baseline that fails
@@ -281,12 +284,15 @@ def run(
                 rows.append({**row, "method": f"{row['method']}+zero-copy", "zero_copy": True})
                 log(_line(rows[-1]))
                 in_place.free()
-            if global_table and "cuda" in backends and codec in buddy.engines.cuda.TABLED_KERNELS:
-                with _environment(buddy.engines.cuda.SHARED_TABLE_ENV, "0"):
-                    row, other = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
-                rows.append({**row, "method": f"{row['method']}+global-table", "global_table": True})
-                log(_line(rows[-1]))
-                other.free()
+            tabled = "cuda" in backends and codec in buddy.engines.cuda.TABLED_KERNELS
+            for wanted, env, suffix in ((global_table, buddy.engines.cuda.SHARED_TABLE_ENV, "global-table"),
+                                        (count_ballot, buddy.engines.cuda.COUNT_MATCH_ENV, "count-ballot")):  # fmt: skip
+                if wanted and tabled:
+                    with _environment(env, "0"):
+                        row, other = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
+                    rows.append({**row, "method": f"{row['method']}+{suffix}", suffix.replace("-", "_"): True})
+                    log(_line(rows[-1]))
+                    other.free()
             for n in max_blocks if "cuda" in backends else ():
                 with _max_blocks(n):
                     row, capped = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
@@ -378,6 +384,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--global-table", action="store_true",
                    help="each table codec once more with BUDDY_UNPACK_SHARED_TABLE=0 (unpack reads its table in "
                         "global memory, not a copy in each block's shared memory)")  # fmt: skip
+    p.add_argument("--count-ballot", action="store_true",
+                   help="each table codec once more with BUDDY_COUNT_MATCH=0 (the count kernel's zero words by "
+                        "ballots, no match)")  # fmt: skip
     p.add_argument("--max-blocks", type=int, nargs="+", default=[], metavar="N",
                    help="each codec once more with at most N blocks a kernel launch (the warps loop over the entries)")
     p.add_argument("--out", type=Path, default=Path("results/bench_cuda"))
@@ -409,6 +418,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         baselines=baselines,
         zero_copy=args.zero_copy,
         global_table=args.global_table,
+        count_ballot=args.count_ballot,
         max_blocks=tuple(args.max_blocks),
     )
     print()

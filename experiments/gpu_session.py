@@ -22,8 +22,8 @@ times):
   the GPU under a real per-process memory cap;
 * ``ncu`` (optional): Nsight Compute over the default codec's kernels, the
   metrics of :data:`NCU_METRICS`;
-* ``essentials``: check, bench (fewer repeats; the table codecs' unpack
-  also with the table in global memory), step time (fewer methods, one
+* ``essentials``: check, bench (fewer repeats; the table codecs also
+  with unpack's table in global memory and with count's ballots), step time (fewer methods, one
   compressed step profiled), ncu and unpack reading the overflow in place in one phase; and ``lease``, for a lease
   of 15 minutes: :data:`LEASE`'s phases in one call, each step's limit cut to
   what is left before the call's deadline.
@@ -213,8 +213,9 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
         # What a first look at a GPU needs most, in one phase: the golden check, every codec's speed against
         # nvcomp and memcpy (fewer repeats), step time (fewer methods) with one compressed step profiled,
         # Nsight Compute over the default's kernels (64 MiB), and unpack reading the overflow in place; the table
-        # codecs' unpack also with the table in global memory (--global-table). The lease runs it first (LEASE).
-        bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1", "--global-table")
+        # codecs also with unpack's table in global memory (--global-table) and with the count kernel's ballots
+        # (--count-ballot). The lease runs it first (LEASE).
+        bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1", "--global-table", "--count-ballot")
         step_args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--steps", "4",
                      "--warmup", "2", "--methods", "none", "buddy", "save_on_cpu", "checkpoint", "--profile",
                      "--out", "{work}/step_time")  # fmt: skip

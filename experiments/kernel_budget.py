@@ -274,10 +274,13 @@ OTHER_MEMBERS = frozenset({"codec_zvc.h", "codec_fpx.h", "codec_bpc.h", "codec_a
 #: blocks of the decode walks taken for one code alone (ESC with its symbol; a lane's last codes), by the
 #: comment that opens them: they run on that share of the steps (the lane simulation's), not every step
 RARE_BLOCKS = ("} else {  // ESC with its symbol, or not a code", "} else {  // one code: ESC with its symbol")
-#: code of the serial layout (tables of format 1 and 2), by its opening line: not run on what fits make now
+#: code of the serial layout (tables of format 1 and 2), by its opening line: not run on what fits make now (nor
+#: by the defaults)
 SERIAL_BLOCKS = ("BUDDY_WARP_FN void encode_serial(", "BUDDY_HD uint32_t put(uint32_t* stream",
                  "BUDDY_HD uint32_t walk_serial(", "BUDDY_WARP_FN uint32_t decode_serial(",
-                 "} else {  // a split table of another b")  # fmt: skip
+                 "} else {  // a split table of another b",
+                 # and a variant the defaults do not run: the count by ballots (BUDDY_COUNT_MATCH=0)
+                 "__device__ __forceinline__ void buddy_count_ballots(")  # fmt: skip
 
 
 def block_lines(source: list[str], openings=RARE_BLOCKS) -> set[int]:
@@ -784,8 +787,9 @@ bfloat16, 49.2 / 80.5 now, 53.0-55.2 / 98.3-109.0 with the 32-bit record of star
 a 64-bit record (two registers more; 49.1 / 79.1 with the 128-bit warm-up), 45.1 / 81.6 with a 128-bit record and
 no warm-up (four more).
 Next: a run of this code on a GPU (the runbook's essentials: bench and ncu with the table in shared and in
-global memory) to measure unpack's cycles per instruction with its table in shared memory; count's waits on
-shared memory (zero words counted by a ballot, not matched and added; a privatized histogram a warp); then the
+global memory) to measure unpack's cycles per instruction with its table in shared memory, and count's with its
+zero words counted by ballots and no match (`BUDDY_COUNT_MATCH=0`, the bench's `--count-ballot`; its code is left
+out of the count above, which charges the match); then a histogram a warp for count if it still waits; then the
 latency levers above -- unpack's shared memory (the table, then 4 KiB of payload and 4 KiB of output a warp) is what
 holds it at 23 warps an SM; two entries a warp with their walks interleaved; one walk instead of two (the find walk keeping each
 code's symbol in shared memory: by the lane simulation a lane finds 34 codes on average for 32 float32 words and 72

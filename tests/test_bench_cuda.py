@@ -144,11 +144,14 @@ def test_max_blocks_times_the_cuda_kernels_again_on_a_capped_grid(gen, monkeypat
     assert [r.get("max_blocks") for r in result["rows"]] == [None, None, 792, 1584]
 
 
-def test_global_table_times_the_table_codecs_again_with_the_table_in_global_memory(gen, monkeypatch):
-    """--global-table: each table codec's CUDA kernels once more with BUDDY_UNPACK_SHARED_TABLE=0 set while they
-    run (and restored after), the rows named so; the other codecs once."""
+@pytest.mark.parametrize(("option", "env", "suffix"), [
+    ("global_table", "SHARED_TABLE_ENV", "global-table"), ("count_ballot", "COUNT_MATCH_ENV", "count-ballot"),
+])  # fmt: skip
+def test_variants_time_the_table_codecs_again(gen, monkeypatch, option, env, suffix):
+    """--global-table (--count-ballot): each table codec's CUDA kernels once more with BUDDY_UNPACK_SHARED_TABLE=0
+    (BUDDY_COUNT_MATCH=0) set while they run (and restored after), the rows named so; the other codecs once."""
     seen = []
-    env = bench_cuda.buddy.engines.cuda.SHARED_TABLE_ENV
+    env = getattr(bench_cuda.buddy.engines.cuda, env)
 
     class Freed:
         buddy_bytes = 0
@@ -166,8 +169,8 @@ def test_global_table_times_the_table_codecs_again_with_the_table_in_global_memo
     monkeypatch.delenv(env, raising=False)
     t = {"relu.f32": make_data("relu", 1_001, torch.float32, gen)}
     result = bench_cuda.run(t, codecs=("zvc", "auto2"), backends=("cuda",), repeats=1, warmup=0, pcie=False,
-                            global_table=True, log=lambda line: None)  # fmt: skip
+                            log=lambda line: None, **{option: True})  # fmt: skip
     assert seen == [("zvc", None), ("auto2", None), ("auto2", "0")]
     assert [r["method"] for r in result["rows"]][1:] == ["buddy:zvc/cuda", "buddy:auto2/cuda",
-                                                         "buddy:auto2/cuda+global-table"]  # fmt: skip
+                                                         f"buddy:auto2/cuda+{suffix}"]  # fmt: skip
     assert env not in os.environ

@@ -534,6 +534,22 @@ def test_each_launch_passes_its_word_size_last(word, weighted):
         assert type(args[-1]) is np.int32 and int(args[-1]) == word, (op, args[-1])
 
 
+@pytest.mark.parametrize(("env", "aggregate"), [(None, 1), ("1", 1), ("0", 0)])
+def test_the_count_kernel_matches_unless_told_not_to(monkeypatch, env, aggregate):
+    """The count kernel's ``aggregate`` argument: 1 (a warp's equal keys added once) unless BUDDY_COUNT_MATCH=0."""
+    if env is None:
+        monkeypatch.delenv(bcuda.COUNT_MATCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(bcuda.COUNT_MATCH_ENV, env)
+    launched = []
+    kernels = bcuda.Kernels("auto2", launch=lambda *a: launched.append(a), device_type="cpu")
+    layout = Layout(128, 4 * 128, 4)
+    data, tail = torch.zeros(4 * 128, dtype=torch.uint8), torch.zeros(128, dtype=torch.uint8)
+    kernels.count(layout, data, tail, torch.zeros(n_symbols(4), dtype=torch.int64))
+    (args,) = [a[-1] for a in launched]
+    assert type(args[-2]) is np.int32 and int(args[-2]) == aggregate
+
+
 @pytest.mark.parametrize("codec", ids("codec", ("zvc", "auto", "auto2")))
 @pytest.mark.parametrize(
     "dtype",

@@ -180,6 +180,19 @@ def test_kernels_write_and_read_the_reference_buffers(build, codec, case, activa
         assert blocks["measure"] == case.max_blocks < bcuda.launch_config("measure", e, got.n_entries)[0]
 
 
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("codec", sorted(TABLED))
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=lambda c: c.id)
+def test_count_by_ballots_counts_as_the_reference(build, codec, case, activations, store, request, monkeypatch):
+    """BUDDY_COUNT_MATCH=0: the count kernel's zero words by ballots and its other words added one by one (no
+    match) gives the reference's symbol counts, so its table and buffers (ReLU float32 with a partial last entry on a
+    grid of 2 blocks, bfloat16 at 4 KiB)."""
+    monkeypatch.setenv(bcuda.COUNT_MATCH_ENV, "0")
+    with emulated_cuda(build, seed=_seed(request), max_blocks=case.max_blocks) as emu:
+        check_reference_buffers("cuda", codec, case.tensor(activations), case.entry_bytes, case.slot_for, store, True)
+    assert "count" in ops_of(emu)
+
+
 @pytest.mark.parametrize("build", BUILDS[:1])
 @pytest.mark.parametrize("codec", ("auto", "auto2"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.int64), ids=str)
@@ -373,7 +386,7 @@ MUTATIONS = [
     ),
     Mutation(
         "count: one 16-byte unit past the data", "buddy_kernels.cu",
-        "n16 = n_units / 2,", "n16 = n_units / 2 + 1,", "fpe", "asan", "memory", says="heap-buffer-overflow",
+        "n16 = n_units / 2;", "n16 = n_units / 2 + 1;", "fpe", "asan", "memory", says="heap-buffer-overflow",
     ),
     Mutation(
         "pack: the rest of a slot left unwritten", "buddy_ops.h",

@@ -210,6 +210,9 @@ class SharedMemory:
 HOPPER = SharedMemory(sms=132, per_block=227 << 10, per_sm=228 << 10)
 #: ``BUDDY_UNPACK_SHARED_TABLE=0``: a table codec's unpack reads its table in global memory (the layout before)
 SHARED_TABLE_ENV = "BUDDY_UNPACK_SHARED_TABLE"
+#: ``BUDDY_COUNT_MATCH=0``: the count kernel counts a warp's zero words by ballots and adds every other word on its
+#: own, where by default a warp's lanes of equal keys add their number once (a match); the same counts either way
+COUNT_MATCH_ENV = "BUDDY_COUNT_MATCH"
 
 
 def shared_table_layout(entry_bytes: int, shared: SharedMemory) -> tuple[int, int] | None:
@@ -608,12 +611,15 @@ class Kernels:
 
     def count(self, layout: Layout, data, tail, counts) -> None:
         """A table codec's symbol counts of the tensor's whole words added to ``counts`` (``S + 2`` int64): the
-        8-byte units of ``data`` and the whole words of the tail's :attr:`~Layout.tail_bytes`."""
+        8-byte units of ``data`` and the whole words of the tail's :attr:`~Layout.tail_bytes`. A warp's lanes of
+        equal keys add their number once, or, with ``BUDDY_COUNT_MATCH=0`` (read at every launch), its zero words
+        are counted by ballots and the other words added one by one: the same counts."""
         self._tabled()
         word = layout.word_bytes
         device = self._check(layout, (data, tail), counts=(counts, torch.int64, n_symbols(word)))
         n_units, tail_words = layout.n_full * layout.entry_bytes // 8, layout.tail_bytes // word
-        args = (data, _i64(n_units), tail, _i32(tail_words), counts, _i32(word))
+        aggregate = _i32(int(os.environ.get(COUNT_MATCH_ENV, "1").strip() != "0"))
+        args = (data, _i64(n_units), tail, _i32(tail_words), counts, aggregate, _i32(word))
         self.launch(self.name, "count", layout.entry_bytes, device, n_units, args)
 
     def fit(self, layout: Layout, counts, work, table, serial, weighted: bool = False) -> None:
