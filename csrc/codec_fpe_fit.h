@@ -55,6 +55,8 @@
 #define BUDDY_FPE_MAX_CODED 255u                            // regular symbols with codes at most (fpe.MAX_CODED)
 #define BUDDY_FPE_MAX_LEAVES (BUDDY_FPE_MAX_CODED + 2u)      // and ZERO and ESC
 #define BUDDY_FPE_SERIAL_BYTES (4u + 3u * BUDDY_FPE_MAX_LEAVES)  // the longest serialized table: 775 bytes
+// the leaves a lane of a warp ranks (9)
+#define BUDDY_FIT_PER_LANE ((BUDDY_FPE_MAX_LEAVES + BUDDY_WARP_SIZE - 1u) / BUDDY_WARP_SIZE)
 #define BUDDY_FPE_TABLE_FORMAT 3u                            // byte 0 of a fitted table (fpe.TABLE_FORMAT)
 
 #define BUDDY_FPE_FIT_LANES 32u  // the fit is a warp of 32 lanes: lane t builds the tree of round t (below)
@@ -151,12 +153,25 @@ BUDDY_WARP_FN void buddy_fit_sort(const Warp& warp, const uint32_t* from_w, cons
     to_s[r] = (uint32_t)(keys[r] & 0x1FFFu);
   }
 #else
-  for (uint32_t i = warp.lane(); i < n; i += BUDDY_WARP_SIZE) {
-    const uint64_t mine = (uint64_t)buddy_max(1u, from_w[i] >> t) << 13 | from_s[i];
-    uint32_t rank = 0;
-    for (uint32_t j = 0; j < n; ++j) rank += ((uint64_t)buddy_max(1u, from_w[j] >> t) << 13 | from_s[j]) < mine;
-    to_w[rank] = (uint32_t)(mine >> 13);
-    to_s[rank] = from_s[i];
+  // a lane ranks its leaves i = lane + 32 k in one pass over the leaves j, their keys in registers: each leaf's
+  // key read once a lane, not once for every leaf ranked (2 x 257 loads a lane, where 2 x 9 x 257 were)
+  uint64_t mine[BUDDY_FIT_PER_LANE];
+  uint32_t rank[BUDDY_FIT_PER_LANE];
+  for (uint32_t k = 0; k < BUDDY_FIT_PER_LANE; ++k) {
+    const uint32_t i = warp.lane() + BUDDY_WARP_SIZE * k;
+    mine[k] = i < n ? (uint64_t)buddy_max(1u, from_w[i] >> t) << 13 | from_s[i] : ~(uint64_t)0;
+    rank[k] = 0;
+  }
+  for (uint32_t j = 0; j < n; ++j) {
+    const uint64_t key = (uint64_t)buddy_max(1u, from_w[j] >> t) << 13 | from_s[j];
+    for (uint32_t k = 0; k < BUDDY_FIT_PER_LANE; ++k) rank[k] += key < mine[k];
+  }
+  for (uint32_t k = 0; k < BUDDY_FIT_PER_LANE; ++k) {
+    const uint32_t i = warp.lane() + BUDDY_WARP_SIZE * k;
+    if (i < n) {
+      to_w[rank[k]] = (uint32_t)(mine[k] >> 13);
+      to_s[rank[k]] = (uint32_t)(mine[k] & 0x1FFFu);
+    }
   }
 #endif
   warp.sync();
@@ -368,12 +383,22 @@ BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32
     }
   }
 #else
-  for (uint32_t i = lane; i < n; i += BUDDY_WARP_SIZE) {
-    const uint32_t key = wk->len[i] << 13 | wk->s[i];
-    uint32_t rank = 0;
-    for (uint32_t j = 0; j < n; ++j) rank += (wk->len[j] << 13 | wk->s[j]) < key;
-    wk->canon_s[rank] = wk->s[i];
-    wk->canon_len[rank] = wk->len[i];
+  {  // ranked as buddy_fit_sort ranks: a lane's leaves in one pass over all of them
+    uint32_t mine[BUDDY_FIT_PER_LANE], rank[BUDDY_FIT_PER_LANE];
+    for (uint32_t k = 0; k < BUDDY_FIT_PER_LANE; ++k) {
+      const uint32_t i = lane + BUDDY_WARP_SIZE * k;
+      mine[k] = i < n ? wk->len[i] << 13 | wk->s[i] : ~0u;
+      rank[k] = 0;
+    }
+    for (uint32_t j = 0; j < n; ++j) {
+      const uint32_t key = wk->len[j] << 13 | wk->s[j];
+      for (uint32_t k = 0; k < BUDDY_FIT_PER_LANE; ++k) rank[k] += key < mine[k];
+    }
+    for (uint32_t k = 0; k < BUDDY_FIT_PER_LANE; ++k)
+      if (lane + BUDDY_WARP_SIZE * k < n) {
+        wk->canon_s[rank[k]] = mine[k] & 0x1FFFu;
+        wk->canon_len[rank[k]] = mine[k] >> 13;
+      }
   }
 #endif
   warp.sync();
