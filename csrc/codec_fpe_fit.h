@@ -237,11 +237,16 @@ BUDDY_HD void buddy_fit_lengths(BuddyFpeFitWork* wk, uint32_t n) {
 // time from the top. Per digit each lane counts the digits of the keys that share the digits found so far, 16
 // counters of 8 bits in two words (a lane has at most S / 32 = 128 symbols), and the warp adds them up, 16
 // bits a counter (at most S); the digit is the one at which the count from 15 down reaches r.
+//
+// Once at most 32 keys share the digits found (`part`: 32 words of scratch), they are gathered one a lane and
+// ranked among themselves: the passes over every symbol stop there (on the capture workloads' counts after 5.2 of
+// the 11 digits on average, about 20 keys left: experiments.kernel_budget, `select_passes`).
 template <class Warp>
-BUDDY_WARP_FN uint64_t buddy_fit_select(const Warp& warp, const uint32_t* c, uint32_t S, uint32_t r) {
+BUDDY_WARP_FN uint64_t buddy_fit_select(const Warp& warp, const uint32_t* c, uint32_t S, uint32_t r, uint64_t* part) {
 #if defined(BUDDY_NATIVE_SOLO)
   // one lane (whose counters of 8 bits the 4,096 symbols would overflow): the r-th largest key by a partial sort
   (void)warp;
+  (void)part;
   uint64_t keys[BUDDY_FPE_SYMBOLS];
   uint32_t m = 0;
   for (uint32_t i = 0; i < S; ++i)
@@ -284,6 +289,26 @@ BUDDY_WARP_FN uint64_t buddy_fit_select(const Warp& warp, const uint32_t* c, uin
     }
     r -= above;
     found |= (uint64_t)digit << shift;
+    if (shift > 0 && count[digit] <= BUDDY_WARP_SIZE) {  // the few keys with these digits, ranked directly
+      const uint32_t lane = warp.lane(), few = count[digit];
+      uint32_t have = 0;
+      for (uint32_t base = 0; base < S; base += BUDDY_WARP_SIZE) {
+        const uint32_t i = base + lane;
+        const uint64_t key = i < S ? (uint64_t)c[i] << 12 | (4095u - i) : 0u;
+        const bool in = i < S && c[i] && (key >> shift) == (found >> shift);
+        const uint32_t ballot = warp.ballot(in);
+        if (in) part[have + buddy_popc(ballot & ((1u << lane) - 1u))] = key;
+        have += buddy_popc(ballot);
+      }
+      warp.sync();
+      const uint64_t mine = lane < few ? part[lane] : 0u;
+      uint32_t above_mine = 0;  // (the keys are distinct)
+      for (uint32_t j = 0; j < few; ++j) above_mine += part[j] > mine;
+      const uint32_t at = buddy_ctz(warp.ballot(lane < few && above_mine == r - 1u));
+      const uint64_t kth = part[at];
+      warp.sync();  // every lane has read the keys before part is written again
+      return kth;
+    }
   }
   return found;
 #endif
@@ -323,7 +348,7 @@ BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32
   // which regular symbols get codes: all, or the 255 of largest key c << 12 | (4095 - symbol) (distinct keys
   // below 2^44): the threshold is the 255th largest key, found a 4-bit digit at a time from the top
   uint64_t threshold = 0;
-  if (nonzero > BUDDY_FPE_MAX_CODED) threshold = buddy_fit_select(warp, wk->c, S, BUDDY_FPE_MAX_CODED);
+  if (nonzero > BUDDY_FPE_MAX_CODED) threshold = buddy_fit_select(warp, wk->c, S, BUDDY_FPE_MAX_CODED, wk->part);
   // the leaves in symbol order (a ballot per 32 symbols), the others' weight for ESC
   uint32_t n = 0, rest = 0;
   for (uint32_t base = 0; base < S; base += BUDDY_WARP_SIZE) {

@@ -67,6 +67,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
 import torch
 
 import buddy
@@ -445,7 +446,49 @@ def lane_trips(dtype: torch.dtype, entry_bytes: int, sample: int, cache) -> dict
     mean = {key: statistics.mean(s[key] for s in sims) for key in keys}
     mean["k"] = statistics.mean(s["k"] for s in sims)
     mean["entries"] = len(sims)
-    return mean | bpc_stops(tensors, entry_bytes, sample, torch.Generator().manual_seed(1))
+    return mean | bpc_stops(tensors, entry_bytes, sample, torch.Generator().manual_seed(1)) | select_passes(tensors)
+
+
+def radix_select(keys: np.ndarray, r: int) -> tuple[int, int, int]:
+    """``buddy_fit_select`` on distinct ``keys`` (int64, below 2^44; at least ``r``): the r-th largest, the 4-bit
+    digits passed over every key (from the top), and how many keys shared the digits found when the pass stopped
+    (at most 32: ranked directly; 0: all 11 passed)."""
+    found = 0
+    for n, shift in enumerate(range(40, -1, -4), 1):
+        mine = keys[(keys >> (shift + 4)) == (found >> (shift + 4))]
+        count = np.bincount((mine >> shift) & 15, minlength=16)
+        above = np.concatenate([np.cumsum(count[::-1])[::-1][1:], [0]])  # keys of greater digits
+        digit = int(np.flatnonzero(above + count >= r).max())
+        r -= int(above[digit])
+        found |= digit << shift
+        if shift > 0 and count[digit] <= 32:
+            left = np.sort(mine[(mine >> shift) == (found >> shift)])[::-1]
+            return int(left[r - 1]), n, int(count[digit])
+    return found, 11, 0
+
+
+def select_passes(tensors) -> dict:
+    """The fit's radix select (``buddy_fit_select``, codec_fpe_fit.h) on each tensor's symbol counts, scaled as
+    the fit scales them: the mean 4-bit digits it passes over every symbol for until at most 32 keys share the
+    digits found (``select_passes``, of 11) and those keys (``select_few``), over the tensors with more than 255
+    symbols (``select_of``: how many; the others select nothing)."""
+    from buddy.codecs.fpe import MAX_CODED, fit_weights, symbol_counts
+
+    passes, few = [], []
+    for t in tensors:
+        word = t.element_size()
+        c = fit_weights(symbol_counts(t.detach().reshape(-1).view(torch.uint8), word), word).numpy()[: 1 << 12]
+        idx = np.flatnonzero(c)
+        if len(idx) <= MAX_CODED:
+            continue
+        _, n, left = radix_select(c[idx].astype(np.int64) << 12 | (4095 - idx), MAX_CODED)
+        passes.append(n)
+        if left:
+            few.append(left)
+    if not passes:
+        return {"select_passes": 0.0, "select_few": 0.0, "select_of": 0}
+    return {"select_passes": statistics.mean(passes), "select_few": statistics.mean(few) if few else 0.0,
+            "select_of": len(passes)}  # fmt: skip
 
 
 def bpc_stops(tensors, e: int, sample: int, g: torch.Generator) -> dict:
@@ -595,10 +638,12 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
 #: add ~5, a load from its scratch in global memory ~35 from L1, more from L2)
 FIT_CPI = 12
 
-#: the fit's loops: iterations a warp runs them, for S = 4096 symbols all present and 257 leaves
+#: the fit's loops: iterations a warp runs them, for S = 4096 symbols all present and 257 leaves (a number, or a
+#: key of the lane simulation's results and a factor: the radix select's passes on the captures' counts)
 FIT_ITERATIONS = [
     (r"i < S \+ 2u; i \+= BUDDY_WARP_SIZE", 129), (r"i < S \+ 1u; i \+= BUDDY_WARP_SIZE", 129),
-    (r"i = warp.lane\(\); i < S; i \+= BUDDY_WARP_SIZE", 11 * 128), (r"int shift = 40", 11),
+    (r"i = warp.lane\(\); i < S; i \+= BUDDY_WARP_SIZE", "select_passes", 128), (r"int shift = 40", "select_passes", 1),
+    (r"j < few", "select_few", 1),
     (r"base < S; base \+= BUDDY_WARP_SIZE", 128),
     (r"for \(uint32_t j = 0; j < n; \+\+j\)", 257), (r"k < BUDDY_FIT_PER_LANE", 9),
     (r"m \+ 1 < n", 256), (r"x-- > 0", 512), (r"i < n; \+\+i\) wk->len", 257),
@@ -609,10 +654,11 @@ FIT_ITERATIONS = [
 ]  # fmt: skip
 
 
-def fit_time_us(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[int, float, float]:
+def fit_time_us(codec: str, word: int, entry_bytes: int, folder: Path, sim: dict) -> tuple[int, float, float]:
     """The fit kernel (one warp): its SASS instructions, the instructions it runs and the time they take.
 
-    Each loop's iterations (:data:`FIT_ITERATIONS`) times its instructions per iteration, the rest once, at
+    Each loop's iterations (:data:`FIT_ITERATIONS`; the radix select's from ``sim``, :func:`select_passes`)
+    times its instructions per iteration, the rest once, at
     :data:`FIT_CPI` cycles an instruction: a rough figure, its order of magnitude is what the compress totals
     need. Of the copies the compiler made of a loop (an unrolled body and its remainder) the largest per
     source iteration is charged for all of them (:func:`charged_copies`; a pass of an unrolled copy loads each
@@ -629,13 +675,19 @@ def fit_time_us(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[
     groups = [[(a, b) for a, b, other, _ in found if other == line] for line in lines]
     weight = charged_copies(kern, groups, lambda a, b: unrolled(kern, source, a, b, inside=inside(a, b)))
     for a, b, line, _ in found:  # times the loop's iterations
-        weight[a, b] *= next((n for pattern, n in FIT_ITERATIONS if re.search(pattern, source[line - 1])), 1)
+        weight[a, b] *= next((_iterations(n, sim) for pattern, *n in FIT_ITERATIONS
+                              if re.search(pattern, source[line - 1])), 1)  # fmt: skip
 
     total = 0.0
     for addr, _, _ in kern.instrs:
         inner = [(b - a, a, b) for a, b, _, _ in found if a <= addr <= b]
         total += weight[min(inner)[1:]] if inner else 1
     return len(kern.instrs), total, total * FIT_CPI / (H100["clock_ghz"] * 1e3)
+
+
+def _iterations(n: list, sim: dict) -> float:
+    """A :data:`FIT_ITERATIONS` entry's iterations: a number, or a key of ``sim`` times a number."""
+    return n[0] if len(n) == 1 else sim[n[0]] * n[1]
 
 
 def _fmt(v) -> str:
@@ -700,7 +752,10 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
     out += ["", "The fit kernel (one warp, once per compress with nothing learned, or whose learned statistics the "
             f"kept table no longer codes well): {fit[0]:,} SASS instructions, "
             f"about {fit[1]:,.0f} run for 257 leaves of 4,096 symbols, at {FIT_CPI} cycles each about {fit[2]:.0f} us "
-            "(a rough figure: `fit_time_us`).", ""]
+            "(a rough figure: `fit_time_us`; bfloat16's tensors). Its radix select passes over every symbol for "
+            + ", ".join(f"{v['select_passes']:.1f} of 11 digits ({k}, {v['select_of']} tensors with more than 255 "
+                        f"symbols), then ranks the {v['select_few']:.0f} keys left" for k, v in sims.items())
+            + " (`select_passes`: the captures' counts, scaled as the fit scales them).", ""]
     out += ["Totals for a 256 MiB tensor (kernel times from the estimates above, plus "
             f"{LAUNCH_US:.0f} us a launch and {READBACK_US:.0f} us for a compress's one read back):", "",
             "| dtype | decompress GB/s | compress GB/s, learned table | compress GB/s, nothing learned |",
@@ -761,7 +816,9 @@ written from the row loaded beside its multi row, the tails' bounds checked once
 branches and computed once, the fit's radix select by 4-bit digits and its rankings (of the leaves, twice,
 and of the canonical order) with a lane's leaves ranked in one pass over all of them, their keys in registers (a
 leaf's key read once a lane, not once for each leaf ranked: the fit 132,325 -> 108,626 instructions by
-`fit_time_us`, 40 -> 56 registers; its radix select is now 38 % of it), bpc's early stop in auto2's measure;
+`fit_time_us`, 40 -> 56 registers), then the radix select stopped once at most 32 keys share the digits found,
+which are ranked among themselves (5.2 of its 11 passes over every symbol, on the captures' counts: 108,626 ->
+90,899), bpc's early stop in auto2's measure;
 fpx's two passes over 16-byte loads, its histogram in fields as wide as its word size allows (one suffix sum per 7
 or 15 units, not per 15 words), zvc's size from fpx's first pass (auto's and auto2's measure 3,105 -> 2,427
 instructions an entry for float32, 4,672 -> 3,220 for bfloat16); pack's fields through 64-bit buffers, a
@@ -951,7 +1008,7 @@ def main(argv=None) -> str:
             mine = budget(args.codec, dtype, args.entry_bytes, sim, folder, measured)
             rows += mine
             by = {r["kernel"].split()[-1]: r for r in mine}
-            fit = fit_time_us(args.codec, spec.word_bytes(dtype), args.entry_bytes, folder)
+            fit = fit_time_us(args.codec, spec.word_bytes(dtype), args.entry_bytes, folder, sim)
             n = TENSOR_BYTES
 
             def seconds(op: str) -> float:

@@ -188,3 +188,20 @@ def test_ncu_launches_of_two_block_sizes_are_two_kernels(tmp_path):
     assert got["auto2 unpack", "float32"]["us"] == pytest.approx(2.0)
     assert got["auto2 unpack (128 threads)", "bfloat16"]["us"] == pytest.approx(4.0)
     assert got["auto2 measure", "float32"]["us"] == pytest.approx(2.0) and got["auto2 measure", "float32"]["launches"] == 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_radix_select_simulated_finds_the_rth_largest(seed):
+    # as buddy_fit_select: the 255th largest of distinct keys c << 12 | (4095 - symbol), stopping its passes once
+    # at most 32 keys share the digits found
+    import numpy as np
+
+    from experiments.kernel_budget import radix_select
+
+    rng = np.random.default_rng(seed)
+    symbols = rng.choice(4096, size=int(rng.integers(256, 4097)), replace=False)
+    c = np.maximum(1, (rng.pareto(1.0 + seed / 2, size=len(symbols)) * 2**14).astype(np.int64)) % (1 << 30)
+    keys = np.maximum(c, 1) << 12 | (4095 - symbols)
+    kth, passes, left = radix_select(keys, 255)
+    assert kth == np.sort(keys)[::-1][254]
+    assert 1 <= passes <= 11 and (left == 0) == (passes == 11) and left <= 32
