@@ -640,7 +640,7 @@ FIT_CPI = 12
 
 #: the fit's loops: iterations a warp runs them, for S = 4096 symbols all present and 257 leaves (a number, or a
 #: key of the lane simulation's results and a factor: the radix select's passes on the captures' counts)
-FIT_ITERATIONS = [
+FIT_ITERATIONS: list[tuple] = [
     (r"i < S \+ 2u; i \+= BUDDY_WARP_SIZE", 129), (r"i < S \+ 1u; i \+= BUDDY_WARP_SIZE", 129),
     (r"i = warp.lane\(\); i < S; i \+= BUDDY_WARP_SIZE", "select_passes", 128), (r"int shift = 40", "select_passes", 1),
     (r"j < few", "select_few", 1),
@@ -675,8 +675,8 @@ def fit_time_us(codec: str, word: int, entry_bytes: int, folder: Path, sim: dict
     groups = [[(a, b) for a, b, other, _ in found if other == line] for line in lines]
     weight = charged_copies(kern, groups, lambda a, b: unrolled(kern, source, a, b, inside=inside(a, b)))
     for a, b, line, _ in found:  # times the loop's iterations
-        weight[a, b] *= next((_iterations(n, sim) for pattern, *n in FIT_ITERATIONS
-                              if re.search(pattern, source[line - 1])), 1)  # fmt: skip
+        weight[a, b] *= next((_iterations(list(n), sim) for pattern, *n in FIT_ITERATIONS
+                              if re.search(str(pattern), source[line - 1])), 1)  # fmt: skip
 
     total = 0.0
     for addr, _, _ in kern.instrs:
