@@ -277,6 +277,7 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
 // A codec with a table fits it where the tensor is: its symbol counts (one
 // pass over the tensor), then the table (one warp). Launch: count, any grid,
 // 256 threads a block, no dynamic shared memory; fit, one block of 32 threads.
+
 // A GPU's count: a lane's 16-byte unit u of the n16 (zeros past them); the first unit of a lane's warp, and the
 // warps' stride (the grid's warps stride over the units together).
 __device__ __forceinline__ buddy_u128 buddy_count_unit(const uint8_t* __restrict__ data, long long u, long long n16) {
