@@ -853,7 +853,8 @@ latency levers above -- unpack's shared memory (the table, then 4 KiB of payload
 holds it at 23 warps an SM; two entries a warp with their walks interleaved; one walk instead of two (the find walk keeping each
 code's symbol in shared memory: by the lane simulation a lane finds 34 codes on average for 32 float32 words and 72
 for 64 bfloat16 words); pack's fields (a word's code from the table and its selects: about 37 instructions a
-bfloat16 word); a fit of more warps."""
+bfloat16 word; a table of whole fields -- code | bits, escapes included -- that each block makes in shared memory
+from enc, as unpack copies its table, would leave a load and a select of them); a fit of more warps."""
 
 NCU = """## Checking it on a GPU
 
