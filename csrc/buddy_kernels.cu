@@ -12,8 +12,8 @@
 // Launch: blockDim.x = 32 * warps per block; pack needs (warps per block) * E
 // bytes of dynamic shared memory (each warp's staging buffer), unpack that
 // times buddy_unpack_staging_entries (2 for fpe and auto2, which decode into
-// shared memory: buddy_ops.h), plus the table's bytes before them when built
-// with BUDDY_UNPACK_SHARED_TABLE=1 (fpe and auto2). Any gridDim.x >= 1, on the caller's stream. Buffers are dense,
+// shared memory: buddy_ops.h); built with BUDDY_SHARED_TABLES=1, fpe's and
+// auto2's unpack the table's bytes before them and their pack its fields'. Any gridDim.x >= 1, on the caller's stream. Buffers are dense,
 // 8-byte aligned (metadata: aligned to its word) and do not alias; the loader
 // checks all of this before launching. Every output byte is written, so
 // outputs may be allocated uninitialised (the histogram excepted: it is added to).
@@ -34,21 +34,23 @@
 // device table of a codec that codes with one (fpe and auto2: a
 // BuddyFpeTable, csrc/codec_fpe.h, built by buddy.engines.cuda.device_table) and
 // null for the others. Each warp builds its codec object from it
-// (buddy_codec); unpack, built with BUDDY_UNPACK_SHARED_TABLE=1, reads a copy
-// of it the block makes in its shared memory (before the warps' staging: the
-// loader's launch_config gives it room), the other kernels read it in global
-// memory, through the cache.
+// (buddy_codec); built with BUDDY_SHARED_TABLES=1, unpack reads a copy of it
+// the block makes in its shared memory and pack a table of whole fields the
+// block makes from it there (before the warps' staging: the loader's
+// launch_config gives them room); the other kernels read it in global memory,
+// through the cache.
+// A table codec's tables in each block's shared memory (1): unpack's copy of the device table, pack's table of
+// whole fields (codec_fpe.h, make_fields), each before the warps' staging; or none, the table read in global memory
+// (0). The loader defines it with the launch's shared memory (buddy.engines.cuda.launch_config).
+#if !defined(BUDDY_SHARED_TABLES)
+#define BUDDY_SHARED_TABLES 0
+#endif
+
 #include "buddy_ops.h"
 // the codecs: auto2 and auto, and zvc, fpx, bpc and fpe, which they compose
 #include "codec_auto2.h"
 // fpe's table counted and fitted on the device
 #include "codec_fpe_fit.h"
-
-// The unpack of a table codec reads the table from shared memory, copied there by each block (1), or from global
-// memory (0): the loader defines it with the launch's shared memory (buddy.engines.cuda.launch_config).
-#if !defined(BUDDY_UNPACK_SHARED_TABLE)
-#define BUDDY_UNPACK_SHARED_TABLE 0
-#endif
 
 // Each module instantiates the kernels of one codec (templates not
 // instantiated cost nearly nothing to compile): the loader compiles with
@@ -132,8 +134,22 @@ __device__ __forceinline__ void buddy_pack_body(const uint8_t* __restrict__ data
                                                 uint8_t* __restrict__ slots, uint8_t* __restrict__ overflow,
                                                 const uint8_t* __restrict__ table) {
   const BuddyCudaWarp warp;
+#if BUDDY_SHARED_TABLES && !defined(BUDDY_NATIVE_SOLO)
+  // A table codec's table of whole fields (make_fields, codec_fpe.h) in the block's first Codec::FIELDS_BYTES of
+  // dynamic shared memory, the warps' staging after it (launch_config): a word's field one load from it
+  Codec codec = buddy_codec<Codec>(table);
+  uint8_t* staging = buddy_staging();
+  if constexpr (Codec::TABLED) {
+    uint32_t* fields = reinterpret_cast<uint32_t*>(buddy_dynamic_shared());
+    codec.make_fields(fields, threadIdx.x, blockDim.x);
+    __syncthreads();
+    codec.use_fields(fields);
+    staging += Codec::FIELDS_BYTES;
+  }
+#else
   const Codec codec = buddy_codec<Codec>(table);
   uint8_t* staging = buddy_staging();
+#endif
   for (long long i = buddy_first_warp(n_entries), end = buddy_last_warp(n_entries); i < end; i += buddy_warp_stride())
     buddy_pack_entry<Codec>(warp, codec, i, data, tail, n_full, meta, ends, s, slots, overflow, staging);
 }
@@ -152,23 +168,22 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
   if constexpr (buddy_walks<Codec>::value)
     if (buddy_last_warp(n_entries) - buddy_first_warp(n_entries) >= BUDDY_WALK_MIN_ENTRIES) codec.prepare_walk();
   uint8_t* staging = buddy_staging(buddy_unpack_staging_entries<Codec>());
-#elif BUDDY_UNPACK_SHARED_TABLE
+#elif BUDDY_SHARED_TABLES
   // The block's first Codec::TABLE_BYTES of dynamic shared memory hold the table, the warps' staging follows
   // (launch_config): its rows are read a code at a time, at random, and from global memory they missed L1 about
   // half the time (a warp waited on L1TEX for 8.5 / 14.8 of its 14.2 / 21.2 cycles an instruction, float32 /
   // bfloat16, on an H200), shared memory answers every one.
   const uint8_t* rows = table;
-  uint8_t* shared = buddy_dynamic_shared();
+  uint8_t* staging = buddy_staging(buddy_unpack_staging_entries<Codec>());
   if constexpr (Codec::TABLED) {
+    uint64_t* copy = reinterpret_cast<uint64_t*>(buddy_dynamic_shared());
     for (uint32_t j = threadIdx.x; j < Codec::TABLE_BYTES / 8u; j += blockDim.x)
-      reinterpret_cast<uint64_t*>(shared)[j] = reinterpret_cast<const uint64_t*>(table)[j];
+      copy[j] = reinterpret_cast<const uint64_t*>(table)[j];
     __syncthreads();
-    rows = shared;
-    shared += Codec::TABLE_BYTES;
+    rows = reinterpret_cast<const uint8_t*>(copy);
+    staging += Codec::TABLE_BYTES;
   }
   const Codec codec = buddy_codec<Codec>(rows);
-  uint8_t* staging =
-      shared + (threadIdx.x / BUDDY_WARP_SIZE) * buddy_unpack_staging_entries<Codec>() * BUDDY_ENTRY_BYTES;
 #else
   const Codec codec = buddy_codec<Codec>(table);
   uint8_t* staging = buddy_staging(buddy_unpack_staging_entries<Codec>());
@@ -208,9 +223,9 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
 // budget, docs/kernel_budget.md). With the table in global memory a block runs at most 8 warps (4 blocks of 8 warps
 // fill an SM's registers at 64); with the table in shared memory at most 24 (one block an SM: 23 warps at 4 KiB on
 // an H100). Smaller entries unroll differently and are left to the compiler (at most 8 warps a block).
-#if BUDDY_ENTRY_BYTES >= 4096 && BUDDY_UNPACK_SHARED_TABLE && !(defined(BUDDY_WORD_BYTES) && BUDDY_WORD_BYTES == 8)
+#if BUDDY_ENTRY_BYTES >= 4096 && BUDDY_SHARED_TABLES && !(defined(BUDDY_WORD_BYTES) && BUDDY_WORD_BYTES == 8)
 #define BUDDY_UNPACK_BOUNDS_LIMITED __launch_bounds__(1024, 1)
-#elif BUDDY_ENTRY_BYTES >= 4096 && BUDDY_UNPACK_SHARED_TABLE
+#elif BUDDY_ENTRY_BYTES >= 4096 && BUDDY_SHARED_TABLES
 #define BUDDY_UNPACK_BOUNDS_LIMITED __launch_bounds__(768, 1)
 #elif BUDDY_ENTRY_BYTES >= 4096 && !(defined(BUDDY_WORD_BYTES) && BUDDY_WORD_BYTES == 8)
 #define BUDDY_UNPACK_BOUNDS_LIMITED __launch_bounds__(256, 4)

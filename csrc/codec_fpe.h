@@ -186,6 +186,28 @@ struct BuddyFpe {
   BUDDY_HD explicit BuddyFpe(const uint8_t* device_table)
       : table(reinterpret_cast<const BuddyFpeTable*>(device_table)), sym_bits(table->sym_bits) {}
 
+#if defined(BUDDY_SHARED_TABLES) && BUDDY_SHARED_TABLES && !defined(BUDDY_NATIVE_SOLO)
+  // Pack's table of whole fields, made by the block in its shared memory (buddy_kernels.cu): for each symbol of
+  // the fit's b the field encode_split packs for a word of it -- head | bits << 24 | a tail follows << 31 --, and
+  // at 2^b a zero word's. A word's field is then one load where it was a table load and the selects around it.
+  const uint32_t* fields = nullptr;
+  BUDDY_HD void use_fields(const uint32_t* f) { fields = f; }
+  static constexpr uint32_t FIELDS_BYTES = 16400u;  // (2^12 + 1) words, to 16 bytes (buddy.engines.cuda)
+  static_assert(4u * ((1u << buddy_fpe_fit_split<WB>::b) + 1u) <= FIELDS_BYTES, "a field a symbol and ZERO's");
+  // fields[0 .. 2^b] by the threads `tid` of `threads`, from the table's entries (field, as encode_split packs it)
+  BUDDY_HD void make_fields(uint32_t* out, uint32_t tid, uint32_t threads) const {
+    constexpr uint32_t b = buddy_fpe_fit_split<WB>::b, t = 8u * WB - b;
+    const Specials sp = specials();
+    for (uint32_t sym = tid; sym <= (1u << b); sym += threads) {
+      // a non-zero word of the symbol (symbol 0's: 1 below its tail; a 1-byte word of symbol 0 is the zero word),
+      // and at 2^b the zero word
+      const word_t x = sym == (1u << b) ? (word_t)0 : (word_t)((uint64_t)sym << t | (uint64_t)(sym == 0u && t > 0u));
+      const Field f = field<b>(x, sp);
+      out[sym] = f.head | f.head_bits << 24 | (uint32_t)f.tail << 31;
+    }
+  }
+#endif
+
 #if defined(BUDDY_NATIVE_SOLO)
   // The native engine's one-lane decoder steps with a walk table (emit_walk): one 8-byte row per value of the
   // next WALK_BITS stream bits (32 KiB) with all a step needs -- emit reads a multi row and a dec row a step and
@@ -694,6 +716,16 @@ struct BuddyFpe {
       // each word's field once (registers: head < 2^24 | its bits << 24 | a tail follows << 31)
       uint32_t packed[unit_words];
       for (uint32_t i = 0; i < unit_words; ++i) {
+#if defined(BUDDY_SHARED_TABLES) && BUDDY_SHARED_TABLES && !defined(BUDDY_NATIVE_SOLO)
+        if constexpr (B != 0u) {  // the fit's b: pack's table of whole fields (make_fields)
+          const word_t x = unit_word(unit, i);
+          const uint32_t sym = (uint32_t)((uint64_t)x >> (8u * WB - B)) & ((1u << B) - 1u);
+          packed[i] = valid ? fields[x == 0 ? 1u << B : sym] : 0u;
+          h += (packed[i] >> 24) & 0x1Fu;
+          z += packed[i] >> 31;
+          continue;
+        }
+#endif
         const Field f = valid ? field<B>(unit_word(unit, i), sp) : Field{0u, 0u, false};
         packed[i] = f.head | f.head_bits << 24 | (uint32_t)f.tail << 31;
         h += f.head_bits;

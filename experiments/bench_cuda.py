@@ -252,8 +252,8 @@ def run(
     ``zero_copy``: each codec's kernels once more with ``BUDDY_ZERO_COPY=1`` (method ``.../cuda+zero-copy``:
     unpack reads the overflow in pinned host memory instead of copying it to the device first; compress is the
     same code either way). ``global_table``: each table codec's kernels once more with
-    ``BUDDY_UNPACK_SHARED_TABLE=0`` (method ``.../cuda+global-table``: unpack reads the table in global memory
-    through L1, as before the table was copied into each block's shared memory). ``count_ballot``: each table
+    ``BUDDY_SHARED_TABLES=0`` (method ``.../cuda+global-table``: pack and unpack read the table in global memory
+    through L1, as before each block made its tables in shared memory). ``count_ballot``: each table
     codec's kernels once more with ``BUDDY_COUNT_MATCH=0`` (method ``.../cuda+count-ballot``: the count kernel's zero
     words by ballots and its other words added one by one, not a warp's equal keys matched). ``max_blocks``: each codec's kernels once more for each ``n`` with at most ``n`` blocks
     a launch (method ``.../cuda+blocks<=n``), the warps looping over the entries: whether a grid of about one wave
@@ -285,7 +285,7 @@ def run(
                 log(_line(rows[-1]))
                 in_place.free()
             tabled = "cuda" in backends and codec in buddy.engines.cuda.TABLED_KERNELS
-            for wanted, env, suffix in ((global_table, buddy.engines.cuda.SHARED_TABLE_ENV, "global-table"),
+            for wanted, env, suffix in ((global_table, buddy.engines.cuda.SHARED_TABLES_ENV, "global-table"),
                                         (count_ballot, buddy.engines.cuda.COUNT_MATCH_ENV, "count-ballot")):  # fmt: skip
                 if wanted and tabled:
                     with _environment(env, "0"):
@@ -382,8 +382,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--zero-copy", action="store_true",
                    help="each codec once more with BUDDY_ZERO_COPY=1 (unpack reads the overflow in pinned host memory)")
     p.add_argument("--global-table", action="store_true",
-                   help="each table codec once more with BUDDY_UNPACK_SHARED_TABLE=0 (unpack reads its table in "
-                        "global memory, not a copy in each block's shared memory)")  # fmt: skip
+                   help="each table codec once more with BUDDY_SHARED_TABLES=0 (pack and unpack read the table in "
+                        "global memory, not tables each block makes in its shared memory)")  # fmt: skip
     p.add_argument("--count-ballot", action="store_true",
                    help="each table codec once more with BUDDY_COUNT_MATCH=0 (the count kernel's zero words by "
                         "ballots, no match)")  # fmt: skip

@@ -23,7 +23,7 @@ times):
 * ``ncu`` (optional): Nsight Compute over the default codec's kernels, the
   metrics of :data:`NCU_METRICS`;
 * ``essentials``: check, bench (fewer repeats; the table codecs also
-  with unpack's table in global memory and with count's ballots), step time (fewer methods, one
+  with their tables in global memory and with count's ballots), step time (fewer methods, one
   compressed step profiled), ncu and unpack reading the overflow in place in one phase; and ``lease``, for a lease
   of 15 minutes: :data:`LEASE`'s phases in one call, each step's limit cut to
   what is left before the call's deadline.
@@ -105,6 +105,7 @@ NCU_METRICS = (
     "launch__registers_per_thread",  # registers
     "smsp__inst_executed.sum",  # instructions executed
     "launch__grid_size",  # blocks of the launch
+    "launch__shared_mem_per_block_dynamic",  # its dynamic shared memory: tells a kernel's layouts apart (--global-table)
     "smsp__issue_active.avg.pct_of_peak_sustained_active",  # issue slots used: low with many warps is latency
     "sm__cycles_elapsed.avg.per_second",  # the SM clock the launch ran at (the clocks are left alone)
     # where a warp's cycles between two instructions go (the latency bound of docs/kernel_budget.md): all of them,
@@ -186,7 +187,8 @@ def _ncu(timeout_s: int) -> Python:
     metrics = os.environ.get("BUDDY_NCU_METRICS") or ",".join(NCU_METRICS)
     wrapper = ("{ncu}", "--metrics", metrics, "--kernel-name", "regex:^buddy_", "--clock-control", "none",
                "--target-processes", "all", "--csv", "--log-file", "{out}/ncu.csv")  # fmt: skip
-    # (--global-table: unpack once more reading its table in global memory, beside the copy in shared memory)
+    # (--global-table: pack and unpack once more reading the table in global memory, beside their tables in shared
+    # memory; ncu.csv tells the two layouts apart by their dynamic shared memory)
     args = ("--mib", "64", "--codecs", _default_codec(), "--repeats", "1", "--warmup", "0", "--no-nvcomp",
             "--global-table", "--out", "{work}/ncu")  # fmt: skip
     return Python("ncu", "experiments.bench_cuda", args, timeout_s, "{work}/ncu/results.json", wrapper=wrapper)
@@ -213,7 +215,7 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
         # What a first look at a GPU needs most, in one phase: the golden check, every codec's speed against
         # nvcomp and memcpy (fewer repeats), step time (fewer methods) with one compressed step profiled,
         # Nsight Compute over the default's kernels (64 MiB), and unpack reading the overflow in place; the table
-        # codecs also with unpack's table in global memory (--global-table) and with the count kernel's ballots
+        # codecs also with their tables in global memory (--global-table) and with the count kernel's ballots
         # (--count-ballot). The lease runs it first (LEASE).
         bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1", "--global-table", "--count-ballot")
         step_args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--steps", "4",

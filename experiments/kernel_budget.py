@@ -793,9 +793,13 @@ left beside 24 warps' 192 KiB of staging --; count's waited on shared memory for
 warp match and atomic adds, most of them on a few bins); measure's and pack's on neither much (2-3 cycles). So
 unpack now copies the table (40 KiB) into each block's shared memory before the warps' staging: on an H100 one
 block of 23 warps an SM, as many blocks as stay resident, their warps striding over the entries
-(`buddy.engines.cuda.launch_config`, `shared_table_layout`; `BUDDY_UNPACK_SHARED_TABLE=0` keeps the table in
-global memory, and the runbook's bench and ncu steps time both). Its instructions change little (4,824 -> 4,659 an
-entry for float32, 7,437 -> 7,209 for bfloat16: shared addresses are 32-bit); what it removes is waiting, which
+(`buddy.engines.cuda.launch_config`, `shared_table_layout`; `BUDDY_SHARED_TABLES=0` keeps the table in
+global memory, and the runbook's bench and ncu steps time both). And pack makes a table of whole fields there
+(16 KiB, `make_fields`: per symbol its code, escape included, its bits and whether a tail follows), so a word's
+field is one shared-memory load where it was a table load and the selects around it: pack 3,352 -> 2,571
+instructions an entry for float32, 5,420 -> 3,553 for bfloat16 (the table made once a resident block, not
+charged). Its instructions change little (4,824 -> 4,677 an
+entry for float32, 7,437 -> 7,293 for bfloat16: shared addresses are 32-bit); what it removes is waiting, which
 only a GPU measures: the unpack estimate above still takes the cycles an instruction took with the table in global
 memory. Were every L1TEX wait of that run gone, a warp's instruction would take 5.7 / 6.4 cycles, the latency
 bound of unpack 2.5 / 3.3 times what it is above (a ceiling: the gather of each payload from global memory still
@@ -853,8 +857,8 @@ latency levers above -- unpack's shared memory (the table, then 4 KiB of payload
 holds it at 23 warps an SM; two entries a warp with their walks interleaved; one walk instead of two (the find walk keeping each
 code's symbol in shared memory: by the lane simulation a lane finds 34 codes on average for 32 float32 words and 72
 for 64 bfloat16 words); pack's fields (a word's code from the table and its selects: about 37 instructions a
-bfloat16 word; a table of whole fields -- code | bits, escapes included -- that each block makes in shared memory
-from enc, as unpack copies its table, would leave a load and a select of them); a fit of more warps."""
+bfloat16 word before the table of whole fields; what is left is the scan and the ORs into the payload); a fit of
+more warps."""
 
 NCU = """## Checking it on a GPU
 
@@ -874,6 +878,10 @@ shared memory (`short_scoreboard`), beside the L1 hit rate.
 # ---- the estimate checked: an ncu run of the GPU runbook ----------------------------------------------
 def _number(text: str) -> float:
     return float(text.replace(",", "")) if text.strip() else math.nan
+
+
+#: Nsight Compute's units of bytes, in bytes (its other units are read as they are)
+_UNITS = {"kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9}
 
 
 def ncu_measured(folder: Path) -> dict:
@@ -901,15 +909,22 @@ def ncu_measured(folder: Path) -> dict:
         if launch not in launches.setdefault(name, {}):
             launches[name][launch] = {"block": _number(row["Block Size"].strip("()").split(",")[0])}
             order.setdefault(name, []).append(launch)
-        launches[name][launch][row["Metric Name"]] = _number(row["Metric Value"])
-    # a kernel launched with blocks of more sizes than one (the bench's --global-table: the table codecs' unpack
-    # also with its table in global memory, 4-warp blocks): each size its own kernel, the largest under its name
+        value = _number(row["Metric Value"]) * _UNITS.get(row.get("Metric Unit", "").strip().lower(), 1.0)
+        launches[name][launch][row["Metric Name"]] = value
+    # a kernel launched in more layouts than one (the bench's --global-table: the table codecs' pack and unpack also
+    # with the table in global memory): each layout -- its dynamic shared memory (where the run read it) and its
+    # block's threads -- its own kernel, the largest under the kernel's name, the others named by it
+    def layout(x: str, name: str) -> tuple[float, float]:
+        smem = launches[name][x].get("launch__shared_mem_per_block_dynamic", math.nan)
+        return (-1.0 if math.isnan(smem) else smem), launches[name][x]["block"]
+
     for name in list(order):
-        sizes = sorted({launches[name][x]["block"] for x in order[name]})
-        for size in sizes[:-1]:
-            variant = f"{name} ({size:.0f} threads)"
-            launches[variant] = {x: launches[name][x] for x in order[name] if launches[name][x]["block"] == size}
-            order[variant] = [x for x in order[name] if x in launches[variant]]
+        kinds = sorted({layout(x, name) for x in order[name]}, reverse=True)
+        for smem, block in kinds[1:]:
+            variant = f"{name} ({block:.0f} threads" + ("" if smem < 0 else f", {smem:,.0f} B shared") + ")"
+            ids = [x for x in order[name] if layout(x, name) == (smem, block)]
+            launches[variant] = {x: launches[name][x] for x in ids}
+            order[variant] = ids
             order[name] = [x for x in order[name] if x not in launches[variant]]
     out: dict = {}
     for name, ids in order.items():

@@ -145,10 +145,10 @@ def test_max_blocks_times_the_cuda_kernels_again_on_a_capped_grid(gen, monkeypat
 
 
 @pytest.mark.parametrize(("option", "env", "suffix"), [
-    ("global_table", "SHARED_TABLE_ENV", "global-table"), ("count_ballot", "COUNT_MATCH_ENV", "count-ballot"),
+    ("global_table", "SHARED_TABLES_ENV", "global-table"), ("count_ballot", "COUNT_MATCH_ENV", "count-ballot"),
 ])  # fmt: skip
 def test_variants_time_the_table_codecs_again(gen, monkeypatch, option, env, suffix):
-    """--global-table (--count-ballot): each table codec's CUDA kernels once more with BUDDY_UNPACK_SHARED_TABLE=0
+    """--global-table (--count-ballot): each table codec's CUDA kernels once more with BUDDY_SHARED_TABLES=0
     (BUDDY_COUNT_MATCH=0) set while they run (and restored after), the rows named so; the other codecs once."""
     seen = []
     env = getattr(bench_cuda.buddy.engines.cuda, env)

@@ -92,7 +92,8 @@ def test_launch_configuration():
 
 def test_launch_configuration_with_the_table_in_shared_memory():
     """Given a device's shared memory, a table codec's unpack gives each block the table before its warps'
-    staging: the most warps an SM, as many blocks as stay resident (their warps stride over the rest)."""
+    staging, its pack the table of whole fields: the most warps an SM (unpack), as many blocks as stay resident
+    (their warps stride over the rest)."""
     table = bcuda.DEVICE_TABLE_BYTES
     assert table % 16 == 0
     # an H100: one block of 23 warps an SM at 4 KiB (24 would need 232 KiB); 132 blocks however many entries
@@ -105,42 +106,48 @@ def test_launch_configuration_with_the_table_in_shared_memory():
         block = table + warps * 2 * e
         assert block <= bcuda.HOPPER.per_block and per_sm * (block + 1024) <= bcuda.HOPPER.per_sm, e
         assert warps <= (24 if e >= 4096 else 8) and warps * per_sm <= 64
+    # pack: the table of whole fields before the warps' staging, its warps as before, the resident blocks looping
+    fields = bcuda.FIELDS_BYTES
+    assert bcuda.launch_config("pack", 4096, 10**6, "fpe", bcuda.HOPPER) == (132 * 4, 256, fields + 8 * 4096)
+    assert bcuda.launch_config("pack", 4096, 1000, "auto2", bcuda.HOPPER) == (125, 256, fields + 8 * 4096)
+    assert bcuda.launch_config("pack", 65536, 1000, "fpe", bcuda.HOPPER) == (264, 32, fields + 65536)
     # the other codecs and ops, and no device given: as before
     assert bcuda.launch_config("unpack", 4096, 1000, "zvc", bcuda.HOPPER) == bcuda.launch_config("unpack", 4096, 1000)
-    assert bcuda.launch_config("pack", 4096, 1000, "fpe", bcuda.HOPPER) == bcuda.launch_config("pack", 4096, 1000)
+    assert bcuda.launch_config("pack", 4096, 1000, "zvc", bcuda.HOPPER) == bcuda.launch_config("pack", 4096, 1000)
+    assert bcuda.launch_config("measure", 4096, 1000, "fpe", bcuda.HOPPER) == bcuda.launch_config("measure", 4096, 1000)
     # a device whose block cannot hold the table and one warp's 128 KiB: the table stays in global memory
     small = bcuda.SharedMemory(sms=108, per_block=163 << 10, per_sm=164 << 10)
     assert bcuda.shared_table_layout(65536, small) is None
     assert bcuda.launch_config("unpack", 65536, 3, "fpe", small) == bcuda.launch_config("unpack", 65536, 3, "fpe")
-    assert bcuda.compile_options(4096, "fpe", 4, shared_table=True)[-1] == "-DBUDDY_UNPACK_SHARED_TABLE=1"
+    assert bcuda.compile_options(4096, "fpe", 4, shared_tables=True)[-1] == "-DBUDDY_SHARED_TABLES=1"
     assert not any("SHARED_TABLE" in o for o in bcuda.compile_options(4096, "fpe", 4))
 
 
 @pytest.mark.parametrize(("env", "shared", "entry_bytes"), [
     pytest.param(None, bcuda.HOPPER, 4096, id="H100"),
-    pytest.param("0", bcuda.HOPPER, 4096, id="H100-BUDDY_UNPACK_SHARED_TABLE=0"),
+    pytest.param("0", bcuda.HOPPER, 4096, id="H100-BUDDY_SHARED_TABLES=0"),
     pytest.param(None, bcuda.SharedMemory(108, 163 << 10, 164 << 10), 65536, id="A100-E=65536"),
 ])  # fmt: skip
 def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, env, shared, entry_bytes):
     """The loader's launch (buddy.engines.cuda._launch, CuPy faked): a table codec's kernels come from the module
     whose unpack copies its table into shared memory, launched with that configuration, where the device holds it
-    and ``BUDDY_UNPACK_SHARED_TABLE`` is not 0; the other codecs' as before."""
+    and ``BUDDY_SHARED_TABLES`` is not 0; the other codecs' as before."""
     import contextlib
     import types
 
     launched = []
 
-    def kernel(codec, op, e, device, shared_bytes, word, shared_table=False):
+    def kernel(codec, op, e, device, shared_bytes, word, shared_tables=False):
         def launch(grid, block, args, stream, shared_mem):
-            launched.append((op, shared_table, grid[0], block[0], shared_mem))
+            launched.append((op, shared_tables, grid[0], block[0], shared_mem))
             assert shared_mem == shared_bytes
 
         return launch
 
     if env is None:
-        monkeypatch.delenv(bcuda.SHARED_TABLE_ENV, raising=False)
+        monkeypatch.delenv(bcuda.SHARED_TABLES_ENV, raising=False)
     else:
-        monkeypatch.setenv(bcuda.SHARED_TABLE_ENV, env)
+        monkeypatch.setenv(bcuda.SHARED_TABLES_ENV, env)
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext()))
     monkeypatch.setattr(bcuda, "_cupy", lambda: fake)
     monkeypatch.setattr(bcuda, "_cupy_stream", lambda cupy, device: None)
@@ -153,7 +160,7 @@ def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, e
     in_shared = env is None and bcuda.shared_table_layout(entry_bytes, shared) is not None
     # (one module for all of a codec's kernels: the define changes its unpack alone)
     assert [a[:2] for a in launched] == [("pack", in_shared), ("unpack", in_shared), ("unpack", False)]
-    assert launched[0][2:] == bcuda.launch_config("pack", entry_bytes, 1000, "auto2")
+    assert launched[0][2:] == bcuda.launch_config("pack", entry_bytes, 1000, "auto2", shared if in_shared else None)
     want = bcuda.launch_config("unpack", entry_bytes, 1000, "auto2", shared if in_shared else None)
     assert launched[1][2:] == want
     assert in_shared == (env is None and entry_bytes == 4096)
@@ -342,6 +349,9 @@ def test_table_sizes_agree_with_the_sources():
     fpe_h = bcuda.read_source("codec_fpe.h")
     assert "8u * BUDDY_FPE_ROWS + 2u * BUDDY_FPE_SYMBOLS + 12u" in fpe_h
     assert bcuda.DEVICE_TABLE_BYTES == 8 * 4096 + 2 * 4098 + 12
+    # pack's table of whole fields in shared memory: a word a symbol of 12 bits and a zero word's, to 16 bytes
+    assert int(re.search(r"FIELDS_BYTES = (\d+)u;", fpe_h).group(1)) == bcuda.FIELDS_BYTES == 16400
+    assert bcuda.FIELDS_BYTES % 16 == 0 and bcuda.FIELDS_BYTES >= 4 * (4096 + 1)
 
 
 def test_codecs_with_kernels():

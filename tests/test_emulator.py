@@ -321,8 +321,13 @@ MUTATIONS = [
     ),
     Mutation(
         "unpack: no __syncthreads between copying the table into shared memory and reading it", "buddy_kernels.cu",
-        "    __syncthreads();\n    rows = shared;", "    rows = shared;", "fpe", "tsan", "race",
+        "    __syncthreads();\n    rows = reinterpret_cast", "    rows = reinterpret_cast", "fpe", "tsan", "race",
         (("buddy_kernels.cu", "buddy_unpack_body"), ("codec_fpe.h", "BuddyFpe")),
+    ),
+    Mutation(
+        "pack: no __syncthreads between making the table of whole fields and reading it", "buddy_kernels.cu",
+        "    __syncthreads();\n    codec.use_fields(", "    codec.use_fields(", "fpe", "tsan", "race",
+        (("codec_fpe.h", "make_fields"), ("codec_fpe.h", "encode_split")),
     ),
     Mutation(
         "fpe encode: no warp.sync() between zeroing the payload and ORing the fields in", "codec_fpe.h",

@@ -160,9 +160,10 @@ def test_cycles_per_instruction_of_a_gpu_run():
     assert cycles_per_instruction(row | {"clock GHz": 1.98}) == pytest.approx(12.66 * 1.98 / 1.755, rel=1e-3)
 
 
-def test_ncu_launches_of_two_block_sizes_are_two_kernels(tmp_path):
+def test_ncu_launches_of_two_layouts_are_two_kernels(tmp_path):
     # the bench under ncu with --global-table: per tensor, auto2's unpack once with the table in shared memory
-    # (736 threads a block) and once in global memory (128), measure twice with one block size
+    # (736 threads a block) and once in global memory (128), pack twice with one block size and two sizes of
+    # dynamic shared memory (49,168 and 32,768 bytes; ncu may say Kbyte), measure twice alike
     import json
 
     from experiments.kernel_budget import ncu_measured
@@ -174,19 +175,26 @@ def test_ncu_launches_of_two_block_sizes_are_two_kernels(tmp_path):
     record = {"device": "GPU", "commit": "c", "command": "x",
               "steps": [{"name": "ncu", "result": {"rows": rows, "args": {"mib": 1}}}]}  # fmt: skip
     (tmp_path / "essentials.json").write_text(json.dumps(record))
-    head = '"ID","Kernel Name","Block Size","Metric Name","Metric Value"'
+    head = '"ID","Kernel Name","Block Size","Metric Name","Metric Unit","Metric Value"'
     lines, launch = ["==PROF== Connected", head], 0
+    smem = "launch__shared_mem_per_block_dynamic"
     for _tensor in "ab":
-        for kernel, block, ns in (("measure", 256, 1000), ("unpack", 736, 2000), ("measure", 256, 3000),
-                                  ("unpack", 128, 4000)):  # fmt: skip
-            lines.append(f'"{launch}","buddy_auto2_{kernel}","({block}, 1, 1)","gpu__time_duration.sum","{ns}"')
+        for kernel, block, ns, shared in (("measure", 256, 1000, '"byte","0"'), ("pack", 256, 5000, '"Kbyte","49.17"'),
+                                          ("unpack", 736, 2000, '"Kbyte","229.39"'), ("measure", 256, 3000, '"byte","0"'),
+                                          ("pack", 256, 6000, '"byte","32,768"'),
+                                          ("unpack", 128, 4000, '"byte","32,768"')):  # fmt: skip
+            lines.append(f'"{launch}","buddy_auto2_{kernel}","({block}, 1, 1)","gpu__time_duration.sum","ns","{ns}"')
+            lines.append(f'"{launch}","buddy_auto2_{kernel}","({block}, 1, 1)","{smem}",{shared}')
             launch += 1
     (tmp_path / "ncu.csv").write_text("\n".join(lines) + "\n")
     got = ncu_measured(tmp_path)["rows"]
-    assert sorted(got) == sorted((k, d) for k in ("auto2 measure", "auto2 unpack", "auto2 unpack (128 threads)")
-                                 for d in ("float32", "bfloat16"))  # fmt: skip
+    kernels = ("auto2 measure", "auto2 pack", "auto2 pack (256 threads, 32,768 B shared)", "auto2 unpack",
+               "auto2 unpack (128 threads, 32,768 B shared)")  # fmt: skip
+    assert sorted(got) == sorted((k, d) for k in kernels for d in ("float32", "bfloat16"))
     assert got["auto2 unpack", "float32"]["us"] == pytest.approx(2.0)
-    assert got["auto2 unpack (128 threads)", "bfloat16"]["us"] == pytest.approx(4.0)
+    assert got["auto2 unpack (128 threads, 32,768 B shared)", "bfloat16"]["us"] == pytest.approx(4.0)
+    assert got["auto2 pack", "float32"]["us"] == pytest.approx(5.0)
+    assert got["auto2 pack (256 threads, 32,768 B shared)", "float32"]["us"] == pytest.approx(6.0)
     assert got["auto2 measure", "float32"]["us"] == pytest.approx(2.0) and got["auto2 measure", "float32"]["launches"] == 2
 
 

@@ -96,6 +96,7 @@ __all__ = [
     "KERNEL_CODECS",
     "TABLED_KERNELS",
     "DEVICE_TABLE_BYTES",
+    "FIELDS_BYTES",
     "FIT_SERIAL_BYTES",
     "FIT_WORK_BYTES",
     "device_table",
@@ -179,17 +180,18 @@ def translation_unit(name: str = _SOURCE) -> str:
 
 
 def compile_options(
-    entry_bytes: int, codec: str = "all", word_bytes: int | None = None, shared_table: bool = False
+    entry_bytes: int, codec: str = "all", word_bytes: int | None = None, shared_tables: bool = False
 ) -> tuple[str, ...]:
     """NVRTC options: C++17, the format constants of this entry size, which codec's kernels to build, when given
     the one word size they are built for (csrc/buddy_kernels.cu: a kernel of one word size needs fewer registers
-    than one of all four), and whether a table codec's unpack copies its table into shared memory
-    (``shared_table``: launched with :func:`launch_config`'s ``shared`` then)."""
+    than one of all four), and whether a table codec's tables are in each block's shared memory (``shared_tables``:
+    unpack's copy of the device table, pack's table of whole fields; launched with :func:`launch_config`'s
+    ``shared`` then)."""
     defines = spec.c_defines(spec.check_entry_bytes(entry_bytes))
     if word_bytes is not None and word_bytes not in WORD_SIZES:  # a launch's last argument, read as the word size
         raise ValueError(f"word sizes are 1, 2, 4 or 8 bytes, got {word_bytes!r}")
     words = () if word_bytes is None else (f"-DBUDDY_WORD_BYTES={int(word_bytes)}",)
-    table = ("-DBUDDY_UNPACK_SHARED_TABLE=1",) if shared_table else ()
+    table = ("-DBUDDY_SHARED_TABLES=1",) if shared_tables else ()
     return (
         "-std=c++17", *(f"-D{k}={v}" for k, v in defines.items()), f"-DBUDDY_CODEC_{codec.upper()}=1", *words, *table
     )
@@ -208,8 +210,8 @@ class SharedMemory:
 
 #: an H100's (SXM) and an H200's: the launches the emulator runs and the kernel budget estimates
 HOPPER = SharedMemory(sms=132, per_block=227 << 10, per_sm=228 << 10)
-#: ``BUDDY_UNPACK_SHARED_TABLE=0``: a table codec's unpack reads its table in global memory (the layout before)
-SHARED_TABLE_ENV = "BUDDY_UNPACK_SHARED_TABLE"
+#: ``BUDDY_SHARED_TABLES=0``: a table codec's pack and unpack read its table in global memory (the layouts before)
+SHARED_TABLES_ENV = "BUDDY_SHARED_TABLES"
 #: ``BUDDY_COUNT_MATCH=0``: the count kernel counts a warp's zero words by ballots and adds every other word on its
 #: own, where by default a warp's lanes of equal keys add their number once (a match); the same counts either way
 COUNT_MATCH_ENV = "BUDDY_COUNT_MATCH"
@@ -247,18 +249,20 @@ def launch_config(
     (``n_entries``: the 8-byte units) up to :data:`COUNT_BLOCKS` blocks,
     which then loop; its ``fit`` is one warp.
 
-    Given the device's ``shared`` memory, a table codec's unpack copies its
-    table into each block's shared memory, before the warps' staging, where
-    :func:`shared_table_layout` finds room (the module compiled with
-    ``compile_options(..., shared_table=True)``): as many blocks as stay
-    resident at once, their warps striding over the entries, so the table is
-    copied once a resident block.
+    Given the device's ``shared`` memory, a table codec's tables go into
+    each block's shared memory, before the warps' staging (the module
+    compiled with ``compile_options(..., shared_tables=True)``): unpack's copy
+    of the device table, where :func:`shared_table_layout` finds room, and
+    pack's table of whole fields (:data:`FIELDS_BYTES`), its warps as before.
+    Either runs as many blocks as stay resident at once, their warps striding
+    over the entries, so a block makes its table once.
     """
     if op == "fit":
         return 1, _WARP, 0
     if op == "count":  # a lane loads 16 bytes a round; the blocks loop, their histograms zeroed and added once
         return max(1, min(COUNT_BLOCKS, -(-n_entries // 512))), 256, 0
-    found = shared_table_layout(entry_bytes, shared) if shared and op == "unpack" and codec in TABLED_KERNELS else None
+    tables = shared is not None and codec in TABLED_KERNELS
+    found = shared_table_layout(entry_bytes, shared) if tables and op == "unpack" else None  # type: ignore[arg-type]
     if found is not None:
         warps, per_sm = found
         blocks = max(1, min(shared.sms * per_sm, -(-n_entries // warps)))  # type: ignore[union-attr]
@@ -267,6 +271,10 @@ def launch_config(
     per_warp = entry_bytes * (2 if op == "unpack" and codec in TABLED_KERNELS else 1)
     warps = max(1, min(8, STAGING_BYTES // per_warp)) if staged else 8
     blocks = max(1, min(MAX_BLOCKS, -(-n_entries // warps)))
+    if tables and op == "pack":  # the fields first, then the warps' staging; the resident blocks loop
+        block = FIELDS_BYTES + warps * entry_bytes
+        per_sm = max(1, min(shared.per_sm // (block + shared.reserved), 64 // warps, 32))  # type: ignore[union-attr]
+        return max(1, min(shared.sms * per_sm, blocks)), warps * _WARP, block  # type: ignore[union-attr]
     return blocks, warps * _WARP, warps * per_warp if staged else 0
 
 
@@ -300,16 +308,16 @@ def _module(source: str, options: tuple[str, ...], device: torch.device):
 
 def _kernel(
     codec: str, op: str, entry_bytes: int, device: torch.device, shared_bytes: int, word_bytes: int,
-    shared_table: bool = False,
+    shared_tables: bool = False,
 ):  # fmt: skip
-    """Kernel ``buddy_<codec>_<op>`` for this entry and word size (and ``shared_table``: see
+    """Kernel ``buddy_<codec>_<op>`` for this entry and word size (and ``shared_tables``: see
     :func:`compile_options`), compiled for ``device`` (and allowed its shared memory): a module per codec, entry
     size, word size and table place."""
-    key = (codec, op, entry_bytes, device.index, word_bytes, shared_table)
+    key = (codec, op, entry_bytes, device.index, word_bytes, shared_tables)
     kernel = _kernels.get(key)
     if kernel is None:
         cupy = _cupy()
-        options = compile_options(entry_bytes, codec, word_bytes, shared_table)
+        options = compile_options(entry_bytes, codec, word_bytes, shared_tables)
         module = _module(translation_unit(_SOURCE), options, device)
         with cupy.cuda.Device(device.index):
             kernel = module.get_function(f"buddy_{codec}_{op}")  # compiles (NVRTC) on first use
@@ -362,16 +370,17 @@ def _cupy_stream(cupy, device: torch.device):
 
 
 def device_shared_memory(device: torch.device) -> SharedMemory | None:
-    """:class:`SharedMemory` of ``device`` (its properties), or None where ``BUDDY_UNPACK_SHARED_TABLE=0`` asks a
-    table codec's unpack to read its table in global memory."""
-    if os.environ.get(SHARED_TABLE_ENV, "1").strip() == "0":
+    """:class:`SharedMemory` of ``device`` (its properties), or None where ``BUDDY_SHARED_TABLES=0`` asks a
+    table codec's pack and unpack to read its table in global memory."""
+    if os.environ.get(SHARED_TABLES_ENV, "1").strip() == "0":
         return None
     return _device_shared_memory(device.index)
 
 
 def _table_in_shared(codec: str, entry_bytes: int, device: torch.device) -> SharedMemory | None:
-    """The device's :class:`SharedMemory` where ``codec``'s unpack copies its table into shared memory there (its
-    module compiled so: every kernel of the codec comes from that one module), else None."""
+    """The device's :class:`SharedMemory` where ``codec``'s tables go into shared memory there (its module compiled
+    so: every kernel of the codec comes from that one module), else None. Unpack's needs the most room: where it
+    fits, pack's does."""
     if codec not in TABLED_KERNELS:
         return None
     limits = device_shared_memory(device)
@@ -464,6 +473,9 @@ TABLED_KERNELS = frozenset(
 #: MAX_CODE_BITS stream bits (uint32 each), an encode entry per symbol of the widest symbols (uint16: 12 bits,
 #: ZERO and ESC), the bits of a word a symbol is, the layout and the span model (uint32 each)
 DEVICE_TABLE_BYTES = 8 * (1 << MAX_CODE_BITS) + 2 * n_symbols(8) + 12
+#: bytes of pack's table of whole fields in a block's shared memory (``BuddyFpe::FIELDS_BYTES``): a 32-bit field
+#: for each of the 2^12 symbols of the fit's b and for a zero word, to 16 bytes
+FIELDS_BYTES = 16400
 #: bytes of the serialized table a fit writes: the longest :meth:`Table.to_bytes` (``BUDDY_FPE_SERIAL_BYTES``)
 FIT_SERIAL_BYTES = 4 + 3 * (MAX_CODED + 2)
 #: scratch bytes of a fit (``sizeof(BuddyFpeFitWork)``, csrc/codec_fpe_fit.h)
