@@ -396,37 +396,8 @@ BUDDY_WARP_FN void buddy_fpe_fit(const Warp& warp, const int64_t* counts, uint32
   for (uint32_t i = lane; i < BUDDY_FPE_SERIAL_BYTES; i += BUDDY_WARP_SIZE) serial[i] = 0;
   warp.sync();
 
-  // canonical order: by (length, symbol)
-#if defined(BUDDY_NATIVE_SOLO)
-  {  // one lane: sorted (the keys are distinct), not ranked
-    uint32_t keys[BUDDY_FPE_MAX_LEAVES];
-    for (uint32_t i = 0; i < n; ++i) keys[i] = wk->len[i] << 13 | wk->s[i];
-    std::sort(keys, keys + n);
-    for (uint32_t r = 0; r < n; ++r) {
-      wk->canon_s[r] = keys[r] & 0x1FFFu;
-      wk->canon_len[r] = keys[r] >> 13;
-    }
-  }
-#else
-  {  // ranked as buddy_fit_sort ranks: a lane's leaves in one pass over all of them
-    uint32_t mine[BUDDY_FIT_PER_LANE], rank[BUDDY_FIT_PER_LANE];
-    for (uint32_t k = 0; k < BUDDY_FIT_PER_LANE; ++k) {
-      const uint32_t i = lane + BUDDY_WARP_SIZE * k;
-      mine[k] = i < n ? wk->len[i] << 13 | wk->s[i] : ~0u;
-      rank[k] = 0;
-    }
-    for (uint32_t j = 0; j < n; ++j) {
-      const uint32_t key = wk->len[j] << 13 | wk->s[j];
-      for (uint32_t k = 0; k < BUDDY_FIT_PER_LANE; ++k) rank[k] += key < mine[k];
-    }
-    for (uint32_t k = 0; k < BUDDY_FIT_PER_LANE; ++k)
-      if (lane + BUDDY_WARP_SIZE * k < n) {
-        wk->canon_s[rank[k]] = mine[k] & 0x1FFFu;
-        wk->canon_len[rank[k]] = mine[k] >> 13;
-      }
-  }
-#endif
-  warp.sync();
+  // canonical order: by (length, symbol), ranked as the leaves are (a code's length is at least 1: its own key)
+  buddy_fit_sort(warp, wk->len, wk->s, n, 0u, wk->canon_len, wk->canon_s);
   // codes: the Kraft sum before each, at its length; written most significant bit first
   uint32_t kraft = 0, model_num = 0, model_den = 0;  // the span model's sums (fpe.Table.span_model)
   for (uint32_t base = 0; base < n; base += BUDDY_WARP_SIZE) {

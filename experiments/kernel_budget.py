@@ -151,17 +151,12 @@ def build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[s
     return _BUILT[key]
 
 
-def _shared_table(codec: str, entry_bytes: int) -> bool:
-    """Whether the loader builds ``codec``'s unpack with its table in shared memory on an H100."""
-    return codec in bcuda.TABLED_KERNELS and bcuda.shared_table_layout(entry_bytes, bcuda.HOPPER) is not None
-
-
 def _build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[str, Kernel], list[str]]:
     unit = folder / "kernels.cu"
     text = bcuda.translation_unit()
     unit.write_text(text)
     cubin = folder / f"{codec}_{word}.cubin"
-    cmd = [_tool("nvcc"), "-arch=sm_90", "-lineinfo", "-Xptxas", "-v", *bcuda.compile_options(entry_bytes, codec, word, _shared_table(codec, entry_bytes)),
+    cmd = [_tool("nvcc"), "-arch=sm_90", "-lineinfo", "-Xptxas", "-v", *bcuda.compile_options(entry_bytes, codec, word, bcuda.shares_tables(codec, entry_bytes, bcuda.HOPPER)),
            "-cubin", str(unit), "-o", str(cubin)]  # fmt: skip
     log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
     kernels: dict[str, Kernel] = {}
@@ -798,7 +793,7 @@ global memory, and the runbook's bench and ncu steps time both). And pack makes 
 (16 KiB, `make_fields`: per symbol its code, escape included, its bits and whether a tail follows), so a word's
 field is one shared-memory load where it was a table load and the selects around it: pack 3,352 -> 2,571
 instructions an entry for float32, 5,420 -> 3,553 for bfloat16 (the table made once a resident block, not
-charged). Its instructions change little (4,824 -> 4,677 an
+charged). Unpack's instructions change little (4,824 -> 4,677 an
 entry for float32, 7,437 -> 7,293 for bfloat16: shared addresses are 32-bit); what it removes is waiting, which
 only a GPU measures: the unpack estimate above still takes the cycles an instruction took with the table in global
 memory. Were every L1TEX wait of that run gone, a warp's instruction would take 5.7 / 6.4 cycles, the latency
@@ -822,7 +817,7 @@ and of the canonical order) with a lane's leaves ranked in one pass over all of 
 leaf's key read once a lane, not once for each leaf ranked: the fit 132,325 -> 108,626 instructions by
 `fit_time_us`, 40 -> 56 registers), then the radix select stopped once at most 32 keys share the digits found,
 which are ranked among themselves (5.2 of its 11 passes over every symbol, on the captures' counts: 108,626 ->
-90,899), bpc's early stop in auto2's measure;
+90,899), and the canonical order ranked by the leaves' routine (84,882), bpc's early stop in auto2's measure;
 fpx's two passes over 16-byte loads, its histogram in fields as wide as its word size allows (one suffix sum per 7
 or 15 units, not per 15 words), zvc's size from fpx's first pass (auto's and auto2's measure 3,105 -> 2,427
 instructions an entry for float32, 4,672 -> 3,220 for bfloat16); pack's fields through 64-bit buffers, a

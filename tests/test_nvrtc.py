@@ -86,7 +86,7 @@ def test_every_codec_compiles_with_nvrtc(nvrtc, entry_bytes):
 
     def one(job: tuple[str, int]):
         codec, word_bytes = job
-        table = codec in bcuda.TABLED_KERNELS and bcuda.shared_table_layout(entry_bytes, bcuda.HOPPER) is not None
+        table = bcuda.shares_tables(codec, entry_bytes, bcuda.HOPPER)
         options = (*bcuda.compile_options(entry_bytes, codec, word_bytes, table), ARCH)
         return codec, word_bytes, compile_ptx(nvrtc, source, options)
 

@@ -110,6 +110,7 @@ __all__ = [
     "SharedMemory",
     "HOPPER",
     "shared_table_layout",
+    "shares_tables",
 ]
 
 #: alignment (bytes) the kernels need of the tensor's data (every other buffer is allocated here)
@@ -207,6 +208,11 @@ class SharedMemory:
     per_sm: int
     reserved: int = 1 << 10
 
+    def blocks_per_sm(self, block_bytes: int, warps: int) -> int:
+        """Blocks of ``warps`` warps and ``block_bytes`` of shared memory resident on an SM at once (64 warps and 32
+        blocks an SM at most)."""
+        return min(self.per_sm // (block_bytes + self.reserved), 64 // warps, 32)
+
 
 #: an H100's (SXM) and an H200's: the launches the emulator runs and the kernel budget estimates
 HOPPER = SharedMemory(sms=132, per_block=227 << 10, per_sm=228 << 10)
@@ -217,6 +223,7 @@ SHARED_TABLES_ENV = "BUDDY_SHARED_TABLES"
 COUNT_MATCH_ENV = "BUDDY_COUNT_MATCH"
 
 
+@functools.cache
 def shared_table_layout(entry_bytes: int, shared: SharedMemory) -> tuple[int, int] | None:
     """``(warps a block, blocks an SM)`` of a table codec's unpack with its table in shared memory on a device
     of ``shared``: each block holds the table (:data:`DEVICE_TABLE_BYTES`) and ``2 E`` a warp; the most warps
@@ -229,7 +236,7 @@ def shared_table_layout(entry_bytes: int, shared: SharedMemory) -> tuple[int, in
         block = DEVICE_TABLE_BYTES + warps * 2 * entry_bytes
         if block > shared.per_block:
             break
-        per_sm = min(shared.per_sm // (block + shared.reserved), 64 // warps, 32)
+        per_sm = shared.blocks_per_sm(block, warps)
         if per_sm and (best is None or per_sm * warps >= best[0] * best[1]):
             best = warps, per_sm
     return best
@@ -261,20 +268,19 @@ def launch_config(
         return 1, _WARP, 0
     if op == "count":  # a lane loads 16 bytes a round; the blocks loop, their histograms zeroed and added once
         return max(1, min(COUNT_BLOCKS, -(-n_entries // 512))), 256, 0
-    tables = shared is not None and codec in TABLED_KERNELS
-    found = shared_table_layout(entry_bytes, shared) if tables and op == "unpack" else None  # type: ignore[arg-type]
-    if found is not None:
+    tables = shared if codec in TABLED_KERNELS else None
+    found = shared_table_layout(entry_bytes, tables) if tables is not None and op == "unpack" else None
+    if tables is not None and found is not None:
         warps, per_sm = found
-        blocks = max(1, min(shared.sms * per_sm, -(-n_entries // warps)))  # type: ignore[union-attr]
+        blocks = max(1, min(tables.sms * per_sm, -(-n_entries // warps)))
         return blocks, warps * _WARP, DEVICE_TABLE_BYTES + warps * 2 * entry_bytes
     staged = op != "measure"
     per_warp = entry_bytes * (2 if op == "unpack" and codec in TABLED_KERNELS else 1)
     warps = max(1, min(8, STAGING_BYTES // per_warp)) if staged else 8
     blocks = max(1, min(MAX_BLOCKS, -(-n_entries // warps)))
-    if tables and op == "pack":  # the fields first, then the warps' staging; the resident blocks loop
+    if tables is not None and op == "pack":  # the fields first, then the warps' staging; the resident blocks loop
         block = FIELDS_BYTES + warps * entry_bytes
-        per_sm = max(1, min(shared.per_sm // (block + shared.reserved), 64 // warps, 32))  # type: ignore[union-attr]
-        return max(1, min(shared.sms * per_sm, blocks)), warps * _WARP, block  # type: ignore[union-attr]
+        return max(1, min(tables.sms * max(1, tables.blocks_per_sm(block, warps)), blocks)), warps * _WARP, block
     return blocks, warps * _WARP, warps * per_warp if staged else 0
 
 
@@ -377,14 +383,17 @@ def device_shared_memory(device: torch.device) -> SharedMemory | None:
     return _device_shared_memory(device.index)
 
 
+def shares_tables(codec: str, entry_bytes: int, shared: SharedMemory) -> bool:
+    """Whether ``codec``'s tables go into the shared memory of a device of ``shared`` (its module compiled so: every
+    kernel of the codec comes from that one module). Unpack's needs the most room: where it fits, pack's does."""
+    return codec in TABLED_KERNELS and shared_table_layout(entry_bytes, shared) is not None
+
+
 def _table_in_shared(codec: str, entry_bytes: int, device: torch.device) -> SharedMemory | None:
-    """The device's :class:`SharedMemory` where ``codec``'s tables go into shared memory there (its module compiled
-    so: every kernel of the codec comes from that one module), else None. Unpack's needs the most room: where it
-    fits, pack's does."""
-    if codec not in TABLED_KERNELS:
-        return None
-    limits = device_shared_memory(device)
-    return limits if limits is not None and shared_table_layout(entry_bytes, limits) is not None else None
+    """The device's :class:`SharedMemory` where ``codec``'s tables go into its shared memory (:func:`shares_tables`;
+    not with ``BUDDY_SHARED_TABLES=0``), else None."""
+    limits = device_shared_memory(device) if codec in TABLED_KERNELS else None
+    return limits if limits is not None and shares_tables(codec, entry_bytes, limits) else None
 
 
 #: the CUDA runtime's device attributes read (cudaDevAttr*: driver_types.h)
