@@ -387,6 +387,23 @@ def test_builds_are_cached_on_disk(monkeypatch, tmp_path):
     assert native.library("zvc", 256).path == first and os.stat(first).st_mtime_ns == mtime  # not built again
 
 
+@pytest.mark.parametrize("codec", ("fpe", "auto2"))
+def test_a_build_without_avx512_writes_the_same_bytes(codec, activations, monkeypatch, store):
+    """The one-lane builds take AVX-512 paths where ``-march=native`` allows them (fpe's encode of 4-byte words:
+    its tails compacted, its codes' table entries gathered, 16 words at a time); built without them, the plain
+    loops run. Both write the reference's bytes (on a host without AVX-512 both builds are the plain loops)."""
+    monkeypatch.setattr(native, "_FLAGS", (*native._FLAGS, "-mno-avx512f"))
+    monkeypatch.setattr(native, "_libraries", {})
+    g = torch.Generator().manual_seed(3)
+    relu = activations["f32"]
+    for t, e in (
+        (relu[: 20000].clone(), 4096), (relu[: 3000].clone(), 128), (relu[: 700].clone(), 32),
+        (torch.randn(30000, generator=g), 4096), (torch.randn(30000, generator=g).bfloat16(), 4096),
+    ):  # fmt: skip
+        check_reference_buffers("native", codec, t, e, CASES[0].slot_for, store, True)
+    assert native._libraries  # (the builds of these flags ran it: the engine's table of builds was emptied first)
+
+
 @pytest.mark.skipif(
     sys.platform != "linux" or "OpenMP" not in torch.__config__.parallel_info(), reason="torch built with OpenMP"
 )
