@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -133,7 +134,7 @@ class Layout:
     @staticmethod
     def compacted_bytes(histogram: Sequence[int]) -> int:
         """Bytes of the entries compacted (``sum(k * h[k]) * 32``): the ideal size of the compressed tensor."""
-        return sum(k * n for k, n in enumerate(histogram)) * spec.SECTOR_BYTES
+        return sum(map(operator.mul, range(len(histogram)), histogram)) * spec.SECTOR_BYTES
 
     @staticmethod
     def overflow_bytes(histogram: Sequence[float], slot: int) -> int:

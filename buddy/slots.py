@@ -7,6 +7,7 @@ size pass or from the tracker's history of the same key.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import overload
 
@@ -54,7 +55,8 @@ def overflow_sectors(histogram: Sequence[float], slot_sectors: int) -> float: ..
 def overflow_sectors(histogram: Sequence[float], slot_sectors: int) -> float:
     """Sectors that go to buddy memory with a slot of ``slot_sectors`` (a float for a predicted, float histogram)."""
     first = max(slot_sectors + 1, 0)  # the bins past the slot, summed in order as before (the same bits)
-    return sum((k - slot_sectors) * n for k, n in enumerate(histogram[first:], first))
+    past = histogram[first:]  # (map and operator.mul: the generator's products and sum, without its frames)
+    return sum(map(operator.mul, range(first - slot_sectors, first - slot_sectors + len(past)), past))
 
 
 def larger_than(histogram: Sequence[float]) -> list[float]:

@@ -156,7 +156,7 @@ class BuddyTensor:
         self.original_bytes = layout.nbytes
         self.n_entries = layout.n_entries
         #: entries per size: ``histogram[k]`` entries compress to ``k`` sectors
-        self.histogram = tuple(int(n) for n in histogram)
+        self.histogram = tuple(map(int, histogram))
         self.format_version = codec.format_version
         self.requested_ratio: float | None = None  # set by compress() when it was given a target ratio
         #: per-buffer checksums taken at compress time, or ``None`` (see :mod:`buddy.integrity`)
