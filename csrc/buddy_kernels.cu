@@ -189,6 +189,22 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
   uint8_t* staging = buddy_staging(buddy_unpack_staging_entries<Codec>());
 #endif
   uint32_t err = 0;
+#if BUDDY_FPE_AVX512
+  if constexpr (buddy_pairs<Codec>::value) {  // (fpe's walks, two entries at a time: codec_fpe.h)
+    alignas(64) static thread_local uint8_t second[BUDDY_ENTRY_BYTES + 64];
+    uint8_t* const stagings[2] = {staging, second};
+    for (long long i = buddy_first_warp(n_entries), end = buddy_last_warp(n_entries); i < end;) {
+      if (i + 1 < end && buddy_unpack_pair<Codec>(warp, codec, i, n_entries, meta, ends, s, slots, overflow,
+                                                  overflow_sectors, stagings, out, &err)) {
+        i += 2;
+        continue;
+      }
+      err |= buddy_unpack_entry<Codec>(warp, codec, i, n_entries, meta, ends, s, slots, overflow, overflow_sectors,
+                                       staging, out);
+      ++i;
+    }
+  } else
+#endif
   for (long long i = buddy_first_warp(n_entries), end = buddy_last_warp(n_entries); i < end; i += buddy_warp_stride())
     err |= buddy_unpack_entry<Codec>(warp, codec, i, n_entries, meta, ends, s, slots, overflow, overflow_sectors,
                                      staging, out);

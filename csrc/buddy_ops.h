@@ -149,6 +149,19 @@ BUDDY_WARP_FN uint32_t buddy_op_unpack(const Warp& warp, const Codec& codec, bud
   }
 }
 
+#if defined(BUDDY_NATIVE_SOLO) && defined(__AVX512F__)  // (BUDDY_FPE_AVX512, codec_fpe.h: included after this)
+// Whether a codec decodes two entries at once (Codec::decode_pair: fpe's and auto2's in the one-lane build with
+// AVX-512, codec_fpe.h).
+template <class Codec, class = void>
+struct buddy_pairs {
+  static constexpr bool value = false;
+};
+template <class Codec>
+struct buddy_pairs<Codec, decltype((void)&Codec::template decode_pair<BuddyCudaWarp>)> {
+  static constexpr bool value = true;
+};
+#endif
+
 // ---------------------------------------------------------------------------
 // Entry i of a whole tensor: what one warp of each kernel does per entry (the
 // kernels of buddy_kernels.cu loop warps over i; the host harness loops i).
@@ -204,3 +217,40 @@ BUDDY_WARP_FN uint32_t buddy_unpack_entry(const Warp& warp, const Codec& codec, 
   if (i == n - 1 && ends[i] != overflow_sectors) err |= BUDDY_ERR_OVERFLOW;
   return err;
 }
+
+#if defined(BUDDY_NATIVE_SOLO) && defined(__AVX512F__)
+// Entries i and i + 1 at once (Codec::decode_pair), when both are of a mode it decodes so, coded (0 < k < E/32)
+// and wholly in their slots and the overflow; else false and nothing done. Staged as buddy_op_unpack stages one
+// (its slot's sectors, its overflow's, DECODE_PAD zeros); `err` ORed with what buddy_unpack_entry would flag.
+template <class Codec, class Warp>
+BUDDY_WARP_FN bool buddy_unpack_pair(const Warp& warp, const Codec& codec, long long i, long long n,
+                                     const buddy_meta_t* meta, const long long* ends, uint32_t s,
+                                     const uint8_t* slots, const uint8_t* overflow, long long overflow_sectors,
+                                     uint8_t* const staging[2], uint8_t* out, uint32_t* err) {
+  uint32_t k[2];
+  long long start[2];
+  for (uint32_t j = 0; j < 2u; ++j) {
+    const buddy_meta_t word = meta[i + j];
+    k[j] = buddy_meta_k(word);
+    if (k[j] == 0 || k[j] >= BUDDY_SECTORS_PER_ENTRY || !codec.pairs(buddy_meta_mode(word))) return false;
+    start[j] = ends[i + j] - buddy_overflow_sectors(k[j], s);
+    const bool inside = start[j] >= 0 && start[j] <= overflow_sectors;
+    if (k[j] > s && (!inside || (uint64_t)(overflow_sectors - start[j]) < k[j] - s)) return false;
+  }
+  for (uint32_t j = 0; j < 2u; ++j) {
+    const uint32_t in_slot = k[j] < s ? k[j] : s;
+    buddy_warp_copy_sectors(warp, slots + (i + j) * s * BUDDY_SECTOR_BYTES, staging[j], in_slot);
+    if (k[j] > s)
+      buddy_warp_copy_sectors(warp, overflow + start[j] * BUDDY_SECTOR_BYTES, staging[j] + s * BUDDY_SECTOR_BYTES,
+                              k[j] - s);
+    for (uint32_t b = 0; b < buddy_decode_pad<Codec>::value; b += 8u)
+      buddy_store<uint64_t>(staging[j] + k[j] * BUDDY_SECTOR_BYTES + b, 0u);
+  }
+  uint32_t err_b = 0;
+  *err |= codec.decode_pair(warp, staging[0], k[0], out + i * BUDDY_ENTRY_BYTES, staging[1], k[1],
+                            out + (i + 1) * BUDDY_ENTRY_BYTES, &err_b);
+  *err |= err_b;
+  if (i + 1 == n - 1 && ends[i + 1] != overflow_sectors) *err |= BUDDY_ERR_OVERFLOW;
+  return true;
+}
+#endif

@@ -47,6 +47,16 @@ struct BuddyAuto2 {
 
   static BUDDY_HD bool coded_mode(uint32_t mode) { return Auto::coded_mode(mode) || mode == BUDDY_AUTO_MODE_FPE; }
 
+#if BUDDY_FPE_AVX512
+  // (fpe's two entries at once: codec_fpe.h)
+  BUDDY_HD bool pairs(uint32_t mode) const { return mode == BUDDY_AUTO_MODE_FPE && fpe.pairs(0u); }
+  template <class Warp>
+  BUDDY_WARP_FN uint32_t decode_pair(const Warp& warp, const uint8_t* pa, uint32_t ka, uint8_t* oa,
+                                     const uint8_t* pb, uint32_t kb, uint8_t* ob, uint32_t* err_b) const {
+    return fpe.decode_pair(warp, pa, ka, oa, pb, kb, ob, err_b);
+  }
+#endif
+
   template <class Warp>
   BUDDY_WARP_FN uint32_t measure(const Warp& warp, const uint8_t* entry, uint32_t* mode) const {
     uint32_t k = Auto::measure(warp, entry, mode);  // already clamped to E/32

@@ -1124,6 +1124,155 @@ struct BuddyFpe {
   }
 #endif
 
+#if BUDDY_FPE_AVX512
+  // ---- two entries at once (the one-lane build with AVX-512: decode_pair) ---------------
+  // A walk's steps are a chain: each row's lookup waits on the shift of the step before, about 10 cycles a step
+  // whatever else the step does; two entries' walks in one loop overlap their chains. Each walk (SymWalk) stores
+  // a word's symbol, 0x8000 | symbol for a word with a tail and 0 for ZERO's, into 2-byte slots and leaves the
+  // tails in the stream; expand then makes 16 words at a time. The same words, places and checks as emit_walk's
+  // (a walk that rows, refills and the one-code path take alike).
+  static constexpr bool PAIRS = (WB == 2 || WB == 4) && words % 32u == 0;
+  struct SymWalk {
+    const uint8_t* ptr;  // (emit_walk's refill: the first byte not wholly in buf, and buf's bits)
+    uint64_t buf;
+    uint32_t count, pos, done, tails;  // and the code bits, words and tails so far
+  };
+  BUDDY_HD static void sym_refill(SymWalk& w) {
+    uint64_t next;
+    __builtin_memcpy(&next, w.ptr, 8);
+    w.buf |= next << w.count;
+    w.ptr += (63u - w.count) >> 3;
+    w.count |= 56u;
+  }
+  BUDDY_HD static void sym_consume(SymWalk& w, uint32_t len) {
+    w.pos += len;
+    w.buf >>= len;
+    w.count -= len;
+  }
+  BUDDY_HD static void sym_step(SymWalk& w, uint64_t row, uint16_t* syms) {  // a row's codes (emit_walk's slots)
+    uint16_t* const o = syms + w.done;
+    o[(row >> 10) & 15u] = (uint16_t)((0x8000u | (uint32_t)(row >> 18 & 0xFFFu)) & (uint32_t)((int64_t)row >> 63));
+    o[(row >> 14) & 15u] =
+        (uint16_t)((0x8000u | (uint32_t)(row >> 30 & 0xFFFu)) & (uint32_t)((int64_t)(row << 1) >> 63));
+    w.tails += (uint32_t)(row >> 8) & 3u;
+    w.done += (uint32_t)(row >> 4) & 15u;
+    sym_consume(w, (uint32_t)row & 15u);
+  }
+  // Both walks' row steps in one loop while both take one; each walk's buffer holds at least 20 bits after a step
+  // (a refill every third), so sym_finish goes on from either at any step.
+  BUDDY_HD void sym_steps2(SymWalk& a, uint32_t end_a, uint16_t* sa, SymWalk& b, uint32_t end_b, uint16_t* sb) const {
+    const uint64_t* const rows = walk_rows;
+    for (uint32_t step = 0;; step = step == 2u ? 0u : step + 1u) {
+      if (a.done + WALK_BITS >= words || b.done + WALK_BITS >= words || a.pos >= end_a || b.pos >= end_b) return;
+      const uint64_t ra = rows[(uint32_t)a.buf & (WALK_ROWS - 1u)], rb = rows[(uint32_t)b.buf & (WALK_ROWS - 1u)];
+      if (!(ra & 15u) || !(rb & 15u)) return;
+      if (step == 0) {
+        sym_refill(a);
+        sym_refill(b);
+      }
+      sym_step(a, ra, sa);
+      sym_step(b, rb, sb);
+    }
+  }
+  // A walk to the end of its code section, from where it is (emit_walk's loops); its length as emit_walk's.
+  BUDDY_HD uint32_t sym_finish(SymWalk& w, uint32_t end, uint16_t* syms, uint32_t* tails) const {
+    constexpr uint32_t t = buddy_fpe_fit_split<WB>::t, zero = 1u << buddy_fpe_fit_split<WB>::b;
+    const uint64_t* const rows = walk_rows;
+    for (;;) {
+      for (uint32_t step = 0;; step = step == 2u ? 0u : step + 1u) {
+        if (w.done + WALK_BITS >= words) break;
+        if (w.pos >= end) return never;  // unchecked codes: stay in the payload
+        const uint64_t row = rows[(uint32_t)w.buf & (WALK_ROWS - 1u)];
+        if (step == 0) sym_refill(w);
+        if (!(row & 15u)) break;
+        sym_step(w, row, syms);
+      }
+      sym_refill(w);  // (the one-code path takes up to 24 bits)
+      if (w.done >= words) break;
+      if (w.pos >= end) return never;
+      const uint32_t bits = (uint32_t)w.buf;
+      uint32_t sym, len;
+      if (!code_at(bits, table->dec[bits & (BUDDY_FPE_ROWS - 1u)], &sym, &len)) return never;
+      if (sym != zero) {
+        syms[w.done] = (uint16_t)(0x8000u | sym);
+        ++w.tails;
+      }
+      w.done += 1;
+      sym_consume(w, len);
+      sym_refill(w);
+    }
+    *tails = w.tails;
+    return (uint64_t)w.tails * t > end ? never : w.pos;  // the last tail in the payload
+  }
+  // The words from their symbols (sym_finish's, which found every tail's place inside the payload) and the tails:
+  // 16 at a time, the next tails gathered (the j-th at end - (j + 1) t: 4 bytes at its first byte hold it, t + 7 <=
+  // 32, at most 3 past the payload, in the staging buffer), expanded to the words that have one, ORed under the
+  // symbols; every word stored, ZERO's too.
+  BUDDY_HD void expand(const uint16_t* syms, const uint8_t* payload, uint32_t end, uint8_t* out) const {
+    constexpr uint32_t t = buddy_fpe_fit_split<WB>::t;
+    const __m512i flag = _mm512_set1_epi32(0x8000), sym = _mm512_set1_epi32(0xFFF), seven = _mm512_set1_epi32(7);
+    const __m512i tmask = _mm512_set1_epi32((int)((1u << t) - 1u));
+    const __m512i below = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32((int)t));  // tail j + q lies q t below tail j
+    uint32_t j = 0;
+    for (uint32_t i = 0; i < words; i += 16u) {
+      const __m512i s = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(syms + i)));
+      const __mmask16 has = _mm512_test_epi32_mask(s, flag);
+      const uint32_t n = (uint32_t)__builtin_popcount((uint32_t)has);
+      const __m512i at = _mm512_sub_epi32(_mm512_set1_epi32((int)(end - (j + 1u) * t)), below);
+      __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << n) - 1u),
+                                              _mm512_srli_epi32(at, 3), payload, 1);
+      g = _mm512_and_si512(_mm512_srlv_epi32(g, _mm512_and_si512(at, seven)), tmask);
+      const __m512i w =
+          _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(s, sym), t), _mm512_maskz_expand_epi32(has, g));
+      if constexpr (WB == 4)
+        _mm512_storeu_si512(out + 4u * i, w);
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2u * i), _mm512_cvtepi32_epi16(w));
+      j += n;
+    }
+  }
+  // Whether an entry of this mode decodes with decode_pair: the split layout, walked (prepare_walk made the rows).
+  BUDDY_HD bool pairs(uint32_t mode) const { return PAIRS && coded_mode(mode) && walk_rows != nullptr; }
+  // Two entries of the split layout (each 0 < k < E/32, staged with DECODE_PAD zeros after): decode_split's words
+  // and error for each, a's returned, b's in *err_b.
+  template <class Warp>
+  BUDDY_WARP_FN uint32_t decode_pair(const Warp& warp, const uint8_t* pa, uint32_t ka, uint8_t* oa,
+                                     const uint8_t* pb, uint32_t kb, uint8_t* ob, uint32_t* err_b) const {
+    alignas(64) uint16_t syms[2][words];  // (128 KiB at most: 2-byte words, E = 64 KiB)
+    for (uint32_t i = 0; i < 2u * words; i += 32u)
+      _mm512_store_si512(reinterpret_cast<__m512i*>(&syms[0][0] + i), _mm512_setzero_si512());
+    const uint32_t ea = 8u * BUDDY_SECTOR_BYTES * ka, eb = 8u * BUDDY_SECTOR_BYTES * kb;
+    SymWalk a = {pa, 0u, 0u, 0u, 0u, 0u}, b = {pb, 0u, 0u, 0u, 0u, 0u};
+    sym_refill(a);
+    sym_refill(b);
+    sym_steps2(a, ea, syms[0], b, eb, syms[1]);
+    uint32_t ta = 0, tb = 0;
+    const uint32_t ca = sym_finish(a, ea, syms[0], &ta), cb = sym_finish(b, eb, syms[1], &tb);
+    *err_b = pair_words(warp, pb, kb, cb, tb, syms[1], ob);
+    return pair_words(warp, pa, ka, ca, ta, syms[0], oa);
+  }
+  // One entry of a pair: its words, unless its walk or decode_split's checks (the lengths give k, nothing set
+  // between the codes and the tails) fail: then zeros and BUDDY_ERR_STREAM.
+  template <class Warp>
+  BUDDY_WARP_FN uint32_t pair_words(const Warp& warp, const uint8_t* payload, uint32_t k, uint32_t codes,
+                                    uint32_t tails, const uint16_t* syms, uint8_t* out) const {
+    const uint32_t end = 8u * BUDDY_SECTOR_BYTES * k, n64 = k * (BUDDY_SECTOR_BYTES / 8u);
+    bool bad = codes == never;
+    if (!bad) {
+      const uint64_t total = (uint64_t)codes + (uint64_t)tails * tail_bits();
+      bad = total > end || sectors((uint32_t)total) != k;
+      if (!bad) bad = buddy_bits_between(warp, payload, n64, codes, end - tails * tail_bits());
+    }
+    if (!bad) {
+      expand(syms, payload, end, out);
+      return 0;
+    }
+    buddy_warp_fill(warp, nullptr, out, entry);
+    return BUDDY_ERR_STREAM;
+  }
+#endif
+
   // The code that starts the stream bits `bits` (at least the next 24; `one`: their dec row): its symbol (ESC's:
   // the symbol that follows it) in *sym and its bits in *len; false for a code the table lacks or an escape of a
   // symbol the table has a code for.

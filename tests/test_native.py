@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_bitexact, fuzz_settings, ids
+from conftest import assert_bitexact, fuzz_settings, ids, stream_bytes
 from hypothesis import given
 from hypothesis import strategies as st
 from kernel_cases import (
@@ -56,6 +56,8 @@ from test_golden import load_vectors
 
 import buddy
 from buddy import dispatch, selftest, spec
+from buddy import format as bformat
+from buddy.codecs.fpe import FPECodec
 from buddy.engines import cuda as bcuda
 from buddy.engines import native
 
@@ -389,9 +391,10 @@ def test_builds_are_cached_on_disk(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("codec", ("fpe", "auto2"))
 def test_a_build_without_avx512_writes_the_same_bytes(codec, activations, monkeypatch, store):
-    """The one-lane builds take AVX-512 paths where ``-march=native`` allows them (fpe's encode of 4-byte words:
-    its tails compacted, its codes' table entries gathered, 16 words at a time); built without them, the plain
-    loops run. Both write the reference's bytes (on a host without AVX-512 both builds are the plain loops)."""
+    """The one-lane builds take AVX-512 paths where ``-march=native`` allows them (fpe's encode of 2- and 4-byte
+    words: its tails compacted, its codes' table entries gathered, 16 words at a time; its decode of two entries at
+    once); built without them, the plain loops run. Both write and read the reference's bytes (on a host without
+    AVX-512 both builds are the plain loops)."""
     monkeypatch.setattr(native, "_FLAGS", (*native._FLAGS, "-mno-avx512f"))
     monkeypatch.setattr(native, "_libraries", {})
     g = torch.Generator().manual_seed(3)
@@ -402,6 +405,56 @@ def test_a_build_without_avx512_writes_the_same_bytes(codec, activations, monkey
     ):  # fmt: skip
         check_reference_buffers("native", codec, t, e, CASES[0].slot_for, store, True)
     assert native._libraries  # (the builds of these flags ran it: the engine's table of builds was emptied first)
+
+
+@pytest.mark.parametrize("word", ids("word", [2, 4]))
+@pytest.mark.parametrize("at", ids("at", [0, 1, 6, 8, 16]))
+def test_hostile_fpe_streams_among_others_flag_like_the_reference(word, at):
+    """The hand-made streams of the split layout (test_device_codecs: escapes of coded symbols, codes a table lacks,
+    wrong lengths, a bit set between the codes and the tails), each at entry ``at`` of 17 entries of a valid stream,
+    cut at their k sectors: the native engine raises where the reference does, else decodes its words. The walk
+    table is made (blocks of 8 and 9 entries), and on a host with AVX-512 the entries are decoded two at a time, the
+    walks of a pair's two entries in one loop: the damaged one first or second of its pair, or (8, the last of a
+    block of 9) alone."""
+    from test_device_codecs import fpe_hostile_streams
+
+    e, n = 128, 17
+    raw = e // spec.SECTOR_BYTES
+    dtype = {2: torch.bfloat16, 4: torch.float32}[word]
+    groups: dict[int, list] = {}
+    for case in fpe_hostile_streams(word, e):
+        if case[0].startswith("split:"):
+            groups.setdefault(id(case[1]), []).append(case)
+    seen = 0
+    for cases in groups.values():
+        table = cases[0][1]
+        filler = next(c for c in cases if c[4] is False)  # a valid stream of this table
+        for name, _, bits, k, _ in cases:
+            rows, ks = [], []
+            for i in range(n):
+                b, ki = (bits, k) if i == at else (filler[2], filler[3])
+                row = torch.tensor(stream_bytes(b, e), dtype=torch.uint8)
+                row[ki * spec.SECTOR_BYTES :] = 0  # (a slot's bytes past k sectors are zero, or the tensor is damaged)
+                rows.append(row[: (raw - 1) * spec.SECTOR_BYTES])
+                ks.append(ki)
+            k_all = torch.tensor(ks, dtype=torch.int32)
+            meta = bformat.encode_meta(k_all, torch.zeros_like(k_all), e)
+            args = dict(codec=FPECodec(table), entry_bytes=e, slot_sectors=raw - 1, shape=(n * e // word,),
+                        dtype=dtype, table=FPECodec(table).table)  # fmt: skip
+            out = {}
+            for backend in ("reference", "native"):
+                try:
+                    out[backend] = buddy.unpack(meta, torch.cat(rows), torch.zeros(0, dtype=torch.uint8),
+                                                backend=backend, **args)  # fmt: skip
+                except buddy.CorruptDataError:
+                    out[backend] = None
+            if out["reference"] is None:
+                assert out["native"] is None, f"{name}: the reference raises, the native engine decodes"
+            else:
+                assert out["native"] is not None, f"{name}: the native engine raises, the reference decodes"
+                assert_bitexact(out["native"], out["reference"])
+            seen += 1
+    assert seen >= 8
 
 
 @pytest.mark.skipif(
