@@ -634,30 +634,39 @@ struct BuddyFpe {
     uint32_t i = 0;
 #if BUDDY_FPE_AVX512
     if constexpr (B != 0 && (WB == 4 || WB == 2) && words % 16u == 0) {
-      // 16 words' table entries by one gather and their 8 pairs' fields made at once; the puts read them from a
-      // small buffer (fewer values live across the chain of puts); 16 words with an escape go word by word
+      // 16 words' table entries by one gather and their 8 pairs' fields made at once, a chunk of words' worth
+      // before their puts (the gathers of a chunk do not wait on the chain of puts, nor it on them); the puts read
+      // the fields from a small buffer (fewer values live across their chain); 16 words with an escape are marked
+      // (bit 31 of their first pair's field: a field has at most 29 bits) and go word by word
       const __m512i low = _mm512_set1_epi32((1 << B) - 1), half = _mm512_set1_epi32(0xFFFF);
       const __m512i zero_sym = _mm512_set1_epi32((int)zero_at), code = _mm512_set1_epi64(0xFFF);
       const __m512i len = _mm512_set1_epi64(0xF);
-      alignas(32) uint32_t fields[8];
-      for (; i < words; i += 16u) {
-        const __m512i x = buddy_fpe_load16<WB>(entry_bytes + (size_t)WB * i);
-        const __m512i sym = _mm512_mask_or_epi32(_mm512_and_si512(_mm512_srli_epi32(x, 8 * WB - B), low),
-                                                 _mm512_testn_epi32_mask(x, x), zero_sym, zero_sym);
-        // (enc has S + 2 entries: the 4 bytes read at ZERO's, enc[S], end inside it)
-        const __m512i e = _mm512_and_si512(_mm512_i32gather_epi32(sym, tab->enc, 2), half);
-        if (_mm512_testn_epi32_mask(e, e)) {
-          for (uint32_t q = 0; q < 16u; q += 2u) put_pair(i + q);
-          continue;
+      constexpr uint32_t chunk = words < 128u ? words : 128u;
+      static_assert(words % chunk == 0 && chunk % 16u == 0, "whole chunks of whole vectors");
+      alignas(32) uint32_t fields[chunk / 2u];
+      for (; i < words; i += chunk) {
+        for (uint32_t v = 0; v < chunk; v += 16u) {
+          const __m512i x = buddy_fpe_load16<WB>(entry_bytes + (size_t)WB * (i + v));
+          const __m512i sym = _mm512_mask_or_epi32(_mm512_and_si512(_mm512_srli_epi32(x, 8 * WB - B), low),
+                                                   _mm512_testn_epi32_mask(x, x), zero_sym, zero_sym);
+          // (enc has S + 2 entries: the 4 bytes read at ZERO's, enc[S], end inside it)
+          const __m512i e = _mm512_and_si512(_mm512_i32gather_epi32(sym, tab->enc, 2), half);
+          // a pair in a 64-bit lane: the first word's entry low, the second's from bit 32
+          const __m512i l0 = _mm512_and_si512(_mm512_srli_epi64(e, 12), len);
+          const __m512i l1 = _mm512_and_si512(_mm512_srli_epi64(e, 44), len);
+          const __m512i head = _mm512_or_si512(
+              _mm512_and_si512(e, code), _mm512_sllv_epi64(_mm512_and_si512(_mm512_srli_epi64(e, 32), code), l0));
+          const __m512i packed = _mm512_or_si512(head, _mm512_slli_epi64(_mm512_add_epi64(l0, l1), 24));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(fields + v / 2u), _mm512_cvtepi64_epi32(packed));
+          if (_mm512_testn_epi32_mask(e, e)) fields[v / 2u] |= 0x80000000u;
         }
-        // a pair in a 64-bit lane: the first word's entry low, the second's from bit 32
-        const __m512i l0 = _mm512_and_si512(_mm512_srli_epi64(e, 12), len);
-        const __m512i l1 = _mm512_and_si512(_mm512_srli_epi64(e, 44), len);
-        const __m512i head = _mm512_or_si512(_mm512_and_si512(e, code),
-                                             _mm512_sllv_epi64(_mm512_and_si512(_mm512_srli_epi64(e, 32), code), l0));
-        const __m512i packed = _mm512_or_si512(head, _mm512_slli_epi64(_mm512_add_epi64(l0, l1), 24));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(fields), _mm512_cvtepi64_epi32(packed));
-        for (uint32_t q = 0; q < 8u; ++q) put(fields[q] & 0xFFFFFFu, fields[q] >> 24);
+        for (uint32_t v = 0; v < chunk; v += 16u) {
+          if (fields[v / 2u] >> 31) {
+            for (uint32_t q = 0; q < 16u; q += 2u) put_pair(i + v + q);
+            continue;
+          }
+          for (uint32_t q = v / 2u; q < v / 2u + 8u; ++q) put(fields[q] & 0xFFFFFFu, fields[q] >> 24);
+        }
       }
     }
 #endif
