@@ -109,6 +109,24 @@ BUDDY_WARP_FN void buddy_op_pack(const Warp& warp, const Codec& codec, const uin
   warp.sync();  // the staging buffer is read before the warp's next entry writes it
 }
 
+// An entry's k sectors gathered into `staging` (at most s from its slot, the rest from `overflow`, which holds
+// them), and the codec's DECODE_PAD zeros after a coded payload: what its decoder reads.
+template <class Codec, class Warp>
+BUDDY_WARP_FN void buddy_stage_payload(const Warp& warp, uint32_t k, uint32_t s, const uint8_t* slot,
+                                       const uint8_t* overflow, uint8_t* staging) {
+  const uint32_t in_slot = k < s ? k : s;
+  buddy_warp_copy_sectors(warp, slot, staging, in_slot);
+  if (k > s) buddy_warp_copy_sectors(warp, overflow, staging + s * BUDDY_SECTOR_BYTES, k - s);
+  if constexpr (buddy_decode_pad<Codec>::value > 0) {  // zeros after a coded payload (k < E/32: they fit)
+    static_assert(buddy_decode_pad<Codec>::value % 8 == 0 && buddy_decode_pad<Codec>::value < BUDDY_SECTOR_BYTES,
+                  "whole 8-byte words, inside the sector a coded payload leaves");
+    static_assert(buddy_decode_pad<Codec>::value / 8 <= BUDDY_WARP_SIZE, "a lane a word of them");
+    if (k < BUDDY_SECTORS_PER_ENTRY && warp.lane() < buddy_decode_pad<Codec>::value / 8)
+      buddy_store<uint64_t>(staging + k * BUDDY_SECTOR_BYTES + 8u * warp.lane(), 0u);
+  }
+  warp.sync();  // the gathered payload is complete before any lane decodes from it
+}
+
 // The E bytes of an entry from its metadata word, its slot of s sectors and
 // its overflow: `available` sectors of overflow start at `overflow` (what is
 // left of the buffer from the entry's offset on), of which it reads
@@ -124,17 +142,7 @@ BUDDY_WARP_FN uint32_t buddy_op_unpack(const Warp& warp, const Codec& codec, bud
     buddy_warp_fill(warp, nullptr, out, BUDDY_ENTRY_BYTES);
     return k > BUDDY_SECTORS_PER_ENTRY ? BUDDY_ERR_K : BUDDY_ERR_OVERFLOW;
   }
-  const uint32_t in_slot = k < s ? k : s;
-  buddy_warp_copy_sectors(warp, slot, staging, in_slot);
-  if (k > s) buddy_warp_copy_sectors(warp, overflow, staging + s * BUDDY_SECTOR_BYTES, k - s);
-  if constexpr (buddy_decode_pad<Codec>::value > 0) {  // zeros after a coded payload (k < E/32: they fit)
-    static_assert(buddy_decode_pad<Codec>::value % 8 == 0 && buddy_decode_pad<Codec>::value < BUDDY_SECTOR_BYTES,
-                  "whole 8-byte words, inside the sector a coded payload leaves");
-    static_assert(buddy_decode_pad<Codec>::value / 8 <= BUDDY_WARP_SIZE, "a lane a word of them");
-    if (k < BUDDY_SECTORS_PER_ENTRY && warp.lane() < buddy_decode_pad<Codec>::value / 8)
-      buddy_store<uint64_t>(staging + k * BUDDY_SECTOR_BYTES + 8u * warp.lane(), 0u);
-  }
-  warp.sync();  // the gathered payload is complete before any lane decodes from it
+  buddy_stage_payload<Codec>(warp, k, s, slot, overflow, staging);
   if constexpr (buddy_staged_decode<Codec>::value) {
     uint8_t* decoded = staging + BUDDY_ENTRY_BYTES;
     const uint32_t err = buddy_entry_decode<Codec>(warp, codec, staging, k, mode, decoded);
@@ -199,6 +207,19 @@ BUDDY_WARP_FN void buddy_pack_entry(const Warp& warp, const Codec& codec, long l
                        slots + i * s * BUDDY_SECTOR_BYTES, overflow + start * BUDDY_SECTOR_BYTES, staging);
 }
 
+// Where entry i's overflow starts in a buffer of overflow_sectors sectors, and how many sectors it holds from there:
+// (0, 0) for a start the prefix sums put outside it.
+struct BuddyEntryOverflow {
+  long long start;
+  uint64_t available;
+};
+BUDDY_HD BuddyEntryOverflow buddy_entry_overflow(long long i, const buddy_meta_t* meta, const long long* ends,
+                                                 uint32_t s, long long overflow_sectors) {
+  const long long start = ends[i] - buddy_overflow_sectors(buddy_meta_k(meta[i]), s);
+  if (start < 0 || start > overflow_sectors) return {0, 0u};
+  return {start, (uint64_t)(overflow_sectors - start)};
+}
+
 // Unpacks entry i of n into out + i * E, reading the overflow (overflow_sectors
 // sectors) only inside its bounds; returns BUDDY_ERR_* bits. The last entry
 // also checks that the overflow holds no more than the metadata needs.
@@ -207,12 +228,9 @@ BUDDY_WARP_FN uint32_t buddy_unpack_entry(const Warp& warp, const Codec& codec, 
                                           const buddy_meta_t* meta, const long long* ends, uint32_t s,
                                           const uint8_t* slots, const uint8_t* overflow, long long overflow_sectors,
                                           uint8_t* staging, uint8_t* out) {
-  const buddy_meta_t word = meta[i];
-  const long long start = ends[i] - buddy_overflow_sectors(buddy_meta_k(word), s);
-  const bool inside = start >= 0 && start <= overflow_sectors;
-  const uint64_t available = inside ? (uint64_t)(overflow_sectors - start) : 0u;
-  uint32_t err = buddy_op_unpack<Codec>(warp, codec, word, s, slots + i * s * BUDDY_SECTOR_BYTES,
-                                        overflow + (inside ? start : 0) * BUDDY_SECTOR_BYTES, available, staging,
+  const BuddyEntryOverflow at = buddy_entry_overflow(i, meta, ends, s, overflow_sectors);
+  uint32_t err = buddy_op_unpack<Codec>(warp, codec, meta[i], s, slots + i * s * BUDDY_SECTOR_BYTES,
+                                        overflow + at.start * BUDDY_SECTOR_BYTES, at.available, staging,
                                         out + i * BUDDY_ENTRY_BYTES);
   if (i == n - 1 && ends[i] != overflow_sectors) err |= BUDDY_ERR_OVERFLOW;
   return err;
@@ -220,32 +238,24 @@ BUDDY_WARP_FN uint32_t buddy_unpack_entry(const Warp& warp, const Codec& codec, 
 
 #if defined(BUDDY_NATIVE_SOLO) && defined(__AVX512F__)
 // Entries i and i + 1 at once (Codec::decode_pair), when both are of a mode it decodes so, coded (0 < k < E/32)
-// and wholly in their slots and the overflow; else false and nothing done. Staged as buddy_op_unpack stages one
-// (its slot's sectors, its overflow's, DECODE_PAD zeros); `err` ORed with what buddy_unpack_entry would flag.
+// and wholly in their slots and the overflow; else false and nothing done. Each staged as buddy_op_unpack stages
+// one (buddy_stage_payload); `err` ORed with what buddy_unpack_entry would flag.
 template <class Codec, class Warp>
 BUDDY_WARP_FN bool buddy_unpack_pair(const Warp& warp, const Codec& codec, long long i, long long n,
                                      const buddy_meta_t* meta, const long long* ends, uint32_t s,
                                      const uint8_t* slots, const uint8_t* overflow, long long overflow_sectors,
                                      uint8_t* const staging[2], uint8_t* out, uint32_t* err) {
   uint32_t k[2];
-  long long start[2];
+  BuddyEntryOverflow at[2];
   for (uint32_t j = 0; j < 2u; ++j) {
-    const buddy_meta_t word = meta[i + j];
-    k[j] = buddy_meta_k(word);
-    if (k[j] == 0 || k[j] >= BUDDY_SECTORS_PER_ENTRY || !codec.pairs(buddy_meta_mode(word))) return false;
-    start[j] = ends[i + j] - buddy_overflow_sectors(k[j], s);
-    const bool inside = start[j] >= 0 && start[j] <= overflow_sectors;
-    if (k[j] > s && (!inside || (uint64_t)(overflow_sectors - start[j]) < k[j] - s)) return false;
+    k[j] = buddy_meta_k(meta[i + j]);
+    if (k[j] == 0 || k[j] >= BUDDY_SECTORS_PER_ENTRY || !codec.pairs(buddy_meta_mode(meta[i + j]))) return false;
+    at[j] = buddy_entry_overflow(i + j, meta, ends, s, overflow_sectors);
+    if (k[j] > s && at[j].available < k[j] - s) return false;
   }
-  for (uint32_t j = 0; j < 2u; ++j) {
-    const uint32_t in_slot = k[j] < s ? k[j] : s;
-    buddy_warp_copy_sectors(warp, slots + (i + j) * s * BUDDY_SECTOR_BYTES, staging[j], in_slot);
-    if (k[j] > s)
-      buddy_warp_copy_sectors(warp, overflow + start[j] * BUDDY_SECTOR_BYTES, staging[j] + s * BUDDY_SECTOR_BYTES,
-                              k[j] - s);
-    for (uint32_t b = 0; b < buddy_decode_pad<Codec>::value; b += 8u)
-      buddy_store<uint64_t>(staging[j] + k[j] * BUDDY_SECTOR_BYTES + b, 0u);
-  }
+  for (uint32_t j = 0; j < 2u; ++j)
+    buddy_stage_payload<Codec>(warp, k[j], s, slots + (i + j) * s * BUDDY_SECTOR_BYTES,
+                               overflow + at[j].start * BUDDY_SECTOR_BYTES, staging[j]);
   uint32_t err_b = 0;
   *err |= codec.decode_pair(warp, staging[0], k[0], out + i * BUDDY_ENTRY_BYTES, staging[1], k[1],
                             out + (i + 1) * BUDDY_ENTRY_BYTES, &err_b);

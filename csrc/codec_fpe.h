@@ -1261,20 +1261,13 @@ struct BuddyFpe {
     *err_b = pair_words(warp, pb, kb, cb, tb, syms[1], ob);
     return pair_words(warp, pa, ka, ca, ta, syms[0], oa);
   }
-  // One entry of a pair: its words, unless its walk or decode_split's checks (the lengths give k, nothing set
-  // between the codes and the tails) fail: then zeros and BUDDY_ERR_STREAM.
+  // One entry of a pair: its words, unless its walk or decode_split's checks (split_fails) fail: then zeros and
+  // BUDDY_ERR_STREAM.
   template <class Warp>
   BUDDY_WARP_FN uint32_t pair_words(const Warp& warp, const uint8_t* payload, uint32_t k, uint32_t codes,
                                     uint32_t tails, const uint16_t* syms, uint8_t* out) const {
-    const uint32_t end = 8u * BUDDY_SECTOR_BYTES * k, n64 = k * (BUDDY_SECTOR_BYTES / 8u);
-    bool bad = codes == never;
-    if (!bad) {
-      const uint64_t total = (uint64_t)codes + (uint64_t)tails * tail_bits();
-      bad = total > end || sectors((uint32_t)total) != k;
-      if (!bad) bad = buddy_bits_between(warp, payload, n64, codes, end - tails * tail_bits());
-    }
-    if (!bad) {
-      expand(syms, payload, end, out);
+    if (codes != never && !split_fails(warp, payload, k, codes, tails)) {
+      expand(syms, payload, 8u * BUDDY_SECTOR_BYTES * k, out);
       return 0;
     }
     buddy_warp_fill(warp, nullptr, out, entry);
@@ -1309,6 +1302,17 @@ struct BuddyFpe {
     else if (has_tails())   // at most 23 bits
       word |= buddy_peek32_padded(payload, at) & (uint32_t)tail_mask();
     buddy_store<word_t>(out, (word_t)word);
+  }
+
+  // A split entry's stream checked once its codes (`codes` bits) and `tails` tails are found: the lengths must give
+  // k, and nothing may be set between the codes and the tails (every lane's answer the same).
+  template <class Warp>
+  BUDDY_WARP_FN bool split_fails(const Warp& warp, const uint8_t* payload, uint32_t k, uint32_t codes,
+                                 uint32_t tails) const {
+    const uint32_t end = 8u * BUDDY_SECTOR_BYTES * k, n64 = k * (BUDDY_SECTOR_BYTES / 8u);
+    const uint64_t total = (uint64_t)codes + (uint64_t)tails * tail_bits();
+    if (total > end || sectors((uint32_t)total) != k) return true;
+    return warp.ballot(buddy_bits_between(warp, payload, n64, codes, end - tails * tail_bits())) != 0;
   }
 
   template <class Warp>
@@ -1381,12 +1385,7 @@ struct BuddyFpe {
       tails += found_tails;
       want = (uint32_t)buddy_max<uint64_t>(1u, (uint64_t)(words - done) * base / done);
     }
-    // the lengths must give k, and nothing may be set between the codes and the tails
-    if (!bad) {
-      const uint64_t total = (uint64_t)codes + (uint64_t)tails * tail_bits();
-      bad = total > end || sectors((uint32_t)total) != k;
-      if (!bad) bad = warp.ballot(buddy_bits_between(warp, payload, n64, codes, end - tails * tail_bits())) != 0;
-    }
+    if (!bad) bad = split_fails(warp, payload, k, codes, tails);
     if (!bad) return 0;
     warp.sync();  // every lane's words are written before any lane zeroes them
     buddy_warp_fill(warp, nullptr, out, entry);
