@@ -344,9 +344,16 @@ def host_batch_cap(m: Measurement, memory: int | None = None, *, smaller: Measur
 
 
 def _cap_cuda(device: str, budget: int | None) -> None:
-    """Limit this process's CUDA memory to ``budget`` bytes (``None``: lift the limit)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else min(1.0, budget / total), device)
+    """Limit this process's CUDA memory to ``budget`` bytes (``None``: lift the limit).
+
+    The limit is set on a device named with its index: ``set_per_process_memory_fraction`` refuses a plain
+    ``cuda`` (on the H200, 2026-11-28, every search stopped there).
+    """
+    dev = torch.device(device)
+    if dev.index is None:
+        dev = torch.device(dev.type, torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else min(1.0, budget / total), dev)
 
 
 def _largest_cuda(workload, method, *, size, base, budget, device, seed) -> Measurement | None:

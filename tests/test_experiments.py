@@ -588,6 +588,28 @@ def test_max_batch_tiny(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["rows"]
 
 
+@pytest.mark.parametrize("device, index", [("cuda", 3), ("cuda:1", 1)])
+def test_the_cuda_cap_names_a_device_with_its_index(monkeypatch, device, index):
+    """``set_per_process_memory_fraction`` refuses a plain ``cuda``: the cap names the device's index."""
+    from types import SimpleNamespace
+
+    from experiments import max_batch
+
+    calls = []
+
+    def set_fraction(fraction, dev):
+        if not isinstance(dev, torch.device) or dev.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{dev}")
+        calls.append((fraction, dev))
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=8 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    max_batch._cap_cuda(device, 2 * 2**30)
+    max_batch._cap_cuda(device, None)
+    assert calls == [(0.25, torch.device("cuda", index)), (1.0, torch.device("cuda", index))]
+
+
 def test_accounting_hooks_leave_no_graph_behind():
     """A forward under the accounting hooks that never runs backward is freed with its output."""
     import gc
