@@ -165,16 +165,22 @@ _CALL_CODES = frozenset(
 
 
 def _outermost_module() -> torch.nn.Module | None:
-    """The outermost module whose forward is running on this thread's stack, or ``None``."""
+    """The outermost module whose forward is running on this thread's stack, or ``None``.
+
+    The stack is walked by code objects alone; only the outermost call frames' locals are read (a frame's
+    ``f_locals`` makes a snapshot of them: reading every call frame's cost a deep model most of the walk).
+    """
     frame: FrameType | None = sys._getframe(1)
-    root = None
+    calls = []
     while frame is not None:
         if frame.f_code in _CALL_CODES:
-            module = frame.f_locals.get("self")
-            if isinstance(module, torch.nn.Module):
-                root = module
+            calls.append(frame)
         frame = frame.f_back
-    return root
+    for call in reversed(calls):  # the outermost first
+        module = call.f_locals.get("self")
+        if isinstance(module, torch.nn.Module):
+            return module
+    return None
 
 
 def module_name(module: torch.nn.Module) -> str:

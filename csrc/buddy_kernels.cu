@@ -13,7 +13,8 @@
 // bytes of dynamic shared memory (each warp's staging buffer), unpack that
 // times buddy_unpack_staging_entries (2 for fpe and auto2, which decode into
 // shared memory: buddy_ops.h); built with BUDDY_SHARED_TABLES=1, fpe's and
-// auto2's unpack the table's bytes before them and their pack its fields'. Any gridDim.x >= 1, on the caller's stream. Buffers are dense,
+// auto2's unpack the table's bytes before them, and with BUDDY_PACK_FIELDS=1
+// too their pack its fields'. Any gridDim.x >= 1, on the caller's stream. Buffers are dense,
 // 8-byte aligned (metadata: aligned to its word) and do not alias; the loader
 // checks all of this before launching. Every output byte is written, so
 // outputs may be allocated uninitialised (the histogram excepted: it is added to).
@@ -35,15 +36,24 @@
 // BuddyFpeTable, csrc/codec_fpe.h, built by buddy.engines.cuda.device_table) and
 // null for the others. Each warp builds its codec object from it
 // (buddy_codec); built with BUDDY_SHARED_TABLES=1, unpack reads a copy of it
-// the block makes in its shared memory and pack a table of whole fields the
-// block makes from it there (before the warps' staging: the loader's
-// launch_config gives them room); the other kernels read it in global memory,
-// through the cache.
-// A table codec's tables in each block's shared memory (1): unpack's copy of the device table, pack's table of
-// whole fields (codec_fpe.h, make_fields), each before the warps' staging; or none, the table read in global memory
-// (0). The loader defines it with the launch's shared memory (buddy.engines.cuda.launch_config).
+// the block makes in its shared memory, and with BUDDY_PACK_FIELDS=1 too pack
+// a table of whole fields the block makes from it there (before the warps'
+// staging: the loader's launch_config gives them room); the other kernels
+// read it in global memory, through the cache.
+// A table codec's table in each block's shared memory (1): unpack's copy of the device table, before the warps'
+// staging; or none, the table read in global memory (0). The loader defines it with the launch's shared memory
+// (buddy.engines.cuda.launch_config).
 #if !defined(BUDDY_SHARED_TABLES)
 #define BUDDY_SHARED_TABLES 0
+#endif
+// Pack's table of whole fields (codec_fpe.h, make_fields) in each block's shared memory, before the warps' staging
+// (1, with BUDDY_SHARED_TABLES); or a word's field made from the table in global memory (0, the default: on the
+// H200 the fields' pack ran fewer warps and took 1.3x as long; buddy.engines.cuda.PACK_FIELDS_ENV).
+#if !defined(BUDDY_PACK_FIELDS)
+#define BUDDY_PACK_FIELDS 0
+#endif
+#if BUDDY_PACK_FIELDS && !BUDDY_SHARED_TABLES
+#error "BUDDY_PACK_FIELDS=1 needs BUDDY_SHARED_TABLES=1: the fields are made in the block's shared memory"
 #endif
 
 #include "buddy_ops.h"
@@ -134,7 +144,7 @@ __device__ __forceinline__ void buddy_pack_body(const uint8_t* __restrict__ data
                                                 uint8_t* __restrict__ slots, uint8_t* __restrict__ overflow,
                                                 const uint8_t* __restrict__ table) {
   const BuddyCudaWarp warp;
-#if BUDDY_SHARED_TABLES && !defined(BUDDY_NATIVE_SOLO)
+#if BUDDY_PACK_FIELDS && !defined(BUDDY_NATIVE_SOLO)
   // A table codec's table of whole fields (make_fields, codec_fpe.h) in the block's first Codec::FIELDS_BYTES of
   // dynamic shared memory, the warps' staging after it (launch_config): a word's field one load from it
   Codec codec = buddy_codec<Codec>(table);

@@ -33,7 +33,7 @@ struct BuddyAuto2 {
 
   BUDDY_HD explicit BuddyAuto2(const uint8_t* device_table) : fpe(device_table) {}
 
-#if defined(BUDDY_SHARED_TABLES) && BUDDY_SHARED_TABLES && !defined(BUDDY_NATIVE_SOLO)
+#if defined(BUDDY_PACK_FIELDS) && BUDDY_PACK_FIELDS && !defined(BUDDY_NATIVE_SOLO)
   static constexpr uint32_t FIELDS_BYTES = Fpe::FIELDS_BYTES;  // (fpe's pack's table of whole fields)
   BUDDY_HD void make_fields(uint32_t* out, uint32_t tid, uint32_t threads) const { fpe.make_fields(out, tid, threads); }
   BUDDY_HD void use_fields(const uint32_t* fields) { fpe.fields = fields; }

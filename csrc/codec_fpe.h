@@ -200,7 +200,7 @@ struct BuddyFpe {
   BUDDY_HD explicit BuddyFpe(const uint8_t* device_table)
       : table(reinterpret_cast<const BuddyFpeTable*>(device_table)), sym_bits(table->sym_bits) {}
 
-#if defined(BUDDY_SHARED_TABLES) && BUDDY_SHARED_TABLES && !defined(BUDDY_NATIVE_SOLO)
+#if defined(BUDDY_PACK_FIELDS) && BUDDY_PACK_FIELDS && !defined(BUDDY_NATIVE_SOLO)
   // Pack's table of whole fields, made by the block in its shared memory (buddy_kernels.cu): for each symbol of
   // the fit's b the field encode_split packs for a word of it -- head | bits << 24 | a tail follows << 31 --, and
   // at 2^b a zero word's. A word's field is then one load where it was a table load and the selects around it.
@@ -789,7 +789,7 @@ struct BuddyFpe {
       // each word's field once (registers: head < 2^24 | its bits << 24 | a tail follows << 31)
       uint32_t packed[unit_words];
       for (uint32_t i = 0; i < unit_words; ++i) {
-#if defined(BUDDY_SHARED_TABLES) && BUDDY_SHARED_TABLES && !defined(BUDDY_NATIVE_SOLO)
+#if defined(BUDDY_PACK_FIELDS) && BUDDY_PACK_FIELDS && !defined(BUDDY_NATIVE_SOLO)
         if constexpr (B != 0u) {  // the fit's b: pack's table of whole fields (make_fields)
           const word_t x = unit_word(unit, i);
           const uint32_t sym = (uint32_t)((uint64_t)x >> (8u * WB - B)) & ((1u << B) - 1u);

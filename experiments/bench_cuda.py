@@ -243,7 +243,8 @@ def run(
     pcie: bool = True,
     zero_copy: bool = False,
     global_table: bool = False,
-    count_ballot: bool = False,
+    other_count: bool = False,
+    pack_fields: bool = False,
     max_blocks: Sequence[int] = (),
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -252,10 +253,14 @@ def run(
     ``zero_copy``: each codec's kernels once more with ``BUDDY_ZERO_COPY=1`` (method ``.../cuda+zero-copy``:
     unpack reads the overflow in pinned host memory instead of copying it to the device first; compress is the
     same code either way). ``global_table``: each table codec's kernels once more with
-    ``BUDDY_SHARED_TABLES=0`` (method ``.../cuda+global-table``: pack and unpack read the table in global memory
-    through L1, as before each block made its tables in shared memory). ``count_ballot``: each table
-    codec's kernels once more with ``BUDDY_COUNT_MATCH=0`` (method ``.../cuda+count-ballot``: the count kernel's zero
-    words by ballots and its other words added one by one, not a warp's equal keys matched). ``max_blocks``: each codec's kernels once more for each ``n`` with at most ``n`` blocks
+    ``BUDDY_SHARED_TABLES=0`` (method ``.../cuda+global-table``: unpack reads the table in global memory through
+    L1, as before each block copied it into its shared memory). ``other_count``: each table codec's kernels once
+    more with the count kernel's form the tensor's word size does not take by default
+    (:func:`buddy.engines.cuda.count_matches`; ``BUDDY_COUNT_MATCH``; method ``.../cuda+count-ballot``: a warp's
+    zero words by ballots and its other words added one by one, or ``.../cuda+count-match``: a warp's equal keys
+    matched). ``pack_fields``: each table codec's kernels once more with ``BUDDY_PACK_FIELDS=1`` (method
+    ``.../cuda+pack-fields``: pack reads each word's whole field from a table its block makes in shared memory).
+    ``max_blocks``: each codec's kernels once more for each ``n`` with at most ``n`` blocks
     a launch (method ``.../cuda+blocks<=n``), the warps looping over the entries: whether a grid of about one wave
     keeps more warps resident than a warp per entry, whose blocks hold their shared memory until their slowest
     warp is done. ``baselines``: nvcomp's (:func:`nvcomp_or_exit`). A baseline that fails
@@ -285,10 +290,16 @@ def run(
                 log(_line(rows[-1]))
                 in_place.free()
             tabled = "cuda" in backends and codec in buddy.engines.cuda.TABLED_KERNELS
-            for wanted, env, suffix in ((global_table, buddy.engines.cuda.SHARED_TABLES_ENV, "global-table"),
-                                        (count_ballot, buddy.engines.cuda.COUNT_MATCH_ENV, "count-ballot")):  # fmt: skip
+            kernels = buddy.engines.cuda
+            other = "0" if kernels.count_matches(x.element_size()) else "1"  # the count's form not taken by default
+            variants = (
+                (global_table, kernels.SHARED_TABLES_ENV, "0", "global-table"),
+                (other_count, kernels.COUNT_MATCH_ENV, other, "count-match" if other == "1" else "count-ballot"),
+                (pack_fields, kernels.PACK_FIELDS_ENV, "1", "pack-fields"),
+            )
+            for wanted, env, value, suffix in variants:
                 if wanted and tabled:
-                    with _environment(env, "0"):
+                    with _environment(env, value):
                         row, other = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
                     rows.append({**row, "method": f"{row['method']}+{suffix}", suffix.replace("-", "_"): True})
                     log(_line(rows[-1]))
@@ -382,11 +393,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--zero-copy", action="store_true",
                    help="each codec once more with BUDDY_ZERO_COPY=1 (unpack reads the overflow in pinned host memory)")
     p.add_argument("--global-table", action="store_true",
-                   help="each table codec once more with BUDDY_SHARED_TABLES=0 (pack and unpack read the table in "
-                        "global memory, not tables each block makes in its shared memory)")  # fmt: skip
-    p.add_argument("--count-ballot", action="store_true",
-                   help="each table codec once more with BUDDY_COUNT_MATCH=0 (the count kernel's zero words by "
-                        "ballots, no match)")  # fmt: skip
+                   help="each table codec once more with BUDDY_SHARED_TABLES=0 (unpack reads the table in global "
+                        "memory, not a copy each block makes in its shared memory)")  # fmt: skip
+    p.add_argument("--other-count", action="store_true",
+                   help="each table codec once more with the count kernel's form its word size does not take by "
+                        "default (BUDDY_COUNT_MATCH: a warp's zero words by ballots, or its equal keys matched)")
+    p.add_argument("--pack-fields", action="store_true",
+                   help="each table codec once more with BUDDY_PACK_FIELDS=1 (pack reads a word's whole field from a "
+                        "table each block makes in its shared memory)")  # fmt: skip
     p.add_argument("--max-blocks", type=int, nargs="+", default=[], metavar="N",
                    help="each codec once more with at most N blocks a kernel launch (the warps loop over the entries)")
     p.add_argument("--out", type=Path, default=Path("results/bench_cuda"))
@@ -418,7 +432,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         baselines=baselines,
         zero_copy=args.zero_copy,
         global_table=args.global_table,
-        count_ballot=args.count_ballot,
+        other_count=args.other_count,
+        pack_fields=args.pack_fields,
         max_blocks=tuple(args.max_blocks),
     )
     print()

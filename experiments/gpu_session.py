@@ -187,10 +187,11 @@ def _ncu(timeout_s: int) -> Python:
     metrics = os.environ.get("BUDDY_NCU_METRICS") or ",".join(NCU_METRICS)
     wrapper = ("{ncu}", "--metrics", metrics, "--kernel-name", "regex:^buddy_", "--clock-control", "none",
                "--target-processes", "all", "--csv", "--log-file", "{out}/ncu.csv")  # fmt: skip
-    # (--global-table: pack and unpack once more reading the table in global memory, beside their tables in shared
-    # memory; ncu.csv tells the two layouts apart by their dynamic shared memory)
+    # (--global-table: unpack once more reading the table in global memory, beside its copy in shared memory;
+    # --pack-fields: pack once more with its table of whole fields in shared memory, beside reading the table in
+    # global memory; ncu.csv tells a kernel's layouts apart by their dynamic shared memory)
     args = ("--mib", "64", "--codecs", _default_codec(), "--repeats", "1", "--warmup", "0", "--no-nvcomp",
-            "--global-table", "--out", "{work}/ncu")  # fmt: skip
+            "--global-table", "--pack-fields", "--out", "{work}/ncu")  # fmt: skip
     return Python("ncu", "experiments.bench_cuda", args, timeout_s, "{work}/ncu/results.json", wrapper=wrapper)
 
 
@@ -216,8 +217,10 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
         # nvcomp and memcpy (fewer repeats), step time (fewer methods) with one compressed step profiled,
         # Nsight Compute over the default's kernels (64 MiB), and unpack reading the overflow in place; the table
         # codecs also with their tables in global memory (--global-table) and with the count kernel's ballots
-        # (--count-ballot). The lease runs it first (LEASE).
-        bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1", "--global-table", "--count-ballot")
+        # or matches (--other-count: the form the word size does not take by default), and pack with its table of
+        # whole fields in shared memory (--pack-fields). The lease runs it first (LEASE).
+        bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1", "--global-table", "--other-count",
+                      "--pack-fields")  # fmt: skip
         step_args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--steps", "4",
                      "--warmup", "2", "--methods", "none", "buddy", "save_on_cpu", "checkpoint", "--profile",
                      "--out", "{work}/step_time")  # fmt: skip

@@ -569,6 +569,18 @@ def cycles_per_instruction(row: dict) -> float:
     return row["us"] * 1e-6 * clock * 1e9 * H100["sms"] * row["warps/SM"] / row["instr"]
 
 
+def measured_launch(measured: dict | None, kernel: str, dtype: str, threads: int, shared: int) -> dict | None:
+    """The GPU run's row (:func:`ncu_measured`) of ``kernel`` on ``dtype`` launched as estimated: of its layouts
+    (``kernel`` and its variants ``kernel (... threads, ... B shared)``), the one of ``threads`` a block and
+    ``shared`` bytes of dynamic shared memory; a run that did not read the shared memory has one layout a kernel."""
+    rows = (measured or {}).get("rows", {})
+    mine = [r for (name, d), r in rows.items() if d == dtype and (name == kernel or name.startswith(f"{kernel} ("))]
+    for r in mine:
+        if r.get("block") == threads and r.get("smem") == shared:
+            return r
+    return rows.get((kernel, dtype)) if all(math.isnan(r.get("smem", math.nan)) for r in mine) else None
+
+
 def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: Path,
            measured: dict | None = None) -> list[dict]:  # fmt: skip
     word = spec.word_bytes(dtype)
@@ -617,7 +629,7 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
             issue = H100["sms"] * H100["schedulers"] * clock / instr * entry_bytes / 1e9
             memory = H100["hbm_gbps"] * entry_bytes / moved
             bounds = {"issue": issue, "memory": memory}
-            ran = (measured or {}).get("rows", {}).get((f"{codec} {op}", row["dtype"]))
+            ran = measured_launch(measured, f"{codec} {op}", row["dtype"], threads, shared)
             if ran is not None:  # a warp's instructions at the cycles each took it in the GPU run
                 row["cycles/instr"] = cpi = cycles_per_instruction(ran)
                 bounds["latency"] = H100["sms"] * clock * warps / (instr * cpi) * entry_bytes / 1e9
@@ -789,11 +801,13 @@ warp match and atomic adds, most of them on a few bins); measure's and pack's on
 unpack now copies the table (40 KiB) into each block's shared memory before the warps' staging: on an H100 one
 block of 23 warps an SM, as many blocks as stay resident, their warps striding over the entries
 (`buddy.engines.cuda.launch_config`, `shared_table_layout`; `BUDDY_SHARED_TABLES=0` keeps the table in
-global memory, and the runbook's bench and ncu steps time both). And pack makes a table of whole fields there
-(16 KiB, `make_fields`: per symbol its code, escape included, its bits and whether a tail follows), so a word's
-field is one shared-memory load where it was a table load and the selects around it: pack 3,352 -> 2,571
-instructions an entry for float32, 5,420 -> 3,553 for bfloat16 (the table made once a resident block, not
-charged). Unpack's instructions change little (4,824 -> 4,677 an
+global memory, and the runbook's bench and ncu steps time both). Pack can make a table of whole fields there
+(`BUDDY_PACK_FIELDS=1`; 16 KiB, `make_fields`: per symbol its code, escape included, its bits and whether a tail
+follows), so that a word's field is one shared-memory load where it is a table load and the selects around it:
+pack 3,352 -> 2,571 instructions an entry for float32, 5,420 -> 3,553 for bfloat16 by this count (the table made
+once a resident block, not charged); but on the H200 it ran 148 / 161 us at 64 MiB where reading the table in
+global memory ran 110 / 126 (72 registers, 17 warps an SM against 19, fewer L1 hits), so pack reads the table in
+global memory by default and the count above charges that. Unpack's instructions change little (4,824 -> 4,677 an
 entry for float32, 7,437 -> 7,293 for bfloat16: shared addresses are 32-bit); what it removes is waiting, which
 only a GPU measures: the unpack estimate above still takes the cycles an instruction took with the table in global
 memory. Were every L1TEX wait of that run gone, a warp's instruction would take 5.7 / 6.4 cycles, the latency
@@ -844,11 +858,16 @@ warm-up (64, 32 bits or none), whose resynchronizing costs more than it saves: f
 bfloat16, 49.2 / 80.5 now, 53.0-55.2 / 98.3-109.0 with the 32-bit record of starts, 49.1-51.3 / 79.1-103.6 with
 a 64-bit record (two registers more; 49.1 / 79.1 with the 128-bit warm-up), 45.1 / 81.6 with a 128-bit record and
 no warm-up (four more).
-Next: a run of this code on a GPU (the runbook's essentials: bench and ncu with the table in shared and in
-global memory) to measure unpack's cycles per instruction with its table in shared memory, and count's with its
-zero words counted by ballots and no match (`BUDDY_COUNT_MATCH=0`, the bench's `--count-ballot`; its code is left
-out of the count above, which charges the match); then a histogram a warp for count if it still waits; then the
-latency levers above -- unpack's shared memory (the table, then 4 KiB of payload and 4 KiB of output a warp) is what
+The third H200 run (2026-11-28, 3f7ecc4, `experiments/results/gpu/2026-11-28-h200-lease2/`) measured that code:
+unpack with its table in shared memory took 138 / 239 us at 64 MiB (float32 / bfloat16) against 232 / 500 with the
+table in global memory, its warps waiting on L1TEX for 1.3 / 0.6 cycles an instruction where they had waited 7.4 /
+12.5, 7.9-8.3 cycles an instruction in all; the default's decompress of 256 MiB went 168 -> 262 and 74 -> 192 GB/s.
+The count's ballots made the bfloat16 compress 1.3-1.4x faster (the float32 one within its noise), so 2-byte
+words take them by default (`buddy.engines.cuda.count_matches`; `BUDDY_COUNT_MATCH=1` or `0` for every word size;
+their code is left out of the count above, which charges the match).
+Next: a run of this code on a GPU (pack reading the table in global memory beside unpack's table in shared
+memory, bfloat16's count by ballots; the bench's `--pack-fields` and `--other-count` time the other forms); then a
+histogram a warp for count if it still waits; then the latency levers above -- unpack's shared memory (the table, then 4 KiB of payload and 4 KiB of output a warp) is what
 holds it at 23 warps an SM; two entries a warp with their walks interleaved; one walk instead of two (the find walk keeping each
 code's symbol in shared memory: by the lane simulation a lane finds 34 codes on average for 32 float32 words and 72
 for 64 bfloat16 words); pack's fields (a word's code from the table and its selects: about 37 instructions a
@@ -952,6 +971,7 @@ def ncu_measured(folder: Path) -> dict:
                 "short sb": median("smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio"),
                 "L1 hit %": median("l1tex__t_sector_hit_rate.pct"),
                 "block": median("block"),
+                "smem": median("launch__shared_mem_per_block_dynamic"),
             }
     return {"device": record.get("device"), "commit": record.get("commit"), "command": record.get("command"),
             "mib": bench["args"]["mib"], "rows": out}  # fmt: skip

@@ -175,15 +175,18 @@ def _runtime(kind: str) -> Path:
 def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all", word_bytes: int | None = None) -> Path:
     """The emulator binary of ``kind`` (``"tsan"``/``"asan"``) for the kernels of ``csrc`` at this entry size.
 
-    Compiled with ``buddy.engines.cuda.compile_options(entry_bytes, codec, word_bytes, shared_tables)``: with a
-    word size, the module of that word size alone, as the loader compiles it; a table codec's unpack with its
-    table in shared memory where an H100's would hold it (:data:`buddy.engines.cuda.HOPPER`: every entry size),
-    as :class:`Emulator` launches it; cached by the hash of every source, the options and the compiler.
+    Compiled with ``buddy.engines.cuda.compile_options(entry_bytes, codec, word_bytes, shared_tables,
+    pack_fields)``: with a word size, the module of that word size alone, as the loader compiles it; a table
+    codec's unpack with its table in shared memory where an H100's would hold it
+    (:data:`buddy.engines.cuda.HOPPER`: every entry size), and its pack with its table of whole fields there where
+    ``BUDDY_PACK_FIELDS=1``, as :class:`Emulator` launches it; cached by the hash of every source, the options and
+    the compiler.
     """
     if kind not in BUILDS:
         raise ValueError(f"kind must be one of {BUILDS}, got {kind!r}")
     shared_tables = bcuda.shared_table_layout(entry_bytes, bcuda.HOPPER) is not None
-    options = list(bcuda.compile_options(entry_bytes, codec, word_bytes, shared_tables))
+    fields = shared_tables and bcuda.pack_fields()  # pack's table of whole fields: BUDDY_PACK_FIELDS=1, as the loader
+    options = list(bcuda.compile_options(entry_bytes, codec, word_bytes, shared_tables, fields))
     kernels = ["g++", *options, *_FLAGS, *_SANITIZE[kind], f"-I{csrc}", f"-I{SOURCES}", f"-I{HOST}", "-c"]
     # the sources' text, not their folder: a copy elsewhere (a mutation test's, another session's) is the same build
     trees = (_tree(Path(csrc)), _tree(SOURCES), _tree(HOST))
@@ -299,7 +302,8 @@ class Emulator:
         shutil.rmtree(self._folder, ignore_errors=True)
 
     def __call__(self, codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple) -> None:
-        blocks, threads, shared = bcuda.launch_config(op, entry_bytes, n_entries, codec, bcuda.HOPPER)
+        fields = bcuda.shares_tables(codec, entry_bytes, bcuda.HOPPER) and bcuda.pack_fields()
+        blocks, threads, shared = bcuda.launch_config(op, entry_bytes, n_entries, codec, bcuda.HOPPER, fields)
         if self.max_blocks is not None:
             blocks = min(blocks, self.max_blocks)
         self.run(f"buddy_{codec}_{op}", entry_bytes, (blocks, threads, shared), args)

@@ -144,12 +144,16 @@ def test_max_blocks_times_the_cuda_kernels_again_on_a_capped_grid(gen, monkeypat
     assert [r.get("max_blocks") for r in result["rows"]] == [None, None, 792, 1584]
 
 
-@pytest.mark.parametrize(("option", "env", "suffix"), [
-    ("global_table", "SHARED_TABLES_ENV", "global-table"), ("count_ballot", "COUNT_MATCH_ENV", "count-ballot"),
+@pytest.mark.parametrize(("option", "env", "dtype", "value", "suffix"), [
+    ("global_table", "SHARED_TABLES_ENV", torch.float32, "0", "global-table"),
+    ("other_count", "COUNT_MATCH_ENV", torch.float32, "0", "count-ballot"),
+    ("other_count", "COUNT_MATCH_ENV", torch.bfloat16, "1", "count-match"),
+    ("pack_fields", "PACK_FIELDS_ENV", torch.float32, "1", "pack-fields"),
 ])  # fmt: skip
-def test_variants_time_the_table_codecs_again(gen, monkeypatch, option, env, suffix):
-    """--global-table (--count-ballot): each table codec's CUDA kernels once more with BUDDY_SHARED_TABLES=0
-    (BUDDY_COUNT_MATCH=0) set while they run (and restored after), the rows named so; the other codecs once."""
+def test_variants_time_the_table_codecs_again(gen, monkeypatch, option, env, dtype, value, suffix):
+    """--global-table (--other-count, --pack-fields): each table codec's CUDA kernels once more with
+    BUDDY_SHARED_TABLES=0 (BUDDY_COUNT_MATCH set to the form the word size does not take by default,
+    BUDDY_PACK_FIELDS=1) while they run (and restored after), the rows named so; the other codecs once."""
     seen = []
     env = getattr(bench_cuda.buddy.engines.cuda, env)
 
@@ -167,10 +171,10 @@ def test_variants_time_the_table_codecs_again(gen, monkeypatch, option, env, suf
     monkeypatch.setattr(bench_cuda, "bench_buddy", fake)
     monkeypatch.setattr(bench_cuda, "check_backends_agree", lambda *a: None)
     monkeypatch.delenv(env, raising=False)
-    t = {"relu.f32": make_data("relu", 1_001, torch.float32, gen)}
+    t = {"relu": make_data("relu", 1_001, dtype, gen)}
     result = bench_cuda.run(t, codecs=("zvc", "auto2"), backends=("cuda",), repeats=1, warmup=0, pcie=False,
                             log=lambda line: None, **{option: True})  # fmt: skip
-    assert seen == [("zvc", None), ("auto2", None), ("auto2", "0")]
+    assert seen == [("zvc", None), ("auto2", None), ("auto2", value)]
     assert [r["method"] for r in result["rows"]][1:] == ["buddy:zvc/cuda", "buddy:auto2/cuda",
                                                          f"buddy:auto2/cuda+{suffix}"]  # fmt: skip
     assert env not in os.environ

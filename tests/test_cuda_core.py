@@ -106,11 +106,13 @@ def test_launch_configuration_with_the_table_in_shared_memory():
         block = table + warps * 2 * e
         assert block <= bcuda.HOPPER.per_block and per_sm * (block + 1024) <= bcuda.HOPPER.per_sm, e
         assert warps <= (24 if e >= 4096 else 8) and warps * per_sm <= 64
-    # pack: the table of whole fields before the warps' staging, its warps as before, the resident blocks looping
-    fields = bcuda.FIELDS_BYTES
-    assert bcuda.launch_config("pack", 4096, 10**6, "fpe", bcuda.HOPPER) == (132 * 4, 256, fields + 8 * 4096)
-    assert bcuda.launch_config("pack", 4096, 1000, "auto2", bcuda.HOPPER) == (125, 256, fields + 8 * 4096)
-    assert bcuda.launch_config("pack", 65536, 1000, "fpe", bcuda.HOPPER) == (264, 32, fields + 65536)
+    # pack, asked for its fields (BUDDY_PACK_FIELDS=1): the table of whole fields before the warps' staging, its
+    # warps as before, the resident blocks looping; by default its table in global memory, as without a device
+    fields, hop = bcuda.FIELDS_BYTES, bcuda.HOPPER
+    assert bcuda.launch_config("pack", 4096, 10**6, "fpe", hop, True) == (132 * 4, 256, fields + 8 * 4096)
+    assert bcuda.launch_config("pack", 4096, 1000, "auto2", hop, True) == (125, 256, fields + 8 * 4096)
+    assert bcuda.launch_config("pack", 65536, 1000, "fpe", hop, True) == (264, 32, fields + 65536)
+    assert bcuda.launch_config("pack", 4096, 10**6, "fpe", hop) == bcuda.launch_config("pack", 4096, 10**6, "fpe")
     # the other codecs and ops, and no device given: as before
     assert bcuda.launch_config("unpack", 4096, 1000, "zvc", bcuda.HOPPER) == bcuda.launch_config("unpack", 4096, 1000)
     assert bcuda.launch_config("pack", 4096, 1000, "zvc", bcuda.HOPPER) == bcuda.launch_config("pack", 4096, 1000)
@@ -120,34 +122,41 @@ def test_launch_configuration_with_the_table_in_shared_memory():
     assert bcuda.shared_table_layout(65536, small) is None
     assert bcuda.launch_config("unpack", 65536, 3, "fpe", small) == bcuda.launch_config("unpack", 65536, 3, "fpe")
     assert bcuda.compile_options(4096, "fpe", 4, shared_tables=True)[-1] == "-DBUDDY_SHARED_TABLES=1"
-    assert not any("SHARED_TABLE" in o for o in bcuda.compile_options(4096, "fpe", 4))
+    assert bcuda.compile_options(4096, "fpe", 4, True, True)[-2:] == ("-DBUDDY_SHARED_TABLES=1", "-DBUDDY_PACK_FIELDS=1")
+    assert not any("SHARED_TABLE" in o or "PACK_FIELDS" in o for o in bcuda.compile_options(4096, "fpe", 4))
+    with pytest.raises(ValueError, match="needs shared_tables"):
+        bcuda.compile_options(4096, "fpe", 4, pack_fields=True)
 
 
-@pytest.mark.parametrize(("env", "shared", "entry_bytes"), [
-    pytest.param(None, bcuda.HOPPER, 4096, id="H100"),
-    pytest.param("0", bcuda.HOPPER, 4096, id="H100-BUDDY_SHARED_TABLES=0"),
-    pytest.param(None, bcuda.SharedMemory(108, 163 << 10, 164 << 10), 65536, id="A100-E=65536"),
+@pytest.mark.parametrize(("env", "fields", "shared", "entry_bytes"), [
+    pytest.param(None, None, bcuda.HOPPER, 4096, id="H100"),
+    pytest.param(None, "1", bcuda.HOPPER, 4096, id="H100-BUDDY_PACK_FIELDS=1"),
+    pytest.param("0", None, bcuda.HOPPER, 4096, id="H100-BUDDY_SHARED_TABLES=0"),
+    pytest.param("0", "1", bcuda.HOPPER, 4096, id="H100-BUDDY_SHARED_TABLES=0-BUDDY_PACK_FIELDS=1"),
+    pytest.param(None, "1", bcuda.SharedMemory(108, 163 << 10, 164 << 10), 65536, id="A100-E=65536"),
 ])  # fmt: skip
-def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, env, shared, entry_bytes):
+def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, env, fields, shared, entry_bytes):
     """The loader's launch (buddy.engines.cuda._launch, CuPy faked): a table codec's kernels come from the module
     whose unpack copies its table into shared memory, launched with that configuration, where the device holds it
-    and ``BUDDY_SHARED_TABLES`` is not 0; the other codecs' as before."""
+    and ``BUDDY_SHARED_TABLES`` is not 0, and with ``BUDDY_PACK_FIELDS=1`` its pack makes its table of whole fields
+    there too; the other codecs' as before."""
     import contextlib
     import types
 
     launched = []
 
-    def kernel(codec, op, e, device, shared_bytes, word, shared_tables=False):
+    def kernel(codec, op, e, device, shared_bytes, word, shared_tables=False, pack_fields=False):
         def launch(grid, block, args, stream, shared_mem):
-            launched.append((op, shared_tables, grid[0], block[0], shared_mem))
+            launched.append((op, shared_tables, grid[0], block[0], shared_mem, pack_fields))
             assert shared_mem == shared_bytes
 
         return launch
 
-    if env is None:
-        monkeypatch.delenv(bcuda.SHARED_TABLES_ENV, raising=False)
-    else:
-        monkeypatch.setenv(bcuda.SHARED_TABLES_ENV, env)
+    for name, value in ((bcuda.SHARED_TABLES_ENV, env), (bcuda.PACK_FIELDS_ENV, fields)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext()))
     monkeypatch.setattr(bcuda, "_cupy", lambda: fake)
     monkeypatch.setattr(bcuda, "_cupy_stream", lambda cupy, device: None)
@@ -158,11 +167,14 @@ def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, e
         bcuda._launch("auto2", op, entry_bytes, device, 1000, (word,))
     bcuda._launch("zvc", "unpack", entry_bytes, device, 1000, (word,))
     in_shared = env is None and bcuda.shared_table_layout(entry_bytes, shared) is not None
-    # (one module for all of a codec's kernels: the define changes its unpack alone)
-    assert [a[:2] for a in launched] == [("pack", in_shared), ("unpack", in_shared), ("unpack", False)]
-    assert launched[0][2:] == bcuda.launch_config("pack", entry_bytes, 1000, "auto2", shared if in_shared else None)
-    want = bcuda.launch_config("unpack", entry_bytes, 1000, "auto2", shared if in_shared else None)
-    assert launched[1][2:] == want
+    made = in_shared and fields == "1"  # pack's fields: asked for, and where the table goes into shared memory
+    # (one module for all of a codec's kernels: the defines change its unpack, and its pack where asked)
+    assert [a[:2] + a[5:] for a in launched] == [("pack", in_shared, made), ("unpack", in_shared, made),
+                                                 ("unpack", False, False)]  # fmt: skip
+    place = shared if in_shared else None
+    assert launched[0][2:5] == bcuda.launch_config("pack", entry_bytes, 1000, "auto2", place, made)
+    assert (launched[0][4] > 8 * entry_bytes) == made
+    assert launched[1][2:5] == bcuda.launch_config("unpack", entry_bytes, 1000, "auto2", place)
     assert in_shared == (env is None and entry_bytes == 4096)
 
 
@@ -175,13 +187,14 @@ def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, e
         pytest.param(32, "auto", "sm_90", 1, False, id="E=32-auto-sm_90-w=1"),
         pytest.param(65536, "auto2", "sm_90", 8, False, id="E=65536-auto2-sm_90-w=8"),
         pytest.param(4096, "auto2", "sm_90", 8, True, id="E=4096-auto2-sm_90-w=8-table-in-shared"),
+        pytest.param(4096, "auto2", "sm_90", 2, "fields", id="E=4096-auto2-sm_90-w=2-pack-fields-in-shared"),
         pytest.param(4096, "zvc", "sm_80", None, False, id="E=4096-zvc-sm_80-every-word"),
     ],
 )
 def test_translation_unit_compiles_without_warnings(tmp_path, entry_bytes, codec, arch, word, table):
     """The exact text given to NVRTC, through nvcc with warnings as errors, no spills to local memory (the
     loader builds a module per word size; one of all four compiles too; a table codec's unpack with its table
-    in shared memory or not)."""
+    in shared memory or not, and pack's table of whole fields there: ``"fields"``)."""
     unit = tmp_path / "kernels_tu.cu"
     unit.write_text(bcuda.translation_unit())
     cmd = [
@@ -191,7 +204,7 @@ def test_translation_unit_compiles_without_warnings(tmp_path, entry_bytes, codec
         "all-warnings",
         "-Xptxas",
         "-v",
-        *bcuda.compile_options(entry_bytes, codec, word, table),
+        *bcuda.compile_options(entry_bytes, codec, word, bool(table), table == "fields"),
     ]
     result = subprocess.run(
         [*cmd, "-c", str(unit), "-o", str(tmp_path / "k.o")], check=True, capture_output=True, text=True
@@ -544,20 +557,31 @@ def test_each_launch_passes_its_word_size_last(word, weighted):
         assert type(args[-1]) is np.int32 and int(args[-1]) == word, (op, args[-1])
 
 
-@pytest.mark.parametrize(("env", "aggregate"), [(None, 1), ("1", 1), ("0", 0)])
-def test_the_count_kernel_matches_unless_told_not_to(monkeypatch, env, aggregate):
-    """The count kernel's ``aggregate`` argument: 1 (a warp's equal keys added once) unless BUDDY_COUNT_MATCH=0."""
+@pytest.mark.parametrize(
+    ("env", "word", "aggregate"),
+    [(None, 4, 1), (None, 2, 0), (None, 1, 1), (None, 8, 1), ("1", 2, 1), ("1", 4, 1), ("0", 4, 0), ("0", 2, 0)],
+)
+def test_the_count_kernel_matches_or_takes_ballots_by_word_size(monkeypatch, env, word, aggregate):
+    """The count kernel's ``aggregate`` argument: 2-byte words by ballots (0), the others by a warp's match (1),
+    unless BUDDY_COUNT_MATCH says 1 (match) or 0 (ballots) for all."""
     if env is None:
         monkeypatch.delenv(bcuda.COUNT_MATCH_ENV, raising=False)
     else:
         monkeypatch.setenv(bcuda.COUNT_MATCH_ENV, env)
     launched = []
     kernels = bcuda.Kernels("auto2", launch=lambda *a: launched.append(a), device_type="cpu")
-    layout = Layout(128, 4 * 128, 4)
+    layout = Layout(128, 4 * 128, word)
     data, tail = torch.zeros(4 * 128, dtype=torch.uint8), torch.zeros(128, dtype=torch.uint8)
-    kernels.count(layout, data, tail, torch.zeros(n_symbols(4), dtype=torch.int64))
+    kernels.count(layout, data, tail, torch.zeros(n_symbols(word), dtype=torch.int64))
     (args,) = [a[-1] for a in launched]
     assert type(args[-2]) is np.int32 and int(args[-2]) == aggregate
+
+
+@pytest.mark.parametrize("name", ["COUNT_MATCH_ENV", "PACK_FIELDS_ENV"])
+def test_a_layout_switch_refuses_what_it_cannot_mean(monkeypatch, name):
+    monkeypatch.setenv(getattr(bcuda, name), "yes")
+    with pytest.raises(ValueError, match="got 'yes'"):
+        bcuda.count_matches(4) if name == "COUNT_MATCH_ENV" else bcuda.pack_fields()
 
 
 @pytest.mark.parametrize("codec", ids("codec", ("zvc", "auto", "auto2")))

@@ -182,12 +182,16 @@ def test_kernels_write_and_read_the_reference_buffers(build, codec, case, activa
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("codec", sorted(TABLED))
-@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=lambda c: c.id)
-def test_count_by_ballots_counts_as_the_reference(build, codec, case, activations, store, request, monkeypatch):
-    """BUDDY_COUNT_MATCH=0: the count kernel's zero words by ballots and its other words added one by one (no
-    match) gives the reference's symbol counts, so its table and buffers (ReLU float32 with a partial last entry on a
-    grid of 2 blocks, bfloat16 at 4 KiB)."""
-    monkeypatch.setenv(bcuda.COUNT_MATCH_ENV, "0")
+@pytest.mark.parametrize(("env", "case"), [("0", CASES[0]), ("1", CASES[1])], ids=["ballots-" + CASES[0].id,
+                                                                                   "match-" + CASES[1].id])
+def test_the_other_count_counts_as_the_reference(build, codec, env, case, activations, store, request, monkeypatch):
+    """The count kernel's form a word size does not take by default (BUDDY_COUNT_MATCH: ReLU float32 with a partial
+    last entry on a grid of 2 blocks by ballots, its zero words by ballots and its other words added one by one;
+    bfloat16 at 4 KiB by a warp's match) gives the reference's symbol counts, so its table and buffers. The default
+    tests run the other two."""
+    word = case.tensor(activations).element_size()
+    assert bcuda.count_matches(word) != (env == "1"), "the form this word size takes by default"
+    monkeypatch.setenv(bcuda.COUNT_MATCH_ENV, env)
     with emulated_cuda(build, seed=_seed(request), max_blocks=case.max_blocks) as emu:
         check_reference_buffers("cuda", codec, case.tensor(activations), case.entry_bytes, case.slot_for, store, True)
     assert "count" in ops_of(emu)
@@ -270,6 +274,7 @@ class Mutation:
     where: tuple[tuple[str, str], ...] = ()  # (file, function) in each racing access's stack, in either order
     max_blocks: int | None = None
     says: str = ""  # in the report
+    env: tuple[tuple[str, str], ...] = ()  # set while it runs, unmodified and mutated (a layout's switch)
 
     def apply(self, root: Path) -> Path:
         """A copy of csrc/ under ``root`` with the change made; its path."""
@@ -327,7 +332,7 @@ MUTATIONS = [
     Mutation(
         "pack: no __syncthreads between making the table of whole fields and reading it", "buddy_kernels.cu",
         "    __syncthreads();\n    codec.use_fields(", "    codec.use_fields(", "fpe", "tsan", "race",
-        (("codec_fpe.h", "make_fields"), ("codec_fpe.h", "encode_split")),
+        (("codec_fpe.h", "make_fields"), ("codec_fpe.h", "encode_split")), env=((bcuda.PACK_FIELDS_ENV, "1"),),
     ),
     Mutation(
         "fpe encode: no warp.sync() between zeroing the payload and ORing the fields in", "codec_fpe.h",
@@ -423,7 +428,9 @@ def _bitten(mutation: Mutation, csrc: Path, t: torch.Tensor, store, seed: int) -
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.id for m in MUTATIONS])
-def test_the_emulator_reports_a_broken_kernel(mutation, activations, store, request):
+def test_the_emulator_reports_a_broken_kernel(mutation, activations, store, request, monkeypatch):
+    for name, value in mutation.env:
+        monkeypatch.setenv(name, value)
     t = Case("f32", 512, 24.5, 4, None).tensor(activations)
     assert _bitten(mutation, CSRC, t, store, _seed(request)) is None, "the unmodified sources are reported"
     error = _bitten(mutation, _TREES[mutation.id], t, store, _seed(request))

@@ -196,6 +196,16 @@ def test_ncu_launches_of_two_layouts_are_two_kernels(tmp_path):
     assert got["auto2 pack", "float32"]["us"] == pytest.approx(5.0)
     assert got["auto2 pack (256 threads, 32,768 B shared)", "float32"]["us"] == pytest.approx(6.0)
     assert got["auto2 measure", "float32"]["us"] == pytest.approx(2.0) and got["auto2 measure", "float32"]["launches"] == 2
+    # the estimate of a launch reads the layout it estimates: pack reading the table in global memory, unpack its copy
+    from experiments.kernel_budget import measured_launch
+
+    measured = {"rows": got}
+    assert measured_launch(measured, "auto2 pack", "float32", 256, 32768)["us"] == pytest.approx(6.0)
+    assert measured_launch(measured, "auto2 pack", "float32", 256, 49170)["us"] == pytest.approx(5.0)
+    assert measured_launch(measured, "auto2 unpack", "bfloat16", 736, 229390)["us"] == pytest.approx(2.0)
+    assert measured_launch(measured, "auto2 unpack", "bfloat16", 256, 65536) is None  # a layout that did not run
+    old = {"rows": {("auto2 pack", "float32"): {"us": 7.0, "block": 256, "smem": float("nan")}}}  # no shared memory read
+    assert measured_launch(old, "auto2 pack", "float32", 256, 32768)["us"] == 7.0
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -181,18 +181,22 @@ def translation_unit(name: str = _SOURCE) -> str:
 
 
 def compile_options(
-    entry_bytes: int, codec: str = "all", word_bytes: int | None = None, shared_tables: bool = False
-) -> tuple[str, ...]:
+    entry_bytes: int, codec: str = "all", word_bytes: int | None = None, shared_tables: bool = False,
+    pack_fields: bool = False,
+) -> tuple[str, ...]:  # fmt: skip
     """NVRTC options: C++17, the format constants of this entry size, which codec's kernels to build, when given
     the one word size they are built for (csrc/buddy_kernels.cu: a kernel of one word size needs fewer registers
     than one of all four), and whether a table codec's tables are in each block's shared memory (``shared_tables``:
-    unpack's copy of the device table, pack's table of whole fields; launched with :func:`launch_config`'s
-    ``shared`` then)."""
+    unpack's copy of the device table, and with ``pack_fields`` pack's table of whole fields; launched with
+    :func:`launch_config`'s ``shared`` and ``pack_fields`` then)."""
+    if pack_fields and not shared_tables:
+        raise ValueError("pack's table of whole fields is in shared memory: pack_fields needs shared_tables")
     defines = spec.c_defines(spec.check_entry_bytes(entry_bytes))
     if word_bytes is not None and word_bytes not in WORD_SIZES:  # a launch's last argument, read as the word size
         raise ValueError(f"word sizes are 1, 2, 4 or 8 bytes, got {word_bytes!r}")
     words = () if word_bytes is None else (f"-DBUDDY_WORD_BYTES={int(word_bytes)}",)
     table = ("-DBUDDY_SHARED_TABLES=1",) if shared_tables else ()
+    table += ("-DBUDDY_PACK_FIELDS=1",) if pack_fields else ()
     return (
         "-std=c++17", *(f"-D{k}={v}" for k, v in defines.items()), f"-DBUDDY_CODEC_{codec.upper()}=1", *words, *table
     )
@@ -216,11 +220,40 @@ class SharedMemory:
 
 #: an H100's (SXM) and an H200's: the launches the emulator runs and the kernel budget estimates
 HOPPER = SharedMemory(sms=132, per_block=227 << 10, per_sm=228 << 10)
-#: ``BUDDY_SHARED_TABLES=0``: a table codec's pack and unpack read its table in global memory (the layouts before)
+#: ``BUDDY_SHARED_TABLES=0``: a table codec's unpack reads its table in global memory (the layout before), and its pack
+#: makes no table of whole fields (:data:`PACK_FIELDS_ENV`)
 SHARED_TABLES_ENV = "BUDDY_SHARED_TABLES"
-#: ``BUDDY_COUNT_MATCH=0``: the count kernel counts a warp's zero words by ballots and adds every other word on its
-#: own, where by default a warp's lanes of equal keys add their number once (a match); the same counts either way
+#: How the count kernel counts (the same counts either way): a warp's lanes of equal keys add their number once (a
+#: match), or its zero words by ballots and every other word on its own. By default 2-byte words take the ballots
+#: and the others the match: on the H200 (2026-11-28, 256 MiB of real activations) the ballots made the bfloat16
+#: compress 1.3-1.4x faster (auto2 100 -> 133 GB/s, fpe 116 -> 160), the float32 one within its noise (auto2
+#: 119 -> 110, fpe 139 -> 157). ``BUDDY_COUNT_MATCH=1`` matches every word size, ``=0`` takes the ballots for all.
 COUNT_MATCH_ENV = "BUDDY_COUNT_MATCH"
+#: ``BUDDY_PACK_FIELDS=1``: where a table codec's tables go into shared memory, its pack reads each word's whole
+#: field from a table each block makes there (``make_fields``, codec_fpe.h; :data:`FIELDS_BYTES` before the warps'
+#: staging). By default pack reads the codec's table in global memory: on the H200 (2026-11-28, Nsight Compute, 64
+#: MiB) the fields' pack took 148 / 161 us (float32 / bfloat16) against 110 / 126, at 72 registers fewer warps an SM
+#: and fewer L1 hits, whatever instructions it saved.
+PACK_FIELDS_ENV = "BUDDY_PACK_FIELDS"
+
+
+def count_matches(word_bytes: int) -> bool:
+    """Whether the count kernel matches a warp's equal keys for words of ``word_bytes`` (else: ballots), as
+    :data:`COUNT_MATCH_ENV` says (read at every launch)."""
+    told = os.environ.get(COUNT_MATCH_ENV, "").strip()
+    if told in ("0", "1"):
+        return told == "1"
+    if told:
+        raise ValueError(f"{COUNT_MATCH_ENV} is 0 (ballots), 1 (match) or unset (by word size), got {told!r}")
+    return word_bytes != 2
+
+
+def pack_fields() -> bool:
+    """Whether a table codec's pack makes its table of whole fields in shared memory (:data:`PACK_FIELDS_ENV`)."""
+    told = os.environ.get(PACK_FIELDS_ENV, "").strip()
+    if told not in ("", "0", "1"):
+        raise ValueError(f"{PACK_FIELDS_ENV} is 1 (pack's fields in shared memory), 0 or unset, got {told!r}")
+    return told == "1"
 
 
 @functools.cache
@@ -243,8 +276,9 @@ def shared_table_layout(entry_bytes: int, shared: SharedMemory) -> tuple[int, in
 
 
 def launch_config(
-    op: str, entry_bytes: int, n_entries: int, codec: str = "", shared: SharedMemory | None = None
-) -> tuple[int, int, int]:
+    op: str, entry_bytes: int, n_entries: int, codec: str = "", shared: SharedMemory | None = None,
+    pack_fields: bool = False,
+) -> tuple[int, int, int]:  # fmt: skip
     """``(blocks, threads per block, dynamic shared bytes)`` of a launch of ``op`` over ``n_entries``.
 
     One warp per entry; pack and unpack give each warp ``E`` bytes of shared
@@ -260,9 +294,10 @@ def launch_config(
     each block's shared memory, before the warps' staging (the module
     compiled with ``compile_options(..., shared_tables=True)``): unpack's copy
     of the device table, where :func:`shared_table_layout` finds room, and
-    pack's table of whole fields (:data:`FIELDS_BYTES`), its warps as before.
-    Either runs as many blocks as stay resident at once, their warps striding
-    over the entries, so a block makes its table once.
+    with ``pack_fields`` (:data:`PACK_FIELDS_ENV`) pack's table of whole fields
+    (:data:`FIELDS_BYTES`), its warps as before. Either runs as many blocks as
+    stay resident at once, their warps striding over the entries, so a block
+    makes its table once.
     """
     if op == "fit":
         return 1, _WARP, 0
@@ -278,7 +313,7 @@ def launch_config(
     per_warp = entry_bytes * (2 if op == "unpack" and codec in TABLED_KERNELS else 1)
     warps = max(1, min(8, STAGING_BYTES // per_warp)) if staged else 8
     blocks = max(1, min(MAX_BLOCKS, -(-n_entries // warps)))
-    if tables is not None and op == "pack":  # the fields first, then the warps' staging; the resident blocks loop
+    if tables is not None and pack_fields and op == "pack":  # the fields first, then the warps' staging; the resident blocks loop
         block = FIELDS_BYTES + warps * entry_bytes
         return max(1, min(tables.sms * max(1, tables.blocks_per_sm(block, warps)), blocks)), warps * _WARP, block
     return blocks, warps * _WARP, warps * per_warp if staged else 0
@@ -288,7 +323,7 @@ def launch_config(
 # compilation, memoised per process
 # ---------------------------------------------------------------------------
 _modules: dict[tuple[str, tuple[str, ...], str], object] = {}
-_kernels: dict[tuple[str, str, int, int | None, int, bool], object] = {}
+_kernels: dict[tuple[str, str, int, int | None, int, bool, bool], object] = {}
 _lock = threading.Lock()
 
 
@@ -314,16 +349,16 @@ def _module(source: str, options: tuple[str, ...], device: torch.device):
 
 def _kernel(
     codec: str, op: str, entry_bytes: int, device: torch.device, shared_bytes: int, word_bytes: int,
-    shared_tables: bool = False,
+    shared_tables: bool = False, pack_fields: bool = False,
 ):  # fmt: skip
-    """Kernel ``buddy_<codec>_<op>`` for this entry and word size (and ``shared_tables``: see
+    """Kernel ``buddy_<codec>_<op>`` for this entry and word size (and ``shared_tables``, ``pack_fields``: see
     :func:`compile_options`), compiled for ``device`` (and allowed its shared memory): a module per codec, entry
     size, word size and table place."""
-    key = (codec, op, entry_bytes, device.index, word_bytes, shared_tables)
+    key = (codec, op, entry_bytes, device.index, word_bytes, shared_tables, pack_fields)
     kernel = _kernels.get(key)
     if kernel is None:
         cupy = _cupy()
-        options = compile_options(entry_bytes, codec, word_bytes, shared_tables)
+        options = compile_options(entry_bytes, codec, word_bytes, shared_tables, pack_fields)
         module = _module(translation_unit(_SOURCE), options, device)
         with cupy.cuda.Device(device.index):
             kernel = module.get_function(f"buddy_{codec}_{op}")  # compiles (NVRTC) on first use
@@ -356,7 +391,7 @@ def compile_module(
             raise ValueError(f"word sizes are 1, 2, 4 or 8 bytes, got {word_bytes!r}")
         layout = Layout(entry_bytes, 0, word_bytes)  # validates the entry size
         table = _table_in_shared(codec, layout.entry_bytes, device) is not None
-        _kernel(codec, "measure", layout.entry_bytes, device, 0, layout.word_bytes, table)
+        _kernel(codec, "measure", layout.entry_bytes, device, 0, layout.word_bytes, table, table and pack_fields())
 
 
 _streams: dict[tuple[int, int | None], object] = {}
@@ -415,9 +450,10 @@ def _launch(codec: str, op: str, entry_bytes: int, device: torch.device, n_entri
 
     cupy = _cupy()
     limits = _table_in_shared(codec, entry_bytes, device)
-    blocks, threads, shared = launch_config(op, entry_bytes, n_entries, codec, limits)
+    fields = limits is not None and pack_fields()
+    blocks, threads, shared = launch_config(op, entry_bytes, n_entries, codec, limits, fields)
     # every kernel's last argument: the word size
-    kernel = _kernel(codec, op, entry_bytes, device, shared, int(args[-1]), limits is not None)
+    kernel = _kernel(codec, op, entry_bytes, device, shared, int(args[-1]), limits is not None, fields)
     stream = _cupy_stream(cupy, device)
     # pointers and sizes as fixed-width scalars: exactly the kernel's parameter types
     c_args = tuple(numpy.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
@@ -633,13 +669,13 @@ class Kernels:
     def count(self, layout: Layout, data, tail, counts) -> None:
         """A table codec's symbol counts of the tensor's whole words added to ``counts`` (``S + 2`` int64): the
         8-byte units of ``data`` and the whole words of the tail's :attr:`~Layout.tail_bytes`. A warp's lanes of
-        equal keys add their number once, or, with ``BUDDY_COUNT_MATCH=0`` (read at every launch), its zero words
-        are counted by ballots and the other words added one by one: the same counts."""
+        equal keys add their number once, or its zero words are counted by ballots and the other words added one by
+        one (:func:`count_matches`: 2-byte words by default): the same counts."""
         self._tabled()
         word = layout.word_bytes
         device = self._check(layout, (data, tail), counts=(counts, torch.int64, n_symbols(word)))
         n_units, tail_words = layout.n_full * layout.entry_bytes // 8, layout.tail_bytes // word
-        aggregate = _i32(int(os.environ.get(COUNT_MATCH_ENV, "1").strip() != "0"))
+        aggregate = _i32(int(count_matches(word)))
         args = (data, _i64(n_units), tail, _i32(tail_words), counts, aggregate, _i32(word))
         self.launch(self.name, "count", layout.entry_bytes, device, n_units, args)
 
