@@ -291,10 +291,10 @@ def run(
                 in_place.free()
             tabled = "cuda" in backends and codec in buddy.engines.cuda.TABLED_KERNELS
             kernels = buddy.engines.cuda
-            other = "0" if kernels.count_matches(x.element_size()) else "1"  # the count's form not taken by default
+            form = "0" if kernels.count_matches(x.element_size()) else "1"  # the count's form not taken by default
             variants = (
                 (global_table, kernels.SHARED_TABLES_ENV, "0", "global-table"),
-                (other_count, kernels.COUNT_MATCH_ENV, other, "count-match" if other == "1" else "count-ballot"),
+                (other_count, kernels.COUNT_MATCH_ENV, form, "count-match" if form == "1" else "count-ballot"),
                 (pack_fields, kernels.PACK_FIELDS_ENV, "1", "pack-fields"),
             )
             for wanted, env, value, suffix in variants:

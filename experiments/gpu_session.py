@@ -221,9 +221,10 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
         # whole fields in shared memory (--pack-fields). The lease runs it first (LEASE).
         bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1", "--global-table", "--other-count",
                       "--pack-fields")  # fmt: skip
+        # (--memory-peak: one more step of each method under the allocator's history, what it held at its peak)
         step_args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--steps", "4",
                      "--warmup", "2", "--methods", "none", "buddy", "save_on_cpu", "checkpoint", "--profile",
-                     "--out", "{work}/step_time")  # fmt: skip
+                     "--memory-peak", "--out", "{work}/step_time")  # fmt: skip
         return [
             _compile(timeout_s=100),
             Python("check", "experiments.gpu_check", ("--json", "{work}/check.json"), 60, "{work}/check.json"),
@@ -281,12 +282,14 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
     if phase == "step":
         common = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress")
         step_time = Python(
-            "step_time", "experiments.step_time", (*common, "--out", "{work}/step_time"), 240,
+            "step_time", "experiments.step_time", (*common, "--memory-peak", "--out", "{work}/step_time"), 180,
             "{work}/step_time/results.json", (("--backend", "reference"),),
         )  # fmt: skip
+        # (step_time's models at their GPU size: the workloads' are small enough that a step's transient buffers set
+        # its peak, and every method of resnet-fp32 stopped at one batch on the H200)
         max_batch = Python(
             "max_batch", "experiments.max_batch",
-            (*common, "--size", "full", "--workloads", "resnet-fp32", "gpt-bf16", "--out", "{work}/max_batch"), 150,
+            (*common, "--step-models", "resnet50", "gpt2", "--out", "{work}/max_batch"), 210,
             "{work}/max_batch/results.json", (("--backend", "reference"),),
             {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},  # the cap counts what is allocated, not slack
         )  # fmt: skip

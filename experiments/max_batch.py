@@ -34,8 +34,17 @@ plain step's allocated memory at that batch, plus :data:`CUDA_HEADROOM` for
 the allocator's rounding (a cap at exactly that peak can refuse the very
 batch that set it).
 
+On a GPU, ``--step-models`` searches :mod:`experiments.step_time`'s models
+instead (a ResNet-50 at 224 px, fp32, from 128 images; a GPT-2-small
+decoder at 1024 tokens, bf16 autocast, from 16 sequences), each step its
+``measure`` (one warm-up step, one measured): the workloads' models are
+small enough that a step's transient buffers, not its saved activations,
+set its peak (on the H200, 2026-11-28, every method of resnet-fp32 stopped
+at the same batch).
+
     python -m experiments.max_batch                 # quick, CPU (accounting)
     python -m experiments.max_batch --device cuda --budget-mib 2048
+    python -m experiments.max_batch --device cuda --step-models resnet50 gpt2
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -395,12 +405,69 @@ def max_batch(workload: str, method: str, *, size: str, budget: int, device: str
     return search(workload, method, size=size, base=base, budget=budget, device=device, seed=seed)
 
 
+def step_model_step(name: str, method: str, batch: int, device: str):
+    """One measured step (after one warm-up) of :mod:`experiments.step_time`'s model ``name`` at ``batch`` under
+    ``method``: its ``Measurement`` (step time, peak and state bytes)."""
+    from experiments import step_time
+
+    spec = step_time.MODELS["cuda"][name](batch)
+    return step_time.measure(spec, method, device=device, steps=1, warmup=1)
+
+
+def _step_model_row(name: str, method: str, *, budget: int, device: str) -> dict:
+    """The largest batch of step_time's ``name`` under ``method`` that trains within ``budget`` bytes of CUDA
+    memory (a per-process cap), searched from the model's own batch."""
+    from experiments import step_time
+
+    base = step_time.BATCH["cuda"][name]
+    found: dict[int, Any] = {}  # batch -> step_time.Measurement
+
+    def fits(batch):
+        gc.collect()
+        torch.cuda.empty_cache()
+        try:
+            found[batch] = step_model_step(name, method, batch, device)
+        except torch.cuda.OutOfMemoryError:
+            return None
+        return found[batch]
+
+    _cap_cuda(device, budget)
+    try:
+        m: Any = _search(fits, base, MAX_BATCH_FACTOR * base)
+    finally:
+        _cap_cuda(device, None)
+    batch = next((b for b, x in found.items() if x is m), 0) if m is not None else 0
+    note = "no batch fits" if m is None else ""
+    if batch >= MAX_BATCH_FACTOR * base:
+        note = f"search capped at {MAX_BATCH_FACTOR}x the base batch"
+    peak = m.peak_bytes if m else None
+    state = m.state_bytes if m else None
+    return {
+        "workload": f"{name} (step_time)", "method": method, "accounting": False, "budget_mib": budget / 2**20,
+        "max_batch": batch, "total_mib": peak / 2**20 if peak is not None else None,
+        "activation_mib": (peak - state) / 2**20 if peak is not None and state is not None else None,
+        "state_mib": state / 2**20 if state is not None else None, "step_seconds": m.step_ms / 1e3 if m else None,
+        "device_peak_mib": peak / 2**20 if peak is not None else None, "note": note,
+    }  # fmt: skip
+
+
+def _step_model_budget(name: str, device: str) -> int:
+    """A plain step's peak allocated bytes of step_time's ``name`` at its own batch, with :data:`CUDA_HEADROOM`."""
+    from experiments import step_time
+
+    m = step_model_step(name, "none", step_time.BATCH["cuda"][name], device)
+    return int(CUDA_HEADROOM * m.peak_bytes)
+
+
 def parse_args(argv):
+    from experiments.step_time import MODELS as STEP_MODELS
     from experiments.workloads import DEFAULT_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cli.add_size_argument(p)
     cli.add_workloads_argument(p, DEFAULT_WORKLOADS)
+    p.add_argument("--step-models", nargs="+", choices=sorted(STEP_MODELS["cuda"]), default=[],
+                   help="a CUDA device: step_time's models at their GPU size instead of the workloads")  # fmt: skip
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument(
         "--budget-mib", type=float, default=None, help="device budget (default: what the base batch needs uncompressed)"
@@ -455,16 +522,22 @@ def _row(workload: str, method: str, *, args, budget: int, accounting: bool) -> 
 def _rows(args, accounting: bool) -> list[dict]:
     """A row per workload and method, each with its batch against the ``none`` method's on the same workload."""
     rows = []
-    jobs = [(w, m) for w in args.workloads for m in args.methods]
+    step_models = list(args.step_models)
+    jobs = [(w, m) for w in (step_models or args.workloads) for m in args.methods]
     budgets = {}
     for workload, method in progress(jobs, desc="max batch", enabled=not args.no_progress):
         if workload not in budgets:
             budgets[workload] = (
                 int(args.budget_mib * 2**20)
                 if args.budget_mib
+                else _step_model_budget(workload, args.device)
+                if step_models
                 else default_budget(workload, size=args.size, device=args.device, seed=args.seed)
             )
-        rows.append(_row(workload, method, args=args, budget=budgets[workload], accounting=accounting))
+        if step_models:
+            rows.append(_step_model_row(workload, method, budget=budgets[workload], device=args.device))
+        else:
+            rows.append(_row(workload, method, args=args, budget=budgets[workload], accounting=accounting))
     none = {r["workload"]: r["max_batch"] for r in rows if r["method"] == "none"}
     for r in rows:
         r["vs_none"] = r["max_batch"] / none[r["workload"]] if none.get(r["workload"]) else None
@@ -476,6 +549,8 @@ def main(argv=None) -> list[dict]:
 
     args, header = cli.begin("max_batch", parse_args, argv)
     accounting = not args.device.startswith("cuda")
+    if args.step_models and accounting:
+        raise SystemExit("max_batch: --step-models measures real CUDA memory: it needs --device cuda")
     backend = choose_backend("max_batch", args.backend, args.device)
     buddy.set_defaults(backend=backend)
     print(f"  buddy backend: {backend}")

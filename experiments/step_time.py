@@ -143,15 +143,17 @@ def _gpt(batch: int, seq: int, width: int, layers: int, heads: int, vocab: int =
     return Model("gpt2", description, lambda: _GPT(size, vocab=vocab), make, torch.bfloat16)
 
 
+#: per device kind and model, the batch a step is measured at
+BATCH: dict[str, dict[str, int]] = {"cuda": {"resnet50": 128, "gpt2": 16}, "cpu": {"resnet50": 4, "gpt2": 4}}
 #: per device kind: what fills an 80 GB GPU, and what takes about a second per step on a CPU
 MODELS: dict[str, dict[str, Callable[[int | None], Model]]] = {
     "cuda": {
-        "resnet50": lambda b: _resnet(b or 128, 224),
-        "gpt2": lambda b: _gpt(b or 16, 1024, 768, 12, 12),
+        "resnet50": lambda b: _resnet(b or BATCH["cuda"]["resnet50"], 224),
+        "gpt2": lambda b: _gpt(b or BATCH["cuda"]["gpt2"], 1024, 768, 12, 12),
     },
     "cpu": {
-        "resnet50": lambda b: _resnet(b or 4, 64),
-        "gpt2": lambda b: _gpt(b or 4, 128, 128, 2, 4),
+        "resnet50": lambda b: _resnet(b or BATCH["cpu"]["resnet50"], 64),
+        "gpt2": lambda b: _gpt(b or BATCH["cpu"]["gpt2"], 128, 128, 2, 4),
     },
 }
 
@@ -268,6 +270,7 @@ class Measurement:
     device: str
     buddy: dict | None = None  # what the last buddy session held
     profile: dict | None = None  # where one more step's time went (--profile): see profile_step
+    memory_peak: dict | None = None  # what one more step held at its peak (--memory-peak): experiments.memory_peak
 
 
 def profile_step(step: Callable[[], object], device: torch.device, top: int = 25) -> dict:
@@ -311,11 +314,14 @@ def profile_step(step: Callable[[], object], device: torch.device, top: int = 25
 
 
 def measure(
-    spec: Model, method: str, *, device, steps: int, warmup: int, seed: int = 0, profile: bool = False
-) -> Measurement:
+    spec: Model, method: str, *, device, steps: int, warmup: int, seed: int = 0, profile: bool = False,
+    memory_peak: bool = False,
+) -> Measurement:  # fmt: skip
     """``warmup`` untimed steps, then ``steps`` timed ones, each synchronised; peak memory over the timed ones.
 
-    ``profile``: for a buddy method, one more step under the profilers (:func:`profile_step`), not timed."""
+    ``profile``: for a buddy method, one more step under the profilers (:func:`profile_step`), not timed.
+    ``memory_peak``: on a CUDA device, one more step under the allocator's history: what it held at its peak
+    and who allocated it (:func:`experiments.memory_peak.record_step`), not timed."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     device = torch.device(device)
@@ -356,7 +362,16 @@ def measure(
     if held is not None:
         held = {k: held[k] for k in ("original_bytes", "device_bytes", "buddy_bytes", "effective_capacity")}
     where = profile_step(step, device) if profile and method.startswith("buddy") else None
-    return Measurement(method, spec.name, statistics.median(times), times, peak, state, str(device), held, where)
+    held_at_peak = memory_peak_of(step, device) if memory_peak else None
+    return Measurement(
+        method, spec.name, statistics.median(times), times, peak, state, str(device), held, where, held_at_peak
+    )
+
+
+def memory_peak_of(step: Callable[[], object], device: torch.device) -> dict | None:
+    from experiments.memory_peak import record_step
+
+    return record_step(step, device)
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -371,6 +386,9 @@ def parse_args(argv):
     p.add_argument("--profile", action="store_true",
                    help="buddy's methods: one more step under cProfile and the PyTorch profiler, its top functions "
                         "and ops kept in the results (not timed)")  # fmt: skip
+    p.add_argument("--memory-peak", action="store_true",
+                   help="a CUDA device: one more step of each method under the allocator's history, what it held "
+                        "at its peak by where it was allocated (experiments.memory_peak; not timed)")  # fmt: skip
     cli.add_common_arguments(p, out="results/step_time", backend=True, plot=True)
     return p.parse_args(argv)
 
@@ -487,7 +505,7 @@ def main(argv=None) -> list[dict]:
     for spec, method in progress(jobs, desc="step time", enabled=not args.no_progress):
         measurements.append(
             measure(spec, method, device=device, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                    profile=args.profile)
+                    profile=args.profile, memory_peak=args.memory_peak)
         )  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -499,6 +517,13 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         if r["profile"]:
             print(format_profile(r))
+    if args.memory_peak:
+        from experiments.memory_peak import format_breakdown
+
+        print("\nWhat each step held at its peak (one more step under the allocator's history):")
+        for r in rows:
+            label = f"{r['model']} / {r['method']}"
+            print(format_breakdown(label, r["memory_peak"]) if r["memory_peak"] else f"  {label}: needs a CUDA device")
     cli.finish(
         args, header, rows, plot=plot, mention_csv=False,
         experiment="step_time", backend=backend, models={s.name: s.description for s in specs},

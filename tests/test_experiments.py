@@ -438,8 +438,10 @@ def test_step_time_tiny(tmp_path, capsys):
     from experiments import step_time
 
     argv = ["--device", "cpu", "--models", "resnet50", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)]
-    rows = step_time.main([*argv, "--methods", "none", "buddy-offload", "checkpoint", "--no-progress", "--profile"])
+    rows = step_time.main([*argv, "--methods", "none", "buddy-offload", "checkpoint", "--no-progress", "--profile",
+                           "--memory-peak"])  # fmt: skip
     assert [r["method"] for r in rows] == ["none", "buddy-offload", "checkpoint"]
+    assert all(r["memory_peak"] is None for r in rows)  # the allocator's history: a CUDA device only
     # --profile (the GPU lease's): one more step of each buddy method under cProfile and the PyTorch profiler
     assert rows[0]["profile"] is None and rows[2]["profile"] is None
     profiled = rows[1]["profile"]
@@ -450,6 +452,7 @@ def test_step_time_tiny(tmp_path, capsys):
     assert offload["original_bytes"] > 0 and offload["device_bytes"] < offload["original_bytes"] / 50
     out = capsys.readouterr().out
     assert "CPU RUN" in out and "not GPU times" in out
+    assert "resnet50 / none: needs a CUDA device" in out
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["cpu_run"] and results["experiment"] == "step_time" and len(results["rows"]) == 3
     assert (tmp_path / "step_time.png").stat().st_size > 10_000
@@ -608,6 +611,41 @@ def test_the_cuda_cap_names_a_device_with_its_index(monkeypatch, device, index):
     max_batch._cap_cuda(device, 2 * 2**30)
     max_batch._cap_cuda(device, None)
     assert calls == [(0.25, torch.device("cuda", index)), (1.0, torch.device("cuda", index))]
+
+
+def test_the_step_models_batch_search_under_a_real_cap(monkeypatch):
+    """--step-models: step_time's GPU models searched under the per-process cap (CUDA faked here): a method whose
+    step holds half the bytes a sample reaches about twice the batch; the cap is lifted afterwards."""
+    from types import SimpleNamespace
+
+    from experiments import max_batch, step_time
+
+    caps, steps = [], []
+    state, per_sample = 1000, {"none": 100, "buddy": 50}
+
+    def step(name, method, batch, device):
+        steps.append(batch)
+        peak = state + per_sample[method] * batch
+        if caps[-1] is not None and peak > caps[-1]:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+        return SimpleNamespace(peak_bytes=peak, state_bytes=state, step_ms=10.0 * batch)
+
+    monkeypatch.setattr(max_batch, "step_model_step", step)
+    monkeypatch.setattr(max_batch, "_cap_cuda", lambda device, budget: caps.append(budget))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    base = step_time.BATCH["cuda"]["gpt2"]
+    caps.append(None)
+    budget = max_batch._step_model_budget("gpt2", "cuda")
+    assert budget == int(max_batch.CUDA_HEADROOM * (state + 100 * base)) and steps == [base]
+    rows = {m: max_batch._step_model_row("gpt2", m, budget=budget, device="cuda") for m in ("none", "buddy")}
+    assert caps[-1] is None  # lifted again
+    assert rows["none"]["max_batch"] == (budget - state) // 100 >= base  # the headroom may take a sample more
+    assert rows["buddy"]["max_batch"] == (budget - state) // 50 > rows["none"]["max_batch"]
+    assert rows["buddy"]["workload"] == "gpt2 (step_time)" and rows["buddy"]["note"] == ""
+    assert rows["buddy"]["device_peak_mib"] * 2**20 == state + 50 * rows["buddy"]["max_batch"]
+    assert rows["buddy"]["state_mib"] * 2**20 == state and rows["buddy"]["step_seconds"] > 0
+    with pytest.raises(SystemExit, match="needs --device cuda"):
+        max_batch.main(["--step-models", "gpt2", "--device", "cpu", "--no-progress", "--no-plot"])
 
 
 def test_accounting_hooks_leave_no_graph_behind():

@@ -195,7 +195,7 @@ def compile_options(
     if word_bytes is not None and word_bytes not in WORD_SIZES:  # a launch's last argument, read as the word size
         raise ValueError(f"word sizes are 1, 2, 4 or 8 bytes, got {word_bytes!r}")
     words = () if word_bytes is None else (f"-DBUDDY_WORD_BYTES={int(word_bytes)}",)
-    table = ("-DBUDDY_SHARED_TABLES=1",) if shared_tables else ()
+    table: tuple[str, ...] = ("-DBUDDY_SHARED_TABLES=1",) if shared_tables else ()
     table += ("-DBUDDY_PACK_FIELDS=1",) if pack_fields else ()
     return (
         "-std=c++17", *(f"-D{k}={v}" for k, v in defines.items()), f"-DBUDDY_CODEC_{codec.upper()}=1", *words, *table
