@@ -638,10 +638,16 @@ def test_overflow_ends_in_numpy_and_in_torch_are_the_formats(entry_bytes, gen):
     n = 1000
     meta = torch.randint(0, 256, (n * spec.meta_bytes(entry_bytes),), dtype=torch.uint8, generator=gen)
     layout = Layout(entry_bytes, n * entry_bytes, 4)
+    odd = torch.empty(meta.numel() + 1, dtype=torch.uint8)[1:].copy_(meta)  # not 2-byte aligned: read by bytes
     for slot in (0, 1, entry_bytes // 64, entry_bytes // 32):
         want = tensor_ends(meta, slot, entry_bytes)
         assert torch.equal(bcuda.CudaEngine._ends(meta, slot, layout), want)
         assert torch.equal(bcuda.CudaEngine._ends_on_device(meta, slot, layout), want)
+        assert torch.equal(bcuda.CudaEngine._ends_on_device(odd, slot, layout), want)
+    ops: list = []
+    with _profiled(ops):
+        bcuda.CudaEngine._ends_on_device(meta, 1, layout)
+    assert len(ops[0]) == 5, ops  # k, masked, less the slot, at least 0, summed: a launch each on a GPU
 
 
 @pytest.mark.parametrize("codec", ids("codec", ("zvc", "auto", "auto2")))

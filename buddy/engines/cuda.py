@@ -67,6 +67,7 @@ import hashlib
 import importlib.resources
 import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Sequence
@@ -863,11 +864,18 @@ class CudaEngine(Engine):
 
     @staticmethod
     def _ends_on_device(meta: torch.Tensor, slot: int, layout: Layout) -> torch.Tensor:
-        """:meth:`_ends` in torch operations, where ``meta`` is (a GPU's; any device's)."""
+        """:meth:`_ends` in torch operations, where ``meta`` is (a GPU's; any device's): five operations, each a
+        launch on a GPU (a 2-byte word read as one little-endian ``int16``, its sign bits masked off with the
+        mode's)."""
         mb, k_bits, _ = layout.meta_fields
-        words = meta.to(torch.int32) if mb == 1 else meta.view(layout.n_entries, 2).to(torch.int32)
-        k = (words if mb == 1 else words[:, 0] | (words[:, 1] << 8)) & ((1 << k_bits) - 1)
-        return torch.cumsum(k.sub_(slot).clamp_(min=0), 0)
+        if mb == 2 and sys.byteorder == "little" and meta.storage_offset() % 2 == 0:
+            words = meta.view(torch.int16).to(torch.int32)
+        elif mb == 2:
+            pairs = meta.view(layout.n_entries, 2).to(torch.int32)
+            words = pairs[:, 0] | (pairs[:, 1] << 8)
+        else:
+            words = meta.to(torch.int32)
+        return torch.cumsum(words.bitwise_and_((1 << k_bits) - 1).sub_(slot).clamp_(min=0), 0)
 
     def _measure(self, flat, entries, layout: Layout, histogram) -> torch.Tensor:
         """The metadata of ``entries`` (:meth:`_entries`); sizes added to the device ``histogram``."""
