@@ -282,14 +282,14 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
     if phase == "step":
         common = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress")
         step_time = Python(
-            "step_time", "experiments.step_time", (*common, "--memory-peak", "--out", "{work}/step_time"), 180,
+            "step_time", "experiments.step_time", (*common, "--memory-peak", "--out", "{work}/step_time"), 150,
             "{work}/step_time/results.json", (("--backend", "reference"),),
         )  # fmt: skip
         # (step_time's models at their GPU size: the workloads' are small enough that a step's transient buffers set
         # its peak, and every method of resnet-fp32 stopped at one batch on the H200)
         max_batch = Python(
             "max_batch", "experiments.max_batch",
-            (*common, "--step-models", "resnet50", "gpt2", "--out", "{work}/max_batch"), 210,
+            (*common, "--step-models", "resnet50", "gpt2", "--out", "{work}/max_batch"), 240,
             "{work}/max_batch/results.json", (("--backend", "reference"),),
             {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},  # the cap counts what is allocated, not slack
         )  # fmt: skip

@@ -534,8 +534,12 @@ def _rows(args, accounting: bool) -> list[dict]:
                 if step_models
                 else default_budget(workload, size=args.size, device=args.device, seed=args.seed)
             )
-        if step_models:
+        if step_models:  # minutes a row on a GPU: each said as it comes, so a run cut short still says it
             rows.append(_step_model_row(workload, method, budget=budgets[workload], device=args.device))
+            r = rows[-1]
+            peak = f"{r['device_peak_mib']:,.0f}" if r["device_peak_mib"] is not None else "-"
+            print(f"  {workload} / {method}: max batch {r['max_batch']} under {r['budget_mib']:,.0f} MiB (peak {peak} "
+                  f"MiB) {r['note']}".rstrip(), flush=True)  # fmt: skip
         else:
             rows.append(_row(workload, method, args=args, budget=budgets[workload], accounting=accounting))
     none = {r["workload"]: r["max_batch"] for r in rows if r["method"] == "none"}
