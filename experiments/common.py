@@ -79,13 +79,16 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=DEFAULT_BACKENDS,
         default=None,
-        help="buddy's backend (default: the CUDA kernels on a GPU where they can run, else the reference); "
-        "'cuda' where the kernels cannot run is an error, not a fallback",
+        help="buddy's backend (default: the CUDA kernels on a GPU where they can run, else the reference; on the "
+        "CPU 'auto', the native engine where it is the default); 'cuda' where the kernels cannot run is an error, "
+        "not a fallback",
     )
 
 
 def choose_backend(script: str, requested: str | None, device: torch.device | str) -> str:
-    """The backend an experiment's buddy methods run: ``requested``, else the CUDA kernels on a GPU that can run them.
+    """The backend an experiment's buddy methods run: ``requested``; else the CUDA kernels on a GPU that can run
+    them, the reference on a GPU that cannot, and on the CPU ``"auto"``: what buddy runs there by default (the
+    native engine for the codecs it is the default of).
 
     An explicit ``"cuda"`` that cannot run here exits with the reason: the
     process-wide default would otherwise fall back to the reference with a
@@ -93,8 +96,9 @@ def choose_backend(script: str, requested: str | None, device: torch.device | st
     """
     device = torch.device(device)
     if requested is None:
-        usable = device.type == "cuda" and buddy.engines.cuda.why_unusable() is None
-        if not usable:
+        if device.type != "cuda":
+            return "auto"
+        if buddy.engines.cuda.why_unusable() is not None:
             return "reference"
         requested = "cuda"
     elif requested == "cuda":

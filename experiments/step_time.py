@@ -25,9 +25,17 @@ activations fit), ``device``.
     python -m experiments.step_time                        # small, on the CPU: runs, measures nothing real
 
 On the CPU the models are shrunk so a step takes about a second, there is no
-device memory to measure (``peak_bytes`` and ``capacity`` are empty), the
-offloads have nothing to overlap with, and the times are CPU times: they say
-nothing about a GPU.
+device memory to measure (``peak_bytes`` is empty), the offloads have nothing
+to overlap with, and the times are CPU times: they say nothing about a GPU.
+There ``capacity`` comes from ``host_peak_bytes``: after every timing, one more
+step of each method, the process's peak resident memory during it above its
+resident memory at its start (Linux; large blocks handed back at once,
+:func:`fix_mmap_threshold`). It counts what a step holds at its peak, its
+transient buffers too: on the CPU models a buddy step of the GPT-2 decoder
+peaks higher than a plain one (2026-11-28: the loss's log-softmax output, the
+largest saved tensor by far, is compressed while it is alive, its slots beside
+it, and decompressed beside them in backward), which an account of the bytes
+saved (``max_batch``'s accounting run) does not see.
 """
 
 from __future__ import annotations
@@ -271,6 +279,7 @@ class Measurement:
     buddy: dict | None = None  # what the last buddy session held
     profile: dict | None = None  # where one more step's time went (--profile): see profile_step
     memory_peak: dict | None = None  # what one more step held at its peak (--memory-peak): experiments.memory_peak
+    host_peak_bytes: int | None = None  # a CPU run: one more step's peak resident bytes above its start (host_peak)
 
 
 def profile_step(step: Callable[[], object], device: torch.device, top: int = 25) -> dict:
@@ -313,15 +322,47 @@ def profile_step(step: Callable[[], object], device: torch.device, top: int = 25
     return {"wall_ms_under_cprofile": wall_ms, "python": functions, "ops": ops}
 
 
+def host_peak(step: Callable[[], object]) -> int | None:
+    """One call of ``step``: the process's peak resident bytes during it above its resident bytes at its start
+    (Linux: VmHWM after ``clear_refs``; ``None`` elsewhere) -- on the CPU, what a step adds at its peak, the
+    counterpart of ``max_memory_allocated`` less the state. Call :func:`fix_mmap_threshold` first, or freed large
+    blocks may stay resident and hide the step's own peak."""
+    import gc
+
+    from experiments.max_batch import _peak, _reset_peak
+
+    gc.collect()
+    _reset_peak()
+    start = _peak()
+    if start is None:
+        return None
+    step()
+    end = _peak()
+    return None if end is None else end - start
+
+
+def fix_mmap_threshold(nbytes: int = 64 << 10) -> bool:
+    """glibc: allocate blocks of ``nbytes`` and more with ``mmap`` from now on, so that freeing one hands its
+    memory back at once (by default the threshold rises after large frees, and the freed blocks stay resident in
+    the heap). For the whole process: timings taken after it are not comparable with timings before."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, nbytes))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def measure(
     spec: Model, method: str, *, device, steps: int, warmup: int, seed: int = 0, profile: bool = False,
-    memory_peak: bool = False,
+    memory_peak: bool = False, peak_on_host: bool = False,
 ) -> Measurement:  # fmt: skip
     """``warmup`` untimed steps, then ``steps`` timed ones, each synchronised; peak memory over the timed ones.
 
     ``profile``: for a buddy method, one more step under the profilers (:func:`profile_step`), not timed.
     ``memory_peak``: on a CUDA device, one more step under the allocator's history: what it held at its peak
-    and who allocated it (:func:`experiments.memory_peak.record_step`), not timed."""
+    and who allocated it (:func:`experiments.memory_peak.record_step`), not timed. ``peak_on_host``: on the CPU,
+    one more step's :func:`host_peak`, not timed."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     device = torch.device(device)
@@ -363,8 +404,10 @@ def measure(
         held = {k: held[k] for k in ("original_bytes", "device_bytes", "buddy_bytes", "effective_capacity")}
     where = profile_step(step, device) if profile and method.startswith("buddy") else None
     held_at_peak = memory_peak_of(step, device) if memory_peak else None
+    on_host = host_peak(step) if peak_on_host and device.type == "cpu" else None
     return Measurement(
-        method, spec.name, statistics.median(times), times, peak, state, str(device), held, where, held_at_peak
+        method, spec.name, statistics.median(times), times, peak, state, str(device), held, where, held_at_peak,
+        on_host,
     )
 
 
@@ -399,6 +442,7 @@ COLUMNS = [
     ("step_ms", "step ms", ".1f"),
     ("vs_none", "time vs none", ".3f"),
     ("peak_gib", "peak GiB", ".2f"),
+    ("host_peak_mib", "host peak MiB", ".1f"),
     ("capacity", "capacity", ".2f"),
     ("buddy_capacity", "buddy ratio", ".2f"),
 ]
@@ -413,6 +457,9 @@ def _rows(measurements: list[Measurement]) -> list[dict]:
         r["peak_gib"] = r["peak_bytes"] / 2**30 if r["peak_bytes"] is not None else None
         added = r["peak_bytes"] - r["state_bytes"] if r["peak_bytes"] is not None else None
         base = none["peak_bytes"] - none["state_bytes"] if none and none["peak_bytes"] is not None else None
+        if r["peak_bytes"] is None:  # a CPU run: what a step adds to the process's resident memory at its peak
+            added, base = r["host_peak_bytes"], none["host_peak_bytes"] if none else None
+        r["host_peak_mib"] = r["host_peak_bytes"] / 2**20 if r["host_peak_bytes"] is not None else None
         r["capacity"] = base / added if added and base else None
         r["buddy_capacity"] = r["buddy"]["effective_capacity"] if r["buddy"] else None
     return rows
@@ -496,7 +543,8 @@ def main(argv=None) -> list[dict]:
     kind = "cuda" if device.type == "cuda" else "cpu"
     specs = [MODELS[kind][name](args.batch) for name in args.models]
     if kind == "cpu":
-        print("  CPU RUN: small models, CPU times (not GPU times), no device memory to measure")
+        print("  CPU RUN: small models, CPU times (not GPU times), no device memory to measure; capacity from each "
+              "step's peak resident memory above its start (host peak), one more step after the timings")
     for spec in specs:
         print(f"  {spec.name}: {spec.description}")
     print(f"  buddy backend: {backend}; {args.warmup} warm-up + {args.steps} timed steps per method")
@@ -509,6 +557,11 @@ def main(argv=None) -> list[dict]:
         )  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if kind == "cpu":  # after every timing (the threshold stays for the process): each method's step once more
+        fix_mmap_threshold()
+        for (spec, method), m in zip(jobs, measurements):
+            again = measure(spec, method, device=device, steps=1, warmup=args.warmup, seed=args.seed, peak_on_host=True)
+            m.host_peak_bytes = again.host_peak_bytes
     rows = _rows(measurements)
     print()
     print(format_table(rows, COLUMNS))

@@ -447,7 +447,11 @@ def test_step_time_tiny(tmp_path, capsys):
     profiled = rows[1]["profile"]
     assert profiled["wall_ms_under_cprofile"] > 0 and profiled["python"] and profiled["ops"]
     for r in rows:
-        assert r["step_ms"] > 0 and r["device"] == "cpu" and r["peak_bytes"] is None and r["capacity"] is None
+        assert r["step_ms"] > 0 and r["device"] == "cpu" and r["peak_bytes"] is None
+        # a CPU run's capacity: one more step's peak resident memory above its start, against none's (Linux)
+        assert r["host_peak_bytes"] is None or r["capacity"] == pytest.approx(
+            rows[0]["host_peak_bytes"] / r["host_peak_bytes"]
+        )
     offload = rows[1]["buddy"]
     assert offload["original_bytes"] > 0 and offload["device_bytes"] < offload["original_bytes"] / 50
     out = capsys.readouterr().out
@@ -487,7 +491,7 @@ def test_a_cuda_run_exits_when_the_kernels_fail_their_self_test(monkeypatch):
     assert common.choose_backend("step_time", None, "cuda") == "cuda"
     assert calls and {c[0] for c in calls} == {default}
     calls.clear()
-    assert common.choose_backend("step_time", None, "cpu") == "reference"  # no GPU: nothing to test
+    assert common.choose_backend("step_time", None, "cpu") == "auto"  # the CPU: what buddy runs there by default
     assert common.choose_backend("step_time", "reference", "cuda") == "reference"
     assert not calls
 
