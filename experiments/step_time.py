@@ -7,6 +7,9 @@ optimizer -- under each method, on the same model, data and device:
 * ``none``: plain PyTorch;
 * ``buddy``: ``buddy.compressed_activations()`` with the tracker's default
   policy (after warm-up steps, so the tracker has history);
+* ``buddy-model``: the same around the model's forward alone, the loss
+  outside the block (its saved tensors kept as they are: see "When the step's
+  peak is at the loss" in docs/training.md);
 * ``buddy-offload``: ``buddy.CompressedOffload()``: every saved activation
   compressed to buddy memory, brought back by backward's look-ahead;
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
@@ -66,7 +69,7 @@ from experiments.workloads import _GPT, TextSize
 
 __all__ = ["METHODS", "MODELS", "SideStreamOffload", "measure", "main"]
 
-METHODS = ("none", "buddy", "buddy-offload", "save_on_cpu", "side-stream", "checkpoint")
+METHODS = ("none", "buddy", "buddy-model", "buddy-offload", "save_on_cpu", "side-stream", "checkpoint")
 MIN_BYTES = buddy.DEFAULT_MIN_BYTES
 
 
@@ -166,10 +169,12 @@ MODELS: dict[str, dict[str, Callable[[int | None], Model]]] = {
 }
 
 
-def _loss(model: nn.Module, spec: Model, batch) -> torch.Tensor:
+def _loss(model: nn.Module, spec: Model, batch, around_model=None) -> torch.Tensor:
+    """The step's loss; ``around_model``: a context opened around the model's forward alone, not the loss."""
     inputs, targets = batch
     with torch.autocast(inputs.device.type, dtype=spec.autocast, enabled=spec.autocast is not None):
-        out = model(inputs)
+        with around_model if around_model is not None else contextlib.nullcontext():
+            out = model(inputs)
         return F.cross_entropy(out.flatten(0, -2).float(), targets.flatten())
 
 
@@ -381,8 +386,12 @@ def measure(
     def step():
         """One training step; its session (a buddy.Session, or what another method's context gave)."""
         optimizer.zero_grad(set_to_none=True)
-        with _context(method, device, store, tracker) as session:
-            loss = _loss(model, spec, batch)
+        if method == "buddy-model":
+            session = buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN_BYTES)
+            loss = _loss(model, spec, batch, around_model=session)
+        else:
+            with _context(method, device, store, tracker) as session:
+                loss = _loss(model, spec, batch)
         loss.backward()
         optimizer.step()
         return session

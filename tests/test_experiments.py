@@ -438,9 +438,12 @@ def test_step_time_tiny(tmp_path, capsys):
     from experiments import step_time
 
     argv = ["--device", "cpu", "--models", "resnet50", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)]
-    rows = step_time.main([*argv, "--methods", "none", "buddy-offload", "checkpoint", "--no-progress", "--profile",
-                           "--memory-peak"])  # fmt: skip
-    assert [r["method"] for r in rows] == ["none", "buddy-offload", "checkpoint"]
+    rows = step_time.main([*argv, "--methods", "none", "buddy-offload", "checkpoint", "buddy-model", "--no-progress",
+                           "--profile", "--memory-peak"])  # fmt: skip
+    assert [r["method"] for r in rows] == ["none", "buddy-offload", "checkpoint", "buddy-model"]
+    model_only = rows[3]["buddy"]  # the block around the model alone: its activations compressed, not the loss's
+    assert model_only["original_bytes"] > 0 and model_only["device_bytes"] < model_only["original_bytes"]
+    rows = rows[:3]
     assert all(r["memory_peak"] is None for r in rows)  # the allocator's history: a CUDA device only
     # --profile (the GPU lease's): one more step of each buddy method under cProfile and the PyTorch profiler
     assert rows[0]["profile"] is None and rows[2]["profile"] is None
@@ -458,7 +461,7 @@ def test_step_time_tiny(tmp_path, capsys):
     assert "CPU RUN" in out and "not GPU times" in out
     assert "resnet50 / none: needs a CUDA device" in out
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["cpu_run"] and results["experiment"] == "step_time" and len(results["rows"]) == 3
+    assert results["cpu_run"] and results["experiment"] == "step_time" and len(results["rows"]) == 4
     assert (tmp_path / "step_time.png").stat().st_size > 10_000
 
 
