@@ -596,8 +596,9 @@ def cpu_engines(files: Sequence[Results]) -> Section | None:
 GPU_RESULTS = ROOT / "experiments" / "results" / "gpu"
 
 
-def _gpu_record(folder: Path = GPU_RESULTS) -> tuple[Path, dict, dict[str, dict]] | None:
-    """The latest session's phase record holding a bench result: ``(path, record, its steps by name)``."""
+def _gpu_record(folder: Path = GPU_RESULTS, step: str = "bench_cuda") -> tuple[Path, dict, dict[str, dict]] | None:
+    """The latest phase record (by folder, then file name) holding a result of ``step``: ``(path, record, its steps
+    by name)``."""
     found = []
     for path in sorted(folder.glob("*/*.json")):
         try:
@@ -607,9 +608,49 @@ def _gpu_record(folder: Path = GPU_RESULTS) -> tuple[Path, dict, dict[str, dict]
         if not isinstance(record, dict):
             continue
         steps = {str(s.get("name")): s for s in record.get("steps", []) if isinstance(s, dict)}
-        if (steps.get("bench_cuda") or {}).get("result"):
+        if (steps.get(step) or {}).get("result"):
             found.append((path, record, steps))
     return found[-1] if found else None
+
+
+def _gpu_step_time(folder: Path) -> list[str]:
+    """The latest GPU step-time table (the ``step`` phase's, with every method, where it is the newest), the
+    largest batches beside it where that phase searched them, and what each step held at its peak."""
+    got = _gpu_record(folder, "step_time")
+    if got is None:
+        return []
+    path, record, steps = got
+    step = steps["step_time"]["result"]
+    srows = [
+        [r["model"], r["method"], f"{r['step_ms']:,.1f}", _x(r.get("vs_none")), f"{r['peak_gib']:.2f}" if r.get("peak_gib") else "-",
+         _x(r.get("capacity"))]
+        for r in step.get("rows", [])
+    ]  # fmt: skip
+    models = step.get("models", {})
+    parts = ["", "Training step time (median of the timed steps) and peak device memory, buddy on its kernels: "
+             + "; ".join(f"{k}: {v}" for k, v in models.items()) + f" (`{path.parent.name}/{path.name}`).", "",
+             _table(["model", "method", "step ms", "vs none", "peak GiB", "capacity"], srows)]  # fmt: skip
+    parts += [""] + [f"* {v.strip()}" for v in step.get("verdicts", [])]
+    peaks = [r for r in step.get("rows", []) if r.get("memory_peak")]
+    if peaks:
+        parts += ["", "What each step held at its peak (one more step under the allocator's history; the largest sites):", ""]
+        for r in peaks:
+            m = r["memory_peak"]
+            top = "; ".join(f"{x['site']} {x['bytes'] / 2**30:.2f}" for x in m["sites"][:4])
+            parts.append(f"* {r['model']} / {r['method']}: {m['peak_bytes'] / 2**30:.2f} GiB -- {top} (GiB)")
+    batch = (steps.get("max_batch") or {}).get("result")
+    if batch and batch.get("rows") and not any(r["max_batch"] for r in batch["rows"]):
+        notes = sorted({r.get("note") or "no batch fits" for r in batch["rows"]})
+        parts += ["", f"The largest-batch search of the same phase found no batch anywhere: {'; '.join(notes)}."]
+    elif batch and batch.get("rows"):
+        brows = [
+            [r["workload"], r["method"], f"{r['budget_mib']:,.0f}", str(r["max_batch"]), _x(r.get("vs_none")),
+             r.get("note") or ""]
+            for r in batch["rows"]
+        ]  # fmt: skip
+        parts += ["", "The largest batch under a real per-process memory cap (`max_batch`, the same phase):", "",
+                  _table(["workload", "method", "cap MiB", "max batch", "vs none", "note"], brows)]  # fmt: skip
+    return parts
 
 
 def gpu(files: Sequence[Results], folder: Path = GPU_RESULTS) -> Section | None:
@@ -637,18 +678,7 @@ def gpu(files: Sequence[Results], folder: Path = GPU_RESULTS) -> Section | None:
         "",
         _table(["tensor", "dtype", "method", "ratio", "compress GB/s", "decompress GB/s"], rows),
     ]
-    step = (steps.get("step_time") or {}).get("result")
-    if step:
-        srows = [
-            [r["model"], r["method"], f"{r['step_ms']:,.1f}", _x(r.get("vs_none")), f"{r['peak_gib']:.2f}" if r.get("peak_gib") else "-",
-             _x(r.get("capacity"))]
-            for r in step.get("rows", [])
-        ]  # fmt: skip
-        models = step.get("models", {})
-        parts += ["", "Training step time (median of the timed steps) and peak device memory, buddy on its kernels: "
-                  + "; ".join(f"{k}: {v}" for k, v in models.items()) + ".", "",
-                  _table(["model", "method", "step ms", "vs none", "peak GiB", "capacity"], srows)]  # fmt: skip
-        parts += [""] + [f"* {v.strip()}" for v in step.get("verdicts", [])]
+    parts += _gpu_step_time(folder)
     parts += ["", source]
     return Section("gpu", "On a GPU", "\n".join(parts))
 

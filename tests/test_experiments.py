@@ -417,6 +417,27 @@ def test_report_shows_the_latest_gpu_sessions_bench_and_step_time(tmp_path, monk
     assert "| t | float32 | buddy:auto2/cuda | 1.47 | 100 | 182 |" in section.body  # the latest session's
     assert "| gpt2 | buddy | 1,694.2 | 33.70 | 15.10 | 1.03 |" in section.body and "* gpt2: NOT met" in section.body
     assert "NVIDIA H200, driver 580" in section.body and "2026-11-27-h200" in section.body
+    # the step phase's record, newer in the same folder: its step table (every method), what each step held at its
+    # peak, and the largest batches under the cap
+    peak = {"peak_bytes": 3 * 2**30, "sites": [{"site": "before the step", "bytes": 2**30, "allocations": None},
+                                               {"site": "buddy cuda.py:pack", "bytes": 2**30, "allocations": 2}]}
+    rows = [{"model": "gpt2", "method": "buddy-model", "step_ms": 70.0, "vs_none": 1.4, "peak_gib": 9.0,
+             "capacity": 1.3, "memory_peak": peak}]
+    batch = {"rows": [{"workload": "gpt2 (step_time)", "method": "buddy", "budget_mib": 16000.0, "max_batch": 24,
+                       "vs_none": 1.5, "note": ""}]}
+    record = {"command": "x", "environment": env, "steps": [{"name": "step_time", "result": {"rows": rows}},
+                                                            {"name": "max_batch", "result": batch}]}
+    (tmp_path / "2026-11-27-h200" / "step.json").write_text(json.dumps(record))
+    body = report.gpu([], folder=tmp_path).body
+    assert "| gpt2 | buddy-model | 70.0 | 1.40 | 9.00 | 1.30 |" in body and "1,694.2" not in body
+    assert "(`2026-11-27-h200/step.json`)" in body
+    assert "* gpt2 / buddy-model: 3.00 GiB -- before the step 1.00; buddy cuda.py:pack 1.00 (GiB)" in body
+    assert "| gpt2 (step_time) | buddy | 16,000 | 24 | 1.50 |  |" in body
+    assert "| t | float32 | buddy:auto2/cuda | 1.47 | 100 | 182 |" in body  # the bench: essentials' still
+    batch["rows"][0] |= {"max_batch": 0, "note": "Expected a torch.device with a specified index"}  # a search that failed
+    (tmp_path / "2026-11-27-h200" / "step.json").write_text(json.dumps(record))
+    body = report.gpu([], folder=tmp_path).body
+    assert "found no batch anywhere: Expected a torch.device with a specified index." in body and "| 16,000 |" not in body
 
 
 def test_region_report_per_workload_and_set():
