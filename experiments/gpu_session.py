@@ -231,7 +231,7 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
             # (every codec with kernels: 23 s on the H200)
             Python("bench_cuda", "experiments.bench_cuda", bench_args, 70, "{work}/bench/results.json",
                    (("--no-nvcomp",),)),  # fmt: skip
-            Python("step_time", "experiments.step_time", step_args, 120, "{work}/step_time/results.json",
+            Python("step_time", "experiments.step_time", step_args, 150, "{work}/step_time/results.json",
                    (("--backend", "reference"),)),  # fmt: skip
             _ncu(timeout_s=60),
             # unpack reading the overflow in pinned host memory (BUDDY_ZERO_COPY=1) beside the copy first: last,
