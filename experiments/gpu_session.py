@@ -223,8 +223,8 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
                       "--pack-fields")  # fmt: skip
         # (--memory-peak: one more step of each method under the allocator's history, what it held at its peak)
         step_args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--steps", "4",
-                     "--warmup", "2", "--methods", "none", "buddy", "buddy-model", "save_on_cpu", "checkpoint", "--profile",
-                     "--memory-peak", "--out", "{work}/step_time")  # fmt: skip
+                     "--warmup", "2", "--methods", "none", "buddy", "buddy-model", "save_on_cpu", "checkpoint",
+                     "--profile", "--memory-peak", "--out", "{work}/step_time")  # fmt: skip
         return [
             _compile(timeout_s=100),
             Python("check", "experiments.gpu_check", ("--json", "{work}/check.json"), 60, "{work}/check.json"),

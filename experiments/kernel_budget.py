@@ -867,7 +867,8 @@ words take them by default (`buddy.engines.cuda.count_matches`; `BUDDY_COUNT_MAT
 their code is left out of the count above, which charges the match).
 Next: a run of this code on a GPU (pack reading the table in global memory beside unpack's table in shared
 memory, bfloat16's count by ballots; the bench's `--pack-fields` and `--other-count` time the other forms); then a
-histogram a warp for count if it still waits; then the latency levers above -- unpack's shared memory (the table, then 4 KiB of payload and 4 KiB of output a warp) is what
+histogram a warp for count if it still waits; then the latency levers above -- unpack's shared memory (the table,
+then 4 KiB of payload and 4 KiB of output a warp) is what
 holds it at 23 warps an SM; two entries a warp with their walks interleaved; one walk instead of two (the find walk keeping each
 code's symbol in shared memory: by the lane simulation a lane finds 34 codes on average for 32 float32 words and 72
 for 64 bfloat16 words); pack's fields (a word's code from the table and its selects: about 37 instructions a

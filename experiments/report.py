@@ -622,8 +622,8 @@ def _gpu_step_time(folder: Path) -> list[str]:
     path, record, steps = got
     step = steps["step_time"]["result"]
     srows = [
-        [r["model"], r["method"], f"{r['step_ms']:,.1f}", _x(r.get("vs_none")), f"{r['peak_gib']:.2f}" if r.get("peak_gib") else "-",
-         _x(r.get("capacity"))]
+        [r["model"], r["method"], f"{r['step_ms']:,.1f}", _x(r.get("vs_none")),
+         f"{r['peak_gib']:.2f}" if r.get("peak_gib") else "-", _x(r.get("capacity"))]
         for r in step.get("rows", [])
     ]  # fmt: skip
     models = step.get("models", {})
@@ -633,7 +633,8 @@ def _gpu_step_time(folder: Path) -> list[str]:
     parts += [""] + [f"* {v.strip()}" for v in step.get("verdicts", [])]
     peaks = [r for r in step.get("rows", []) if r.get("memory_peak")]
     if peaks:
-        parts += ["", "What each step held at its peak (one more step under the allocator's history; the largest sites):", ""]
+        parts += ["", "What each step held at its peak (one more step under the allocator's history; the largest "
+                  "sites):", ""]  # fmt: skip
         for r in peaks:
             m = r["memory_peak"]
             top = "; ".join(f"{x['site']} {x['bytes'] / 2**30:.2f}" for x in m["sites"][:4])

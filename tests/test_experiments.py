@@ -434,10 +434,11 @@ def test_report_shows_the_latest_gpu_sessions_bench_and_step_time(tmp_path, monk
     assert "* gpt2 / buddy-model: 3.00 GiB -- before the step 1.00; buddy cuda.py:pack 1.00 (GiB)" in body
     assert "| gpt2 (step_time) | buddy | 16,000 | 24 | 1.50 |  |" in body
     assert "| t | float32 | buddy:auto2/cuda | 1.47 | 100 | 182 |" in body  # the bench: essentials' still
-    batch["rows"][0] |= {"max_batch": 0, "note": "Expected a torch.device with a specified index"}  # a search that failed
+    batch["rows"][0] |= {"max_batch": 0, "note": "Expected a torch.device with a specified index"}  # a failed search
     (tmp_path / "2026-11-27-h200" / "step.json").write_text(json.dumps(record))
     body = report.gpu([], folder=tmp_path).body
-    assert "found no batch anywhere: Expected a torch.device with a specified index." in body and "| 16,000 |" not in body
+    assert "found no batch anywhere: Expected a torch.device with a specified index." in body
+    assert "| 16,000 |" not in body
 
 
 def test_region_report_per_workload_and_set():

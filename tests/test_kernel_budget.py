@@ -204,7 +204,7 @@ def test_ncu_launches_of_two_layouts_are_two_kernels(tmp_path):
     assert measured_launch(measured, "auto2 pack", "float32", 256, 49170)["us"] == pytest.approx(5.0)
     assert measured_launch(measured, "auto2 unpack", "bfloat16", 736, 229390)["us"] == pytest.approx(2.0)
     assert measured_launch(measured, "auto2 unpack", "bfloat16", 256, 65536) is None  # a layout that did not run
-    old = {"rows": {("auto2 pack", "float32"): {"us": 7.0, "block": 256, "smem": float("nan")}}}  # no shared memory read
+    old = {"rows": {("auto2 pack", "float32"): {"us": 7.0, "block": 256, "smem": float("nan")}}}  # smem not read
     assert measured_launch(old, "auto2 pack", "float32", 256, 32768)["us"] == 7.0
 
 

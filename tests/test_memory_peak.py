@@ -66,7 +66,8 @@ def test_a_peak_after_frees_of_earlier_memory_counts_what_is_left_of_it():
     assert got["peak_bytes"] == 1000  # the start: nothing later passed it
     assert got["at"] == 0 and got["trigger"] is None
     got = peak_breakdown(events[1:] + [free(9, 400)], before_bytes=1000)
-    assert got["peak_bytes"] == 1300 and got["sites"][0] == {"site": "before the step", "bytes": 1000, "allocations": None}
+    assert got["peak_bytes"] == 1300
+    assert got["sites"][0] == {"site": "before the step", "bytes": 1000, "allocations": None}
 
 
 def test_sites_past_the_top_are_one_line():

@@ -314,7 +314,7 @@ def launch_config(
     per_warp = entry_bytes * (2 if op == "unpack" and codec in TABLED_KERNELS else 1)
     warps = max(1, min(8, STAGING_BYTES // per_warp)) if staged else 8
     blocks = max(1, min(MAX_BLOCKS, -(-n_entries // warps)))
-    if tables is not None and pack_fields and op == "pack":  # the fields first, then the warps' staging; the resident blocks loop
+    if tables is not None and pack_fields and op == "pack":  # the fields, then the warps' staging; resident blocks loop
         block = FIELDS_BYTES + warps * entry_bytes
         return max(1, min(tables.sms * max(1, tables.blocks_per_sm(block, warps)), blocks)), warps * _WARP, block
     return blocks, warps * _WARP, warps * per_warp if staged else 0
