@@ -864,7 +864,9 @@ def _tracked(t, key, tracker: Tracker, policy, store, codec, entry_bytes, *, kee
     the tensor whole on the device by default (``on_full="device"``): a full
     store must not cost a training step.
     """
-    measured = measure(t, codec, entry_bytes=entry_bytes, prior=tracker.prior(key), keep=tracker.fitted(key))
+    measured = measure(
+        t, codec, entry_bytes=entry_bytes, prior=tracker.prior(key), keep=tracker.fitted(key), count=tracker.counts(key)
+    )
     place = tracker.plan(
         key, measured.histogram, layout=measured.layout, policy=policy, table_bytes=measured.codec.table_bytes
     )

@@ -131,9 +131,9 @@ def _pack_options(store, on_full, checksum, ledger) -> _PackOptions:
     return _PackOptions(store or default_store(), on_full, checksum, ledger or default_ledger())
 
 
-def _measure(tensor: torch.Tensor, engine: Engine, layout: Layout, prior=None, keep=None) -> Measured:
+def _measure(tensor: torch.Tensor, engine: Engine, layout: Layout, prior=None, keep=None, count=True) -> Measured:
     flat, stride = memory_bytes(tensor)
-    fitted, measurement = engine.fit_measure(flat, layout, prior, keep)  # a codec with a table fits it
+    fitted, measurement = engine.fit_measure(flat, layout, prior, keep, count)  # a codec with a table fits it
     return Measured(tensor, flat, stride, fitted, engine, layout, measurement)
 
 
@@ -145,6 +145,7 @@ def measure(
     backend: str | None = None,
     prior: torch.Tensor | None = None,
     keep: CodecLike | None = None,
+    count: bool = True,
 ) -> Measured:
     """Size every entry of ``tensor`` (nothing is stored): the first step of :func:`compress`.
 
@@ -156,8 +157,13 @@ def measure(
     over earlier steps (:meth:`buddy.Tracker.prior`) -- when given; then
     ``keep``, the codec measured for the same key before (:meth:`buddy.Tracker.fitted`),
     lends its table while the prior still fits it, and nothing is fitted.
+    With a ``prior``, ``count=False`` skips counting the tensor's symbols
+    (:attr:`Measured.statistics` is then ``None``): a pass over the tensor
+    a tracker that has learned the key does only every few steps
+    (:meth:`buddy.Tracker.counts`).
     """
-    return _measure(tensor, *_resolve(tensor, codec, entry_bytes, backend), prior=prior, keep=keep)
+    engine, layout = _resolve(tensor, codec, entry_bytes, backend)
+    return _measure(tensor, engine, layout, prior=prior, keep=keep, count=count)
 
 
 def size_histogram(
@@ -202,12 +208,17 @@ def _pack(measured: Measured, slot: int, options: _PackOptions) -> BuddyTensor:
         overflow = store.allocate(0)
     try:
         engine, t = measured.engine, measured.tensor
-        slots, staged = engine.pack(measured.flat, measured.measurement, slot, measured.layout)
+        # an engine of the host's tensors writes the overflow where it is kept (buddy memory is the host's):
+        # no staging buffer, no copy
+        into = overflow.data if engine.packs_into_host and overflow.nbytes else None
+        args = (measured.flat, measured.measurement, slot, measured.layout)
+        slots, staged = engine.pack(*args) if into is None else engine.pack(*args, into=into)
         if staged.numel() != overflow.nbytes:
             raise RuntimeError(
                 f"{engine!r} wrote {staged.numel()} overflow bytes where its sizes said {overflow.nbytes}"
             )
-        _offload(staged, overflow, t.device)
+        if into is None:
+            _offload(staged, overflow, t.device)
         meta = measured.measurement.meta
         table = _to_device(measured.table, t.device)  # decoding reads it there
         sums = integrity.checksums(meta, slots, staged, table) if options.checksum else None

@@ -493,6 +493,8 @@ class KeyHistory(LaidOut):
     statistics: torch.Tensor | None = None
     #: the codec the last step was measured with (a codec with a table keeps it while it fits), or ``None``
     fitted: CodecLike | None = None
+    #: steps recorded since the last with statistics (:meth:`Tracker.counts`)
+    uncounted: int = 0
     #: GPU statistics on their way to the host: (pinned copy, event), oldest first
     _pending: deque = field(default_factory=deque, repr=False)
     #: (what it was made from, predicted()): the last one made
@@ -537,6 +539,7 @@ class KeyHistory(LaidOut):
         while len(self._arrays) > len(self.histograms):
             self._arrays.popleft()
         self.observations.append(observation)
+        self.uncounted = 0 if statistics is not None else self.uncounted + 1
         if statistics is not None:
             self.learn(statistics)
 
@@ -609,6 +612,12 @@ class Tracker:
         decay: weight of a histogram one step older than the next (0..1);
             smaller follows drift faster. Default 0.5.
         window: histograms kept per key. Default 8.
+        count_every: a codec with a table learns a key's symbol statistics:
+            its tensor's symbols are counted -- a pass over the tensor -- and
+            mixed into the key's. Every step for the key's first
+            ``count_warmup`` steps (default 32: activations' statistics move
+            most early in training), then every ``count_every`` steps
+            (default 4; 1: every step). See :meth:`counts`.
         ledger: the :class:`~buddy.DeviceLedger` budgets are planned against,
             and that what is packed through the tracker holds its device
             bytes on. Default: the process-wide one at the time of use.
@@ -628,11 +637,18 @@ class Tracker:
         decay: float = 0.5,
         window: int = 8,
         ledger: DeviceLedger | None = None,
+        count_every: int = 4,
+        count_warmup: int = 32,
     ):
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
+        if isinstance(count_every, bool) or not isinstance(count_every, int) or count_every < 1:
+            raise ValueError(f"count_every must be a positive int, got {count_every!r}")
+        if isinstance(count_warmup, bool) or not isinstance(count_warmup, int) or count_warmup < 0:
+            raise ValueError(f"count_warmup must be a non-negative int, got {count_warmup!r}")
+        self.count_every, self.count_warmup = count_every, count_warmup
         self.policy = policy if policy is not None else OverflowBudget()
         self.decay = decay
         self.window = window
@@ -685,6 +701,16 @@ class Tracker:
         with self._lock:
             hist = self._keys.get(key)
             return None if hist is None else hist.learned
+
+    def counts(self, key: str) -> bool:
+        """Whether ``key``'s tensor this step should have its symbols counted (``count`` of :func:`buddy.measure`):
+        unless the key has learned statistics, has :attr:`count_warmup` steps behind it, and was counted fewer
+        than :attr:`count_every` steps ago."""
+        with self._lock:
+            hist = self._keys.get(key)
+            if hist is None or (hist.statistics is None and not hist._pending) or hist.steps < self.count_warmup:
+                return True
+            return hist.uncounted + 1 >= self.count_every
 
     def fitted(self, key: str) -> CodecLike | None:
         """The codec ``key``'s last step was measured with (``keep`` of :func:`buddy.measure`), or ``None``."""

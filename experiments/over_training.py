@@ -32,12 +32,22 @@ DEFAULT_STEPS = {"tiny": 4, "quick": 30, "full": 400}
 MISS = 0.01  # a prediction "missed" when it is off by more than this fraction of the tensor's bytes
 
 
-def track(name: str, *, size: str, steps: int, every: int, policy, device: str, seed: int, show: bool) -> list[dict]:
-    """Train ``name`` for ``steps`` steps, compressing every ``every``-th; one row per compressed key and step."""
+def track(
+    name: str, *, size: str, steps: int, every: int, policy, device: str, seed: int, show: bool,
+    count_every: int | None = None, count_warmup: int | None = None,
+) -> list[dict]:  # fmt: skip
+    """Train ``name`` for ``steps`` steps, compressing every ``every``-th; one row per compressed key and step.
+    ``count_every``, ``count_warmup``: the tracker's (default: its defaults)."""
     from experiments.workloads import make_run
 
     run = make_run(name, size=size, device=device, seed=seed)
-    tracker, store = buddy.Tracker(policy), buddy.BuddyStore(pin=False if device == "cpu" else None)
+    defaults = buddy.Tracker()
+    tracker = buddy.Tracker(
+        policy,
+        count_every=defaults.count_every if count_every is None else count_every,
+        count_warmup=defaults.count_warmup if count_warmup is None else count_warmup,
+    )
+    store = buddy.BuddyStore(pin=False if device == "cpu" else None)
     min_bytes = run.workload.min_bytes(size)
     rows = []
     for step in progress(range(steps), desc=f"{name} over training", enabled=show):
@@ -152,6 +162,14 @@ def parse_args(argv):
         default="OverflowBudget",
         help="the tracker's policy (default: the tracker's default, OverflowBudget)",
     )
+    p.add_argument(
+        "--count-every", type=int, default=None,
+        help="the tracker's count_every: a learned key's symbols counted every n-th step (default: the tracker's, 4)",
+    )  # fmt: skip
+    p.add_argument(
+        "--count-warmup", type=int, default=None,
+        help="the tracker's count_warmup: a key's first n steps all counted (default: the tracker's, 32)",
+    )  # fmt: skip
     cli.add_common_arguments(p, out="results/over_training", device="cpu", plot=True)
     p.add_argument(
         "--resume",
@@ -161,6 +179,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.every < 1:
         p.error("--every must be at least 1")
+    if (args.count_every is not None and args.count_every < 1) or (args.count_warmup or 0) < 0:
+        p.error("--count-every must be at least 1, --count-warmup at least 0")
     return args
 
 
@@ -171,6 +191,11 @@ def main(argv=None) -> list[dict]:
     steps = args.steps or DEFAULT_STEPS[args.size]
     policy = getattr(buddy, args.policy)(args.max_overflow)
     settings = {"size": args.size, "steps": steps, "every": args.every, "seed": args.seed, "policy": str(policy)}
+    defaults = buddy.Tracker()
+    settings.update(  # (part of the settings --resume compares: a run with other counting is not resumed)
+        count_every=defaults.count_every if args.count_every is None else args.count_every,
+        count_warmup=defaults.count_warmup if args.count_warmup is None else args.count_warmup,
+    )
     settings.update(codec=buddy.defaults().codec, entry_bytes=buddy.defaults().entry_bytes)  # what the session uses
 
     def written(rows: list[dict], done: list[str]) -> dict:
@@ -196,6 +221,8 @@ def main(argv=None) -> list[dict]:
             device=args.device,
             seed=args.seed,
             show=not args.no_progress,
+            count_every=args.count_every,
+            count_warmup=args.count_warmup,
         )
         done.append(name)
         # after every workload: an interrupted run keeps what it finished (--resume goes on from it)

@@ -543,13 +543,20 @@ def step_cost(files: Sequence[Results]) -> Section | None:
         for r in result.rows()
     ]  # fmt: skip
     steps = result.rows()[0]["steps"] if result.rows() else "?"
+    first = result.rows()[0] if result.rows() else {}
+    learn, every = first.get("learn_steps"), first.get("count_every")
+    learned = (
+        f" (first {learn} compressed steps, the tracker's count warm-up: the timed steps are its steady state, a "
+        f"learned key's symbols counted one step in {every})" if learn and every else ""
+    )
     body = "\n".join(
         [
             f"One run per workload ({result.size} size), its steps alternately plain and inside "
             "`buddy.compressed_activations()` with buddy's defaults (the backend that ran the codec: its column); the "
             "CPU time of a step "
             "(the process's, all threads: other work on the machine does not stretch it as it does wall time), "
-            f"median of {steps} steps of each kind after warm-up. Wall-time ratio beside it, and the main thread's "
+            f"median of {steps} steps of each kind after warm-up{learned}. Wall-time ratio beside it, and the main "
+            "thread's "
             "CPU time's: the step's critical path, which neither other work nor the spin-waits of torch's OpenMP "
             "threads lengthen. Per tensor compressed (each is compressed and decompressed once a step), the wall time "
             "buddy adds outside its kernels: the host's work, Python and torch operations around the kernels.",

@@ -8,7 +8,9 @@ way it stretches wall time; the wall time is recorded beside it, and the **main 
 critical path (the thread that runs the model and buddy's host work, and takes part in every parallel region), which
 counts neither other work on the machine nor the spin-waits of torch's OpenMP threads between parallel regions
 (they count in the process's CPU time, and buddy's host work between its kernels lengthens them). Medians over
-the timed steps, after warm-up steps in which the tracker learns. Of the wall time buddy adds, what its native
+the timed steps, after warm-up steps in which the tracker learns: first the tracker's count warm-up
+(:attr:`buddy.Tracker.count_warmup` compressed steps, in which every key's symbols are counted every step; after
+it, every :attr:`~buddy.Tracker.count_every` steps: the steady state timed), then ``--warmup`` of each kind. Of the wall time buddy adds, what its native
 kernels took (:func:`buddy.engines.native.kernel_seconds`, also by operation in the JSON) and the rest, the host's
 work, also per tensor compressed (each tensor is compressed once and decompressed once a step).
 
@@ -37,8 +39,9 @@ __all__ = ["measure", "main"]
 METHODS = ("none", "buddy")
 
 
-def measure(name: str, *, size: str, steps: int, warmup: int, seed: int) -> dict:
-    """One workload's row: median CPU and wall seconds of a plain and of a compressed step, and their ratios."""
+def measure(name: str, *, size: str, steps: int, warmup: int, seed: int, learn: int | None = None) -> dict:
+    """One workload's row: median CPU and wall seconds of a plain and of a compressed step, and their ratios.
+    ``learn``: compressed steps first, untimed (default: the tracker's :attr:`~buddy.Tracker.count_warmup`)."""
     from experiments.workloads import make_run
 
     from buddy.engines import native
@@ -46,6 +49,11 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int) -> dict
     run = make_run(name, size, seed=seed)
     tracker = buddy.Tracker()  # this run's own history
     min_bytes = run.workload.min_bytes(size)
+    learn = tracker.count_warmup if learn is None else learn
+    for _ in range(learn):  # the tracker's count warm-up: what follows is the steady state
+        with buddy.compressed_activations(tracker=tracker, min_bytes=min_bytes):
+            loss = run.forward_loss()
+        run.step(loss)
     seconds: dict[str, list[tuple[float, float, float]]] = {m: [] for m in METHODS}  # CPU, wall, main thread's CPU
     kernels: list[dict[str, float]] = []  # per timed buddy step: its native launches' wall seconds, by operation
     capacity, tensors = None, 0
@@ -78,6 +86,8 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int) -> dict
         "entry_bytes": buddy.defaults().entry_bytes,
         "backend": ran[0].backend if ran else "?",
         "steps": steps,
+        "learn_steps": learn,
+        "count_every": tracker.count_every,
         "none_cpu_s": cpus["none"],
         "buddy_cpu_s": cpus["buddy"],
         "cpu_ratio": cpus["buddy"] / cpus["none"],
@@ -125,6 +135,10 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=5, help="timed steps of each kind")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each kind first")
     p.add_argument(
+        "--learn", type=int, default=None,
+        help="untimed compressed steps before those (default: the tracker's count warm-up, 32)",
+    )  # fmt: skip
+    p.add_argument(
         "--backend", choices=["auto", "reference", "native"], default="auto",
         help="what runs the codec: buddy's choice (auto: the native engine for the default codec), or one",
     )  # fmt: skip
@@ -137,7 +151,9 @@ def main(argv=None) -> list[dict]:
     buddy.set_defaults(backend=args.backend)
     rows = []
     for name in progress(args.workloads, desc="workloads", enabled=not args.no_progress):
-        rows.append(measure(name, size=args.size, steps=args.steps, warmup=args.warmup, seed=args.seed))
+        rows.append(
+            measure(name, size=args.size, steps=args.steps, warmup=args.warmup, seed=args.seed, learn=args.learn)
+        )
         print(f"  {name}: buddy {rows[-1]['cpu_ratio']:.1f}x the plain step's CPU time", flush=True)
     defaults = buddy.defaults()
     print(f"\nCPU time of a training step with buddy's session ({defaults.codec} @ {defaults.entry_bytes} B, the "

@@ -380,7 +380,9 @@ def measure(
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     batch = spec.batch(device, gen)
     store = buddy.BuddyStore() if method.startswith("buddy") else None
-    tracker = buddy.Tracker()
+    # the tracker's count warm-up (every step counts a key's symbols: its first 32 by default) within the warm-up
+    # steps: the timed steps are the steady state of a longer run, a learned key counted one step in count_every
+    tracker = buddy.Tracker(count_warmup=min(warmup, buddy.Tracker().count_warmup))
     times, peak, state = [], None, None
 
     def step():

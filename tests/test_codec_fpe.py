@@ -455,6 +455,70 @@ def test_measure_fits_to_a_prior():
     assert buddy.measure(t, "fpx", entry_bytes=512).table is None
 
 
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_measure_counts_with_a_prior_only_when_asked(backend):
+    t = torch.relu(torch.randn(4099))  # an awkward size: a tail entry
+    prior = torch.zeros(n_symbols(4))
+    prior[top12(126)] = 1.0
+    counted = buddy.measure(t, "auto2", entry_bytes=512, prior=prior, backend=backend)
+    skipped = buddy.measure(t, "auto2", entry_bytes=512, prior=prior, count=False, backend=backend)
+    assert torch.equal(counted.statistics.cpu(), symbol_counts(raw_bytes(t), 4)) and skipped.statistics is None
+    assert torch.equal(skipped.table, counted.table) and skipped.histogram == counted.histogram
+    alone = buddy.measure(t, "auto2", entry_bytes=512, count=False, backend=backend)
+    assert torch.equal(alone.statistics.cpu(), symbol_counts(raw_bytes(t), 4)), "no prior: counted (its table's fit)"
+    bt = buddy.pack(skipped, skipped.histogram.index(max(skipped.histogram)))
+    assert_bitexact(bt.decompress(), t)
+
+
+def _linear_steps(tracker, store, steps: int, after, scale=lambda step: 1.0):
+    """``steps`` training steps of a ReLU'd linear layer in sessions on ``tracker`` (auto2), ``after(step)`` after
+    each; the weight's gradients, and the layer and its input (``x``, each step's scaled by ``scale(step)``)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    grads = []
+    for step in range(steps):
+        lin.zero_grad()
+        with buddy.compressed_activations(tracker=tracker, store=store, codec="auto2", min_bytes=1024):
+            (torch.relu(lin(x * scale(step))) * 2).sum().backward()
+        grads.append(lin.weight.grad.clone())
+        after(step)
+    return grads, (lin, x)
+
+
+def test_tracker_counts_a_learned_key_every_few_steps(store, monkeypatch):
+    """count_every=3 after count_warmup=2 steps: a key's symbols counted at its first two steps, then every third;
+    what it learns only then."""
+    asked = []
+
+    def spy(t, codec, **kwargs):
+        asked.append(kwargs.get("count"))
+        return buddy.pipeline.measure(t, codec, **kwargs)
+
+    monkeypatch.setattr(buddy.autograd, "measure", spy)
+    with pytest.raises(ValueError, match="count_every"):
+        buddy.Tracker(count_every=0)
+    with pytest.raises(ValueError, match="count_warmup"):
+        buddy.Tracker(count_warmup=-1)
+    tracker = buddy.Tracker(count_every=3, count_warmup=2)
+    learned = []
+
+    def after(step: int) -> None:
+        assert asked and len(set(asked)) == 1, "every key of the step on the same schedule"
+        assert asked[0] == (step < 2 or step % 3 == 1), f"step {step}: counted at steps 0, 1, 4, 7"
+        asked.clear()
+        learned.append({h.key: h.statistics for h in tracker.histories()})
+        assert all(h.uncounted == (0 if step < 2 else (step - 1) % 3) for h in tracker.histories())
+
+    grads, _ = _linear_steps(tracker, store, 9, after)
+    keys = learned[0].keys()
+    assert all(learned[1][k] is not learned[0][k] for k in keys), "learned at each warm-up step"
+    assert all(learned[2][k] is learned[1][k] and learned[3][k] is learned[1][k] for k in keys), "nothing learned"
+    assert all(learned[4][k] is not learned[3][k] for k in keys), "learned again at the third step after"
+    for g in grads[1:]:
+        assert_bitexact(g, grads[0])
+
+
 def test_session_passes_learned_statistics_to_the_next_step(store, monkeypatch):
     priors = []
 
@@ -495,6 +559,19 @@ def test_slack_is_what_a_prefix_code_costs_over_the_entropy(word, gen):
     assert Table.from_bytes(t.to_bytes(), word).fit_slack is None  # a stored table: nothing known of its fit
 
 
+def test_slack_remembers_only_the_same_unchanged_tensor():
+    base = torch.zeros(n_symbols(4), dtype=torch.float64)
+    base[[top12(s) for s in range(120, 127)]] = torch.tensor([1.0, 2, 4, 8, 16, 32, 64], dtype=torch.float64)
+    table = Table.from_counts(base, 4)
+    other = Table.from_counts(base.flip(0), 4)
+    prior = base.clone()
+    before = table.slack(prior)
+    assert table.slack(prior) == before == table.slack(prior.clone()) == table.slack(prior.tolist())
+    prior[top12(120)] += 1000.0  # changed in place: torch's version moves, the answer is made again
+    assert table.slack(prior) == table.slack(prior.clone()) != before
+    assert other.slack(prior) == other.slack(prior.clone()), "each table remembers its own"
+
+
 def test_fit_table_keeps_a_table_that_still_fits():
     base = torch.zeros(n_symbols(4), dtype=torch.float64)
     base[[top12(s) for s in range(120, 127)]] = torch.tensor([1.0, 2, 4, 8, 16, 32, 64], dtype=torch.float64)
@@ -520,20 +597,16 @@ def test_fit_table_keeps_a_table_that_still_fits():
 
 def test_session_keeps_a_keys_table_while_it_fits(store):
     """Steps on the same data: one fit per key, its table kept after; bit-exact whichever table codes it."""
-    tracker = buddy.Tracker()
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(256, 256)
-    x = torch.randn(64, 256)
-    grads, tables = [], []
-    for step in range(5):
-        lin.zero_grad()
-        data = x if step < 3 else x * 2.0**-20  # other binades: learned from step 3 on, refitted at step 4
-        with buddy.compressed_activations(tracker=tracker, store=store, codec="auto2", min_bytes=1024):
-            (torch.relu(lin(data)) * 2).sum().backward()
-        grads.append(lin.weight.grad.clone())
+    tracker = buddy.Tracker(count_every=1)  # statistics every step: the step after the data moved refits
+    tables = []
+
+    def after(step: int) -> None:
         fitted = {h.key: h.fitted for h in tracker.histories()}
         assert fitted and all(c is not None and c.table is not None for c in fitted.values())
         tables.append({k: c._tabled.fitted for k, c in fitted.items()})
+
+    # other binades from step 3 on: learned then, refitted at step 4
+    grads, (lin, x) = _linear_steps(tracker, store, 5, after, scale=lambda step: 1.0 if step < 3 else 2.0**-20)
     keys = tables[0].keys()
     assert all(tables[2][k] is tables[1][k] for k in keys), "same data, learned statistics: the table is kept"
     assert all(tables[3][k] is tables[2][k] for k in keys), "the step the data moved still codes with the prior"

@@ -99,6 +99,24 @@ def test_over_training_resumes_what_an_interrupted_run_finished(tmp_path, monkey
     calls.clear()
     over_training.main([*base, "--workloads", "lstm-fp32", "--every", "2", "--resume"])
     assert calls == ["lstm-fp32"] and "not resuming" in capsys.readouterr().out
+    calls.clear()
+    over_training.main([*base, "--workloads", "lstm-fp32", "--every", "2", "--count-every", "1", "--resume"])
+    assert calls == ["lstm-fp32"] and "not resuming" in capsys.readouterr().out, "other counting: run again"
+
+
+def test_over_training_passes_the_trackers_counting(monkeypatch, tmp_path):
+    from experiments import over_training
+
+    made = []
+    tracker = buddy.Tracker
+    monkeypatch.setattr(buddy, "Tracker", lambda *a, **kw: made.append(tracker(*a, **kw)) or made[-1])
+    base = ["--size", "tiny", "--steps", "1", "--no-progress", "--no-plot", "--workloads", "lstm-fp32"]
+    over_training.main([*base, "--count-every", "2", "--count-warmup", "5", "--out", str(tmp_path)])
+    assert [(t.count_every, t.count_warmup) for t in made][-1] == (2, 5)
+    settings = json.loads((tmp_path / "results.json").read_text())["settings"]
+    assert (settings["count_every"], settings["count_warmup"]) == (2, 5)
+    with pytest.raises(SystemExit):
+        over_training.main([*base, "--count-every", "0", "--out", str(tmp_path)])
 
 
 def test_main_job_tiny_reports_both_sets(tmp_path, capsys):
@@ -139,8 +157,8 @@ def test_step_cost_tiny(tmp_path):
     from experiments import step_cost
 
     args = ["--size", "tiny", "--workloads", "resnet-fp32", "--steps", "1", "--warmup", "0", "--no-progress"]
-    (row,) = step_cost.main([*args, "--out", str(tmp_path)])
-    assert (row["codec"], row["entry_bytes"]) == (buddy.defaults().codec, buddy.defaults().entry_bytes)
+    (row,) = step_cost.main([*args, "--learn", "1", "--out", str(tmp_path)])
+    assert (row["codec"], row["entry_bytes"], row["learn_steps"]) == (buddy.defaults().codec, buddy.defaults().entry_bytes, 1)
     assert row["none_cpu_s"] > 0 and row["buddy_cpu_s"] > 0 and row["capacity"] > 1
     assert row["cpu_ratio"] == pytest.approx(row["buddy_cpu_s"] / row["none_cpu_s"])
     # one timed step: its kernels' seconds are the sum of its operations'; the rest of the added wall time the host's

@@ -88,6 +88,27 @@ def test_native_writes_and_reads_the_reference_buffers(codec, case, activations,
     want.free()
 
 
+def test_pack_writes_the_overflow_where_it_is_kept(store):
+    """The native engine's pack writes the overflow into the buffer it is given (buddy memory, the host's): the same
+    bytes as into a buffer of its own; the reference takes no such buffer."""
+    t = torch.relu(torch.randn(40_000, generator=torch.Generator().manual_seed(0)))
+    m = buddy.measure(t, "auto2", entry_bytes=512, backend="native")
+    assert m.engine.packs_into_host
+    slot = 1  # most of every entry spills
+    into = torch.full((m.overflow_bytes(slot),), 0xA5, dtype=torch.uint8)
+    slots, overflow = m.engine.pack(m.flat, m.measurement, slot, m.layout, into=into)
+    assert overflow is into and overflow.numel() > 0
+    own_slots, own = m.engine.pack(m.flat, m.measurement, slot, m.layout)
+    assert torch.equal(slots, own_slots) and torch.equal(overflow, own)
+    bt = buddy.pack(m, slot, store=store)
+    assert torch.equal(bt.buffers()[2], own)
+    assert_bitexact(bt.decompress(), t)
+    ref = buddy.measure(t, "auto2", entry_bytes=512, backend="reference")
+    assert not ref.engine.packs_into_host
+    with pytest.raises(ValueError, match="takes no `into`"):
+        ref.engine.pack(ref.flat, ref.measurement, slot, ref.layout, into=into)
+
+
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
 def test_tensors_of_one_entry(codec, activations, store):
     check_tensors_of_one_entry("native", codec, activations, store)

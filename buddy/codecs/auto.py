@@ -136,15 +136,18 @@ class AutoCodec(Codec):
         self.name = name
         self.members = members
         self.coded_modes = frozenset(codes)
+        # (a member's format version is fixed when it is made -- fpe's by its table -- and asked at every compress)
+        self._version = max(member.format_version for _, member in members)
+        self._tabled_member = next((member for _, member in members if member.format_version >= 2), None)
 
     @property
     def format_version(self) -> int:  # type: ignore[override]  # a class attribute of Codec; here the members
-        return max(member.format_version for _, member in self.members)
+        return self._version
 
     @property
     def _tabled(self) -> Codec | None:
         """The member that carries a table (at most one does), or ``None``."""
-        return next((member for _, member in self.members if member.format_version >= 2), None)
+        return self._tabled_member
 
     @property
     def table(self) -> torch.Tensor | None:
@@ -181,7 +184,7 @@ class AutoCodec(Codec):
         tabled = self._tabled
         return None if tabled is None else tabled.kept_table(self._member_keep(keep))
 
-    def with_table(self, table, statistics: torch.Tensor) -> AutoCodec:
+    def with_table(self, table, statistics: torch.Tensor | None) -> AutoCodec:
         tabled = self._tabled
         if tabled is None:
             return super().with_table(table, statistics)

@@ -71,6 +71,9 @@ class Fitting(NamedTuple):
     read: Callable[[torch.Tensor], torch.Tensor] | None = None
     keep: CodecLike | None = None
     counts: torch.Tensor | None = None
+    #: whether the tensor's symbols are counted (its :attr:`CodecLike.statistics`) where a ``prior`` fits the table;
+    #: without a prior they always are (the table is fitted to them)
+    count_symbols: bool = True
 
 
 class CodecLike:
@@ -109,6 +112,7 @@ class CodecLike:
         read=None,
         keep=None,
         counts: torch.Tensor | None = None,
+        count: bool = True,
     ) -> Self:
         """This codec fitted to a tensor's bytes ``flat`` (default: itself, nothing to fit).
 
@@ -120,10 +124,14 @@ class CodecLike:
         default ``Tensor.cpu``). ``keep``: the codec fitted for the same key
         before, whose table a prior may keep (see :func:`buddy.codecs.fpe.fit_table`).
         ``counts``: the tensor's statistics when an engine has counted them
-        already (on the tensor's device), else they are counted here.
-        A codec with a table implements :meth:`_fit`.
+        already (on the tensor's device), else they are counted here --
+        unless ``count`` is false and a ``prior`` fits the table: then
+        nothing is counted and :attr:`statistics` is ``None`` (a tracker that
+        has learned a key counts it only every few steps:
+        :attr:`buddy.Tracker.count_every`). A codec with a table implements
+        :meth:`_fit`.
         """
-        return self._fit(flat, word_bytes, Fitting(prior, read, keep, counts))
+        return self._fit(flat, word_bytes, Fitting(prior, read, keep, counts, count))
 
     def _fit(self, flat: torch.Tensor, word_bytes: int, how: Fitting) -> Self:
         """:meth:`fit`, its options as one :class:`Fitting`."""
@@ -134,7 +142,7 @@ class CodecLike:
         well), or ``None``: for a codec without a table, none."""
         return None
 
-    def with_table(self, table, statistics: torch.Tensor) -> Self:
+    def with_table(self, table, statistics: torch.Tensor | None) -> Self:
         """This codec holding a ``table`` fitted elsewhere (an engine fits it on the tensor's device) and the
         tensor's ``statistics``; only for a codec that carries a table."""
         raise ValueError(f"codec {self.name!r} carries no table")

@@ -277,6 +277,7 @@ class Table:
         self._serialized: np.ndarray | None = None  # to_bytes()'s bytes, made once
         #: the kernels' layout of this table (buddy.engines.cuda.device_table's bytes, on the host), made once
         self.laid_out: torch.Tensor | None = None
+        self._slack_memo: tuple | None = None  # (counts, their version, slack): the last slack asked (slack)
         s = n_symbols(word_bytes, table_format)
         self.zero, self.esc = s - 2, s - 1
         if self.esc not in lengths:
@@ -397,7 +398,22 @@ class Table:
         return torch.from_numpy(bits)
 
     def slack(self, counts) -> float:
-        """Bits per word this table spends on words of symbol ``counts`` beyond their entropy (tails as they are)."""
+        """Bits per word this table spends on words of symbol ``counts`` beyond their entropy (tails as they are).
+
+        The last tensor asked about is remembered with its answer (a key's learned statistics change only on the
+        steps its tracker counts it, :meth:`buddy.Tracker.counts`, and each step asks whether its table still codes
+        them): asked again about the same tensor, unchanged by torch since (its version), it answers at once.
+        Only a refit's decision reads it: a wrong answer would cost ratio, never data."""
+        if isinstance(counts, torch.Tensor):
+            memo = self._slack_memo
+            if memo is not None and memo[0] is counts and memo[1] == counts._version:
+                return memo[2]
+            value = self._slack(counts)
+            self._slack_memo = (counts, counts._version, value)
+            return value
+        return self._slack(counts)
+
+    def _slack(self, counts) -> float:
         counts = torch.as_tensor(counts).detach().to("cpu", torch.float64)
         if counts.shape != (self.esc + 1,):
             raise ValueError(f"fpe: counts of {self.esc + 1} symbols for this table, got shape {tuple(counts.shape)}")
@@ -769,19 +785,23 @@ class FPECodec(Codec):
         With a ``prior``, ``keep`` (an fpe codec fitted before, e.g. for the
         same key a step earlier) lends its table while it still fits
         (:func:`fit_table`). :attr:`statistics` are the tensor's own symbol
-        counts either way (``how.counts`` when given), left on its device.
+        counts either way (``how.counts`` when given), left on its device --
+        with a prior, only where ``how.count_symbols`` asks for them (else ``None``).
         """
         _split(word_bytes)  # a clear error for a word size fpe does not know
-        counts = symbol_counts(flat, word_bytes) if how.counts is None else how.counts
+        counts = how.counts
         if how.prior is None:
+            counts = symbol_counts(flat, word_bytes) if counts is None else counts
             return FPECodec(Table.from_counts((how.read or torch.Tensor.cpu)(counts), word_bytes), counts)
+        if counts is None and how.count_symbols:
+            counts = symbol_counts(flat, word_bytes)
         return FPECodec(fit_table(how.prior, word_bytes, self.kept_table(how.keep)), counts)
 
     def kept_table(self, keep: CodecLike | None) -> Table | None:
         """An fpe ``keep``'s table (``None`` for any other codec, or an unfitted one)."""
         return keep.fitted if isinstance(keep, FPECodec) else None
 
-    def with_table(self, table: Table, statistics: torch.Tensor) -> FPECodec:
+    def with_table(self, table: Table, statistics: torch.Tensor | None) -> FPECodec:
         if not isinstance(table, Table):
             raise TypeError(f"fpe: a table is an fpe.Table, got {type(table).__name__}")
         return FPECodec(table, statistics)

@@ -115,19 +115,28 @@ class Engine(abc.ABC):
     def measure(self, flat: torch.Tensor, layout: Layout) -> Measurement:
         """Sizes of the entries of ``flat`` (a 1-D ``uint8`` tensor, the tensor's bytes in memory order)."""
 
-    def fit_measure(self, flat: torch.Tensor, layout: Layout, prior=None, keep=None) -> tuple[CodecLike, Measurement]:
+    def fit_measure(
+        self, flat: torch.Tensor, layout: Layout, prior=None, keep=None, count: bool = True
+    ) -> tuple[CodecLike, Measurement]:
         """The codec fitted to ``flat`` (see :meth:`Codec.fit`: a codec with a table fits it to the tensor, or to
-        ``prior``; any other codec is itself) and its :meth:`measure`; the engine runs the fitted codec from
-        then on. What a compress calls: an engine that can count and fit where the tensor is overrides it, so
-        that it reads back only what measure reads."""
-        self.codec = self.codec.fit(flat, layout.word_bytes, prior, self.read, keep)
+        ``prior``, counting the tensor's symbols where ``count`` says so; any other codec is itself) and its
+        :meth:`measure`; the engine runs the fitted codec from then on. What a compress calls: an engine that
+        can count and fit where the tensor is overrides it, so that it reads back only what measure reads."""
+        self.codec = self.codec.fit(flat, layout.word_bytes, prior, self.read, keep, count=count)
         return self.codec, self.measure(flat, layout)
+
+    #: whether :meth:`pack` writes the overflow into an ``into`` buffer of the host's (buddy memory) where it is
+    #: given: an engine whose tensors live on the host writes its overflow once, where it is kept
+    packs_into_host = False
 
     @abc.abstractmethod
     def pack(
-        self, flat: torch.Tensor, measured: Measurement, slot: int, layout: Layout
+        self, flat: torch.Tensor, measured: Measurement, slot: int, layout: Layout, into: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(slots, overflow)`` on ``flat``'s device: ``N * s * 32`` bytes, and the compacted overflow."""
+        """``(slots, overflow)`` on ``flat``'s device: ``N * s * 32`` bytes, and the compacted overflow.
+
+        ``into`` (only where :attr:`packs_into_host`): the overflow's place, ``uint8`` host memory of exactly
+        its bytes, 16-byte aligned; the overflow returned is ``into``, written."""
 
     @abc.abstractmethod
     def unpack(

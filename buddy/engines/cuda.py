@@ -895,7 +895,7 @@ class CudaEngine(Engine):
         meta = self._measure(flat, entries, layout, histogram)
         return Measurement(meta, tuple(self.read(histogram).tolist()), reuse=entries)
 
-    def fit_measure(self, flat, layout, prior=None, keep=None):
+    def fit_measure(self, flat, layout, prior=None, keep=None, count=True):
         """The codec fitted to ``flat`` and its sizes, with one read of the device (see the module doc).
 
         A codec with a table (:data:`TABLED_KERNELS`) is counted and fitted
@@ -912,22 +912,24 @@ class CudaEngine(Engine):
         :class:`~buddy.codecs.fpe.Table`
         (:meth:`~buddy.codecs.fpe.Table.from_bytes`); on the CPU its laid-out
         bytes are kept for the engines of later steps
-        (:func:`remember_device_table`). Any other codec has nothing to fit.
+        (:func:`remember_device_table`). With a prior and without ``count``
+        nothing is counted (the fitted codec's statistics are ``None``). Any
+        other codec has nothing to fit.
         """
         if self.codec.name not in TABLED_KERNELS:
-            return super().fit_measure(flat, layout, prior, keep)
+            return super().fit_measure(flat, layout, prior, keep, count)
         device, codec, word = flat.device, self.codec, layout.word_bytes
         entries = self._entries(flat, layout)
-        counts = torch.zeros(n_symbols(word), dtype=torch.int64, device=device)
-        self.kernels.count(layout, *entries, counts)
+        counts = self._count(layout, entries, device) if prior is None or count else None
         kept = codec.kept_table(keep)
         if prior is not None and kept is not None and not refits(prior, word, kept):
             self.codec = codec.with_table(kept, counts)  # keep's table, still good: what codec.fit(prior) returns
             self._tables.clear()  # the fitted table, not the unfitted codec's
             return self.codec, self._measure_read(flat, entries, layout)
         # fitted here: to the tensor's counts, or to the prior's weights (the host's fit of them, byte for byte)
-        fit_to = counts
-        if prior is not None:
+        if prior is None and counts is not None:
+            fit_to = counts
+        else:
             weights = fit_weights(prior, word)
             fit_to = (weights.pin_memory() if device.type == "cuda" else weights).to(device, non_blocking=True)
         # one buffer for what comes back: the histogram, then (16-byte aligned) the serialized table
@@ -952,11 +954,19 @@ class CudaEngine(Engine):
         self.codec = codec.with_table(fitted, counts)
         return self.codec, Measurement(meta, tuple(host[: layout.bins].tolist()), reuse=entries)
 
-    def pack(self, flat, measured, slot, layout):
+    def _count(self, layout: Layout, entries: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The count kernel's symbol counts of the tensor's ``entries`` (:meth:`_entries`), on its device."""
+        counts = torch.zeros(n_symbols(layout.word_bytes), dtype=torch.int64, device=device)
+        self.kernels.count(layout, *entries, counts)
+        return counts
+
+    def pack(self, flat, measured, slot, layout, into=None):
         data, tail = measured.reuse or self._entries(flat, layout)
         spilled = layout.overflow_bytes(measured.histogram, slot)  # known on the host: no read
         slots = torch.empty(layout.slots_bytes(slot), dtype=torch.uint8, device=flat.device)
-        overflow = torch.empty(spilled, dtype=torch.uint8, device=flat.device)
+        if into is not None and not self.packs_into_host:
+            raise ValueError(f"{self!r} writes its overflow on {flat.device}: it takes no `into`")
+        overflow = torch.empty(spilled, dtype=torch.uint8, device=flat.device) if into is None else into
         if layout.n_entries:
             ends = self._ends(measured.meta, slot, layout)
             table = self._table(flat.device, layout.word_bytes)

@@ -333,6 +333,7 @@ class NativeEngine(cuda.CudaEngine):
     """The kernels' format operations on CPU tensors, natively (see the module doc)."""
 
     backend = "native"
+    packs_into_host = True  # its tensors are the host's: the pack kernel writes the overflow into buddy memory
 
     def __init__(self, codec: Codec):
         super().__init__(codec, launch=launch, device_type="cpu")
