@@ -414,15 +414,18 @@ def step_model_step(name: str, method: str, batch: int, device: str):
     return step_time.measure(spec, method, device=device, steps=1, warmup=1)
 
 
-def _step_model_row(name: str, method: str, *, budget: int, device: str) -> dict:
+def _step_model_row(name: str, method: str, *, budget: int, device: str, known: dict | None = None) -> dict:
     """The largest batch of step_time's ``name`` under ``method`` that trains within ``budget`` bytes of CUDA
-    memory (a per-process cap), searched from the model's own batch."""
+    memory (a per-process cap), searched from the model's own batch. ``known``: steps of this method measured
+    already, by batch, that fit the budget (the plain step the budget was made from): not run again."""
     from experiments import step_time
 
     base = step_time.BATCH["cuda"][name]
-    found: dict[int, Any] = {}  # batch -> step_time.Measurement
+    found: dict[int, Any] = dict(known or {})  # batch -> step_time.Measurement
 
     def fits(batch):
+        if batch in found:
+            return found[batch]
         gc.collect()
         torch.cuda.empty_cache()
         try:
@@ -451,12 +454,14 @@ def _step_model_row(name: str, method: str, *, budget: int, device: str) -> dict
     }  # fmt: skip
 
 
-def _step_model_budget(name: str, device: str) -> int:
-    """A plain step's peak allocated bytes of step_time's ``name`` at its own batch, with :data:`CUDA_HEADROOM`."""
+def _step_model_budget(name: str, device: str) -> tuple[int, dict]:
+    """A plain step's peak allocated bytes of step_time's ``name`` at its own batch, with :data:`CUDA_HEADROOM`; and
+    that step, by its batch (``known`` of the ``none`` method's :func:`_step_model_row`: it fits the budget)."""
     from experiments import step_time
 
-    m = step_model_step(name, "none", step_time.BATCH["cuda"][name], device)
-    return int(CUDA_HEADROOM * m.peak_bytes)
+    base = step_time.BATCH["cuda"][name]
+    m = step_model_step(name, "none", base, device)
+    return int(CUDA_HEADROOM * m.peak_bytes), {base: m}
 
 
 def parse_args(argv):
@@ -524,18 +529,18 @@ def _rows(args, accounting: bool) -> list[dict]:
     rows = []
     step_models = list(args.step_models)
     jobs = [(w, m) for w in (step_models or args.workloads) for m in args.methods]
-    budgets = {}
+    budgets, plain = {}, {}  # plain: per step model, the plain step its budget was made from (none's first try)
     for workload, method in progress(jobs, desc="max batch", enabled=not args.no_progress):
         if workload not in budgets:
-            budgets[workload] = (
-                int(args.budget_mib * 2**20)
-                if args.budget_mib
-                else _step_model_budget(workload, args.device)
-                if step_models
-                else default_budget(workload, size=args.size, device=args.device, seed=args.seed)
-            )
+            if args.budget_mib:
+                budgets[workload] = int(args.budget_mib * 2**20)
+            elif step_models:
+                budgets[workload], plain[workload] = _step_model_budget(workload, args.device)
+            else:
+                budgets[workload] = default_budget(workload, size=args.size, device=args.device, seed=args.seed)
         if step_models:  # minutes a row on a GPU: each said as it comes, so a run cut short still says it
-            rows.append(_step_model_row(workload, method, budget=budgets[workload], device=args.device))
+            known = plain.get(workload) if method == "none" else None
+            rows.append(_step_model_row(workload, method, budget=budgets[workload], device=args.device, known=known))
             r = rows[-1]
             peak = f"{r['device_peak_mib']:,.0f}" if r["device_peak_mib"] is not None else "-"
             print(f"  {workload} / {method}: max batch {r['max_batch']} under {r['budget_mib']:,.0f} MiB (peak {peak} "

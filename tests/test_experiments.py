@@ -682,9 +682,12 @@ def test_the_step_models_batch_search_under_a_real_cap(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     base = step_time.BATCH["cuda"]["gpt2"]
     caps.append(None)
-    budget = max_batch._step_model_budget("gpt2", "cuda")
-    assert budget == int(max_batch.CUDA_HEADROOM * (state + 100 * base)) and steps == [base]
-    rows = {m: max_batch._step_model_row("gpt2", m, budget=budget, device="cuda") for m in ("none", "buddy")}
+    budget, known = max_batch._step_model_budget("gpt2", "cuda")
+    assert budget == int(max_batch.CUDA_HEADROOM * (state + 100 * base)) and steps == [base] and list(known) == [base]
+    rows = {"none": max_batch._step_model_row("gpt2", "none", budget=budget, device="cuda", known=known)}
+    assert base not in steps[1:], "the plain step the budget was made from is none's first try: not run again"
+    rows["buddy"] = max_batch._step_model_row("gpt2", "buddy", budget=budget, device="cuda")
+    assert steps.count(base) == 2, "buddy's search runs its own first try"
     assert caps[-1] is None  # lifted again
     assert rows["none"]["max_batch"] == (budget - state) // 100 >= base  # the headroom may take a sample more
     assert rows["buddy"]["max_batch"] == (budget - state) // 50 > rows["none"]["max_batch"]
