@@ -511,7 +511,7 @@ def test_one_cupy_stream_a_torch_stream_and_no_deprecation_warning(monkeypatch):
 
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(ExternalStream=ExternalStream))
     streams = {0: 0x1000}
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=streams[0]))
+    monkeypatch.setattr(bcuda, "_current_stream_handle", lambda device: streams[0])
     monkeypatch.setattr(bcuda, "_streams", {})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -520,6 +520,19 @@ def test_one_cupy_stream_a_torch_stream_and_no_deprecation_warning(monkeypatch):
         streams[0] = 0x2000  # another current stream: its own handle
         assert bcuda._cupy_stream(cupy, torch.device("cuda", 0)) is not first
     assert made == [(0x1000, 0), (0x2000, 0)]
+
+
+def test_the_current_streams_handle_from_torchs_accessor_or_its_stream(monkeypatch):
+    """torch's raw accessor of the current stream where it has one (for a device with its index), else the stream
+    object's handle: the same number."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=0x1000))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0x2000 + index, raising=False)
+    assert bcuda._current_stream_handle(torch.device("cuda", 1)) == 0x2001
+    assert bcuda._current_stream_handle(torch.device("cuda")) == 0x1000, "no index: the current device's stream"
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
+    assert bcuda._current_stream_handle(torch.device("cuda", 1)) == 0x1000
 
 
 def test_every_kernels_last_parameter_is_the_word_size():
@@ -648,7 +661,7 @@ def test_overflow_ends_in_numpy_and_in_torch_are_the_formats(entry_bytes, gen):
     ops: list = []
     with _profiled(ops):
         bcuda.CudaEngine._ends_on_device(meta, 1, layout)
-    assert len(ops[0]) == 5, ops  # k, masked, less the slot, at least 0, summed: a launch each on a GPU
+    assert len(ops[0]) == 4, ops  # k masked out, at least the slot, less it, summed: a launch each on a GPU
 
 
 @pytest.mark.parametrize("codec", ids("codec", ("zvc", "auto", "auto2")))
