@@ -209,8 +209,9 @@ def _pack(measured: Measured, slot: int, options: _PackOptions) -> BuddyTensor:
     try:
         engine, t = measured.engine, measured.tensor
         # an engine of the host's tensors writes the overflow where it is kept (buddy memory is the host's):
-        # no staging buffer, no copy
-        into = overflow.data if engine.packs_into_host and overflow.nbytes else None
+        # no staging buffer, no copy -- where the host's streams are the synchronous ones (not a test's stand-in)
+        direct = engine.packs_into_host and streams.for_device(t.device).synchronous
+        into = overflow.data if direct and overflow.nbytes else None
         args = (measured.flat, measured.measurement, slot, measured.layout)
         slots, staged = engine.pack(*args) if into is None else engine.pack(*args, into=into)
         if staged.numel() != overflow.nbytes:

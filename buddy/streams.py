@@ -33,6 +33,10 @@ class StreamOps:
     return; events what :meth:`record` returns (``None``: already complete).
     """
 
+    #: whether nothing is asynchronous (the host's tensors): what a kernel writes is written when it returns, so an
+    #: engine may write the overflow straight into buddy memory instead of staging it for a copy
+    synchronous = False
+
     def current(self, device: torch.device):
         """The stream work for ``device`` is issued on now."""
         raise NotImplementedError
@@ -68,6 +72,8 @@ class StreamOps:
 
 class HostStreams(StreamOps):
     """CPU tensors: everything runs in order, at once; no event is ever pending."""
+
+    synchronous = True
 
     def current(self, device):
         return None

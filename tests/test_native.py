@@ -88,7 +88,7 @@ def test_native_writes_and_reads_the_reference_buffers(codec, case, activations,
     want.free()
 
 
-def test_pack_writes_the_overflow_where_it_is_kept(store):
+def test_pack_writes_the_overflow_where_it_is_kept(store, monkeypatch):
     """The native engine's pack writes the overflow into the buffer it is given (buddy memory, the host's): the same
     bytes as into a buffer of its own; the reference takes no such buffer."""
     t = torch.relu(torch.randn(40_000, generator=torch.Generator().manual_seed(0)))
@@ -100,8 +100,10 @@ def test_pack_writes_the_overflow_where_it_is_kept(store):
     assert overflow is into and overflow.numel() > 0
     own_slots, own = m.engine.pack(m.flat, m.measurement, slot, m.layout)
     assert torch.equal(slots, own_slots) and torch.equal(overflow, own)
+    copies = []
+    monkeypatch.setattr(buddy.pipeline, "_offload", lambda *args: copies.append(args))
     bt = buddy.pack(m, slot, store=store)
-    assert torch.equal(bt.buffers()[2], own)
+    assert torch.equal(bt.buffers()[2], own) and not copies, "written in buddy memory: no copy to make"
     assert_bitexact(bt.decompress(), t)
     ref = buddy.measure(t, "auto2", entry_bytes=512, backend="reference")
     assert not ref.engine.packs_into_host
