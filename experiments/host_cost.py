@@ -6,7 +6,10 @@ torch operations around them) and runs backward, alternately plain and inside ``
 Per tensor compressed, the wall time the session adds and its compress and decompress times (the session's own
 counters); then the tracker's per-step plan (:meth:`buddy.OverflowBudget.plan`, the default policy's) on the
 histories those steps left, timed alone. On a GPU (``--device cuda``) the same numbers are the per-tensor floor
-of a training step's overhead.
+of a training step's overhead. With fewer warm-up steps than the tracker's count warm-up
+(:attr:`buddy.Tracker.count_warmup`, 32), every timed compress also counts its tensor's symbols, which a learned
+key's does one step in four after it: the compress figure is the warm-up's, an upper bound of the steady state's
+(``--warmup 40`` times the steady state).
 
     python -m experiments.host_cost                              # 32, 128 and 256 tensors a step, on the CPU
     python -m experiments.host_cost --tensors 64 --numel 65536
