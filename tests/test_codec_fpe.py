@@ -570,6 +570,21 @@ def test_slack_remembers_only_the_same_unchanged_tensor():
     prior[top12(120)] += 1000.0  # changed in place: torch's version moves, the answer is made again
     assert table.slack(prior) == table.slack(prior.clone()) != before
     assert other.slack(prior) == other.slack(prior.clone()), "each table remembers its own"
+    with torch.inference_mode():
+        frozen = prior.clone()  # no version counter: asked each time
+    assert table.slack(frozen) == table.slack(frozen) == table.slack(prior)
+
+
+def test_wrap_under_inference_mode_learns_and_keeps_its_table(store):
+    """A key wrapped under inference mode step after step: its learned statistics are inference tensors."""
+    tracker = buddy.Tracker(count_every=2, count_warmup=1)
+    t = torch.relu(torch.randn(64, 1024, generator=torch.Generator().manual_seed(0)))
+    with torch.inference_mode():
+        for _ in range(5):
+            bt = buddy.wrap(t, "x", tracker=tracker, store=store, codec="auto2")
+            assert_bitexact(bt.decompress(), t)
+            bt.free()
+    assert tracker.prior("x") is not None
 
 
 def test_fit_table_keeps_a_table_that_still_fits():

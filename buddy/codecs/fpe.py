@@ -403,8 +403,9 @@ class Table:
         The last tensor asked about is remembered with its answer (a key's learned statistics change only on the
         steps its tracker counts it, :meth:`buddy.Tracker.counts`, and each step asks whether its table still codes
         them): asked again about the same tensor, unchanged by torch since (its version), it answers at once.
-        Only a refit's decision reads it: a wrong answer would cost ratio, never data."""
-        if isinstance(counts, torch.Tensor):
+        Only a refit's decision reads it: a wrong answer would cost ratio, never data. (An inference tensor has
+        no version: it is not remembered.)"""
+        if isinstance(counts, torch.Tensor) and not counts.is_inference():
             memo = self._slack_memo
             if memo is not None and memo[0] is counts and memo[1] == counts._version:
                 return memo[2]
