@@ -191,6 +191,29 @@ def test_table_fitted_to_a_prior_on_the_gpu(codec, cuda, pinned_store, gen):
     assert torch.equal(measured.measurement.meta.cpu(), want.measurement.meta)
 
 
+@pytest.mark.parametrize("codec", ids("codec", ("fpe", "auto2")))
+def test_a_prior_without_the_count_on_the_gpu(codec, cuda, pinned_store, gen, monkeypatch):
+    """``count=False`` with a prior (a learned key's steps between two counts): no count kernel, no statistics, the
+    same table, sizes and metadata as with the count, in the one read; and a compress of it decodes bit-exact."""
+    t = make_data("relu", 4 * MiB, torch.bfloat16, gen)
+    prior = buddy.measure(t, codec, backend="reference").statistics.double() / 3 + 0.5
+    x = t.to(cuda)
+    ops: list[str] = []
+    launch = bcuda._launch
+    monkeypatch.setattr(bcuda, "_launch", lambda codec, op, *args: ops.append(op) or launch(codec, op, *args))
+    counted = buddy.measure(x, codec, backend="cuda", prior=prior)
+    assert "count" in ops
+    ops.clear()
+    skipped = buddy.measure(x, codec, backend="cuda", prior=prior, count=False)
+    assert "count" not in ops and "measure" in ops
+    assert skipped.statistics is None and counted.statistics is not None
+    assert torch.equal(skipped.table, counted.table) and skipped.histogram == counted.histogram
+    assert torch.equal(skipped.measurement.meta, counted.measurement.meta) and skipped.engine.readbacks == 1
+    bt = buddy.pack(skipped, skipped.histogram.index(max(skipped.histogram)), store=pinned_store)
+    assert_bitexact(bt.decompress(), x)
+    bt.free()
+
+
 @pytest.mark.parametrize("codec", ids("codec", KERNEL_CODECS))
 def test_no_hidden_syncs(codec, cuda, pinned_store, gen):
     """Under torch's sync debug mode nothing waits for the GPU in a compress but the engine's one read, and
