@@ -60,6 +60,7 @@ from buddy import format as bformat
 from buddy.codecs.fpe import FPECodec
 from buddy.engines import cuda as bcuda
 from buddy.engines import native
+from buddy.layout import Layout
 
 pytestmark = pytest.mark.skipif(native.why_unusable() is not None, reason=f"{native.why_unusable()}")
 
@@ -86,6 +87,22 @@ def test_native_writes_and_reads_the_reference_buffers(codec, case, activations,
         torch.set_num_threads(threads)
     one.free()
     want.free()
+
+
+@pytest.mark.parametrize("entry_bytes", [128, 4096, 65536])  # one-byte and two-byte metadata words
+def test_the_overflows_prefix_sum_in_the_library_is_numpys(entry_bytes):
+    """The native engine's prefix sum (one call into its library) against the numpy one, on every slot's edge."""
+    gen = torch.Generator().manual_seed(entry_bytes)
+    engine = native.NativeEngine(buddy.get_codec("auto2"))
+    for n in (1, 3, 1000):
+        layout = Layout(entry_bytes, n * entry_bytes, 4)
+        meta = torch.randint(0, 256, (layout.meta_bytes,), dtype=torch.uint8, generator=gen)
+        for slot in (0, 1, entry_bytes // 64, entry_bytes // 32 - 1, entry_bytes // 32):
+            want = bcuda.CudaEngine._ends(meta, slot, layout)
+            got = engine._ends(meta, slot, layout)
+            assert got.dtype == torch.int64 and torch.equal(got, want), (n, slot)
+    odd = torch.empty(layout.meta_bytes + 1, dtype=torch.uint8)[1:].copy_(meta)  # any byte offset: bytes are read
+    assert torch.equal(engine._ends(odd, 1, layout), bcuda.CudaEngine._ends(meta, 1, layout))
 
 
 def test_pack_writes_the_overflow_where_it_is_kept(store, monkeypatch):
