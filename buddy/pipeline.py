@@ -209,7 +209,8 @@ def _pack(measured: Measured, slot: int, options: _PackOptions) -> BuddyTensor:
     try:
         engine, t = measured.engine, measured.tensor
         # an engine of the host's tensors writes the overflow where it is kept (buddy memory is the host's):
-        # no staging buffer, no copy -- where the host's streams are the synchronous ones (not a test's stand-in)
+        # no staging buffer, no copy -- where the host's streams are the synchronous ones (not a test's stand-in).
+        # `into` is passed only then: an engine a user registered before it existed packs without it
         direct = engine.packs_into_host and streams.for_device(t.device).synchronous
         into = overflow.data if direct and overflow.nbytes else None
         args = (measured.flat, measured.measurement, slot, measured.layout)

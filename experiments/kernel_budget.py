@@ -74,6 +74,7 @@ import numpy as np
 import torch
 
 import buddy
+from buddy.tracker import COUNT_EVERY, COUNT_WARMUP
 from buddy.engines import cuda as bcuda
 from buddy import spec
 
@@ -766,7 +767,7 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
             + ", ".join(f"{v['select_passes']:.1f} of 11 digits ({k}, {v['select_of']} tensors with more than 255 "
                         f"symbols), then ranks the {v['select_few']:.0f} keys left" for k, v in sims.items())
             + " (`select_passes`: the captures' counts, scaled as the fit scales them).", ""]
-    every, warmup = buddy.Tracker().count_every, buddy.Tracker().count_warmup
+    every, warmup = COUNT_EVERY, COUNT_WARMUP
     out += ["Totals for a 256 MiB tensor (kernel times from the estimates above, plus "
             f"{LAUNCH_US:.0f} us a launch and {READBACK_US:.0f} us for a compress's one read back). With a learned "
             f"table the tracker counts a key's symbols at each of its first {warmup} steps, then at one step in "
@@ -1057,7 +1058,7 @@ def main(argv=None) -> str:
             def seconds(op: str) -> float:
                 return n / (by[op]["estimate GB/s"] * 1e9) + LAUNCH_US * 1e-6
 
-            every = buddy.Tracker().count_every
+            every = COUNT_EVERY
             learned = seconds("measure") + seconds("pack") + READBACK_US * 1e-6  # a step the tracker does not count
             totals[name] = {
                 "decompress": n / seconds("unpack") / 1e9,

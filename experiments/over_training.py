@@ -22,6 +22,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import buddy
+from buddy.tracker import COUNT_EVERY, COUNT_WARMUP
 from experiments import cli
 from experiments.analysis import ratio
 from experiments.common import format_table, progress, write_results
@@ -34,19 +35,14 @@ MISS = 0.01  # a prediction "missed" when it is off by more than this fraction o
 
 def track(
     name: str, *, size: str, steps: int, every: int, policy, device: str, seed: int, show: bool,
-    count_every: int | None = None, count_warmup: int | None = None,
+    count_every: int = COUNT_EVERY, count_warmup: int = COUNT_WARMUP,
 ) -> list[dict]:  # fmt: skip
     """Train ``name`` for ``steps`` steps, compressing every ``every``-th; one row per compressed key and step.
-    ``count_every``, ``count_warmup``: the tracker's (default: its defaults)."""
+    ``count_every``, ``count_warmup``: the tracker's."""
     from experiments.workloads import make_run
 
     run = make_run(name, size=size, device=device, seed=seed)
-    defaults = buddy.Tracker()
-    tracker = buddy.Tracker(
-        policy,
-        count_every=defaults.count_every if count_every is None else count_every,
-        count_warmup=defaults.count_warmup if count_warmup is None else count_warmup,
-    )
+    tracker = buddy.Tracker(policy, count_every=count_every, count_warmup=count_warmup)
     store = buddy.BuddyStore(pin=False if device == "cpu" else None)
     min_bytes = run.workload.min_bytes(size)
     rows = []
@@ -163,12 +159,12 @@ def parse_args(argv):
         help="the tracker's policy (default: the tracker's default, OverflowBudget)",
     )
     p.add_argument(
-        "--count-every", type=int, default=None,
-        help="the tracker's count_every: a learned key's symbols counted every n-th step (default: the tracker's, 4)",
+        "--count-every", type=int, default=COUNT_EVERY,
+        help=f"the tracker's count_every: a learned key's symbols counted every n-th step (default {COUNT_EVERY})",
     )  # fmt: skip
     p.add_argument(
-        "--count-warmup", type=int, default=None,
-        help="the tracker's count_warmup: a key's first n steps all counted (default: the tracker's, 32)",
+        "--count-warmup", type=int, default=COUNT_WARMUP,
+        help=f"the tracker's count_warmup: a key's first n steps all counted (default {COUNT_WARMUP})",
     )  # fmt: skip
     cli.add_common_arguments(p, out="results/over_training", device="cpu", plot=True)
     p.add_argument(
@@ -179,7 +175,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.every < 1:
         p.error("--every must be at least 1")
-    if (args.count_every is not None and args.count_every < 1) or (args.count_warmup or 0) < 0:
+    if args.count_every < 1 or args.count_warmup < 0:
         p.error("--count-every must be at least 1, --count-warmup at least 0")
     return args
 
@@ -191,11 +187,8 @@ def main(argv=None) -> list[dict]:
     steps = args.steps or DEFAULT_STEPS[args.size]
     policy = getattr(buddy, args.policy)(args.max_overflow)
     settings = {"size": args.size, "steps": steps, "every": args.every, "seed": args.seed, "policy": str(policy)}
-    defaults = buddy.Tracker()
-    settings.update(  # (part of the settings --resume compares: a run with other counting is not resumed)
-        count_every=defaults.count_every if args.count_every is None else args.count_every,
-        count_warmup=defaults.count_warmup if args.count_warmup is None else args.count_warmup,
-    )
+    # (part of the settings --resume compares: a run with other counting is not resumed)
+    settings.update(count_every=args.count_every, count_warmup=args.count_warmup)
     settings.update(codec=buddy.defaults().codec, entry_bytes=buddy.defaults().entry_bytes)  # what the session uses
 
     def written(rows: list[dict], done: list[str]) -> dict:

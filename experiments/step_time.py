@@ -62,6 +62,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import buddy
+from buddy.tracker import COUNT_WARMUP
 from buddy.autograd import is_parameter
 from experiments import cli
 from experiments.common import choose_backend, format_table, progress
@@ -382,7 +383,7 @@ def measure(
     store = buddy.BuddyStore() if method.startswith("buddy") else None
     # the tracker's count warm-up (every step counts a key's symbols: its first 32 by default) within the warm-up
     # steps: the timed steps are the steady state of a longer run, a learned key counted one step in count_every
-    tracker = buddy.Tracker(count_warmup=min(warmup, buddy.Tracker().count_warmup))
+    tracker = buddy.Tracker(count_warmup=min(warmup, COUNT_WARMUP))
     times, peak, state = [], None, None
 
     def step():
