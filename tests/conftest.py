@@ -570,38 +570,33 @@ _HOST_SOURCE = Path(__file__).resolve().parent / "host" / "codec_host.cpp"
 
 
 @pytest.fixture(scope="session")
-def host_exe(tmp_path_factory):
-    """``host_exe(E)``: tests/host/codec_host.cpp built for entry size E (once per run; skips without g++).
+def host_exe():
+    """``host_exe(E)``: tests/host/codec_host.cpp built for entry size E (skips without g++).
 
     It runs the device codecs of csrc/ on the host under an emulated warp
-    (see tests/test_device_codecs.py).
+    (see tests/test_device_codecs.py). A build takes 20-30 s, so it is cached on disk beside the emulator's, by
+    the hash of the sources, the flags and the compiler (a test run's workers and the next run share it).
     """
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
+    import emulator
+
     built: dict[int, Path] = {}
-    folder = tmp_path_factory.mktemp("codec_host")
 
     def get(entry_bytes: int) -> Path:
         if entry_bytes not in built:
-            exe = folder / f"codec_host_{entry_bytes}"
-            base = [
-                "g++",
-                "-std=c++17",
-                "-O1",
-                "-Wall",
-                "-Wextra",
-                "-Werror",
-                f"-I{_CSRC}",
-                *(f"-D{k}={v}" for k, v in buddy.spec.c_defines(entry_bytes).items()),
-            ]
+            defines = [f"-D{k}={v}" for k, v in buddy.spec.c_defines(entry_bytes).items()]
+            base = ["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{_CSRC}", *defines]
             # undefined behaviour (bad shifts, overflows) aborts when the sanitizer is available
-            sanitized = subprocess.run(
-                [*base, "-fsanitize=undefined", "-fno-sanitize-recover=undefined", str(_HOST_SOURCE), "-o", str(exe)],
-                capture_output=True,
-                text=True,
-            )
-            if sanitized.returncode != 0:
-                subprocess.run([*base, str(_HOST_SOURCE), "-o", str(exe)], check=True)
+            ubsan = ["-fsanitize=undefined", "-fno-sanitize-recover=undefined"]
+            sources = emulator._tree(_CSRC), _HOST_SOURCE.read_bytes()
+            key = emulator._digest(*sources, base, ubsan, emulator._compiler())
+            exe = emulator.cache_dir() / f"codec_host-E{entry_bytes}-{key}"
+            if not exe.exists():
+                try:
+                    emulator._compile([*base, *ubsan, str(_HOST_SOURCE)], exe)
+                except RuntimeError:
+                    emulator._compile([*base, str(_HOST_SOURCE)], exe)
             built[entry_bytes] = exe
         return built[entry_bytes]
 
