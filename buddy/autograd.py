@@ -145,6 +145,10 @@ def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+#: the tensor types whose saves are checked without check_tensor where they are small or a parameter
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_parameter(t: torch.Tensor) -> bool:
     """Whether ``t`` is a parameter, a view of one, or a leaf that requires grad (never compressed)."""
     base = t._base if t._base is not None else t
@@ -617,6 +621,11 @@ class _SavedTensorHooks:
             and t.numel() * t.element_size() < self.min_bytes and not is_parameter(t)
         ):  # fmt: skip
             return "small"  # most saves (an LSTM's thousands): the checks below, which name it so or "unsupported"
+        if (
+            type(t) in _PLAIN and t.layout is torch.strided and not t.is_nested and not t.is_quantized
+            and t.device.type != "meta" and is_parameter(t)
+        ):  # fmt: skip
+            return "parameter"  # a weight (or a view of one) its op saves, an LSTM's at every time step: the same
         try:
             check_tensor(t)
         except UnsupportedTensorError:

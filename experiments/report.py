@@ -539,7 +539,8 @@ def step_cost(files: Sequence[Results]) -> Section | None:
          f"{r['none_cpu_s']:.3f} s",
          f"{r['buddy_cpu_s']:.3f} s", f"**{r['cpu_ratio']:.1f}x**", f"{r['wall_ratio']:.1f}x",
          known(r, "main_ratio", ".2f") + ("x" if r.get("main_ratio") is not None else ""),
-         known(r, "tensors", "d"), known(r, "host_per_tensor_us", ",.0f"), _x(r.get("capacity"))]
+         known(r, "tensors", "d"), known(r, "host_per_tensor_us", ",.0f"), known(r, "calls_share", ".0%"),
+         _x(r.get("capacity"))]
         for r in result.rows()
     ]  # fmt: skip
     steps = result.rows()[0]["steps"] if result.rows() else "?"
@@ -559,11 +560,13 @@ def step_cost(files: Sequence[Results]) -> Section | None:
             "thread's "
             "CPU time's: the step's critical path, which neither other work nor the spin-waits of torch's OpenMP "
             "threads lengthen. Per tensor compressed (each is compressed and decompressed once a step), the wall time "
-            "buddy adds outside its kernels: the host's work, Python and torch operations around the kernels.",
+            "buddy adds outside its kernels: the host's work, Python and torch operations around the kernels; and the "
+            "share of the added wall time spent in buddy's compresses and decompresses (kernels included: the rest is "
+            "outside them -- the hooks' choice of what to take, the model's own operations run slower beside buddy).",
             "",
             _table(["workload", "set", "codec @ E", "backend", "plain step (CPU)", "buddy step (CPU)", "buddy / plain (CPU)",
                     "buddy / plain (wall)", "buddy / plain (main thread)", "tensors compressed",
-                    "host's work a tensor (us)", "capacity"], rows),  # fmt: skip
+                    "host's work a tensor (us)", "added time in buddy's calls", "capacity"], rows),  # fmt: skip
             "",
             _sources([result]),
         ]

@@ -56,6 +56,7 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int, learn: 
         run.step(loss)
     seconds: dict[str, list[tuple[float, float, float]]] = {m: [] for m in METHODS}  # CPU, wall, main thread's CPU
     kernels: list[dict[str, float]] = []  # per timed buddy step: its native launches' wall seconds, by operation
+    calls: list[float] = []  # per timed buddy step: the wall seconds of its compresses and decompresses (the session's)
     capacity, tensors = None, 0
     for i in range(warmup + steps):
         for method in METHODS:  # alternating, so that a slow stretch of the machine hits both alike
@@ -73,6 +74,8 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int, learn: 
                 if i >= warmup:
                     after = native.kernel_seconds()
                     kernels.append({op: t - before.get(op, 0.0) for op, t in after.items()})
+                    done = s.stats()
+                    calls.append(done.compress_seconds + done.decompress_seconds)
     cpus = {m: statistics.median(c for c, _, _ in seconds[m]) for m in METHODS}
     walls = {m: statistics.median(w for _, w, _ in seconds[m]) for m in METHODS}
     mains = {m: statistics.median(t for _, _, t in seconds[m]) for m in METHODS}
@@ -105,6 +108,10 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int, learn: 
             op: statistics.median(k.get(op, 0.0) for k in kernels) for op in sorted(set().union(*kernels))
         },
         "host_s": walls["buddy"] - walls["none"] - in_kernels,
+        # of the wall time buddy adds, what its compresses and decompresses took (kernels included; the rest is
+        # outside them: the hooks' choice of what to take, and the model's own operations run slower beside buddy)
+        "calls_s": statistics.median(calls),
+        "calls_share": statistics.median(calls) / added if (added := walls["buddy"] - walls["none"]) > 0 else None,
         "host_per_tensor_us": (walls["buddy"] - walls["none"] - in_kernels) / max(tensors, 1) * 1e6,
         "capacity": capacity,
     }
@@ -122,6 +129,7 @@ COLUMNS = [
     ("host_s", "host's work (wall s)", ".3f"),
     ("tensors", "tensors compressed", "d"),
     ("host_per_tensor_us", "host's work a tensor (us)", ".0f"),
+    ("calls_share", "added wall time in buddy's calls", ".0%"),
     ("capacity", "capacity", ".2f"),
 ]
 

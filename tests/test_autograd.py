@@ -173,7 +173,35 @@ def test_parameters_and_small_tensors_are_not_compressed(tracker, store):
     y.backward()
 
 
-def test_exclude_module_buffers(tracker, store):
+def test_a_saved_weight_is_skipped_as_the_full_checks_skip_it(tracker, store, monkeypatch):
+    """A weight, or a view of one, an op saves is named a parameter without check_tensor (_PLAIN): the same reason,
+    and the same counts, as the full checks give -- for a large and a small weight, an LSTM's and a linear's."""
+    from buddy import autograd as ag
+
+    torch.manual_seed(0)
+    lin, lstm = nn.Linear(1024, 1024), nn.LSTM(16, 16)
+    x, seq = torch.randn(64, 1024), torch.randn(5, 2, 16)
+    seen: list[str | None] = []
+    checked = []
+    skip, check = ag._SavedTensorHooks._skip_reason, ag.check_tensor
+    monkeypatch.setattr(ag._SavedTensorHooks, "_skip_reason", lambda self, t: seen.append(skip(self, t)) or seen[-1])
+    monkeypatch.setattr(ag, "check_tensor", lambda t: checked.append(t) or check(t))
+
+    def run():
+        seen.clear()
+        checked.clear()
+        with buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN) as s:
+            y = torch.tanh(lin(x)).sum() + lstm(seq)[0].sum()
+        y.backward()
+        st = s.stats()
+        return list(seen), (st.saves, st.skipped, st.skipped_bytes, st.kept_bytes, len(st.rows)), len(checked)
+
+    *fast, fast_checks = run()
+    monkeypatch.setattr(ag, "_PLAIN", ())  # every save through check_tensor, as before the fast path
+    *full, full_checks = run()
+    assert fast == full
+    assert fast[0].count("parameter") >= 3  # lin.weight (a transposed view), lstm's weights
+    assert full_checks - fast_checks == fast[0].count("parameter")  # none of them went through check_tensor
     buf = torch.randn(256, 1024)
     holder = nn.Module()
     holder.register_buffer("table", buf)

@@ -165,6 +165,10 @@ def test_step_cost_tiny(tmp_path):
     assert row["kernels_s"] == pytest.approx(sum(row["kernels_by_op_s"].values()))
     assert (row["kernels_s"] > 0) == (row["backend"] == "native")
     assert row["host_s"] == pytest.approx(row["buddy_wall_s"] - row["none_wall_s"] - row["kernels_s"])
+    # the session's compresses and decompresses: at least their kernels, within the buddy step's wall time
+    assert row["kernels_s"] <= row["calls_s"] <= row["buddy_wall_s"]
+    added = row["buddy_wall_s"] - row["none_wall_s"]
+    assert row["calls_share"] == (pytest.approx(row["calls_s"] / added) if added > 0 else None)
     # the main thread's CPU time: at most the process's; per tensor the host's work of the tensors the step compressed
     for kind in ("buddy", "none"):  # (the two clocks are read one after the other: a few microseconds apart)
         assert 0 < row[f"{kind}_main_s"] <= row[f"{kind}_cpu_s"] + 1e-3
