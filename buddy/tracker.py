@@ -583,6 +583,11 @@ class KeyHistory(LaidOut):
         return self.statistics
 
     @property
+    def has_learned(self) -> bool:
+        """Whether statistics have been learned, or are on their way (a GPU step's, not yet landed)."""
+        return self.statistics is not None or bool(self._pending)
+
+    @property
     def last_slot(self) -> int | None:
         return self.observations[-1].slot if self.observations else None
 
@@ -715,7 +720,7 @@ class Tracker:
         than :attr:`count_every` steps ago."""
         with self._lock:
             hist = self._keys.get(key)
-            if hist is None or (hist.statistics is None and not hist._pending) or hist.steps < self.count_warmup:
+            if hist is None or not hist.has_learned or hist.steps < self.count_warmup:
                 return True
             return hist.uncounted + 1 >= self.count_every
 

@@ -129,6 +129,12 @@ class Engine(abc.ABC):
     #: given: an engine whose tensors live on the host writes its overflow once, where it is kept
     packs_into_host = False
 
+    def _refuse_into(self, into: torch.Tensor | None, where: str) -> None:
+        """``ValueError`` for an ``into`` given to an engine that writes its overflow ``where`` it does (one that
+        does not :attr:`packs_into_host`)."""
+        if into is not None and not self.packs_into_host:
+            raise ValueError(f"{self!r} writes its overflow {where}: it takes no `into`")
+
     @abc.abstractmethod
     def pack(
         self, flat: torch.Tensor, measured: Measurement, slot: int, layout: Layout, into: torch.Tensor | None = None

@@ -974,8 +974,7 @@ class CudaEngine(Engine):
         data, tail = measured.reuse or self._entries(flat, layout)
         spilled = layout.overflow_bytes(measured.histogram, slot)  # known on the host: no read
         slots = torch.empty(layout.slots_bytes(slot), dtype=torch.uint8, device=flat.device)
-        if into is not None and not self.packs_into_host:
-            raise ValueError(f"{self!r} writes its overflow on {flat.device}: it takes no `into`")
+        self._refuse_into(into, f"on {flat.device}")
         overflow = torch.empty(spilled, dtype=torch.uint8, device=flat.device) if into is None else into
         if layout.n_entries:
             ends = self._ends(measured.meta, slot, layout)

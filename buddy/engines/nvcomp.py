@@ -371,8 +371,7 @@ class NvcompEngine(Engine):
         return torch.where(k == spe, format.entry_rows(flat, a, b, entry_bytes), payload)
 
     def pack(self, flat, measured, slot, layout, into=None):
-        if into is not None:
-            raise ValueError(f"{self!r} writes its overflow where the tensor is: it takes no `into`")
+        self._refuse_into(into, "where the tensor is")
         self._check(flat, layout)
         n, slot_bytes = layout.n_entries, slot * spec.SECTOR_BYTES
         spilled = layout.overflow_bytes(measured.histogram, slot)  # known on the host: no read

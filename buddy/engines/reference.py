@@ -67,8 +67,7 @@ class BlockEngine(Engine):
         return Measurement(meta, tuple(histogram.tolist()), reuse)
 
     def pack(self, flat, measured, slot, layout, into=None):
-        if into is not None:
-            raise ValueError(f"{self!r} writes its overflow where the tensor is: it takes no `into`")
+        self._refuse_into(into, "where the tensor is")
         mb, e, slot_bytes = layout.entry_meta_bytes, layout.entry_bytes, slot * spec.SECTOR_BYTES
         slots = torch.empty(layout.slots_bytes(slot), dtype=torch.uint8, device=flat.device)
         pieces = []
