@@ -151,8 +151,13 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def is_parameter(t: torch.Tensor) -> bool:
     """Whether ``t`` is a parameter, a view of one, or a leaf that requires grad (never compressed)."""
-    base = t._base if t._base is not None else t
-    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+    base = t._base
+    base = t if base is None else base
+    if base.is_leaf and base.requires_grad:
+        return True
+    if type(base) is torch.Tensor:  # what isinstance(base, Parameter) says of a plain tensor (torch's _ParameterMeta:
+        return bool(getattr(base, "_is_param", False))  # its _is_param flag), without the metaclass's Python call
+    return isinstance(base, torch.nn.Parameter)
 
 
 def _tensor_key(t: torch.Tensor) -> str:

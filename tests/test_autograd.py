@@ -173,6 +173,32 @@ def test_parameters_and_small_tensors_are_not_compressed(tracker, store):
     y.backward()
 
 
+def test_is_parameter_says_what_isinstance_of_parameter_says():
+    """is_parameter reads a plain tensor's _is_param flag where isinstance(t, Parameter) would run torch's metaclass
+    in Python: the same answer for parameters, their views, leaves with and without grad, activations, flagged
+    tensors and a parameter subclass."""
+    from buddy.autograd import is_parameter
+
+    def reference(t):  # the definition before
+        base = t._base if t._base is not None else t
+        return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+    p, frozen = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4), requires_grad=False)
+    flagged = torch.randn(3)
+    flagged._is_param = True  # what torch marks a parameter of a tensor subclass with
+    leaf = torch.randn(4, requires_grad=True)
+
+    class Sub(nn.Parameter):
+        pass
+
+    sub = Sub(torch.randn(2), requires_grad=False)
+    cases = [p, p.t(), p[1:], frozen, frozen.view(2, 2), flagged, flagged[:2], leaf, leaf[:2], torch.randn(4),
+             torch.tanh(leaf), torch.tanh(leaf).t(), (p @ p)[0], sub, sub[:1]]  # fmt: skip
+    got = [is_parameter(t) for t in cases]
+    assert got == [reference(t) for t in cases]
+    assert got.count(True) == 11  # (the activations and a plain tensor are not)
+
+
 def test_a_saved_weight_is_skipped_as_the_full_checks_skip_it(tracker, store, monkeypatch):
     """A weight, or a view of one, an op saves is named a parameter without check_tensor (_PLAIN): the same reason,
     and the same counts, as the full checks give -- for a large and a small weight, an LSTM's and a linear's."""
