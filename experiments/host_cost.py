@@ -9,7 +9,8 @@ histories those steps left, timed alone. On a GPU (``--device cuda``) the same n
 of a training step's overhead. With fewer warm-up steps than the tracker's count warm-up
 (:attr:`buddy.Tracker.count_warmup`, 32), every timed compress also counts its tensor's symbols, which a learned
 key's does one step in four after it: the compress figure is the warm-up's, an upper bound of the steady state's
-(``--warmup 40`` times the steady state).
+(``--warmup 40`` times the steady state). Last, what a save costs that buddy does not take (most of an LSTM's:
+small ones, and weights), against autograd's own cost of Python hooks (:func:`skipped_saves`).
 
     python -m experiments.host_cost                              # 32, 128 and 256 tensors a step, on the CPU
     python -m experiments.host_cost --tensors 64 --numel 65536
@@ -18,9 +19,11 @@ key's does one step in four after it: the compress figure is the warm-up's, an u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
@@ -91,6 +94,50 @@ def measure(n: int, *, numel: int, steps: int, warmup: int, device: str, seed: i
     }
 
 
+def skipped_saves(saves: int, *, repeats: int, device: str) -> dict:
+    """What a save costs that buddy does not take: ``saves`` tanh links of 64 values (each saves its output, small),
+    timed alternately without hooks, with hooks that return the tensor or detach it (autograd's own cost of Python
+    hooks), and inside ``buddy.compressed_activations()`` disabled and enabled; medians of ``repeats``, per save,
+    above the step without hooks (microseconds)."""
+    x0 = torch.randn(64, device=device, requires_grad=True)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def chain(context) -> float:
+        began = time.perf_counter()
+        with context:
+            x = x0
+            for _ in range(saves):
+                x = torch.tanh(x)
+            loss = x.sum()
+        loss.backward()
+        sync()
+        return time.perf_counter() - began
+
+    kinds: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+        "none": contextlib.nullcontext,
+        "identity_hooks": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        "detach_hooks": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t),
+        "buddy_disabled": lambda: buddy.compressed_activations(enabled=False),
+        "buddy_small": lambda: buddy.compressed_activations(),  # every save below min_bytes: none taken
+    }
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for i in range(repeats + 1):  # the first round warms up
+        for kind, make in kinds.items():
+            took = chain(make())
+            if i:
+                times[kind].append(took)
+    base = statistics.median(times["none"])
+    return {f"{k}_us": (statistics.median(v) - base) / saves * 1e6 for k, v in times.items() if k != "none"}
+
+
+SKIPPED_COLUMNS = [
+    ("identity_hooks_us", "hooks returning it (us)", ".2f"),
+    ("detach_hooks_us", "hooks detaching it (us)", ".2f"),
+    ("buddy_disabled_us", "buddy, disabled (us)", ".2f"),
+    ("buddy_small_us", "buddy, a small save (us)", ".2f"),
+]
+
+
 COLUMNS = [
     ("tensors", "tensors compressed a step", "d"),
     ("plain_step_s", "plain step (s)", ".4f"),
@@ -108,10 +155,11 @@ def parse_args(argv):
     p.add_argument("--numel", type=int, default=4096, help="float32 values of each (4096: 16 KiB, 4 entries)")
     p.add_argument("--steps", type=int, default=5, help="timed steps of each kind")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each kind first (the tracker learns)")
+    p.add_argument("--saves", type=int, default=2000, help="small saves a step of the skipped-save timing")
     cli.add_common_arguments(p, out="results/host_cost", device="cpu")
     args = p.parse_args(argv)
-    if min(args.tensors) < 1 or args.numel < 1 or args.steps < 1 or args.warmup < 0:
-        p.error("--tensors, --numel and --steps must be at least 1, --warmup at least 0")
+    if min(args.tensors) < 1 or args.numel < 1 or args.steps < 1 or args.saves < 1 or args.warmup < 0:
+        p.error("--tensors, --numel, --steps and --saves must be at least 1, --warmup at least 0")
     return args
 
 
@@ -124,7 +172,11 @@ def main(argv=None) -> list[dict]:
     print(f"\nbuddy's host work per tensor ({args.numel} float32 values each, {buddy.defaults().codec}, the "
           f"tracker's default policy, {args.device}); medians of {args.steps} steps")  # fmt: skip
     print(format_table(rows, COLUMNS))
-    cli.finish(args, header, rows, mention_csv=False, experiment="host_cost")
+    skipped = skipped_saves(args.saves, repeats=max(args.steps, 3), device=args.device)
+    print(f"\nA save buddy does not take ({args.saves} tanh saves of 64 values a step), over the step without hooks, "
+          "per save:")  # fmt: skip
+    print(format_table([skipped], SKIPPED_COLUMNS))
+    cli.finish(args, header, rows, mention_csv=False, experiment="host_cost", skipped_saves=skipped)
     return rows
 
 

@@ -180,7 +180,7 @@ def test_step_cost_tiny(tmp_path):
 def test_host_cost_tiny(tmp_path):
     from experiments import host_cost
 
-    args = ["--tensors", "3", "6", "--numel", "2048", "--steps", "1", "--warmup", "1", "--no-progress"]
+    args = ["--tensors", "3", "6", "--numel", "2048", "--steps", "1", "--warmup", "1", "--saves", "20", "--no-progress"]
     rows = host_cost.main([*args, "--out", str(tmp_path)])
     assert [r["tensors_asked"] for r in rows] == [3, 6]
     for row in rows:
@@ -191,7 +191,11 @@ def test_host_cost_tiny(tmp_path):
         assert row["decompress_us"] > 0 and row["plan_ms"] > 0
         added = (row["buddy_step_s"] - row["plain_step_s"]) / row["tensors"] * 1e6
         assert row["added_per_tensor_us"] == pytest.approx(added)
-    assert json.loads((tmp_path / "results.json").read_text())["experiment"] == "host_cost"
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["experiment"] == "host_cost"
+    # a save buddy does not take: every kind timed, per save over the step without hooks
+    kinds = {"identity_hooks_us", "detach_hooks_us", "buddy_disabled_us", "buddy_small_us"}
+    assert set(saved["skipped_saves"]) == kinds
 
 
 def test_report_keeps_what_no_file_holds_and_says_where_each_date_comes_from(tmp_path):
