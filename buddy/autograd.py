@@ -621,16 +621,15 @@ class _SavedTensorHooks:
     def _skip_reason(self, t: torch.Tensor) -> str | None:
         if not self.enabled:
             return "disabled"
-        if (
-            type(t) is torch.Tensor and t.layout is torch.strided and not t.is_nested and not self._excluded
-            and t.numel() * t.element_size() < self.min_bytes and not is_parameter(t)
-        ):  # fmt: skip
-            return "small"  # most saves (an LSTM's thousands): the checks below, which name it so or "unsupported"
-        if (
-            type(t) in _PLAIN and t.layout is torch.strided and not t.is_nested and not t.is_quantized
-            and t.device.type != "meta" and is_parameter(t)
-        ):  # fmt: skip
-            return "parameter"  # a weight (or a view of one) its op saves, an LSTM's at every time step: the same
+        if type(t) in _PLAIN and t.layout is torch.strided and not t.is_nested:  # most saves: without check_tensor
+            parameter = is_parameter(t)
+            if (
+                not parameter and type(t) is torch.Tensor and not self._excluded
+                and t.numel() * t.element_size() < self.min_bytes
+            ):  # fmt: skip
+                return "small"  # an LSTM's thousands: the checks below, which name it so or "unsupported"
+            if parameter and not t.is_quantized and t.device.type != "meta":
+                return "parameter"  # a weight (or a view of one) its op saves, an LSTM's at every time step: the same
         try:
             check_tensor(t)
         except UnsupportedTensorError:

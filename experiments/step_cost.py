@@ -69,12 +69,12 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int, learn: 
             if i >= warmup:
                 seconds[method].append((cpu, wall, main))
             if method == "buddy":
-                capacity = s.stats().effective_capacity
-                tensors = sum(r.codec != "kept" for r in s.stats().rows)
+                done = s.stats()
+                capacity = done.effective_capacity
+                tensors = sum(r.codec != "kept" for r in done.rows)
                 if i >= warmup:
                     after = native.kernel_seconds()
                     kernels.append({op: t - before.get(op, 0.0) for op, t in after.items()})
-                    done = s.stats()
                     calls.append(done.compress_seconds + done.decompress_seconds)
     cpus = {m: statistics.median(c for c, _, _ in seconds[m]) for m in METHODS}
     walls = {m: statistics.median(w for _, w, _ in seconds[m]) for m in METHODS}

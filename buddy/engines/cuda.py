@@ -971,10 +971,10 @@ class CudaEngine(Engine):
         return counts
 
     def pack(self, flat, measured, slot, layout, into=None):
+        self._refuse_into(into, f"on {flat.device}")
         data, tail = measured.reuse or self._entries(flat, layout)
         spilled = layout.overflow_bytes(measured.histogram, slot)  # known on the host: no read
         slots = torch.empty(layout.slots_bytes(slot), dtype=torch.uint8, device=flat.device)
-        self._refuse_into(into, f"on {flat.device}")
         overflow = torch.empty(spilled, dtype=torch.uint8, device=flat.device) if into is None else into
         if layout.n_entries:
             ends = self._ends(measured.meta, slot, layout)
