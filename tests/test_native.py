@@ -497,6 +497,61 @@ def test_hostile_fpe_streams_among_others_flag_like_the_reference(word, at):
     assert seen >= 8
 
 
+def _fpx_rows_decoded(payload: torch.Tensor, k: torch.Tensor, word: int, e: int, backend: str) -> list:
+    """Each row of ``payload`` (k[i] sectors of an fpx entry) unpacked alone by ``backend``: its words, or ``None``
+    where it raises CorruptDataError. Rows of k = E/32 sectors (raw entries) are left out (``...``)."""
+    raw = e // spec.SECTOR_BYTES
+    dtype = {2: torch.bfloat16, 4: torch.float32}[word]
+    out: list = []
+    for row, ki in zip(payload, k.tolist()):
+        if ki >= raw:
+            out.append(...)
+            continue
+        row = row.clone()
+        row[ki * spec.SECTOR_BYTES :] = 0  # (a slot's bytes past k sectors are zero, or the tensor is damaged)
+        meta = bformat.encode_meta(torch.tensor([ki], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), e)
+        try:
+            out.append(buddy.unpack(meta, row[: (raw - 1) * spec.SECTOR_BYTES], torch.zeros(0, dtype=torch.uint8),
+                                    codec="fpx", entry_bytes=e, slot_sectors=raw - 1, shape=(e // word,),
+                                    dtype=dtype, backend=backend))  # fmt: skip
+        except buddy.CorruptDataError:
+            out.append(None)
+    return out
+
+
+@pytest.mark.parametrize("word", ids("word", [2, 4]))
+def test_fpx_streams_of_every_kind_decode_like_the_reference(word):
+    """fpx's hand-made entries (every code width in both zmodes, escapes, streams at a sector's edge, ties) through
+    the native engine's one-lane build: the reference's bytes; and damaged streams of each kind the reference
+    rejects, decoded one entry at a time: the words the reference decodes, or a raise where it raises."""
+    from test_device_codecs import fpx_boundary_entries, fpx_crafted_entries, fpx_damaged_cases, fpx_tie_entries
+
+    raised = decoded = 0
+    for e in (128, 4096):
+        g = torch.Generator().manual_seed(11 * e + word)
+        entries = torch.cat([f(word, e, g) for f in (fpx_crafted_entries, fpx_boundary_entries, fpx_tie_entries)])
+        dtype = {2: torch.bfloat16, 4: torch.float32}[word]
+        t = entries.reshape(-1).view(dtype)
+        store = buddy.BuddyStore()
+        got = buddy.compress(t, 1.0, "fpx", entry_bytes=e, backend="native", store=store)
+        want = buddy.compress(t, 1.0, "fpx", entry_bytes=e, backend="reference", store=store)
+        _same_buffers(got, want)
+        assert_bitexact(got.decompress(backend="native"), t)
+        payload, k = fpx_damaged_cases(word, e, g)
+        for i, (a, b) in enumerate(zip(_fpx_rows_decoded(payload, k, word, e, "native"),
+                                       _fpx_rows_decoded(payload, k, word, e, "reference"))):  # fmt: skip
+            if b is None:
+                assert a is None, f"E={e} row {i}: the reference raises, the native engine decodes"
+                raised += 1
+            elif b is not ...:
+                assert a is not None, f"E={e} row {i}: the native engine raises, the reference decodes"
+                assert_bitexact(a, b)
+                decoded += 1
+        got.free()
+        want.free()
+    assert raised >= 8 and decoded >= 8, (raised, decoded)
+
+
 @pytest.mark.skipif(
     sys.platform != "linux" or "OpenMP" not in torch.__config__.parallel_info(), reason="torch built with OpenMP"
 )
