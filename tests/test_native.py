@@ -449,13 +449,15 @@ def test_a_build_without_avx512_writes_the_same_bytes(codec, activations, monkey
 
 @pytest.mark.parametrize("word", ids("word", [2, 4]))
 @pytest.mark.parametrize("at", ids("at", [0, 1, 6, 8, 16]))
-def test_hostile_fpe_streams_among_others_flag_like_the_reference(word, at):
+@pytest.mark.parametrize("gap", ids("gap", [False, True]))
+def test_hostile_fpe_streams_among_others_flag_like_the_reference(word, at, gap):
     """The hand-made streams of the split layout (test_device_codecs: escapes of coded symbols, codes a table lacks,
     wrong lengths, a bit set between the codes and the tails), each at entry ``at`` of 17 entries of a valid stream,
     cut at their k sectors: the native engine raises where the reference does, else decodes its words. The walk
-    table is made (blocks of 8 and 9 entries), and on a host with AVX-512 the entries are decoded two at a time, the
-    walks of a pair's two entries in one loop: the damaged one first or second of its pair, or (8, the last of a
-    block of 9) alone."""
+    table is made (blocks of 8 and 9 entries), and on a host with AVX-512 the entries of the split layout are decoded
+    two at a time, the walks of a pair's two entries in one loop: the damaged one first or second of its pair, or (8,
+    the last of a block of 9) alone; with a ``gap``, the entry after the damaged one is a zero entry (k = 0), which
+    does not decode in a pair: the damaged one then decodes alone or second of its pair."""
     from test_device_codecs import fpe_hostile_streams
 
     e, n = 128, 17
@@ -473,6 +475,8 @@ def test_hostile_fpe_streams_among_others_flag_like_the_reference(word, at):
             rows, ks = [], []
             for i in range(n):
                 b, ki = (bits, k) if i == at else (filler[2], filler[3])
+                if gap and i == at + 1:
+                    b, ki = "", 0  # a zero entry: no payload
                 row = torch.tensor(stream_bytes(b, e), dtype=torch.uint8)
                 row[ki * spec.SECTOR_BYTES :] = 0  # (a slot's bytes past k sectors are zero, or the tensor is damaged)
                 rows.append(row[: (raw - 1) * spec.SECTOR_BYTES])
