@@ -501,13 +501,17 @@ def test_hostile_fpe_streams_among_others_flag_like_the_reference(word, at, gap)
     assert seen >= 8
 
 
-def _fpx_rows_decoded(payload: torch.Tensor, k: torch.Tensor, word: int, e: int, backend: str) -> list:
-    """Each row of ``payload`` (k[i] sectors of an fpx entry) unpacked alone by ``backend``: its words, or ``None``
-    where it raises CorruptDataError. Rows of k = E/32 sectors (raw entries) are left out (``...``)."""
+#: a dtype of each word size, for unpacking streams made by hand
+_DTYPE_OF_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _rows_decoded(codec: str, payload: torch.Tensor, k, word: int, e: int, backend: str) -> list:
+    """Each row of ``payload`` (k[i] sectors of a ``codec`` entry, mode 0) unpacked alone by ``backend``: its
+    words, or ``None`` where it raises CorruptDataError. Rows of k = E/32 sectors (raw entries) are left out
+    (``...``)."""
     raw = e // spec.SECTOR_BYTES
-    dtype = {2: torch.bfloat16, 4: torch.float32}[word]
     out: list = []
-    for row, ki in zip(payload, k.tolist()):
+    for row, ki in zip(payload, [int(x) for x in k]):
         if ki >= raw:
             out.append(...)
             continue
@@ -516,14 +520,29 @@ def _fpx_rows_decoded(payload: torch.Tensor, k: torch.Tensor, word: int, e: int,
         meta = bformat.encode_meta(torch.tensor([ki], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), e)
         try:
             out.append(buddy.unpack(meta, row[: (raw - 1) * spec.SECTOR_BYTES], torch.zeros(0, dtype=torch.uint8),
-                                    codec="fpx", entry_bytes=e, slot_sectors=raw - 1, shape=(e // word,),
-                                    dtype=dtype, backend=backend))  # fmt: skip
+                                    codec=codec, entry_bytes=e, slot_sectors=raw - 1, shape=(e // word,),
+                                    dtype=_DTYPE_OF_WORD[word], backend=backend))  # fmt: skip
         except buddy.CorruptDataError:
             out.append(None)
     return out
 
 
-@pytest.mark.parametrize("word", ids("word", [2, 4]))
+def _decode_like_the_reference(codec: str, payload: torch.Tensor, k, word: int, e: int) -> tuple[int, int]:
+    """The native engine's words or raise for each row, against the reference's; (rows raised, rows decoded)."""
+    raised = decoded = 0
+    native, reference = (_rows_decoded(codec, payload, k, word, e, b) for b in ("native", "reference"))
+    for i, (got, want) in enumerate(zip(native, reference)):
+        if want is None:
+            assert got is None, f"E={e} row {i}: the reference raises, the native engine decodes"
+            raised += 1
+        elif want is not ...:
+            assert got is not None, f"E={e} row {i}: the native engine raises, the reference decodes"
+            assert_bitexact(got, want)
+            decoded += 1
+    return raised, decoded
+
+
+@pytest.mark.parametrize("word", ids("word", [1, 2, 4, 8]))
 def test_fpx_streams_of_every_kind_decode_like_the_reference(word):
     """fpx's hand-made entries (every code width in both zmodes, escapes, streams at a sector's edge, ties) through
     the native engine's one-lane build: the reference's bytes; and damaged streams of each kind the reference
@@ -534,26 +553,35 @@ def test_fpx_streams_of_every_kind_decode_like_the_reference(word):
     for e in (128, 4096):
         g = torch.Generator().manual_seed(11 * e + word)
         entries = torch.cat([f(word, e, g) for f in (fpx_crafted_entries, fpx_boundary_entries, fpx_tie_entries)])
-        dtype = {2: torch.bfloat16, 4: torch.float32}[word]
-        t = entries.reshape(-1).view(dtype)
+        t = entries.reshape(-1).view({1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[word])
         store = buddy.BuddyStore()
         got = buddy.compress(t, 1.0, "fpx", entry_bytes=e, backend="native", store=store)
         want = buddy.compress(t, 1.0, "fpx", entry_bytes=e, backend="reference", store=store)
         _same_buffers(got, want)
         assert_bitexact(got.decompress(backend="native"), t)
         payload, k = fpx_damaged_cases(word, e, g)
-        for i, (a, b) in enumerate(zip(_fpx_rows_decoded(payload, k, word, e, "native"),
-                                       _fpx_rows_decoded(payload, k, word, e, "reference"))):  # fmt: skip
-            if b is None:
-                assert a is None, f"E={e} row {i}: the reference raises, the native engine decodes"
-                raised += 1
-            elif b is not ...:
-                assert a is not None, f"E={e} row {i}: the native engine raises, the reference decodes"
-                assert_bitexact(a, b)
-                decoded += 1
+        r, d = _decode_like_the_reference("fpx", payload, k, word, e)
+        raised, decoded = raised + r, decoded + d
         got.free()
         want.free()
     assert raised >= 8 and decoded >= 8, (raised, decoded)
+
+
+@pytest.mark.parametrize("word", ids("word", [1, 2, 4, 8]))
+def test_bpc_hostile_streams_decode_like_the_reference(word):
+    """bpc's hand-made streams (test_device_codecs: runs, raw planes, positions and pairs at the planes' edges,
+    DBP-zero codes where they may and may not stand, wrong lengths, a bit set after the stream), decoded one entry
+    at a time by the native engine's one-lane decoder (its own walk and checks): the reference's words, or a raise
+    where it raises."""
+    from test_device_codecs import bpc_hostile_streams
+
+    raised = decoded = 0
+    for e in (128, 512):
+        cases = bpc_hostile_streams(e, word)
+        payload = torch.stack([torch.tensor(stream_bytes(bits, e), dtype=torch.uint8) for _, bits, _, _ in cases])
+        r, d = _decode_like_the_reference("bpc", payload, [k for _, _, k, _ in cases], word, e)
+        raised, decoded = raised + r, decoded + d
+    assert raised >= 16 and decoded >= 12, (raised, decoded)
 
 
 @pytest.mark.skipif(
