@@ -569,14 +569,23 @@ def test_fpx_streams_of_every_kind_decode_like_the_reference(word):
 
 @pytest.mark.parametrize("word", ids("word", [1, 2, 4, 8]))
 def test_bpc_hostile_streams_decode_like_the_reference(word):
-    """bpc's hand-made streams (test_device_codecs: runs, raw planes, positions and pairs at the planes' edges,
-    DBP-zero codes where they may and may not stand, wrong lengths, a bit set after the stream), decoded one entry
-    at a time by the native engine's one-lane decoder (its own walk and checks): the reference's words, or a raise
-    where it raises."""
-    from test_device_codecs import bpc_hostile_streams
+    """bpc's entries built plane by plane (every plane code) through the native engine's one-lane build: the
+    reference's bytes; and its hand-made streams (test_device_codecs: runs, raw planes, positions and pairs at the
+    planes' edges, DBP-zero codes where they may and may not stand, wrong lengths, a bit set after the stream),
+    decoded one entry at a time by the one-lane decoder (its own walk and checks): the reference's words, or a
+    raise where it raises."""
+    from test_device_codecs import bpc_hostile_streams, bpc_plane_entries
 
     raised = decoded = 0
     for e in (128, 512):
+        t = bpc_plane_entries(word, e, 24, torch.Generator().manual_seed(e + word)).reshape(-1)
+        store = buddy.BuddyStore()
+        got = buddy.compress(t, 1.0, "bpc", entry_bytes=e, backend="native", store=store)
+        want = buddy.compress(t, 1.0, "bpc", entry_bytes=e, backend="reference", store=store)
+        _same_buffers(got, want)
+        assert_bitexact(got.decompress(backend="native"), t)
+        got.free()
+        want.free()
         cases = bpc_hostile_streams(e, word)
         payload = torch.stack([torch.tensor(stream_bytes(bits, e), dtype=torch.uint8) for _, bits, _, _ in cases])
         r, d = _decode_like_the_reference("bpc", payload, [k for _, _, k, _ in cases], word, e)
