@@ -567,6 +567,26 @@ def test_fpx_streams_of_every_kind_decode_like_the_reference(word):
     assert raised >= 8 and decoded >= 8, (raised, decoded)
 
 
+@pytest.mark.parametrize("word", ids("word", [1, 2, 4]))
+def test_fpe_tables_of_every_shape(word, activations, store):
+    """fpe with tables of every shape (test_device_codecs: with and without ZERO, 12-bit codes, the most symbols
+    coded, an incomplete code, ESC alone, table format 1) through the native engine's one-lane build: the
+    reference's histogram, metadata and buffers, and its words back."""
+    from test_device_codecs import fpe_tables
+
+    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}[word]
+    t = activations["f32"][:40_000].to(dtype) if word > 1 else activations["f32"][:40_000].view(torch.uint8)
+    for name, table in fpe_tables(word, t.view(torch.uint8)).items():
+        for e in (128, 4096):
+            got = buddy.compress(t, 1.5, FPECodec(table), entry_bytes=e, backend="native", store=store)
+            want = buddy.compress(t, 1.5, FPECodec(table), entry_bytes=e, backend="reference", store=store)
+            assert got.backend == "native", name
+            _same_buffers(got, want)
+            assert_bitexact(got.decompress(), t)
+            got.free()
+            want.free()
+
+
 @pytest.mark.parametrize("word", ids("word", [1, 2, 4, 8]))
 def test_bpc_hostile_streams_decode_like_the_reference(word):
     """bpc's entries built plane by plane (every plane code) through the native engine's one-lane build: the
