@@ -574,9 +574,37 @@ def step_cost(files: Sequence[Results]) -> Section | None:
     return Section("step_cost", "Training step cost on the CPU", body)
 
 
+def _cpu_engines_result(files: Sequence[Results]) -> Results | None:
+    """The latest bench_codecs run that timed buddy's CPU engines by name (``codec@backend`` methods)."""
+    return _latest(files, lambda r: r.experiment == "bench_codecs" and any("@" in x["method"] for x in r.rows()))
+
+
+def _engine_speed(result: Results) -> str:
+    """The README's line on the CPU speed: the default codec's native engine per tensor, lz4's and zstd-3's."""
+    codec = buddy.defaults().codec
+    spans = {}
+    for method in (f"buddy:{codec}@native", "lz4", "zstd-3"):
+        rows = [r for r in result.rows() if r["method"] == method]
+        if rows:
+            spans[method] = tuple(
+                f"{min(r[k] for r in rows):.2f}-{max(r[k] for r in rows):.2f}" for k in ("comp_gbps", "decomp_gbps")
+            )
+    mine = spans.get(f"buddy:{codec}@native")
+    if mine is None:
+        return f"(the CPU engines' run of {result.date[:10]} did not time `{codec}`'s native engine)"
+    others = "; ".join(f"{m}: {c} / {d}" for m, (c, d) in spans.items() if not m.startswith("buddy:"))
+    entry = result.doc.get("args", {}).get("entry_bytes", "?")
+    threads = result.doc.get("args", {}).get("threads") or result.doc.get("environment", {}).get("torch_threads")
+    return (
+        f"On the CPU the native engine of `{codec}` @ {entry} B compresses {mine[0]} GB/s and decompresses {mine[1]} "
+        f"GB/s per tensor of real activations{f' on {threads} threads' if threads else ''} ({others}, one thread "
+        "each; [the CPU engines against lz4 and zstd](docs/results.md#the-cpu-engines-against-lz4-and-zstd))."
+    )
+
+
 def cpu_engines(files: Sequence[Results]) -> Section | None:
     """Compress and decompress GB/s of the CPU engines against lz4 and zstd-3, per tensor, from bench_codecs."""
-    result = _latest(files, lambda r: r.experiment == "bench_codecs" and any("@" in x["method"] for x in r.rows()))
+    result = _cpu_engines_result(files)
     if result is None:
         return None
     rows = [
@@ -749,9 +777,11 @@ def headline(files: Sequence[Results], previous: str = "") -> str | None:
     table = _table(["", "tuning set", "check set", "worst traffic", "details"], [])
     for row in rows:  # a row made, or one kept as it was written
         table += "\n" + (row if isinstance(row, str) else _table([""], [row]).splitlines()[-1])
-    chosen = _decide(files)
-    if chosen is None:
-        speed = kept("On the CPU the reference path of")
+    engines, chosen = _cpu_engines_result(files), _decide(files)
+    if engines is not None:
+        table += f"\n\n{_engine_speed(engines)}"
+    elif chosen is None:
+        speed = kept("On the CPU the native engine of") or kept("On the CPU the reference path of")
         if speed is not None:
             table += f"\n\n{speed}"
     else:

@@ -255,6 +255,39 @@ def test_report_headline_keeps_the_rows_no_file_holds(tmp_path):
     assert old_batch not in block and block.endswith(f"\n\n{speed}\n")  # no decision file: the line as it was
 
 
+def test_report_headline_gives_the_native_engines_speed(tmp_path):
+    """With a run of the CPU engines against lz4 and zstd, the README's line on the CPU speed is the default codec's
+    native engine (its span over the tensors) beside theirs, not the reference path's."""
+    from experiments import report
+
+    def row(tensor, method, comp, decomp):
+        return {"tensor": tensor, "dtype": "float32", "method": method, "ratio": 2.0, "comp_gbps": comp,
+                "decomp_gbps": decomp}  # fmt: skip
+
+    codec = buddy.defaults().codec
+    rows = [row("a", f"buddy:{codec}@native", 1.25, 2.5), row("b", f"buddy:{codec}@native", 0.75, 1.5)]
+    rows += [row("a", f"buddy:{codec}@reference", 0.04, 0.05), row("a", "lz4", 2.0, 6.0), row("b", "lz4", 1.0, 3.0)]
+    rows += [row("a", "zstd-3", 0.3, 1.0), row("a", "memcpy", 9.0, 9.0)]
+    for name, doc in (
+        ("cpu_engines", {"experiment": "bench_codecs", "args": {"entry_bytes": 4096}, "rows": rows}),
+        ("max_batch", {"experiment": "max_batch", "size": "tiny",
+                       "rows": [{"workload": "resnet-fp32", "method": "buddy", "max_batch": 96, "vs_none": 1.5,
+                                 "step_seconds": 0.2, "note": ""}]}),
+    ):  # fmt: skip
+        (tmp_path / "results" / name).mkdir(parents=True)
+        doc["environment"] = {"torch_threads": 2}
+        (tmp_path / "results" / name / "results.json").write_text(json.dumps(doc))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- report:headline -->\nOn the CPU the reference path of (old)\n<!-- /report:headline -->\n")
+    out = tmp_path / "results.md"
+    report.main(["--results", str(tmp_path / "results"), "--out", str(out), "--readme", str(readme)])
+    block = readme.read_text()
+    assert "reference path" not in block
+    assert f"native engine of `{codec}` @ 4096 B compresses 0.75-1.25 GB/s and decompresses 1.50-2.50 GB/s" in block
+    assert "on 2 threads (lz4: 1.00-2.00 / 3.00-6.00; zstd-3: 0.30-0.30 / 1.00-1.00, one thread each" in block
+    assert "memcpy" not in block
+
+
 def test_entropy_bound_and_simulation():
     from experiments.analysis import byte_entropy_bits, simulate_policy
 
