@@ -80,6 +80,7 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int, learn: 
     walls = {m: statistics.median(w for _, w, _ in seconds[m]) for m in METHODS}
     mains = {m: statistics.median(t for _, _, t in seconds[m]) for m in METHODS}
     in_kernels = statistics.median(sum(k.values()) for k in kernels)
+    added = walls["buddy"] - walls["none"]  # the wall time buddy adds to a step
     codec = buddy.defaults().codec
     ran = buddy.implementations(codec, device="cpu")
     return {
@@ -107,12 +108,12 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int, learn: 
         "kernels_by_op_s": {
             op: statistics.median(k.get(op, 0.0) for k in kernels) for op in sorted(set().union(*kernels))
         },
-        "host_s": walls["buddy"] - walls["none"] - in_kernels,
+        "host_s": added - in_kernels,
         # of the wall time buddy adds, what its compresses and decompresses took (kernels included; the rest is
         # outside them: the hooks' choice of what to take, and the model's own operations run slower beside buddy)
         "calls_s": statistics.median(calls),
-        "calls_share": statistics.median(calls) / added if (added := walls["buddy"] - walls["none"]) > 0 else None,
-        "host_per_tensor_us": (walls["buddy"] - walls["none"] - in_kernels) / max(tensors, 1) * 1e6,
+        "calls_share": statistics.median(calls) / added if added > 0 else None,
+        "host_per_tensor_us": (added - in_kernels) / max(tensors, 1) * 1e6,
         "capacity": capacity,
     }
 

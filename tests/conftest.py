@@ -589,14 +589,11 @@ def host_exe():
             base = ["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{_CSRC}", *defines]
             # undefined behaviour (bad shifts, overflows) aborts when the sanitizer is available
             ubsan = ["-fsanitize=undefined", "-fno-sanitize-recover=undefined"]
-            sources = emulator._tree(_CSRC), _HOST_SOURCE.read_bytes()
-            key = emulator._digest(*sources, base, ubsan, emulator._compiler())
-            exe = emulator.cache_dir() / f"codec_host-E{entry_bytes}-{key}"
-            if not exe.exists():
-                try:
-                    emulator._compile([*base, *ubsan, str(_HOST_SOURCE)], exe)
-                except RuntimeError:
-                    emulator._compile([*base, str(_HOST_SOURCE)], exe)
+            name, key = f"codec_host-E{entry_bytes}", (_HOST_SOURCE.read_bytes(), base, ubsan)
+            try:
+                exe = emulator.cached_build(name, [*base, *ubsan, str(_HOST_SOURCE)], *key, folders=(_CSRC,))
+            except RuntimeError:  # no sanitizer runtime: built without it, kept under the same name
+                exe = emulator.cached_build(name, [*base, str(_HOST_SOURCE)], *key, folders=(_CSRC,))
             built[entry_bytes] = exe
         return built[entry_bytes]
 

@@ -163,13 +163,19 @@ def _compile(cmd: list[str], out: Path) -> Path:
     return out
 
 
+def cached_build(name: str, cmd: list[str], *key, folders: tuple[Path, ...] = (), suffix: str = "") -> Path:
+    """``cmd`` (a compile or link, without its ``-o``) built into the cache as ``name-<hash><suffix>``, or the build
+    already there: the hash of the sources of ``folders`` (their text, not their place), ``key`` (what else the
+    output depends on: a source's bytes, flags) and the compiler."""
+    out = cache_dir() / f"{name}-{_digest(*(_tree(f) for f in folders), *key, _compiler())}{suffix}"
+    return out if out.exists() else _compile(cmd, out)
+
+
 def _runtime(kind: str) -> Path:
     """runtime.cpp compiled for ``kind`` (it does not depend on the kernels: one object for every build)."""
     cmd = ["g++", "-std=c++17", *_FLAGS, *_RUNTIME[kind], f"-I{SOURCES}", f"-I{HOST}", "-c"]
     cmd.append(str(SOURCES / "runtime.cpp"))
-    key = _digest(_tree(SOURCES), _tree(HOST), _FLAGS, _RUNTIME[kind], _compiler())
-    out = cache_dir() / f"runtime-{kind}-{key}.o"
-    return out if out.exists() else _compile(cmd, out)
+    return cached_build(f"runtime-{kind}", cmd, _FLAGS, _RUNTIME[kind], folders=(SOURCES, HOST), suffix=".o")
 
 
 def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all", word_bytes: int | None = None) -> Path:
