@@ -22,6 +22,18 @@ to it at E bytes a entry:
   steps over, as the lanes run in lockstep -- against the ideal ``2 W / 32``
   (each code stepped over once to find the boundaries, once to write the
   word).
+* **a layout weighed for one walk** (:func:`lockstep`): word ``i`` in lane
+  ``i % 32``, a word a lane a round, the lanes taking their bits from one
+  stream in the order they need them. A lane tops its buffer up by the bits
+  its words left are sure to hold, and past them takes exactly the bits its
+  code lacks: the table's codes are canonical, so a code looked up in the
+  bits held with zeros past them is never longer than the true one. No bit
+  is stored or padded (checked on every simulated entry; the tests decode
+  the encoder's stream back from the stream alone); its work is ``W / 32``
+  rounds of a word a lane and the fetch rounds they take (``top-up`` and
+  ``lazy``), with no find walk. Run on the same entries as the split
+  layout's decoder, the tails at the payload's end or after each code
+  (``tails inline``).
 
     python -m experiments.fpe_lanes --cache .cache/captures
     python -m experiments.fpe_lanes --cache .cache/captures --sample 64 --entry-bytes 4096 512
@@ -45,7 +57,7 @@ import buddy
 from buddy.codecs import fpe
 from experiments.common import capture_all, format_table, start
 
-__all__ = ["LANES", "simulate_entry", "layout_bits", "main"]
+__all__ = ["LANES", "simulate_entry", "lockstep", "lockstep_stream", "layout_bits", "main"]
 
 LANES = 32
 #: the first pass's spans cover the estimate of the code section and 1/OVERSHOOT more (csrc/codec_fpe.h)
@@ -277,6 +289,136 @@ def simulate_entry(payload_row: np.ndarray, k: int, n_words: int, table: fpe.Tab
             "resync": resync, "warm": warm} | loops
 
 
+# ---- a layout weighed: 32 interleaved sub-streams fetched in lockstep ----------------------------------------------
+#: the lockstep layout: a lane holding fewer than LOOKAHEAD bits (and a tail's, when its tails follow its codes) tops
+#: its 64-bit buffer up by as many as its words left are sure to hold, BULK at most
+LOOKAHEAD, BULK = 24, 32
+#: the most bits a lane's buffer holds (a field is at most 24 + 52 bits: 8-byte words take no tails inline)
+HELD = 63
+
+
+def lockstep(table: fpe.Table, n: int, n_words: int, fetch, *, tails: bool = False, unit: int = 0) -> dict:
+    """The lockstep layout's warp decoder on ``n`` entries (word ``i`` in lane ``i % 32``). Returns each word's
+    field ``(heads, lengths)`` -- its code (and escaped symbol), with ``tails`` its tail after it --, the bits
+    fetched (the code section's length: ``C``, with ``tails`` ``C + N t``) and the warp's fetch rounds.
+
+    The lanes decode a word each a round, each from a bit buffer. A lane's bits lie in one stream, in the order
+    the lanes take them: in each fetch round the lanes wanting bits take them in lane order from the warp's place
+    in the stream (a warp scan of how many). Before each word a lane holding fewer than LOOKAHEAD bits takes as
+    many as its words left are sure to hold (each at least the table's shortest field; BULK at most: a top-up
+    round). It then looks its code up in the bits it holds, those past them read as zeros. The table's codes are
+    canonical, so that guess is the shortest code beginning with the bits held: when it is longer than the bits
+    held it is never longer than the true code, and the lane takes exactly the bits it lacks (``unit``: rounded
+    up to a multiple of it) and looks up again, until its code, escaped symbol and (``tails``) tail are held (a
+    lazy round). Nothing is stored and, with ``unit`` 0, nothing padded: no lane takes a bit that is not its own.
+    Without ``tails`` the tails lie as the split layout's, from the payload's end (a lane finds its tails' places
+    by a ballot of the words with one).
+
+    ``fetch(f, at)``: the ``(n, 32)`` values of ``f`` bits (fewer than HELD) from stream places ``at`` -- the
+    encoder's (:func:`lockstep_stream`) gives a lane's own bits and writes them there, the decoder's reads them.
+    """
+    rounds = -(-n_words // LANES)
+    enc_len, _, dec_sym, dec_len = (t.numpy() for t in table.lookups("cpu"))
+    b, esc, zero, t = table.symbol_bits, table.esc, table.zero, table.tail_bits if tails else 0
+    fields = np.where(np.arange(enc_len.size) == zero, enc_len, enc_len + t)
+    fields[esc] = enc_len[esc] + b + t
+    shortest = int(fields[enc_len > 0].min())
+    buf, level = np.zeros((n, LANES), np.int64), np.zeros((n, LANES), np.int64)
+    cursor = np.zeros(n, np.int64)
+    heads, lengths = np.zeros((n, rounds * LANES), np.int64), np.zeros((n, rounds * LANES), np.int64)
+    topup_rounds, lazy_rounds = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    bad = np.zeros((n, LANES), bool)
+
+    def take(f: np.ndarray) -> None:
+        nonlocal buf, level, cursor
+        at = cursor[:, None] + np.cumsum(f, 1) - f
+        buf = buf | fetch(f, at) << level
+        level = level + f
+        cursor = cursor + f.sum(1)
+
+    for r in range(rounds):
+        words = np.arange(LANES) + r * LANES < n_words
+        sure = (-(-(n_words - np.arange(LANES)) // LANES) - r) * shortest - level  # the lane's unfetched bits
+        f = np.where((level < LOOKAHEAD + t) & words & ~bad, np.clip(sure, 0, np.minimum(BULK, HELD - level)), 0)
+        topup_rounds += f.any(1)
+        take(f)
+        while True:
+            held = buf & ((1 << np.minimum(level, fpe.MAX_CODE_BITS)) - 1)
+            length, sym = dec_len[held], dec_sym[held]
+            bad |= (length == 0) & words  # no code begins with the bits held: a damaged stream
+            known = length <= level  # the code (a guess otherwise), then its escaped symbol and tail
+            need = length + known * ((sym == esc) * b + (sym != zero) * t)
+            want = (need > level) & words & ~bad
+            if not want.any():
+                break
+            f = np.where(want, need - level, 0)
+            if unit:
+                f = -(-f // unit) * unit
+            lazy_rounds += want.any(1)
+            take(f)
+        need = np.where(words & ~bad, need, 0)
+        heads[:, r * LANES : (r + 1) * LANES] = buf & ((1 << need) - 1)
+        lengths[:, r * LANES : (r + 1) * LANES] = need
+        buf, level = buf >> need, level - need
+    return {"heads": heads[:, :n_words], "lengths": lengths[:, :n_words], "bits": cursor, "bad": bad.any(1),
+            "topup_rounds": topup_rounds, "lazy_rounds": lazy_rounds}
+
+
+def lockstep_fields(analysis, tails: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``(fields, their bits)``, ``(n, W)``: each word's code (and escaped symbol) of an fpe analysis (of a table of
+    the split layout), with ``tails`` its tail after it -- what a lane of the lockstep layout holds of the word."""
+    head, bits = analysis.head.numpy(), analysis.head_bits.numpy()
+    t = analysis.tail_bits
+    if not tails or t == 0:
+        return head, bits
+    if analysis.word_bytes == 8:
+        raise ValueError("8-byte words' fields (up to 76 bits) do not fit a lane's buffer: their tails stay apart")
+    at = analysis.tail_at.numpy().astype(np.int64)  # the split layout's: a word with a tail moves it down by t
+    end = analysis.sectors.numpy().astype(np.int64)[:, None] * 256
+    has = np.concatenate([end, at[:, :-1]], 1) - at == t
+    return head | analysis.tail.numpy() << bits, bits + t * has
+
+
+def _bits_at(rows: np.ndarray, f: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The ``(n, 32)`` values of ``f`` bits from places ``at`` of ``rows`` (``(n, bits)`` of 0/1; 0 past them)."""
+    i = np.arange(HELD)
+    idx = at[..., None] + i
+    got = np.take_along_axis(rows[:, None, :], np.minimum(idx, rows.shape[1] - 1), 2)
+    got = np.where((i < f[..., None]) & (idx < rows.shape[1]), got, 0).astype(np.int64)
+    return (got << i).sum(-1)
+
+
+def lockstep_stream(analysis, table: fpe.Table, *, tails: bool = False, unit: int = 0) -> tuple[np.ndarray, dict]:
+    """The lockstep layout's streams of an fpe analysis' entries: ``(n, bits)`` of 0/1, and the encoder's run of
+    :func:`lockstep` (the decoder's fetches, each lane's own bits written where it takes them: its fields in word
+    order, then zeros a unit may take past them)."""
+    head, head_bits = lockstep_fields(analysis, tails)
+    n, n_words = head_bits.shape
+    rounds = -(-n_words // LANES)
+    pad = np.zeros((n, rounds * LANES - n_words), np.int64)
+    head = np.concatenate([head, pad], 1).reshape(n, rounds, LANES)
+    head_bits = np.concatenate([head_bits, pad], 1).reshape(n, rounds, LANES)
+    place = np.cumsum(head_bits, 1) - head_bits  # each word's place in its lane's own bits
+    width = int(head_bits.sum(1).max(initial=0)) + HELD
+    own = np.zeros((n, LANES, width), np.uint8)
+    for i in range(int(head_bits.max(initial=0))):
+        e, r, lane = np.nonzero(head_bits > i)
+        own[e, lane, place[e, r, lane] + i] = (head[e, r, lane] >> i) & 1
+    stream = np.zeros((n, width * LANES), np.uint8)
+    taken = np.zeros((n, LANES), np.int64)
+
+    def fetch(f: np.ndarray, at: np.ndarray) -> np.ndarray:
+        i = np.arange(HELD)
+        got = np.take_along_axis(own, np.minimum(taken[..., None] + i, width - 1), 2)
+        got = np.where(i < f[..., None], got, 0)
+        e, lane, j = np.nonzero(i < f[..., None])
+        stream[e, at[e, lane] + j] = got[e, lane, j]
+        taken[...] += f
+        return (got.astype(np.int64) << i).sum(-1)
+
+    run = lockstep(table, n, n_words, fetch, tails=tails, unit=unit)
+    return stream[:, : int(run["bits"].max(initial=0))], run
+
 def layout_bits(analysis, entry_bytes: int) -> dict[str, torch.Tensor]:
     """``(n,)`` stream bits of each layout weighed, for the entries of an fpe analysis."""
     total, heads = analysis.total_bits, analysis.head_bits
@@ -322,6 +464,21 @@ def ratio_costs(tensors, e: int) -> dict:
     return sizes
 
 
+def _lockstep_rounds(analysis, table: fpe.Table, rows: np.ndarray) -> dict[str, list]:
+    """The lockstep layout's fetch rounds on the entries ``rows`` of an analysis, its tails at the payload's end and
+    (words of at most 4 bytes; else None) after each code; checks that it pads nothing."""
+    out: dict[str, list] = {}
+    for tails, name in ((False, "lockstep"), (True, "lockstep_inline")):
+        if tails and analysis.word_bytes == 8:
+            out |= {f"{name}_topup": [None] * rows.size, f"{name}_lazy": [None] * rows.size}
+            continue
+        _, run = lockstep_stream(analysis, table, tails=tails)
+        if not np.array_equal(run["bits"], lockstep_fields(analysis, tails)[1].sum(1)):
+            raise RuntimeError("the lockstep layout took bits that are not a lane's own")
+        out |= {f"{name}_topup": run["topup_rounds"][rows].tolist(), f"{name}_lazy": run["lazy_rounds"][rows].tolist()}
+    return out
+
+
 def lane_work(tensors, e: int, sample: int, g: torch.Generator, **options) -> list[dict]:
     """:func:`simulate_entry` on up to ``sample`` coded entries drawn from ``tensors`` (a few per tensor)."""
     sims = []
@@ -339,13 +496,25 @@ def lane_work(tensors, e: int, sample: int, g: torch.Generator, **options) -> li
         if coded.numel() == 0:
             continue
         payload = analysis.streams(coded)
+        locked = _lockstep_rounds(analysis, codec.fitted, coded.numpy())
         for j, row in enumerate(coded.tolist()):
             sim = simulate_entry(payload[j].numpy(), int(analysis.sectors[row]), e // word, codec.fitted, **options)
             sims.append(dict(sim, codes=int(analysis.code_bits[row]), per_lane=e // word / LANES,
-                             k=int(analysis.sectors[row])))
+                             k=int(analysis.sectors[row]), **{key: v[j] for key, v in locked.items()}))
         if len(sims) >= sample:
             break
     return sims
+
+
+def _lockstep_columns(sims: list[dict]) -> dict[str, float]:
+    """The lockstep layout's mean fetch rounds (a warp's) over simulated entries, both tails' places."""
+    out = {}
+    for name, label in (("lockstep", "lockstep"), ("lockstep_inline", "lockstep, tails inline")):
+        for part in ("topup", "lazy"):
+            got = [s[f"{name}_{part}"] for s in sims if s[f"{name}_{part}"] is not None]
+            if got:
+                out[f"{label}: {'top-up' if part == 'topup' else 'lazy'} rounds"] = float(statistics.mean(got))
+    return out
 
 
 def main(argv=None) -> dict:
@@ -392,6 +561,7 @@ def main(argv=None) -> dict:
                     "find steps (max)": max(s["find"] for s in sims),
                     "emit work (mean)": statistics.mean(s["emit"] for s in sims),
                     "emit work (max)": max(s["emit"] for s in sims),
+                    **_lockstep_columns(sims),
                 })  # fmt: skip
     if rows:
         cols = [(c, c, ".3f") for c in rows[0] if c not in ("E", "workload")]

@@ -885,7 +885,11 @@ holds it at 23 warps an SM; two entries a warp with their walks interleaved; one
 code's symbol in shared memory: by the lane simulation a lane finds 34 codes on average for 32 float32 words and 72
 for 64 bfloat16 words); pack's fields (a word's code from the table and its selects: about 37 instructions a
 bfloat16 word before the table of whole fields; what is left is the scan and the ORs into the payload); a fit of
-more warps."""
+more warps. Beyond them, a layout in which a warp walks once (docs/format-v3.md, "A layout for one walk": word `i`
+in lane `i % 32`, the lanes taking their bits from one stream as they need them, nothing stored or padded),
+simulated but not built: by its fetch rounds on the captures and a rough count of a round, its decoder's loops
+would take about half the instructions of these, which would put float32's decompress near the target and leave
+bfloat16's short."""
 
 NCU = """## Checking it on a GPU
 

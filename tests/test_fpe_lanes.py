@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
+from buddy.codecs import fpe
 from experiments import fpe_lanes
 
 
@@ -36,3 +39,71 @@ def test_warm_up_by_multi_rows_finds_the_starts_a_code_at_a_time_finds():
         assert (row["passes"], row["rounds"]) == (code["passes"], code["rounds"])
         assert row["warm_mid"] + row["warm_tail"] == row["warm"] <= code["warm"]
     assert sum(r["warm"] for r in by_row) < sum(c["warm"] for c in by_code)
+
+
+def _analysis(t: torch.Tensor, e: int, fit_rows: int):
+    """An fpe analysis of ``t``'s entries with a table fitted to its first ``fit_rows`` entries (escapes after)."""
+    word = t.element_size()
+    flat = t.reshape(-1).view(torch.uint8)
+    table = fpe.Table.from_counts(fpe.symbol_counts(flat[: fit_rows * e], word), word)
+    return fpe.FPECodec(table).analyse(flat.view(-1, e), word), table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("tails", [False, True])
+@pytest.mark.parametrize("unit", [0, 4])
+def test_lockstep_layout_decodes_from_its_stream_alone(dtype, tails, unit):
+    """The lockstep layout weighed for one walk: the decoder, reading only the stream the encoder wrote, gives every
+    word's field back; with exact fetches (unit 0) the stream is the fields' bits and no more -- a lane never takes
+    a bit that is not its own -- and with 4-bit units it pads a few bits a lane. Entries of ReLU words (ZERO's
+    1-bit code: the lanes top up little), of escapes (a table fitted to other entries) and of a word size whose
+    tails stay at the payload's end (8 bytes)."""
+    if tails and dtype == torch.float64:
+        pytest.skip("8-byte words keep their tails apart (checked below)")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(24, 2048, generator=g) * torch.rand(24, 1, generator=g) * 4
+    x[:12] = torch.relu(x[:12])
+    x[18:] *= 1e6  # exponents the table fitted to the first rows has no code for
+    analysis, table = _analysis(x.to(dtype), 4096, 6)
+    stream, run = fpe_lanes.lockstep_stream(analysis, table, tails=tails, unit=unit)
+    heads, bits = fpe_lanes.lockstep_fields(analysis, tails)
+    decoded = fpe_lanes.lockstep(table, stream.shape[0], bits.shape[1],
+                                 lambda f, at: fpe_lanes._bits_at(stream, f, at), tails=tails, unit=unit)  # fmt: skip
+    assert not decoded["bad"].any()
+    assert np.array_equal(decoded["heads"], heads) and np.array_equal(decoded["lengths"], bits)
+    assert np.array_equal(decoded["bits"], run["bits"]) and np.array_equal(decoded["lazy_rounds"], run["lazy_rounds"])
+    padded = run["bits"] - bits.sum(1)
+    if unit == 0:
+        assert (padded == 0).all()
+    else:
+        assert (padded >= 0).all() and padded.max() <= (unit - 1) * fpe_lanes.LANES and padded.sum() > 0
+    assert (run["lazy_rounds"] > 0).any() and (run["topup_rounds"] > 0).all()
+
+
+def test_lockstep_fields_put_each_tail_after_its_code():
+    """With tails inline a word's field is its code, escaped symbol and tail -- the split layout's parts, put
+    together -- and a ZERO word's is its code alone; 8-byte words refuse (a field of up to 76 bits)."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.relu(torch.randn(4, 1024, generator=g))
+    analysis, _ = _analysis(x, 4096, 4)
+    heads, bits = fpe_lanes.lockstep_fields(analysis, tails=True)
+    zero = (x.reshape(4, 1024) == 0).numpy()
+    t = analysis.tail_bits
+    assert np.array_equal(bits, analysis.head_bits.numpy() + t * ~zero)
+    assert np.array_equal(heads >> analysis.head_bits.numpy(), analysis.tail.numpy())
+    with pytest.raises(ValueError, match="8-byte"):
+        fpe_lanes.lockstep_fields(_analysis(x.double(), 4096, 2)[0], tails=True)
+
+
+def test_lockstep_flags_a_stream_no_code_begins():
+    """With an incomplete code (ESC 00, then 010 and 011 for a symbol and ZERO: no code begins with 1) a lane whose
+    bits begin with 1 stops and flags its entry, where its guess would find nothing to fetch towards; the other
+    entry, of zero words, decodes."""
+    table = fpe.Table(4, {(1 << 12) + 1: 2, 1 << 12: 3, 5: 3})
+    analysis = fpe.FPECodec(table).analyse(torch.zeros(2, 4096, dtype=torch.uint8), 4)
+    stream, run = fpe_lanes.lockstep_stream(analysis, table)
+    assert (run["lengths"] == 3).all() and not run["bad"].any()
+    stream[1, 3 * 32 * 5 :] = 1  # from about the sixth round on, entry 1's lanes meet 1s
+    decoded = fpe_lanes.lockstep(table, 2, 1024, lambda f, at: fpe_lanes._bits_at(stream, f, at))
+    assert decoded["bad"].tolist() == [False, True]
+    assert np.array_equal(decoded["heads"][0], run["heads"][0])
