@@ -460,3 +460,48 @@ BUDDY_FIT_KERNELS(fpe)
 BUDDY_FORMAT_KERNELS(auto2, BuddyAuto2, LIMITED)
 BUDDY_FIT_KERNELS(auto2)
 #endif
+
+// The lockstep layout's decoder (codec_fpe.h, decode_lockstep): a layout weighed for a format to come, which no
+// encoder writes; its streams come from experiments/fpe_lanes.py. Not in the one-lane build (the layout is of 32
+// lanes). As unpack's: the table in the block's shared memory, then a warp's payload (E + 32 bytes) after it; a
+// round's words go straight to global memory, side by side. Launch: dynamic shared memory TABLE_BYTES + the warps'
+// (E + 32) bytes.
+#if (defined(BUDDY_CODEC_FPE) || defined(BUDDY_CODEC_ALL)) && !defined(BUDDY_NATIVE_SOLO)
+template <class Codec>
+__device__ __forceinline__ void buddy_lockstep_body(const uint8_t* __restrict__ payloads,
+                                                    const int* __restrict__ sectors, long long n_entries,
+                                                    uint8_t* __restrict__ out, int* __restrict__ error,
+                                                    const uint8_t* __restrict__ table) {
+  const BuddyCudaWarp warp;
+  uint64_t* copy = reinterpret_cast<uint64_t*>(buddy_dynamic_shared());
+  for (uint32_t j = threadIdx.x; j < Codec::TABLE_BYTES / 8u; j += blockDim.x)
+    copy[j] = reinterpret_cast<const uint64_t*>(table)[j];
+  __syncthreads();
+  const Codec codec = buddy_codec<Codec>(reinterpret_cast<const uint8_t*>(copy));
+  uint8_t* const staging =
+      buddy_dynamic_shared() + Codec::TABLE_BYTES + (threadIdx.x / BUDDY_WARP_SIZE) * (BUDDY_ENTRY_BYTES + 32);
+  uint32_t err = 0;
+  for (long long i = buddy_first_warp(n_entries); i < n_entries; i += buddy_warp_stride()) {
+    const uint32_t k = (uint32_t)sectors[i];
+    if (k == 0 || k >= BUDDY_ENTRY_BYTES / BUDDY_SECTOR_BYTES) {  // (coded entries only)
+      err |= BUDDY_ERR_STREAM;
+      continue;
+    }
+    buddy_warp_fill(warp, payloads + (BUDDY_ENTRY_BYTES + 32) * i, staging, BUDDY_SECTOR_BYTES * (k + 1u));
+    warp.sync();
+    err |= codec.decode_lockstep(warp, staging, k, out + (long long)BUDDY_ENTRY_BYTES * i);
+    warp.sync();  // the staging is read before the next entry's is written
+  }
+  if (err && warp.lane() == 0) atomicOr(error, (int)err);
+}
+extern "C" __global__ void buddy_fpe_lockstep_decode(
+    const uint8_t* __restrict__ payloads, /* in: n_entries payloads, E + 32 bytes apart, zeros after each */
+    const int* __restrict__ sectors,      /* in: n_entries, each payload's k (1 .. E/32 - 1) */
+    long long n_entries,                  /* entries */
+    uint8_t* __restrict__ out,            /* out: n_entries * E bytes */
+    int* __restrict__ error,              /* in/out: one int, ORed with BUDDY_ERR_* bits */
+    const uint8_t* __restrict__ table,    /* in: the fpe device table */
+    int word_bytes) {                     /* word size in bytes: 1, 2, 4 or 8 */
+  BUDDY_WORD_SWITCH(BuddyFpe, buddy_lockstep_body, payloads, sectors, n_entries, out, error, table)
+}
+#endif

@@ -1392,6 +1392,88 @@ struct BuddyFpe {
     return BUDDY_ERR_STREAM;
   }
 
+  // ---- the lockstep layout: weighed for a format to come; no encoder writes it ------------------------------------
+  // experiments/fpe_lanes.py (`lockstep`) specifies it and makes its streams (docs/format-v3.md, "A layout for one
+  // walk"). Word i is lane i % 32's, a word a lane each round, from a bit buffer the lane fills from the code section
+  // in the order the lanes need bits. Before each word a lane holding fewer than LOCK_LOOKAHEAD bits tops it up by
+  // what its words left are sure to hold (each at least the table's shortest code): 32 bits where they hold that many
+  // (the lanes in order: a ballot), else fewer (then, in order: a warp scan of how many). Then it takes exactly the
+  // bits its code lacks (a scan): a canonical code looked up in the bits held, zeros past them, is the shortest code
+  // they begin, never longer than the true one. The tails lie as the split layout's, the j-th for the j-th word with
+  // one (a ballot a round). buddy_fpe_lockstep_decode (buddy_kernels.cu) runs it: the tests check it under the
+  // emulator against the simulation's streams, and the kernel budget counts it.
+#if !defined(BUDDY_NATIVE_SOLO)  // (the layout is of 32 lanes: not in the one-lane build)
+  static constexpr uint32_t LOCK_LOOKAHEAD = 24;  // a code and an escaped symbol: at most 24 bits
+
+  // The f (at most 32) stream bits at `at` into the lane's buffer above its `level` bits; a place past the payload
+  // reads zeros (its DECODE_PAD).
+  BUDDY_HD static void lock_put(const uint8_t* payload, uint32_t end, uint32_t at, uint32_t f, uint64_t* buf,
+                                uint32_t* level) {
+    const uint32_t bits = buddy_peek32_padded(payload, buddy_min(at, end)) & (uint32_t)(((uint64_t)1 << f) - 1u);
+    *buf |= (uint64_t)bits << *level;
+    *level += f;
+  }
+  // f bits for each lane from the warp's place `cursor` on, the lanes in order (a warp scan).
+  template <class Warp>
+  BUDDY_WARP_FN void lock_take(const Warp& warp, const uint8_t* payload, uint32_t end, uint32_t f, uint64_t* buf,
+                               uint32_t* level, uint32_t* cursor) const {
+    uint32_t total;
+    lock_put(payload, end, *cursor + buddy_warp_exclusive_scan(warp, f, &total), f, buf, level);
+    *cursor += total;
+  }
+
+  template <class Warp>
+  BUDDY_WARP_FN uint32_t decode_lockstep(const Warp& warp, const uint8_t* payload, uint32_t k, uint8_t* out) const {
+    const uint32_t lane = warp.lane(), end = 8u * BUDDY_SECTOR_BYTES * k, n64 = k * (BUDDY_SECTOR_BYTES / 8u);
+    const uint32_t below = (1u << lane) - 1u;       // the lanes before this one
+    const uint32_t shortest = table->dec[0] >> 16;  // (canonical: the code of value 0 is a shortest one)
+    constexpr uint32_t rounds = (words + 31u) / 32u;
+    const uint32_t mine = words % 32u == 0u ? rounds : (words - lane + 31u) / 32u;  // the lane's words
+    uint64_t buf = 0;
+    uint32_t level = 0, cursor = 0, tails = 0;
+    bool bad = false;  // (a lane gone wrong decodes on: the entry is flagged at the end)
+    uint8_t* at = out + (size_t)WB * lane;  // (a round's 32 words side by side)
+    for (uint32_t r = 0; r < rounds; ++r, at += 32u * WB) {
+      const bool live = r < mine, low = live && level < LOCK_LOOKAHEAD;
+      const int32_t sure = (int32_t)((mine - r) * shortest) - (int32_t)level;  // the lane's bits not yet taken
+      const uint32_t whole = warp.ballot(low && sure >= 32);
+      if (low && sure >= 32) lock_put(payload, end, cursor + 32u * buddy_popc(whole & below), 32u, &buf, &level);
+      cursor += 32u * buddy_popc(whole);
+      if (warp.ballot(low && sure > 0 && sure < 32))  // (a lane's last words)
+        lock_take(warp, payload, end, low && sure > 0 && sure < 32 ? (uint32_t)sure : 0u, &buf, &level, &cursor);
+      uint32_t one, need;
+      for (;;) {  // the code, then its escaped symbol: exactly the bits it lacks (none for a code the table lacks)
+        one = table->dec[(uint32_t)buf & ((1u << buddy_min(level, BUDDY_FPE_CODE_BITS)) - 1u)];
+        const uint32_t len = one >> 16;
+        need = len <= level && (one & 0xFFFFu) == esc_sym() ? len + sym_bits : len;
+        const bool want = live && need > level;
+        if (!warp.ballot(want)) break;
+        lock_take(warp, payload, end, want ? need - level : 0u, &buf, &level, &cursor);
+      }
+      bad |= live && need == 0u;  // no code begins with the bits held
+      uint32_t sym = one & 0xFFFFu;
+      if (sym == esc_sym()) {
+        sym = (uint32_t)(buf >> (one >> 16)) & (zero_sym() - 1u);
+        bad |= table->enc[sym] != 0u;  // an escape of a symbol the table has a code for
+      }
+      const bool tail = live && sym != zero_sym();
+      const uint32_t with = warp.ballot(tail);
+      if (tail)
+        put_word(payload, n64, sym, end, tails + buddy_popc(with & below), at);
+      else if (live)
+        buddy_store<word_t>(at, (word_t)0);
+      tails += buddy_popc(with);
+      buf >>= need;
+      level -= need;
+    }
+    bad = warp.ballot(bad) != 0;
+    if (!bad && !split_fails(warp, payload, k, cursor, tails)) return 0;
+    warp.sync();  // every lane's words are written before any lane zeroes them
+    buddy_warp_fill(warp, nullptr, out, entry);
+    return BUDDY_ERR_STREAM;
+  }
+#endif
+
   // ---- the serial layout: lane 0 ----------------------------------------------
   // Lane 0's serial walk over a stream of n64 8-byte words: every word into
   // out (a store a word: out is the warp's shared staging on the GPU).

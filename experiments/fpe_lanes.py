@@ -300,19 +300,20 @@ HELD = 63
 def lockstep(table: fpe.Table, n: int, n_words: int, fetch, *, tails: bool = False, unit: int = 0) -> dict:
     """The lockstep layout's warp decoder on ``n`` entries (word ``i`` in lane ``i % 32``). Returns each word's
     field ``(heads, lengths)`` -- its code (and escaped symbol), with ``tails`` its tail after it --, the bits
-    fetched (the code section's length: ``C``, with ``tails`` ``C + N t``) and the warp's fetch rounds.
+    fetched (the code section's length: ``C``, with ``tails`` ``C + N t``) and the warp's fetch rounds of each kind.
 
     The lanes decode a word each a round, each from a bit buffer. A lane's bits lie in one stream, in the order
     the lanes take them: in each fetch round the lanes wanting bits take them in lane order from the warp's place
-    in the stream (a warp scan of how many). Before each word a lane holding fewer than LOOKAHEAD bits takes as
-    many as its words left are sure to hold (each at least the table's shortest field; BULK at most: a top-up
-    round). It then looks its code up in the bits it holds, those past them read as zeros. The table's codes are
-    canonical, so that guess is the shortest code beginning with the bits held: when it is longer than the bits
-    held it is never longer than the true code, and the lane takes exactly the bits it lacks (``unit``: rounded
-    up to a multiple of it) and looks up again, until its code, escaped symbol and (``tails``) tail are held (a
-    lazy round). Nothing is stored and, with ``unit`` 0, nothing padded: no lane takes a bit that is not its own.
-    Without ``tails`` the tails lie as the split layout's, from the payload's end (a lane finds its tails' places
-    by a ballot of the words with one).
+    in the stream. Before each word a lane holding fewer than LOOKAHEAD bits tops up by as many as its words left
+    are sure to hold (each at least the table's shortest code -- field, with ``tails`` --): BULK where they hold
+    that many (the lanes in order, a ballot: a top-up round), else fewer (after them, in order: a warp scan of
+    how many, a partial round). It then looks its code up in the bits it holds, those past them read as zeros.
+    The table's codes are canonical, so that guess is the shortest code beginning with the bits held: when it is
+    longer than the bits held it is never longer than the true code, and the lane takes exactly the bits it
+    lacks (``unit``: rounded up to a multiple of it) and looks up again, until its code, escaped symbol and
+    (``tails``) tail are held (a lazy round). Nothing is stored and, with ``unit`` 0, nothing padded: no lane
+    takes a bit that is not its own. Without ``tails`` the tails lie as the split layout's, from the payload's
+    end (a lane finds its tails' places by a ballot of the words with one).
 
     ``fetch(f, at)``: the ``(n, 32)`` values of ``f`` bits (fewer than HELD) from stream places ``at`` -- the
     encoder's (:func:`lockstep_stream`) gives a lane's own bits and writes them there, the decoder's reads them.
@@ -320,13 +321,16 @@ def lockstep(table: fpe.Table, n: int, n_words: int, fetch, *, tails: bool = Fal
     rounds = -(-n_words // LANES)
     enc_len, _, dec_sym, dec_len = (t.numpy() for t in table.lookups("cpu"))
     b, esc, zero, t = table.symbol_bits, table.esc, table.zero, table.tail_bits if tails else 0
-    fields = np.where(np.arange(enc_len.size) == zero, enc_len, enc_len + t)
-    fields[esc] = enc_len[esc] + b + t
-    shortest = int(fields[enc_len > 0].min())
+    if tails:  # the shortest field: a code, its escaped symbol, its tail
+        fields = np.where(np.arange(enc_len.size) == zero, enc_len, enc_len + t)
+        fields[esc] = enc_len[esc] + b + t
+        shortest = int(fields[enc_len > 0].min())
+    else:  # the shortest code: canonical, the code of value 0 is one (the kernel's: codec_fpe.h, decode_lockstep)
+        shortest = int(dec_len[0])
     buf, level = np.zeros((n, LANES), np.int64), np.zeros((n, LANES), np.int64)
     cursor = np.zeros(n, np.int64)
     heads, lengths = np.zeros((n, rounds * LANES), np.int64), np.zeros((n, rounds * LANES), np.int64)
-    topup_rounds, lazy_rounds = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    topup_rounds, partial_rounds, lazy_rounds = (np.zeros(n, np.int64) for _ in range(3))
     bad = np.zeros((n, LANES), bool)
 
     def take(f: np.ndarray) -> None:
@@ -339,8 +343,12 @@ def lockstep(table: fpe.Table, n: int, n_words: int, fetch, *, tails: bool = Fal
     for r in range(rounds):
         words = np.arange(LANES) + r * LANES < n_words
         sure = (-(-(n_words - np.arange(LANES)) // LANES) - r) * shortest - level  # the lane's unfetched bits
-        f = np.where((level < LOOKAHEAD + t) & words & ~bad, np.clip(sure, 0, np.minimum(BULK, HELD - level)), 0)
-        topup_rounds += f.any(1)
+        low = (level < LOOKAHEAD + t) & words & ~bad
+        whole = low & (sure >= BULK) & (level + BULK <= HELD)  # BULK bits, the lanes in order (a ballot)
+        topup_rounds += whole.any(1)
+        take(whole * BULK)
+        f = np.where(low & ~whole, np.clip(sure, 0, HELD - level), 0)  # fewer, after them (a scan)
+        partial_rounds += f.any(1)
         take(f)
         while True:
             held = buf & ((1 << np.minimum(level, fpe.MAX_CODE_BITS)) - 1)
@@ -361,7 +369,7 @@ def lockstep(table: fpe.Table, n: int, n_words: int, fetch, *, tails: bool = Fal
         lengths[:, r * LANES : (r + 1) * LANES] = need
         buf, level = buf >> need, level - need
     return {"heads": heads[:, :n_words], "lengths": lengths[:, :n_words], "bits": cursor, "bad": bad.any(1),
-            "topup_rounds": topup_rounds, "lazy_rounds": lazy_rounds}
+            "topup_rounds": topup_rounds, "partial_rounds": partial_rounds, "lazy_rounds": lazy_rounds}
 
 
 def lockstep_fields(analysis, tails: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -470,12 +478,12 @@ def _lockstep_rounds(analysis, table: fpe.Table, rows: np.ndarray) -> dict[str, 
     out: dict[str, list] = {}
     for tails, name in ((False, "lockstep"), (True, "lockstep_inline")):
         if tails and analysis.word_bytes == 8:
-            out |= {f"{name}_topup": [None] * rows.size, f"{name}_lazy": [None] * rows.size}
+            out |= {f"{name}_{part}": [None] * rows.size for part in ("topup", "partial", "lazy")}
             continue
         _, run = lockstep_stream(analysis, table, tails=tails)
         if not np.array_equal(run["bits"], lockstep_fields(analysis, tails)[1].sum(1)):
             raise RuntimeError("the lockstep layout took bits that are not a lane's own")
-        out |= {f"{name}_topup": run["topup_rounds"][rows].tolist(), f"{name}_lazy": run["lazy_rounds"][rows].tolist()}
+        out |= {f"{name}_{part}": run[f"{part}_rounds"][rows].tolist() for part in ("topup", "partial", "lazy")}
     return out
 
 
@@ -510,10 +518,10 @@ def _lockstep_columns(sims: list[dict]) -> dict[str, float]:
     """The lockstep layout's mean fetch rounds (a warp's) over simulated entries, both tails' places."""
     out = {}
     for name, label in (("lockstep", "lockstep"), ("lockstep_inline", "lockstep, tails inline")):
-        for part in ("topup", "lazy"):
+        for part in ("topup", "partial", "lazy"):
             got = [s[f"{name}_{part}"] for s in sims if s[f"{name}_{part}"] is not None]
             if got:
-                out[f"{label}: {'top-up' if part == 'topup' else 'lazy'} rounds"] = float(statistics.mean(got))
+                out[f"{label}: {'top-up' if part == 'topup' else part} rounds"] = float(statistics.mean(got))
     return out
 
 

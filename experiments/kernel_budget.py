@@ -443,9 +443,64 @@ def lane_trips(dtype: torch.dtype, entry_bytes: int, sample: int, cache) -> dict
     keys = ("passes", "rounds", "find", "resync", "warm", *FIND_LOOPS, "emit_steps", "emit_tails", "emit_rest",
             "single")
     mean = {key: statistics.mean(s[key] for s in sims) for key in keys}
+    mean |= {f"lockstep_{part}": statistics.mean(s[f"lockstep_{part}"] for s in sims)
+             for part in ("topup", "partial", "lazy")}  # fmt: skip
     mean["k"] = statistics.mean(s["k"] for s in sims)
     mean["entries"] = len(sims)
     return mean | bpc_stops(tensors, entry_bytes, sample, torch.Generator().manual_seed(1)) | select_passes(tensors)
+
+
+def lockstep_counts(word: int, entry_bytes: int, folder: Path, sim: dict) -> dict:
+    """The lockstep layout's decoder (``buddy_fpe_lockstep_decode``, fpe's module), counted as the budget counts:
+    the SASS of its loop over rounds -- a round's (every lane a word), the partial top-up's block and the lazy
+    loop's body (run on the rounds some lane needs them) -- and, with the simulation's rounds on the same entries
+    (``sim``: :func:`lane_trips`), its instructions per entry in that loop."""
+    kernels, source = build("fpe", word, entry_bytes, folder)
+    k = kernels["buddy_fpe_lockstep_decode"]
+    text = {a: source[line - 1] if 0 < line <= len(source) else "" for a, _, line in k.instrs}
+
+    def branches(pattern: str) -> list[int]:  # the branches of the line that holds `pattern`
+        return [a for a, t, _ in k.instrs if pattern in text[a] and re.search(r"\bBRA\b", t)]
+
+    start, end = next((a, b) for a, b, line, _ in loops(k, source) if "r < rounds; ++r, at +=" in source[line - 1])
+    inner = [a for a, _, _ in k.instrs if start <= a <= end]
+    partial = branches("(a lane's last words)")[0]  # the branch over the partial top-up, to where it joins
+    found = re.search(r"`\((\.L_x_\d+)\)", next(t for a, t, _ in k.instrs if a == partial))
+    if found is None:
+        raise RuntimeError("the partial top-up's branch has no target label")
+    target = found.group(1)
+    lazy = branches("if (!warp.ballot(want)) break;")  # out of the loop, ..., and back into it
+    partial_block = sum(partial < a < k.labels[target] for a in inner)
+    lazy_body = sum(lazy[0] < a <= lazy[-1] for a in inner)
+    rnd = len(inner) - partial_block - lazy_body
+    rounds = entry_bytes // word // 32
+    trips = {"round": rounds, "partial": sim["lockstep_partial"], "lazy": sim["lockstep_lazy"]}
+    return {"regs": k.regs, "round": rnd, "partial": partial_block, "lazy": lazy_body, "trips": trips,
+            "per_entry": rounds * rnd + trips["partial"] * partial_block + trips["lazy"] * lazy_body}
+
+
+def render_lockstep(weighed: dict, rows: list[dict]) -> list[str]:
+    """The section on the lockstep layout's decoder (:func:`lockstep_counts` per dtype) beside the split layout's
+    unpack (its instructions per entry but the body's)."""
+    out = ["## A layout weighed: the lockstep decoder", "",
+           "docs/format-v3.md (\"A layout for one walk\") weighs a layout in which a warp walks once, word `i` in "
+           "lane `i % 32`.",
+           "Its decoder is written (`buddy_fpe_lockstep_decode`, codec_fpe.h's `decode_lockstep`; the tests run it "
+           "under the emulator on the simulation's streams), but no encoder is.",
+           "Counted as above: the SASS of its loop over rounds, split into a round's (every lane a word), the "
+           "partial top-up's block and the lazy loop's body,",
+           "with the rounds of each that the simulation (`experiments.fpe_lanes`) takes on the same entries.",
+           "Beside it, the split layout's unpack, its instructions per entry but the body's (`parts` above):", "",
+           "| dtype | regs | SASS a round | rounds | SASS a partial top-up | partial rounds | SASS a lazy round | "
+           "lazy rounds | instr/entry in the rounds | split unpack, its loops |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, w in weighed.items():
+        split = next(r for r in rows if r["dtype"] == name and r["kernel"].endswith("unpack"))
+        loops_only = split["instr/entry"] - split["parts"].get("body", 0.0)
+        t = w["trips"]
+        out.append(f"| {name} | {w['regs']} | {w['round']} | {t['round']} | {w['partial']} | {t['partial']:.1f} | "
+                   f"{w['lazy']} | {t['lazy']:.1f} | {w['per_entry']:,.0f} | {loops_only:,.0f} |")
+    return out + [""]
 
 
 def radix_select(keys: np.ndarray, r: int) -> tuple[int, int, int]:
@@ -707,7 +762,8 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = None) -> str:
+def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = None,
+           weighed: list[str] | None = None) -> str:
     cols = ["kernel", "dtype", "regs", "smem/block", "spills", "warps/SM", "instr/entry", "instr/byte",
             "bytes moved/entry", "issue GB/s", "memory GB/s", "cycles/instr", "latency GB/s", "estimate GB/s",
             "bound"]  # fmt: skip
@@ -793,6 +849,7 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
                 "coded fpe entries):", ""] + [f"* {u}" for u in unknown] + [""]  # fmt: skip
     else:
         out += ["", "Every loop the kernels run on a coded fpe entry has its trip count (`TRIPS`).", ""]
+    out += weighed or []
     from experiments.gpu_session import NCU_METRICS
 
     out += NCU.format(metrics=", ".join(f"`{m}`" for m in NCU_METRICS)).splitlines()
@@ -885,11 +942,10 @@ holds it at 23 warps an SM; two entries a warp with their walks interleaved; one
 code's symbol in shared memory: by the lane simulation a lane finds 34 codes on average for 32 float32 words and 72
 for 64 bfloat16 words); pack's fields (a word's code from the table and its selects: about 37 instructions a
 bfloat16 word before the table of whole fields; what is left is the scan and the ORs into the payload); a fit of
-more warps. Beyond them, a layout in which a warp walks once (docs/format-v3.md, "A layout for one walk": word `i`
-in lane `i % 32`, the lanes taking their bits from one stream as they need them, nothing stored or padded),
-simulated but not built: by its fetch rounds on the captures and a rough count of a round, its decoder's loops
-would take about half the instructions of these, which would put float32's decompress near the target and leave
-bfloat16's short."""
+more warps. A layout in which a warp walks once (docs/format-v3.md, "A layout for one walk"; below, "A layout
+weighed") was simulated and its decoder written and counted: it costs no bit, but its rounds take as many
+instructions as the split layout's walks, so it is not a way to the targets by instructions; what it would change
+is the shared memory a warp needs (no output staging), which only a GPU can price."""
 
 NCU = """## Checking it on a GPU
 
@@ -1046,7 +1102,7 @@ def main(argv=None) -> str:
 
     e = env.environment()
     machine = f"{e.get('cpu')} ({e.get('cpu_count')} cores), torch {e.get('torch')}, {_nvcc_version()}"
-    rows, sims, totals = [], {}, {}
+    rows, sims, totals, weighed = [], {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for dtype in (torch.float32, torch.bfloat16):
@@ -1055,6 +1111,7 @@ def main(argv=None) -> str:
             sims[name] = sim
             mine = budget(args.codec, dtype, args.entry_bytes, sim, folder, measured)
             rows += mine
+            weighed[name] = lockstep_counts(spec.word_bytes(dtype), args.entry_bytes, folder, sim)
             by = {r["kernel"].split()[-1]: r for r in mine}
             fit = fit_time_us(args.codec, spec.word_bytes(dtype), args.entry_bytes, folder, sim)
             n = TENSOR_BYTES
@@ -1074,7 +1131,7 @@ def main(argv=None) -> str:
                 "cold": n / (seconds("count") + fit[2] * 1e-6 + LAUNCH_US * 1e-6 + seconds("measure") + seconds("pack")
                              + READBACK_US * 1e-6) / 1e9,
             }  # fmt: skip
-    text = render(rows, sims, totals, fit, argv, machine, measured)
+    text = render(rows, sims, totals, fit, argv, machine, measured, render_lockstep(weighed, rows))
     if measured is not None:
         text += "\n" + "\n".join(render_measured(measured, rows, str(args.ncu)))
     if args.out == "-":

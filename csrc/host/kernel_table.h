@@ -99,5 +99,8 @@ const BuddyEmuKernel buddy_emu_kernels[] = {
 #if defined(BUDDY_CODEC_AUTO2) || defined(BUDDY_CODEC_ALL)
     BUDDY_EMU_FORMAT(auto2) BUDDY_EMU_FIT(auto2)
 #endif
+#if (defined(BUDDY_CODEC_FPE) || defined(BUDDY_CODEC_ALL)) && !defined(BUDDY_NATIVE_SOLO)
+    BUDDY_EMU_KERNEL(buddy_fpe_lockstep_decode)  // a layout weighed (codec_fpe.h, decode_lockstep)
+#endif
 };
 const size_t buddy_emu_kernel_count = sizeof(buddy_emu_kernels) / sizeof(buddy_emu_kernels[0]);
