@@ -427,6 +427,7 @@ def lockstep_stream(analysis, table: fpe.Table, *, tails: bool = False, unit: in
     run = lockstep(table, n, n_words, fetch, tails=tails, unit=unit)
     return stream[:, : int(run["bits"].max(initial=0))], run
 
+
 def layout_bits(analysis, entry_bytes: int) -> dict[str, torch.Tensor]:
     """``(n,)`` stream bits of each layout weighed, for the entries of an fpe analysis."""
     total, heads = analysis.total_bits, analysis.head_bits

@@ -109,20 +109,17 @@ def test_lockstep_flags_a_stream_no_code_begins():
     assert np.array_equal(decoded["heads"][0], run["heads"][0])
 
 
-def _lockstep_payloads(analysis, table, rows: torch.Tensor, e: int) -> np.ndarray:
-    """The entries ``rows`` in the lockstep layout, ``(n, E + 32)`` bytes: the split layout's payload with its code
-    section (the same ``C`` bits) replaced by the lockstep stream of the same codes; zeros after."""
-    sub = analysis.__class__.__new__(analysis.__class__)
-    sub.__dict__ = {key: (v.index_select(0, rows) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] ==
-                          analysis.head.shape[0] else v) for key, v in analysis.__dict__.items()}  # fmt: skip
-    stream, run = fpe_lanes.lockstep_stream(sub, table)
-    payload = analysis.streams(rows).numpy()
+def _lockstep_payloads(analysis, table) -> np.ndarray:
+    """The analysis' entries in the lockstep layout, ``(n, E + 32)`` bytes: the split layout's payload with its
+    code section (the same ``C`` bits) replaced by the lockstep stream of the same codes; zeros after."""
+    stream, run = fpe_lanes.lockstep_stream(analysis, table)
+    payload = analysis.streams().numpy()
     bits = np.unpackbits(payload, axis=1, bitorder="little")
-    codes = analysis.code_bits.index_select(0, rows).numpy()
+    codes = analysis.code_bits.numpy()
     assert np.array_equal(run["bits"], codes)
     for j, c in enumerate(codes.tolist()):
         bits[j, :c] = stream[j, :c]
-    out = np.zeros((rows.numel(), e + 32), np.uint8)
+    out = np.zeros((payload.shape[0], analysis.entry_bytes + 32), np.uint8)
     out[:, : payload.shape[1]] = np.packbits(bits, axis=1, bitorder="little")
     return out
 
@@ -144,24 +141,23 @@ def test_lockstep_decoder_kernel_reads_the_simulations_streams(dtype):
     x[:16] = torch.relu(x[:16])
     x[24:] *= 1e6
     x = (x * 16).clamp(0, 255).to(dtype) if dtype == torch.uint8 else x.to(dtype)
-    analysis, table = _analysis(x, e, 8)
-    raw = e // 32
-    rows = ((analysis.sectors > 0) & (analysis.sectors < raw)).nonzero().view(-1)
+    everything, table = _analysis(x, e, 8)
+    rows = ((everything.sectors > 0) & (everything.sectors < e // 32)).nonzero().view(-1)  # the coded entries
     assert rows.numel() >= 8
-    payloads = torch.from_numpy(_lockstep_payloads(analysis, table, rows, e))
-    codes = analysis.code_bits.index_select(0, rows)
-    gap = analysis.sectors.index_select(0, rows) * 256 - analysis.total_bits.index_select(0, rows)
+    want = x.reshape(-1).view(torch.uint8).view(-1, e).index_select(0, rows)
+    analysis = fpe.FPECodec(table).analyse(want, x.element_size())
+    payloads = torch.from_numpy(_lockstep_payloads(analysis, table))
+    gap = analysis.sectors * 256 - analysis.total_bits
     damaged = int((gap > 0).nonzero()[0])  # a bit set after its code section: its codes then do not end there
-    c = int(codes[damaged])
+    c = int(analysis.code_bits[damaged])
     payloads[damaged, c // 8] |= 1 << (c % 8)
-    sectors = analysis.sectors.index_select(0, rows).to(torch.int32).contiguous()
+    sectors = analysis.sectors.to(torch.int32).contiguous()
     out = torch.zeros(rows.numel(), e, dtype=torch.uint8)
     error = torch.zeros(1, dtype=torch.int32)
     n, word = np.int64(rows.numel()), np.int32(x.element_size())
     with Emulator("asan", seed=4) as emu:
         emu.run("buddy_fpe_lockstep_decode", e, (2, 64, bcuda.DEVICE_TABLE_BYTES + 2 * (e + 32)),
                 (payloads, sectors, n, out, error, bcuda.device_table(table), word))  # fmt: skip
-    want = x.reshape(-1).view(torch.uint8).view(-1, e).index_select(0, rows)
     keep = torch.arange(rows.numel()) != damaged
     assert torch.equal(out[keep], want[keep])
     assert int(error) != 0 and not out[damaged].any()
