@@ -97,8 +97,10 @@ none changes; a warp scan of the lanes' code counts then gives each lane its
 words' places, and one of their tail counts its tails' places. Measured on
 the capture workloads (``python -m experiments.fpe_lanes``): see
 docs/format-v3.md for the rounds and the work per lane, and for the
-layouts weighed against this one (per-lane offsets stored in the entry,
-interleaved sub-streams), which cost 0.6-2.8 % of ideal ratio.
+layouts weighed against this one: per-lane offsets stored in the entry and
+interleaved sub-streams, which cost 0.6-2.8 % of ideal ratio, and sub-streams
+the lanes fetch in lockstep, which cost nothing but whose decoder takes as many
+instructions as this one's.
 
 The torch reference below decodes every entry at once, serially within an
 entry: one table lookup per code walks the code section (a word's length
