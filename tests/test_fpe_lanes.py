@@ -125,10 +125,11 @@ def _lockstep_payloads(analysis, table) -> np.ndarray:
 
 
 @pytest.mark.emulator
+@pytest.mark.parametrize("build", ["asan", "tsan"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.uint8])
-def test_lockstep_decoder_kernel_reads_the_simulations_streams(dtype):
-    """The kernel sources' decoder of the lockstep layout (codec_fpe.h, decode_lockstep), under the block emulator,
-    gives back every coded entry of the streams the simulation (experiments/fpe_lanes.py) writes, byte for byte --
+def test_lockstep_decoder_kernel_reads_the_simulations_streams(dtype, build):
+    """The kernel sources' decoder of the lockstep layout (codec_fpe.h, decode_lockstep), under the block emulator
+    (bounds with ASan, races on the staging with TSan), gives back every coded entry of the streams the simulation (experiments/fpe_lanes.py) writes, byte for byte --
     ReLU entries, escapes and, for 8-byte and 1-byte words, tails of 52 bits and none -- and flags an entry with a
     bit set between its codes and its tails (its words zeros, the others exact)."""
     from emulator import Emulator
@@ -155,7 +156,7 @@ def test_lockstep_decoder_kernel_reads_the_simulations_streams(dtype):
     out = torch.zeros(rows.numel(), e, dtype=torch.uint8)
     error = torch.zeros(1, dtype=torch.int32)
     n, word = np.int64(rows.numel()), np.int32(x.element_size())
-    with Emulator("asan", seed=4) as emu:
+    with Emulator(build, seed=4) as emu:
         emu.run("buddy_fpe_lockstep_decode", e, (2, 64, bcuda.DEVICE_TABLE_BYTES + 2 * (e + 32)),
                 (payloads, sectors, n, out, error, bcuda.device_table(table), word))  # fmt: skip
     keep = torch.arange(rows.numel()) != damaged
