@@ -57,7 +57,7 @@ import buddy
 from buddy.codecs import fpe
 from experiments.common import capture_all, format_table, start
 
-__all__ = ["LANES", "simulate_entry", "lockstep", "lockstep_stream", "layout_bits", "main"]
+__all__ = ["LANES", "simulate_entry", "lockstep", "lockstep_stream", "lockstep_payloads", "layout_bits", "main"]
 
 LANES = 32
 #: the first pass's spans cover the estimate of the code section and 1/OVERSHOOT more (csrc/codec_fpe.h)
@@ -427,6 +427,22 @@ def lockstep_stream(analysis, table: fpe.Table, *, tails: bool = False, unit: in
     run = lockstep(table, n, n_words, fetch, tails=tails, unit=unit)
     return stream[:, : int(run["bits"].max(initial=0))], run
 
+
+def lockstep_payloads(analysis, table: fpe.Table) -> np.ndarray:
+    """An fpe analysis' entries (of a table of the split layout) in the lockstep layout, ``(n, E + 32)`` bytes: the
+    split layout's payload with its code section (the same ``C`` bits) replaced by the lockstep stream of the same
+    codes, zeros after -- what ``buddy_fpe_lockstep_decode`` reads (``E + 32`` bytes apart)."""
+    stream, run = lockstep_stream(analysis, table)
+    payload = analysis.streams().numpy()
+    bits = np.unpackbits(payload, axis=1, bitorder="little")
+    codes = analysis.code_bits.numpy()
+    if not np.array_equal(run["bits"], codes):
+        raise RuntimeError("the lockstep stream is not the code section's length")
+    for j, c in enumerate(codes.tolist()):
+        bits[j, :c] = stream[j, :c]
+    out = np.zeros((payload.shape[0], analysis.entry_bytes + 32), np.uint8)
+    out[:, : payload.shape[1]] = np.packbits(bits, axis=1, bitorder="little")
+    return out
 
 def layout_bits(analysis, entry_bytes: int) -> dict[str, torch.Tensor]:
     """``(n,)`` stream bits of each layout weighed, for the entries of an fpe analysis."""

@@ -109,21 +109,6 @@ def test_lockstep_flags_a_stream_no_code_begins():
     assert np.array_equal(decoded["heads"][0], run["heads"][0])
 
 
-def _lockstep_payloads(analysis, table) -> np.ndarray:
-    """The analysis' entries in the lockstep layout, ``(n, E + 32)`` bytes: the split layout's payload with its
-    code section (the same ``C`` bits) replaced by the lockstep stream of the same codes; zeros after."""
-    stream, run = fpe_lanes.lockstep_stream(analysis, table)
-    payload = analysis.streams().numpy()
-    bits = np.unpackbits(payload, axis=1, bitorder="little")
-    codes = analysis.code_bits.numpy()
-    assert np.array_equal(run["bits"], codes)
-    for j, c in enumerate(codes.tolist()):
-        bits[j, :c] = stream[j, :c]
-    out = np.zeros((payload.shape[0], analysis.entry_bytes + 32), np.uint8)
-    out[:, : payload.shape[1]] = np.packbits(bits, axis=1, bitorder="little")
-    return out
-
-
 # every word size under ASan; under TSan those whose build the emulator's own tests make (no build more for CI)
 _KERNEL_CASES = [(dtype, "asan") for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.uint8)] + [
     (dtype, "tsan") for dtype in (torch.bfloat16, torch.float64)
@@ -153,7 +138,7 @@ def test_lockstep_decoder_kernel_reads_the_simulations_streams(dtype, build):
     assert rows.numel() >= 8
     want = x.reshape(-1).view(torch.uint8).view(-1, e).index_select(0, rows)
     analysis = fpe.FPECodec(table).analyse(want, x.element_size())
-    payloads = torch.from_numpy(_lockstep_payloads(analysis, table))
+    payloads = torch.from_numpy(fpe_lanes.lockstep_payloads(analysis, table))
     gap = analysis.sectors * 256 - analysis.total_bits
     damaged = int((gap > 0).nonzero()[0])  # a bit set after its code section: its codes then do not end there
     c = int(analysis.code_bits[damaged])
@@ -168,3 +153,21 @@ def test_lockstep_decoder_kernel_reads_the_simulations_streams(dtype, build):
     keep = torch.arange(rows.numel()) != damaged
     assert torch.equal(out[keep], want[keep])
     assert int(error) != 0 and not out[damaged].any()
+
+
+def test_the_lockstep_bench_prepares_exact_streams_without_a_gpu():
+    """experiments.bench_lockstep's CPU half (the GPU times what it makes): the coded entries of a tensor and their
+    lockstep payloads, which the simulation's decoder reads back into those entries' fields -- made chunk by chunk
+    (a chunk smaller than the entries here), so that the chunks' payloads and sectors line up with the entries."""
+    from experiments import bench_lockstep
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.relu(torch.randn(40, 1024, generator=g)) * torch.rand(40, 1, generator=g)
+    x[30:] = 0  # zero entries: not coded, left out
+    prep = bench_lockstep.Prepared(x, chunk=7)
+    assert prep.entries.shape == (30, 4096) and prep.payloads.shape == (30, 4096 + 32)
+    analysis = fpe.FPECodec(prep.table).analyse(prep.entries, 4)
+    assert torch.equal(prep.sectors, analysis.sectors.to(torch.int32))
+    run = fpe_lanes.lockstep(prep.table, 30, 1024, lambda f, at: fpe_lanes._bits_at(
+        np.unpackbits(prep.payloads.numpy(), axis=1, bitorder="little"), f, at))  # fmt: skip
+    assert np.array_equal(run["heads"], analysis.head.numpy()) and not run["bad"].any()
