@@ -164,6 +164,17 @@ __device__ __forceinline__ void buddy_pack_body(const uint8_t* __restrict__ data
     buddy_pack_entry<Codec>(warp, codec, i, data, tail, n_full, meta, ends, s, slots, overflow, staging);
 }
 
+// A table codec's device table copied into the first Codec::TABLE_BYTES of the block's dynamic shared memory by
+// the block's threads (the block waits for it): its rows read from there. Unpack's and the lockstep decoder's.
+template <class Codec>
+__device__ __forceinline__ const uint8_t* buddy_table_to_shared(const uint8_t* __restrict__ table) {
+  uint64_t* copy = reinterpret_cast<uint64_t*>(buddy_dynamic_shared());
+  for (uint32_t j = threadIdx.x; j < Codec::TABLE_BYTES / 8u; j += blockDim.x)
+    copy[j] = reinterpret_cast<const uint64_t*>(table)[j];
+  __syncthreads();
+  return reinterpret_cast<const uint8_t*>(copy);
+}
+
 template <class Codec>
 __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict__ meta,
                                                   const long long* __restrict__ ends, uint32_t s,
@@ -186,11 +197,7 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
   const uint8_t* rows = table;
   uint8_t* staging = buddy_staging(buddy_unpack_staging_entries<Codec>());
   if constexpr (Codec::TABLED) {
-    uint64_t* copy = reinterpret_cast<uint64_t*>(buddy_dynamic_shared());
-    for (uint32_t j = threadIdx.x; j < Codec::TABLE_BYTES / 8u; j += blockDim.x)
-      copy[j] = reinterpret_cast<const uint64_t*>(table)[j];
-    __syncthreads();
-    rows = reinterpret_cast<const uint8_t*>(copy);
+    rows = buddy_table_to_shared<Codec>(table);
     staging += Codec::TABLE_BYTES;
   }
   const Codec codec = buddy_codec<Codec>(rows);
@@ -473,11 +480,7 @@ __device__ __forceinline__ void buddy_lockstep_body(const uint8_t* __restrict__ 
                                                     uint8_t* __restrict__ out, int* __restrict__ error,
                                                     const uint8_t* __restrict__ table) {
   const BuddyCudaWarp warp;
-  uint64_t* copy = reinterpret_cast<uint64_t*>(buddy_dynamic_shared());
-  for (uint32_t j = threadIdx.x; j < Codec::TABLE_BYTES / 8u; j += blockDim.x)
-    copy[j] = reinterpret_cast<const uint64_t*>(table)[j];
-  __syncthreads();
-  const Codec codec = buddy_codec<Codec>(reinterpret_cast<const uint8_t*>(copy));
+  const Codec codec = buddy_codec<Codec>(buddy_table_to_shared<Codec>(table));
   uint8_t* const staging =
       buddy_dynamic_shared() + Codec::TABLE_BYTES + (threadIdx.x / BUDDY_WARP_SIZE) * (BUDDY_ENTRY_BYTES + 32);
   uint32_t err = 0;

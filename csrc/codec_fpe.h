@@ -1450,12 +1450,8 @@ struct BuddyFpe {
         if (!warp.ballot(want)) break;
         lock_take(warp, payload, end, want ? need - level : 0u, &buf, &level, &cursor);
       }
-      bad |= live && need == 0u;  // no code begins with the bits held
-      uint32_t sym = one & 0xFFFFu;
-      if (sym == esc_sym()) {
-        sym = (uint32_t)(buf >> (one >> 16)) & (zero_sym() - 1u);
-        bad |= table->enc[sym] != 0u;  // an escape of a symbol the table has a code for
-      }
+      uint32_t sym, len;  // (a code the table lacks, or an escape of a symbol it has a code for: the entry is bad)
+      bad |= !code_at((uint32_t)buf, one, &sym, &len) && live;
       const bool tail = live && sym != zero_sym();
       const uint32_t with = warp.ballot(tail);
       if (tail)

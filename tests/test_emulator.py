@@ -326,7 +326,7 @@ MUTATIONS = [
     ),
     Mutation(
         "unpack: no __syncthreads between copying the table into shared memory and reading it", "buddy_kernels.cu",
-        "    __syncthreads();\n    rows = reinterpret_cast", "    rows = reinterpret_cast", "fpe", "tsan", "race",
+        "  __syncthreads();\n  return reinterpret_cast", "  return reinterpret_cast", "fpe", "tsan", "race",
         (("buddy_kernels.cu", "buddy_unpack_body"), ("codec_fpe.h", "BuddyFpe")),
     ),
     Mutation(
