@@ -48,14 +48,15 @@ from experiments.bench_codecs import timed
 from experiments.common import start
 from experiments.fpe_lanes import lockstep_payloads
 
-__all__ = ["Prepared", "prepare", "main"]
+__all__ = ["Prepared", "main"]
 
 ENTRY = 4096
 GB = 1e9
 
 
 class Prepared:
-    """A dtype's coded entries (``(n, E)`` uint8), its fpe table, and their lockstep payloads and sectors."""
+    """A dtype's coded entries (``(n, E)`` uint8), its fpe table, and their lockstep payloads and sectors; made on
+    the CPU (no GPU needed)."""
 
     def __init__(self, x: torch.Tensor, chunk: int = 1024):
         self.dtype, self.word = x.dtype, x.element_size()
@@ -75,11 +76,6 @@ class Prepared:
         empty = np.zeros((0, ENTRY + 32), np.uint8)
         self.payloads = torch.from_numpy(np.concatenate(parts) if parts else empty)
         self.sectors = torch.cat(ks) if ks else torch.zeros(0, dtype=torch.int32)
-
-
-def prepare(x: torch.Tensor) -> Prepared:
-    """:class:`Prepared` of ``x`` (on the CPU: no GPU needed)."""
-    return Prepared(x)
 
 
 def _gbps(nbytes: int, times: list[float]) -> float:
@@ -158,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     rows: list[dict[str, Any]] = []
     for dtype in (torch.float32, torch.bfloat16):
-        prep = prepare(activation_bytes(dtype, args.mib, device, size=args.size))
+        prep = Prepared(activation_bytes(dtype, args.mib, device, size=args.size))
         name = str(dtype).removeprefix("torch.")
         print(f"{name}: {prep.entries.shape[0]} coded entries of 4 KiB, their lockstep streams made", flush=True)
         if not gpu:

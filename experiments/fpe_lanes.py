@@ -57,7 +57,7 @@ import buddy
 from buddy.codecs import fpe
 from experiments.common import capture_all, format_table, start
 
-__all__ = ["LANES", "simulate_entry", "lockstep", "lockstep_stream", "lockstep_payloads", "layout_bits", "main"]
+__all__ = ["LANES", "simulate_entry", "lockstep", "lockstep_read", "lockstep_stream", "lockstep_payloads", "layout_bits", "main"]
 
 LANES = 32
 #: the first pass's spans cover the estimate of the code section and 1/OVERSHOOT more (csrc/codec_fpe.h)
@@ -396,6 +396,12 @@ def _bits_at(rows: np.ndarray, f: np.ndarray, at: np.ndarray) -> np.ndarray:
     return (got << i).sum(-1)
 
 
+def lockstep_read(stream: np.ndarray, table: fpe.Table, n_words: int, *, tails: bool = False, unit: int = 0) -> dict:
+    """:func:`lockstep`, the decoder, on ``stream`` (``(n, bits)`` of 0/1, as :func:`lockstep_stream` makes them)
+    alone: each fetch reads the stream's bits (zeros past them)."""
+    return lockstep(table, stream.shape[0], n_words, lambda f, at: _bits_at(stream, f, at), tails=tails, unit=unit)
+
+
 def lockstep_stream(analysis, table: fpe.Table, *, tails: bool = False, unit: int = 0) -> tuple[np.ndarray, dict]:
     """The lockstep layout's streams of an fpe analysis' entries: ``(n, bits)`` of 0/1, and the encoder's run of
     :func:`lockstep` (the decoder's fetches, each lane's own bits written where it takes them: its fields in word
@@ -489,18 +495,19 @@ def ratio_costs(tensors, e: int) -> dict:
     return sizes
 
 
-def _lockstep_rounds(analysis, table: fpe.Table, rows: np.ndarray) -> dict[str, list]:
-    """The lockstep layout's fetch rounds on the entries ``rows`` of an analysis, its tails at the payload's end and
-    (words of at most 4 bytes; else None) after each code; checks that it pads nothing."""
+def _lockstep_rounds(analysis, table: fpe.Table) -> dict[str, list]:
+    """The lockstep layout's fetch rounds on the entries of an analysis, its tails at the payload's end and (words
+    of at most 4 bytes; else None) after each code; checks that it pads nothing."""
     out: dict[str, list] = {}
+    n = analysis.head_bits.shape[0]
     for tails, name in ((False, "lockstep"), (True, "lockstep_inline")):
         if tails and analysis.word_bytes == 8:
-            out |= {f"{name}_{part}": [None] * rows.size for part in ("topup", "partial", "lazy")}
+            out |= {f"{name}_{part}": [None] * n for part in ("topup", "partial", "lazy")}
             continue
         _, run = lockstep_stream(analysis, table, tails=tails)
         if not np.array_equal(run["bits"], lockstep_fields(analysis, tails)[1].sum(1)):
             raise RuntimeError("the lockstep layout took bits that are not a lane's own")
-        out |= {f"{name}_{part}": run[f"{part}_rounds"][rows].tolist() for part in ("topup", "partial", "lazy")}
+        out |= {f"{name}_{part}": run[f"{part}_rounds"].tolist() for part in ("topup", "partial", "lazy")}
     return out
 
 
@@ -521,7 +528,7 @@ def lane_work(tensors, e: int, sample: int, g: torch.Generator, **options) -> li
         if coded.numel() == 0:
             continue
         payload = analysis.streams(coded)
-        locked = _lockstep_rounds(analysis, codec.fitted, coded.numpy())
+        locked = _lockstep_rounds(codec.analyse(entries[pick][coded], word), codec.fitted)  # (those entries alone)
         for j, row in enumerate(coded.tolist()):
             sim = simulate_entry(payload[j].numpy(), int(analysis.sectors[row]), e // word, codec.fitted, **options)
             sims.append(dict(sim, codes=int(analysis.code_bits[row]), per_lane=e // word / LANES,

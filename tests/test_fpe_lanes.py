@@ -67,8 +67,7 @@ def test_lockstep_layout_decodes_from_its_stream_alone(dtype, tails, unit):
     analysis, table = _analysis(x.to(dtype), 4096, 6)
     stream, run = fpe_lanes.lockstep_stream(analysis, table, tails=tails, unit=unit)
     heads, bits = fpe_lanes.lockstep_fields(analysis, tails)
-    decoded = fpe_lanes.lockstep(table, stream.shape[0], bits.shape[1],
-                                 lambda f, at: fpe_lanes._bits_at(stream, f, at), tails=tails, unit=unit)  # fmt: skip
+    decoded = fpe_lanes.lockstep_read(stream, table, bits.shape[1], tails=tails, unit=unit)
     assert not decoded["bad"].any()
     assert np.array_equal(decoded["heads"], heads) and np.array_equal(decoded["lengths"], bits)
     assert np.array_equal(decoded["bits"], run["bits"]) and np.array_equal(decoded["lazy_rounds"], run["lazy_rounds"])
@@ -104,7 +103,7 @@ def test_lockstep_flags_a_stream_no_code_begins():
     stream, run = fpe_lanes.lockstep_stream(analysis, table)
     assert (run["lengths"] == 3).all() and not run["bad"].any()
     stream[1, 3 * 32 * 5 :] = 1  # from about the sixth round on, entry 1's lanes meet 1s
-    decoded = fpe_lanes.lockstep(table, 2, 1024, lambda f, at: fpe_lanes._bits_at(stream, f, at))
+    decoded = fpe_lanes.lockstep_read(stream, table, 1024)
     assert decoded["bad"].tolist() == [False, True]
     assert np.array_equal(decoded["heads"][0], run["heads"][0])
 
@@ -168,6 +167,5 @@ def test_the_lockstep_bench_prepares_exact_streams_without_a_gpu():
     assert prep.entries.shape == (30, 4096) and prep.payloads.shape == (30, 4096 + 32)
     analysis = fpe.FPECodec(prep.table).analyse(prep.entries, 4)
     assert torch.equal(prep.sectors, analysis.sectors.to(torch.int32))
-    run = fpe_lanes.lockstep(prep.table, 30, 1024, lambda f, at: fpe_lanes._bits_at(
-        np.unpackbits(prep.payloads.numpy(), axis=1, bitorder="little"), f, at))  # fmt: skip
+    run = fpe_lanes.lockstep_read(np.unpackbits(prep.payloads.numpy(), axis=1, bitorder="little"), prep.table, 1024)
     assert np.array_equal(run["heads"], analysis.head.numpy()) and not run["bad"].any()
