@@ -21,6 +21,18 @@ BUDDY_HD Codec buddy_codec(const uint8_t* table) {
     return Codec();
   }
 }
+// The same, a table codec's decode rows (Codec::ROWS_BYTES) read from `rows`, a copy of them (unpack's, in
+// shared memory).
+template <class Codec>
+BUDDY_HD Codec buddy_codec(const uint8_t* table, const uint8_t* rows) {
+  if constexpr (Codec::TABLED) {
+    return Codec(table, rows);
+  } else {
+    (void)table;
+    (void)rows;
+    return Codec();
+  }
+}
 
 // Sectors k of an entry, 0 <= k <= E/32, and its metadata mode.
 template <class Codec, class Warp>

@@ -35,14 +35,14 @@
 // device table of a codec that codes with one (fpe and auto2: a
 // BuddyFpeTable, csrc/codec_fpe.h, built by buddy.engines.cuda.device_table) and
 // null for the others. Each warp builds its codec object from it
-// (buddy_codec); built with BUDDY_SHARED_TABLES=1, unpack reads a copy of it
-// the block makes in its shared memory, and with BUDDY_PACK_FIELDS=1 too pack
+// (buddy_codec); built with BUDDY_SHARED_TABLES=1, unpack reads a copy of its
+// decode rows the block makes in its shared memory, and with BUDDY_PACK_FIELDS=1 too pack
 // a table of whole fields the block makes from it there (before the warps'
 // staging: the loader's launch_config gives them room); the other kernels
 // read it in global memory, through the cache.
-// A table codec's table in each block's shared memory (1): unpack's copy of the device table, before the warps'
-// staging; or none, the table read in global memory (0). The loader defines it with the launch's shared memory
-// (buddy.engines.cuda.launch_config).
+// A table codec's table in each block's shared memory (1): unpack's copy of the device table's decode rows, before
+// the warps' staging; or none, the table read in global memory (0). The loader defines it with the launch's shared
+// memory (buddy.engines.cuda.launch_config).
 #if !defined(BUDDY_SHARED_TABLES)
 #define BUDDY_SHARED_TABLES 0
 #endif
@@ -164,12 +164,14 @@ __device__ __forceinline__ void buddy_pack_body(const uint8_t* __restrict__ data
     buddy_pack_entry<Codec>(warp, codec, i, data, tail, n_full, meta, ends, s, slots, overflow, staging);
 }
 
-// A table codec's device table copied into the first Codec::TABLE_BYTES of the block's dynamic shared memory by
-// the block's threads (the block waits for it): its rows read from there. Unpack's and the lockstep decoder's.
+// A table codec's decode rows (the device table's first Codec::ROWS_BYTES) copied into the first Codec::ROWS_BYTES
+// of the block's dynamic shared memory by the block's threads (the block waits for them): the decoder reads its
+// rows from there, the rest of the table (enc, read only to check an escape) in global memory -- 8 KiB less a
+// block, a warp more an SM on an H100. Unpack's and the lockstep decoder's.
 template <class Codec>
 __device__ __forceinline__ const uint8_t* buddy_table_to_shared(const uint8_t* __restrict__ table) {
   uint64_t* copy = reinterpret_cast<uint64_t*>(buddy_dynamic_shared());
-  for (uint32_t j = threadIdx.x; j < Codec::TABLE_BYTES / 8u; j += blockDim.x)
+  for (uint32_t j = threadIdx.x; j < Codec::ROWS_BYTES / 8u; j += blockDim.x)
     copy[j] = reinterpret_cast<const uint64_t*>(table)[j];
   __syncthreads();
   return reinterpret_cast<const uint8_t*>(copy);
@@ -190,17 +192,17 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
     if (buddy_last_warp(n_entries) - buddy_first_warp(n_entries) >= BUDDY_WALK_MIN_ENTRIES) codec.prepare_walk();
   uint8_t* staging = buddy_staging(buddy_unpack_staging_entries<Codec>());
 #elif BUDDY_SHARED_TABLES
-  // The block's first Codec::TABLE_BYTES of dynamic shared memory hold the table, the warps' staging follows
-  // (launch_config): its rows are read a code at a time, at random, and from global memory they missed L1 about
-  // half the time (a warp waited on L1TEX for 8.5 / 14.8 of its 14.2 / 21.2 cycles an instruction, float32 /
+  // The block's first Codec::ROWS_BYTES of dynamic shared memory hold the table's decode rows, the warps' staging
+  // follows (launch_config): the rows are read a code at a time, at random, and from global memory they missed L1
+  // about half the time (a warp waited on L1TEX for 8.5 / 14.8 of its 14.2 / 21.2 cycles an instruction, float32 /
   // bfloat16, on an H200), shared memory answers every one.
   const uint8_t* rows = table;
   uint8_t* staging = buddy_staging(buddy_unpack_staging_entries<Codec>());
   if constexpr (Codec::TABLED) {
     rows = buddy_table_to_shared<Codec>(table);
-    staging += Codec::TABLE_BYTES;
+    staging += Codec::ROWS_BYTES;
   }
-  const Codec codec = buddy_codec<Codec>(rows);
+  const Codec codec = buddy_codec<Codec>(table, rows);
 #else
   const Codec codec = buddy_codec<Codec>(table);
   uint8_t* staging = buddy_staging(buddy_unpack_staging_entries<Codec>());
@@ -254,8 +256,8 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
 // The unpack of the table codecs, at entries of 4 KiB and more, is held to 64 registers a thread, 85 for 8-byte
 // words (auto2's members need more there): their decoders fit without spilling (nvcc --resource-usage; the kernel
 // budget, docs/kernel_budget.md). With the table in global memory a block runs at most 8 warps (4 blocks of 8 warps
-// fill an SM's registers at 64); with the table in shared memory at most 24 (one block an SM: 23 warps at 4 KiB on
-// an H100). Smaller entries unroll differently and are left to the compiler (at most 8 warps a block).
+// fill an SM's registers at 64); with the table's rows in shared memory at most 24 (one block an SM: 24 warps at 4
+// KiB on an H100). Smaller entries unroll differently and are left to the compiler (at most 8 warps a block).
 #if BUDDY_ENTRY_BYTES >= 4096 && BUDDY_SHARED_TABLES && !(defined(BUDDY_WORD_BYTES) && BUDDY_WORD_BYTES == 8)
 #define BUDDY_UNPACK_BOUNDS_LIMITED __launch_bounds__(1024, 1)
 #elif BUDDY_ENTRY_BYTES >= 4096 && BUDDY_SHARED_TABLES
@@ -470,9 +472,9 @@ BUDDY_FIT_KERNELS(auto2)
 
 // The lockstep layout's decoder (codec_fpe.h, decode_lockstep): a layout weighed for a format to come, which no
 // encoder writes; its streams come from experiments/fpe_lanes.py. Not in the one-lane build (the layout is of 32
-// lanes). As unpack's: the table in the block's shared memory, then a warp's payload (E + 32 bytes) after it; a
-// round's words go straight to global memory, side by side. Launch: dynamic shared memory TABLE_BYTES + the warps'
-// (E + 32) bytes.
+// lanes). As unpack's: the table's decode rows in the block's shared memory, then a warp's payload (E + 32 bytes)
+// after them; a round's words go straight to global memory, side by side. Launch: dynamic shared memory ROWS_BYTES
+// + the warps' (E + 32) bytes.
 #if (defined(BUDDY_CODEC_FPE) || defined(BUDDY_CODEC_ALL)) && !defined(BUDDY_NATIVE_SOLO)
 template <class Codec>
 __device__ __forceinline__ void buddy_lockstep_body(const uint8_t* __restrict__ payloads,
@@ -480,9 +482,9 @@ __device__ __forceinline__ void buddy_lockstep_body(const uint8_t* __restrict__ 
                                                     uint8_t* __restrict__ out, int* __restrict__ error,
                                                     const uint8_t* __restrict__ table) {
   const BuddyCudaWarp warp;
-  const Codec codec = buddy_codec<Codec>(buddy_table_to_shared<Codec>(table));
+  const Codec codec = buddy_codec<Codec>(table, buddy_table_to_shared<Codec>(table));
   uint8_t* const staging =
-      buddy_dynamic_shared() + Codec::TABLE_BYTES + (threadIdx.x / BUDDY_WARP_SIZE) * (BUDDY_ENTRY_BYTES + 32);
+      buddy_dynamic_shared() + Codec::ROWS_BYTES + (threadIdx.x / BUDDY_WARP_SIZE) * (BUDDY_ENTRY_BYTES + 32);
   uint32_t err = 0;
   for (long long i = buddy_first_warp(n_entries); i < n_entries; i += buddy_warp_stride()) {
     const uint32_t k = (uint32_t)sectors[i];

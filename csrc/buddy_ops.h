@@ -96,12 +96,20 @@ BUDDY_WARP_FN uint32_t buddy_op_measure(const Warp& warp, const Codec& codec, co
 template <class Codec, class Warp>
 BUDDY_WARP_FN void buddy_op_pack(const Warp& warp, const Codec& codec, const uint8_t* entry, uint32_t k, uint32_t mode,
                                  uint32_t s, uint8_t* slot, uint8_t* overflow, uint8_t* staging) {
-  const uint8_t* payload = entry;  // a raw entry is its own payload: no staging
-  if (k != 0 && k != BUDDY_SECTORS_PER_ENTRY) {
+  // the payload in the staging buffer: a coded entry's encoded there, a raw entry's bytes copied there -- on a
+  // GPU the copy below then reads shared memory alone (through a pointer that may be to the entry or to the
+  // staging buffer its loads were generic ones, slower than either's own); one lane (the native engine) copies a
+  // raw entry from where it is. A zero entry has no payload.
+  const uint8_t* payload = staging;
+  if (k == BUDDY_SECTORS_PER_ENTRY) {
+    if constexpr (BUDDY_WARP_SIZE == 1)
+      payload = entry;
+    else
+      buddy_warp_fill(warp, entry, staging, BUDDY_ENTRY_BYTES);
+  } else if (k != 0) {
     buddy_entry_encode<Codec>(warp, codec, entry, k, mode, staging);
-    warp.sync();  // the codec's lanes wrote the staging buffer; every lane copies from it
-    payload = staging;
   }
+  warp.sync();  // the lanes wrote the staging buffer; every lane copies from it
   const uint32_t in_slot = k < s ? k : s;
   buddy_warp_copy_sectors(warp, payload, slot, in_slot);
   buddy_warp_fill(warp, nullptr, slot + in_slot * BUDDY_SECTOR_BYTES, (s - in_slot) * BUDDY_SECTOR_BYTES);

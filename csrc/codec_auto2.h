@@ -24,6 +24,7 @@ struct BuddyAuto2 {
   typedef BuddyFpe<WB> Fpe;
   static constexpr bool TABLED = true;
   static constexpr uint32_t TABLE_BYTES = Fpe::TABLE_BYTES;
+  static constexpr uint32_t ROWS_BYTES = Fpe::ROWS_BYTES;  // (fpe's decode rows)
   static constexpr bool STAGED_DECODE = true;  // lanes write words at scattered places: decode into shared memory
   static constexpr uint32_t DECODE_PAD = Fpe::DECODE_PAD;  // (fpe's decoder reads past its payload)
   static constexpr uint32_t ZERO_MODE = Auto::ZERO_MODE;
@@ -32,6 +33,7 @@ struct BuddyAuto2 {
   Fpe fpe;
 
   BUDDY_HD explicit BuddyAuto2(const uint8_t* device_table) : fpe(device_table) {}
+  BUDDY_HD BuddyAuto2(const uint8_t* device_table, const uint8_t* decode_rows) : fpe(device_table, decode_rows) {}
 
 #if defined(BUDDY_PACK_FIELDS) && BUDDY_PACK_FIELDS && !defined(BUDDY_NATIVE_SOLO)
   static constexpr uint32_t FIELDS_BYTES = Fpe::FIELDS_BYTES;  // (fpe's pack's table of whole fields)

@@ -100,8 +100,9 @@ struct BuddyFpeTable {
   uint32_t split;
   uint32_t span_model;
 };
+// (no padding: the decode rows, dec and multi, are its first 8 * BUDDY_FPE_ROWS bytes, which unpack copies alone)
 static_assert(sizeof(BuddyFpeTable) == 8u * BUDDY_FPE_ROWS + 2u * BUDDY_FPE_SYMBOLS + 12u, "no padding");
-static_assert(sizeof(BuddyFpeTable) % 16u == 0u, "copied to shared memory 8 bytes at a time, staging after it");
+static_assert(sizeof(BuddyFpeTable) % 16u == 0u, "whole 16-byte units");
 
 // b of the tables a fit makes (table format 3): a word's top 12 bits, all of a 1-byte word's
 template <int WB>
@@ -174,6 +175,7 @@ struct BuddyFpe {
   typedef typename buddy_uint<WB>::type word_t;
   static constexpr bool TABLED = true;
   static constexpr uint32_t TABLE_BYTES = sizeof(BuddyFpeTable);  // the device table's (a multiple of 8)
+  static constexpr uint32_t ROWS_BYTES = 8u * BUDDY_FPE_ROWS;      // its decode rows, dec and multi: its first bytes
   static constexpr bool STAGED_DECODE = true;  // lanes write words at scattered places: decode into shared memory
   static constexpr uint32_t DECODE_PAD = 8;    // zeros after the payload: the walks' 32-bit reads need no bounds
   static constexpr uint32_t ZERO_MODE = 0;
@@ -194,11 +196,20 @@ struct BuddyFpe {
 
   // The table is on the device; b is read once per warp (a host-built table has it checked: buddy.engines.cuda), what
   // follows from it is computed where it is used (the object lives in registers across a kernel's loop).
+  // The decoders read their rows (dec, multi) through `rows`: the table's own, or unpack's copy of them in the
+  // block's shared memory (buddy_kernels.cu; the table's first ROWS_BYTES); the rest of the table -- enc, which a
+  // decoder reads only to check an escape, sym_bits, split, span_model -- stays where the table is.
   const BuddyFpeTable* table;
+  const BuddyFpeTable* rows;  // (only dec and multi are read through it)
   uint32_t sym_bits;  // b: a symbol is the word's top b bits (the table's)
 
+  // (two constructors, not a default argument and a select: a select between the table and a copy in shared
+  // memory hides where the rows are, and the compiler then reads them with generic loads)
   BUDDY_HD explicit BuddyFpe(const uint8_t* device_table)
-      : table(reinterpret_cast<const BuddyFpeTable*>(device_table)), sym_bits(table->sym_bits) {}
+      : table(reinterpret_cast<const BuddyFpeTable*>(device_table)), rows(table), sym_bits(table->sym_bits) {}
+  BUDDY_HD BuddyFpe(const uint8_t* device_table, const uint8_t* decode_rows)
+      : table(reinterpret_cast<const BuddyFpeTable*>(device_table)),
+        rows(reinterpret_cast<const BuddyFpeTable*>(decode_rows)), sym_bits(table->sym_bits) {}
 
 #if defined(BUDDY_PACK_FIELDS) && BUDDY_PACK_FIELDS && !defined(BUDDY_NATIVE_SOLO)
   // Pack's table of whole fields, made by the block in its shared memory (buddy_kernels.cu): for each symbol of
@@ -885,7 +896,7 @@ struct BuddyFpe {
   // those in the span's first `window` bits are recorded.
   template <bool EDGE>
   BUDDY_HD uint32_t step(uint32_t bits, BuddyFpeSpan& sp, uint32_t pos, uint32_t limit) const {
-    const uint32_t row = table->multi[bits & (BUDDY_FPE_ROWS - 1u)];
+    const uint32_t row = rows->multi[bits & (BUDDY_FPE_ROWS - 1u)];
     uint32_t starts, tails, took;
     if (row) {  // the codes inside the next 12 bits at once
       starts = row & 0xFFFu;
@@ -902,7 +913,7 @@ struct BuddyFpe {
         }
       }
     } else {  // ESC with its symbol, or not a code
-      const uint32_t one = table->dec[bits & (BUDDY_FPE_ROWS - 1u)];
+      const uint32_t one = rows->dec[bits & (BUDDY_FPE_ROWS - 1u)];
       const uint32_t len = one >> 16, sym = one & 0xFFFFu;
       if (len == 0) return never;
       starts = 1u;
@@ -919,7 +930,7 @@ struct BuddyFpe {
 
   // The bits of the one code at the stream bits `bits`, ESC with its symbol; 0 for a code the table lacks.
   BUDDY_HD uint32_t one_code(uint32_t bits) const {
-    const uint32_t one = table->dec[bits & (BUDDY_FPE_ROWS - 1u)];
+    const uint32_t one = rows->dec[bits & (BUDDY_FPE_ROWS - 1u)];
     return (one >> 16) == 0 ? 0u : (one >> 16) + ((one & 0xFFFFu) == esc_sym() ? sym_bits : 0u);
   }
 
@@ -932,7 +943,7 @@ struct BuddyFpe {
     uint32_t pos = guess - base > warmup ? guess - warmup : base;
     while (pos + BUDDY_FPE_CODE_BITS <= guess) {
       const uint32_t bits = buddy_peek32_padded(payload, pos);
-      const uint32_t row = table->multi[bits & (BUDDY_FPE_ROWS - 1u)];
+      const uint32_t row = rows->multi[bits & (BUDDY_FPE_ROWS - 1u)];
       if (row) {
         pos += row >> 24;
       } else {  // ESC with its symbol, or not a code
@@ -943,7 +954,7 @@ struct BuddyFpe {
     }
     while (pos < guess) {
       const uint32_t bits = buddy_peek32_padded(payload, pos);
-      const uint32_t row = table->multi[bits & (BUDDY_FPE_ROWS - 1u)];
+      const uint32_t row = rows->multi[bits & (BUDDY_FPE_ROWS - 1u)];
       if (row) {
         const uint32_t ahead = guess - pos < (row >> 24) ? (row & 0xFFFu) & ~((1u << (guess - pos)) - 1u) : 0u;
         pos += ahead ? buddy_ctz(ahead) : row >> 24;  // the first start at or past the guess, if in this step
@@ -982,13 +993,13 @@ struct BuddyFpe {
     uint32_t tails = 0;
     while (p < stop) {
       const uint32_t bits = buddy_peek32_padded(payload, p);
-      const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+      const uint32_t row = rows->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
       if (row) {
         const uint32_t step = buddy_min(row >> 24, stop - p);  // the codes that start before `stop` end there
         tails += buddy_popc((row >> 12) & ((1u << step) - 1u));
         p += step;
       } else {
-        const uint32_t one = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)], sym = one & 0xFFFFu;
+        const uint32_t one = rows->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)], sym = one & 0xFFFFu;
         tails += sym != zero_sym();
         p += (one >> 16) + (sym == esc_sym() ? sym_bits : 0u);
       }
@@ -1011,8 +1022,8 @@ struct BuddyFpe {
       const uint32_t bits = buddy_peek32_padded(payload, pos);
       // both rows of the next 12 bits at once (two independent loads): the step's codes, and the first code's
       // symbol and length -- all a step of one code needs (most steps of 2-byte words)
-      const uint32_t row = table->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
-      const uint32_t one = table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+      const uint32_t row = rows->multi[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
+      const uint32_t one = rows->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)];
       const uint32_t starts = row & 0xFFFu;
       if (row && buddy_popc(starts) <= count - done) {  // the codes of the step, unless the lane's end is inside it
         uint32_t m = (row >> 12) & 0xFFFu;  // the codes with tails (the first starts at bit 0)
@@ -1022,7 +1033,7 @@ struct BuddyFpe {
         }
         for (; m; m &= m - 1u) {
           const uint32_t off = buddy_ctz(m);
-          const uint32_t sym = table->dec[(uint32_t)(bits >> off) & (BUDDY_FPE_ROWS - 1u)] & 0xFFFFu;
+          const uint32_t sym = rows->dec[(uint32_t)(bits >> off) & (BUDDY_FPE_ROWS - 1u)] & 0xFFFFu;
           const uint32_t at = done + buddy_popc(starts & ((1u << off) - 1u));
           put_word(payload, n64, sym, end, j++, out + (size_t)WB * (first + at));
         }
@@ -1426,7 +1437,7 @@ struct BuddyFpe {
   BUDDY_WARP_FN uint32_t decode_lockstep(const Warp& warp, const uint8_t* payload, uint32_t k, uint8_t* out) const {
     const uint32_t lane = warp.lane(), end = 8u * BUDDY_SECTOR_BYTES * k, n64 = k * (BUDDY_SECTOR_BYTES / 8u);
     const uint32_t below = (1u << lane) - 1u;       // the lanes before this one
-    const uint32_t shortest = table->dec[0] >> 16;  // (canonical: the code of value 0 is a shortest one)
+    const uint32_t shortest = rows->dec[0] >> 16;  // (canonical: the code of value 0 is a shortest one)
     constexpr uint32_t rounds = (words + 31u) / 32u;
     const uint32_t mine = words % 32u == 0u ? rounds : (words - lane + 31u) / 32u;  // the lane's words
     uint64_t buf = 0;
@@ -1443,7 +1454,7 @@ struct BuddyFpe {
         lock_take(warp, payload, end, low && sure > 0 && sure < 32 ? (uint32_t)sure : 0u, &buf, &level, &cursor);
       uint32_t one, need;
       for (;;) {  // the code, then its escaped symbol: exactly the bits it lacks (none for a code the table lacks)
-        one = table->dec[(uint32_t)buf & ((1u << buddy_min(level, BUDDY_FPE_CODE_BITS)) - 1u)];
+        one = rows->dec[(uint32_t)buf & ((1u << buddy_min(level, BUDDY_FPE_CODE_BITS)) - 1u)];
         const uint32_t len = one >> 16;
         need = len <= level && (one & 0xFFFFu) == esc_sym() ? len + sym_bits : len;
         const bool want = live && need > level;
@@ -1483,7 +1494,7 @@ struct BuddyFpe {
       if (pos >= limit) return never;
       const uint64_t bits = buddy_peek(payload, n64, pos);
       uint32_t sym, len;
-      if (!code_at((uint32_t)bits, table->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)], &sym, &len)) return never;
+      if (!code_at((uint32_t)bits, rows->dec[(uint32_t)bits & (BUDDY_FPE_ROWS - 1u)], &sym, &len)) return never;
       pos += len;
       uint64_t word = 0;
       if (sym != zero_sym()) {

@@ -103,8 +103,8 @@ def time_lockstep(prep: Prepared, device: torch.device, repeats: int, warmup: in
     limits = bcuda.device_shared_memory(device)
     if limits is None:
         raise RuntimeError(f"no shared memory figures for {device}")
-    warps = max(1, min(32, (limits.per_block - bcuda.DEVICE_TABLE_BYTES) // (ENTRY + 32)))
-    shared = bcuda.DEVICE_TABLE_BYTES + warps * (ENTRY + 32)
+    warps = max(1, min(32, (limits.per_block - bcuda.DECODE_ROWS_BYTES) // (ENTRY + 32)))
+    shared = bcuda.DECODE_ROWS_BYTES + warps * (ENTRY + 32)
     blocks = limits.sms * max(1, limits.blocks_per_sm(shared, warps))
     kernel = _lockstep_kernel(prep.word, device, shared)
     payloads, sectors = prep.payloads.to(device), prep.sectors.to(device)

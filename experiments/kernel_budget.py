@@ -628,16 +628,23 @@ def cycles_per_instruction(row: dict) -> float:
     return row["us"] * 1e-6 * clock * 1e9 * H100["sms"] * row["warps/SM"] / row["instr"]
 
 
-def measured_launch(measured: dict | None, kernel: str, dtype: str, threads: int, shared: int) -> dict | None:
+def measured_launch(measured: dict | None, kernel: str, dtype: str, threads: int, shared: int,
+                    default: bool = False) -> dict | None:  # fmt: skip
     """The GPU run's row (:func:`ncu_measured`) of ``kernel`` on ``dtype`` launched as estimated: of its layouts
     (``kernel`` and its variants ``kernel (... threads, ... B shared)``), the one of ``threads`` a block and
-    ``shared`` bytes of dynamic shared memory; a run that did not read the shared memory has one layout a kernel."""
+    ``shared`` bytes of dynamic shared memory; a run that did not read the shared memory has one layout a kernel.
+    With ``default``, where the run has no such layout, the row of its layout of the most dynamic shared memory
+    (``kernel``: a table codec's unpack with its table in shared memory), marked ``"layout": (block, smem)`` --
+    for a kernel whose layout changed since the run."""
     rows = (measured or {}).get("rows", {})
     mine = [r for (name, d), r in rows.items() if d == dtype and (name == kernel or name.startswith(f"{kernel} ("))]
     for r in mine:
         if r.get("block") == threads and r.get("smem") == shared:
             return r
-    return rows.get((kernel, dtype)) if all(math.isnan(r.get("smem", math.nan)) for r in mine) else None
+    if all(math.isnan(r.get("smem", math.nan)) for r in mine):
+        return rows.get((kernel, dtype))
+    ran = rows.get((kernel, dtype))
+    return ran | {"layout": (ran.get("block"), ran.get("smem"))} if default and ran is not None else None
 
 
 def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: Path,
@@ -688,9 +695,11 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
             issue = H100["sms"] * H100["schedulers"] * clock / instr * entry_bytes / 1e9
             memory = H100["hbm_gbps"] * entry_bytes / moved
             bounds = {"issue": issue, "memory": memory}
-            ran = measured_launch(measured, f"{codec} {op}", row["dtype"], threads, shared)
+            ran = measured_launch(measured, f"{codec} {op}", row["dtype"], threads, shared, default=True)
             if ran is not None:  # a warp's instructions at the cycles each took it in the GPU run
                 row["cycles/instr"] = cpi = cycles_per_instruction(ran)
+                if "layout" in ran:  # (the run's default layout, not this one's)
+                    row["measured layout"] = ran["layout"]
                 bounds["latency"] = H100["sms"] * clock * warps / (instr * cpi) * entry_bytes / 1e9
             bound = min(bounds, key=bounds.__getitem__)
             row |= {f"{b} GB/s": v for b, v in bounds.items()} | {"estimate GB/s": bounds[bound], "bound": bound}
@@ -790,6 +799,7 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
     ]
     for r in rows:
         out.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+    out += _other_layouts(rows)
     out += ["", "Trip counts of the split layout's decoder (mean per entry, the lane simulation on the capture "
             "workloads' coded entries; a warp's steps, the most any lane takes; find steps include the warm-up "
             "and resync steps):", "", "| dtype | entries | k (sectors) | passes | resync rounds | find steps | "
@@ -867,8 +877,10 @@ entry); the fit took 0.34-0.38 ms, not the 0.9 ms estimated. The second run also
 (bfloat16), with 47-51 % of L1 hits** -- the table's rows, read a code at a time at random, did not stay in the L1
 left beside 24 warps' 192 KiB of staging --; count's waited on shared memory for 35-49 of 69-92 cycles (its
 warp match and atomic adds, most of them on a few bins); measure's and pack's on neither much (2-3 cycles). So
-unpack now copies the table (40 KiB) into each block's shared memory before the warps' staging: on an H100 one
-block of 23 warps an SM, as many blocks as stay resident, their warps striding over the entries
+unpack now copies the table into each block's shared memory before the warps' staging -- its decode rows, 32 of its
+40 KiB (the encode entries, read by the decoder only to check an escape, stay in global memory: one warp more an
+SM, 24 where the whole table left room for 23) --: on an H100 one block of 24 warps an SM, as many blocks as stay
+resident, their warps striding over the entries
 (`buddy.engines.cuda.launch_config`, `shared_table_layout`; `BUDDY_SHARED_TABLES=0` keeps the table in
 global memory, and the runbook's bench and ncu steps time both). Pack can make a table of whole fields there
 (`BUDDY_PACK_FIELDS=1`; 16 KiB, `make_fields`: per symbol its code, escape included, its bits and whether a tail
@@ -934,11 +946,17 @@ table in global memory, its warps waiting on L1TEX for 1.3 / 0.6 cycles an instr
 The count's ballots made the bfloat16 compress 1.3-1.4x faster (the float32 one within its noise), so 2-byte
 words take them by default (`buddy.engines.cuda.count_matches`; `BUDDY_COUNT_MATCH=1` or `0` for every word size;
 their code is left out of the count above, which charges the match).
+Since that run: unpack copies only the table's decode rows (above: 24 warps an SM, not yet run on a GPU; the
+unpack estimate takes the cycles an instruction of the run's 23, marked under the table), and no kernel reads
+through a generic address any more -- pack copied its payload to the slot and the overflow through a pointer that
+was the staging buffer (shared memory) for a coded entry and the entry itself (global) for a raw one, so its copy
+read with generic loads; a raw entry is now copied into the staging buffer first (a test reads every kernel's PTX
+for generic loads and stores: `test_kernels_read_and_write_memory_by_its_own_space`).
 Next: a run of this code on a GPU (pack reading the table in global memory beside unpack's table in shared
 memory, bfloat16's count by ballots; the bench's `--pack-fields` and `--other-count` time the other forms); then a
 histogram a warp for count if it still waits; then the latency levers above -- unpack's shared memory (the table,
 then 4 KiB of payload and 4 KiB of output a warp) is what
-holds it at 23 warps an SM; two entries a warp with their walks interleaved; one walk instead of two (the find walk keeping each
+holds it at 24 warps an SM; two entries a warp with their walks interleaved; one walk instead of two (the find walk keeping each
 code's symbol in shared memory: by the lane simulation a lane finds 34 codes on average for 32 float32 words and 72
 for 64 bfloat16 words); pack's fields (a word's code from the table and its selects: about 37 instructions a
 bfloat16 word before the table of whole fields; what is left is the scan and the ORs into the payload); a fit of
@@ -963,6 +981,23 @@ shared memory (`short_scoreboard`), beside the L1 hit rate.
 
 
 # ---- the estimate checked: an ncu run of the GPU runbook ----------------------------------------------
+def _other_layouts(rows: list[dict]) -> list[str]:
+    """A note on the kernels whose cycles an instruction come from a layout of the GPU run other than theirs."""
+    seen: dict[str, list[dict]] = {}
+    for r in rows:
+        if "measured layout" in r:
+            seen.setdefault(r["kernel"], []).append(r)
+    out = []
+    for kernel, mine in seen.items():
+        block, smem = mine[0]["measured layout"]
+        out += ["", f"{kernel} ({', '.join(r['dtype'] for r in mine)}): its `cycles/instr` are those the GPU run "
+                f"measured in its layout of {block:.0f} threads and {smem:,.0f} B of dynamic shared memory a block "
+                f"(the layout of that run's code); here it runs {mine[0]['warps/SM']} warps an SM in blocks of "
+                f"{mine[0]['smem/block']:,} B, and the latency bound assumes a warp's cycles an instruction hold "
+                "there -- a run of this code measures them."]  # fmt: skip
+    return out
+
+
 def _number(text: str) -> float:
     return float(text.replace(",", "")) if text.strip() else math.nan
 

@@ -91,15 +91,16 @@ def test_launch_configuration():
 
 
 def test_launch_configuration_with_the_table_in_shared_memory():
-    """Given a device's shared memory, a table codec's unpack gives each block the table before its warps'
-    staging, its pack the table of whole fields: the most warps an SM (unpack), as many blocks as stay resident
-    (their warps stride over the rest)."""
-    table = bcuda.DEVICE_TABLE_BYTES
-    assert table % 16 == 0
-    # an H100: one block of 23 warps an SM at 4 KiB (24 would need 232 KiB); 132 blocks however many entries
-    assert bcuda.shared_table_layout(4096, bcuda.HOPPER) == (23, 1)
-    assert bcuda.launch_config("unpack", 4096, 10**6, "auto2", bcuda.HOPPER) == (132, 736, table + 23 * 2 * 4096)
-    assert bcuda.launch_config("unpack", 4096, 50, "fpe", bcuda.HOPPER) == (3, 736, table + 23 * 2 * 4096)
+    """Given a device's shared memory, a table codec's unpack gives each block the table's decode rows before its
+    warps' staging, its pack the table of whole fields: the most warps an SM (unpack), as many blocks as stay
+    resident (their warps stride over the rest)."""
+    table = bcuda.DECODE_ROWS_BYTES
+    assert table % 16 == 0 and table < bcuda.DEVICE_TABLE_BYTES  # (the table's first bytes; its enc stays out)
+    # an H100: one block of 24 warps an SM at 4 KiB (the whole table would leave room for 23); 132 blocks however
+    # many entries
+    assert bcuda.shared_table_layout(4096, bcuda.HOPPER) == (24, 1)
+    assert bcuda.launch_config("unpack", 4096, 10**6, "auto2", bcuda.HOPPER) == (132, 768, table + 24 * 2 * 4096)
+    assert bcuda.launch_config("unpack", 4096, 50, "fpe", bcuda.HOPPER) == (3, 768, table + 24 * 2 * 4096)
     assert bcuda.launch_config("unpack", 512, 10**6, "fpe", bcuda.HOPPER)[1] == 8 * 32  # small entries: 8 warps
     for e in (32, 1024, 8192, 65536):  # every entry size fits an H100, within its limits
         warps, per_sm = bcuda.shared_table_layout(e, bcuda.HOPPER)
@@ -117,10 +118,13 @@ def test_launch_configuration_with_the_table_in_shared_memory():
     assert bcuda.launch_config("unpack", 4096, 1000, "zvc", bcuda.HOPPER) == bcuda.launch_config("unpack", 4096, 1000)
     assert bcuda.launch_config("pack", 4096, 1000, "zvc", bcuda.HOPPER) == bcuda.launch_config("pack", 4096, 1000)
     assert bcuda.launch_config("measure", 4096, 1000, "fpe", bcuda.HOPPER) == bcuda.launch_config("measure", 4096, 1000)
-    # a device whose block cannot hold the table and one warp's 128 KiB: the table stays in global memory
-    small = bcuda.SharedMemory(sms=108, per_block=163 << 10, per_sm=164 << 10)
+    # a device whose block cannot hold the rows and one warp's 128 KiB (99 KiB a block, as sm_86's): the table
+    # stays in global memory; an A100's 163 KiB hold them (the whole table would not: 40 KiB)
+    small = bcuda.SharedMemory(sms=84, per_block=99 << 10, per_sm=100 << 10)
     assert bcuda.shared_table_layout(65536, small) is None
     assert bcuda.launch_config("unpack", 65536, 3, "fpe", small) == bcuda.launch_config("unpack", 65536, 3, "fpe")
+    a100 = bcuda.SharedMemory(sms=108, per_block=163 << 10, per_sm=164 << 10)
+    assert bcuda.shared_table_layout(65536, a100) == (1, 1) and bcuda.DEVICE_TABLE_BYTES + 2 * 65536 > 163 << 10
     assert bcuda.compile_options(4096, "fpe", 4, shared_tables=True)[-1] == "-DBUDDY_SHARED_TABLES=1"
     both = ("-DBUDDY_SHARED_TABLES=1", "-DBUDDY_PACK_FIELDS=1")
     assert bcuda.compile_options(4096, "fpe", 4, True, True)[-2:] == both
@@ -174,9 +178,9 @@ def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, e
                                                  ("unpack", False, False)]  # fmt: skip
     place = shared if in_shared else None
     assert launched[0][2:5] == bcuda.launch_config("pack", entry_bytes, 1000, "auto2", place, made)
-    assert (launched[0][4] > 8 * entry_bytes) == made
+    assert (launched[0][4] > bcuda.launch_config("pack", entry_bytes, 1000)[2]) == made  # (the fields before it)
     assert launched[1][2:5] == bcuda.launch_config("unpack", entry_bytes, 1000, "auto2", place)
-    assert in_shared == (env is None and entry_bytes == 4096)
+    assert in_shared == (env is None)
 
 
 @needs_nvcc
@@ -212,6 +216,35 @@ def test_translation_unit_compiles_without_warnings(tmp_path, entry_bytes, codec
     )
     assert "spill stores" in result.stderr
     assert not re.search(r"[1-9]\d* bytes spill stores", result.stderr), result.stderr
+
+
+#: a load, store or atomic of PTX with no state space: through a generic address, which may be of shared or of
+#: global memory (the hardware tells them apart at run time, later than a load of either's own)
+GENERIC_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st|atom|red)(?:\.\w+)*)\s", re.M)
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("codec", "word", "table"), [
+    pytest.param("all", None, False, id="every-codec-every-word"),
+    pytest.param("all", None, True, id="every-codec-every-word-table-in-shared"),
+    pytest.param("auto2", 2, "fields", id="auto2-w=2-pack-fields-in-shared"),
+])  # fmt: skip
+def test_kernels_read_and_write_memory_by_its_own_space(tmp_path, codec, word, table):
+    """Every load and store of the kernels' PTX (sm_90, 4 KiB entries) names shared or global memory: none goes
+    through a generic address. The compiler knows a pointer's space where it sees where the pointer comes from,
+    and loses it where one pointer may be either -- pack's copy of a payload from its staging or from the entry
+    itself, or a codec's decode rows from a copy in shared memory or from the table -- and then reads with
+    generic loads (``ld.u64``), slower than either's own."""
+    unit = tmp_path / "kernels_tu.cu"
+    unit.write_text(bcuda.translation_unit())
+    options = bcuda.compile_options(spec.DEFAULT_ENTRY_BYTES, codec, word, bool(table), table == "fields")
+    ptx = tmp_path / "k.ptx"
+    subprocess.run(["nvcc", "-arch=sm_90", *options, "-ptx", str(unit), "-o", str(ptx)], check=True, timeout=900)
+    text = ptx.read_text()
+    found = [op for op in GENERIC_ACCESS.findall(text) if op.split(".")[1] not in ("shared", "global", "local",
+                                                                                   "param", "const")]  # fmt: skip
+    assert re.search(r"\bld\.shared\.", text) and re.search(r"\bld\.global\.", text)  # (the pattern reads them)
+    assert not found, f"generic accesses: {sorted(set(found))}"
 
 
 @needs_nvcc

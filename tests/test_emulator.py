@@ -311,13 +311,15 @@ MUTATIONS = [
     ),
     Mutation(
         "pack: no warp.sync() after the encode into staging", "buddy_ops.h",
-        "    warp.sync();  // the codec's lanes wrote the staging buffer; every lane copies from it\n", "", "zvc",
+        "  warp.sync();  // the lanes wrote the staging buffer; every lane copies from it\n", "", "zvc",
         "tsan", "race", (("buddy_ops.h", "buddy_op_pack"), ("codec_zvc.h", "encode")),
     ),
     Mutation(
         "pack: no warp.sync() before the warp's next entry reuses staging (warps loop: one block)", "buddy_ops.h",
         "  warp.sync();  // the staging buffer is read before the warp's next entry writes it\n}",
-        "}", "zvc", "tsan", "race", (("buddy_ops.h", "buddy_op_pack"), ("codec_zvc.h", "encode")), max_blocks=1,
+        # (the next entry's payload written into the staging buffer -- encoded, or a raw entry's bytes -- while a
+        # lane still copies the entry before out: both in buddy_op_pack)
+        "}", "zvc", "tsan", "race", (("buddy_ops.h", "buddy_op_pack"), ("buddy_ops.h", "buddy_op_pack")), max_blocks=1,
     ),
     Mutation(
         "unpack: no warp.sync() after gathering the payload", "buddy_ops.h",

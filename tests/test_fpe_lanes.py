@@ -147,7 +147,7 @@ def test_lockstep_decoder_kernel_reads_the_simulations_streams(dtype, build):
     error = torch.zeros(1, dtype=torch.int32)
     n, word = np.int64(rows.numel()), np.int32(x.element_size())
     with Emulator(build, seed=4) as emu:
-        emu.run("buddy_fpe_lockstep_decode", e, (2, 64, bcuda.DEVICE_TABLE_BYTES + 2 * (e + 32)),
+        emu.run("buddy_fpe_lockstep_decode", e, (2, 64, bcuda.DECODE_ROWS_BYTES + 2 * (e + 32)),
                 (payloads, sectors, n, out, error, bcuda.device_table(table), word))  # fmt: skip
     keep = torch.arange(rows.numel()) != damaged
     assert torch.equal(out[keep], want[keep])

@@ -204,6 +204,10 @@ def test_ncu_launches_of_two_layouts_are_two_kernels(tmp_path):
     assert measured_launch(measured, "auto2 pack", "float32", 256, 49170)["us"] == pytest.approx(5.0)
     assert measured_launch(measured, "auto2 unpack", "bfloat16", 736, 229390)["us"] == pytest.approx(2.0)
     assert measured_launch(measured, "auto2 unpack", "bfloat16", 256, 65536) is None  # a layout that did not run
+    # ... unless the estimate asks for the run's layout of the most shared memory, marked as another layout
+    other = measured_launch(measured, "auto2 unpack", "bfloat16", 768, 229376, default=True)
+    assert other["us"] == pytest.approx(2.0) and other["layout"] == (736, pytest.approx(229390))
+    assert "layout" not in measured_launch(measured, "auto2 unpack", "bfloat16", 736, 229390, default=True)
     old = {"rows": {("auto2 pack", "float32"): {"us": 7.0, "block": 256, "smem": float("nan")}}}  # smem not read
     assert measured_launch(old, "auto2 pack", "float32", 256, 32768)["us"] == 7.0
 
@@ -223,3 +227,17 @@ def test_the_radix_select_simulated_finds_the_rth_largest(seed):
     kth, passes, left = radix_select(keys, 255)
     assert kth == np.sort(keys)[::-1][254]
     assert 1 <= passes <= 11 and (left == 0) == (passes == 11) and left <= 32
+
+
+def test_a_latency_bound_from_another_layout_is_said():
+    """Where a kernel's cycles an instruction come from the GPU run's layout, not the one estimated (its layout
+    changed since the run), the budget says so under its table: which layout ran, which is estimated."""
+    from experiments.kernel_budget import _other_layouts
+
+    rows = [{"kernel": "auto2 unpack", "dtype": d, "warps/SM": 24, "smem/block": 229376,
+             "measured layout": (736.0, 229392.0)} for d in ("float32", "bfloat16")]  # fmt: skip
+    rows.append({"kernel": "auto2 pack", "dtype": "float32", "warps/SM": 24, "smem/block": 32768})
+    note = "\n".join(_other_layouts(rows))
+    assert "auto2 unpack (float32, bfloat16)" in note and "736 threads and 229,392 B" in note
+    assert "24 warps an SM in blocks of 229,376 B" in note and "auto2 pack" not in note
+    assert _other_layouts(rows[2:]) == []

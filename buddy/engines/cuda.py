@@ -97,6 +97,7 @@ __all__ = [
     "KERNEL_CODECS",
     "TABLED_KERNELS",
     "DEVICE_TABLE_BYTES",
+    "DECODE_ROWS_BYTES",
     "FIELDS_BYTES",
     "FIT_SERIAL_BYTES",
     "FIT_WORK_BYTES",
@@ -188,8 +189,8 @@ def compile_options(
     """NVRTC options: C++17, the format constants of this entry size, which codec's kernels to build, when given
     the one word size they are built for (csrc/buddy_kernels.cu: a kernel of one word size needs fewer registers
     than one of all four), and whether a table codec's tables are in each block's shared memory (``shared_tables``:
-    unpack's copy of the device table, and with ``pack_fields`` pack's table of whole fields; launched with
-    :func:`launch_config`'s ``shared`` and ``pack_fields`` then)."""
+    unpack's copy of the device table's decode rows, and with ``pack_fields`` pack's table of whole fields;
+    launched with :func:`launch_config`'s ``shared`` and ``pack_fields`` then)."""
     if pack_fields and not shared_tables:
         raise ValueError("pack's table of whole fields is in shared memory: pack_fields needs shared_tables")
     defines = spec.c_defines(spec.check_entry_bytes(entry_bytes))
@@ -260,14 +261,14 @@ def pack_fields() -> bool:
 @functools.cache
 def shared_table_layout(entry_bytes: int, shared: SharedMemory) -> tuple[int, int] | None:
     """``(warps a block, blocks an SM)`` of a table codec's unpack with its table in shared memory on a device
-    of ``shared``: each block holds the table (:data:`DEVICE_TABLE_BYTES`) and ``2 E`` a warp; the most warps
-    an SM (ties: the larger blocks, fewer copies of the table), at most 24 warps a block at 4 KiB entries and
-    more (the kernel's launch bounds), 8 below, 64 warps and 32 blocks an SM. None where one warp's does not fit
-    a block: the table stays in global memory."""
+    of ``shared``: each block holds the table's decode rows (:data:`DECODE_ROWS_BYTES`) and ``2 E`` a warp; the
+    most warps an SM (ties: the larger blocks, fewer copies of the rows), at most 24 warps a block at 4 KiB
+    entries and more (the kernel's launch bounds), 8 below, 64 warps and 32 blocks an SM. None where one warp's
+    does not fit a block: the table stays in global memory."""
     most = 24 if entry_bytes >= 4096 else 8
     best: tuple[int, int] | None = None
     for warps in range(1, most + 1):
-        block = DEVICE_TABLE_BYTES + warps * 2 * entry_bytes
+        block = DECODE_ROWS_BYTES + warps * 2 * entry_bytes
         if block > shared.per_block:
             break
         per_sm = shared.blocks_per_sm(block, warps)
@@ -294,7 +295,7 @@ def launch_config(
     Given the device's ``shared`` memory, a table codec's tables go into
     each block's shared memory, before the warps' staging (the module
     compiled with ``compile_options(..., shared_tables=True)``): unpack's copy
-    of the device table, where :func:`shared_table_layout` finds room, and
+    of the device table's decode rows, where :func:`shared_table_layout` finds room, and
     with ``pack_fields`` (:data:`PACK_FIELDS_ENV`) pack's table of whole fields
     (:data:`FIELDS_BYTES`), its warps as before. Either runs as many blocks as
     stay resident at once, their warps striding over the entries, so a block
@@ -309,7 +310,7 @@ def launch_config(
     if tables is not None and found is not None:
         warps, per_sm = found
         blocks = max(1, min(tables.sms * per_sm, -(-n_entries // warps)))
-        return blocks, warps * _WARP, DEVICE_TABLE_BYTES + warps * 2 * entry_bytes
+        return blocks, warps * _WARP, DECODE_ROWS_BYTES + warps * 2 * entry_bytes
     staged = op != "measure"
     per_warp = entry_bytes * (2 if op == "unpack" and codec in TABLED_KERNELS else 1)
     warps = max(1, min(8, STAGING_BYTES // per_warp)) if staged else 8
@@ -529,6 +530,10 @@ TABLED_KERNELS = frozenset(
 #: MAX_CODE_BITS stream bits (uint32 each), an encode entry per symbol of the widest symbols (uint16: 12 bits,
 #: ZERO and ESC), the bits of a word a symbol is, the layout and the span model (uint32 each)
 DEVICE_TABLE_BYTES = 8 * (1 << MAX_CODE_BITS) + 2 * n_symbols(8) + 12
+#: bytes of a device table's decode rows (``BuddyFpe::ROWS_BYTES``), its first: the decode and multi rows, which
+#: unpack copies into each block's shared memory (the encode entries, read by a decoder only to check an escape,
+#: stay in global memory)
+DECODE_ROWS_BYTES = 8 * (1 << MAX_CODE_BITS)
 #: bytes of pack's table of whole fields in a block's shared memory (``BuddyFpe::FIELDS_BYTES``): a 32-bit field
 #: for each of the 2^12 symbols of the fit's b and for a zero word, to 16 bytes
 FIELDS_BYTES = 16400
