@@ -270,6 +270,15 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
 #define BUDDY_UNPACK_BOUNDS_LIMITED
 #endif
 #define BUDDY_UNPACK_BOUNDS_FREE
+// Pack, at entries of 4 KiB and more and words of 2, 4 or 8 bytes, is held to 64 registers a thread (4 blocks of its
+// 8 warps an SM): unbounded, nvcc gave float32's 70 (24 warps an SM) where 64 hold it without a spill (55; the
+// kernel budget: 3,304 -> 3,328 instructions an entry). 1-byte words would spill there (auto2's members); a module
+// of every word size is left to the compiler.
+#if BUDDY_ENTRY_BYTES >= 4096 && defined(BUDDY_WORD_BYTES) && BUDDY_WORD_BYTES > 1
+#define BUDDY_PACK_BOUNDS __launch_bounds__(256, 4)
+#else
+#define BUDDY_PACK_BOUNDS
+#endif
 
 // The extern "C" entry points of one codec (NAME: its registry name; BOUNDS: FREE or LIMITED, the unpack's).
 #define BUDDY_MEASURE_KERNEL(NAME, CODEC)                                                                          \
@@ -288,7 +297,7 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
   }
 #define BUDDY_PACK_KERNEL(NAME, CODEC)                                                                             \
   /* every entry's slot, and its overflow compacted in entry order */                                              \
-  extern "C" __global__ void buddy_##NAME##_pack(                                                                   \
+  extern "C" __global__ void BUDDY_PACK_BOUNDS buddy_##NAME##_pack(                                                \
       const uint8_t* __restrict__ data,   /* in: the tensor's bytes, n_full * E of whole entries */                 \
       const uint8_t* __restrict__ tail,   /* in: E bytes, the last entry zero-padded (if n_full < n) */             \
       long long n_full,                   /* entries wholly inside data */                                           \

@@ -951,7 +951,10 @@ unpack estimate takes the cycles an instruction of the run's 23, marked under th
 through a generic address any more -- pack copied its payload to the slot and the overflow through a pointer that
 was the staging buffer (shared memory) for a coded entry and the entry itself (global) for a raw one, so its copy
 read with generic loads; a raw entry is now copied into the staging buffer first (a test reads every kernel's PTX
-for generic loads and stores: `test_kernels_read_and_write_memory_by_its_own_space`).
+for generic loads and stores: `test_kernels_read_and_write_memory_by_its_own_space`); and pack, at 4 KiB entries and
+words of 2 to 8 bytes, is held to 64 registers by its launch bounds: float32's took 70 (24 warps an SM; 70 in the
+run too) where 55 hold it without a spill (32 warps; 3,304 -> 3,328 instructions an entry) -- its estimate above
+takes the cycles an instruction its 70-register code took in the run, at the 32 warps it allows now.
 Next: a run of this code on a GPU (pack reading the table in global memory beside unpack's table in shared
 memory, bfloat16's count by ballots; the bench's `--pack-fields` and `--other-count` time the other forms); then a
 histogram a warp for count if it still waits; then the latency levers above -- unpack's shared memory (the table,
