@@ -279,11 +279,20 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
 #else
 #define BUDDY_PACK_BOUNDS
 #endif
+// Measure (8 warps a block, no staging) at entries of at most 4 KiB and words of 1, 2 or 4 bytes is held to 48
+// registers: 5 blocks an SM, 40 warps, where nvcc gave auto2's 54 (32 warps) unbounded; none spills (the kernel
+// budget: 2,427 -> 2,475 instructions an entry for float32, 3,216 -> 3,253 for bfloat16). 8-byte words (auto2's)
+// and larger entries (every codec's) would spill there.
+#if BUDDY_ENTRY_BYTES <= 4096 && defined(BUDDY_WORD_BYTES) && BUDDY_WORD_BYTES < 8
+#define BUDDY_MEASURE_BOUNDS __launch_bounds__(256, 5)
+#else
+#define BUDDY_MEASURE_BOUNDS
+#endif
 
 // The extern "C" entry points of one codec (NAME: its registry name; BOUNDS: FREE or LIMITED, the unpack's).
 #define BUDDY_MEASURE_KERNEL(NAME, CODEC)                                                                          \
   /* k and mode of every entry into the metadata; the histogram of k (added to: zero it first) */                  \
-  extern "C" __global__ void buddy_##NAME##_measure(                                                                \
+  extern "C" __global__ void BUDDY_MEASURE_BOUNDS buddy_##NAME##_measure(                                          \
       const uint8_t* __restrict__ data,          /* in: the tensor's bytes, n_full * E of whole entries */          \
       const uint8_t* __restrict__ tail,          /* in: E bytes, the last entry zero-padded (if n_full < n) */      \
       long long n_full,                          /* entries wholly inside data */                                    \

@@ -954,7 +954,10 @@ read with generic loads; a raw entry is now copied into the staging buffer first
 for generic loads and stores: `test_kernels_read_and_write_memory_by_its_own_space`); and pack, at 4 KiB entries and
 words of 2 to 8 bytes, is held to 64 registers by its launch bounds: float32's took 70 (24 warps an SM; 70 in the
 run too) where 55 hold it without a spill (32 warps; 3,304 -> 3,328 instructions an entry) -- its estimate above
-takes the cycles an instruction its 70-register code took in the run, at the 32 warps it allows now.
+takes the cycles an instruction its 70-register code took in the run, at the 32 warps it allows now. Measure, at
+entries of at most 4 KiB and words of 1 to 4 bytes, is held to 48 registers alike (54 before: 5 blocks of 8 warps an
+SM, not 4; 2,427 -> 2,475 instructions an entry for float32, 3,216 -> 3,253 for bfloat16), its estimate likewise at
+the run's cycles an instruction -- whether a warp's hold with a quarter more warps beside it only a GPU tells.
 Next: a run of this code on a GPU (pack reading the table in global memory beside unpack's table in shared
 memory, bfloat16's count by ballots; the bench's `--pack-fields` and `--other-count` time the other forms); then a
 histogram a warp for count if it still waits; then the latency levers above -- unpack's shared memory (the table,

@@ -253,7 +253,8 @@ def test_kernels_read_and_write_memory_by_its_own_space(tmp_path, codec, word, t
 def test_table_codecs_unpack_within_64_registers(tmp_path, word, table):
     """fpe's and auto2's unpack at the default entry size for bfloat16 and float32, as the loader builds them
     (one word size a module; the table copied into shared memory or not) for sm_90: at most 64 registers a
-    thread, no spills; and every codec's pack (its launch bounds: 4 blocks of 8 warps an SM)."""
+    thread, no spills; and every codec's pack (its launch bounds: 4 blocks of 8 warps an SM), and its measure within
+    48 (5 blocks)."""
     unit = tmp_path / "kernels_tu.cu"
     unit.write_text(bcuda.translation_unit())
     options = bcuda.compile_options(spec.DEFAULT_ENTRY_BYTES, "all", word, table)
@@ -265,10 +266,10 @@ def test_table_codecs_unpack_within_64_registers(tmp_path, word, table):
         assert found, log
         assert int(found.group(1)) == 0, f"{codec}: spills"
         assert int(found.group(2)) <= 64, f"{codec}: {found.group(2)} registers"
-    for codec in bcuda.KERNEL_CODECS:
-        found = re.search(rf"entry function 'buddy_{codec}_pack'.*?\n.*?(\d+) bytes spill stores.*?\n.*?Used (\d+) registers",
+    for codec, op, most in [(c, op, most) for c in bcuda.KERNEL_CODECS for op, most in (("pack", 64), ("measure", 48))]:
+        found = re.search(rf"entry function 'buddy_{codec}_{op}'.*?\n.*?(\d+) bytes spill stores.*?\n.*?Used (\d+) registers",
                           log, re.S)  # fmt: skip
-        assert found and int(found.group(1)) == 0 and int(found.group(2)) <= 64, (codec, found and found.groups())
+        assert found and int(found.group(1)) == 0 and int(found.group(2)) <= most, (codec, op, found and found.groups())
 
 
 def _find_nvrtc() -> str | None:
