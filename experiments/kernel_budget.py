@@ -641,9 +641,9 @@ def measured_launch(measured: dict | None, kernel: str, dtype: str, threads: int
     for r in mine:
         if r.get("block") == threads and r.get("smem") == shared:
             return r
-    if all(math.isnan(r.get("smem", math.nan)) for r in mine):
-        return rows.get((kernel, dtype))
     ran = rows.get((kernel, dtype))
+    if all(math.isnan(r.get("smem", math.nan)) for r in mine):
+        return ran
     return ran | {"layout": (ran.get("block"), ran.get("smem"))} if default and ran is not None else None
 
 
@@ -698,7 +698,7 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
             ran = measured_launch(measured, f"{codec} {op}", row["dtype"], threads, shared, default=True)
             if ran is not None:  # a warp's instructions at the cycles each took it in the GPU run
                 row["cycles/instr"] = cpi = cycles_per_instruction(ran)
-                if "layout" in ran:  # (the run's default layout, not this one's)
+                if "layout" in ran:  # (the run's layout of the most shared memory, not this one's)
                     row["measured layout"] = ran["layout"]
                 bounds["latency"] = H100["sms"] * clock * warps / (instr * cpi) * entry_bytes / 1e9
             bound = min(bounds, key=bounds.__getitem__)

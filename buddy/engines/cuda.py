@@ -526,14 +526,14 @@ KERNEL_CODECS: dict[str, type[Codec]] = {
 TABLED_KERNELS = frozenset(
     name for name, cls in KERNEL_CODECS.items() if FPECodec in (cls, *AUTO_MEMBERS.get(name, ()))
 )
-#: bytes of a device table (``sizeof(BuddyFpeTable)``): a decode row and a multi row per value of the next
-#: MAX_CODE_BITS stream bits (uint32 each), an encode entry per symbol of the widest symbols (uint16: 12 bits,
-#: ZERO and ESC), the bits of a word a symbol is, the layout and the span model (uint32 each)
-DEVICE_TABLE_BYTES = 8 * (1 << MAX_CODE_BITS) + 2 * n_symbols(8) + 12
-#: bytes of a device table's decode rows (``BuddyFpe::ROWS_BYTES``), its first: the decode and multi rows, which
-#: unpack copies into each block's shared memory (the encode entries, read by a decoder only to check an escape,
-#: stay in global memory)
+#: bytes of a device table's decode rows (``BuddyFpe::ROWS_BYTES``), its first: a decode row and a multi row per
+#: value of the next MAX_CODE_BITS stream bits (uint32 each), which unpack copies into each block's shared memory
+#: (the rest, the encode entries read by a decoder only to check an escape, stays in global memory)
 DECODE_ROWS_BYTES = 8 * (1 << MAX_CODE_BITS)
+#: bytes of a device table (``sizeof(BuddyFpeTable)``): its decode rows, an encode entry per symbol of the widest
+#: symbols (uint16: 12 bits, ZERO and ESC), the bits of a word a symbol is, the layout and the span model (uint32
+#: each)
+DEVICE_TABLE_BYTES = DECODE_ROWS_BYTES + 2 * n_symbols(8) + 12
 #: bytes of pack's table of whole fields in a block's shared memory (``BuddyFpe::FIELDS_BYTES``): a 32-bit field
 #: for each of the 2^12 symbols of the fit's b and for a zero word, to 16 bytes
 FIELDS_BYTES = 16400
