@@ -60,7 +60,7 @@ BUDDY_HD uint64_t buddy_peek(const uint8_t* payload, uint32_t n64, uint32_t pos)
 BUDDY_HD uint32_t buddy_peek32_padded(const uint8_t* payload, uint32_t pos) {
   const uint32_t q = pos >> 5;
   const uint32_t lo = buddy_load<uint32_t>(payload + 4u * q), hi = buddy_load<uint32_t>(payload + 4u * q + 4u);
-  return (uint32_t)(((uint64_t)hi << 32 | lo) >> (pos & 31u));
+  return buddy_funnel_r(lo, hi, pos);
 }
 
 // Whether a bit at or after stream bit `total` is set in a payload of n64
@@ -76,17 +76,20 @@ BUDDY_WARP_FN bool buddy_bits_after(const Warp& warp, const uint8_t* payload, ui
 }
 
 // Whether a bit in [lo, hi) of a payload of n64 8-byte words is set (none when hi <= lo): this lane's share
-// of the words (OR it over the warp).
+// of the words (OR it over the warp). Read by 4-byte words (the gap between the split layout's codes and tails,
+// its one use, is a few of them: 32-bit masks, no 64-bit ones).
 template <class Warp>
 BUDDY_WARP_FN bool buddy_bits_between(const Warp& warp, const uint8_t* payload, uint32_t n64, uint32_t lo,
                                       uint32_t hi) {
   bool set = false;
   hi = buddy_min(hi, 64u * n64);
-  for (uint32_t u = lo / 64u + warp.lane(); lo < hi && u <= (hi - 1u) / 64u; u += BUDDY_WARP_SIZE) {
-    uint64_t inside = ~(uint64_t)0;
-    if (u == lo / 64u) inside &= ~(uint64_t)0 << (lo % 64u);
-    if (u == (hi - 1u) / 64u) inside &= ~(uint64_t)0 >> (63u - (hi - 1u) % 64u);
-    set |= (buddy_load<uint64_t>(payload + 8u * u) & inside) != 0;
+  if (lo >= hi) return false;
+  const uint32_t first = lo / 32u, last = (hi - 1u) / 32u;
+  for (uint32_t u = first + warp.lane(); u <= last; u += BUDDY_WARP_SIZE) {
+    uint32_t w = buddy_load<uint32_t>(payload + 4u * u);
+    if (u == first) w &= ~0u << (lo % 32u);
+    if (u == last) w &= ~0u >> (31u - (hi - 1u) % 32u);
+    set |= w != 0u;
   }
   return set;
 }

@@ -133,6 +133,26 @@ BUDDY_HD uint32_t buddy_ctz64(uint64_t x) {
 #endif
 }
 
+// T where the condition holds, else F (std::conditional, which NVRTC's headers lack).
+template <bool C, class T, class F>
+struct buddy_pick {
+  using type = T;
+};
+template <class T, class F>
+struct buddy_pick<false, T, F> {
+  using type = F;
+};
+
+// The 32 bits from bit s & 31 of the 64-bit little-endian pair lo, hi (one funnel shift on the device, which
+// takes the shift mod 32 itself: no mask).
+BUDDY_HD uint32_t buddy_funnel_r(uint32_t lo, uint32_t hi, uint32_t s) {
+#if defined(__CUDA_ARCH__)
+  return __funnelshift_r(lo, hi, s);
+#else
+  return (uint32_t)(((uint64_t)hi << 32 | lo) >> (s & 31u));
+#endif
+}
+
 // *p += v, atomically on the device (shared or global memory); a plain add on the host and in the native
 // engine's blocks of one lane (csrc/host/native.cpp, BUDDY_NATIVE_SOLO), which only add to their own block's
 // shared memory here.

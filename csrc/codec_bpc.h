@@ -132,14 +132,6 @@ struct BuddyBpc {
   // x < y for the ws-bit two's-complement words x and y.
   static BUDDY_HD bool less_signed(word_t x, word_t y) { return (word_t)(x ^ SIGN) < (word_t)(y ^ SIGN); }
 
-  // The 32 bits from bit s (< 32) of the 64-bit little-endian pair lo, hi.
-  static BUDDY_HD uint32_t funnel(uint32_t lo, uint32_t hi, uint32_t s) {
-#if defined(__CUDA_ARCH__)
-    return __funnelshift_r(lo, hi, s);
-#else
-    return (uint32_t)(((uint64_t)hi << 32 | lo) >> s);
-#endif
-  }
 
   // x rotated left by r (1 <= r <= 31).
   static BUDDY_HD uint32_t rotate_left(uint32_t x, uint32_t r) {
@@ -613,7 +605,7 @@ struct BuddyBpc {
 
     BUDDY_HD uint32_t get(const uint8_t* payload, uint32_t c, uint32_t last) {
       const uint32_t next = stream_word(payload, word + c + 1, last);
-      const uint32_t v = funnel(cur, next, shift) & piece_mask(c);
+      const uint32_t v = buddy_funnel_r(cur, next, shift) & piece_mask(c);
       cur = next;
       return v;
     }
@@ -633,7 +625,7 @@ struct BuddyBpc {
   };
   static BUDDY_HD Step step_at(const uint8_t* payload, uint32_t off, uint32_t last) {
     const uint32_t w = off >> 5;
-    const uint32_t h = funnel(stream_word(payload, w, last), stream_word(payload, w + 1, last), off & 31u);
+    const uint32_t h = buddy_funnel_r(stream_word(payload, w, last), stream_word(payload, w + 1, last), off & 31u);
     Step st = {0u, 0u, 1u, (h >> 5) & ((1u << PB) - 1u)};
     if (h & 1u) {
       st.kind = K_RAW, st.bits = RAW_BITS, st.arg = off + 1;

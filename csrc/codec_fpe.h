@@ -847,19 +847,23 @@ struct BuddyFpe {
 
   // ---- the split layout: every lane -------------------------------------------
   // fpe.code_section_estimate: the code section's bits, estimated from k (integers, as the reference).
+  // Its terms are below 2^16 E (256 zero W, 256 x the code section's bits): 32-bit integers up to E = 16 KiB
+  // (a warp's division and products of 32 bits, not 64), 64-bit ones above.
+  using estimate_int = typename buddy_pick<(uint64_t)65536u * entry < ((uint64_t)1 << 31), int32_t, int64_t>::type;
   BUDDY_HD uint32_t estimate(uint32_t k) const {
-    const int64_t zero = table->span_model & 0xFFu, head = table->span_model >> 8;
-    const int64_t middle = ((int64_t)256 * k - 128) * 256;
-    const int64_t per_tail = head + 256 * (int64_t)tail_bits() - 256 * zero;
-    int64_t tails;
+    using I = estimate_int;
+    const I zero = (I)(table->span_model & 0xFFu), head = (I)(table->span_model >> 8);
+    const I middle = ((I)256 * (I)k - 128) * 256;
+    const I per_tail = head + 256 * (I)tail_bits() - 256 * zero;
+    I tails;
     if (zero == 0)
-      tails = words;
+      tails = (I)words;
     else if (per_tail <= 0)
       tails = 0;
     else
-      tails = buddy_min<int64_t>(words, buddy_max<int64_t>(0, middle - 256 * zero * words) / per_tail);
-    const int64_t c = (middle - 256 * tails * tail_bits()) / 256;
-    return (uint32_t)buddy_min<int64_t>(256 * (int64_t)k, buddy_max<int64_t>(1, c));
+      tails = buddy_min<I>((I)words, buddy_max<I>(0, middle - 256 * zero * (I)words) / per_tail);
+    const I c = (middle - 256 * tails * (I)tail_bits()) / 256;
+    return (uint32_t)buddy_min<I>(256 * (I)k, buddy_max<I>(1, c));
   }
 
   // The walks below read the 32 stream bits at a place before the payload's end (a code and an escaped symbol
@@ -897,10 +901,10 @@ struct BuddyFpe {
   template <bool EDGE>
   BUDDY_HD uint32_t step(uint32_t bits, BuddyFpeSpan& sp, uint32_t pos, uint32_t limit) const {
     const uint32_t row = rows->multi[bits & (BUDDY_FPE_ROWS - 1u)];
-    uint32_t starts, tails, took;
+    uint32_t starts, tails, took;  // (tails: the row's mask where it lies, bits 12 to 23: one mask, no shift)
     if (row) {  // the codes inside the next 12 bits at once
       starts = row & 0xFFFu;
-      tails = (row >> 12) & 0xFFFu;
+      tails = row & 0xFFF000u;
       took = row >> 24;
       if constexpr (EDGE) {
         // codes from the limit on are the next lane's (a start the walk meets inside a step is not looked
@@ -909,7 +913,7 @@ struct BuddyFpe {
         if (cut) {
           took = buddy_ctz(cut);
           starts &= (1u << took) - 1u;
-          tails &= starts;
+          tails &= starts << 12;
         }
       }
     } else {  // ESC with its symbol, or not a code
@@ -917,14 +921,14 @@ struct BuddyFpe {
       const uint32_t len = one >> 16, sym = one & 0xFFFFu;
       if (len == 0) return never;
       starts = 1u;
-      tails = sym != (1u << sym_bits);  // not ZERO
+      tails = (uint32_t)(sym != (1u << sym_bits)) << 12;  // not ZERO
       took = len + (sym == (1u << sym_bits) + 1u ? sym_bits : 0u);  // ESC: its symbol follows
     }
     if constexpr (EDGE) {
       const uint32_t off = pos - sp.start;
       if (off < window) sp.marks |= starts << off;
     }
-    sp.counts += buddy_popc(starts) | buddy_popc(tails) << 16;
+    sp.counts += buddy_popc(starts) + (buddy_popc(tails) << 16);
     return pos + took;
   }
 
@@ -1008,13 +1012,21 @@ struct BuddyFpe {
   }
 
   // Writes the words of the first `count` codes from pos: word index `first` on, the tails from the entry's
-  // (tail_first)-th on (the j-th at end - (j + 1) t); *tails: how many. Returns the bit after the last code,
-  // or `never` for an escape of a symbol the table has a code for or a tail outside the payload. That last
-  // check is made once, after the walk (the places of a lane's tails only go down): a tail before the
-  // payload reads as zeros (a peek past the payload) and the entry is then flagged and zeroed.
+  // (tail_first)-th on (the j-th at end - (j + 1) t); *tails_at: where the lane's last tail begins (end - j t
+  // after its last, the j-th - 1; the end where it writes none). Returns the bit after the last code, or `never`
+  // for an escape of a symbol the table has a code for or a tail outside the payload. That last check is made
+  // once, after the walk (the places of a lane's tails only go down): a tail before the payload is read at bit 0
+  // and the entry is then flagged and zeroed.
   BUDDY_HD uint32_t emit(const uint8_t* payload, uint32_t n64, uint32_t pos, uint32_t count, uint32_t first,
-                         uint32_t tail_first, uint32_t end, uint8_t* out, uint32_t* tails) const {
-    uint32_t done = 0, j = tail_first;
+                         uint32_t tail_first, uint32_t end, uint8_t* out, uint32_t* tails_at) const {
+    // the bit after the next tail, taken down a tail at a time (signed: below 0, the tail is before the payload)
+    const int32_t t = (int32_t)tail_bits(), top_first = (int32_t)end - (int32_t)(tail_first * tail_bits());
+    int32_t top = top_first;
+    auto next_tail = [&]() {
+      top -= t;
+      return (uint32_t)buddy_max(top, (int32_t)0);
+    };
+    uint32_t done = 0;
     while (done < count) {
       if constexpr (BUDDY_WARP_SIZE == 1) {  // one lane walks unchecked codes (decode_split): stay in the payload
         if (pos >= end) return never;
@@ -1028,27 +1040,27 @@ struct BuddyFpe {
       if (row && buddy_popc(starts) <= count - done) {  // the codes of the step, unless the lane's end is inside it
         uint32_t m = (row >> 12) & 0xFFFu;  // the codes with tails (the first starts at bit 0)
         if (m & 1u) {
-          put_word(payload, n64, one & 0xFFFFu, end, j++, out + (size_t)WB * (first + done));
+          put_word_at(payload, n64, one & 0xFFFFu, next_tail(), out + (size_t)WB * (first + done));
           m &= m - 1u;
         }
-        for (; m; m &= m - 1u) {
+        for (; m; m &= m - 1u) {  // (bit 0 is gone: 1 <= off < 12)
           const uint32_t off = buddy_ctz(m);
           const uint32_t sym = rows->dec[(uint32_t)(bits >> off) & (BUDDY_FPE_ROWS - 1u)] & 0xFFFFu;
-          const uint32_t at = done + buddy_popc(starts & ((1u << off) - 1u));
-          put_word(payload, n64, sym, end, j++, out + (size_t)WB * (first + at));
+          const uint32_t at = done + buddy_popc(starts << (32u - off));  // the codes before it
+          put_word_at(payload, n64, sym, next_tail(), out + (size_t)WB * (first + at));
         }
         done += buddy_popc(starts);
         pos += row >> 24;
       } else {  // one code: ESC with its symbol, a code the table lacks, or the lane's last codes
         uint32_t sym, len;
         if (!code_at(bits, one, &sym, &len)) return never;  // (the find walk stops before such a code: not reached)
-        if (sym != zero_sym()) put_word(payload, n64, sym, end, j++, out + (size_t)WB * (first + done));
+        if (sym != zero_sym()) put_word_at(payload, n64, sym, next_tail(), out + (size_t)WB * (first + done));
         done += 1;
         pos += len;
       }
     }
-    *tails = j - tail_first;
-    return (uint64_t)j * tail_bits() > end ? never : pos;  // the lane's last tail (the (j - 1)-th) in the payload
+    *tails_at = (uint32_t)buddy_max(top, (int32_t)0);
+    return top < 0 ? never : pos;  // the lane's last tail in the payload
   }
 
 #if defined(BUDDY_NATIVE_SOLO)
@@ -1305,9 +1317,13 @@ struct BuddyFpe {
   // the payload's start (the place wraps past it) reads as zeros: emit checks the places.
   BUDDY_HD void put_word(const uint8_t* payload, uint32_t n64, uint32_t sym, uint32_t end, uint32_t j,
                          uint8_t* out) const {
+    // (a place before the payload wraps: read at the end, past which the payload reads as zeros)
+    put_word_at(payload, n64, sym, buddy_min(end - (j + 1u) * tail_bits(), end), out);
+  }
+  // The word of symbol `sym` and the tail at bit `at` into out.
+  BUDDY_HD void put_word_at(const uint8_t* payload, uint32_t n64, uint32_t sym, uint32_t at, uint8_t* out) const {
     (void)n64;  // (a tail of 8-byte words is read with bounds)
     uint64_t word = (uint64_t)sym << tail_bits();
-    const uint32_t at = buddy_min(end - (j + 1u) * tail_bits(), end);  // (a place before the payload wraps)
     if constexpr (WB == 8)  // a tail of up to 52 bits
       word |= buddy_peek(payload, n64, at) & tail_mask();
     else if (has_tails())   // at most 23 bits
@@ -1320,10 +1336,17 @@ struct BuddyFpe {
   template <class Warp>
   BUDDY_WARP_FN bool split_fails(const Warp& warp, const uint8_t* payload, uint32_t k, uint32_t codes,
                                  uint32_t tails) const {
+    const uint64_t bits = (uint64_t)tails * tail_bits(), end = 8u * BUDDY_SECTOR_BYTES * k;
+    return bits > end || split_fails_at(warp, payload, k, codes, (uint32_t)(end - bits));
+  }
+  // The same, the tails from bit `tails_at` to the payload's end (at most the end).
+  template <class Warp>
+  BUDDY_WARP_FN bool split_fails_at(const Warp& warp, const uint8_t* payload, uint32_t k, uint32_t codes,
+                                    uint32_t tails_at) const {
     const uint32_t end = 8u * BUDDY_SECTOR_BYTES * k, n64 = k * (BUDDY_SECTOR_BYTES / 8u);
-    const uint64_t total = (uint64_t)codes + (uint64_t)tails * tail_bits();
+    const uint64_t total = (uint64_t)codes + (end - tails_at);
     if (total > end || sectors((uint32_t)total) != k) return true;
-    return warp.ballot(buddy_bits_between(warp, payload, n64, codes, end - tails * tail_bits())) != 0;
+    return warp.ballot(buddy_bits_between(warp, payload, n64, codes, tails_at)) != 0;
   }
 
   template <class Warp>
@@ -1334,6 +1357,7 @@ struct BuddyFpe {
     buddy_warp_fill(warp, nullptr, out, entry);  // ZERO words are written by this
     warp.sync();                                  // the zeros land before any lane writes a word
     uint32_t base = 0, done = 0, tails = 0, codes = 0;  // where this pass starts; codes and tails before it
+    uint32_t tails_at = end;                             // where the tails begin (known with the last code)
     uint32_t want = estimate(k);                         // bits the pass's spans cover: the estimate and
     want += want / overshoot;                            // a little more, so one pass nearly always does
     bool bad = false;
@@ -1344,13 +1368,15 @@ struct BuddyFpe {
       (void)lane, (void)want;
 #if defined(BUDDY_NATIVE_SOLO)
       if constexpr (WB < 8) {
-        if (walk_rows)
+        if (walk_rows) {
           codes = emit_walk(payload, end, out, &tails);
-        else
-          codes = emit(payload, n64, 0u, words, 0u, 0u, end, out, &tails);
+          tails_at = codes == never ? 0u : end - tails * tail_bits();  // (its tails are in the payload)
+        } else {
+          codes = emit(payload, n64, 0u, words, 0u, 0u, end, out, &tails_at);
+        }
       } else
 #endif
-        codes = emit(payload, n64, 0u, words, 0u, 0u, end, out, &tails);
+        codes = emit(payload, n64, 0u, words, 0u, 0u, end, out, &tails_at);
       bad = codes == never;
       done = words;
     }
@@ -1376,13 +1402,13 @@ struct BuddyFpe {
       const uint32_t first = done + buddy_warp_exclusive_scan(warp, n & 0xFFFFu, &found);
       const uint32_t tail_first = tails + buddy_warp_exclusive_scan(warp, n >> 16, &found_tails);
       const uint32_t count = first < words ? buddy_min(n & 0xFFFFu, words - first) : 0u;
-      uint32_t written = 0;  // tails of the lane's codes
-      const uint32_t stop = count ? emit(payload, n64, sp.start, count, first, tail_first, end, out, &written) : 0u;
+      uint32_t at = end;  // where the lane's last tail begins
+      const uint32_t stop = count ? emit(payload, n64, sp.start, count, first, tail_first, end, out, &at) : 0u;
       bad |= warp.ballot(stop == never) != 0;
       const uint32_t last = warp.ballot(count && first + count == words);  // the lane with the section's last code
-      if (last) {
+      if (last) {  // its code and tail are the entry's last
         codes = warp.shfl(stop, buddy_ctz(last));
-        tails += buddy_warp_sum(warp, written);
+        tails_at = warp.shfl(at, buddy_ctz(last));
         done = words;
         break;
       }
@@ -1396,7 +1422,7 @@ struct BuddyFpe {
       tails += found_tails;
       want = (uint32_t)buddy_max<uint64_t>(1u, (uint64_t)(words - done) * base / done);
     }
-    if (!bad) bad = split_fails(warp, payload, k, codes, tails);
+    if (!bad) bad = split_fails_at(warp, payload, k, codes, tails_at);
     if (!bad) return 0;
     warp.sync();  // every lane's words are written before any lane zeroes them
     buddy_warp_fill(warp, nullptr, out, entry);

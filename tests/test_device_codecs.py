@@ -51,7 +51,8 @@ from buddy import spec
 from buddy.codecs._bitstream import StreamWriter, write_fields
 from buddy.codecs.bpc import geometry
 from buddy.codecs.fpe import (
-    MAX_CODE_BITS, FPECodec, Table, default_table, fit_weights, n_symbols, symbol_bits, symbol_counts,
+    MAX_CODE_BITS, FPECodec, Table, code_section_estimate, default_table, fit_weights, n_symbols, symbol_bits,
+    symbol_counts,
 )  # fmt: skip
 from buddy.codecs.fpx import _write_streams, header_geometry
 
@@ -1105,6 +1106,24 @@ def test_fpe_device_tables(host_exe, word, tmp_path):
     if word > 1:  # 1-byte words: the symbol that escapes (the largest byte) is not in the data
         wanted.add(("most coded", "escape"))
     assert wanted <= seen, f"not exercised: {sorted(wanted - seen)}"
+
+
+@pytest.mark.parametrize("word", ids("w", WORDS))
+def test_fpe_code_section_estimate_as_the_reference(host_exe, word, tmp_path):
+    """The decoder's estimate of the code section (integers of 32 bits up to 16 KiB entries, of 64 above) is
+    fpe.code_section_estimate's for every k, with tables of every shape."""
+    for entry_bytes in (4096, 32768):
+        g = torch.Generator().manual_seed(word)
+        flat = torch.cat([sparse_entries(word, 128, g), float_entries(word, 128, g)]).reshape(-1)
+        for name, table in fpe_tables(word, flat).items():
+            src, dst = tmp_path / "table.bin", tmp_path / "estimate.bin"
+            bcuda.device_table(table).numpy().tofile(src)
+            subprocess.run([str(host_exe(entry_bytes)), "fpe", "estimate", str(word), str(src), str(dst)],
+                           check=True, timeout=60)  # fmt: skip
+            got = np.fromfile(dst, dtype=np.uint32).tolist()
+            n_words, raw = entry_bytes // word, entry_bytes // spec.SECTOR_BYTES
+            want = [code_section_estimate(k, n_words, table.tail_bits, table.span_model) for k in range(1, raw + 1)]
+            assert got == want, f"E={entry_bytes} {name}"
 
 
 @pytest.mark.parametrize("word", ids("w", WORDS))

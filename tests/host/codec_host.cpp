@@ -51,6 +51,9 @@
 //          IN:  counts (S + 2 int64)
 //          OUT: device table (sizeof(BuddyFpeTable)) | serialized table
 //               (BUDDY_FPE_SERIAL_BYTES)
+//        codec_host fpe estimate WORD_BYTES IN OUT
+//          the split layout's estimate of the code section's bits (fpe.code_section_estimate) for k = 1 .. E/32
+//          IN:  device table    OUT: E/32 uint32
 // CODEC: zvc | fpx | bpc | auto | fpe | auto2. The codecs with a table (fpe,
 // auto2) take it first: for them IN starts with the device table the kernels
 // get (sizeof(BuddyFpeTable) bytes, buddy.engines.cuda.device_table), then the above.
@@ -596,7 +599,42 @@ static int table_main(int argc, char** argv) {
   return fclose(out) == 0 ? 0 : 2;
 }
 
+template <int WB>
+static void write_estimates(const uint8_t* table, FILE* out) {
+  const BuddyFpe<WB> codec = buddy_codec<BuddyFpe<WB>>(table);
+  for (uint32_t k = 1; k <= E / BUDDY_SECTOR_BYTES; ++k) {
+    const uint32_t c = codec.estimate(k);
+    fwrite(&c, 4, 1, out);
+  }
+}
+
+static int estimate_main(int argc, char** argv) {
+  if (argc != 6 || strcmp(argv[1], "fpe") != 0) {
+    fprintf(stderr, "estimate: usage at the top of codec_host.cpp (codec fpe only)\n");
+    return 2;
+  }
+  const Input in = read_input("fpe", argv[4]);
+  if (in.size()) {
+    fprintf(stderr, "estimate: %zu bytes after the table, expected none\n", in.size());
+    return 2;
+  }
+  FILE* out = fopen(argv[5], "wb");
+  if (!out) {
+    perror(argv[5]);
+    return 2;
+  }
+  switch (atoi(argv[3])) {
+    case 1: write_estimates<1>(in.table, out); break;
+    case 2: write_estimates<2>(in.table, out); break;
+    case 4: write_estimates<4>(in.table, out); break;
+    case 8: write_estimates<8>(in.table, out); break;
+    default: fprintf(stderr, "word size must be 1, 2, 4 or 8\n"); fclose(out); return 2;
+  }
+  return fclose(out) == 0 ? 0 : 2;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 2 && strcmp(argv[2], "estimate") == 0) return estimate_main(argc, argv);
   if (argc > 2 && (strcmp(argv[2], "count") == 0 || strcmp(argv[2], "fit") == 0 || strcmp(argv[2], "fit-weights") == 0))
     return table_main(argc, argv);
   if (argc > 2 && (strcmp(argv[2], "measure") == 0 || strcmp(argv[2], "pack") == 0 || strcmp(argv[2], "unpack") == 0))
