@@ -1039,9 +1039,13 @@ struct BuddyFpe {
       const uint32_t starts = row & 0xFFFu;
       if (row && buddy_popc(starts) <= count - done) {  // the codes of the step, unless the lane's end is inside it
         uint32_t m = (row >> 12) & 0xFFFu;  // the codes with tails (the first starts at bit 0)
-        if (m & 1u) {
-          put_word_at(payload, n64, one & 0xFFFFu, next_tail(), out + (size_t)WB * (first + done));
-          m &= m - 1u;
+        {  // the first code's word, or a zero where the output holds one already (ZERO): a store either way, no
+           // branch (a warp's lanes seldom agree: it would run both ways and the branch)
+          const bool has = m & 1u;
+          top -= has ? t : 0;
+          const uint64_t word = word_at(payload, n64, one & 0xFFFFu, (uint32_t)buddy_max(top, (int32_t)0));
+          buddy_store<word_t>(out + (size_t)WB * (first + done), (word_t)(has ? word : 0u));
+          m &= ~1u;
         }
         for (; m; m &= m - 1u) {  // (bit 0 is gone: 1 <= off < 12)
           const uint32_t off = buddy_ctz(m);
@@ -1322,13 +1326,17 @@ struct BuddyFpe {
   }
   // The word of symbol `sym` and the tail at bit `at` into out.
   BUDDY_HD void put_word_at(const uint8_t* payload, uint32_t n64, uint32_t sym, uint32_t at, uint8_t* out) const {
+    buddy_store<word_t>(out, (word_t)word_at(payload, n64, sym, at));
+  }
+  // The word of symbol `sym` and the tail at bit `at`.
+  BUDDY_HD uint64_t word_at(const uint8_t* payload, uint32_t n64, uint32_t sym, uint32_t at) const {
     (void)n64;  // (a tail of 8-byte words is read with bounds)
     uint64_t word = (uint64_t)sym << tail_bits();
     if constexpr (WB == 8)  // a tail of up to 52 bits
       word |= buddy_peek(payload, n64, at) & tail_mask();
     else if (has_tails())   // at most 23 bits
       word |= buddy_peek32_padded(payload, at) & (uint32_t)tail_mask();
-    buddy_store<word_t>(out, (word_t)word);
+    return word;
   }
 
   // A split entry's stream checked once its codes (`codes` bits) and `tails` tails are found: the lengths must give

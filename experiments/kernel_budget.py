@@ -958,11 +958,12 @@ takes the cycles an instruction its 70-register code took in the run, at the 32 
 entries of at most 4 KiB and words of 1 to 4 bytes, is held to 48 registers alike (54 before: 5 blocks of 8 warps an
 SM, not 4; 2,427 -> 2,475 instructions an entry for float32, 3,216 -> 3,253 for bfloat16), its estimate likewise at
 the run's cycles an instruction -- whether a warp's hold with a quarter more warps beside it only a GPU tells.
-Then unpack's arithmetic, its walks unchanged (4,646 -> 4,202 instructions an entry for float32, 7,287 -> 6,564
+Then unpack's arithmetic, its walks unchanged (4,646 -> 4,177 instructions an entry for float32, 7,287 -> 6,510
 for bfloat16): a walk's 32-bit read is one funnel shift, which takes its place mod 32 itself (`buddy_funnel_r`: no
 mask; every step of every walk reads); emit takes a tail's place down by t from the one before (where it made
-end - (j + 1) t and its bound each tail), a code's word index from a shift of the row's starts (no mask made), and
-where the tails begin from the lane with the section's last code (no tail count summed over the warp); the find
+end - (j + 1) t and its bound each tail), a code's word index from a shift of the row's starts (no mask made),
+where the tails begin from the lane with the section's last code (no tail count summed over the warp), and stores
+a step's first word with no branch (a zero where the first code is ZERO: the output holds one already); the find
 walk's step counts a row's tails where they lie in it and adds the two counts (no shift and OR); the gap between
 codes and tails is read in 4-byte words (32-bit masks, not 64-bit ones); and the estimate of the code section is
 made in 32-bit integers up to 16 KiB entries (its 64-bit division was a call of some 60 instructions an entry; a
