@@ -1406,9 +1406,16 @@ struct BuddyFpe {
       // the lanes up to the first that stopped at a code the table lacks hold the true codes
       const uint32_t invalid = warp.ballot(sp.end == never);
       const uint32_t n = !invalid || lane <= buddy_ctz(invalid) ? sp.counts : 0u;
-      uint32_t found, found_tails;
-      const uint32_t first = done + buddy_warp_exclusive_scan(warp, n & 0xFFFFu, &found);
-      const uint32_t tail_first = tails + buddy_warp_exclusive_scan(warp, n >> 16, &found_tails);
+      uint32_t found, found_tails, first, tail_first;
+      if constexpr (8u * entry < 0x10000u) {  // both counts in one scan: a pass's fit 16 bits (codes <= its bits)
+        uint32_t both;
+        const uint32_t before = buddy_warp_exclusive_scan(warp, n, &both);
+        first = done + (before & 0xFFFFu), tail_first = tails + (before >> 16);
+        found = both & 0xFFFFu, found_tails = both >> 16;
+      } else {
+        first = done + buddy_warp_exclusive_scan(warp, n & 0xFFFFu, &found);
+        tail_first = tails + buddy_warp_exclusive_scan(warp, n >> 16, &found_tails);
+      }
       const uint32_t count = first < words ? buddy_min(n & 0xFFFFu, words - first) : 0u;
       uint32_t at = end;  // where the lane's last tail begins
       const uint32_t stop = count ? emit(payload, n64, sp.start, count, first, tail_first, end, out, &at) : 0u;

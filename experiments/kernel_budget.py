@@ -302,6 +302,8 @@ def block_lines(source: list[str], openings=RARE_BLOCKS) -> set[int]:
 #: loads of it (not of the constant bank; the line itself or the one it is inlined at) in a compiled copy of
 #: the loop are the iterations that copy's body does at once (its unroll)
 ANCHORS = {
+    # a lane's 16-byte unit of a round (buddy_round_unit): fpe's sizing in measure runs two rounds a pass
+    "rounds16": r"return \*valid \? buddy_load<buddy_u128>\(entry_bytes \+ 16u \* u\) : zero;",
     "unit_words": r"const uint32_t c = table->enc\[sym\];",  # fpe's encode: a word's code from the table
     "fpx_words": r"const buddy_u128 unit = buddy_load<buddy_u128>\(entry_bytes \+ 16u \* u\);",  # fpx's unit
 }
@@ -958,7 +960,7 @@ takes the cycles an instruction its 70-register code took in the run, at the 32 
 entries of at most 4 KiB and words of 1 to 4 bytes, is held to 48 registers alike (54 before: 5 blocks of 8 warps an
 SM, not 4; 2,427 -> 2,475 instructions an entry for float32, 3,216 -> 3,253 for bfloat16), its estimate likewise at
 the run's cycles an instruction -- whether a warp's hold with a quarter more warps beside it only a GPU tells.
-Then unpack's arithmetic, its walks unchanged (4,646 -> 4,177 instructions an entry for float32, 7,287 -> 6,510
+Then unpack's arithmetic, its walks unchanged (4,646 -> 4,129 instructions an entry for float32, 7,287 -> 6,437
 for bfloat16): a walk's 32-bit read is one funnel shift, which takes its place mod 32 itself (`buddy_funnel_r`: no
 mask; every step of every walk reads); emit takes a tail's place down by t from the one before (where it made
 end - (j + 1) t and its bound each tail), a code's word index from a shift of the row's starts (no mask made),
@@ -967,7 +969,8 @@ a step's first word with no branch (a zero where the first code is ZERO: the out
 walk's step counts a row's tails where they lie in it and adds the two counts (no shift and OR); the gap between
 codes and tails is read in 4-byte words (32-bit masks, not 64-bit ones); and the estimate of the code section is
 made in 32-bit integers up to 16 KiB entries (its 64-bit division was a call of some 60 instructions an entry; a
-test holds it to `fpe.code_section_estimate` at 4 and 32 KiB).
+test holds it to `fpe.code_section_estimate` at 4 and 32 KiB); a pass's code and tail counts are scanned in one
+warp scan up to 4 KiB entries (both fit 16 bits), not two.
 Next: a run of this code on a GPU (pack reading the table in global memory beside unpack's table in shared
 memory, bfloat16's count by ballots; the bench's `--pack-fields` and `--other-count` time the other forms); then a
 histogram a warp for count if it still waits; then the latency levers above -- unpack's shared memory (the table,

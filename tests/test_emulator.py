@@ -345,7 +345,7 @@ MUTATIONS = [
     Mutation(
         "fpe decode (split layout): no warp.sync() between zeroing the output and the lanes writing words",
         "codec_fpe.h", "  // ZERO words are written by this\n    warp.sync();", "  // ZERO words are written by this\n",
-        "fpe", "tsan", "race", (("codec_fpe.h", "put_word"), ("buddy_warp.h", "buddy_warp_fill")),
+        "fpe", "tsan", "race", (("codec_fpe.h", "emit"), ("buddy_warp.h", "buddy_warp_fill")),
     ),
     Mutation(
         "fit: no warp.sync() in buddy_fit_sum64 between writing and reading the partials", "codec_fpe_fit.h",
