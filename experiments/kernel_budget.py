@@ -970,7 +970,10 @@ walk's step counts a row's tails where they lie in it and adds the two counts (n
 codes and tails is read in 4-byte words (32-bit masks, not 64-bit ones); and the estimate of the code section is
 made in 32-bit integers up to 16 KiB entries (its 64-bit division was a call of some 60 instructions an entry; a
 test holds it to `fpe.code_section_estimate` at 4 and 32 KiB); a pass's code and tail counts are scanned in one
-warp scan up to 4 KiB entries (both fit 16 bits), not two.
+warp scan up to 4 KiB entries (both fit 16 bits), not two. And a fix to the count: the compiler runs the sizing
+rounds of auto2's measure two to a pass for float32, which the count charged as one round a pass; a loop of 16-byte
+rounds is now counted by its unit loads (`ANCHORS`), so measure's float32 estimate is 1,955 instructions an entry,
+not 2,475 (the H200 run counted 1,803 an entry, of the code at 3f7ecc4).
 Next: a run of this code on a GPU (pack reading the table in global memory beside unpack's table in shared
 memory, bfloat16's count by ballots; the bench's `--pack-fields` and `--other-count` time the other forms); then a
 histogram a warp for count if it still waits; then the latency levers above -- unpack's shared memory (the table,
