@@ -874,10 +874,11 @@ tree at 3421a93, whose kernels are these but for unpack's table) found every ker
 9-21 cycles an instruction (`cycles/instr`; count 69-92) with 4 to 7 warps a scheduler, so the estimate takes that
 run's cycles per instruction as a bound of its own (`latency GB/s`), and it binds every kernel. The instructions
 counted here were 0.7-1.2 times those run (bfloat16's unpack and count ran more than counted: 8,894 and 1,701 an
-entry; pack ran fewer: its round holds two copies of the field block, which the compiler unswitches on whether
-the table has ZERO, and a warp runs one, where the count charges both -- the smaller is about 90 instructions a
-round for bfloat16 and 40 for float32); the fit took 0.34-0.38 ms, not the 0.9 ms estimated. The second run also
-read where a warp's cycles go:
+entry; pack ran fewer: its round held two copies of the field block, which the compiler unswitched on whether the
+table has ZERO, and a warp runs one where the count charged both -- now they are two versions of the loop over
+rounds called from one line, `encode_split_rounds`, which the count charges as one: pack 3,328 -> 3,129
+instructions an entry for float32, 5,398 -> 4,629 for bfloat16, where the third run counted 3,079 and 3,559); the fit
+took 0.34-0.38 ms, not the 0.9 ms estimated. The second run also read where a warp's cycles go:
 **unpack's warps waited on L1TEX for 8.5 of their 14.2 cycles an instruction (float32) and 14.8 of 21.2
 (bfloat16), with 47-51 % of L1 hits** -- the table's rows, read a code at a time at random, did not stay in the L1
 left beside 24 warps' 192 KiB of staging --; count's waited on shared memory for 35-49 of 69-92 cycles (its
