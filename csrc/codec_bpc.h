@@ -132,7 +132,6 @@ struct BuddyBpc {
   // x < y for the ws-bit two's-complement words x and y.
   static BUDDY_HD bool less_signed(word_t x, word_t y) { return (word_t)(x ^ SIGN) < (word_t)(y ^ SIGN); }
 
-
   // x rotated left by r (1 <= r <= 31).
   static BUDDY_HD uint32_t rotate_left(uint32_t x, uint32_t r) {
 #if defined(__CUDA_ARCH__)

@@ -1023,18 +1023,19 @@ struct BuddyFpe {
   }
 
   // Writes the words of the first `count` codes from pos: word index `first` on, the tails from the entry's
-  // (tail_first)-th on (the j-th at end - (j + 1) t); *tails_at: where the lane's last tail begins (end - j t
-  // after its last, the j-th - 1; the end where it writes none). Returns the bit after the last code, or `never`
-  // for an escape of a symbol the table has a code for or a tail outside the payload. That last check is made
+  // (tail_first)-th on (the j-th at end - (j + 1) t); *tails_at: where the lane's last tail begins, end - j t for
+  // the j tails up to its own (end - tail_first t where it writes none). Returns the bit after the last code, or
+  // `never` for an escape of a symbol the table has a code for or a tail outside the payload. That last check is made
   // once, after the walk (the places of a lane's tails only go down): a tail before the payload is read at bit 0
   // and the entry is then flagged and zeroed.
   BUDDY_HD uint32_t emit(const uint8_t* payload, uint32_t n64, uint32_t pos, uint32_t count, uint32_t first,
                          uint32_t tail_first, uint32_t end, uint8_t* out, uint32_t* tails_at) const {
-    // the bit after the next tail, taken down a tail at a time (signed: below 0, the tail is before the payload)
-    const int32_t t = (int32_t)tail_bits(), top_first = (int32_t)end - (int32_t)(tail_first * tail_bits());
-    int32_t top = top_first;
-    auto next_tail = [&]() {
-      top -= t;
+    // the bit after the next tail, taken down a tail at a time (signed: below 0, the tail is before the payload);
+    // next_tail: the place of the code's tail, where it has one (else of the last, unused)
+    const int32_t t = (int32_t)tail_bits();
+    int32_t top = (int32_t)end - (int32_t)(tail_first * tail_bits());
+    auto next_tail = [&](bool has = true) {
+      top -= has ? t : 0;
       return (uint32_t)buddy_max(top, (int32_t)0);
     };
     uint32_t done = 0;
@@ -1053,8 +1054,7 @@ struct BuddyFpe {
         {  // the first code's word, or a zero where the output holds one already (ZERO): a store either way, no
            // branch (a warp's lanes seldom agree: it would run both ways and the branch)
           const bool has = m & 1u;
-          top -= has ? t : 0;
-          const uint64_t word = word_at(payload, n64, one & 0xFFFFu, (uint32_t)buddy_max(top, (int32_t)0));
+          const uint64_t word = word_at(payload, n64, one & 0xFFFFu, next_tail(has));
           buddy_store<word_t>(out + (size_t)WB * (first + done), (word_t)(has ? word : 0u));
           m &= ~1u;
         }

@@ -1112,10 +1112,10 @@ def test_fpe_device_tables(host_exe, word, tmp_path):
 def test_fpe_code_section_estimate_as_the_reference(host_exe, word, tmp_path):
     """The decoder's estimate of the code section (integers of 32 bits up to 16 KiB entries, of 64 above) is
     fpe.code_section_estimate's for every k, with tables of every shape."""
+    g = torch.Generator().manual_seed(word)
+    tables = fpe_tables(word, torch.cat([sparse_entries(word, 128, g), float_entries(word, 128, g)]).reshape(-1))
     for entry_bytes in (4096, 32768):
-        g = torch.Generator().manual_seed(word)
-        flat = torch.cat([sparse_entries(word, 128, g), float_entries(word, 128, g)]).reshape(-1)
-        for name, table in fpe_tables(word, flat).items():
+        for name, table in tables.items():
             src, dst = tmp_path / "table.bin", tmp_path / "estimate.bin"
             bcuda.device_table(table).numpy().tofile(src)
             subprocess.run([str(host_exe(entry_bytes)), "fpe", "estimate", str(word), str(src), str(dst)],
