@@ -153,6 +153,15 @@ BUDDY_HD uint32_t buddy_funnel_r(uint32_t lo, uint32_t hi, uint32_t s) {
 #endif
 }
 
+// The high 32 bits of the 64-bit little-endian pair lo, hi shifted left by s & 31 (one funnel shift on the device).
+BUDDY_HD uint32_t buddy_funnel_l(uint32_t lo, uint32_t hi, uint32_t s) {
+#if defined(__CUDA_ARCH__)
+  return __funnelshift_l(lo, hi, s);
+#else
+  return (uint32_t)((((uint64_t)hi << 32 | lo) << (s & 31u)) >> 32);
+#endif
+}
+
 // *p += v, atomically on the device (shared or global memory); a plain add on the host and in the native
 // engine's blocks of one lane (csrc/host/native.cpp, BUDDY_NATIVE_SOLO), which only add to their own block's
 // shared memory here.

@@ -695,19 +695,23 @@ struct BuddyFpe {
   }
 
   // The split layout's fields of a lane's 16-byte unit (words of 1, 2 or 4 bytes; `packed` as encode makes them):
-  // its codes from stream bit `pos` up and its tails from bit `top` down, each through a 64-bit buffer that ORs
-  // a 32-bit word into the stream once the word is whole (and at the end the partial ones): a unit's fields lie
-  // in a few words, of which only the first and last can hold another lane's, where a field at a time took two
-  // ORs a field. Words with no set bit are not touched.
+  // its codes from stream bit `pos` up through a 64-bit buffer that ORs a 32-bit word into the stream once the
+  // word is whole (and at the end the partial one); its tails, which end at bit `top`, the first highest: with
+  // the split layout's b a constant B, shifted into registers (a word without a tail shifts nothing in) and ORed
+  // after the unit, else through a 64-bit buffer filled from bit 63 down like the codes'. A unit's fields lie in a
+  // few words, of which only the first and last can hold another lane's, where a field at a time took two ORs a
+  // field. Words with no set bit are not touched.
   template <uint32_t B>
   BUDDY_HD void put_unit(uint32_t* stream, uint32_t pos, uint32_t top, const uint32_t* packed,
                          buddy_u128 unit) const {
+    constexpr uint32_t R = tail_regs<B>;
     const uint32_t t = 8u * WB - (B ? B : sym_bits);
     const uint64_t tmask = ((uint64_t)1 << t) - 1u;
     uint64_t codes = 0;  // the nc bits from word cw's bit 0 on (those below pos: zeros, not this lane's)
     uint32_t nc = pos & 31u, cw = pos >> 5;
-    uint64_t tails = 0;  // the nt bits below word tw + 1, from bit 63 down (those at and above top: zeros)
-    uint32_t tw = (top - 1u) >> 5, nt = 32u * (tw + 1u) - top;
+    uint64_t tails = 0;  // R == 0: the nt bits below word tw + 1, from bit 63 down (those at and above top: zeros)
+    uint32_t tw = (top - 1u) >> 5, nt = R ? 0u : 32u * (tw + 1u) - top;
+    uint32_t few[R ? R : 1] = {};  // R > 0: the unit's nt bits of tails, little-endian
     for (uint32_t i = 0; i < unit_words; ++i) {
       codes |= (uint64_t)(packed[i] & 0xFFFFFFu) << nc;
       nc += (packed[i] >> 24) & 0x1Fu;  // (a code of at most 24 bits: nc < 32 + 24)
@@ -718,9 +722,13 @@ struct BuddyFpe {
         ++cw;
       }
       if (WB > 1 || t != 0u) {  // (has_tails)
-        nt += t & (0u - (packed[i] >> 31));  // (a word without a tail is zero: nothing ORed)
-        tails |= ((uint64_t)unit_word(unit, i) & tmask) << ((64u - nt) & 63u);
-        if constexpr (!tails_fit<B>) {
+        const uint32_t s = t & (0u - (packed[i] >> 31));  // (a word without a tail is zero: nothing ORed)
+        nt += s;
+        if constexpr (R > 0) {  // shifted in below the tails before it (s < 32)
+          for (uint32_t r = R - 1u; r > 0u; --r) few[r] = buddy_funnel_l(few[r - 1u], few[r], s);
+          few[0] = few[0] << s | (uint32_t)((uint64_t)unit_word(unit, i) & tmask);
+        } else {
+          tails |= ((uint64_t)unit_word(unit, i) & tmask) << ((64u - nt) & 63u);
           if (nt >= 32u) {  // (t <= 23: nt < 32 + 23)
             if (tails >> 32) buddy_atomic_or(stream + tw, (uint32_t)(tails >> 32));
             tails <<= 32;
@@ -731,16 +739,21 @@ struct BuddyFpe {
       }
     }
     if ((uint32_t)codes) buddy_atomic_or(stream + cw, (uint32_t)codes);
-    if (tails >> 32) buddy_atomic_or(stream + tw, (uint32_t)(tails >> 32));
-    if constexpr (tails_fit<B>) {  // the bits below word tw: in word tw - 1 (there are some where it is not 0)
-      if ((uint32_t)tails) buddy_atomic_or(stream + tw - 1u, (uint32_t)tails);
+    if constexpr (R > 0) {  // the nt bits just below top: R + 1 words from the one bit top - nt is in
+      const uint32_t p = top - nt, q = p >> 5;
+      for (uint32_t r = 0; r <= R; ++r) {
+        const uint32_t w = buddy_funnel_l(r ? few[r - 1u] : 0u, r < R ? few[r] : 0u, p);
+        if (w) buddy_atomic_or(stream + q + r, w);
+      }
+    } else {
+      if (tails >> 32) buddy_atomic_or(stream + tw, (uint32_t)(tails >> 32));
     }
   }
 
-  // Whether a unit's tails fill the 64-bit buffer's bits below its first word's at most (the split layout's b a
-  // constant B): then put_unit ORs them once, after the unit (2-byte words: 8 tails of 4 bits).
+  // The 32-bit registers a unit's tails fill where the split layout's b is a constant B (put_unit), words of 1 to
+  // 4 bytes (2-byte words: 8 tails of 4 bits, 1; 4-byte words: 4 of 20 bits, 3); 0: put_unit's 64-bit buffer.
   template <uint32_t B>
-  static constexpr bool tails_fit = B != 0u && unit_words * (8u * WB - B) + 31u <= 64u;
+  static constexpr uint32_t tail_regs = B != 0u && WB < 8 ? (unit_words * (8u * WB - B) + 31u) / 32u : 0u;
 
   template <class Warp>
   BUDDY_WARP_FN void encode(const Warp& warp, const uint8_t* entry_bytes, uint32_t k, uint32_t mode,
