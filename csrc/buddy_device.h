@@ -143,6 +143,12 @@ struct buddy_pick<false, T, F> {
   using type = F;
 };
 
+// A constant as a type (a generic lambda's argument that picks a version of its code at compile time).
+template <uint32_t V>
+struct buddy_constant {
+  static constexpr uint32_t value = V;
+};
+
 // The 32 bits from bit s & 31 of the 64-bit little-endian pair lo, hi (one funnel shift on the device, which
 // takes the shift mod 32 itself: no mask).
 BUDDY_HD uint32_t buddy_funnel_r(uint32_t lo, uint32_t hi, uint32_t s) {

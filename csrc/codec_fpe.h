@@ -424,19 +424,41 @@ struct BuddyFpe {
   BUDDY_WARP_FN uint32_t measure(const Warp& warp, const uint8_t* entry_bytes, uint32_t* mode) const {
     *mode = 0;
     const Specials sp = specials();
-    uint32_t head = 0, tails = 0;
-    for (uint32_t r = 0; r < rounds; ++r) {
-      bool valid;
-      const buddy_u128 unit = buddy_round_unit(warp, entry_bytes, units, r, &valid);
-      if (valid) {
-        uint32_t h, z;
-        unit_bits(unit, sp, &h, &z);
-        head += h;
-        tails += z;
+    uint32_t head = 0, zeros = 0, n = 0;  // code bits, ZERO words and words of this lane's units
+    auto rounds_of = [&](auto b, bool has_zero) {  // (versions: b a constant or not, a table with ZERO or not)
+      for (uint32_t r = 0; r < rounds; ++r) {
+        bool valid;
+        const buddy_u128 unit = buddy_round_unit(warp, entry_bytes, units, r, &valid);
+        if (valid) unit_sizes<decltype(b)::value>(unit, sp, has_zero, &head, &zeros);
+        n += valid ? unit_words : 0u;
       }
+    };
+    auto sized = [&](auto b) { sp.zero ? rounds_of(b, true) : rounds_of(b, false); };  // (one line: one call site)
+    if (sym_bits == buddy_fpe_fit_split<WB>::b) {  // b a constant
+      sized(buddy_constant<buddy_fpe_fit_split<WB>::b>{});
+    } else {  // a table of another b (format 1's)
+      sized(buddy_constant<0u>{});
     }
-    // both layouts hold the same bits: every word's code and tail
-    return sectors(buddy_warp_sum(warp, head) + buddy_warp_sum(warp, tails) * tail_bits());
+    // both layouts hold the same bits: every word's code and, unless it is ZERO, its tail
+    return sectors(buddy_warp_sum(warp, head) + buddy_warp_sum(warp, n - zeros) * tail_bits());
+  }
+
+  // The code bits of the words of a 16-byte unit added to *head_bits, its ZERO words to *zeros: field's sizes
+  // alone, a word's code bits from its symbol's (or ZERO's) entry, an escape's where it has none. B, has_zero: as
+  // field's.
+  template <uint32_t B>
+  BUDDY_HD void unit_sizes(buddy_u128 unit, Specials sp, bool has_zero, uint32_t* head_bits, uint32_t* zeros) const {
+    const uint32_t b = B ? B : sym_bits, esc_bits = (sp.esc >> 12) + b;
+    uint32_t h = *head_bits, z = *zeros;
+    for (uint32_t i = 0; i < unit_words; ++i) {
+      const word_t x = unit_word(unit, i);
+      const bool zero = has_zero && x == 0;
+      const uint32_t c = table->enc[zero ? zero_sym() : (uint32_t)((uint64_t)x >> (8u * WB - b)) & ((1u << b) - 1u)];
+      h += c ? c >> 12 : esc_bits;
+      z += zero;
+    }
+    *head_bits = h;
+    *zeros = z;
   }
 
   // measure_below by a warp of one lane: word by word (a word's code bits from its enc entry, ZERO's at enc[S],
@@ -695,60 +717,71 @@ struct BuddyFpe {
   }
 
   // The split layout's fields of a lane's 16-byte unit (words of 1, 2 or 4 bytes; `packed` as encode makes them):
-  // its codes from stream bit `pos` up through a 64-bit buffer that ORs a 32-bit word into the stream once the
-  // word is whole (and at the end the partial one); its tails, which end at bit `top`, the first highest: with
-  // the split layout's b a constant B, shifted into registers (a word without a tail shifts nothing in) and ORed
-  // after the unit, else through a 64-bit buffer filled from bit 63 down like the codes'. A unit's fields lie in a
-  // few words, of which only the first and last can hold another lane's, where a field at a time took two ORs a
-  // field. Words with no set bit are not touched.
+  // its codes from stream bit `pos` up, its tails down from bit `top`, the first highest. The codes of each group
+  // of code_group words are shifted into three registers from its last word to its first (at most 4 x 24 bits,
+  // the first lowest: no running offset) and ORed in after the group; the tails, where the split layout's b is a
+  // constant B, into registers too, from the first (a word without a tail shifts nothing in), ORed in after the
+  // unit, else through a 64-bit buffer filled from bit 63 down that ORs a 32-bit word into the stream once it is
+  // whole. A unit's fields lie in a few words, of which only the first and last can hold another lane's, where a
+  // field at a time took two ORs a field. Words with no set bit are not touched.
   template <uint32_t B>
   BUDDY_HD void put_unit(uint32_t* stream, uint32_t pos, uint32_t top, const uint32_t* packed,
                          buddy_u128 unit) const {
+    for (uint32_t g = 0; g < unit_words; g += code_group) {
+      uint32_t codes[3] = {};  // the group's codes, little-endian
+      for (uint32_t i = code_group; i-- > 0u;) {
+        const uint32_t f = packed[g + i], len = (f >> 24) & 0x1Fu;  // (a code of at most 24 bits)
+        codes[2] = buddy_funnel_l(codes[1], codes[2], len);
+        codes[1] = buddy_funnel_l(codes[0], codes[1], len);
+        codes[0] = codes[0] << len | (f & 0xFFFFFFu);
+      }
+      put_bits<3>(stream, pos, codes);
+      if (g + code_group < unit_words) {
+        for (uint32_t i = 0; i < code_group; ++i) pos += (packed[g + i] >> 24) & 0x1Fu;
+      }
+    }
     constexpr uint32_t R = tail_regs<B>;
     const uint32_t t = 8u * WB - (B ? B : sym_bits);
     const uint64_t tmask = ((uint64_t)1 << t) - 1u;
-    uint64_t codes = 0;  // the nc bits from word cw's bit 0 on (those below pos: zeros, not this lane's)
-    uint32_t nc = pos & 31u, cw = pos >> 5;
     uint64_t tails = 0;  // R == 0: the nt bits below word tw + 1, from bit 63 down (those at and above top: zeros)
     uint32_t tw = (top - 1u) >> 5, nt = R ? 0u : 32u * (tw + 1u) - top;
     uint32_t few[R ? R : 1] = {};  // R > 0: the unit's nt bits of tails, little-endian
     for (uint32_t i = 0; i < unit_words; ++i) {
-      codes |= (uint64_t)(packed[i] & 0xFFFFFFu) << nc;
-      nc += (packed[i] >> 24) & 0x1Fu;  // (a code of at most 24 bits: nc < 32 + 24)
-      if (nc >= 32u) {
-        if ((uint32_t)codes) buddy_atomic_or(stream + cw, (uint32_t)codes);
-        codes >>= 32;
-        nc -= 32u;
-        ++cw;
-      }
-      if (WB > 1 || t != 0u) {  // (has_tails)
-        const uint32_t s = t & (0u - (packed[i] >> 31));  // (a word without a tail is zero: nothing ORed)
-        nt += s;
-        if constexpr (R > 0) {  // shifted in below the tails before it (s < 32)
-          for (uint32_t r = R - 1u; r > 0u; --r) few[r] = buddy_funnel_l(few[r - 1u], few[r], s);
-          few[0] = few[0] << s | (uint32_t)((uint64_t)unit_word(unit, i) & tmask);
-        } else {
-          tails |= ((uint64_t)unit_word(unit, i) & tmask) << ((64u - nt) & 63u);
-          if (nt >= 32u) {  // (t <= 23: nt < 32 + 23)
-            if (tails >> 32) buddy_atomic_or(stream + tw, (uint32_t)(tails >> 32));
-            tails <<= 32;
-            nt -= 32u;
-            --tw;
-          }
+      const uint32_t s = t & (0u - (packed[i] >> 31));  // (a word without a tail is zero: nothing ORed)
+      nt += s;
+      if constexpr (R > 0) {  // shifted in below the tails before it (s < 32)
+        for (uint32_t r = R - 1u; r > 0u; --r) few[r] = buddy_funnel_l(few[r - 1u], few[r], s);
+        few[0] = few[0] << s | (uint32_t)((uint64_t)unit_word(unit, i) & tmask);
+      } else if (t != 0u) {
+        tails |= ((uint64_t)unit_word(unit, i) & tmask) << ((64u - nt) & 63u);
+        if (nt >= 32u) {  // (t <= 23: nt < 32 + 23)
+          if (tails >> 32) buddy_atomic_or(stream + tw, (uint32_t)(tails >> 32));
+          tails <<= 32;
+          nt -= 32u;
+          --tw;
         }
       }
     }
-    if ((uint32_t)codes) buddy_atomic_or(stream + cw, (uint32_t)codes);
-    if constexpr (R > 0) {  // the nt bits just below top: R + 1 words from the one bit top - nt is in
-      const uint32_t p = top - nt, q = p >> 5;
-      for (uint32_t r = 0; r <= R; ++r) {
-        const uint32_t w = buddy_funnel_l(r ? few[r - 1u] : 0u, r < R ? few[r] : 0u, p);
-        if (w) buddy_atomic_or(stream + q + r, w);
-      }
+    if constexpr (R > 0) {
+      put_bits<R>(stream, top - nt, few);  // (the nt bits just below top)
     } else {
       if (tails >> 32) buddy_atomic_or(stream + tw, (uint32_t)(tails >> 32));
     }
   }
+
+  // ORs the N little-endian words v into the stream at bit pos: the N + 1 words from the one pos is in, those
+  // with a bit set.
+  template <uint32_t N>
+  static BUDDY_HD void put_bits(uint32_t* stream, uint32_t pos, const uint32_t (&v)[N]) {
+    uint32_t* const at = stream + (pos >> 5);
+    for (uint32_t r = 0; r <= N; ++r) {
+      const uint32_t w = buddy_funnel_l(r ? v[r - 1u] : 0u, r < N ? v[r] : 0u, pos);
+      if (w) buddy_atomic_or(at + r, w);
+    }
+  }
+
+  // The words whose codes put_unit shifts into its three registers at once: 4 (a code is at most 24 bits).
+  static constexpr uint32_t code_group = unit_words < 4u ? unit_words : 4u;
 
   // The 32-bit registers a unit's tails fill where the split layout's b is a constant B (put_unit), words of 1 to
   // 4 bytes (2-byte words: 8 tails of 4 bits, 1; 4-byte words: 4 of 20 bits, 3); 0: put_unit's 64-bit buffer.

@@ -278,7 +278,7 @@ RARE_BLOCKS = ("} else {  // ESC with its symbol, or not a code", "} else {  // 
 #: by the defaults)
 SERIAL_BLOCKS = ("BUDDY_WARP_FN void encode_serial(", "BUDDY_HD uint32_t put(uint32_t* stream",
                  "BUDDY_HD uint32_t walk_serial(", "BUDDY_WARP_FN uint32_t decode_serial(",
-                 "} else {  // a split table of another b",
+                 "} else {  // a split table of another b", "} else {  // a table of another b (format 1's)",
                  # and a variant the defaults do not run: the count by ballots (BUDDY_COUNT_MATCH=0)
                  "__device__ __forceinline__ void buddy_count_ballots(")  # fmt: skip
 
