@@ -78,11 +78,18 @@ struct alignas(16) buddy_u128 {
 };
 
 // Word i (0 .. 16 / sizeof(W) - 1) of a 16-byte unit, little endian.
+// Words of up to 4 bytes from the unit's 32-bit quarters: a compiler then tests and shifts 32-bit registers, where
+// from 64-bit halves it compared a 2-byte word with zero in 64 bits.
 template <class W>
 BUDDY_HD W buddy_unit_word(buddy_u128 unit, uint32_t i) {
-  constexpr uint32_t half = 8u / sizeof(W);  // words per 8 bytes
-  const uint64_t v = i < half ? unit.lo : unit.hi;
-  return (W)(v >> (8u * sizeof(W) * (i % half)));
+  if constexpr (sizeof(W) <= 4u) {
+    constexpr uint32_t quarter = 4u / sizeof(W);  // words per 4 bytes
+    const uint64_t v = i < 2u * quarter ? unit.lo : unit.hi;
+    const uint32_t q = (uint32_t)(i / quarter % 2u ? v >> 32 : v);
+    return (W)(q >> (8u * sizeof(W) * (i % quarter)));
+  } else {
+    return (W)(i ? unit.hi : unit.lo);
+  }
 }
 
 // Whether p and q are both 16-byte aligned (16-byte loads and stores may be used).
