@@ -98,10 +98,12 @@ BUDDY_HD uint32_t buddy_fpe_count_key(typename BuddyFpe<WB>::word_t x) {
 // block counts in buddy_count_body, buddy_kernels.cu.)
 template <int WB, class Warp>
 BUDDY_WARP_FN void buddy_fpe_count_unit16(const Warp& warp, buddy_u128 unit, bool valid, uint32_t* counts) {
+  const uint32_t below = (1u << warp.lane()) - 1u;  // the lanes before this one: a lane adds for its peers where
+                                                    // none of them is before it (one AND, not a count of zeros)
   for (uint32_t i = 0; i < 16u / WB; ++i) {
     const uint32_t key = valid ? buddy_fpe_count_key<WB>(BuddyFpe<WB>::unit_word(unit, i)) : BUDDY_FPE_NO_KEY;
     const uint32_t peers = buddy_warp_match(warp, key, BUDDY_FPE_KEY_BITS);
-    if (key != BUDDY_FPE_NO_KEY && buddy_ctz(peers) == warp.lane()) buddy_atomic_add(&counts[key], buddy_popc(peers));
+    if (key != BUDDY_FPE_NO_KEY && (peers & below) == 0u) buddy_atomic_add(&counts[key], buddy_popc(peers));
   }
 }
 
