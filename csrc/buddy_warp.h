@@ -70,22 +70,17 @@ BUDDY_WARP_FN buddy_u128 buddy_round_unit(const Warp& warp, const uint8_t* entry
   return *valid ? buddy_load<buddy_u128>(entry_bytes + 16u * u) : zero;
 }
 
-// Copies n bytes (src) or writes n zeros (src == nullptr); n is a multiple of
-// 8 and both pointers are 8-byte aligned. 16 bytes per lane load and store
-// where n and both pointers allow it (sectors are 32 bytes, the buffers'
-// bases 16-byte aligned: nearly always), else 8.
+// Copies n bytes (src) or writes n zeros (src == nullptr), 16 bytes per lane load and store: n is a multiple of
+// 16 and both pointers are 16-byte aligned -- sectors are 32 bytes and entries a multiple of 16, and every buffer
+// a kernel is given is 16-byte aligned (buddy.engines.cuda checks the tensor's and the overflow's, and allocates
+// the rest; the staging buffers are), as the kernels' 16-byte loads of an entry need anyway. (An 8-byte path for
+// other pointers was compiled into every kernel and never ran.)
 template <class Warp>
 BUDDY_WARP_FN void buddy_warp_fill(const Warp& warp, const uint8_t* src, uint8_t* dst, uint32_t n) {
-  if (n % 16 == 0 && buddy_aligned16(src, dst)) {
-    const buddy_u128 zero = {0, 0};
-    BUDDY_UNROLL_2
-    for (uint32_t u = warp.lane(); u < n / 16; u += BUDDY_WARP_SIZE)
-      buddy_store<buddy_u128>(dst + 16 * u, src ? buddy_load<buddy_u128>(src + 16 * u) : zero);
-    return;
-  }
+  const buddy_u128 zero = {0, 0};
   BUDDY_UNROLL_2
-  for (uint32_t u = warp.lane(); u < n / 8; u += BUDDY_WARP_SIZE)
-    buddy_store<uint64_t>(dst + 8 * u, src ? buddy_load<uint64_t>(src + 8 * u) : (uint64_t)0);
+  for (uint32_t u = warp.lane(); u < n / 16; u += BUDDY_WARP_SIZE)
+    buddy_store<buddy_u128>(dst + 16 * u, src ? buddy_load<buddy_u128>(src + 16 * u) : zero);
 }
 
 // Whether any of the n bytes at p (n a multiple of 8, p 8-byte aligned) is

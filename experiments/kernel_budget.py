@@ -102,7 +102,6 @@ TRIPS = [
     (r"for \(uint32_t round = 0; round < BUDDY_WARP_SIZE", "rounds"),
     (r"while \(done < words\)", "passes"),
     (r"u < n / 16; u \+= BUDDY_WARP_SIZE", "fill16"),  # 16-byte copies and fills
-    (r"u < n / 8; u \+= BUDDY_WARP_SIZE", "fill8"),
     (r"buddy_bits_between|u <= \(hi - 1u\) / 64u", "one"),
     (r"i \+= buddy_warp_stride\(\)", "grid"),          # the format kernels' loop over entries
     (r"u0 \+= stride|for \(long long u0 = ", "grid"),  # the count kernel's (either line of its for)
@@ -246,11 +245,11 @@ CALLS = [
 def _loop_key(source: list[str], line: int, chain: tuple = ()) -> str | None:
     text = source[line - 1] if 0 < line <= len(source) else ""
     key = next((key for pattern, key in TRIPS if re.search(pattern, text)), None)
-    if key in ("fill16", "fill8"):  # which copy: the call it serves
+    if key == "fill16":  # which copy: the call it serves
         for at in chain[1:]:
             call = next((k for pattern, k in CALLS if re.search(pattern, source[at - 1])), None)
             if call is not None:
-                return key if key == "fill8" else call
+                return call
         return "none"  # the fills of the zero and raw entries and of flagged ones: not run on a coded entry
     return key
 
@@ -666,7 +665,7 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
             blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1, codec)
         else:  # on an H100 (a table codec's unpack with its table in shared memory)
             blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1 << 20, codec, bcuda.HOPPER)
-        trips = {"grid": 1.0, "one": 1.0, "rounds16": units, "serial_words": 0.0, "fill8": 0.0, "none": 0.0,
+        trips = {"grid": 1.0, "one": 1.0, "rounds16": units, "serial_words": 0.0, "none": 0.0,
                  "units": units, "gather": math.ceil(2 * k / 32), "payload": math.ceil(2 * k / 32),
                  "unit_words": units * 16 // word, "bpc_chunks": sim["bpc_chunks"], "fpx_words": units,
                  "fpx_blocks": math.ceil(units / fpx_block(word)),
@@ -1001,7 +1000,13 @@ the whole field (1,955 -> 1,661 and 3,258 -> 2,890); and the words of 1 to 4 byt
 from its 32-bit quarters (`buddy_unit_word`), where from its 64-bit halves a 2-byte word was compared with zero in
 64 bits; and of a count's peers (the lanes of a key) the one that adds for them is the one with none of them before it
 (an AND with the lanes below, where it counted the peers' trailing zeros: count 832 -> 760 instructions an entry for
-float32, 1,552 -> 1,432 for bfloat16). The estimate's steady-state compress went 495 / 264 -> 610 / 316 GB/s.
+float32, 1,552 -> 1,432 for bfloat16). And a warp's copies and fills take 16-byte loads and stores alone (every
+buffer a kernel is given is 16-byte aligned: `buddy.engines.cuda` checks the tensor's and the overflow's and
+allocates the rest): their 8-byte path, compiled into every kernel, never ran (unpack 4,131 -> 3,958 instructions an
+entry for float32, 6,329 -> 6,127 for bfloat16; pack 2,344 -> 2,235 for float32 and 54 -> 48 registers, so 40
+warps an SM where 32 were -- its estimate takes the cycles an instruction the run's 72-register code took, which
+only a GPU can say hold with 40 warps beside each other). The estimate's decompress went 531 / 381 -> 553 / 394
+GB/s, its steady-state compress 495 / 264 -> 689 / 321.
 Next: a run of this code on a GPU (pack reading the table in global memory beside unpack's table in shared
 memory, bfloat16's count by ballots; the bench's `--pack-fields` and `--other-count` time the other forms); then a
 histogram a warp for count if it still waits; then the latency levers above -- unpack's shared memory (the table,
