@@ -1452,13 +1452,18 @@ struct BuddyFpe {
       BuddyFpeSpan sp = {buddy_min(base + lane * span, end), 0, 0, 0};
       if (lane) sp.start = warm_up(payload, sp.start, base);
       sp.end = walk(payload, sp, sp.start, limit, never, 0u);
-      // a lane whose start is not the true end of the lane before decodes again from there, until none does
-      for (uint32_t round = 0; round < BUDDY_WARP_SIZE; ++round) {
-        uint32_t from = warp.shfl_up(sp.end, 1u);
+      // a lane whose start is not the true end of the lane before decodes again from there, until none does (the
+      // check before the rounds: most passes take none)
+      uint32_t from;
+      auto redo = [&] {
+        from = warp.shfl_up(sp.end, 1u);
         if (lane == 0) from = base;
-        const bool redo = from != never && from != sp.start;  // nothing true follows a code the table lacks
-        if (!warp.ballot(redo)) break;
-        if (redo) resync(payload, sp, from, limit);
+        return from != never && from != sp.start;  // nothing true follows a code the table lacks
+      };
+      bool again = redo();
+      for (uint32_t round = 0; round < BUDDY_WARP_SIZE && warp.ballot(again); ++round) {
+        if (again) resync(payload, sp, from, limit);
+        again = redo();
       }
       // the lanes up to the first that stopped at a code the table lacks hold the true codes
       const uint32_t invalid = warp.ballot(sp.end == never);

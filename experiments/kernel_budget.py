@@ -673,7 +673,6 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
         if op == "unpack":  # a coded entry of the split layout: its gather (k sectors), zero fill, copy out
             trips |= {key: sim[key] for key in (*FIND_LOOPS, "passes", "rounds", "emit_steps", "emit_tails",
                                                  "emit_rest", "single")}  # fmt: skip
-            trips["rounds"] += sim["passes"]  # the check that ends the resync loop
             moved = 32 * k + entry_bytes + spec.meta_bytes(entry_bytes)
         elif op == "pack":
             moved = entry_bytes + 32 * k + spec.meta_bytes(entry_bytes)
@@ -1005,8 +1004,10 @@ buffer a kernel is given is 16-byte aligned: `buddy.engines.cuda` checks the ten
 allocates the rest): their 8-byte path, compiled into every kernel, never ran (unpack 4,131 -> 3,958 instructions an
 entry for float32, 6,329 -> 6,127 for bfloat16; pack 2,344 -> 2,235 for float32 and 54 -> 48 registers, so 40
 warps an SM where 32 were -- its estimate takes the cycles an instruction the run's 72-register code took, which
-only a GPU can say hold with 40 warps beside each other). The estimate's decompress went 531 / 381 -> 553 / 394
-GB/s, its steady-state compress 495 / 264 -> 689 / 321.
+only a GPU can say hold with 40 warps beside each other). Unpack checks whether a lane must resynchronize before
+its loop of rounds, not in it, so the loop runs only on the rounds that resynchronize (0.2-0.3 an entry): the count
+had charged a pass's check with the resynchronizing code beside it in the loop's body (3,958 -> 3,858 and 6,127 ->
+6,028). The estimate's decompress went 531 / 381 -> 568 / 400 GB/s, its steady-state compress 495 / 264 -> 689 / 321.
 Next: a run of this code on a GPU (pack reading the table in global memory beside unpack's table in shared
 memory, bfloat16's count by ballots; the bench's `--pack-fields` and `--other-count` time the other forms); then a
 histogram a warp for count if it still waits; then the latency levers above -- unpack's shared memory (the table,
