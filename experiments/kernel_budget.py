@@ -993,21 +993,22 @@ layout's b is a constant (one register for 2-byte words, three for 4-byte ones; 
 without a tail shifting nothing in) and ORs them in after the unit, and a group of four words' codes into three
 registers from the last word to the first (a code is at most 24 bits: the first lowest, with no running offset and
 no fill check a word), where 64-bit buffers took a variable shift and a check a word (`put_unit`, `put_bits`; pack
-3,129 -> 2,344 instructions an entry for float32, 4,629 -> 3,549 for bfloat16); measure sizes a word from its
-table entry alone, in versions for the fit's b and for tables with ZERO and without (`unit_sizes`), where it made
-the whole field (1,955 -> 1,661 and 3,258 -> 2,890); and the words of 1 to 4 bytes of a 16-byte unit are taken
-from its 32-bit quarters (`buddy_unit_word`), where from its 64-bit halves a 2-byte word was compared with zero in
-64 bits; and of a count's peers (the lanes of a key) the one that adds for them is the one with none of them before it
-(an AND with the lanes below, where it counted the peers' trailing zeros: count 832 -> 760 instructions an entry for
+3,129 -> 2,344 instructions an entry for float32, 4,629 -> 3,549 for bfloat16); measure sizes a word from its table
+entry alone, in versions for the fit's b and for tables with ZERO and without (`unit_sizes`), where it made the
+whole field (1,955 -> 1,661 and 3,258 -> 2,890); and the words of 1 to 4 bytes of a 16-byte unit are taken from its
+32-bit quarters (`buddy_unit_word`), where from its 64-bit halves a 2-byte word was compared with zero in 64 bits;
+and of a count's peers (the lanes of a key) the one that adds for them is the one with none of them before it (an
+AND with the lanes below, where it counted the peers' trailing zeros: count 832 -> 760 instructions an entry for
 float32, 1,552 -> 1,432 for bfloat16). And a warp's copies and fills take 16-byte loads and stores alone (every
 buffer a kernel is given is 16-byte aligned: `buddy.engines.cuda` checks the tensor's and the overflow's and
 allocates the rest): their 8-byte path, compiled into every kernel, never ran (unpack 4,131 -> 3,958 instructions an
-entry for float32, 6,329 -> 6,127 for bfloat16; pack 2,344 -> 2,235 for float32 and 54 -> 48 registers, so 40
-warps an SM where 32 were -- its estimate takes the cycles an instruction the run's 72-register code took, which
-only a GPU can say hold with 40 warps beside each other). Unpack checks whether a lane must resynchronize before
-its loop of rounds, not in it, so the loop runs only on the rounds that resynchronize (0.2-0.3 an entry): the count
-had charged a pass's check with the resynchronizing code beside it in the loop's body (3,958 -> 3,858 and 6,127 ->
-6,028). The estimate's decompress went 531 / 381 -> 568 / 400 GB/s, its steady-state compress 495 / 264 -> 689 / 321.
+entry for float32, 6,329 -> 6,127 for bfloat16; pack 2,344 -> 2,235 and 3,549 -> 3,430, float32's in 48 registers,
+not 54, so 40 warps an SM where 32 were -- its estimate takes the cycles an instruction the run's 72-register code
+took, which only a GPU can say hold with 40 warps beside each other). Unpack checks whether a lane must
+resynchronize before its loop of rounds, not in it, so the loop runs only on the rounds that resynchronize (0.2-0.3
+an entry): the count had charged a pass's check with the resynchronizing code beside it in the loop's body (3,958 ->
+3,858 and 6,127 -> 6,028). The estimate's decompress went 531 / 381 -> 568 / 400 GB/s, its steady-state compress 495
+/ 264 -> 689 / 321.
 Next: a run of this code on a GPU (pack reading the table in global memory beside unpack's table in shared
 memory, bfloat16's count by ballots; the bench's `--pack-fields` and `--other-count` time the other forms); then a
 histogram a warp for count if it still waits; then the latency levers above -- unpack's shared memory (the table,
