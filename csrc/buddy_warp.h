@@ -84,7 +84,10 @@ BUDDY_WARP_FN void buddy_warp_fill(const Warp& warp, const uint8_t* src, uint8_t
 }
 
 // Whether any of the n bytes at p (n a multiple of 8, p 8-byte aligned) is
-// non-zero, on every lane; 16-byte loads where n and p allow.
+// non-zero, on every lane; 16-byte loads where n and p allow. (The kernels'
+// pointers are 16-byte aligned, as buddy_warp_fill's, so the 8-byte path does
+// not run there; without it ptxas spilled 8 bytes in float32's auto2 measure
+// at its 48 registers, so it stays.)
 template <class Warp>
 BUDDY_WARP_FN bool buddy_warp_any_nonzero(const Warp& warp, const uint8_t* p, uint32_t n) {
   bool mine = false;

@@ -383,18 +383,6 @@ struct BuddyFpe {
   // Word i (0 .. 16 / WB - 1) of a 16-byte unit.
   static BUDDY_HD word_t unit_word(buddy_u128 unit, uint32_t i) { return buddy_unit_word<word_t>(unit, i); }
 
-  // Code bits and tails of the words of a 16-byte unit.
-  BUDDY_HD void unit_bits(buddy_u128 unit, Specials sp, uint32_t* head_bits, uint32_t* tails) const {
-    uint32_t h = 0, z = 0;
-    for (uint32_t i = 0; i < unit_words; ++i) {
-      const Field f = field(unit_word(unit, i), sp);
-      h += f.head_bits;
-      z += f.tail;
-    }
-    *head_bits = h;
-    *tails = z;
-  }
-
   // ORs the tail of word x into the stream at bit pos.
   BUDDY_HD void put_tail(uint32_t* stream, uint32_t pos, word_t x) const {
     if constexpr (WB == 8)
@@ -728,17 +716,16 @@ struct BuddyFpe {
   BUDDY_HD void put_unit(uint32_t* stream, uint32_t pos, uint32_t top, const uint32_t* packed,
                          buddy_u128 unit) const {
     for (uint32_t g = 0; g < unit_words; g += code_group) {
-      uint32_t codes[3] = {};  // the group's codes, little-endian
+      uint32_t codes[3] = {}, bits = 0;  // the group's codes, little-endian, and their bits
       for (uint32_t i = code_group; i-- > 0u;) {
         const uint32_t f = packed[g + i], len = (f >> 24) & 0x1Fu;  // (a code of at most 24 bits)
         codes[2] = buddy_funnel_l(codes[1], codes[2], len);
         codes[1] = buddy_funnel_l(codes[0], codes[1], len);
         codes[0] = codes[0] << len | (f & 0xFFFFFFu);
+        bits += len;
       }
       put_bits<3>(stream, pos, codes);
-      if (g + code_group < unit_words) {
-        for (uint32_t i = 0; i < code_group; ++i) pos += (packed[g + i] >> 24) & 0x1Fu;
-      }
+      pos += bits;
     }
     constexpr uint32_t R = tail_regs<B>;
     const uint32_t t = 8u * WB - (B ? B : sym_bits);
@@ -825,8 +812,9 @@ struct BuddyFpe {
     for (uint32_t r = 0; r < rounds; ++r) {
       bool valid;
       const buddy_u128 unit = buddy_round_unit(warp, entry_bytes, units, r, &valid);
-      uint32_t h = 0, z = 0, total;
-      if (valid) unit_bits(unit, sp, &h, &z);
+      uint32_t h = 0, zeros = 0, total;
+      if (valid) unit_sizes<0u>(unit, sp, sp.zero != 0, &h, &zeros);
+      const uint32_t z = valid ? unit_words - zeros : 0u;  // the words with tails
       uint32_t pos = base + buddy_warp_exclusive_scan(warp, h + z * tail_bits(), &total);
       if (valid) {
         for (uint32_t i = 0; i < unit_words; ++i) pos = put(stream, pos, unit_word(unit, i), sp);
