@@ -246,6 +246,7 @@ def run(
     other_count: bool = False,
     pack_fields: bool = False,
     max_blocks: Sequence[int] = (),
+    unpack_warps: Sequence[int] = (),
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Benchmark every tensor (all on one device) with every method; ``{"rows", "pcie", "errors"}``.
@@ -263,9 +264,11 @@ def run(
     ``max_blocks``: each codec's kernels once more for each ``n`` with at most ``n`` blocks
     a launch (method ``.../cuda+blocks<=n``), the warps looping over the entries: whether a grid of about one wave
     keeps more warps resident than a warp per entry, whose blocks hold their shared memory until their slowest
-    warp is done. ``baselines``: nvcomp's (:func:`nvcomp_or_exit`). A baseline that fails
-    on a tensor is recorded in ``errors`` (method, tensor, the error) and
-    the run goes on; buddy's codecs must round trip or the run stops.
+    warp is done. ``unpack_warps``: each table codec's kernels once more for each ``n`` with
+    ``BUDDY_UNPACK_WARPS=n`` (method ``.../cuda+unpack-warps=n``): unpack at most ``n`` warps an SM, its decompress
+    against the default's, how its speed grows with the warps an SM. ``baselines``: nvcomp's
+    (:func:`nvcomp_or_exit`). A baseline that fails on a tensor is recorded in ``errors`` (method, tensor, the
+    error) and the run goes on; buddy's codecs must round trip or the run stops.
     """
     rows: list[dict[str, Any]] = []
     pcie_rows: list[dict[str, Any]] = []
@@ -304,6 +307,12 @@ def run(
                     rows.append({**row, "method": f"{row['method']}+{suffix}", suffix.replace("-", "_"): True})
                     log(_line(rows[-1]))
                     other.free()
+            for n in unpack_warps if tabled else ():
+                with _environment(kernels.UNPACK_WARPS_ENV, str(n)):
+                    row, fewer = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
+                rows.append({**row, "method": f"{row['method']}+unpack-warps={n}", "unpack_warps": n})
+                log(_line(rows[-1]))
+                fewer.free()
             for n in max_blocks if "cuda" in backends else ():
                 with _max_blocks(n):
                     row, capped = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
@@ -403,10 +412,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "table each block makes in its shared memory)")  # fmt: skip
     p.add_argument("--max-blocks", type=int, nargs="+", default=[], metavar="N",
                    help="each codec once more with at most N blocks a kernel launch (the warps loop over the entries)")
+    p.add_argument("--unpack-warps", type=int, nargs="+", default=[], metavar="N",
+                   help="each table codec once more with BUDDY_UNPACK_WARPS=N (unpack at most N warps an SM)")
     p.add_argument("--out", type=Path, default=Path("results/bench_cuda"))
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.mib < 1 or any(n < 1 for n in args.max_blocks):
         p.error("--repeats, --mib and --max-blocks must be >= 1 and --warmup >= 0")
+    if any(not 1 <= n <= 64 for n in args.unpack_warps):
+        p.error("--unpack-warps takes warps an SM, 1 to 64")
     return args
 
 
@@ -435,6 +448,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         other_count=args.other_count,
         pack_fields=args.pack_fields,
         max_blocks=tuple(args.max_blocks),
+        unpack_warps=tuple(args.unpack_warps),
     )
     print()
     print(format_table(result))

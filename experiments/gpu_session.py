@@ -23,7 +23,8 @@ times):
 * ``ncu`` (optional): Nsight Compute over the default codec's kernels, the
   metrics of :data:`NCU_METRICS`;
 * ``essentials``: check, bench (fewer repeats; the table codecs also
-  with their tables in global memory and with count's ballots), step time (fewer methods, one
+  with their tables in global memory, with count's ballots, pack's fields, and
+  unpack at fewer warps an SM), step time (fewer methods, one
   compressed step profiled), ncu and unpack reading the overflow in place in one phase; and ``lease``, for a lease
   of 15 minutes: :data:`LEASE`'s phases in one call, each step's limit cut to
   what is left before the call's deadline.
@@ -182,8 +183,9 @@ def _compile(
     return Python("compile", "experiments.gpu_check", tuple(args), timeout_s, "{work}/compile.json", required=True)
 
 
-def _ncu(timeout_s: int) -> Python:
-    """The bench of the default codec (64 MiB, once) under Nsight Compute, a row per launch in ``ncu.csv``."""
+def _ncu(timeout_s: int, unpack_warps: tuple[str, ...] = ()) -> Python:
+    """The bench of the default codec (64 MiB, once) under Nsight Compute, a row per launch in ``ncu.csv``
+    (``unpack_warps``: also unpack at so many warps an SM, ``bench_cuda --unpack-warps``)."""
     metrics = os.environ.get("BUDDY_NCU_METRICS") or ",".join(NCU_METRICS)
     wrapper = ("{ncu}", "--metrics", metrics, "--kernel-name", "regex:^buddy_", "--clock-control", "none",
                "--target-processes", "all", "--csv", "--log-file", "{out}/ncu.csv")  # fmt: skip
@@ -191,7 +193,8 @@ def _ncu(timeout_s: int) -> Python:
     # --pack-fields: pack once more with its table of whole fields in shared memory, beside reading the table in
     # global memory; ncu.csv tells a kernel's layouts apart by their dynamic shared memory)
     args = ("--mib", "64", "--codecs", _default_codec(), "--repeats", "1", "--warmup", "0", "--no-nvcomp",
-            "--global-table", "--pack-fields", "--out", "{work}/ncu")  # fmt: skip
+            "--global-table", "--pack-fields", "--out", "{work}/ncu",
+            *(("--unpack-warps", *unpack_warps) if unpack_warps else ()))  # fmt: skip
     return Python("ncu", "experiments.bench_cuda", args, timeout_s, "{work}/ncu/results.json", wrapper=wrapper)
 
 
@@ -218,9 +221,11 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
         # Nsight Compute over the default's kernels (64 MiB), and unpack reading the overflow in place; the table
         # codecs also with their tables in global memory (--global-table) and with the count kernel's ballots
         # or matches (--other-count: the form the word size does not take by default), and pack with its table of
-        # whole fields in shared memory (--pack-fields). The lease runs it first (LEASE).
+        # whole fields in shared memory (--pack-fields), and unpack at 8 and 16 warps an SM beside its default 24
+        # (--unpack-warps: how its speed grows with its warps, what a layout of more would buy). The lease runs it
+        # first (LEASE).
         bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1", "--global-table", "--other-count",
-                      "--pack-fields")  # fmt: skip
+                      "--pack-fields", "--unpack-warps", "8", "16")  # fmt: skip
         # (--memory-peak: one more step of each method under the allocator's history, what it held at its peak)
         step_args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--steps", "4",
                      "--warmup", "2", "--methods", "none", "buddy", "buddy-model", "save_on_cpu", "checkpoint",
@@ -295,7 +300,9 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
         )  # fmt: skip
         return [_compile(codecs=(_default_codec(),), entry_bytes=(4096,), timeout_s=60), step_time, max_batch]
     if phase == "ncu":
-        return [_compile(codecs=(_default_codec(),), entry_bytes=(4096,), timeout_s=60), _ncu(timeout_s=390)]
+        # (unpack also at 8 and 16 warps an SM: each layout's cycles an instruction and its waits)
+        ncu = _ncu(timeout_s=390, unpack_warps=("8", "16"))
+        return [_compile(codecs=(_default_codec(),), entry_bytes=(4096,), timeout_s=60), ncu]
     raise ValueError(f"unknown phase {phase!r}: {', '.join(PHASES)}")
 
 

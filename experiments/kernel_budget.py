@@ -64,6 +64,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -698,6 +699,7 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
             ran = measured_launch(measured, f"{codec} {op}", row["dtype"], threads, shared, default=True)
             if ran is not None:  # a warp's instructions at the cycles each took it in the GPU run
                 row["cycles/instr"] = cpi = cycles_per_instruction(ran)
+                row["issue % measured"] = ran.get("issue %")
                 if "layout" in ran:  # (the run's layout of the most shared memory, not this one's)
                     row["measured layout"] = ran["layout"]
                 bounds["latency"] = H100["sms"] * clock * warps / (instr * cpi) * entry_bytes / 1e9
@@ -853,6 +855,8 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
             f"{worst['cold']:,.0f} GB/s with nothing learned -- "
             + ("the targets are met." if worst["decompress"] >= 800 and worst["steady"] >= 500 else
                _met(totals) + " " + SHORT)]  # fmt: skip
+    needs = _unpack_needs(rows)
+    out += ["", needs] if needs else []
     unknown = sorted({u for r in rows for u in r["loops counted once"]})
     if unknown:
         out += ["", "Loops counted once per entry (no trip count named for them; compile-time short or not run on "
@@ -864,6 +868,27 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
 
     out += NCU.format(metrics=", ".join(f"`{m}`" for m in NCU_METRICS)).splitlines()
     return "\n".join(out) + "\n"
+
+
+def _unpack_needs(rows: list[dict], target: float = 800.0) -> str:
+    """What unpack's instructions must come to for ``target`` GB/s, at every issue slot busy and at the share of
+    them the GPU run kept busy, beside what they are (the dtypes whose unpack's estimate is short of it)."""
+    short = [r for r in rows if r["kernel"].endswith(" unpack") and r.get("estimate GB/s", target) < target]
+    if not short:
+        return ""
+    full = short[0]["issue GB/s"] * short[0]["instr/entry"] / target  # (the issue bound is a constant / instr)
+    have = "; ".join(f"{r['dtype']}'s takes {r['instr/entry']:,.0f}, an issue bound of {r['issue GB/s']:,.0f} GB/s"
+                     for r in short)  # fmt: skip
+    busy = [r["issue % measured"] for r in short if r.get("issue % measured")]
+    low, high = (min(busy), max(busy)) if busy else (0.0, 0.0)
+
+    def span(say: Callable[[float], str]) -> str:  # "a-b", or "a" where the run's shares round alike
+        return say(low) if round(low) == round(high) else f"{say(low)}-{say(high)}"
+
+    run = (f", and {span(lambda b: f'{full * b / 100:,.0f}')} at the {span(lambda b: f'{b:.0f}')} % of issue slots "
+           "the GPU run kept busy in unpack" if busy else "")
+    return (f"**Decompress needs fewer instructions, not only less waiting**: for {target:,.0f} GB/s an unpack may "
+            f"take at most {full:,.0f} instructions an entry with every issue slot of an H100 busy ({have}){run}.")
 
 
 def _met(totals: dict) -> str:
@@ -1012,8 +1037,11 @@ an entry): the count had charged a pass's check with the resynchronizing code be
 Next: a run of this code on a GPU (pack reading the table in global memory beside unpack's table in shared
 memory, bfloat16's count by ballots; the bench's `--pack-fields` and `--other-count` time the other forms); then a
 histogram a warp for count if it still waits; then the latency levers above -- unpack's shared memory (the table,
-then 4 KiB of payload and 4 KiB of output a warp) is what
-holds it at 24 warps an SM; two entries a warp with their walks interleaved; one walk instead of two (the find walk keeping each
+then 4 KiB of payload and 4 KiB of output a warp) is what holds it at 24 warps an SM, where its 64 registers allow
+32: the runbook's bench and ncu now run unpack at 8 and 16 warps an SM beside 24 (`--unpack-warps`,
+`BUDDY_UNPACK_WARPS`), whose speeds and cycles an instruction say how far more warps would carry it, the question
+a layout of 32 (no output staging, or a smaller table) must answer before it is built; two entries a warp with
+their walks interleaved; one walk instead of two (the find walk keeping each
 code's symbol in shared memory: by the lane simulation a lane finds 34 codes on average for 32 float32 words and 72
 for 64 bfloat16 words); pack's fields (a word's code from the table and the selects around it: some 20 instructions a
 bfloat16 word, about half of pack's; what is left is the scan and the ORs into the payload); a fit of more warps.

@@ -309,7 +309,8 @@ class Emulator:
 
     def __call__(self, codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple) -> None:
         fields = bcuda.shares_tables(codec, entry_bytes, bcuda.HOPPER) and bcuda.pack_fields()
-        blocks, threads, shared = bcuda.launch_config(op, entry_bytes, n_entries, codec, bcuda.HOPPER, fields)
+        warps = bcuda.unpack_warps()
+        blocks, threads, shared = bcuda.launch_config(op, entry_bytes, n_entries, codec, bcuda.HOPPER, fields, warps)
         if self.max_blocks is not None:
             blocks = min(blocks, self.max_blocks)
         self.run(f"buddy_{codec}_{op}", entry_bytes, (blocks, threads, shared), args)

@@ -115,23 +115,30 @@ def test_activation_bytes_are_a_workloads_saved_tensors():
     assert torch.equal(x[: first.numel()].view(torch.int32), first.view(torch.int32))
 
 
+class _Freed:
+    buddy_bytes = 0
+
+    def free(self):
+        pass
+
+
+def _fake_bench(seen: list, state):
+    """A ``bench_buddy`` that times nothing: it notes ``(codec, *state(codec, backend))`` in ``seen`` as it runs."""
+
+    def fake(name, x, codec, backend, store, repeats, warmup):
+        seen.append((codec, *state(codec, backend)))
+        return {"method": f"buddy:{codec}/{backend}", "tensor": name, "dtype": "float32", "compress_gbps": 1.0,
+                "decompress_gbps": 1.0, "ratio": 1.0}, _Freed()  # fmt: skip
+
+    return fake
+
+
 def test_max_blocks_times_the_cuda_kernels_again_on_a_capped_grid(gen, monkeypatch):
     """--max-blocks: each codec's CUDA kernels once more per cap, the loader's block cap set while they run and
     restored after; the rows named by the cap."""
     seen = []
-
-    class Freed:
-        buddy_bytes = 0
-
-        def free(self):
-            pass
-
-    def fake(name, x, codec, backend, store, repeats, warmup):
-        seen.append((codec, backend, bench_cuda.buddy.engines.cuda.MAX_BLOCKS))
-        return {"method": f"buddy:{codec}/{backend}", "tensor": name, "dtype": "float32", "compress_gbps": 1.0,
-                "decompress_gbps": 1.0, "ratio": 1.0}, Freed()  # fmt: skip
-
-    monkeypatch.setattr(bench_cuda, "bench_buddy", fake)
+    monkeypatch.setattr(bench_cuda, "bench_buddy",
+                        _fake_bench(seen, lambda codec, backend: (backend, bench_cuda.buddy.engines.cuda.MAX_BLOCKS)))
     monkeypatch.setattr(bench_cuda, "check_backends_agree", lambda *a: None)
     before = bench_cuda.buddy.engines.cuda.MAX_BLOCKS
     t = {"relu.f32": make_data("relu", 1_001, torch.float32, gen)}
@@ -156,19 +163,7 @@ def test_variants_time_the_table_codecs_again(gen, monkeypatch, option, env, dty
     BUDDY_PACK_FIELDS=1) while they run (and restored after), the rows named so; the other codecs once."""
     seen = []
     env = getattr(bench_cuda.buddy.engines.cuda, env)
-
-    class Freed:
-        buddy_bytes = 0
-
-        def free(self):
-            pass
-
-    def fake(name, x, codec, backend, store, repeats, warmup):
-        seen.append((codec, os.environ.get(env)))
-        return {"method": f"buddy:{codec}/{backend}", "tensor": name, "dtype": "float32", "compress_gbps": 1.0,
-                "decompress_gbps": 1.0, "ratio": 1.0}, Freed()  # fmt: skip
-
-    monkeypatch.setattr(bench_cuda, "bench_buddy", fake)
+    monkeypatch.setattr(bench_cuda, "bench_buddy", _fake_bench(seen, lambda codec, backend: (os.environ.get(env),)))
     monkeypatch.setattr(bench_cuda, "check_backends_agree", lambda *a: None)
     monkeypatch.delenv(env, raising=False)
     t = {"relu": make_data("relu", 1_001, dtype, gen)}
@@ -178,3 +173,24 @@ def test_variants_time_the_table_codecs_again(gen, monkeypatch, option, env, dty
     assert [r["method"] for r in result["rows"]][1:] == ["buddy:zvc/cuda", "buddy:auto2/cuda",
                                                          f"buddy:auto2/cuda+{suffix}"]  # fmt: skip
     assert env not in os.environ
+
+
+def test_unpack_warps_time_the_table_codecs_at_fewer_warps(gen, monkeypatch):
+    """--unpack-warps 8 16: each table codec's CUDA kernels once more for each, BUDDY_UNPACK_WARPS set while they run
+    (and unset after), the rows named and marked so; a codec without a table once."""
+    seen = []
+    env = bench_cuda.buddy.engines.cuda.UNPACK_WARPS_ENV
+    monkeypatch.setattr(bench_cuda, "bench_buddy", _fake_bench(seen, lambda codec, backend: (os.environ.get(env),)))
+    monkeypatch.setattr(bench_cuda, "check_backends_agree", lambda *a: None)
+    monkeypatch.delenv(env, raising=False)
+    t = {"relu": make_data("relu", 1_001, torch.bfloat16, gen)}
+    result = bench_cuda.run(t, codecs=("zvc", "auto2"), backends=("cuda",), repeats=1, warmup=0, pcie=False,
+                            unpack_warps=(8, 16), log=lambda line: None)  # fmt: skip
+    assert seen == [("zvc", None), ("auto2", None), ("auto2", "8"), ("auto2", "16")]
+    rows = result["rows"][1:]
+    assert [r["method"] for r in rows] == ["buddy:zvc/cuda", "buddy:auto2/cuda", "buddy:auto2/cuda+unpack-warps=8",
+                                           "buddy:auto2/cuda+unpack-warps=16"]  # fmt: skip
+    assert [r.get("unpack_warps") for r in rows] == [None, None, 8, 16]
+    assert env not in os.environ
+    with pytest.raises(SystemExit):
+        bench_cuda.parse_args(["--unpack-warps", "0"])

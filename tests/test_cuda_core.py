@@ -107,6 +107,14 @@ def test_launch_configuration_with_the_table_in_shared_memory():
         block = table + warps * 2 * e
         assert block <= bcuda.HOPPER.per_block and per_sm * (block + 1024) <= bcuda.HOPPER.per_sm, e
         assert warps <= (24 if e >= 4096 else 8) and warps * per_sm <= 64
+    # at most so many warps an SM (BUDDY_UNPACK_WARPS): the most that fit under the cap, the larger blocks on a tie
+    assert [bcuda.shared_table_layout(4096, bcuda.HOPPER, n) for n in (1, 8, 12, 16, 20, 24, 64)] == [
+        (1, 1), (8, 1), (12, 1), (16, 1), (20, 1), (24, 1), (24, 1)]  # fmt: skip
+    assert bcuda.shared_table_layout(512, bcuda.HOPPER, 20) == (5, 4)  # blocks of 8 would make 16
+    assert bcuda.launch_config("unpack", 4096, 10**6, "auto2", bcuda.HOPPER, unpack_warps=16) == (
+        132, 512, table + 16 * 2 * 4096)  # fmt: skip
+    assert bcuda.launch_config("pack", 4096, 10**6, "auto2", bcuda.HOPPER, unpack_warps=16) == bcuda.launch_config(
+        "pack", 4096, 10**6, "auto2", bcuda.HOPPER)  # fmt: skip
     # pack, asked for its fields (BUDDY_PACK_FIELDS=1): the table of whole fields before the warps' staging, its
     # warps as before, the resident blocks looping; by default its table in global memory, as without a device
     fields, hop = bcuda.FIELDS_BYTES, bcuda.HOPPER
@@ -628,11 +636,22 @@ def test_the_count_kernel_matches_or_takes_ballots_by_word_size(monkeypatch, env
     assert type(args[-2]) is np.int32 and int(args[-2]) == aggregate
 
 
-@pytest.mark.parametrize("name", ["COUNT_MATCH_ENV", "PACK_FIELDS_ENV"])
-def test_a_layout_switch_refuses_what_it_cannot_mean(monkeypatch, name):
-    monkeypatch.setenv(getattr(bcuda, name), "yes")
-    with pytest.raises(ValueError, match="got 'yes'"):
-        bcuda.count_matches(4) if name == "COUNT_MATCH_ENV" else bcuda.pack_fields()
+@pytest.mark.parametrize(("name", "value"), [("COUNT_MATCH_ENV", "yes"), ("PACK_FIELDS_ENV", "yes"),
+                                           ("UNPACK_WARPS_ENV", "yes"), ("UNPACK_WARPS_ENV", "0"),
+                                           ("UNPACK_WARPS_ENV", "65"), ("UNPACK_WARPS_ENV", "-8")])  # fmt: skip
+def test_a_layout_switch_refuses_what_it_cannot_mean(monkeypatch, name, value):
+    monkeypatch.setenv(getattr(bcuda, name), value)
+    read = {"COUNT_MATCH_ENV": lambda: bcuda.count_matches(4), "PACK_FIELDS_ENV": bcuda.pack_fields,
+            "UNPACK_WARPS_ENV": bcuda.unpack_warps}[name]  # fmt: skip
+    with pytest.raises(ValueError, match=f"got '{value}'"):
+        read()
+
+
+def test_unpack_warps_reads_its_switch(monkeypatch):
+    monkeypatch.delenv(bcuda.UNPACK_WARPS_ENV, raising=False)
+    assert bcuda.unpack_warps() is None
+    monkeypatch.setenv(bcuda.UNPACK_WARPS_ENV, " 16 ")
+    assert bcuda.unpack_warps() == 16
 
 
 @pytest.mark.parametrize("codec", ids("codec", ("zvc", "auto", "auto2")))

@@ -198,6 +198,21 @@ def test_the_other_count_counts_as_the_reference(build, codec, env, case, activa
 
 
 @pytest.mark.parametrize("build", BUILDS[:1])
+@pytest.mark.parametrize("codec", sorted(TABLED))
+def test_unpack_at_fewer_warps_an_sm(build, codec, activations, store, request, monkeypatch):
+    """BUDDY_UNPACK_WARPS=2 (what the runbook's bench times unpack at, --unpack-warps): unpack's blocks of two
+    warps, their table in shared memory; one block, its warps striding over bfloat16's six entries of 4 KiB, writes
+    the reference's buffers."""
+    case = CASES[1]
+    monkeypatch.setenv(bcuda.UNPACK_WARPS_ENV, "2")
+    with emulated_cuda(build, seed=_seed(request), max_blocks=1) as emu:
+        _, got = check_reference_buffers("cuda", codec, case.tensor(activations), 4096, case.slot_for, store, True)
+    assert got.n_entries == 6
+    unpacks = [(grid, block, shared) for kernel, grid, block, shared in emu.launches if kernel.endswith("_unpack")]
+    assert unpacks == [(1, 64, bcuda.DECODE_ROWS_BYTES + 2 * 2 * 4096)]
+
+
+@pytest.mark.parametrize("build", BUILDS[:1])
 @pytest.mark.parametrize("codec", ("auto", "auto2"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.int64), ids=str)
 def test_auto_choice_with_early_stops(build, codec, dtype, store, request):

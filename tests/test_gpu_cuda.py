@@ -383,3 +383,15 @@ def test_overflow_read_in_place_decodes_the_same(codec, cuda, pinned_store, gen,
     assert bcuda.reads_overflow_in_place(bt.buffers()[2], cuda)
     assert_bitexact(bt.decompress(), t)
     assert_bitexact(copied, t)
+
+
+@pytest.mark.parametrize("codec", ids("codec", sorted(bcuda.TABLED_KERNELS)))
+def test_unpack_at_fewer_warps_an_sm_decodes_the_same(codec, cuda, pinned_store, gen, monkeypatch):
+    """BUDDY_UNPACK_WARPS (the bench's --unpack-warps): unpack's blocks of fewer warps, their table in shared memory,
+    the resident blocks striding over the entries, decode byte for byte."""
+    t = make_data("relu", 1_000_003, torch.bfloat16, gen).to(cuda)  # 489 entries of 4 KiB, a partial last one
+    bt = buddy.compress(t, codec=codec, store=pinned_store, backend="cuda")
+    for warps in ("1", "8", "16"):
+        monkeypatch.setenv(bcuda.UNPACK_WARPS_ENV, warps)
+        assert_bitexact(bt.decompress(check=True), t)
+    bt.free()

@@ -241,3 +241,28 @@ def test_a_latency_bound_from_another_layout_is_said():
     assert "auto2 unpack (float32, bfloat16)" in note and "736 threads and 229,392 B" in note
     assert "24 warps an SM in blocks of 229,376 B" in note and "auto2 pack" not in note
     assert _other_layouts(rows[2:]) == []
+
+
+def test_what_unpack_needs_for_the_target_is_said():
+    """Where an unpack's estimate is short of 800 GB/s, the budget says what its instructions an entry must come to:
+    at every issue slot busy (4 KiB entries on an H100: 132 x 4 x 1.755 GHz x 4096 B / 800 GB/s), and at the
+    share of issue slots the GPU run kept busy; nothing where every unpack reaches it."""
+    from experiments.kernel_budget import H100, _unpack_needs
+
+    most = H100["sms"] * H100["schedulers"] * H100["clock_ghz"] * 4096 / 800
+
+    def unpack(dtype, instr, busy, estimate):
+        issue = H100["sms"] * H100["schedulers"] * H100["clock_ghz"] * 4096 / instr
+        return {"kernel": "auto2 unpack", "dtype": dtype, "instr/entry": instr, "issue GB/s": issue,
+                "estimate GB/s": estimate, "issue % measured": busy}  # fmt: skip
+
+    rows = [unpack("float32", 3000.0, 50.0, 900.0), unpack("bfloat16", 6000.0, 70.0, 400.0),
+            {"kernel": "auto2 pack", "dtype": "bfloat16", "instr/entry": 9e9, "issue GB/s": 1.0, "estimate GB/s": 1.0}]
+    said = _unpack_needs(rows)
+    assert f"at most {most:,.0f} instructions" in said and "bfloat16's takes 6,000" in said
+    assert "float32" not in said.replace("bfloat16", "") and "9,000,000,000" not in said  # (float32's reaches it)
+    assert f"and {most * 0.7:,.0f} at the 70 % of issue slots" in said
+    both = _unpack_needs([rows[1], unpack("float32", 5000.0, 62.6, 700.0)])
+    assert f"and {most * 0.626:,.0f}-{most * 0.7:,.0f} at the 63-70 %" in both and "float32's takes 5,000" in both
+    assert _unpack_needs(rows[:1]) == ""
+    assert "GPU run" not in _unpack_needs([rows[1] | {"issue % measured": None}])

@@ -112,6 +112,7 @@ __all__ = [
     "SharedMemory",
     "HOPPER",
     "shared_table_layout",
+    "unpack_warps",
     "shares_tables",
 ]
 
@@ -237,6 +238,11 @@ COUNT_MATCH_ENV = "BUDDY_COUNT_MATCH"
 #: MiB) the fields' pack took 148 / 161 us (float32 / bfloat16) against 110 / 126, at 72 registers fewer warps an SM
 #: and fewer L1 hits, whatever instructions it saved.
 PACK_FIELDS_ENV = "BUDDY_PACK_FIELDS"
+#: ``BUDDY_UNPACK_WARPS=N``: a table codec's unpack with its table in shared memory runs at most ``N`` warps an SM
+#: (its blocks' layout, :func:`shared_table_layout`); by default as many as its shared memory allows (24 at 4 KiB
+#: entries on an H100). The GPU runbook times unpack at fewer warps (``bench_cuda --unpack-warps``) to learn how its
+#: speed grows with the warps an SM: what a layout of more warps would buy, which only a GPU tells.
+UNPACK_WARPS_ENV = "BUDDY_UNPACK_WARPS"
 
 
 def count_matches(word_bytes: int) -> bool:
@@ -258,20 +264,30 @@ def pack_fields() -> bool:
     return told == "1"
 
 
+def unpack_warps() -> int | None:
+    """The most warps an SM a table codec's unpack runs (:data:`UNPACK_WARPS_ENV`; None: as many as fit)."""
+    told = os.environ.get(UNPACK_WARPS_ENV, "").strip()
+    if not told:
+        return None
+    if not told.isdigit() or not 1 <= int(told) <= 64:
+        raise ValueError(f"{UNPACK_WARPS_ENV} is a number of warps an SM, 1 to 64, or unset, got {told!r}")
+    return int(told)
+
+
 @functools.cache
-def shared_table_layout(entry_bytes: int, shared: SharedMemory) -> tuple[int, int] | None:
+def shared_table_layout(entry_bytes: int, shared: SharedMemory, most_an_sm: int = 64) -> tuple[int, int] | None:
     """``(warps a block, blocks an SM)`` of a table codec's unpack with its table in shared memory on a device
     of ``shared``: each block holds the table's decode rows (:data:`DECODE_ROWS_BYTES`) and ``2 E`` a warp; the
     most warps an SM (ties: the larger blocks, fewer copies of the rows), at most 24 warps a block at 4 KiB
-    entries and more (the kernel's launch bounds), 8 below, 64 warps and 32 blocks an SM. None where one warp's
-    does not fit a block: the table stays in global memory."""
-    most = 24 if entry_bytes >= 4096 else 8
+    entries and more (the kernel's launch bounds), 8 below, ``most_an_sm`` warps (at most 64) and 32 blocks an
+    SM. None where one warp's does not fit a block: the table stays in global memory."""
+    most = min(24 if entry_bytes >= 4096 else 8, most_an_sm)
     best: tuple[int, int] | None = None
     for warps in range(1, most + 1):
         block = DECODE_ROWS_BYTES + warps * 2 * entry_bytes
         if block > shared.per_block:
             break
-        per_sm = shared.blocks_per_sm(block, warps)
+        per_sm = min(shared.blocks_per_sm(block, warps), most_an_sm // warps)
         if per_sm and (best is None or per_sm * warps >= best[0] * best[1]):
             best = warps, per_sm
     return best
@@ -279,7 +295,7 @@ def shared_table_layout(entry_bytes: int, shared: SharedMemory) -> tuple[int, in
 
 def launch_config(
     op: str, entry_bytes: int, n_entries: int, codec: str = "", shared: SharedMemory | None = None,
-    pack_fields: bool = False,
+    pack_fields: bool = False, unpack_warps: int | None = None,
 ) -> tuple[int, int, int]:  # fmt: skip
     """``(blocks, threads per block, dynamic shared bytes)`` of a launch of ``op`` over ``n_entries``.
 
@@ -299,14 +315,16 @@ def launch_config(
     with ``pack_fields`` (:data:`PACK_FIELDS_ENV`) pack's table of whole fields
     (:data:`FIELDS_BYTES`), its warps as before. Either runs as many blocks as
     stay resident at once, their warps striding over the entries, so a block
-    makes its table once.
+    makes its table once. ``unpack_warps`` (:data:`UNPACK_WARPS_ENV`): that unpack at most so many warps an SM.
     """
     if op == "fit":
         return 1, _WARP, 0
     if op == "count":  # a lane loads 16 bytes a round; the blocks loop, their histograms zeroed and added once
         return max(1, min(COUNT_BLOCKS, -(-n_entries // 512))), 256, 0
     tables = shared if codec in TABLED_KERNELS else None
-    found = shared_table_layout(entry_bytes, tables) if tables is not None and op == "unpack" else None
+    found = None
+    if tables is not None and op == "unpack":
+        found = shared_table_layout(entry_bytes, tables, 64 if unpack_warps is None else unpack_warps)
     if tables is not None and found is not None:
         warps, per_sm = found
         blocks = max(1, min(tables.sms * per_sm, -(-n_entries // warps)))
@@ -463,7 +481,7 @@ def _launch(codec: str, op: str, entry_bytes: int, device: torch.device, n_entri
     cupy = _cupy()
     limits = _table_in_shared(codec, entry_bytes, device)
     fields = limits is not None and pack_fields()
-    blocks, threads, shared = launch_config(op, entry_bytes, n_entries, codec, limits, fields)
+    blocks, threads, shared = launch_config(op, entry_bytes, n_entries, codec, limits, fields, unpack_warps())
     # every kernel's last argument: the word size
     kernel = _kernel(codec, op, entry_bytes, device, shared, int(args[-1]), limits is not None, fields)
     stream = _cupy_stream(cupy, device)
