@@ -836,7 +836,8 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
                         f"symbols), then ranks the {v['select_few']:.0f} keys left" for k, v in sims.items())
             + " (`select_passes`: the captures' counts, scaled as the fit scales them).", ""]
     every, warmup = COUNT_EVERY, COUNT_WARMUP
-    out += ["Totals for a 256 MiB tensor (kernel times from the estimates above, plus "
+    out += ["## Totals, against the targets", "",
+            "Totals for a 256 MiB tensor (kernel times from the estimates above, plus "
             f"{LAUNCH_US:.0f} us a launch and {READBACK_US:.0f} us for a compress's one read back). With a learned "
             f"table the tracker counts a key's symbols at each of its first {warmup} steps, then at one step in "
             f"{every} (`buddy.Tracker(count_every={every}, count_warmup={warmup})`): a step that counts runs count, "
@@ -854,7 +855,7 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
             f"a learned table in the steady state ({worst['learned']:,.0f} on a step that counts) and "
             f"{worst['cold']:,.0f} GB/s with nothing learned -- "
             + ("the targets are met." if worst["decompress"] >= 800 and worst["steady"] >= 500 else
-               _met(totals) + " " + SHORT)]  # fmt: skip
+               _met(totals) + " Why, and what is left: the sections below.")]  # fmt: skip
     needs = _unpack_needs(rows)
     out += ["", needs] if needs else []
     unknown = sorted({u for r in rows for u in r["loops counted once"]})
@@ -863,6 +864,7 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
                 "coded fpe entries):", ""] + [f"* {u}" for u in unknown] + [""]  # fmt: skip
     else:
         out += ["", "Every loop the kernels run on a coded fpe entry has its trip count (`TRIPS`).", ""]
+    out += [*EXPLAINED.splitlines(), ""]
     out += weighed or []
     from experiments.gpu_session import NCU_METRICS
 
@@ -902,153 +904,179 @@ def _met(totals: dict) -> str:
     return "; ".join(parts) + "."
 
 
-SHORT = """By the instructions counted alone every kernel but count would be issue-bound (`issue GB/s`: memory
-would allow 1.9-3.3 TB/s of input), but both GPU runs (an H200; "Measured on a GPU" below is the second, of the
-tree at 3421a93, whose kernels are these but for unpack's table) found every kernel waiting on latency: a warp took
-9-21 cycles an instruction (`cycles/instr`; count 69-92) with 4 to 7 warps a scheduler, so the estimate takes that
-run's cycles per instruction as a bound of its own (`latency GB/s`), and it binds every kernel. The instructions
-counted here were 0.7-1.2 times those run (bfloat16's unpack and count ran more than counted: 8,894 and 1,701 an
-entry; pack ran fewer: its round held two copies of the field block, which the compiler unswitched on whether the
-table has ZERO, and a warp runs one where the count charged both -- now they are two versions of the loop over
-rounds called from one line, `encode_split_rounds`, which the count charges as one: pack 3,328 -> 3,129
-instructions an entry for float32, 5,398 -> 4,629 for bfloat16, where the third run counted 3,079 and 3,559); the fit
-took 0.34-0.38 ms, not the 0.9 ms estimated. The second run also read where a warp's cycles go:
-**unpack's warps waited on L1TEX for 8.5 of their 14.2 cycles an instruction (float32) and 14.8 of 21.2
-(bfloat16), with 47-51 % of L1 hits** -- the table's rows, read a code at a time at random, did not stay in the L1
-left beside 24 warps' 192 KiB of staging --; count's waited on shared memory for 35-49 of 69-92 cycles (its
-warp match and atomic adds, most of them on a few bins); measure's and pack's on neither much (2-3 cycles). So
-unpack now copies the table into each block's shared memory before the warps' staging -- its decode rows, 32 of its
-40 KiB (the encode entries, read by the decoder only to check an escape, stay in global memory: one warp more an
-SM, 24 where the whole table left room for 23) --: on an H100 one block of 24 warps an SM, as many blocks as stay
-resident, their warps striding over the entries
-(`buddy.engines.cuda.launch_config`, `shared_table_layout`; `BUDDY_SHARED_TABLES=0` keeps the table in
-global memory, and the runbook's bench and ncu steps time both). Pack can make a table of whole fields there
-(`BUDDY_PACK_FIELDS=1`; 16 KiB, `make_fields`: per symbol its code, escape included, its bits and whether a tail
-follows), so that a word's field is one shared-memory load where it is a table load and the selects around it:
-pack 3,352 -> 2,571 instructions an entry for float32, 5,420 -> 3,553 for bfloat16 by this count (the table made
-once a resident block, not charged); but on the H200 it ran 148 / 161 us at 64 MiB where reading the table in
-global memory ran 110 / 126 (72 registers, 17 warps an SM against 19, fewer L1 hits), so pack reads the table in
-global memory by default and the count above charges that. Unpack's instructions change little (4,824 -> 4,677 an
-entry for float32, 7,437 -> 7,293 for bfloat16: shared addresses are 32-bit); what it removes is waiting, which
-only a GPU measures: the unpack estimate above still takes the cycles an instruction took with the table in global
-memory. Were every L1TEX wait of that run gone, a warp's instruction would take 5.7 / 6.4 cycles, the latency
-bound of unpack 2.5 / 3.3 times what it is above (a ceiling: the gather of each payload from global memory still
-waits, and a shared-memory read waits too). More warps in flight, more independent work a warp (two entries a
-warp, their steps interleaved) and shorter dependent chains are the other latency levers; fewer instructions pay
-in proportion only while the cycles an instruction takes hold. The parts table above says where the instructions go. Unpack: every code is
-stepped over twice (the find walk, then the emit walk that writes it) after a warm-up, each step a 32-bit read
-of the payload, one or two table lookups and the bookkeeping of the lanes' spans. Measure: auto2 sizes every
-entry with all four members; bpc's bit-plane transpose was about half of it (measured on the H200) until bpc
-stopped once it cannot win (`measure_below`, not yet run on a GPU: the measure figures above count it, with the
-chunks it steps from the simulation below the decoder's table), and fpx's choice read the entry a word a lane
-a round in each of its two passes, 4-byte or 2-byte loads, after zvc had counted the non-zero words in a pass of its
-own. Pack: fpe's fields (a word's code from the table and the selects around it), then its codes and tails ORed
-into the payload a few 32-bit words a unit. Nothing learned: the fit, one warp's serial work (ranking 257 leaves,
-an 11-pass radix select, two Huffman builds), takes about as long as the rest of a 256 MiB compress.
-Done so far: multi-code steps, a 128-bit warm-up and a 32-bit record of code starts (0.2-0.3 resynchronizing
-rounds a pass), the walks' 32-bit reads without bounds (DECODE_PAD zeros after the payload), a step's first code
-written from the row loaded beside its multi row, the tails' bounds checked once a lane, encode fields without
-branches and computed once, the fit's radix select by 4-bit digits and its rankings (of the leaves, twice,
-and of the canonical order) with a lane's leaves ranked in one pass over all of them, their keys in registers (a
-leaf's key read once a lane, not once for each leaf ranked: the fit 132,325 -> 108,626 instructions by
-`fit_time_us`, 40 -> 56 registers), then the radix select stopped once at most 32 keys share the digits found,
-which are ranked among themselves (5.2 of its 11 passes over every symbol, on the captures' counts: 108,626 ->
-90,899), and the canonical order ranked by the leaves' routine (84,882), bpc's early stop in auto2's measure;
-fpx's two passes over 16-byte loads, its histogram in fields as wide as its word size allows (one suffix sum per 7
-or 15 units, not per 15 words), zvc's size from fpx's first pass (auto's and auto2's measure 3,105 -> 2,427
-instructions an entry for float32, 4,672 -> 3,220 for bfloat16); pack's fields through 64-bit buffers, a
-shared-memory OR per 32 bits of codes or tails, not two a field, and the split layout's b a constant (pack 3,626 ->
-3,352 instructions an entry for float32, 6,659 -> 6,249 for bfloat16, counted alike). The count itself was corrected:
-it now reads every place an instruction is inlined at, where it read the two innermost, so an intrinsic's
-instructions (atomicOr's) inside the serial layout's code are no longer charged to pack (on the same sources,
-pack 4,969 -> 3,626 instructions an entry for float32, 8,191 -> 6,659 for bfloat16; unpack 6,514 -> 6,239 and
-9,743 -> 9,100). Then: the find walk in three loops (`walk`: the span's first 32 bits with every check; the
-middle, where a step's codes all start before the limit, with no cut, no record of starts and no meeting point
-to look for -- most steps; the last steps, cut at the limit) and the warm-up in two (the steps that end before
-the guess, then the last): unpack 5,519 -> 4,823 instructions an entry for float32 and 8,713 -> 7,437 for
-bfloat16, on the corrected counts of two more fixes to the count: the simulation's warm-up stepped a code at a
-time where the kernel's steps a multi row (its warm-up steps 34.4 -> 17.7 and 26.3 -> 17.3 an entry; the old
-kernel's unpack 6,239 -> 5,519 and 9,100 -> 8,713 on them), and a loop whose branch back tests two predicates
-(`BRA P1, ...`) was not seen as a loop (the find walk's first loop: its steps were charged once a pass). Pack's
-tails of a unit of 2-byte words (8 of 4 bits) fit its 64-bit buffer below the first word's bits, so they are ORed
-once after the unit, not checked for a whole word after each: bfloat16 pack 6,249 -> 5,420 instructions an entry,
-68 -> 62 registers (24 -> 32 warps an SM).
-Tried and not kept: an emit walk on 8-byte rows holding the symbols and places of a step's first two codes with
-tails (the native engine's walk rows, 32 KiB more of device table): 80 instructions a step by this count, where a
-step and its later tails take 67-74 (a warp runs a row's second word whenever any of its lanes has one); a shorter
-warm-up (64, 32 bits or none), whose resynchronizing costs more than it saves: find steps a warp, float32 /
-bfloat16, 49.2 / 80.5 now, 53.0-55.2 / 98.3-109.0 with the 32-bit record of starts, 49.1-51.3 / 79.1-103.6 with
-a 64-bit record (two registers more; 49.1 / 79.1 with the 128-bit warm-up), 45.1 / 81.6 with a 128-bit record and
-no warm-up (four more).
-The third H200 run (2026-11-28, 3f7ecc4, `experiments/results/gpu/2026-11-28-h200-lease2/`) measured that code:
-unpack with its table in shared memory took 138 / 239 us at 64 MiB (float32 / bfloat16) against 232 / 500 with the
-table in global memory, its warps waiting on L1TEX for 1.3 / 0.6 cycles an instruction where they had waited 7.4 /
-12.5, 7.9-8.3 cycles an instruction in all; the default's decompress of 256 MiB went 168 -> 262 and 74 -> 192 GB/s.
-The count's ballots made the bfloat16 compress 1.3-1.4x faster (the float32 one within its noise), so 2-byte
-words take them by default (`buddy.engines.cuda.count_matches`; `BUDDY_COUNT_MATCH=1` or `0` for every word size;
-their code is left out of the count above, which charges the match).
-Since that run: unpack copies only the table's decode rows (above: 24 warps an SM, not yet run on a GPU; the
-unpack estimate takes the cycles an instruction of the run's 23, marked under the table), and no kernel reads
-through a generic address any more -- pack copied its payload to the slot and the overflow through a pointer that
-was the staging buffer (shared memory) for a coded entry and the entry itself (global) for a raw one, so its copy
-read with generic loads; a raw entry is now copied into the staging buffer first (a test reads every kernel's PTX
-for generic loads and stores: `test_kernels_read_and_write_memory_by_its_own_space`); and pack, at 4 KiB entries and
-words of 2 to 8 bytes, is held to 64 registers by its launch bounds: float32's took 70 (24 warps an SM; 70 in the
-run too) where 55 hold it without a spill (32 warps; 3,304 -> 3,328 instructions an entry) -- its estimate above
-takes the cycles an instruction its 70-register code took in the run, at the 32 warps it allows now. Measure, at
-entries of at most 4 KiB and words of 1 to 4 bytes, is held to 48 registers alike (54 before: 5 blocks of 8 warps an
-SM, not 4; 2,427 -> 2,475 instructions an entry for float32, 3,216 -> 3,253 for bfloat16), its estimate likewise at
-the run's cycles an instruction -- whether a warp's hold with a quarter more warps beside it only a GPU tells.
-Then unpack's arithmetic, its walks unchanged (4,646 -> 4,129 instructions an entry for float32, 7,287 -> 6,437
-for bfloat16): a walk's 32-bit read is one funnel shift, which takes its place mod 32 itself (`buddy_funnel_r`: no
-mask; every step of every walk reads); emit takes a tail's place down by t from the one before (where it made
-end - (j + 1) t and its bound each tail), a code's word index from a shift of the row's starts (no mask made),
-where the tails begin from the lane with the section's last code (no tail count summed over the warp), and stores
-a step's first word with no branch (a zero where the first code is ZERO: the output holds one already); the find
-walk's step counts a row's tails where they lie in it and adds the two counts (no shift and OR); the gap between
-codes and tails is read in 4-byte words (32-bit masks, not 64-bit ones); and the estimate of the code section is
-made in 32-bit integers up to 16 KiB entries (its 64-bit division was a call of some 60 instructions an entry; a
-test holds it to `fpe.code_section_estimate` at 4 and 32 KiB); a pass's code and tail counts are scanned in one
-warp scan up to 4 KiB entries (both fit 16 bits), not two. And a fix to the count: the compiler runs the sizing
-rounds of auto2's measure two to a pass for float32, which the count charged as one round a pass; a loop of 16-byte
-rounds is now counted by its unit loads (`ANCHORS`), so measure's float32 estimate is 1,955 instructions an entry,
-not 2,475 (the H200 run counted 1,803 an entry, of the code at 3f7ecc4).
-Then pack's and measure's word work (no GPU has run it): pack shifts a unit's tails into registers where the split
-layout's b is a constant (one register for 2-byte words, three for 4-byte ones; the first tail highest, a word
-without a tail shifting nothing in) and ORs them in after the unit, and a group of four words' codes into three
-registers from the last word to the first (a code is at most 24 bits: the first lowest, with no running offset and
-no fill check a word), where 64-bit buffers took a variable shift and a check a word (`put_unit`, `put_bits`; pack
-3,129 -> 2,344 instructions an entry for float32, 4,629 -> 3,549 for bfloat16); measure sizes a word from its table
-entry alone, in versions for the fit's b and for tables with ZERO and without (`unit_sizes`), where it made the
-whole field (1,955 -> 1,661 and 3,258 -> 2,890); and the words of 1 to 4 bytes of a 16-byte unit are taken from its
-32-bit quarters (`buddy_unit_word`), where from its 64-bit halves a 2-byte word was compared with zero in 64 bits;
-and of a count's peers (the lanes of a key) the one that adds for them is the one with none of them before it (an
-AND with the lanes below, where it counted the peers' trailing zeros: count 832 -> 760 instructions an entry for
-float32, 1,552 -> 1,432 for bfloat16). And a warp's copies and fills take 16-byte loads and stores alone (every
-buffer a kernel is given is 16-byte aligned: `buddy.engines.cuda` checks the tensor's and the overflow's and
-allocates the rest): their 8-byte path, compiled into every kernel, never ran (unpack 4,131 -> 3,958 instructions an
-entry for float32, 6,329 -> 6,127 for bfloat16; pack 2,344 -> 2,235 and 3,549 -> 3,430, float32's in 48 registers,
-not 54, so 40 warps an SM where 32 were -- its estimate takes the cycles an instruction the run's 72-register code
-took, which only a GPU can say hold with 40 warps beside each other). Unpack checks whether a lane must
-resynchronize before its loop of rounds, not in it, so the loop runs only on the rounds that resynchronize (0.2-0.3
-an entry): the count had charged a pass's check with the resynchronizing code beside it in the loop's body (3,958 ->
-3,858 and 6,127 -> 6,028). The estimate's decompress went 531 / 381 -> 568 / 400 GB/s, its steady-state compress 495
-/ 264 -> 689 / 321.
-Next: a run of this code on a GPU (pack reading the table in global memory beside unpack's table in shared
-memory, bfloat16's count by ballots; the bench's `--pack-fields` and `--other-count` time the other forms); then a
-histogram a warp for count if it still waits; then the latency levers above -- unpack's shared memory (the table,
-then 4 KiB of payload and 4 KiB of output a warp) is what holds it at 24 warps an SM, where its 64 registers allow
-32: the runbook's bench and ncu now run unpack at 8 and 16 warps an SM beside 24 (`--unpack-warps`,
-`BUDDY_UNPACK_WARPS`), whose speeds and cycles an instruction say how far more warps would carry it, the question
-a layout of 32 (no output staging, or a smaller table) must answer before it is built; two entries a warp with
-their walks interleaved; one walk instead of two (the find walk keeping each
-code's symbol in shared memory: by the lane simulation a lane finds 34 codes on average for 32 float32 words and 72
-for 64 bfloat16 words); pack's fields (a word's code from the table and the selects around it: some 20 instructions a
-bfloat16 word, about half of pack's; what is left is the scan and the ORs into the payload); a fit of more warps.
-A layout in which a warp walks once (docs/format-v3.md, "A layout for one walk"; below, "A layout
-weighed") was simulated and its decoder written and counted: it costs no bit, but its rounds take as many
-instructions as the split layout's walks, so it is not a way to the targets by instructions; what it would change
-is the shared memory a warp needs (no output staging), which only a GPU can price."""
+EXPLAINED = """## What bounds the kernels
+
+* **Latency, in every kernel.** By the instructions counted alone every kernel but count would be issue-bound
+  (`issue GB/s`; memory would allow 1.9-3.3 TB/s of input). The GPU runs (H200s; the last, of the code at 3f7ecc4,
+  is "Measured on a GPU" below) found every kernel waiting on latency instead: a warp took 8-21 cycles an
+  instruction (count 67-92) with 4 to 7 warps a scheduler. So the estimate takes the run's
+  cycles an instruction as a bound of its own (`latency GB/s`), and that bound binds every kernel. Fewer
+  instructions pay in proportion only while the cycles an instruction hold. More warps in flight, more independent
+  work a warp and shorter dependent chains are the other levers, and only a GPU measures them.
+* **How close the count is.** The instructions counted were 0.7-1.2 times those run. bfloat16's unpack and count
+  ran more than counted (8,894 and 1,701 an entry in the second run). Pack ran fewer: its round held two copies of
+  the field block, which the compiler unswitched on whether the table has ZERO, and a warp runs one where the count
+  charged both. They are now two versions of the loop over rounds called from one line (`encode_split_rounds`),
+  which the count charges as one: pack 3,328 -> 3,129 instructions an entry for float32, 5,398 -> 4,629 for
+  bfloat16, where the third run counted 3,079 and 3,559. The fit took 0.34-0.38 ms, not the 0.9 ms estimated.
+* **Where a warp's cycles went** (the second run): unpack's warps waited on L1TEX for 8.5 of their 14.2 cycles an
+  instruction (float32) and 14.8 of 21.2 (bfloat16), with 47-51 % of L1 hits -- the table's rows, read a code at a
+  time at random, did not stay in the L1 left beside 24 warps' 192 KiB of staging. Count's warps waited on shared
+  memory for 35-49 of 69-92 cycles (its warp match and atomic adds, most of them on a few bins); measure's and
+  pack's on neither much (2-3 cycles).
+* **Unpack's table in shared memory.** So unpack copies the table's decode rows (32 of its 40 KiB; the encode
+  entries, which the decoder reads only to check an escape, stay in global memory) into each block's shared memory
+  before the warps' staging: on an H100 one block of 24 warps an SM (23 when the whole table was copied), as many
+  blocks as stay resident, their warps striding over the entries (`buddy.engines.cuda.launch_config`,
+  `shared_table_layout`; `BUDDY_SHARED_TABLES=0` keeps the table in global memory, and the runbook's bench and ncu
+  time both). Its instructions changed little (4,824 -> 4,677 an entry for float32, 7,437 -> 7,293 for bfloat16:
+  shared addresses are 32-bit); what it removed is waiting. The third run measured it: 138 / 239 us at 64 MiB
+  (float32 / bfloat16) against 232 / 500 with the table in global memory, the warps waiting on L1TEX for 1.3 / 0.6
+  cycles an instruction where they had waited 7.4 / 12.5, 7.9-8.3 cycles an instruction in all; the default's
+  decompress of 256 MiB went 168 -> 262 and 74 -> 192 GB/s.
+* **Unpack's shared memory holds it at 24 warps an SM**: the rows, then 4 KiB of payload and 4 KiB of output a
+  warp. Its 64 registers would allow 32.
+* **Pack's table of whole fields** (`BUDDY_PACK_FIELDS=1`; 16 KiB, `make_fields`: per symbol its code, escape
+  included, its bits and whether a tail follows) makes a word's field one shared-memory load where it is a table
+  load and the selects around it: pack 3,352 -> 2,571 instructions an entry for float32, 5,420 -> 3,553 for
+  bfloat16 by this count (the table made once a resident block, not charged). But on the H200 it ran 148 / 161 us
+  at 64 MiB where reading the table in global memory ran 110 / 126 (72 registers, 17 warps an SM against 19, fewer
+  L1 hits), so pack reads the table in global memory by default and the count charges that.
+* **Count's two forms.** In the third run the ballots made the bfloat16 compress 1.3-1.4x faster (the float32 one
+  within its noise), so 2-byte words take them by default (`buddy.engines.cuda.count_matches`;
+  `BUDDY_COUNT_MATCH=1` or `0` for every word size). The count above charges the match.
+* **Warps the run did not have.** Pack's and measure's estimates take the cycles an instruction their code took
+  in the run (pack 17-22 warps an SM, measure 29) at the warps they allow now (pack 40 for float32 and 32 for
+  bfloat16, measure 40). Whether a warp's cycles hold with more warps beside it only a GPU tells.
+
+## What the kernels spend their instructions on
+
+The parts table above gives the figures.
+
+* **Unpack**: every code is stepped over twice, by the find walk and then by the emit walk that writes it, after a
+  warm-up. Each step is a 32-bit read of the payload, one or two table lookups and the bookkeeping of the lanes'
+  spans.
+* **Measure**: auto2 sizes every entry with all four members. bpc's bit-plane transpose was about half of it on
+  the H200, until bpc stopped once it cannot win (`measure_below`, not yet run on a GPU; the figures above count
+  it, with the chunks it steps from the simulation below the decoder's table). fpx's choice reads the entry in two
+  passes of 16-byte loads, and zvc's size comes from fpx's first pass.
+* **Pack**: fpe's fields (a word's code from the table and the selects around it), then its codes and tails ORed
+  into the payload a few 32-bit words a unit.
+* **Nothing learned**: the fit, one warp's serial work (ranking 257 leaves, an 11-pass radix select, two Huffman
+  builds), takes about as long as the rest of a 256 MiB compress.
+
+## Done so far
+
+Instructions an entry, float32 and then bfloat16, as the count stood at the time.
+
+The decoder (unpack):
+
+* multi-code steps, a 128-bit warm-up and a 32-bit record of code starts (0.2-0.3 resynchronizing rounds a pass);
+  the walks' 32-bit reads without bounds (`DECODE_PAD` zeros after the payload); a step's first code written from
+  the row loaded beside its multi row; the tails' bounds checked once a lane;
+* the find walk in three loops (`walk`: the span's first 32 bits with every check; the middle, where a step's codes
+  all start before the limit, with no cut, no record of starts and no meeting point to look for -- most steps; the
+  last steps, cut at the limit) and the warm-up in two (the steps that end before the guess, then the last): 5,519
+  -> 4,823 and 8,713 -> 7,437;
+* its arithmetic, the walks unchanged (4,646 -> 4,129 and 7,287 -> 6,437): a walk's 32-bit read is one funnel
+  shift, which takes its place mod 32 itself (`buddy_funnel_r`: no mask); emit takes a tail's place down by t
+  from the one before, a code's word index from a shift of the row's starts, the place where the tails begin from
+  the lane with the section's last code, and stores a step's first word with no branch (a zero where the first
+  code is ZERO: the output holds one already); the find walk's step counts a row's tails where they lie in it; the
+  gap between codes and tails is read in 4-byte words; the estimate of the code section is made in 32-bit integers
+  up to 16 KiB entries (its 64-bit division was a call of some 60 instructions an entry; a test holds it to
+  `fpe.code_section_estimate` at 4 and 32 KiB); a pass's code and tail counts are scanned in one warp scan up to
+  4 KiB entries;
+* only the table's decode rows copied into shared memory (24 warps an SM, not yet run on a GPU);
+* a warp's copies and fills with 16-byte loads and stores alone: every buffer a kernel is given is 16-byte aligned
+  (`buddy.engines.cuda` checks the tensor's and the overflow's and allocates the rest), so their 8-byte path,
+  compiled into every kernel, never ran (4,131 -> 3,958 and 6,329 -> 6,127; pack 2,344 -> 2,235 and 3,549 ->
+  3,430, float32's in 48 registers, not 54: 40 warps an SM where 32 were);
+* whether a lane must resynchronize checked before the loop of rounds, not in it: the loop runs only on the rounds
+  that resynchronize, 0.2-0.3 an entry (3,958 -> 3,858 and 6,127 -> 6,028).
+
+The encoder (count, measure, pack, fit):
+
+* encode fields without branches and computed once; pack's fields through 64-bit buffers, a shared-memory OR per
+  32 bits of codes or tails (not two a field), and the split layout's b a constant (pack 3,626 -> 3,352 and 6,659
+  -> 6,249); the tails of a unit of 2-byte words (8 of 4 bits) ORed once after the unit (bfloat16's pack 6,249 ->
+  5,420, 68 -> 62 registers: 24 -> 32 warps an SM);
+* no kernel reads through a generic address: pack copied its payload out through a pointer that was shared memory
+  for a coded entry and global memory for a raw one, so it read with generic loads; a raw entry is now copied into
+  the staging buffer first (`test_kernels_read_and_write_memory_by_its_own_space` reads every kernel's PTX for
+  generic loads and stores);
+* launch bounds: pack, at 4 KiB entries and words of 2 to 8 bytes, held to 64 registers (float32's took 70, 24
+  warps an SM, where 55 hold it without a spill: 32 warps; 3,304 -> 3,328); measure, at entries of at most 4 KiB
+  and words of 1 to 4 bytes, to 48 (54 before: 5 blocks of 8 warps an SM, not 4; 2,427 -> 2,475 and 3,216 ->
+  3,253);
+* pack's tails shifted into registers where the split layout's b is a constant (one register for 2-byte words,
+  three for 4-byte ones; the first tail highest, a word without a tail shifting nothing in) and ORed in after the
+  unit, and a group of four words' codes into three registers from the last word to the first (a code is at most
+  24 bits: the first lowest, with no running offset and no fill check a word), where 64-bit buffers took a
+  variable shift and a check a word (`put_unit`, `put_bits`; pack 3,129 -> 2,344 and 4,629 -> 3,549);
+* measure: bpc's early stop; fpx's two passes over 16-byte loads, its histogram in fields as wide as its word size
+  allows (one suffix sum per 7 or 15 units, not per 15 words), zvc's size from fpx's first pass (auto's and auto2's
+  measure 3,105 -> 2,427 and 4,672 -> 3,220); a word sized from its table entry alone, in versions for the fit's
+  b and for tables with ZERO and without (`unit_sizes`), where it made the whole field (1,955 -> 1,661 and 3,258 ->
+  2,890); the words of 1 to 4 bytes of a 16-byte unit taken from its 32-bit quarters (`buddy_unit_word`), where
+  from its 64-bit halves a 2-byte word was compared with zero in 64 bits;
+* count: of a key's peers (the lanes of a key) the one that adds for them is the one with none of them before it,
+  an AND with the lanes below, where it counted the peers' trailing zeros (832 -> 760 and 1,552 -> 1,432);
+* the fit: its radix select by 4-bit digits, its rankings (of the leaves, twice, and of the canonical order) with
+  a lane's leaves ranked in one pass over all of them, their keys in registers (132,325 -> 108,626 instructions by
+  `fit_time_us`, 40 -> 56 registers); the radix select stopped once at most 32 keys share the digits found, which
+  are ranked among themselves (5.2 of its 11 passes over every symbol on the captures' counts: 108,626 -> 90,899);
+  the canonical order ranked by the leaves' routine (84,882).
+
+Fixes to the count itself:
+
+* every place an instruction is inlined at is read, not the two innermost, so an intrinsic's instructions
+  (atomicOr's) inside the serial layout's code are no longer charged to pack (on the same sources, pack 4,969 ->
+  3,626 and 8,191 -> 6,659; unpack 6,514 -> 6,239 and 9,743 -> 9,100);
+* the simulation's warm-up stepped a code at a time where the kernel steps a multi row (its warm-up steps 34.4 ->
+  17.7 and 26.3 -> 17.3 an entry; the kernel of then, unpack 6,239 -> 5,519 and 9,100 -> 8,713), and a loop whose
+  branch back tests two predicates (`BRA P1, ...`) was not seen as a loop (the find walk's first loop: its steps
+  were charged once a pass);
+* a loop of 16-byte rounds is counted by its unit loads (`ANCHORS`): the compiler runs the sizing rounds of auto2's
+  measure two to a pass for float32, which the count had charged as one round a pass (2,475 -> 1,955; the H200 run
+  counted 1,803 an entry, of the code at 3f7ecc4).
+
+From pack's tails in registers on, the estimate's decompress went 531 / 381 -> 568 / 400 GB/s and its
+steady-state compress 495 / 264 -> 689 / 321.
+
+## Tried and not kept
+
+* an emit walk on 8-byte rows holding the symbols and places of a step's first two codes with tails (the native
+  engine's walk rows, 32 KiB more of device table): 80 instructions a step by this count, where a step and its
+  later tails take 67-74 (a warp runs a row's second word whenever any of its lanes has one);
+* a shorter warm-up (64, 32 bits or none), whose resynchronizing costs more than it saves. Find steps a warp,
+  float32 / bfloat16: 49.2 / 80.5 now; 53.0-55.2 / 98.3-109.0 with the 32-bit record of starts; 49.1-51.3 /
+  79.1-103.6 with a 64-bit record (two registers more; 49.1 / 79.1 with the 128-bit warm-up); 45.1 / 81.6 with a
+  128-bit record and no warm-up (four more);
+* pack's table of whole fields, by default (above: slower on the H200);
+* a predicated `red.shared.or` in inline PTX for `put_bits`' conditional ORs: 12-14 instructions a round fewer,
+  but ptxas still branched around the atomic, and the emulator cannot run inline PTX;
+* a count key without its select, `(x >> t) | (x == 0) * ZERO`: bfloat16's round went from 174 to 180;
+* `buddy_warp_any_nonzero` without its 8-byte path: ptxas then spilled 8 bytes in float32's measure;
+* a layout in which a warp walks once (docs/format-v3.md, "A layout for one walk"; "A layout weighed" below),
+  simulated, its decoder written and counted: it costs no bit, but its rounds take as many instructions as the
+  split layout's walks, so it is no way to the targets by instructions. What it would change is the shared memory a
+  warp needs (no output staging), which only a GPU can price.
+
+## Next
+
+* A run of this code on a GPU: pack reading the table in global memory beside unpack's table in shared memory,
+  bfloat16's count by ballots. The bench's `--pack-fields` and `--other-count` time the other forms, and
+  `--unpack-warps` times unpack at 8 and 16 warps an SM beside 24 (`BUDDY_UNPACK_WARPS`).
+* Unpack's occupancy: its speeds and cycles an instruction at 8, 16 and 24 warps say how far more warps would carry
+  it. A layout of 32 warps an SM (no output staging, or a smaller table) should be built only if they say it pays.
+* Two entries a warp, their walks interleaved.
+* One walk instead of two: the find walk keeps each code's symbol in shared memory (by the lane simulation a lane
+  finds 34 codes on average for 32 float32 words and 72 for 64 bfloat16 words). That memory costs warps.
+* Pack's fields: a word's code from the table and the selects around it, some 20 instructions a bfloat16 word,
+  about half of pack's. What is left is the scan and the ORs into the payload.
+* A histogram a warp for count, if it still waits on shared memory.
+* A fit of more warps."""
 
 NCU = """## Checking it on a GPU
 
