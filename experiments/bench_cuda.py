@@ -295,24 +295,22 @@ def run(
             tabled = "cuda" in backends and codec in buddy.engines.cuda.TABLED_KERNELS
             kernels = buddy.engines.cuda
             form = "0" if kernels.count_matches(x.element_size()) else "1"  # the count's form not taken by default
-            variants = (
-                (global_table, kernels.SHARED_TABLES_ENV, "0", "global-table"),
-                (other_count, kernels.COUNT_MATCH_ENV, form, "count-match" if form == "1" else "count-ballot"),
-                (pack_fields, kernels.PACK_FIELDS_ENV, "1", "pack-fields"),
-            )
-            for wanted, env, value, suffix in variants:
+            count_form = "count-match" if form == "1" else "count-ballot"
+            # (wanted, the switch and its value, the method's suffix, what the row is marked with)
+            variants: tuple[tuple[bool, str, str, str, dict[str, Any]], ...] = (
+                (global_table, kernels.SHARED_TABLES_ENV, "0", "global-table", {"global_table": True}),
+                (other_count, kernels.COUNT_MATCH_ENV, form, count_form, {count_form.replace("-", "_"): True}),
+                (pack_fields, kernels.PACK_FIELDS_ENV, "1", "pack-fields", {"pack_fields": True}),
+                *((True, kernels.UNPACK_WARPS_ENV, str(n), f"unpack-warps={n}", {"unpack_warps": n})
+                  for n in unpack_warps),
+            )  # fmt: skip
+            for wanted, env, value, suffix, mark in variants:
                 if wanted and tabled:
                     with _environment(env, value):
                         row, other = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
-                    rows.append({**row, "method": f"{row['method']}+{suffix}", suffix.replace("-", "_"): True})
+                    rows.append({**row, "method": f"{row['method']}+{suffix}", **mark})
                     log(_line(rows[-1]))
                     other.free()
-            for n in unpack_warps if tabled else ():
-                with _environment(kernels.UNPACK_WARPS_ENV, str(n)):
-                    row, fewer = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
-                rows.append({**row, "method": f"{row['method']}+unpack-warps={n}", "unpack_warps": n})
-                log(_line(rows[-1]))
-                fewer.free()
             for n in max_blocks if "cuda" in backends else ():
                 with _max_blocks(n):
                     row, capped = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)

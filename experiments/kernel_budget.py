@@ -64,7 +64,6 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -882,13 +881,12 @@ def _unpack_needs(rows: list[dict], target: float = 800.0) -> str:
     have = "; ".join(f"{r['dtype']}'s takes {r['instr/entry']:,.0f}, an issue bound of {r['issue GB/s']:,.0f} GB/s"
                      for r in short)  # fmt: skip
     busy = [r["issue % measured"] for r in short if r.get("issue % measured")]
-    low, high = (min(busy), max(busy)) if busy else (0.0, 0.0)
+    def span(low: str, high: str) -> str:  # "low-high", or one figure where they read alike
+        return low if low == high else f"{low}-{high}"
 
-    def span(say: Callable[[float], str]) -> str:  # "a-b", or "a" where the run's shares round alike
-        return say(low) if round(low) == round(high) else f"{say(low)}-{say(high)}"
-
-    run = (f", and {span(lambda b: f'{full * b / 100:,.0f}')} at the {span(lambda b: f'{b:.0f}')} % of issue slots "
-           "the GPU run kept busy in unpack" if busy else "")
+    run = (f", and {span(f'{full * min(busy) / 100:,.0f}', f'{full * max(busy) / 100:,.0f}')} at the "
+           f"{span(f'{min(busy):.0f}', f'{max(busy):.0f}')} % of issue slots the GPU run kept busy in unpack"
+           if busy else "")  # fmt: skip
     return (f"**Decompress needs fewer instructions, not only less waiting**: for {target:,.0f} GB/s an unpack may "
             f"take at most {full:,.0f} instructions an entry with every issue slot of an H100 busy ({have}){run}.")
 

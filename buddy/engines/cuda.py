@@ -324,7 +324,7 @@ def launch_config(
     tables = shared if codec in TABLED_KERNELS else None
     found = None
     if tables is not None and op == "unpack":
-        found = shared_table_layout(entry_bytes, tables, 64 if unpack_warps is None else unpack_warps)
+        found = shared_table_layout(entry_bytes, tables, unpack_warps or 64)
     if tables is not None and found is not None:
         warps, per_sm = found
         blocks = max(1, min(tables.sms * per_sm, -(-n_entries // warps)))
