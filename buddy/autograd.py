@@ -20,7 +20,7 @@ backward goes through :meth:`Session._pack`:
   given once per cause: training never breaks or changes because of buddy.
 
 What is kept as it is goes to autograd as ``t.detach()`` (the same memory,
-no ``grad_fn``), never as ``t``: a saved output returned as itself refers to
+no ``grad_fn``) with its version when saved (:class:`_AsIs`), never as ``t``: a saved output returned as itself refers to
 its own ``grad_fn``, a cycle through C++ that the garbage collector cannot
 see, which would keep the whole graph -- and every compressed tensor in it --
 alive for good whenever backward does not run (an exception in the block, a
@@ -223,7 +223,34 @@ def _add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
 
 
-class _Kept:
+class _AsIs:
+    """What autograd keeps for a saved tensor buddy leaves as it is: ``t.detach()`` (the same memory, no
+    ``grad_fn``) and ``t``'s version when it was saved.
+
+    Autograd checks that a saved tensor was not changed in place only where no saved-tensor hooks are installed.
+    Under the session's, a tensor changed in place after its save would come back changed and its gradient be
+    silently wrong: :meth:`unpack` raises there, as PyTorch does without hooks.
+    """
+
+    __slots__ = ("tensor", "version", "__weakref__")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t.detach()
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {self.version} instead. "
+                f"buddy kept this saved tensor as it is (not compressed), and it was changed in place after it was "
+                f"saved: change a copy instead (PyTorch raises the same without buddy)."
+            )
+        return t
+
+
+class _Kept(_AsIs):
     """What autograd keeps for a tensor the tracker left as it is (the raw slot).
 
     Its device bytes are held on the tracker's ledger for as long as autograd
@@ -231,15 +258,12 @@ class _Kept:
     input batch reused every step).
     """
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ()
 
-    def __init__(self, tensor: torch.Tensor, tracker: Tracker):
-        self.tensor = tensor
-        hold = tracker.ledger.hold(tensor.numel() * tensor.element_size())
+    def __init__(self, t: torch.Tensor, tracker: Tracker):
+        super().__init__(t)
+        hold = tracker.ledger.hold(t.numel() * t.element_size())
         weakref.finalize(self, hold.release)  # the hold refers to the ledger only: no cycle through the graph
-
-    def unpack(self) -> torch.Tensor:
-        return self.tensor
 
 
 class _View:
@@ -494,7 +518,7 @@ def _compile_safe_hooks(pack, unpack):
 
     def pack_hook(t):
         packed = pack(t)
-        if isinstance(packed, torch.Tensor):  # kept as it is
+        if type(packed) is _AsIs:  # kept as it is: nothing to release
             return packed
         bt = getattr(packed, "bt", None)
         dense = bt is None or tuple(bt.stride) == tuple(t.stride())
@@ -529,7 +553,7 @@ def _weak_pack(hooks: _SavedTensorHooks):
 
     def pack(t: torch.Tensor):
         owner = ref()
-        return owner._pack(t) if owner is not None else t.detach()
+        return owner._pack(t) if owner is not None else _AsIs(t)
 
     return pack
 
@@ -653,7 +677,7 @@ class _SavedTensorHooks:
                 st.captured += reason == "capturing"
                 if reason != "parameter":
                     st.kept_bytes += t.numel() * t.element_size()
-                return t.detach()  # never ``t`` itself: see "kept as it is" in the module doc
+                return _AsIs(t)  # never ``t`` itself: see "kept as it is" in the module doc
             storage = t.untyped_storage()
             dedup_key = (storage._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
             # a dense view of the very bytes taken already (an attention output saved as (B, H, S, D) and as
@@ -674,7 +698,7 @@ class _SavedTensorHooks:
             key = f"{prefix}{self._index.get(prefix, 0)}:{_tensor_key(t)}"
             taken = self._take(t, key)
             if taken is None:  # could not take it: keep the original
-                return t.detach()
+                return _AsIs(t)
             packed, row = taken
             self._index[prefix] = self._index.get(prefix, 0) + 1
             self._count_storage(storage, t.numel() * t.element_size())
@@ -805,7 +829,7 @@ class Session(_SavedTensorHooks):
             return None
         row = self._row(t, result, key, time.perf_counter() - start)
         packed = (
-            _Kept(t.detach(), self.tracker)
+            _Kept(t, self.tracker)
             if result.bt is None
             else _Compressed(result.bt, self, row, self._schedule, self._checks)
         )
@@ -969,18 +993,6 @@ class RecordedTensor:
     op: str
 
 
-class _Recorded:
-    """What autograd keeps for a recorded tensor: a new object, so a dedup hit can check it is still held."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def unpack(self) -> torch.Tensor:
-        return self.tensor
-
-
 class Recorder(_SavedTensorHooks):
     """Records what a :class:`Session` with the same settings would compress; changes nothing.
 
@@ -1007,7 +1019,7 @@ class Recorder(_SavedTensorHooks):
         # the bytes a session compresses: memory order for a dense layout, C order for one with gaps
         layout = torch.preserve_format if dense_strides(x.shape, x.stride()) else torch.contiguous_format
         self.tensors.append(RecordedTensor(key, x.to(self.device, memory_format=layout, copy=True), op))
-        return _Recorded(t.detach()), None
+        return _AsIs(t), None  # a new object a save: a dedup hit can check it is still held
 
     def stats(self) -> SessionStats:
         """What a session would have seen (no rows: nothing was compressed)."""

@@ -508,6 +508,8 @@ class KeyHistory(LaidOut):
     _predicted: tuple | None = field(default=None, repr=False, compare=False)
     #: the window's histograms as float64 arrays (predicted's), kept beside ``histograms`` by add
     _arrays: deque = field(default_factory=deque, repr=False, compare=False)
+    #: histograms added so far: what :meth:`predicted`'s last result was made after
+    _added: int = field(default=0, repr=False, compare=False)
 
     def fits(self, layout: Layout) -> bool:
         """Whether a tensor of ``layout`` is the tensor this history is of (same entry size, same entries)."""
@@ -519,9 +521,9 @@ class KeyHistory(LaidOut):
 
     def predicted(self) -> tuple[float, ...]:
         """Exponentially weighted mean histogram; the newest step weighs most."""
-        # asked by the step's plan and again by each tensor's decision: made once per history, and again when it
-        # changed (its window's first and last histograms, tuples the deque holds, and how many there are)
-        key = (len(self.histograms), id(self.histograms[0]), id(self.histograms[-1]), self.decay)
+        # asked by the step's plan and again by each tensor's decision: made once per histogram added (the
+        # window's contents change with every add, its length not once it is full)
+        key = (self._added, self.decay)
         if self._predicted is not None and self._predicted[0] == key:
             return self._predicted[1]
         weights = [self.decay**age for age in range(len(self.histograms))]
@@ -539,6 +541,7 @@ class KeyHistory(LaidOut):
         self, histogram, observation: Observation, statistics: torch.Tensor | None = None, fitted=None
     ) -> None:
         self.fitted = fitted
+        self._added += 1
         self.histograms.append(tuple(histogram))
         self._arrays.append(np.asarray(self.histograms[-1], dtype=np.float64))
         while len(self.histograms) > self.window:

@@ -158,6 +158,47 @@ def test_dedup_compresses_once_and_counts_once(tracker, store):
     assert torch.equal(w1.grad, g1)
 
 
+def test_a_tensor_changed_in_place_between_two_saves_is_saved_twice(tracker, store):
+    """``x`` is saved by a matmul, scaled in place, then saved by another matmul: the same storage, offset, shape
+    and strides, a new version. Each op must get the values it saved (the second save is no dedup hit of the
+    first), so the gradients are those of the same step written with a new tensor instead of the in-place op."""
+    w1 = torch.randn(256, 64, requires_grad=True, generator=torch.Generator().manual_seed(1))
+    w2 = torch.randn(256, 64, requires_grad=True, generator=torch.Generator().manual_seed(2))
+
+    def grads(in_place: bool):
+        w1.grad = w2.grad = None
+        x = torch.relu(torch.randn(512, 256, generator=torch.Generator().manual_seed(3)))  # compresses: not kept
+        with buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN) as s:
+            a = x @ w1  # saves x
+            x = x.mul_(3.0) if in_place else x * 3.0
+            b = x @ w2  # saves x again: new values
+            loss = (a * b).sum()
+        loss.backward()
+        return w1.grad.clone(), w2.grad.clone(), s.stats()
+
+    expected, got = grads(in_place=False), grads(in_place=True)
+    assert torch.equal(got[0].view(torch.int32), expected[0].view(torch.int32))
+    assert torch.equal(got[1].view(torch.int32), expected[1].view(torch.int32))
+    rows = [r for r in got[2].rows if r.shape == (512, 256)]
+    assert got[2].deduplicated == 0 and len(rows) == 2 and all(r.codec != "kept" for r in rows)
+
+
+@pytest.mark.parametrize("why", ["small", "kept"])
+def test_a_tensor_kept_as_it_is_and_changed_in_place_raises_as_without_buddy(why, tracker, store):
+    """A saved tensor buddy leaves as it is (too small; or incompressible: the raw slot) is the user's memory. Changed
+    in place before backward, it raises PyTorch's own error, as it does without buddy: never a wrong gradient."""
+    w = torch.randn(256, 64, requires_grad=True)
+    x = torch.randn(512, 256, generator=torch.Generator().manual_seed(3))  # random: incompressible
+    with buddy.compressed_activations(
+        policy=buddy.FixedRatio(1.0), tracker=tracker, store=store, min_bytes=1 << 30 if why == "small" else MIN
+    ) as s:
+        loss = (x @ w).sum()
+        x.mul_(3.0)
+    assert (s.stats().rows[0].codec == "kept") if why == "kept" else not s.stats().rows
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_parameters_and_small_tensors_are_not_compressed(tracker, store):
     lin0, lin = nn.Linear(1024, 1024), nn.Linear(1024, 1024)
     x = torch.randn(512, 1024)

@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from conftest import tracker_step
+from conftest import fuzz_settings, tracker_step
 
 import buddy
 from buddy import spec
@@ -84,7 +84,7 @@ def _run_step(tracker, policy, tensors):
     ]
 
 
-@settings(max_examples=150, deadline=None)
+@fuzz_settings(1.5)
 @given(histories_and_a_step(), st.sampled_from([0.0, 0.02, 0.1, 0.25, 1.0]))
 def test_overflow_budget_keeps_the_running_bound_for_any_history(case, bound):
     history, step = case
@@ -97,7 +97,7 @@ def test_overflow_budget_keeps_the_running_bound_for_any_history(case, bound):
         assert spent <= bound * seen, f"the step's overflow passed {bound:.0%} at {key}"
 
 
-@settings(max_examples=100, deadline=None)
+@fuzz_settings(1.0)
 @given(histories_and_a_step(), st.sampled_from([0.0, 0.05, 0.1, 0.5]))
 def test_per_tensor_bounds_hold_for_any_history(case, bound):
     """BuddyThreshold per tensor; DeviceBudget for every key it has no plan for (its overflow side)."""
@@ -150,6 +150,23 @@ def test_a_stale_history_is_corrected_and_counted():
         assert spent <= 0.10 * seen
     assert out[0][2] and not out[1][2], "the plan from the stale history was corrected for b, not for a"
     assert tracker.history("g/b").last_slot == 11  # its allowance alone would have given 10 (20 % of itself)
+
+
+def test_the_running_bound_is_exact_to_the_sector():
+    """At the bound's very edge. "g/b"'s plan was made with an all-zero "g/a" before it, which left it an allowance
+    of 401 sectors, one past 25 % of itself (400). Now "g/b" comes first: slot 0 would take the step one sector past
+    its running bound, so it gets slot 1 (375 sectors), corrected; a tensor that spills exactly 400 at slot 0 gets
+    slot 0. A cap one sector loose or tight gives the other slot in one of the two."""
+    one_past = tuple(74 if j == 0 else 1 if j == 1 else 25 if j == 16 else 0 for j in range(BINS))  # 100 entries
+    at_bound = tuple(75 if j == 0 else 25 if j == 16 else 0 for j in range(BINS))
+    for real, slot, spilled, corrected in ((one_past, 1, 375, True), (at_bound, 0, 400, False)):
+        tracker, policy = buddy.Tracker(), buddy.OverflowBudget(0.25)
+        _run_step(tracker, policy, [("g/a", _dense(0)), ("g/b", one_past)])
+        assert policy.plan(tracker, "g") == {"g/a": 0, "g/b": 0}
+        [(nbytes, overflow, was_corrected, _)] = _run_step(tracker, policy, [("g/b", real)])
+        assert 0.25 * nbytes == 400 * spec.SECTOR_BYTES
+        assert tracker.history("g/b").last_slot == slot and overflow == spilled * spec.SECTOR_BYTES
+        assert was_corrected is corrected
 
 
 def test_groups_plan_from_their_own_keys():

@@ -341,12 +341,24 @@ def test_random_damage_never_reads_out_of_bounds(word):
     rows = torch.arange(payload.shape[0])
     damaged[rows, flips // 8] ^= (1 << (flips % 8)).to(torch.uint8)
     damaged[k.long().unsqueeze(1) * 32 <= torch.arange(128)] = 0  # keep the format's zero tail
+    intact = int(torch.nonzero(coded)[0])  # an undamaged coded entry, the damaged one's neighbour on both sides
+    refused = 0
     for i in torch.nonzero(coded).flatten().tolist():
+        rows = [intact, i, intact]
+        batch = torch.stack([payload[intact], damaged[i], payload[intact]])
         try:
-            out = decode(codec, damaged[i : i + 1], k[i : i + 1], modes[i : i + 1], word)
+            alone = decode(codec, damaged[i : i + 1], k[i : i + 1], modes[i : i + 1], word)
         except CorruptDataError:
+            refused += 1
+            with pytest.raises(CorruptDataError):  # refused alone, refused between its neighbours
+                decode(codec, batch, k[rows], modes[rows], word)
             continue
-        assert out.shape == (1, 128)  # an undetected flip decodes to some bytes, within the entry
+        # an undetected flip decodes to some bytes of its own entry: between two neighbours it decodes to the same
+        # bytes, and they to theirs (nothing read or written across an entry's bounds)
+        out = decode(codec, batch, k[rows], modes[rows], word)
+        assert torch.equal(out[1:2], alone), f"entry {i} decodes otherwise between neighbours"
+        assert torch.equal(out[0], entries[intact]) and torch.equal(out[2], entries[intact])
+    assert 0 < refused < int(coded.sum()), "the damage is caught in some entries and decodes undetected in others"
 
 
 # ---------------------------------------------------------------------------

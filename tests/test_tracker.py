@@ -46,6 +46,23 @@ def test_prediction_weights_recent_steps_more():
     assert pred == pytest.approx((100 / 3, 0, 0, 0, 200 / 3))
 
 
+def test_prediction_follows_the_window_at_every_step():
+    """The prediction, asked after every step, is the decayed mean of the window's histograms as they are then --
+    long after the window is full, when its length no longer changes."""
+    tr = buddy.Tracker(decay=0.5, window=3)
+    seen = []
+    for step in range(12):
+        x, y = step % 7, (3 * step) % 5
+        hist = [x, 20 - x - y, y, 0, 0]  # 20 entries every step: the same tensor, other sizes
+        record(tr, "a", hist)
+        seen.append(hist)
+        weights = [0.5**age for age in range(len(seen[-3:]))]
+        expected = [
+            sum(w * h[j] for w, h in zip(weights, reversed(seen[-3:]))) / sum(weights) for j in range(len(hist))
+        ]
+        assert tr.history("a").predicted() == pytest.approx(expected, rel=1e-12, abs=0), f"step {step}"
+
+
 def test_window_bounds_history_and_shape_change_restarts():
     tr = buddy.Tracker(window=2)
     for _ in range(5):
