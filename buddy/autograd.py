@@ -104,13 +104,15 @@ from typing import NamedTuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import spec, streams
+from . import engines, spec, streams
 from .errors import CorruptDataError, UnsupportedTensorError
-from .pipeline import measure, pack
+from .codecs import CodecLike
+from .pipeline import measure, pack, pack_ahead, resolve
 from .prefetch import Ahead, Prefetch, PrefetchStats, Schedule, as_prefetch
 from .stats import KeyRow, SessionStats
+from .step import Counters
 from .store import BuddyStore, default_store
-from .layout import Layout, dense_strides
+from .layout import Layout, dense_strides, memory_bytes
 from .tensor import BuddyTensor, check_tensor
 from .tracker import Policy, Tracker, default_tracker
 
@@ -394,16 +396,17 @@ class _Checks:
     directly) a flag is checked at once.
     """
 
-    __slots__ = ("pending", "lock")
+    __slots__ = ("pending", "lock", "flags", "reads")
 
     def __init__(self):
         self.pending: list[tuple[str, torch.Tensor]] = []
         self.lock = threading.Lock()
+        self.reads = 0  # reads of the flags made (one per device a check)
+        self.flags = Counters(torch.int32, 1024)  # a flag a decompression: slices of a buffer made per 1024
 
-    @staticmethod
-    def flag(bt: BuddyTensor) -> torch.Tensor | None:
+    def flag(self, bt: BuddyTensor) -> torch.Tensor | None:
         """A zeroed flag for ``bt``'s decompression, or ``None`` where its backend checks on the host."""
-        return None if bt.backend == "reference" else torch.zeros(1, dtype=torch.int32, device=bt.device)
+        return None if bt.backend == "reference" else self.flags.take(1, bt.device)
 
     def add(self, key: str, flag: torch.Tensor) -> None:
         with self.lock:
@@ -411,7 +414,8 @@ class _Checks:
             self.pending.append((key, flag))
         if first:
             try:
-                torch.autograd.Variable._execution_engine.queue_callback(self.check)
+                # (run by autograd where backward ends, maybe inside a compiled frame: never traced)
+                torch.autograd.Variable._execution_engine.queue_callback(_eager_only(self.check))
             except RuntimeError:  # not inside a backward pass: nothing to wait for
                 self.check()
 
@@ -422,7 +426,8 @@ class _Checks:
         failed = []
         for device in {flag.device for _, flag in pending}:
             mine = [(key, flag) for key, flag in pending if flag.device == device]
-            bits = torch.cat([flag for _, flag in mine]).cpu().tolist()
+            bits = engines.to_host(torch.cat([flag for _, flag in mine])).tolist()
+            self.reads += 1
             failed += [f"{key!r} (error bits {b:#x})" for (key, _), b in zip(mine, bits) if b]
         if failed:
             raise CorruptDataError(
@@ -758,7 +763,10 @@ class Session(_SavedTensorHooks):
         key_prefix: str = "",
         enabled: bool = True,
         prefetch: Prefetch | bool = True,
+        strict: bool = True,
     ):
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be True or False, got {strict!r}")
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(
                 f"policy must be a buddy Policy (FixedRatio, BuddyThreshold, OverflowBudget, DeviceBudget, CompressedOffload), "
@@ -770,8 +778,12 @@ class Session(_SavedTensorHooks):
         self.codec = codec
         self.entry_bytes = spec.check_entry_bytes(entry_bytes) if entry_bytes is not None else None
         self.prefetch = as_prefetch(prefetch)
+        self.strict = strict
         self._schedule = Schedule(self.prefetch)
         self._checks = _Checks()
+        self._histograms = Counters(torch.int64, _HISTOGRAMS_CHUNK)
+        self._pending: list[_Pending] = []
+        self._reads_at = 0
         super().__init__(min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, enabled=enabled)
 
     def _begin(self) -> None:
@@ -779,12 +791,42 @@ class Session(_SavedTensorHooks):
         self._stats.overflow_bound = getattr(self.policy or self.tracker.policy, "overflow_bound", None)
         self._schedule = Schedule(self.prefetch)  # one per step: the old one lives on with the old graph
         self._checks = _Checks()  # likewise
+        self._histograms.next_step()
+        self._pending = []
+        self._reads_at = engines.host_reads()
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
+        self._settle()
+        self._stats.host_reads = engines.host_reads() - self._reads_at  # forward's; backward's: its checks
         self._check_bound()
         if exc[0] is None:  # forward is done: backward will first ask for what was packed last
             _look_ahead(self._schedule, len(self._schedule))
+
+    def _settle(self) -> None:
+        """Where forward ends: the sizes of every tensor packed ahead in one read (per device), each tensor's
+        buddy memory trimmed to its overflow, the tracker taught, the stats filled in (see ``strict``)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        sizes = {device: iter(self._histograms.read(device)) for device in self._histograms.devices}
+        st = self._stats
+        for p in pending:
+            histogram = next(sizes[p.device])
+            if p.bt is not None:
+                p.bt.settle(histogram)
+            row = p.row
+            row.buddy_bytes = 0 if p.bt is None else p.bt.buddy_bytes
+            row.ideal_bytes = Layout.compacted_bytes(histogram)
+            st.device_bytes += row.device_bytes
+            st.buddy_bytes += row.buddy_bytes
+            st.ideal_bytes += row.ideal_bytes
+            slot = p.layout.sectors_per_entry if p.bt is None else p.bt.slot_sectors
+            self.tracker.record(
+                row.key, histogram, slot=slot, layout=p.layout,
+                predicted_overflow_bytes=row.predicted_overflow_bytes, statistics=p.codec.statistics, fitted=p.codec,
+            )  # fmt: skip
 
     def _check_bound(self) -> None:
         """Warn (once per process and policy) if the step passed its policy's overflow bound.
@@ -806,17 +848,27 @@ class Session(_SavedTensorHooks):
             else:
                 return
         policy = self.policy or self.tracker.policy
+        why = (
+            "A slot the policy did not choose (a custom policy, or a store that could not take the overflow) does "
+            "this." if self.strict else
+            "With strict=False slots come from the tracker's plan before the tensors are sized, so tensors that "
+            "compress worse than their history spill past it (the next step is planned from this one); "
+            "strict=True keeps the bound on every tensor's own sizes, at a read per tensor."
+        )  # fmt: skip
         _warn_once(
-            f"bound {type(policy).__name__} {bound}",
+            f"bound {type(policy).__name__} {bound} {self.strict}",
             f"buddy: this step's overflow passed its policy's bound ({policy!r}): with {row.key!r} the step's "
             f"tensors so far spilled {spent:,} of {seen:,} bytes ({spent / seen:.1%} > {bound:.1%}); the step "
-            f"ended at {st.overflow_fraction:.1%}. A slot the policy did not choose (a custom policy, or a store "
-            f"that could not take the overflow) does this. This warning is shown once.",
+            f"ended at {st.overflow_fraction:.1%}. {why} This warning is shown once.",
         )
 
     def _take(self, t: torch.Tensor, key: str):
         start = time.perf_counter()
         try:
+            if not self.strict:
+                taken = self._take_ahead(t, key, start)
+                if taken is not None:
+                    return taken
             result = _tracked(t, key, self.tracker, self.policy, self.store, self.codec, self.entry_bytes, keep=True)
         except Exception as exc:  # never let buddy break training: keep the original
             self._stats.failed += 1
@@ -833,6 +885,50 @@ class Session(_SavedTensorHooks):
             if result.bt is None
             else _Compressed(result.bt, self, row, self._schedule, self._checks)
         )
+        return packed, row
+
+    def _take_ahead(self, t: torch.Tensor, key: str, start: float):
+        """:meth:`_take` with the slot from the key's history, nothing read back (``strict=False``); ``None``
+        where that cannot be (a key the policy has no plan for, an engine without kernels, a codec with a table
+        and nothing learned, a store without room for the worst case): the tensor is then sized first."""
+        engine, layout = resolve(t, self.codec, self.entry_bytes)
+        if not engine.packs_ahead:
+            return None
+        tracker, fitted = self.tracker, self.tracker.fitted(key)
+        prior, count = tracker.prior(key), tracker.counts(key)
+        if prior is None and engine.codec.format_version >= 2:
+            return None
+        place = tracker.plan_ahead(
+            key, layout, policy=self.policy, table_bytes=0 if fitted is None else fitted.table_bytes
+        )  # fmt: skip
+        if place is None:
+            return None
+        histogram = self._histograms.take(layout.bins, t.device)
+        bt = None
+        if place.keep:  # the raw slot: kept as it is, its sizes counted all the same (the key goes on learning)
+            codec = engine.measure_ahead(memory_bytes(t)[0], layout, histogram, prior=prior, keep=fitted, count=count)
+        else:
+            bt = pack_ahead(
+                t, engine, layout, place.slot, histogram, store=self.store, ledger=tracker.ledger, prior=prior,
+                keep=fitted, count=count,
+            )  # fmt: skip
+            if bt is None:
+                return None
+            codec = bt.codec_object
+        elapsed = time.perf_counter() - start
+        row = KeyRow(
+            key=key, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+            codec="kept" if bt is None else bt.codec, target_ratio=1.0 if bt is None else bt.target_ratio,
+            original_bytes=layout.nbytes, device_bytes=layout.nbytes if bt is None else bt.device_bytes,
+            buddy_bytes=0, ideal_bytes=0, predicted_overflow_bytes=place.predicted_overflow_bytes,
+            compress_seconds=elapsed, corrected=place.corrected,
+        )  # fmt: skip (buddy and ideal bytes: once the sizes are read, where forward ends)
+        st = self._stats
+        st.rows.append(row)
+        st.corrected += place.corrected
+        st.compress_seconds += elapsed
+        self._pending.append(_Pending(row, layout, t.device, bt, codec))
+        packed = _Kept(t, tracker) if bt is None else _Compressed(bt, self, row, self._schedule, self._checks)
         return packed, row
 
     def _row(self, t, result: _Packed, key: str, elapsed: float) -> KeyRow:
@@ -871,10 +967,12 @@ class Session(_SavedTensorHooks):
         """A snapshot of what this step compressed (printing it shows a table)."""
         with self._lock:
             st = self._stats
+            forward = engines.host_reads() - self._reads_at if self._hooks is not None else st.host_reads
             return SessionStats(
                 rows=[KeyRow(**vars(r)) for r in st.rows],
-                **{k: v for k, v in vars(st).items() if k not in ("rows", "prefetch")},
+                **{k: v for k, v in vars(st).items() if k not in ("rows", "prefetch", "host_reads")},
                 prefetch=PrefetchStats(**vars(self._schedule.stats)),
+                host_reads=forward + self._checks.reads,
             )
 
     def __repr__(self) -> str:
@@ -883,6 +981,21 @@ class Session(_SavedTensorHooks):
             f"<buddy Session {state}: policy={self.policy or self.tracker.policy!r}, min_bytes={self.min_bytes}, "
             f"prefetch={self.prefetch}>"
         )
+
+
+#: elements of the buffer a step's histograms are slices of (int64; 254 tensors of 4 KiB entries): made when the
+#: step packs its first tensor ahead, and larger when a step needs more
+_HISTOGRAMS_CHUNK = 1 << 15
+
+
+class _Pending(NamedTuple):
+    """A tensor packed ahead whose sizes the step reads where forward ends."""
+
+    row: KeyRow
+    layout: Layout
+    device: torch.device
+    bt: BuddyTensor | None  # None: kept as it is (the raw slot), only measured
+    codec: CodecLike  # what it was measured with (the tracker keeps its table)
 
 
 class _Packed(NamedTuple):

@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import engines
 from .errors import CorruptDataError
 
 __all__ = [
@@ -155,7 +156,7 @@ class Accumulator:
         offsets, plain, weighted = (torch.cat(parts) for parts in zip(*self._parts))
         # each term < p before the sum, so the sum of up to 2**32 terms cannot overflow int64
         terms = offsets.remainder_(PRIME).mul_(plain.remainder(PRIME)).add_(weighted.remainder_(PRIME))
-        total_b, total_a = torch.stack([terms.remainder_(PRIME).sum(), plain.sum()]).tolist()
+        total_b, total_a = engines.to_host(torch.stack([terms.remainder_(PRIME).sum(), plain.sum()])).tolist()
         return (total_b % PRIME) << 32 | (total_a + self.nbytes) % (1 << 32)
 
 

@@ -55,7 +55,7 @@ from .slots import DEFAULT_MAX_OVERFLOW, check_max_overflow, slot_for_overflow, 
 from .store import BuddyStore, default_store
 from .tensor import BuddyTensor, check_tensor
 
-__all__ = ["Measured", "measure", "pack", "compress", "unpack", "size_histogram"]
+__all__ = ["Measured", "measure", "pack", "pack_ahead", "resolve", "compress", "unpack", "size_histogram"]
 
 _ON_FULL = ("raise", "device")
 
@@ -118,6 +118,68 @@ def _resolve(tensor, codec, entry_bytes, backend) -> tuple[Engine, Layout]:
     codec = get_codec(config.defaults().codec if codec is None else codec)
     layout = Layout.of(tensor, config.defaults().entry_bytes if entry_bytes is None else entry_bytes)
     return dispatch.engine(codec, tensor.device, backend), layout
+
+
+def resolve(tensor, codec=None, entry_bytes=None, backend=None) -> tuple[Engine, Layout]:
+    """The engine that would compress ``tensor`` (its codec and backend, or the defaults) and its layout: what a
+    caller choosing the slot before the sizes are known (:func:`pack_ahead`) plans with. Arguments checked."""
+    return _resolve(tensor, codec, entry_bytes, backend)
+
+
+def pack_ahead(
+    tensor: torch.Tensor,
+    engine: Engine,
+    layout: Layout,
+    slot: int,
+    histogram: torch.Tensor,
+    *,
+    store: BuddyStore,
+    ledger: DeviceLedger,
+    prior: torch.Tensor | None = None,
+    keep: CodecLike | None = None,
+    count: bool = True,
+) -> BuddyTensor | None:
+    """Compress ``tensor`` with a slot chosen before its sizes are known: measure and pack with nothing read back.
+
+    What a training step does with the tracker's plan (:mod:`buddy.autograd`,
+    ``strict=False``): ``engine`` and ``layout`` from :func:`resolve`,
+    ``slot`` from the plan, ``histogram`` ``layout.bins`` zero int64 on the
+    tensor's device that the sizes are added to -- a slice of a buffer the
+    step reads once for all its tensors. The overflow goes where the pack
+    kernel writes it, into a range of ``store`` reserved at its worst case
+    (every entry raw), which :meth:`BuddyTensor.settle` trims to what it
+    holds once the histogram is read. ``prior``, ``keep``, ``count``: as in
+    :func:`measure` (a codec with a table needs a ``prior``).
+
+    Returns a :class:`BuddyTensor` not yet settled, or ``None`` where it cannot be packed so (an engine that
+    does not pack ahead, a codec with a table and no prior, a store without room for the worst case, buddy
+    memory the device cannot write): the caller then measures and packs (one read).
+    """
+    if not engine.packs_ahead or (prior is None and engine.codec.format_version >= 2):
+        return None  # (a codec with a table and no prior: its table is fitted to the tensor's counts, read back)
+    worst = layout.slots_bytes(layout.sectors_per_entry) - layout.slots_bytes(slot)
+    try:
+        overflow = store.allocate(worst)
+    except HostStoreFull:
+        return None
+    try:
+        into = overflow.data
+        if not engine.writes_overflow_at(into, tensor.device):
+            store.release(overflow)
+            return None
+        flat, stride = memory_bytes(tensor)
+        codec, meta, slots, ends = engine.pack_ahead(
+            flat, layout, slot, histogram, into, prior=prior, keep=keep, count=count
+        )
+        table = engine.stored_table(tensor.device)
+        return BuddyTensor(
+            shape=tensor.shape, stride=stride, dtype=tensor.dtype, device=tensor.device, codec=codec, layout=layout,
+            slot_sectors=slot, histogram=histogram, slots=slots, meta=meta, overflow=overflow, store=store,
+            ledger=ledger, backend=engine.backend, table=table, ends=ends,
+        )  # fmt: skip
+    except BaseException:
+        store.release(overflow)  # nothing half-written survives, KeyboardInterrupt included
+        raise
 
 
 def _pack_options(store, on_full, checksum, ledger) -> _PackOptions:

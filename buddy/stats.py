@@ -86,6 +86,10 @@ class SessionStats:
     overflow_bound: float | None = None
     #: tensors whose slot the bound widened from what the history planned (the plan was wrong for them)
     corrected: int = 0
+    #: reads of the device by the host in the step (forward's, and backward's checks once it ran): one per
+    #: compressed tensor with ``strict=True``, at most two a step (where forward ends, where backward ends) once
+    #: every key has a plan with ``strict=False`` (:func:`buddy.engines.to_host` counts them, on every device)
+    host_reads: int = 0
 
     @property
     def within_bound(self) -> bool:
@@ -149,7 +153,8 @@ class SessionStats:
             f"{sum(r.codec == 'kept' for r in self.rows)} incompressible kept, {self.deduplicated} deduplicated, "
             f"{self.skipped} skipped ({format_bytes(self.kept_bytes)} of activations kept as is), {self.failed} failed; "
             f"compress {self.compress_seconds * 1e3:.1f} ms, decompress {self.decompress_seconds * 1e3:.1f} ms "
-            f"({self.decompressions} unpacks); ideal ratio {self.ideal_ratio:.2f}x"
+            f"({self.decompressions} unpacks); ideal ratio {self.ideal_ratio:.2f}x; {self.host_reads} read(s) of the "
+            f"device"
         )
         if self.overflow_bound is not None:
             lines.append(

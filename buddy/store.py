@@ -171,6 +171,10 @@ class _Block:
             self.free_starts.pop(i)
 
 
+#: the data of an allocation of no bytes, shared (it has none to write)
+_NOTHING = torch.empty(0, dtype=torch.uint8)
+
+
 class BuddyAllocation:
     """A range of buddy memory owned by one BuddyTensor.
 
@@ -189,7 +193,7 @@ class BuddyAllocation:
         self.block = block
         self.offset = offset
         self.nbytes = nbytes
-        self.data = block.buffer[offset : offset + nbytes] if block is not None else torch.empty(0, dtype=torch.uint8)
+        self.data = block.buffer[offset : offset + nbytes] if block is not None else _NOTHING
         self.ops: Any = None  # the stream operations of the copies (buddy.streams), once one was issued
         self.written = None  # the event of the copy that fills the range
         self.uses: list = []  # events of every copy touching the range that may not have completed
@@ -323,6 +327,26 @@ class BuddyStore:
             self._peak = max(self._peak, self._held)
             return alloc
 
+    def shrink(self, alloc: BuddyAllocation, nbytes: int) -> None:
+        """Keep only the first ``nbytes`` of ``alloc`` (a range reserved at its worst case, then written with less):
+        the rest goes back to the store. Only once nothing may still write past ``nbytes``."""
+        if not 0 <= nbytes <= alloc.nbytes:
+            raise ValueError(f"cannot shrink an allocation of {alloc.nbytes} bytes to {nbytes}")
+        with self._locked():
+            if alloc.block is None:  # (an empty one, or freed)
+                if nbytes:
+                    raise ValueError("cannot shrink a freed or empty allocation to a non-zero size")
+                return
+            keep, size = _round_up(nbytes, SECTOR_BYTES), _round_up(alloc.nbytes, SECTOR_BYTES)
+            if keep < size:
+                alloc.block.give(alloc.offset + keep, size - keep)
+                self._held -= size - keep
+            alloc.nbytes = nbytes
+            if keep:
+                alloc.data = alloc.data[:nbytes]
+            else:  # nothing kept: an empty allocation, as allocate(0) makes
+                alloc.block, alloc.data = None, _NOTHING
+
     def release(self, alloc: BuddyAllocation) -> None:
         """Return an allocation's range. Safe while a copy is in flight, from any thread, and twice."""
         if alloc.block is not None:
@@ -384,7 +408,7 @@ class BuddyStore:
         alloc.block.give(alloc.offset, size)
         self._held -= size
         alloc.block = None
-        alloc.data = torch.empty(0, dtype=torch.uint8)  # a view would keep the whole block alive past trim()
+        alloc.data = _NOTHING  # a view would keep the whole block alive past trim()
 
     def _reclaim(self, wait: bool) -> None:
         still = []

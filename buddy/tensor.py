@@ -132,7 +132,7 @@ class BuddyTensor:
         codec: CodecLike,
         layout: Layout,
         slot_sectors: int,
-        histogram: Sequence[int],
+        histogram: Sequence[int] | torch.Tensor,
         slots: torch.Tensor,
         meta: torch.Tensor,
         overflow: BuddyAllocation,
@@ -141,6 +141,7 @@ class BuddyTensor:
         backend: str = "reference",
         checksum: Checksum | None = None,
         table: torch.Tensor | None = None,
+        ends: torch.Tensor | None = None,
     ):
         self.shape = torch.Size(shape)
         #: strides the decompressed tensor gets (the original's when it was dense, else contiguous)
@@ -155,8 +156,14 @@ class BuddyTensor:
         self.slot_sectors = slot_sectors
         self.original_bytes = layout.nbytes
         self.n_entries = layout.n_entries
-        #: entries per size: ``histogram[k]`` entries compress to ``k`` sectors
-        self.histogram = tuple(map(int, histogram))
+        # entries per size (histogram), or, packed ahead (pipeline.pack_ahead), where the device counts them:
+        # an int64 tensor, read when the tensor is settled (settle)
+        self._histogram: tuple[int, ...] | None = None
+        self._counting: torch.Tensor | None = None
+        if isinstance(histogram, torch.Tensor):
+            self._counting = histogram
+        else:
+            self._histogram = tuple(map(int, histogram))
         self.format_version = codec.format_version
         self.requested_ratio: float | None = None  # set by compress() when it was given a target ratio
         #: per-buffer checksums taken at compress time, or ``None`` (see :mod:`buddy.integrity`)
@@ -165,19 +172,57 @@ class BuddyTensor:
         self._meta = meta
         self._overflow = overflow
         self._table = table
+        self._ends = ends  # the overflow's prefix sums a pack ahead made, kept for unpack (or None: made again)
         # (overflow on the device, the event of its arrival) from prefetch()
         self._prefetched: tuple[torch.Tensor, Any] | None = None
         self.store = store
         self.ledger = ledger
-        self.device_bytes = slots.numel() + meta.numel() + (0 if table is None else table.numel())
+        self.device_bytes = slots.numel() + meta.numel() + sum(0 if b is None else b.nbytes for b in (table, ends))
+        #: overflow held in buddy memory (packed ahead: the range reserved, the worst case, until settled)
         self.buddy_bytes = overflow.nbytes
         hold = ledger.hold(self.device_bytes)
         self._finalizer = weakref.finalize(self, _release, store, overflow, hold)
 
     # ---- properties -------------------------------------------------------
     @property
+    def histogram(self) -> tuple[int, ...]:
+        """Entries per size: ``histogram[k]`` entries compress to ``k`` sectors (packed ahead: settled first)."""
+        if self._histogram is None:
+            self.settle()
+        assert self._histogram is not None
+        return self._histogram
+
+    @property
+    def settled(self) -> bool:
+        """Whether the sizes are known on the host (always, but for a tensor packed ahead not yet settled)."""
+        return self._histogram is not None
+
+    def settle(self, histogram: Sequence[int] | None = None) -> None:
+        """Learn the sizes of a tensor packed ahead (:func:`buddy.pipeline.pack_ahead`): its ``histogram`` as read
+        with its step's (else read now, one read), and give back the buddy memory past its overflow. Nothing for a
+        tensor whose sizes are known."""
+        if self._histogram is not None:
+            return
+        if histogram is None:
+            assert self._counting is not None
+            histogram = engines.to_host(self._counting).tolist()
+        self._histogram = tuple(map(int, histogram))
+        self._counting = None
+        spilled = self.layout.overflow_bytes(self._histogram, self.slot_sectors)
+        if spilled > self._overflow.nbytes:
+            raise RuntimeError(f"the sizes say {spilled} overflow bytes, more than the {self._overflow.nbytes} reserved")
+        if self._finalizer.alive:
+            self.store.shrink(self._overflow, spilled)  # the pack's writes are done: its stream was read
+        self.buddy_bytes = spilled
+
+    @property
     def codec(self) -> str:
         return self._codec.name
+
+    @property
+    def codec_object(self) -> CodecLike:
+        """The codec it was compressed with (fitted: with its table), as :func:`buddy.unpack` takes it."""
+        return self._codec
 
     @property
     def table(self) -> torch.Tensor | None:
@@ -212,6 +257,7 @@ class BuddyTensor:
         The overflow's copy to buddy memory has landed by the time this returns.
         """
         self._check_alive("read the buffers of")
+        self.settle()
         self._overflow_ready_on_host()
         return self._meta, self._slots, self._overflow.data
 
@@ -247,6 +293,7 @@ class BuddyTensor:
         the tensor is freed, nothing else.
         """
         self._check_alive("prefetch")
+        self.settle()
         ops = streams.for_device(self.device)
         if self._prefetched is not None or not self.buddy_bytes or isinstance(ops, streams.HostStreams):
             return 0
@@ -289,6 +336,7 @@ class BuddyTensor:
         reference always checks, and raises.
         """
         self._check_alive("decompress")
+        self.settle()  # the overflow's size (packed ahead: one read, unless its step's read settled it)
         engine = dispatch.engine(self._codec, self.device, self.backend if backend is None else backend)
         if self.checksum is not None:
             self._overflow_ready_on_host()
@@ -301,11 +349,11 @@ class BuddyTensor:
         buffers = (self._meta, self._slots, overflow)
         out = engines.decode(
             engine, buffers, self.slot_sectors, self.layout, self.shape, self.dtype, self.stride,
-            check=check, error_flag=error_flag,
+            check=check, error_flag=error_flag, ends=self._ends,
         )  # fmt: skip
         if overflow is self._overflow.data:
             self._overflow.used_on(ops, stream)  # read (copied to the device) on this stream: busy until it ends
-        for buffer in buffers:
+        for buffer in (*buffers, *(() if self._ends is None else (self._ends,))):
             ops.keep_for(buffer, stream)  # read on this stream: their memory outlives that work
         return out
 
@@ -323,7 +371,7 @@ class BuddyTensor:
         """Return the slots and buddy memory now. A second call raises."""
         self._check_alive("free")
         self._finalizer()
-        self._slots = self._meta = None  # type: ignore[assignment]  # freed: _check_alive() refuses any use
+        self._slots = self._meta = self._ends = self._counting = None  # type: ignore[assignment]  # freed
         self._prefetched = None
 
     def _check_alive(self, action: str) -> None:

@@ -120,7 +120,9 @@ class Decision(LaidOut):
     right now (for budgets). ``layout``: the tensor's entries and bytes
     (:class:`~buddy.layout.Layout`). ``table_bytes``: the codec table the
     tensor carries on the device (format version 2), whatever its slot.
-    ``group``: the key's group (:func:`group_of`).
+    ``group``: the key's group (:func:`group_of`). ``ahead``: the slot is
+    chosen before the tensor is sized (:meth:`Tracker.plan_ahead`):
+    ``current`` is then the prediction (empty for a new key).
     """
 
     key: str
@@ -130,6 +132,7 @@ class Decision(LaidOut):
     held_device_bytes: int
     table_bytes: int = 0
     group: str = ""
+    ahead: bool = False
 
     def device_bytes(self, slot: int) -> int:
         return self.layout.device_bytes(slot, self.table_bytes)
@@ -195,6 +198,12 @@ class Policy:
         """The slot for the tensor of ``decision``: an ``int``, or a :class:`Choice`."""
         raise NotImplementedError
 
+    def choose_ahead(self, decision: Decision, tracker: Tracker) -> int | Choice | None:
+        """The slot for a tensor not yet sized (``decision.ahead``: its ``current`` is the key's prediction), or
+        ``None`` where the policy needs the tensor's own sizes (a key it has no plan for; by default every key):
+        it is then sized first and :meth:`choose` decides."""
+        return None
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
@@ -209,6 +218,8 @@ class FixedRatio(Policy):
 
     def choose(self, decision: Decision, tracker: Tracker) -> int:
         return spec.slot_for_ratio(self.ratio, decision.entry_bytes)
+
+    choose_ahead = choose  # the slot needs no sizes
 
 
 class BuddyThreshold(Policy):
@@ -230,6 +241,10 @@ class BuddyThreshold(Policy):
 
     def choose(self, decision: Decision, tracker: Tracker) -> int:
         return slot_for_overflow(decision.current, self.max_overflow, decision.original_bytes)
+
+    def choose_ahead(self, decision: Decision, tracker: Tracker) -> int | None:
+        """The slot the key's prediction would get (a new key: ``None``)."""
+        return None if decision.predicted is None else self.choose(decision, tracker)
 
 
 class DeviceBudget(Policy):
@@ -282,6 +297,10 @@ class DeviceBudget(Policy):
             slots[best] -= 1
             total -= per_sector[best]
         return slots
+
+    def choose_ahead(self, decision: Decision, tracker: Tracker) -> int | None:
+        """The planned slot, within what is left of the budget (a key with no plan: ``None``)."""
+        return None if decision.key not in self._plan else self.choose(decision, tracker)
 
     def choose(self, decision: Decision, tracker: Tracker) -> int:
         slot = self._plan.get(decision.key)
@@ -455,6 +474,19 @@ class OverflowBudget(Policy):
         self._spent += decision.overflow_bytes(slot)
         return Choice(slot, corrected)
 
+    def choose_ahead(self, decision: Decision, tracker: Tracker) -> Choice | None:
+        """A planned key's slot from its prediction alone (a key with no plan: ``None``, it is sized first).
+
+        The same rule as :meth:`choose` with the prediction for the tensor's sizes: the smallest slot whose
+        predicted overflow is within the key's allowance and what the step's earlier tensors left, and within the
+        running bound. So the step keeps its bound where the history is right; where the tensor spills more than
+        predicted, the step passes it by that much (the session reports it, and the next plan learns it)."""
+        if self._stepping and decision.group not in self._planned:
+            self._plan_group(tracker, decision.group)
+        if decision.predicted is None or decision.key not in self._allowance:
+            return None
+        return self.choose(decision, tracker)
+
 
 class CompressedOffload(Policy):
     """Offload every tensor, compressed: the zero slot, only metadata on the device.
@@ -468,6 +500,8 @@ class CompressedOffload(Policy):
 
     def choose(self, decision: Decision, tracker: Tracker) -> int:
         return 0
+
+    choose_ahead = choose  # the slot needs no sizes
 
 
 @dataclass
@@ -757,6 +791,30 @@ class Tracker:
         layout = _layout_arg(layout, entry_bytes, original_bytes)
         slot, predicted, corrected = self._decide(key, histogram, layout, policy, table_bytes)
         return Placement(slot, predicted, layout, table_bytes, corrected)
+
+    def plan_ahead(
+        self, key: str, layout: Layout, *, policy: Policy | None = None, table_bytes: int = 0
+    ) -> Placement | None:
+        """Where a tensor not yet sized goes, from the key's history alone (:meth:`Policy.choose_ahead`): what a
+        step that reads nothing back per tensor packs with. ``None`` where the policy needs the tensor's own sizes
+        (a new key, under most policies): size it first and :meth:`plan`. Record it as any other, once its sizes
+        are read."""
+        layout = _layout_arg(layout, None, None)
+        policy = policy or self.policy
+        held = self.ledger.bytes_held
+        with self._lock:
+            hist = self._keys.get(key)
+            predicted = hist.predicted() if hist is not None and hist.fits(layout) and hist.histograms else None
+            decision = Decision(
+                key=key, layout=layout, current=() if predicted is None else predicted, predicted=predicted,
+                held_device_bytes=held, table_bytes=table_bytes, group=group_of(key), ahead=True,
+            )  # fmt: skip
+            chosen = policy.choose_ahead(decision, self)
+            if chosen is None:
+                return None
+            slot, corrected = (chosen.slot, chosen.corrected) if isinstance(chosen, Choice) else (int(chosen), False)
+            overflow = None if predicted is None else int(round(overflow_sectors(predicted, slot) * spec.SECTOR_BYTES))
+            return Placement(slot, overflow, layout, table_bytes, corrected)
 
     def choose(self, key: str, histogram, **options) -> tuple[int, int | None]:
         """``(slot, predicted_overflow_bytes or None)`` for a tensor about to be packed: :meth:`plan`'s (the same

@@ -22,10 +22,11 @@ times):
   the GPU under a real per-process memory cap;
 * ``ncu`` (optional): Nsight Compute over the default codec's kernels, the
   metrics of :data:`NCU_METRICS`;
-* ``essentials``: check, bench (fewer repeats; the table codecs also
+* ``essentials``: check, step time (fewer methods, the step with no read per
+  tensor among them and one more of it under sync debug mode "error", each
+  compressed step profiled), bench (fewer repeats; the table codecs also
   with their tables in global memory, with count's ballots, pack's fields, and
-  unpack at fewer warps an SM), step time (fewer methods, one
-  compressed step profiled), ncu and unpack reading the overflow in place in one phase; and ``lease``, for a lease
+  unpack at fewer warps an SM), ncu and unpack reading the overflow in place in one phase; and ``lease``, for a lease
   of 15 minutes: :data:`LEASE`'s phases in one call, each step's limit cut to
   what is left before the call's deadline.
 
@@ -226,18 +227,21 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
         # first (LEASE).
         bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1", "--global-table", "--other-count",
                       "--pack-fields", "--unpack-warps", "8", "16")  # fmt: skip
-        # (--memory-peak: one more step of each method under the allocator's history, what it held at its peak)
+        # (--memory-peak: one more step of each method under the allocator's history, what it held at its peak;
+        # buddy-ahead: the step with no read per tensor, one more step of it under sync debug mode "error"; the
+        # loss outside the block, buddy-model, in the step phase)
         step_args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--steps", "4",
-                     "--warmup", "2", "--methods", "none", "buddy", "buddy-model", "save_on_cpu", "checkpoint",
+                     "--warmup", "2", "--methods", "none", "buddy", "buddy-ahead", "save_on_cpu", "checkpoint",
                      "--profile", "--memory-peak", "--out", "{work}/step_time")  # fmt: skip
         return [
             _compile(timeout_s=100),
             Python("check", "experiments.gpu_check", ("--json", "{work}/check.json"), 60, "{work}/check.json"),
+            # the step first among the measurements: what a user pays
+            Python("step_time", "experiments.step_time", step_args, 150, "{work}/step_time/results.json",
+                   (("--backend", "reference"),)),  # fmt: skip
             # (every codec with kernels: 23 s on the H200)
             Python("bench_cuda", "experiments.bench_cuda", bench_args, 70, "{work}/bench/results.json",
                    (("--no-nvcomp",),)),  # fmt: skip
-            Python("step_time", "experiments.step_time", step_args, 150, "{work}/step_time/results.json",
-                   (("--backend", "reference"),)),  # fmt: skip
             _ncu(timeout_s=60),
             # unpack reading the overflow in pinned host memory (BUDDY_ZERO_COPY=1) beside the copy first: last,
             # in its own process, since an unmapped overflow would end the process with an illegal access

@@ -4,8 +4,9 @@
 #
 #   bash experiments/gpu_session.sh lease         a lease of 15 minutes in one call: essentials, tests 1/1,
 #                                                 sanitize, each step cut to the call's deadline (540 s)
-#   bash experiments/gpu_session.sh essentials    check, bench (5 repeats), step time (4 methods, one step
-#                                                 profiled) and ncu in one phase
+#   bash experiments/gpu_session.sh essentials    check, step time (5 methods, the read-free step under sync
+#                                                 debug mode "error", each buddy step profiled), bench (5
+#                                                 repeats) and ncu in one phase
 #   bash experiments/gpu_session.sh check         golden vectors through every kernel both ways
 #   bash experiments/gpu_session.sh tests 1/2     the curated GPU tests, shard 1 of 2 (then 2/2)
 #   bash experiments/gpu_session.sh sanitize      compute-sanitizer memcheck, racecheck, synccheck, initcheck

@@ -539,6 +539,8 @@ def step_cost(files: Sequence[Results]) -> Section | None:
          f"{r['none_cpu_s']:.3f} s",
          f"{r['buddy_cpu_s']:.3f} s", f"**{r['cpu_ratio']:.1f}x**", f"{r['wall_ratio']:.1f}x",
          known(r, "main_ratio", ".2f") + ("x" if r.get("main_ratio") is not None else ""),
+         known(r, "ahead_cpu_ratio", ".2f") + ("x" if r.get("ahead_cpu_ratio") is not None else ""),
+         f"{known(r, 'host_reads', '.0f')} / {known(r, 'ahead_host_reads', '.0f')}",
          known(r, "tensors", "d"), known(r, "host_per_tensor_us", ",.0f"), known(r, "calls_share", ".0%"),
          _x(r.get("capacity"))]
         for r in result.rows()
@@ -562,10 +564,14 @@ def step_cost(files: Sequence[Results]) -> Section | None:
             "threads lengthen. Per tensor compressed (each is compressed and decompressed once a step), the wall time "
             "buddy adds outside its kernels: the host's work, Python and torch operations around the kernels; and the "
             "share of the added wall time spent in buddy's compresses and decompresses (kernels included: the rest is "
-            "outside them -- the hooks' choice of what to take, the model's own operations run slower beside buddy).",
+            "outside them -- the hooks' choice of what to take, the model's own operations run slower beside buddy). "
+            "The session as it is by default sizes every tensor before its slot is chosen (`strict=True`: a read of "
+            "the device a tensor); `strict=False` (ahead) takes its slot from the tracker's plan: its CPU-time ratio "
+            "beside, and the reads a step of each (a read costs nothing on the CPU; it is what a GPU waits for).",
             "",
             _table(["workload", "set", "codec @ E", "backend", "plain step (CPU)", "buddy step (CPU)", "buddy / plain (CPU)",
-                    "buddy / plain (wall)", "buddy / plain (main thread)", "tensors compressed",
+                    "buddy / plain (wall)", "buddy / plain (main thread)", "ahead / plain (CPU)",
+                    "reads a step (strict / ahead)", "tensors compressed",
                     "host's work a tensor (us)", "added time in buddy's calls", "capacity"], rows),  # fmt: skip
             "",
             _sources([result]),

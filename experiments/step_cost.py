@@ -14,6 +14,11 @@ it, every :attr:`~buddy.Tracker.count_every` steps: the steady state timed), the
 kernels took (:func:`buddy.engines.native.kernel_seconds`, also by operation in the JSON) and the rest, the host's
 work, also per tensor compressed (each tensor is compressed once and decompressed once a step).
 
+Each run times three kinds of step: ``none`` (no session), ``buddy`` (the session as it is by default,
+``strict=True``: every tensor sized before its slot is chosen, a read per tensor) and ``ahead`` (``strict=False``:
+slots from the tracker's plan, at most two reads a step); each kind's host reads a step are in the table (a read
+costs nothing on the CPU, but it is what a GPU waits for, and the host code is the GPU's).
+
     python -m experiments.step_cost                       # the tuning set, quick size
     python -m experiments.step_cost --workloads resnet-fp32 --steps 3
     python -m experiments.step_cost --backend reference     # the torch reference instead of the native engine
@@ -36,7 +41,9 @@ from experiments.common import format_table, progress
 
 __all__ = ["measure", "main"]
 
-METHODS = ("none", "buddy")
+METHODS = ("none", "buddy", "ahead")
+#: the session's ``strict`` of each kind of compressed step
+_STRICT = {"buddy": True, "ahead": False}
 
 
 def measure(name: str, *, size: str, steps: int, warmup: int, seed: int, learn: int | None = None) -> dict:
@@ -50,24 +57,32 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int, learn: 
     tracker = buddy.Tracker()  # this run's own history
     min_bytes = run.workload.min_bytes(size)
     learn = tracker.count_warmup if learn is None else learn
-    for _ in range(learn):  # the tracker's count warm-up: what follows is the steady state
-        with buddy.compressed_activations(tracker=tracker, min_bytes=min_bytes):
+    for i in range(learn):  # the tracker's count warm-up: what follows is the steady state
+        with buddy.compressed_activations(tracker=tracker, min_bytes=min_bytes, strict=i % 2 == 0):
             loss = run.forward_loss()
         run.step(loss)
     seconds: dict[str, list[tuple[float, float, float]]] = {m: [] for m in METHODS}  # CPU, wall, main thread's CPU
     kernels: list[dict[str, float]] = []  # per timed buddy step: its native launches' wall seconds, by operation
     calls: list[float] = []  # per timed buddy step: the wall seconds of its compresses and decompresses (the session's)
     capacity, tensors = None, 0
+    reads: dict[str, list[int]] = {m: [] for m in _STRICT}  # per timed step of each compressed kind: host reads
+    ahead_capacity = None
     for i in range(warmup + steps):
-        for method in METHODS:  # alternating, so that a slow stretch of the machine hits both alike
+        for method in METHODS:  # alternating, so that a slow stretch of the machine hits each alike
             before = native.kernel_seconds()
             cpu0, wall0, main0 = time.process_time(), time.perf_counter(), time.thread_time()
-            with buddy.compressed_activations(tracker=tracker, min_bytes=min_bytes, enabled=method == "buddy") as s:
+            with buddy.compressed_activations(
+                tracker=tracker, min_bytes=min_bytes, enabled=method != "none", strict=_STRICT.get(method, True)
+            ) as s:  # fmt: skip
                 loss = run.forward_loss()
             run.step(loss)
             cpu, wall, main = time.process_time() - cpu0, time.perf_counter() - wall0, time.thread_time() - main0
             if i >= warmup:
                 seconds[method].append((cpu, wall, main))
+                if method in reads:
+                    reads[method].append(s.stats().host_reads)
+            if method == "ahead":
+                ahead_capacity = s.stats().effective_capacity
             if method == "buddy":
                 done = s.stats()
                 capacity = done.effective_capacity
@@ -101,6 +116,17 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int, learn: 
         "none_main_s": mains["none"],
         "buddy_main_s": mains["buddy"],
         "main_ratio": mains["buddy"] / mains["none"],
+        # the read-free step (strict=False): slots from the tracker's plan
+        "ahead_cpu_s": cpus["ahead"],
+        "ahead_cpu_ratio": cpus["ahead"] / cpus["none"],
+        "ahead_wall_s": walls["ahead"],
+        "ahead_wall_ratio": walls["ahead"] / walls["none"],
+        "ahead_main_s": mains["ahead"],
+        "ahead_main_ratio": mains["ahead"] / mains["none"],
+        "ahead_capacity": ahead_capacity,
+        # host reads a step (median over the timed steps): what a GPU would wait for
+        "host_reads": statistics.median(reads["buddy"]),
+        "ahead_host_reads": statistics.median(reads["ahead"]),
         "tensors": tensors,
         # the buddy step's wall time in the native engine's kernels (median), by operation; the rest of what buddy
         # adds to the wall time is the host's work around them
@@ -126,12 +152,17 @@ COLUMNS = [
     ("cpu_ratio", "buddy / plain (CPU)", ".1f"),
     ("wall_ratio", "buddy / plain (wall)", ".1f"),
     ("main_ratio", "buddy / plain (main thread's CPU)", ".2f"),
+    ("ahead_cpu_ratio", "ahead / plain (CPU)", ".2f"),
+    ("ahead_main_ratio", "ahead / plain (main thread's CPU)", ".2f"),
+    ("host_reads", "reads a step (strict)", ".0f"),
+    ("ahead_host_reads", "reads a step (ahead)", ".0f"),
     ("kernels_s", "kernels (wall s)", ".3f"),
     ("host_s", "host's work (wall s)", ".3f"),
     ("tensors", "tensors compressed", "d"),
     ("host_per_tensor_us", "host's work a tensor (us)", ".0f"),
     ("calls_share", "added wall time in buddy's calls", ".0%"),
     ("capacity", "capacity", ".2f"),
+    ("ahead_capacity", "capacity (ahead)", ".2f"),
 ]
 
 

@@ -7,6 +7,7 @@ uses floating-point equality.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -598,3 +599,32 @@ def host_exe():
         return built[entry_bytes]
 
     return get
+
+
+@contextlib.contextmanager
+def emulated_cpu_kernels(codec: str, seed: int):
+    """``codec``'s kernels, the real sources under the emulator (its ASan build), as the codec's default on CPU
+    tensors (backend "cuda"); the table as it was afterwards. Yields the emulator (its ``launches``)."""
+    import functools
+
+    from buddy import selftest
+    from buddy.engines import cuda as bcuda
+
+    if shutil.which("g++") is None:
+        pytest.skip("the emulator needs g++")
+    from emulator import Emulator
+
+    selftest.reset()
+    before = buddy.registered_implementations(codec, device="cpu")
+    with Emulator("asan", seed=seed) as emu:
+        factory = functools.partial(bcuda.CudaEngine, launch=emu, device_type="cpu")
+        buddy.register_implementation(codec, "cpu", "cuda", factory, default=True, replace=True)
+        try:
+            yield emu
+        finally:  # the codec's CPU default as it was (the native engine), in its place in the table
+            buddy.unregister_implementation(codec, "cpu", "cuda")
+            for row in (r for r in before if r.default):
+                buddy.register_implementation(
+                    codec, "cpu", row.backend, row.factory, default=True, requires=row.requires, replace=True
+                )
+            selftest.reset()

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from buddy import spec as buddy_spec
 from buddy.engines import cuda as bcuda
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,6 +314,12 @@ class Emulator:
         blocks, threads, shared = bcuda.launch_config(op, entry_bytes, n_entries, codec, bcuda.HOPPER, fields, warps)
         if self.max_blocks is not None:
             blocks = min(blocks, self.max_blocks)
+        if op == "pack" and args[5].numel():
+            # A pack ahead writes its overflow into buddy memory reserved at the worst case: the launch gets the
+            # bytes the overflow's prefix sums say it writes, exactly sized, so that a write past them is caught
+            # and every byte of them must be written.
+            ends, overflow = args[5], args[8]
+            args = (*args[:8], overflow[: int(ends[-1]) * buddy_spec.SECTOR_BYTES], *args[9:])
         self.run(f"buddy_{codec}_{op}", entry_bytes, (blocks, threads, shared), args)
 
     def run(self, kernel: str, entry_bytes: int, config: tuple[int, int, int], args: tuple) -> None:

@@ -13,16 +13,12 @@
 
 from __future__ import annotations
 
-import functools
-import shutil
-
 import pytest
 import torch
 import torch.nn as nn
 
 import buddy
-from buddy.engines import cuda as bcuda
-from buddy import selftest
+from conftest import emulated_cpu_kernels
 
 KEY = "net/"
 
@@ -87,24 +83,8 @@ def test_the_reference_raises_naming_the_key(tracker, store, packed, monkeypatch
 @pytest.fixture
 def emulated_kernels():
     """The real kernel sources under the emulator, the default implementation of zvc on CPU tensors."""
-    if shutil.which("g++") is None:
-        pytest.skip("the emulator needs g++")
-    from emulator import Emulator
-
-    selftest.reset()
-    before = buddy.registered_implementations("zvc", device="cpu")
-    with Emulator("asan", seed=11) as emu:
-        factory = functools.partial(bcuda.CudaEngine, launch=emu, device_type="cpu")
-        buddy.register_implementation("zvc", "cpu", "cuda", factory, default=True, replace=True)
-        try:
-            yield emu
-        finally:  # zvc's CPU default as it was (the native engine), in its place in the table
-            buddy.unregister_implementation("zvc", "cpu", "cuda")
-            for row in (r for r in before if r.default):
-                buddy.register_implementation(
-                    "zvc", "cpu", row.backend, row.factory, default=True, requires=row.requires, replace=True
-                )
-            selftest.reset()
+    with emulated_cpu_kernels("zvc", seed=11) as emu:
+        yield emu
 
 
 @pytest.mark.emulator

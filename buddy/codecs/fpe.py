@@ -279,6 +279,10 @@ class Table:
         self._serialized: np.ndarray | None = None  # to_bytes()'s bytes, made once
         #: the kernels' layout of this table (buddy.engines.cuda.device_table's bytes, on the host), made once
         self.laid_out: torch.Tensor | None = None
+        #: :attr:`laid_out` on each device it was copied to (buddy.engines.cuda.CudaEngine), never written
+        self.on_device: dict[torch.device, torch.Tensor] = {}
+        #: :meth:`to_bytes` on each device a tensor packed ahead stores it on (shared by them), never written
+        self.stored_on: dict[torch.device, torch.Tensor] = {}
         self._slack_memo: tuple | None = None  # (counts, their version, slack): the last slack asked (slack)
         s = n_symbols(word_bytes, table_format)
         self.zero, self.esc = s - 2, s - 1

@@ -28,6 +28,7 @@ runs; a :class:`~buddy.BuddyTensor` records its backend.
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -38,13 +39,44 @@ from ..codecs.base import CodecLike
 from ..errors import CorruptDataError
 from ..layout import Layout, as_tensor
 
-__all__ = ["Engine", "Measurement", "Implementation", "DEVICES", "decode", "raise_for_errors"]
+__all__ = ["Engine", "Measurement", "Implementation", "DEVICES", "decode", "raise_for_errors", "to_host", "host_reads"]
 
 #: the kinds of device an engine runs on
 DEVICES = ("cpu", "cuda")
 #: error bits of an unpack whose checks run on the device (csrc/buddy_format.h, BUDDY_ERR_*; nvcomp's engine sets
 #: the same): a mode the codec never writes, k past the entry, a bad stream, the overflow's size
 ERR_K, ERR_STREAM, ERR_MODE, ERR_WORD, ERR_OVERFLOW = 1, 2, 4, 8, 16
+
+
+class _Reads(threading.local):
+    count = 0
+
+
+_reads = _Reads()
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host: the one place buddy waits for a device to read something back, counted per thread
+    (:func:`host_reads`) on every device alike -- on the CPU a read costs nothing, and is counted all the same, so
+    what the CPU counts of a step is what a GPU pays.
+
+    Allowed under ``torch.cuda.set_sync_debug_mode`` (which then flags every other wait: the GPU tests and the
+    runbook's step run so).
+    """
+    _reads.count += 1
+    mode = torch.cuda.get_sync_debug_mode() if t.device.type == "cuda" else 0
+    if not mode:
+        return t.cpu()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return t.cpu()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+def host_reads() -> int:
+    """Reads :func:`to_host` made on this thread so far: take it before and after a piece of work."""
+    return _reads.count
 
 
 @dataclass(frozen=True)
@@ -96,20 +128,10 @@ class Engine(abc.ABC):
         self.readbacks = 0
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
-        """A small tensor on the host: the one place an engine waits for the device (counted).
-
-        Allowed under ``torch.cuda.set_sync_debug_mode`` (which then flags
-        every other wait: the GPU tests run compress and decompress so).
-        """
+        """A small tensor on the host: the one place an engine waits for the device (:func:`to_host`; counted
+        here per engine too)."""
         self.readbacks += 1
-        mode = torch.cuda.get_sync_debug_mode() if t.device.type == "cuda" else 0
-        if not mode:
-            return t.cpu()
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return t.cpu()
-        finally:
-            torch.cuda.set_sync_debug_mode(mode)
+        return to_host(t)
 
     @abc.abstractmethod
     def measure(self, flat: torch.Tensor, layout: Layout) -> Measurement:
@@ -124,6 +146,33 @@ class Engine(abc.ABC):
         can count and fit where the tensor is overrides it, so that it reads back only what measure reads."""
         self.codec = self.codec.fit(flat, layout.word_bytes, prior, self.read, keep, count=count)
         return self.codec, self.measure(flat, layout)
+
+    #: whether the engine compresses with a slot chosen before the sizes are known, reading nothing back
+    #: (``pack_ahead``, :func:`buddy.pipeline.pack_ahead`): the engines of the kernels
+    packs_ahead = False
+
+    def writes_overflow_at(self, into: torch.Tensor, device: torch.device) -> bool:
+        """Whether :meth:`pack_ahead` on ``device`` can write an overflow into ``into`` (buddy memory) where it is."""
+        return False
+
+    def pack_ahead(
+        self, flat: torch.Tensor, layout: Layout, slot: int, histogram: torch.Tensor, into: torch.Tensor, *,
+        prior=None, keep=None, count: bool = True,
+    ) -> tuple[CodecLike, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Compress with a slot chosen before the sizes are known, reading nothing back: ``(codec, meta, slots,
+        ends)`` (an engine that :attr:`packs_ahead`; see :meth:`buddy.engines.cuda.CudaEngine.pack_ahead`)."""
+        raise NotImplementedError(f"{self!r} does not pack ahead")
+
+    def measure_ahead(
+        self, flat: torch.Tensor, layout: Layout, histogram: torch.Tensor, *, prior=None, keep=None, count: bool = True
+    ) -> CodecLike:
+        """:meth:`pack_ahead`'s fit and sizes alone (an engine that :attr:`packs_ahead`): the fitted codec."""
+        raise NotImplementedError(f"{self!r} does not pack ahead")
+
+    def stored_table(self, device: torch.device) -> torch.Tensor | None:
+        """The table a tensor coded with the engine's codec carries, on ``device`` (:attr:`CodecLike.table`)."""
+        table = self.codec.table
+        return None if table is None else table.to(device)
 
     #: whether :meth:`pack` writes the overflow into an ``into`` buffer of the host's (buddy memory) where it is
     #: given: an engine whose tensors live on the host writes its overflow once, where it is kept
@@ -183,6 +232,7 @@ def decode(
     *,
     check: bool = True,
     error_flag: torch.Tensor | None = None,
+    ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The one decode of :func:`buddy.unpack` and :meth:`BuddyTensor.decompress`, their arguments checked.
 
@@ -191,11 +241,14 @@ def decode(
     ``engine`` decodes them (``check`` and ``error_flag``: see
     :meth:`Engine.unpack`), and the bytes come back as the tensor of
     ``shape`` and ``dtype``, laid out with ``stride`` (or contiguous).
+    ``ends``: the overflow's prefix sums a pack made ahead kept (for an
+    engine that :attr:`~Engine.packs_ahead`; the others size it again).
     """
     meta, slots, overflow = buffers
     if slots.numel() != layout.slots_bytes(slot):
         raise CorruptDataError(f"slots hold {slots.numel()} bytes, expected {layout.slots_bytes(slot)}")
-    flat = engine.unpack(meta, slots, overflow, slot, layout, check=check, error_flag=error_flag)
+    kept = {"ends": ends} if ends is not None and engine.packs_ahead else {}
+    flat = engine.unpack(meta, slots, overflow, slot, layout, check=check, error_flag=error_flag, **kept)
     return as_tensor(flat, shape, dtype, stride)
 
 

@@ -611,6 +611,27 @@ def remember_device_table(table: Table, laid_out: torch.Tensor) -> torch.Tensor:
     return laid_out
 
 
+def _on_device(table: Table, device: torch.device) -> torch.Tensor:
+    """:func:`device_table` of ``table`` on ``device``: copied there once (kept on the table), never written."""
+    found = table.on_device.get(device)
+    if found is None:
+        laid_out = device_table(table)
+        found = laid_out if laid_out.device == device else laid_out.to(device, non_blocking=True)
+        table.on_device[device] = found
+    return found
+
+
+_ZEROS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _zeros(device: torch.device, nbytes: int) -> torch.Tensor:
+    """``nbytes`` zero bytes on ``device``, made once per process and never written (a read-only input)."""
+    found = _ZEROS.get((device, nbytes))
+    if found is None:
+        found = _ZEROS.setdefault((device, nbytes), torch.zeros(nbytes, dtype=torch.uint8, device=device))
+    return found
+
+
 def codec_table(codec: Codec, word_bytes: int) -> Table | None:
     """The fpe table the kernels of ``codec`` code with, ``None`` for a codec without one.
 
@@ -732,13 +753,23 @@ class Kernels:
             raise ValueError(f"codec {self.name!r} codes without a table: it has no count or fit kernel")
 
     def pack(self, layout: Layout, data, tail, meta, ends, slot: int, slots, overflow, table=None) -> None:
-        """Every entry's slot (``slot`` sectors) into ``slots``, its overflow into ``overflow`` at its place."""
+        """Every entry's slot (``slot`` sectors) into ``slots``, its overflow into ``overflow`` at its place.
+
+        ``overflow`` is on the device, or (CUDA kernels) in pinned host memory mapped into the device's address
+        space, written where it is over the bus (:meth:`CudaEngine.writes_overflow_at`)."""
         n = layout.n_entries
-        device = self._check(
-            layout, (data, tail), meta=(meta, torch.uint8, layout.meta_bytes),
-            ends=(ends, torch.int64, n), slots=(slots, torch.uint8, layout.slots_bytes(slot)),
-            overflow=(overflow, torch.uint8, overflow.numel()),
+        buffers = dict(
+            meta=(meta, torch.uint8, layout.meta_bytes), ends=(ends, torch.int64, n),
+            slots=(slots, torch.uint8, layout.slots_bytes(slot)),
         )  # fmt: skip
+        in_place = self.device_type == "cuda" and isinstance(overflow, torch.Tensor) and overflow.device.type == "cpu"
+        if not in_place:
+            buffers["overflow"] = (overflow, torch.uint8, overflow.numel())
+        device = self._check(layout, (data, tail), **buffers)
+        if in_place:
+            if overflow.numel() and not overflow.is_pinned():
+                raise ValueError("an overflow in host memory must be pinned for the CUDA kernels to write it")
+            _check_tensor("overflow", overflow, device=overflow.device, dtype=torch.uint8, shape=(overflow.numel(),))
         table = self._table(table, device)
         n_full, word = _i64(layout.n_full), _i32(layout.word_bytes)
         args = (data, tail, n_full, _i64(n), meta, ends, _i32(slot), slots, overflow, table, word)
@@ -857,29 +888,32 @@ class CudaEngine(Engine):
         self._tables: dict[tuple[torch.device, int], torch.Tensor | None] = {}
 
     def _table(self, device: torch.device, word_bytes: int) -> torch.Tensor | None:
-        """The codec's device table for the kernels (``None`` for a codec without one), once per engine.
+        """The codec's device table for the kernels (``None`` for a codec without one).
 
-        The pipeline makes an engine for each compress (for the codec fitted to the
-        tensor) and each decompress (for the codec bound to the stored table), so this
-        is one small host-to-device copy (:data:`DEVICE_TABLE_BYTES`) per compress --
-        measure and pack share it -- and per decompress: from pinned memory,
-        non-blocking, on the current stream, which the kernels reading it follow.
+        Copied to a device once per table (:attr:`Table.on_device`): a key's table
+        kept from step to step (and every decompress of a tensor coded with it) reads
+        the same copy, never written. The copy is from pinned memory, non-blocking,
+        on the current stream, which the kernels reading it follow.
         """
         key = (device, word_bytes)
         if key not in self._tables:
             table = codec_table(self.codec, word_bytes)
-            self._tables[key] = None if table is None else device_table(table).to(device, non_blocking=True)
+            self._tables[key] = None if table is None else _on_device(table, device)
         return self._tables[key]
 
     @staticmethod
     def _entries(flat: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(data, tail)``: the whole entries in place (aligned), the last one zero-padded (``E`` bytes)."""
+        """``(data, tail)``: the whole entries in place (aligned), the last one zero-padded (``E`` bytes).
+
+        A tensor of whole entries (most activations) has no last entry to pad: its ``tail`` is a buffer of zeros
+        kept per device and entry size, which the kernels never write (the glue makes one per tensor otherwise)."""
         whole = layout.n_full * layout.entry_bytes
         if flat.numel() and flat.data_ptr() % ALIGN_BYTES:
             flat = flat.clone()  # a view at an odd offset: the kernels load 16 bytes at a time
+        if not layout.tail_bytes:
+            return flat[:whole], _zeros(flat.device, layout.entry_bytes)
         tail = torch.zeros(layout.entry_bytes, dtype=torch.uint8, device=flat.device)
-        if layout.tail_bytes:
-            tail[: layout.tail_bytes] = flat[whole:]
+        tail[: layout.tail_bytes] = flat[whole:]
         return flat[:whole], tail
 
     @staticmethod
@@ -1005,7 +1039,89 @@ class CudaEngine(Engine):
             self.kernels.pack(layout, data, tail, measured.meta, ends, slot, slots, overflow, table)
         return slots, overflow
 
-    def unpack(self, meta, slots, overflow, slot, layout, *, check=True, error_flag=None):
+    #: whether :meth:`pack_ahead` can compress a tensor with a slot chosen before its sizes are known
+    packs_ahead = True
+
+    def writes_overflow_at(self, into: torch.Tensor, device: torch.device) -> bool:
+        """Whether the pack kernel on ``device`` can write an overflow into ``into`` (buddy memory) where it is:
+        the host's memory, for tensors of the host; on a GPU, pinned memory mapped into the device's address
+        space, on a device that takes a registered host pointer as it is (each write then crosses the bus as the
+        kernel runs)."""
+        if into.device.type != "cpu" or into.data_ptr() % ALIGN_BYTES:
+            return False
+        if self.kernels.device_type == "cpu":
+            return device.type == "cpu"
+        if not into.numel():
+            return True
+        if not into.is_pinned() or into.untyped_storage().data_ptr() in UNMAPPED_HOST:
+            return False
+        return _takes_host_pointers(device.index if device.index is not None else torch.cuda.current_device())
+
+    def pack_ahead(self, flat, layout, slot, histogram, into, *, prior=None, keep=None, count=True):
+        """Compress ``flat`` with a slot chosen before its sizes are known: nothing is read back.
+
+        ``histogram``: ``layout.bins`` int64 on the tensor's device, zero, which the entries' sizes are added to
+        (a slice of a step's buffer, read once for all its tensors); ``into``: the overflow's place in buddy
+        memory, at least ``layout.slots_bytes(E / 32) - layout.slots_bytes(slot)`` bytes (the worst case: every
+        entry stored raw), where the pack kernel writes it (:meth:`writes_overflow_at`); the bytes it holds are
+        ``32 * ends[-1]``, known once ``histogram`` is read. A codec with a table fits it on the host to
+        ``prior`` (``keep``'s while it still codes the prior well) and counts the tensor's symbols on the device
+        where ``count`` says so; it needs a ``prior`` (without one its table is fitted to the tensor's counts,
+        which are read back). Returns ``(codec, meta, slots, ends)``: the fitted codec, the metadata and slots on
+        the device, and per entry the overflow sectors of entries ``0..i`` (int64 on the device; kept for
+        unpack).
+        """
+        device = flat.device
+        worst = layout.slots_bytes(layout.sectors_per_entry) - layout.slots_bytes(slot)
+        if into.numel() < worst or not self.writes_overflow_at(into, device):
+            raise ValueError(f"pack_ahead writes the overflow into {worst} bytes of buddy memory it can reach")
+        entries = self._fit_ahead(flat, layout, prior, keep, count)
+        meta = self._measure(flat, entries, layout, histogram)
+        slots = torch.empty(layout.slots_bytes(slot), dtype=torch.uint8, device=device)
+        ends = self._ends(meta, slot, layout)
+        if layout.n_entries:
+            table = self._table(device, layout.word_bytes)
+            self.kernels.pack(layout, *entries, meta, ends, slot, slots, into, table)
+        return self.codec, meta, slots, ends
+
+    def stored_table(self, device: torch.device) -> torch.Tensor | None:
+        """The table a tensor coded with the engine's codec carries (:attr:`CodecLike.table`) on ``device``: one
+        copy per table and device, shared by every tensor coded with it (none writes it); ``None`` without one."""
+        fpe = _fpe_member(self.codec)
+        table = None if fpe is None else fpe.fitted
+        if table is None:
+            return None
+        found = table.stored_on.get(device)
+        if found is None:
+            found = table.to_bytes()
+            if found.device != device:
+                found = (found.pin_memory() if device.type == "cuda" else found).to(device, non_blocking=True)
+            table.stored_on[device] = found
+        return found
+
+    def measure_ahead(self, flat, layout, histogram, *, prior=None, keep=None, count=True):
+        """:meth:`pack_ahead`'s fit and sizes alone, nothing packed (a tensor kept as it is, whose key goes on
+        learning): the fitted codec; the sizes are added to ``histogram``."""
+        entries = self._fit_ahead(flat, layout, prior, keep, count)
+        self._measure(flat, entries, layout, histogram)
+        return self.codec
+
+    def _fit_ahead(self, flat, layout: Layout, prior, keep, count: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensor's entries (:meth:`_entries`), the engine's codec fitted with nothing read back: a codec with
+        a table fits it on the host to ``prior`` (counting the tensor's symbols on the device where ``count``
+        says so); any other is itself."""
+        entries = self._entries(flat, layout)
+        if self.codec.name in TABLED_KERNELS:
+            if prior is None:
+                raise ValueError(f"codec {self.codec.name!r} fits its table to the tensor without a prior: a read")
+            counts = self._count(layout, entries, flat.device) if count else None
+            self.codec = self.codec.fit(flat, layout.word_bytes, prior, None, keep, counts=counts, count=count)
+            self._tables.clear()  # the fitted table, not the unfitted codec's
+        return entries
+
+    def unpack(self, meta, slots, overflow, slot, layout, *, check=True, error_flag=None, ends=None):
+        """:meth:`Engine.unpack`; ``ends``: the overflow's prefix sums :meth:`pack_ahead` made, kept with the tensor
+        (else made again here from the metadata)."""
         n, e = layout.n_entries, layout.entry_bytes
         if meta.numel() != layout.meta_bytes:
             raise CorruptDataError(f"metadata holds {meta.numel()} bytes, expected {layout.meta_bytes}")
@@ -1015,7 +1131,7 @@ class CudaEngine(Engine):
             if not reads_overflow_in_place(overflow, slots.device):
                 overflow = overflow.to(slots.device, non_blocking=True)  # H2D from pinned memory, on the current stream
             error = _error_flag(error_flag, slots.device)
-            ends = self._ends(meta, slot, layout)
+            ends = self._ends(meta, slot, layout) if ends is None else ends
             table = self._table(slots.device, layout.word_bytes)
             self.kernels.unpack(layout, meta, ends, slot, slots, overflow, out, error, table)
             if check:

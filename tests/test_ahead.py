@@ -1,0 +1,272 @@
+"""A step that reads nothing back per tensor: ``compressed_activations(strict=False)``.
+
+Slots come from the tracker's plan; each tensor is measured and packed with no read, its sizes added to a slice of
+the step's buffer and its overflow written into buddy memory reserved at the worst case; where forward ends the
+step reads that buffer once, trims each tensor's buddy memory and teaches the tracker; where backward ends it reads
+the error flags once. These tests count the reads (``SessionStats.host_reads``, through the one choke point
+``buddy.engines.to_host``) and the torch operators a compressed tensor costs, on the native engine -- the host code
+a GPU runs, with the native build as its launcher -- and check every result byte for byte against training without
+buddy and against the strict step.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import buddy
+from buddy import engines, pipeline
+from conftest import emulated_cpu_kernels
+
+pytestmark = [
+    pytest.mark.library_defaults,  # the library's defaults: auto2 at 4096 B, on the native engine
+    # a plan from history may pass the bound by what a step's tensors spill beyond their prediction: said once
+    pytest.mark.filterwarnings("ignore:buddy. this step's overflow passed its policy's bound"),
+]
+
+
+def mlp() -> nn.Module:
+    """16 Linear layers with ReLUs: the MLP of the host-path target (run under bf16 autocast)."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(256, 256), nn.ReLU())], nn.Linear(256, 10))
+
+
+def cnn() -> nn.Module:
+    """7 convolutions with batch norm and ReLUs: the CNN of the host-path target."""
+    torch.manual_seed(0)
+    layers, width = [], 3
+    for out in (16, 16, 32, 32, 32, 32, 32):
+        layers += [nn.Conv2d(width, out, 3, padding=1), nn.BatchNorm2d(out), nn.ReLU()]
+        width = out
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
+
+
+def batch(kind: str):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 256, generator=g) if kind == "mlp" else torch.randn(8, 3, 32, 32, generator=g)
+    return x, torch.randint(0, 10, (x.shape[0],), generator=g)
+
+
+MODELS = {"mlp": (mlp, True), "cnn": (cnn, False)}  # (model, under bf16 autocast)
+MIN = 64 << 10  # every activation of these models (64-256 KiB) is compressed
+
+
+def train(kind: str, steps: int, session=None) -> tuple[list, list]:
+    """``steps`` SGD steps of a fresh model, each in ``session()`` when given: (per step its stats or None, the
+    weights' bytes after each step)."""
+    make, autocast = MODELS[kind]
+    model, (x, y) = make(), batch(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    stats, weights = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if session is None:
+                loss = F.cross_entropy(model(x), y)
+            else:
+                with session() as s:
+                    loss = F.cross_entropy(model(x), y)
+        loss.float().backward()
+        opt.step()
+        stats.append(None if session is None else s.stats())
+        weights.append([p.detach().clone().view(torch.uint8) for p in model.parameters()])
+    return stats, weights
+
+
+def sessions(strict: bool, **kwargs):
+    """Sessions of one run: one tracker and store for all its steps."""
+    tracker, store = buddy.Tracker(**kwargs), buddy.BuddyStore(capacity_bytes=256 << 20, pin=False)
+    return functools.partial(buddy.compressed_activations, tracker=tracker, store=store, min_bytes=MIN, strict=strict)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_steady_step_reads_twice_and_trains_bit_identically(kind):
+    _, plain = train(kind, 4)
+    stats, weights = train(kind, 4, sessions(strict=False))
+    assert all(all(torch.equal(a, b) for a, b in zip(w, v)) for w, v in zip(weights, plain))
+    n = len(stats[0].rows)
+    assert n >= 7 and all(len(st.rows) == n for st in stats)
+    # the first step sizes every tensor (a new key: one read each, its table's fit with it; and the kernels'
+    # self-test, the first time in the process); then the plan
+    assert stats[0].host_reads >= n + 1
+    assert all(st.host_reads == 2 for st in stats[1:]), [st.host_reads for st in stats]
+    for st in stats[1:]:
+        assert all(r.predicted_overflow_bytes is not None for r in st.rows)
+        assert st.buddy_bytes == sum(r.buddy_bytes for r in st.rows) and st.ideal_bytes > 0
+    strict, _ = train(kind, 4, sessions(strict=True))
+    assert [st.host_reads for st in strict[1:]] == [n + 1] * 3  # a read per tensor, and backward's
+
+
+def test_forward_reads_nothing_until_it_ends():
+    run = sessions(strict=False)
+    model, (x, y) = mlp(), batch("mlp")
+    for step in range(3):
+        with run() as s:
+            loss = F.cross_entropy(model(x), y)
+            during = s.stats().host_reads
+            assert all(not r.buddy_bytes and not r.ideal_bytes for r in s.stats().rows[-1:]) or step == 0
+        after = s.stats()
+        loss.backward()
+    assert during == 0 and after.host_reads == 1 and s.stats().host_reads == 2
+    assert after.rows[-1].ideal_bytes > 0  # filled in where forward ended
+
+
+#: operators that neither allocate nor compute: views, and what autograd does to every saved tensor anyway
+_VIEWS = ("detach", "slice", "view", "as_strided", "alias", "expand", ".t.", "transpose", "unsqueeze", "squeeze")
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if not any(v in name for v in _VIEWS):
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_compressed_tensor_costs_at_most_four_operators(kind):
+    """A steady step's torch operators that allocate or compute, beyond the plain step's: at most four a compressed
+    tensor (its metadata, slots and overflow sums; its decompressed tensor), and three a step (the histograms'
+    and flags' buffers, the flags gathered for their read). Symbols are not counted that step (count_every)."""
+    make, autocast = MODELS[kind]
+    model, (x, y) = make(), batch(kind)
+    run = sessions(strict=False, count_warmup=0, count_every=1000)
+
+    def step(session):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with session() as s:
+                loss = F.cross_entropy(model(x), y)
+        loss.float().backward()
+        return s
+
+    for _ in range(2):
+        step(run)
+    counted = []
+    for session in (functools.partial(buddy.compressed_activations, enabled=False), run):
+        with _Count() as c:
+            s = step(session)
+        counted.append(c.ops)
+    plain, ours = counted
+    extra = sum(ours.values()) - sum(plain.values())
+    n = len(s.stats().rows)
+    assert n >= 7 and s.stats().host_reads == 2
+    assert extra <= 4 * n + 3, f"{extra} operators for {n} tensors: {ours - plain}"
+
+
+def test_a_step_that_compresses_worse_than_its_history_says_so_and_the_next_plan_widens():
+    """The plan comes from history: a step whose activations suddenly compress worse than that spills more than its
+    bound. Nothing is lost (every byte back, the gradients as without buddy), the step's stats say it passed the
+    bound, and the next step, planned from it, keeps the bound again."""
+    model, (x, y) = mlp(), batch("mlp")
+    run = sessions(strict=False)
+    out = []
+    for step in range(5):
+        if step == 3:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(7.0)  # the same keys, their activations far larger: other exponents, other tables
+        with run() as s:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        plain = F.cross_entropy(model(x), y)
+        plain.backward()
+        assert all(torch.equal(a.view(torch.int32), p.grad.view(torch.int32)) for a, p in zip(grads, model.parameters()))
+        model.zero_grad()
+        out.append(s.stats())
+    assert [st.within_bound for st in out] == [True, True, True, False, True], [st.overflow_fraction for st in out]
+    assert "PAST IT" in str(out[3]) and out[3].host_reads == 2
+
+
+def test_store_holds_what_the_tensors_spill_once_forward_ends():
+    run = sessions(strict=False)
+    store = run.keywords["store"]
+    model, (x, y) = mlp(), batch("mlp")
+    for step in range(3):
+        with run() as s:
+            loss = F.cross_entropy(model(x), y)
+            reserved = store.bytes_held  # packed ahead (after the first step): every tensor's worst case
+        held = store.bytes_held
+        spilled = sum(-(-r.buddy_bytes // 32) * 32 for r in s.stats().rows)
+        assert held == spilled and (held < reserved or step == 0)
+        loss.backward()
+        del loss
+    assert store.bytes_held == 0
+
+
+def test_pack_ahead_settles_alone_with_one_read():
+    t = torch.relu(torch.randn(300, 1000, generator=torch.Generator().manual_seed(2)))
+    engine, layout = pipeline.resolve(t, "zvc", 4096)
+    histogram = torch.zeros(layout.bins, dtype=torch.int64)
+    store = buddy.BuddyStore(capacity_bytes=64 << 20, pin=False)
+    before = engines.host_reads()
+    bt = pipeline.pack_ahead(t, engine, layout, 20, histogram, store=store, ledger=buddy.DeviceLedger())
+    assert engines.host_reads() == before and not bt.settled
+    assert bt.buddy_bytes == layout.n_entries * (128 - 20) * 32  # reserved: every entry raw
+    u = bt.decompress()  # settles first: one read
+    assert engines.host_reads() == before + 1 and bt.settled
+    assert torch.equal(u.view(torch.int32), t.view(torch.int32))
+    exact = buddy.compress(t, codec="zvc", entry_bytes=4096, target_ratio=4096 / (20 * 32), store=store)
+    assert bt.histogram == exact.histogram and bt.buddy_bytes == exact.buddy_bytes
+    # the overflow's sums are kept with the tensor: its device bytes count them
+    assert bt.device_bytes == exact.device_bytes + layout.n_entries * 8
+    # a codec with a table and nothing learned: its table is fitted to the tensor, read back -- not ahead
+    engine, layout = pipeline.resolve(t, "auto2", 4096)
+    assert pipeline.pack_ahead(t, engine, layout, 20, histogram, store=store, ledger=buddy.DeviceLedger()) is None
+    # no room for the worst case: not ahead (the session then sizes it, and a full store keeps it on the device)
+    small = buddy.BuddyStore(capacity_bytes=512 << 10, block_bytes=64 << 10, pin=False)
+    engine, layout = pipeline.resolve(t, "zvc", 4096)
+    assert pipeline.pack_ahead(t, engine, layout, 20, histogram, store=small, ledger=buddy.DeviceLedger()) is None
+
+
+def test_a_full_store_falls_back_to_the_sized_step():
+    run = functools.partial(
+        buddy.compressed_activations, tracker=buddy.Tracker(), min_bytes=MIN, strict=False,
+        store=buddy.BuddyStore(capacity_bytes=128 << 10, block_bytes=64 << 10, pin=False),
+    )  # fmt: skip
+    _, plain = train("mlp", 3)
+    stats, weights = train("mlp", 3, run)
+    assert all(all(torch.equal(a, b) for a, b in zip(w, v)) for w, v in zip(weights, plain))
+    assert stats[-1].host_reads > 2  # the worst case did not fit: sized, one read a tensor
+
+
+@pytest.fixture
+def emulated_zvc():
+    """zvc's kernels, the real sources under the emulator (ASan build), as zvc's CPU default."""
+    with emulated_cpu_kernels("zvc", seed=5) as emu:
+        yield emu
+
+
+@pytest.mark.emulator
+def test_the_kernels_pack_ahead_under_the_emulator(emulated_zvc):
+    """The kernel sources, unchanged, under the emulator: each pack ahead is launched with exactly the overflow its
+    sums say it writes (a write past it is caught, every byte of it must be written), the step is bit-exact, and
+    a damaged entry raises where backward ends, naming its key."""
+    policy = buddy.FixedRatio(2.0)  # a fixed slot: planned ahead from the first step
+    run = sessions(strict=False)
+    model, (x, y) = mlp(), batch("mlp")
+    model = model[:5]  # two layers: a few launches
+    x = x[:64]
+    for step in range(2):
+        with run(policy=policy, codec="zvc") as s:
+            loss = model(x).square().mean()
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(x).square().mean().backward()
+        assert all(torch.equal(a.view(torch.int32), p.grad.view(torch.int32)) for a, p in zip(grads, model.parameters()))
+        model.zero_grad()
+        assert all(r.codec == "zvc" for r in s.stats().rows)
+        assert s.stats().host_reads == 2 or step == 0  # (the kernels' self-test reads, at their first use)
+    assert any("pack" in launch[0] for launch in emulated_zvc.launches)
