@@ -898,9 +898,10 @@ class Session(_SavedTensorHooks):
         prior, count = tracker.prior(key), tracker.counts(key)
         if prior is None and engine.codec.format_version >= 2:
             return None
-        place = tracker.plan_ahead(
-            key, layout, policy=self.policy, table_bytes=0 if fitted is None else fitted.table_bytes
-        )  # fmt: skip
+        # what the tensor carries on the device beside its slots and metadata: its table, and the overflow's
+        # prefix sums kept for unpack (8 bytes an entry)
+        carried = (0 if fitted is None else fitted.table_bytes) + 8 * layout.n_entries
+        place = tracker.plan_ahead(key, layout, policy=self.policy, table_bytes=carried)
         if place is None:
             return None
         histogram = self._histograms.take(layout.bins, t.device)

@@ -152,11 +152,13 @@ def pack_ahead(
     :func:`measure` (a codec with a table needs a ``prior``).
 
     Returns a :class:`BuddyTensor` not yet settled, or ``None`` where it cannot be packed so (an engine that
-    does not pack ahead, a codec with a table and no prior, a store without room for the worst case, buddy
-    memory the device cannot write): the caller then measures and packs (one read).
+    does not pack ahead, a codec with a table and no prior, checksums on by default, a store without room for
+    the worst case, buddy memory the device cannot write): the caller then measures and packs (one read).
     """
-    if not engine.packs_ahead or (prior is None and engine.codec.format_version >= 2):
-        return None  # (a codec with a table and no prior: its table is fitted to the tensor's counts, read back)
+    if not engine.packs_ahead or (prior is None and engine.codec.format_version >= 2) or config.defaults().checksum:
+        # (a codec with a table and no prior: its table is fitted to the tensor's counts, read back; checksums: of
+        # buffers the host reads, every one of them)
+        return None
     worst = layout.slots_bytes(layout.sectors_per_entry) - layout.slots_bytes(slot)
     try:
         overflow = store.allocate(worst)

@@ -136,6 +136,40 @@ __device__ __forceinline__ void buddy_measure_body(const uint8_t* __restrict__ d
     if (counts[j]) atomicAdd(&histogram[j], (unsigned long long)counts[j]);
 }
 
+// The threads of an ends launch (one block): each sums a contiguous run of entries, the block's runs are put
+// together by its first thread, and each writes its run's sums.
+#define BUDDY_ENDS_THREADS 256
+
+// Per entry, the overflow sectors of entries 0..i (the inclusive sum of max(k - s, 0)): where pack places each
+// entry's overflow and unpack finds it. One block of at most BUDDY_ENDS_THREADS threads (the native engine's: one);
+// `run`: BUDDY_ENDS_THREADS of the block's shared memory.
+__device__ __forceinline__ void buddy_ends_body(const buddy_meta_t* __restrict__ meta, long long n_entries,
+                                                uint32_t s, long long* __restrict__ ends, long long* run) {
+  if (blockIdx.x != 0 || threadIdx.x >= BUDDY_ENDS_THREADS) return;
+  const long long threads = blockDim.x < BUDDY_ENDS_THREADS ? blockDim.x : BUDDY_ENDS_THREADS;
+  const long long per = (n_entries + threads - 1) / threads;
+  const long long lo = per * threadIdx.x < n_entries ? per * threadIdx.x : n_entries;
+  const long long hi = lo + per < n_entries ? lo + per : n_entries;
+  long long sum = 0;
+  for (long long i = lo; i < hi; ++i) sum += buddy_overflow_sectors(buddy_meta_k(meta[i]), s);
+  run[threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {  // the runs' sums before each (a few hundred additions: one thread)
+    long long before = 0;
+    for (long long t = 0; t < threads; ++t) {
+      const long long here = run[t];
+      run[t] = before;
+      before += here;
+    }
+  }
+  __syncthreads();
+  sum = run[threadIdx.x];
+  for (long long i = lo; i < hi; ++i) {
+    sum += buddy_overflow_sectors(buddy_meta_k(meta[i]), s);
+    ends[i] = sum;
+  }
+}
+
 template <class Codec>
 __device__ __forceinline__ void buddy_pack_body(const uint8_t* __restrict__ data, const uint8_t* __restrict__ tail,
                                                 long long n_full, long long n_entries,
@@ -339,8 +373,22 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
     BUDDY_WORD_SWITCH(CODEC, buddy_unpack_body, reinterpret_cast<const buddy_meta_t*>(meta), ends, (uint32_t)slot, \
                       slots, overflow, overflow_sectors, out, error, n_entries, table)                             \
   }
-#define BUDDY_FORMAT_KERNELS(NAME, CODEC, BOUNDS) \
-  BUDDY_MEASURE_KERNEL(NAME, CODEC) BUDDY_PACK_KERNEL(NAME, CODEC) BUDDY_UNPACK_KERNEL(NAME, CODEC, BOUNDS)
+#define BUDDY_ENDS_KERNEL(NAME)                                                                                    \
+  /* the overflow's prefix sums pack and unpack place each entry's overflow by (one block: BUDDY_ENDS_THREADS) */  \
+  extern "C" __global__ void buddy_##NAME##_ends(                                                                  \
+      const uint8_t* __restrict__ meta, /* in: n_entries metadata words (from measure) */                          \
+      long long n_entries,              /* entries of the tensor */                                                 \
+      int slot,                         /* s: sectors per slot, 0 .. E/32 */                                        \
+      long long* __restrict__ ends,     /* out: n_entries, overflow sectors of entries 0..i (inclusive sum) */      \
+      int word_bytes) {                 /* word size in bytes (every kernel's last parameter; unused) */            \
+    (void)word_bytes;                                                                                              \
+    __shared__ long long runs[BUDDY_ENDS_THREADS];                                                                 \
+    buddy_ends_body(reinterpret_cast<const buddy_meta_t*>(meta), n_entries, (uint32_t)slot, ends,                  \
+                    buddy_shared_array(runs));                                                                     \
+  }
+#define BUDDY_FORMAT_KERNELS(NAME, CODEC, BOUNDS)                                                                  \
+  BUDDY_MEASURE_KERNEL(NAME, CODEC) BUDDY_ENDS_KERNEL(NAME) BUDDY_PACK_KERNEL(NAME, CODEC)                         \
+  BUDDY_UNPACK_KERNEL(NAME, CODEC, BOUNDS)
 
 // A codec with a table fits it where the tensor is: its symbol counts (one
 // pass over the tensor), then the table (one warp). Launch: count, any grid,

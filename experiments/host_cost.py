@@ -12,6 +12,10 @@ key's does one step in four after it: the compress figure is the warm-up's, an u
 (``--warmup 40`` times the steady state). Last, what a save costs that buddy does not take (most of an LSTM's:
 small ones, and weights), against autograd's own cost of Python hooks (:func:`skipped_saves`).
 
+Each row times the session as it is by default (``strict=True``: each tensor sized first, a read of the device a
+tensor) and the step that reads the device at most twice (``strict=False``, "ahead": slots from the tracker's plan),
+with each one's reads a step.
+
     python -m experiments.host_cost                              # 32, 128 and 256 tensors a step, on the CPU
     python -m experiments.host_cost --tensors 64 --numel 65536
 """
@@ -46,8 +50,9 @@ def measure(n: int, *, numel: int, steps: int, warmup: int, device: str, seed: i
     tracker = buddy.Tracker()  # this row's own history
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
-    def step(enabled: bool):
-        with buddy.compressed_activations(tracker=tracker, min_bytes=1024, enabled=enabled) as session:
+    def step(kind: str):
+        enabled, strict = kind != "none", kind != "ahead"
+        with buddy.compressed_activations(tracker=tracker, min_bytes=1024, enabled=enabled, strict=strict) as session:
             x = start
             for w in weights:
                 x = torch.relu(x * w)
@@ -56,21 +61,26 @@ def measure(n: int, *, numel: int, steps: int, warmup: int, device: str, seed: i
         sync()
         return session
 
-    walls: dict[bool, list[float]] = {True: [], False: []}
-    compress, decompress, tensors = [], [], 0
+    kinds = ("buddy", "ahead", "none")
+    walls: dict[str, list[float]] = {kind: [] for kind in kinds}
+    compress: dict[str, list[float]] = {"buddy": [], "ahead": []}
+    decompress: dict[str, list[float]] = {"buddy": [], "ahead": []}
+    reads: dict[str, list[int]] = {"buddy": [], "ahead": []}
+    tensors = 0
     for i in range(warmup + steps):
-        for enabled in (True, False):  # alternating, so that a slow stretch of the machine hits both alike
+        for kind in kinds:  # alternating, so that a slow stretch of the machine hits each alike
             began = time.perf_counter()
-            session = step(enabled)
+            session = step(kind)
             took = time.perf_counter() - began
             if i < warmup:
                 continue
-            walls[enabled].append(took)
-            if enabled:
+            walls[kind].append(took)
+            if kind != "none":
                 st = session.stats()
                 tensors = sum(r.codec != "kept" for r in st.rows)
-                compress.append(st.compress_seconds / max(tensors, 1))
-                decompress.append(st.decompress_seconds / max(st.decompressions, 1))
+                compress[kind].append(st.compress_seconds / max(tensors, 1))
+                decompress[kind].append(st.decompress_seconds / max(st.decompressions, 1))
+                reads[kind].append(st.host_reads)
     plans = []
     plan = getattr(tracker.policy, "plan", None)  # (the default policy's; a policy without one: no column)
     if plan is not None:
@@ -78,7 +88,7 @@ def measure(n: int, *, numel: int, steps: int, warmup: int, device: str, seed: i
             began = time.perf_counter()
             plan(tracker)
             plans.append(time.perf_counter() - began)
-    buddy_s, plain_s = statistics.median(walls[True]), statistics.median(walls[False])
+    buddy_s, plain_s, ahead_s = (statistics.median(walls[k]) for k in ("buddy", "none", "ahead"))
     return {
         "tensors_asked": n,
         "tensors": tensors,
@@ -88,8 +98,15 @@ def measure(n: int, *, numel: int, steps: int, warmup: int, device: str, seed: i
         "plain_step_s": plain_s,
         "buddy_step_s": buddy_s,
         "added_per_tensor_us": (buddy_s - plain_s) / max(tensors, 1) * 1e6,
-        "compress_us": statistics.median(compress) * 1e6,
-        "decompress_us": statistics.median(decompress) * 1e6,
+        "compress_us": statistics.median(compress["buddy"]) * 1e6,
+        "decompress_us": statistics.median(decompress["buddy"]) * 1e6,
+        "host_reads": statistics.median(reads["buddy"]),
+        # the step that reads the device at most twice (strict=False)
+        "ahead_step_s": ahead_s,
+        "ahead_added_per_tensor_us": (ahead_s - plain_s) / max(tensors, 1) * 1e6,
+        "ahead_compress_us": statistics.median(compress["ahead"]) * 1e6,
+        "ahead_decompress_us": statistics.median(decompress["ahead"]) * 1e6,
+        "ahead_host_reads": statistics.median(reads["ahead"]),
         "plan_ms": statistics.median(plans) * 1e3 if plans else None,
     }
 
@@ -145,6 +162,11 @@ COLUMNS = [
     ("added_per_tensor_us", "added a tensor (us)", ",.0f"),
     ("compress_us", "compress a tensor (us)", ",.0f"),
     ("decompress_us", "decompress a tensor (us)", ",.0f"),
+    ("host_reads", "reads a step", ".0f"),
+    ("ahead_added_per_tensor_us", "ahead: added a tensor (us)", ",.0f"),
+    ("ahead_compress_us", "ahead: compress (us)", ",.0f"),
+    ("ahead_decompress_us", "ahead: decompress (us)", ",.0f"),
+    ("ahead_host_reads", "ahead: reads a step", ".0f"),
     ("plan_ms", "the step's plan (ms)", ".2f"),
 ]
 

@@ -270,3 +270,66 @@ def test_the_kernels_pack_ahead_under_the_emulator(emulated_zvc):
         assert all(r.codec == "zvc" for r in s.stats().rows)
         assert s.stats().host_reads == 2 or step == 0  # (the kernels' self-test reads, at their first use)
     assert any("pack" in launch[0] for launch in emulated_zvc.launches)
+
+
+def test_policies_that_need_no_sizes_plan_every_key_from_the_first_step():
+    """FixedRatio and CompressedOffload choose a slot without sizes: with a codec without a table, even a new key is
+    packed ahead (two reads from the first step on); the others size a new key first."""
+    buddy.compress(torch.ones(1024), codec="zvc").free()  # the kernels' self-test, at their first use: done
+    for policy, sized in ((buddy.FixedRatio(2.0), False), (buddy.CompressedOffload(), False),
+                          (buddy.BuddyThreshold(0.1), True)):  # fmt: skip
+        run = sessions(strict=False)
+        model, (x, y) = mlp(), batch("mlp")
+        model = model[:7]  # three layers: 256 x 256 float32 activations, 256 KiB each
+        reads = []
+        for _ in range(2):
+            with run(policy=policy, codec="zvc") as s:
+                loss = model(x).square().mean()
+            loss.backward()
+            reads.append(s.stats().host_reads)
+        n = len(s.stats().rows)
+        assert reads[1] == 2 and reads[0] == (n + 1 if sized else 2), (policy, reads, n)
+
+
+def test_a_device_budget_counts_what_a_tensor_packed_ahead_carries():
+    """DeviceBudget plans ahead too: the device bytes it counts for a tensor include the overflow's sums it keeps."""
+    tracker = buddy.Tracker()
+    run = functools.partial(
+        buddy.compressed_activations, tracker=tracker, min_bytes=MIN, strict=False,
+        store=buddy.BuddyStore(capacity_bytes=256 << 20, pin=False),
+    )  # fmt: skip
+    model, (x, y) = mlp(), batch("mlp")
+    budget = 1 << 20
+    for _ in range(3):
+        with run(policy=buddy.DeviceBudget(budget), codec="zvc") as s:
+            loss = F.cross_entropy(model(x), y)
+            held = tracker.ledger.bytes_held
+        loss.backward()
+    assert s.stats().host_reads == 2 and held <= budget
+
+
+def test_checksums_size_every_tensor_first():
+    """A tensor with checksums has its buffers read by the host when it is compressed: not packed ahead."""
+    previous = buddy.defaults()
+    buddy.set_defaults(checksum=True)
+    try:
+        stats, _ = train("mlp", 2, sessions(strict=False))
+    finally:
+        buddy.set_defaults(checksum=previous.checksum)
+    assert stats[-1].host_reads > 2
+
+
+def test_one_engine_class_runs_every_device_its_launcher_passed_in():
+    """The native engine of the CPU is the CUDA engine's class with the native build's launcher: the host's work per
+    tensor (checks, allocations, launches, reads) is one code on every device; only the launcher differs."""
+    from buddy.engines import cuda as bcuda
+    from buddy.engines import native
+
+    cpu = buddy.dispatch.engine(buddy.get_codec("auto2"), "cpu")
+    assert type(cpu) is bcuda.CudaEngine and cpu.backend == "native"
+    assert cpu.kernels.launch is native.launch and cpu.kernels.device_type == "cpu"
+    on_gpu = bcuda.CudaEngine(buddy.get_codec("auto2"))  # (made without a GPU: nothing launched)
+    assert type(on_gpu) is type(cpu) and on_gpu.kernels.launch is bcuda._launch
+    assert on_gpu.kernels.device_type == "cuda"
+    # the native engine is no class of its own (no method of the CPU's that a GPU does not run): a factory
+    assert not isinstance(native.NativeEngine, type) and type(native.NativeEngine(cpu.codec)) is bcuda.CudaEngine

@@ -323,7 +323,7 @@ def test_nvrtc_compiles_translation_unit():
         nvrtc.nvrtcGetPTX(prog, ptx)
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
         for codec in bcuda.KERNEL_CODECS:
-            for op in ("measure", "pack", "unpack"):
+            for op in ("measure", "ends", "pack", "unpack"):
                 assert f".entry buddy_{codec}_{op}(".encode() in ptx.value
 
 
@@ -474,6 +474,10 @@ class HostKernels:
             counts += r.take(8 * counts.numel()).view(torch.int64)
             r.done()
             return
+        if op == "ends":  # (the kernel itself runs under the emulator and natively: test_emulator, test_native)
+            meta, _, slot, ends = args[:4]
+            ends.copy_(tensor_ends(meta, int(slot), entry_bytes))
+            return
         if op == "fit":
             counts, _, table, serial, weighted, word = args
             got_table, got_serial = device_fit(exe, counts, int(word), self.tmp_path, bool(int(weighted)))
@@ -585,7 +589,8 @@ def test_every_kernels_last_parameter_is_the_word_size():
     bytes failed to compile, and every compress of fpe and auto2 with it. No build here reads the word size so."""
     params = kernel_parameters()
     # (decode: fpe's lockstep decoder, a layout weighed -- codec_fpe.h, decode_lockstep)
-    assert {name.rsplit("_", 1)[1] for name in params} == {"measure", "pack", "unpack", "count", "fit", "decode"}
+    ops = {"measure", "ends", "pack", "unpack", "count", "fit", "decode"}
+    assert {name.rsplit("_", 1)[1] for name in params} == ops
     for name, ps in params.items():
         assert (ps[-1].name, ps[-1].ctype) == ("word_bytes", "int"), name
 
@@ -608,10 +613,11 @@ def test_each_launch_passes_its_word_size_last(word, weighted):
                 torch.zeros(bcuda.FIT_SERIAL_BYTES, dtype=torch.uint8), weighted=weighted)  # fmt: skip
     kernels.measure(layout, data, tail, meta, hist, table)
     ends, slots = torch.zeros(n, dtype=torch.int64), torch.zeros(n * 32, dtype=torch.uint8)
+    kernels.ends(layout, meta, 1, ends)
     kernels.pack(layout, data, tail, meta, ends, 1, slots, torch.zeros(0, dtype=torch.uint8), table)
     kernels.unpack(layout, meta, ends, 1, slots, torch.zeros(0, dtype=torch.uint8), data.clone(),
                    torch.zeros(1, dtype=torch.int32), table)  # fmt: skip
-    assert [a[1] for a in launched] == ["count", "fit", "measure", "pack", "unpack"]
+    assert [a[1] for a in launched] == ["count", "fit", "measure", "ends", "pack", "unpack"]
     for codec, op, _, _, _, args in launched:
         assert type(args[-1]) is np.int32 and int(args[-1]) == word, (op, args[-1])
 
@@ -677,7 +683,7 @@ def test_cuda_path_emulated(emulated_gpu, codec, dtype, store, gen):
         a.free()
         b.free()
     tabled = {"count", "fit"} if codec in bcuda.TABLED_KERNELS else set()
-    assert set(emulated_gpu.launches) == {"measure", "pack", "unpack"} | tabled
+    assert set(emulated_gpu.launches) == {"measure", "ends", "pack", "unpack"} | tabled
 
 
 def test_cuda_path_emulated_views_and_damage(emulated_gpu, store, gen):
@@ -700,24 +706,6 @@ def test_cuda_path_emulated_views_and_damage(emulated_gpu, store, gen):
         buddy.unpack(modes, slots, overflow, **kw)
     with pytest.raises(buddy.CorruptDataError, match="overflow is not"):
         buddy.unpack(meta, slots, overflow[:-32], **kw)
-
-
-@pytest.mark.parametrize("entry_bytes", [128, 4096])  # one-byte and two-byte metadata words
-def test_overflow_ends_in_numpy_and_in_torch_are_the_formats(entry_bytes, gen):
-    """The overflow's prefix sum: numpy's on the CPU, torch's on a device (run here on CPU tensors), the format's."""
-    n = 1000
-    meta = torch.randint(0, 256, (n * spec.meta_bytes(entry_bytes),), dtype=torch.uint8, generator=gen)
-    layout = Layout(entry_bytes, n * entry_bytes, 4)
-    odd = torch.empty(meta.numel() + 1, dtype=torch.uint8)[1:].copy_(meta)  # not 2-byte aligned: read by bytes
-    for slot in (0, 1, entry_bytes // 64, entry_bytes // 32):
-        want = tensor_ends(meta, slot, entry_bytes)
-        assert torch.equal(bcuda.CudaEngine._ends(meta, slot, layout), want)
-        assert torch.equal(bcuda.CudaEngine._ends_on_device(meta, slot, layout), want)
-        assert torch.equal(bcuda.CudaEngine._ends_on_device(odd, slot, layout), want)
-    ops: list = []
-    with _profiled(ops):
-        bcuda.CudaEngine._ends_on_device(meta, 1, layout)
-    assert len(ops[0]) == 4, ops  # k masked out, at least the slot, less it, summed: a launch each on a GPU
 
 
 @pytest.mark.parametrize("codec", ids("codec", ("zvc", "auto", "auto2")))
@@ -746,7 +734,9 @@ def test_launches_and_host_reads_do_not_grow_with_the_tensor(emulated_gpu, codec
     assert small == large, f"launches depend on the tensor's size: {counts}"
     kernels, (measure_ops, pack_ops, unpack_ops), after_compress, readbacks = large
     tabled = ["count", "fit"] if codec in bcuda.TABLED_KERNELS else []  # the table counted and fitted first
-    assert kernels == [*tabled, "measure", "pack", "unpack"]
+    # the overflow's prefix sums by the ends kernel before pack, and again before unpack (a tensor sized first keeps
+    # none: pack_ahead's keep theirs)
+    assert kernels == [*tabled, "measure", "ends", "pack", "ends", "unpack"]
     assert after_compress == readbacks == 1, "one host read per compress (the histogram), none in decompress"
     # measure: zeros (histogram, tail); pack: k from the metadata, the prefix sum, the tail; unpack: the same, the error flag
     assert max(len(measure_ops), len(pack_ops), len(unpack_ops)) <= 10, (measure_ops, pack_ops, unpack_ops)

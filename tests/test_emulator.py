@@ -59,6 +59,7 @@ from kernel_cases import (
     check_tensors_of_one_entry,
     straddling_entries,
 )
+from test_device_codecs import tensor_ends
 from test_golden import CASES as GOLDEN_CASES
 from test_golden import SETS as GOLDEN_SETS
 from test_golden import load_vectors
@@ -66,6 +67,7 @@ from test_golden import load_vectors
 import buddy
 from buddy.engines import cuda as bcuda
 from buddy import spec
+from buddy.layout import Layout
 
 pytestmark = [
     pytest.mark.emulator,
@@ -164,6 +166,23 @@ def ops_of(emu: Emulator) -> list[str]:
 
 
 @pytest.mark.parametrize("build", BUILDS)
+def test_the_ends_kernel_is_the_formats_prefix_sum(build, request):
+    """The ends kernel's one block under the emulator: runs of entries a thread, put together by its first, on
+    counts of entries around its threads' (every output byte written, the same on every schedule)."""
+    gen = torch.Generator().manual_seed(_seed(request))
+    with emulated_cuda(build, seed=_seed(request)) as emu:
+        kernels = bcuda.Kernels("zvc", launch=emu, device_type="cpu")
+        for n in (1, 255, 257, 1000):
+            layout = Layout(512, n * 512, 4)
+            meta = torch.randint(0, 256, (layout.meta_bytes,), dtype=torch.uint8, generator=gen)
+            for slot in (0, 5, 16):
+                ends = torch.empty(n, dtype=torch.int64)
+                kernels.ends(layout, meta, slot, ends)
+                assert torch.equal(ends, tensor_ends(meta, slot, 512)), (n, slot)
+    assert {kernel for kernel, *_ in emu.launches} == {"buddy_zvc_ends"}
+
+
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_kernels_write_and_read_the_reference_buffers(build, codec, case, activations, store, request):
@@ -172,7 +191,7 @@ def test_kernels_write_and_read_the_reference_buffers(build, codec, case, activa
     with emulated_cuda(build, seed=_seed(request), max_blocks=case.max_blocks) as emu:
         _, got = check_reference_buffers("cuda", codec, t, e, case.slot_for, store, codec in TABLED)
     tabled = codec in TABLED
-    assert ops_of(emu) == [*(["count", "fit"] if tabled else []), "measure", "pack", "unpack"] + (
+    assert ops_of(emu) == [*(["count", "fit"] if tabled else []), "measure", "ends", "pack", "ends", "unpack"] + (
         ["count", "fit", "measure"] if tabled else []  # the table fitted to the prior: fpe.fit_weights
     )
     if case.max_blocks:

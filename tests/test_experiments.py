@@ -161,6 +161,9 @@ def test_step_cost_tiny(tmp_path):
     assert (row["codec"], row["entry_bytes"], row["learn_steps"]) == (buddy.defaults().codec, buddy.defaults().entry_bytes, 1)
     assert row["none_cpu_s"] > 0 and row["buddy_cpu_s"] > 0 and row["capacity"] > 1
     assert row["cpu_ratio"] == pytest.approx(row["buddy_cpu_s"] / row["none_cpu_s"])
+    assert row["ahead_cpu_ratio"] == pytest.approx(row["ahead_cpu_s"] / row["none_cpu_s"])
+    # sized first: a read a tensor (those kept whole too) and backward's; ahead: the step's two
+    assert row["host_reads"] >= row["tensors"] + 1 and row["ahead_host_reads"] == 2
     # one timed step: its kernels' seconds are the sum of its operations'; the rest of the added wall time the host's
     assert row["kernels_s"] == pytest.approx(sum(row["kernels_by_op_s"].values()))
     assert (row["kernels_s"] > 0) == (row["backend"] == "native")
@@ -191,6 +194,9 @@ def test_host_cost_tiny(tmp_path):
         assert row["decompress_us"] > 0 and row["plan_ms"] > 0
         added = (row["buddy_step_s"] - row["plain_step_s"]) / row["tensors"] * 1e6
         assert row["added_per_tensor_us"] == pytest.approx(added)
+        # sized first, a read a tensor and backward's; ahead, the step's two
+        assert row["host_reads"] >= row["tensors"] + 1 and row["ahead_host_reads"] == 2
+        assert row["ahead_step_s"] > 0 and row["ahead_compress_us"] > 0 and row["ahead_decompress_us"] > 0
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["experiment"] == "host_cost"
     # a save buddy does not take: every kind timed, per save over the step without hooks

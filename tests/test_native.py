@@ -49,6 +49,7 @@ from kernel_cases import (
     check_tensors_of_one_entry,
     straddling_entries,
 )
+from test_device_codecs import tensor_ends
 from test_fuzz import tensors
 from test_golden import CASES as GOLDEN_CASES
 from test_golden import SETS as GOLDEN_SETS
@@ -90,19 +91,17 @@ def test_native_writes_and_reads_the_reference_buffers(codec, case, activations,
 
 
 @pytest.mark.parametrize("entry_bytes", [128, 4096, 65536])  # one-byte and two-byte metadata words
-def test_the_overflows_prefix_sum_in_the_library_is_numpys(entry_bytes):
-    """The native engine's prefix sum (one call into its library) against the numpy one, on every slot's edge."""
+def test_the_ends_kernel_is_the_formats_prefix_sum(entry_bytes):
+    """The overflow's prefix sums by the ends kernel (one launch, the engine's only way to them) against the
+    format's, on every slot's edge, for counts of entries around its runs (a run of entries a thread)."""
     gen = torch.Generator().manual_seed(entry_bytes)
     engine = native.NativeEngine(buddy.get_codec("auto2"))
-    for n in (1, 3, 1000):
+    for n in (1, 3, 255, 256, 257, 1000):
         layout = Layout(entry_bytes, n * entry_bytes, 4)
         meta = torch.randint(0, 256, (layout.meta_bytes,), dtype=torch.uint8, generator=gen)
         for slot in (0, 1, entry_bytes // 64, entry_bytes // 32 - 1, entry_bytes // 32):
-            want = bcuda.CudaEngine._ends(meta, slot, layout)
             got = engine._ends(meta, slot, layout)
-            assert got.dtype == torch.int64 and torch.equal(got, want), (n, slot)
-    odd = torch.empty(layout.meta_bytes + 1, dtype=torch.uint8)[1:].copy_(meta)  # any byte offset: bytes are read
-    assert torch.equal(engine._ends(odd, 1, layout), bcuda.CudaEngine._ends(meta, 1, layout))
+            assert got.dtype == torch.int64 and torch.equal(got, tensor_ends(meta, slot, entry_bytes)), (n, slot)
 
 
 def test_pack_writes_the_overflow_where_it_is_kept(store, monkeypatch):
@@ -325,14 +324,17 @@ def test_fpe_runs_one_lane_a_warp(monkeypatch, store):
         bt.free()
     assert ran == [
         ("solo", "buddy_fpe_count"), ("solo", "buddy_fpe_fit"), ("solo", "buddy_fpe_measure"),
-        ("solo", "buddy_fpe_pack"), ("solo", "buddy_fpe_unpack"),
+        ("solo", "buddy_fpe_ends"), ("solo", "buddy_fpe_pack"), ("solo", "buddy_fpe_ends"),
+        ("solo", "buddy_fpe_unpack"),
         ("solo", "buddy_auto2_count"), ("solo", "buddy_auto2_fit"), ("solo", "buddy_auto2_measure"),
-        ("solo", "buddy_auto2_pack"), ("solo", "buddy_auto2_unpack"),
-        ("solo", "buddy_bpc_measure"), ("solo", "buddy_bpc_pack"), ("solo", "buddy_bpc_unpack"),
+        ("solo", "buddy_auto2_ends"), ("solo", "buddy_auto2_pack"), ("solo", "buddy_auto2_ends"),
+        ("solo", "buddy_auto2_unpack"),
+        ("solo", "buddy_bpc_measure"), ("solo", "buddy_bpc_ends"), ("solo", "buddy_bpc_pack"),
+        ("solo", "buddy_bpc_ends"), ("solo", "buddy_bpc_unpack"),
     ]  # fmt: skip
     for codec in ("fpe", "auto2"):
         solo = native.library(codec, 4096, solo=True)
-        for op in ("count", "fit", "measure", "pack", "unpack"):
+        for op in ("count", "fit", "measure", "ends", "pack", "unpack"):
             solo.kernel(f"buddy_{codec}_{op}")  # (raises for a kernel the build lacks)
     built = []
     build = native._build
@@ -684,5 +686,5 @@ def test_kernel_seconds_count_the_launches(store):
     bt.decompress()
     after = native.kernel_seconds()
     grew = {op for op in after if after[op] > before.get(op, 0.0)}
-    assert {"count", "fit", "measure", "pack", "unpack"} <= grew, (before, after)
+    assert {"count", "fit", "measure", "ends", "pack", "unpack"} <= grew, (before, after)
     bt.free()

@@ -27,12 +27,14 @@ a GPU:
 
 One kernel per format operation over the whole tensor, the codec a template
 parameter (``csrc/buddy_kernels.cu``): ``measure`` (metadata + size
-histogram), ``pack`` (slots + overflow compacted in entry order, written
-directly) and ``unpack``. A compress reads one small thing back to the host
--- the histogram, which the slot choice needs -- and a decompress none
+histogram), ``ends`` (the overflow's prefix sums, one block), ``pack``
+(slots + overflow compacted in entry order, written directly) and
+``unpack``. A compress sized first reads one small thing back to the host
+-- the histogram, which the slot choice needs --, a compress packed ahead
+(:meth:`CudaEngine.pack_ahead`) nothing, and a decompress nothing
 (:meth:`CudaEngine.unpack` reads the kernel's error flag only when asked to
-check). The prefix sum that places each entry's overflow is one torch
-``cumsum`` on the device.
+check). :class:`CudaEngine` is the one kernel engine of every device, its
+launcher passed in: CuPy's here, the native build's on the CPU.
 
 Codecs with a table (format version 2: ``fpe``, and ``auto2`` through its
 ``fpe`` member) code with the fitted codec's :class:`~buddy.codecs.fpe.Table`:
@@ -67,7 +69,6 @@ import hashlib
 import importlib.resources
 import os
 import re
-import sys
 import threading
 import warnings
 from collections.abc import Sequence
@@ -126,6 +127,8 @@ MAX_BLOCKS = 1 << 20
 COUNT_BLOCKS = 1024
 #: shared memory (bytes) a block of pack or unpack stages payloads in: one entry per warp
 STAGING_BYTES = 32 << 10
+#: threads of the one block of an ends launch (``BUDDY_ENDS_THREADS``)
+ENDS_THREADS = 256
 
 _WARP = 32
 _FEATURE = "buddy's CUDA backend (backend='cuda')"
@@ -319,6 +322,8 @@ def launch_config(
     """
     if op == "fit":
         return 1, _WARP, 0
+    if op == "ends":  # one block (csrc/buddy_kernels.cu: BUDDY_ENDS_THREADS)
+        return 1, ENDS_THREADS, 0
     if op == "count":  # a lane loads 16 bytes a round; the blocks loop, their histograms zeroed and added once
         return max(1, min(COUNT_BLOCKS, -(-n_entries // 512))), 256, 0
     tables = shared if codec in TABLED_KERNELS else None
@@ -748,6 +753,14 @@ class Kernels:
         args = (counts, work, table, serial, _i32(int(weighted)), _i32(layout.word_bytes))
         self.launch(self.name, "fit", layout.entry_bytes, device, 1, args)
 
+    def ends(self, layout: Layout, meta, slot: int, ends) -> None:
+        """Per entry into ``ends`` (``n`` int64), the overflow sectors of entries ``0..i`` with slots of ``slot``
+        sectors: ``max(k - slot, 0)`` summed, ``k`` from ``meta``."""
+        n = layout.n_entries
+        device = self._check(layout, meta=(meta, torch.uint8, layout.meta_bytes), ends=(ends, torch.int64, n))
+        args = (meta, _i64(n), _i32(slot), ends, _i32(layout.word_bytes))
+        self.launch(self.name, "ends", layout.entry_bytes, device, n, args)
+
     def _tabled(self) -> None:
         if self.name not in TABLED_KERNELS:
             raise ValueError(f"codec {self.name!r} codes without a table: it has no count or fit kernel")
@@ -863,12 +876,18 @@ def rows() -> tuple[Implementation, ...]:
 
 
 class CudaEngine(Engine):
-    """The format operations as one kernel each over the whole tensor: the same bytes as the reference.
+    """The format operations as kernels over the whole tensor: the same bytes as the reference.
 
-    ``launch`` and ``device_type``: see :class:`Kernels`. :attr:`readbacks`
-    counts the device-to-host reads made (per compress one: the histogram,
-    with a table codec's table when it fits one; none per
-    decompress unless ``check=True``).
+    The one kernel engine of every device: its launcher is passed in
+    (``launch`` and ``device_type``, see :class:`Kernels`): CuPy's on a CUDA
+    device (the default), the native build's on the CPU
+    (:func:`buddy.engines.native.NativeEngine`), the emulator's in the tests.
+    So what the host does per tensor -- argument checks, allocations, the
+    count, fit, measure, ends, pack and unpack launches, reads -- is the same
+    on every device, and what the CPU counts of it is what a GPU pays.
+    :attr:`readbacks` counts the device-to-host reads made (per compress
+    sized first one: the histogram, with a table codec's table when it fits
+    one; none per decompress unless ``check=True``; none by :meth:`pack_ahead`).
     """
 
     backend = "cuda"
@@ -916,33 +935,13 @@ class CudaEngine(Engine):
         tail[: layout.tail_bytes] = flat[whole:]
         return flat[:whole], tail
 
-    @staticmethod
-    def _ends(meta: torch.Tensor, slot: int, layout: Layout) -> torch.Tensor:
-        """Per entry, the overflow sectors of entries 0..i: the prefix sum that places each entry's overflow.
-
-        On the device, in torch (:meth:`_ends_on_device`); on the CPU the same sums in numpy, where torch's
-        per-operation cost is most of it."""
-        if meta.device.type != "cpu":
-            return CudaEngine._ends_on_device(meta, slot, layout)
-        mb, k_bits, _ = layout.meta_fields
-        m = meta.numpy()
-        sizes = (m if mb == 1 else m.view("<u2")).astype(np.int64) & ((1 << k_bits) - 1)
-        return torch.from_numpy(np.cumsum(np.maximum(sizes - slot, 0)))
-
-    @staticmethod
-    def _ends_on_device(meta: torch.Tensor, slot: int, layout: Layout) -> torch.Tensor:
-        """:meth:`_ends` in torch operations, where ``meta`` is (a GPU's; any device's): four operations, each a
-        launch on a GPU -- ``k`` masked out of the word, at least ``slot``, less ``slot`` (``max(k - slot, 0)``
-        without leaving the word's own type: a byte, or a 2-byte word read as one little-endian ``int16``, its
-        sign bit the mode's and masked off), and summed into ``int64``."""
-        mb, k_bits, _ = layout.meta_fields
-        if mb == 1 or (sys.byteorder == "little" and meta.storage_offset() % 2 == 0):
-            words = meta if mb == 1 else meta.view(torch.int16)
-        else:  # (a view at an odd byte: the two bytes of each word put together)
-            pairs = meta.view(layout.n_entries, 2).to(torch.int32)
-            words = pairs[:, 0] | (pairs[:, 1] << 8)
-        k = words.bitwise_and((1 << k_bits) - 1)
-        return torch.cumsum(k.clamp_(min=slot).sub_(slot), 0, dtype=torch.int64)
+    def _ends(self, meta: torch.Tensor, slot: int, layout: Layout) -> torch.Tensor:
+        """Per entry, the overflow sectors of entries 0..i: the prefix sums that place each entry's overflow (the
+        ends kernel, on every device: one launch, one allocation)."""
+        ends = torch.empty(layout.n_entries, dtype=torch.int64, device=meta.device)
+        if layout.n_entries:
+            self.kernels.ends(layout, meta, slot, ends)
+        return ends
 
     def _measure(self, flat, entries, layout: Layout, histogram) -> torch.Tensor:
         """The metadata of ``entries`` (:meth:`_entries`); sizes added to the device ``histogram``."""
@@ -1041,6 +1040,12 @@ class CudaEngine(Engine):
 
     #: whether :meth:`pack_ahead` can compress a tensor with a slot chosen before its sizes are known
     packs_ahead = True
+
+    @property
+    def packs_into_host(self) -> bool:  # type: ignore[override]  # a property over the class attribute
+        """Kernels launched on the host's tensors (the native build, the emulator) write the overflow where it is
+        kept, buddy memory being the host's."""
+        return self.kernels.device_type == "cpu"
 
     def writes_overflow_at(self, into: torch.Tensor, device: torch.device) -> bool:
         """Whether the pack kernel on ``device`` can write an overflow into ``into`` (buddy memory) where it is:

@@ -11,10 +11,10 @@ is torch's (:func:`_openmp_flags`), else the engine's own.
 Each codec with kernels has a second build of one lane a warp (``BUDDY_WARP_SIZE`` 1):
 a block is a plain call, the lane's loops doing what 32 lanes do on a GPU, no
 fibers; it runs every kernel of :data:`SOLO_CODECS`, so the build of 32 lanes is compiled only when asked for
-(:func:`library`). :class:`NativeEngine`
-is :class:`~buddy.engines.cuda.CudaEngine` with this launch on CPU tensors, so the
-glue -- argument checks, the table codecs' count and fit kernels, the
-overflow's prefix sum, the error flag -- is the GPU path's, byte for byte.
+(:func:`library`). :func:`NativeEngine`
+is :class:`~buddy.engines.cuda.CudaEngine`, the one kernel engine, with this launch on CPU tensors, so the
+host's work -- argument checks, the table codecs' count and fit kernels, the
+overflow's prefix sums, the error flag, every allocation -- is the GPU path's, line for line.
 
 Registered in :mod:`buddy.dispatch` for every codec with kernels on the CPU,
 the default (``backend="auto"``) of :data:`DEFAULT_CODECS`, behind the same
@@ -208,10 +208,6 @@ class _Library:
             ctypes.c_char_p, ctypes.c_size_t,
         ]  # fmt: skip  (the arguments: an array of BuddyEmuArg, _Arg's layout, made in numpy: launch)
         self.dll.buddy_native_launch.restype = ctypes.c_int
-        self.dll.buddy_native_ends.argtypes = [
-            ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-        ]  # fmt: skip
-        self.dll.buddy_native_ends.restype = None
         self._kernels: dict[str, int] = {}
 
     def kernel(self, name: str) -> int:
@@ -290,7 +286,7 @@ def _build(codec: str, entry_bytes: int, solo: bool = False) -> Path:
 
 def _grid(op: str, n: int, threads: int) -> int:
     """Blocks of a launch: enough for every thread to take several, few enough that each loops over many entries."""
-    if op == "fit":
+    if op in ("fit", "ends"):  # one block
         return 1
     per_block = _COUNT_UNITS_PER_BLOCK if op == "count" else ENTRIES_PER_BLOCK
     return max(1, min(-(-n // per_block), 8 * threads))
@@ -333,27 +329,10 @@ def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: 
         _seconds[op] = _seconds.get(op, 0.0) + took
 
 
-class NativeEngine(cuda.CudaEngine):
-    """The kernels' format operations on CPU tensors, natively (see the module doc)."""
-
-    backend = "native"
-    packs_into_host = True  # its tensors are the host's: the pack kernel writes the overflow into buddy memory
-
-    def __init__(self, codec: Codec):
-        super().__init__(codec, launch=launch, device_type="cpu")
-
-    def _ends(self, meta: torch.Tensor, slot: int, layout) -> torch.Tensor:  # type: ignore[override]
-        """:meth:`~buddy.engines.cuda.CudaEngine._ends` in one call into the library (``buddy_native_ends``): the
-        same sums as numpy's five operations, where each operation's first touch of its code after the kernels
-        cost tens of microseconds."""
-        mb, k_bits, _ = layout.meta_fields
-        n = layout.n_entries
-        if meta.dtype != torch.uint8 or meta.device.type != "cpu" or meta.numel() != n * mb or not meta.is_contiguous():
-            return cuda.CudaEngine._ends(meta, slot, layout)  # (what the checks after it will name)
-        out = torch.empty(n, dtype=torch.int64)
-        lib = library(self.codec.name, layout.entry_bytes, solo=self.codec.name in SOLO_CODECS)
-        lib.dll.buddy_native_ends(meta.data_ptr(), n, mb, k_bits, int(slot), out.data_ptr())
-        return out
+def NativeEngine(codec: Codec) -> cuda.CudaEngine:
+    """The kernels' format operations on CPU tensors, natively: the one kernel engine
+    (:class:`~buddy.engines.cuda.CudaEngine`) with this module's :func:`launch` (see the module doc)."""
+    return cuda.CudaEngine(codec, launch=launch, device_type="cpu")
 
 
 #: the codecs the native engine is the CPU default of: those whose compress and decompress together take less time

@@ -399,21 +399,6 @@ extern "C" __attribute__((visibility("default"))) int buddy_native_kernel(const 
   return -1;
 }
 
-// The overflow's prefix sum of a pack or unpack (buddy.engines.cuda.CudaEngine._ends): per entry, the overflow
-// sectors of entries 0..i, max(k - slot, 0) summed, k the low k_bits of its little-endian metadata word of mb bytes.
-// One call where numpy made five (each paying for caches the kernels and the model left cold).
-extern "C" __attribute__((visibility("default"))) void buddy_native_ends(const uint8_t* meta, long long n, int mb,
-                                                                       int k_bits, int slot, long long* out) {
-  const uint32_t mask = (1u << k_bits) - 1u;
-  long long sum = 0;
-  for (long long i = 0; i < n; ++i) {
-    const uint32_t word = mb == 1 ? meta[i] : (uint32_t)meta[2 * i] | (uint32_t)meta[2 * i + 1] << 8;
-    const long long k = (long long)(word & mask);
-    sum += k > slot ? k - slot : 0;
-    out[i] = sum;
-  }
-}
-
 extern "C" __attribute__((visibility("default"))) int buddy_native_launch(int kernel, unsigned grid,
                                                                          size_t shared_bytes,
                                                                          const BuddyEmuArg* args, size_t n_args,
