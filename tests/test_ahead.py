@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import re
 
 import pytest
 import torch
@@ -20,9 +21,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import DATA_KINDS, assert_bitexact, emulated_cpu_kernels, fuzz_settings, make_data
+from hypothesis import given
+from hypothesis import strategies as st
+
 import buddy
 from buddy import engines, pipeline
-from conftest import emulated_cpu_kernels
+from buddy.engines import cuda as bcuda
 
 pytestmark = [
     pytest.mark.library_defaults,  # the library's defaults: auto2 at 4096 B, on the native engine
@@ -322,7 +327,6 @@ def test_checksums_size_every_tensor_first():
 def test_one_engine_class_runs_every_device_its_launcher_passed_in():
     """The native engine of the CPU is the CUDA engine's class with the native build's launcher: the host's work per
     tensor (checks, allocations, launches, reads) is one code on every device; only the launcher differs."""
-    from buddy.engines import cuda as bcuda
     from buddy.engines import native
 
     cpu = buddy.dispatch.engine(buddy.get_codec("auto2"), "cpu")
@@ -333,3 +337,68 @@ def test_one_engine_class_runs_every_device_its_launcher_passed_in():
     assert on_gpu.kernels.device_type == "cuda"
     # the native engine is no class of its own (no method of the CPU's that a GPU does not run): a factory
     assert not isinstance(native.NativeEngine, type) and type(native.NativeEngine(cpu.codec)) is bcuda.CudaEngine
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool, torch.complex64]
+
+
+@fuzz_settings(0.5)
+@given(
+    codec=st.sampled_from(sorted(bcuda.KERNEL_CODECS)),
+    dtype=st.sampled_from(_DTYPES),
+    kind=st.sampled_from(DATA_KINDS),
+    numel=st.integers(1, 3000),
+    entry_bytes=st.sampled_from([32, 128, 512, 4096]),
+    share=st.floats(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_a_pack_ahead_is_the_sized_packs_bytes(codec, dtype, kind, numel, entry_bytes, share, seed):
+    """Any codec with kernels, dtype, data, size (a last entry cut short included) and slot: the buffers a pack
+    ahead leaves once settled are a sized compress's with the same slot and table, byte for byte, its buddy memory
+    trimmed to exactly them; the tensor comes back bit-exact."""
+    t = make_data(kind, numel, dtype, torch.Generator().manual_seed(seed))
+    store = buddy.BuddyStore(capacity_bytes=64 << 20, block_bytes=1 << 20, pin=False)
+    engine, layout = pipeline.resolve(t, codec, entry_bytes)
+    slot = round(share * layout.sectors_per_entry)
+    measured = buddy.measure(t, codec, entry_bytes=entry_bytes)  # the table a sized compress fits: the prior here
+    prior = None if measured.statistics is None else measured.statistics.double()
+    histogram = torch.zeros(layout.bins, dtype=torch.int64)
+    bt = pipeline.pack_ahead(
+        t, engine, layout, slot, histogram, store=store, ledger=buddy.DeviceLedger(), prior=prior, keep=measured.codec
+    )  # fmt: skip
+    assert bt is not None
+    sized = buddy.pack(measured, slot, store=store)
+    bt.settle()
+    assert bt.histogram == sized.histogram and bt.buddy_bytes == sized.buddy_bytes
+    for got, want in zip(bt.buffers(), sized.buffers()):
+        assert torch.equal(got, want)
+    assert store.bytes_held == 2 * -(-sized.buddy_bytes // 32) * 32
+    assert_bitexact(bt.decompress(), t)
+    bt.free()
+    sized.free()
+    assert store.bytes_held == 0
+
+
+def test_a_damaged_tensor_packed_ahead_raises_where_backward_ends(monkeypatch):
+    """A decode error in a tensor packed ahead is flagged on the device, read where backward ends with the step's
+    other flags, and raised naming its key: never zeros handed on as gradients' inputs."""
+    made: list = []
+    original = buddy.autograd.pack_ahead
+
+    def spy(*args, **kwargs):
+        bt = original(*args, **kwargs)
+        made.append(bt)
+        return bt
+
+    monkeypatch.setattr(buddy.autograd, "pack_ahead", spy)
+    run = sessions(strict=False)
+    model, (x, y) = mlp(), batch("mlp")
+    for _ in range(2):
+        made.clear()
+        with run(codec="zvc") as s:
+            loss = F.cross_entropy(model(x), y)
+    assert made and all(bt is not None and bt.settled for bt in made)
+    meta, _, _ = made[0].buffers()
+    meta[1] |= 0xF0  # a mode zvc never writes (E = 4096: the high 4 bits of the entry's 2-byte word)
+    with pytest.raises(buddy.CorruptDataError, match=re.escape(f"{s.stats().rows[0].key!r} (error bits")):
+        loss.backward()
