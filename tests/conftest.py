@@ -628,3 +628,18 @@ def emulated_cpu_kernels(codec: str, seed: int):
                     codec, "cpu", row.backend, row.factory, default=True, requires=row.requires, replace=True
                 )
             selftest.reset()
+
+
+def record_results(monkeypatch, owner, name: str) -> list:
+    """Replace ``owner.name`` (a function) for the test by one that calls it and appends what it returns to the list
+    returned, in order (e.g. the BuddyTensors a session packs)."""
+    made: list = []
+    original = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        made.append(result)
+        return result
+
+    monkeypatch.setattr(owner, name, spy)
+    return made

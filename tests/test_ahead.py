@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import DATA_KINDS, assert_bitexact, emulated_cpu_kernels, fuzz_settings, make_data
+from conftest import DATA_KINDS, assert_bitexact, emulated_cpu_kernels, fuzz_settings, make_data, record_results
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -382,15 +382,7 @@ def test_a_pack_ahead_is_the_sized_packs_bytes(codec, dtype, kind, numel, entry_
 def test_a_damaged_tensor_packed_ahead_raises_where_backward_ends(monkeypatch):
     """A decode error in a tensor packed ahead is flagged on the device, read where backward ends with the step's
     other flags, and raised naming its key: never zeros handed on as gradients' inputs."""
-    made: list = []
-    original = buddy.autograd.pack_ahead
-
-    def spy(*args, **kwargs):
-        bt = original(*args, **kwargs)
-        made.append(bt)
-        return bt
-
-    monkeypatch.setattr(buddy.autograd, "pack_ahead", spy)
+    made = record_results(monkeypatch, buddy.autograd, "pack_ahead")
     run = sessions(strict=False)
     model, (x, y) = mlp(), batch("mlp")
     for _ in range(2):

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import buddy
-from conftest import emulated_cpu_kernels
+from conftest import emulated_cpu_kernels, record_results
 
 KEY = "net/"
 
@@ -45,16 +45,7 @@ def _step(model, session=None):
 @pytest.fixture
 def packed(monkeypatch):
     """The BuddyTensors the session packs, in order."""
-    made: list[buddy.BuddyTensor] = []
-    original = buddy.autograd.pack
-
-    def spy(*args, **kwargs):
-        bt = original(*args, **kwargs)
-        made.append(bt)
-        return bt
-
-    monkeypatch.setattr(buddy.autograd, "pack", spy)
-    return made
+    return record_results(monkeypatch, buddy.autograd, "pack")
 
 
 def _session(tracker, store):
