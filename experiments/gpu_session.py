@@ -285,7 +285,7 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
         # step's overhead (on the CPU the plan took 46 ms a step at 256 tensors)
         host_cost = Python(
             "host_cost", "experiments.host_cost", ("--device", "cuda", "--no-progress", "--out", "{work}/host_cost"),
-            45, "{work}/host_cost/results.json",
+            55, "{work}/host_cost/results.json",
         )  # fmt: skip
         return [_compile(entry_bytes=(4096,), timeout_s=60), bench, host_cost]
     if phase == "step":

@@ -14,7 +14,11 @@ small ones, and weights), against autograd's own cost of Python hooks (:func:`sk
 
 Each row times the session as it is by default (``strict=True``: each tensor sized first, a read of the device a
 tensor) and the step that reads the device at most twice (``strict=False``, "ahead": slots from the tracker's plan),
-with each one's reads a step.
+with each one's reads a step. Then two small models trained a step at a time the same three ways
+(:func:`model_steps`): a 16-layer MLP under bf16 autocast and a 7-layer CNN, with the library's defaults -- a step's
+wall time against the plain step's, its reads, and the torch operators that allocate or compute which a compressed
+tensor adds (views and detaches apart), counted with a ``TorchDispatchMode``. Their inputs are random, like the
+chain's: these rows measure the host's work, not compression.
 
     python -m experiments.host_cost                              # 32, 128 and 256 tensors a step, on the CPU
     python -m experiments.host_cost --tensors 64 --numel 65536
@@ -34,6 +38,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import buddy
 from experiments import cli
@@ -111,6 +116,103 @@ def measure(n: int, *, numel: int, steps: int, warmup: int, device: str, seed: i
     }
 
 
+def _mlp(device: str):
+    torch.manual_seed(0)
+    layers = [m for _ in range(16) for m in (torch.nn.Linear(1024, 1024), torch.nn.ReLU())]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(1024, 10)).to(device), torch.randn(512, 1024, device=device)
+
+
+def _cnn(device: str):
+    torch.manual_seed(0)
+    layers, width = [], 3
+    for out in (32, 32, 64, 64, 64, 64, 64):
+        layers += [torch.nn.Conv2d(width, out, 3, padding=1), torch.nn.BatchNorm2d(out), torch.nn.ReLU()]
+        width = out
+    head = [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(width, 10)]
+    return torch.nn.Sequential(*layers, *head).to(device), torch.randn(16, 3, 64, 64, device=device)
+
+
+#: the models of :func:`model_steps`: (builder, under bf16 autocast)
+MODELS = {"mlp16-bf16": (_mlp, True), "cnn7-fp32": (_cnn, False)}
+
+
+class _Operators(TorchDispatchMode):
+    """Counts the torch operators dispatched that allocate or compute (views and detaches apart)."""
+
+    _VIEWS = ("detach", "slice", "view", "as_strided", "alias", "expand", ".t.", "transpose", "squeeze", "permute")
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        self.count += not any(v in name for v in self._VIEWS)
+        return func(*args, **(kwargs or {}))
+
+
+def model_steps(name: str, *, steps: int, warmup: int, device: str) -> dict:
+    """One row of a model of :data:`MODELS`: its step plain, sized first and ahead (see the module doc)."""
+    build, autocast = MODELS[name]
+    model, x = build(device)
+    y = torch.randint(0, 10, (x.shape[0],), device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    # the steady state from the start: a key's symbols counted one step in count_every, not every step of a warm-up
+    tracker = buddy.Tracker(count_warmup=0)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    kinds = ("none", "buddy", "ahead")
+
+    def step(kind: str):
+        opt.zero_grad()
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
+            with buddy.compressed_activations(tracker=tracker, enabled=kind != "none", strict=kind != "ahead") as s:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.float().backward()
+        opt.step()
+        sync()
+        return s
+
+    walls: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for i in range(warmup + steps):
+        for kind in kinds:  # alternating, so that a slow stretch of the machine hits each alike
+            began = time.perf_counter()
+            step(kind)
+            if i >= warmup:
+                walls[kind].append(time.perf_counter() - began)
+    row: dict = {"model": name, "device": device, "steps": steps}
+    operators = {}
+    for kind in kinds:  # over count_every steps: a key's symbols counted in one of them, as in the steady state
+        with _Operators() as counted:
+            for _ in range(tracker.count_every):
+                session = step(kind)
+        operators[kind] = counted.count / tracker.count_every
+        if kind != "none":
+            st = session.stats()
+            tensors, taken = sum(r.codec != "kept" for r in st.rows), len(st.rows)  # (taken: kept whole too)
+            row[f"{kind}_host_reads"] = st.host_reads
+            row[f"{kind}_capacity"] = st.effective_capacity
+    plain = statistics.median(walls["none"])
+    row.update(tensors=tensors, taken=taken, plain_step_s=plain)
+    for kind in ("buddy", "ahead"):
+        row[f"{kind}_ratio"] = statistics.median(walls[kind]) / plain
+        row[f"{kind}_operators_per_tensor"] = (operators[kind] - operators["none"]) / max(tensors, 1)
+    return row
+
+
+MODEL_COLUMNS = [
+    ("model", "model", ""),
+    ("tensors", "tensors compressed", "d"),
+    ("plain_step_s", "plain step (s)", ".3f"),
+    ("buddy_ratio", "sized / plain", ".2f"),
+    ("buddy_host_reads", "sized: reads", "d"),
+    ("buddy_operators_per_tensor", "sized: operators a tensor", ".1f"),
+    ("ahead_ratio", "ahead / plain", ".2f"),
+    ("ahead_host_reads", "ahead: reads", "d"),
+    ("ahead_operators_per_tensor", "ahead: operators a tensor", ".1f"),
+    ("buddy_capacity", "capacity", ".2f"),
+]
+
+
 def skipped_saves(saves: int, *, repeats: int, device: str) -> dict:
     """What a save costs that buddy does not take: ``saves`` tanh links of 64 values (each saves its output, small),
     timed alternately without hooks, with hooks that return the tensor or detach it (autograd's own cost of Python
@@ -178,6 +280,8 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=5, help="timed steps of each kind")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each kind first (the tracker learns)")
     p.add_argument("--saves", type=int, default=2000, help="small saves a step of the skipped-save timing")
+    p.add_argument("--models", nargs="*", choices=sorted(MODELS), default=sorted(MODELS),
+                   help="small models whose step is timed plain, sized and ahead (none: skip them)")  # fmt: skip
     cli.add_common_arguments(p, out="results/host_cost", device="cpu")
     args = p.parse_args(argv)
     if min(args.tensors) < 1 or args.numel < 1 or args.steps < 1 or args.saves < 1 or args.warmup < 0:
@@ -194,11 +298,19 @@ def main(argv=None) -> list[dict]:
     print(f"\nbuddy's host work per tensor ({args.numel} float32 values each, {buddy.defaults().codec}, the "
           f"tracker's default policy, {args.device}); medians of {args.steps} steps")  # fmt: skip
     print(format_table(rows, COLUMNS))
+    models = [
+        model_steps(name, steps=args.steps, warmup=max(args.warmup, 3), device=args.device)
+        for name in progress(args.models, desc="models", enabled=not args.no_progress)
+    ]
+    if models:
+        print("\nA training step of small models (random inputs), the library's defaults, against the plain step "
+              "(wall time); operators that allocate or compute a compressed tensor adds, views apart:")  # fmt: skip
+        print(format_table(models, MODEL_COLUMNS))
     skipped = skipped_saves(args.saves, repeats=max(args.steps, 3), device=args.device)
     print(f"\nA save buddy does not take ({args.saves} tanh saves of 64 values a step), over the step without hooks, "
           "per save:")  # fmt: skip
     print(format_table([skipped], SKIPPED_COLUMNS))
-    cli.finish(args, header, rows, mention_csv=False, experiment="host_cost", skipped_saves=skipped)
+    cli.finish(args, header, rows, mention_csv=False, experiment="host_cost", skipped_saves=skipped, models=models)
     return rows
 
 

@@ -183,7 +183,8 @@ def test_step_cost_tiny(tmp_path):
 def test_host_cost_tiny(tmp_path):
     from experiments import host_cost
 
-    args = ["--tensors", "3", "6", "--numel", "2048", "--steps", "1", "--warmup", "1", "--saves", "20", "--no-progress"]
+    args = ["--tensors", "3", "6", "--numel", "2048", "--steps", "1", "--warmup", "1", "--saves", "20", "--no-progress",
+            "--models"]  # (no model: test_host_cost_of_a_models_step)  # fmt: skip
     rows = host_cost.main([*args, "--out", str(tmp_path)])
     assert [r["tensors_asked"] for r in rows] == [3, 6]
     for row in rows:
@@ -202,6 +203,17 @@ def test_host_cost_tiny(tmp_path):
     # a save buddy does not take: every kind timed, per save over the step without hooks
     kinds = {"identity_hooks_us", "detach_hooks_us", "buddy_disabled_us", "buddy_small_us"}
     assert set(saved["skipped_saves"]) == kinds
+
+
+def test_host_cost_of_a_models_step():
+    from experiments import host_cost
+
+    row = host_cost.model_steps("mlp16-bf16", steps=1, warmup=0, device="cpu")
+    assert row["tensors"] >= 16 and row["plain_step_s"] > 0 and row["buddy_ratio"] > 0 and row["ahead_ratio"] > 0
+    # sized first: a read a tensor and backward's; ahead: the step's two, and fewer operators a tensor
+    assert row["buddy_host_reads"] == row["taken"] + 1 and row["ahead_host_reads"] == 2
+    assert 0 < row["ahead_operators_per_tensor"] < row["buddy_operators_per_tensor"]
+    assert row["ahead_capacity"] > 1
 
 
 def test_report_keeps_what_no_file_holds_and_says_where_each_date_comes_from(tmp_path):
