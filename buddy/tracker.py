@@ -321,9 +321,9 @@ class DeviceBudget(Policy):
         return slot
 
 
-#: keys of a step from which :class:`OverflowBudget`'s plan keeps its running room in a numpy array (a synthetic step
-#: of 16 KiB tensors, the plan a step, the list's subtraction a comprehension: 64 keys 4.1 ms as a list, 4.3 as an
-#: array; 80 keys 5.4 and 5.2; 128 keys 10.8 and 8.7; 256 keys 30 and 18)
+#: keys of a step from which :class:`OverflowBudget`'s plan keeps its running room in a numpy array, not a list: the
+#: count of keys where numpy's cost a call, paid once, falls below the list's, paid a key (``experiments.host_cost``'s
+#: plan column times it)
 PLAN_ARRAY_KEYS = 80
 
 

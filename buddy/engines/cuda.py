@@ -121,9 +121,9 @@ __all__ = [
 ALIGN_BYTES = 16
 #: most blocks of one launch; warps stride over further entries
 MAX_BLOCKS = 1 << 20
-#: most blocks of a count launch: about what an H100 or H200 holds at once (132 SMs x 8 blocks of 256 threads).
-#: Each block zeroes its histogram in shared memory and adds it to the tensor's once: with a block per 4 KiB
-#: that was 4-5 thousand warp instructions per 4 KiB of input, 5-7 times the counting (ncu on an H200)
+#: most blocks of a count launch: about what a Hopper GPU holds at once (132 SMs x 8 blocks of 256 threads). Each
+#: block zeroes its histogram in shared memory and adds it to the tensor's once, so a block per entry would spend
+#: more on its histogram than on counting (docs/gpu.md)
 COUNT_BLOCKS = 1024
 #: shared memory (bytes) a block of pack or unpack stages payloads in: one entry per warp
 STAGING_BYTES = 32 << 10
@@ -231,20 +231,18 @@ HOPPER = SharedMemory(sms=132, per_block=227 << 10, per_sm=228 << 10)
 SHARED_TABLES_ENV = "BUDDY_SHARED_TABLES"
 #: How the count kernel counts (the same counts either way): a warp's lanes of equal keys add their number once (a
 #: match), or its zero words by ballots and every other word on its own. By default 2-byte words take the ballots
-#: and the others the match: on the H200 (2026-11-28, 256 MiB of real activations) the ballots made the bfloat16
-#: compress 1.3-1.4x faster (auto2 100 -> 133 GB/s, fpe 116 -> 160), the float32 one within its noise (auto2
-#: 119 -> 110, fpe 139 -> 157). ``BUDDY_COUNT_MATCH=1`` matches every word size, ``=0`` takes the ballots for all.
+#: and the others the match, the faster of the two for each as a GPU measured them (docs/gpu.md).
+#: ``BUDDY_COUNT_MATCH=1`` matches every word size, ``=0`` takes the ballots for all.
 COUNT_MATCH_ENV = "BUDDY_COUNT_MATCH"
 #: ``BUDDY_PACK_FIELDS=1``: where a table codec's tables go into shared memory, its pack reads each word's whole
 #: field from a table each block makes there (``make_fields``, codec_fpe.h; :data:`FIELDS_BYTES` before the warps'
-#: staging). By default pack reads the codec's table in global memory: on the H200 (2026-11-28, Nsight Compute, 64
-#: MiB) the fields' pack took 148 / 161 us (float32 / bfloat16) against 110 / 126, at 72 registers fewer warps an SM
-#: and fewer L1 hits, whatever instructions it saved.
+#: staging). By default pack reads the codec's table in global memory: the fields' pack, at 72 registers, ran fewer
+#: warps an SM and took longer whatever instructions it saved (docs/gpu.md).
 PACK_FIELDS_ENV = "BUDDY_PACK_FIELDS"
 #: ``BUDDY_UNPACK_WARPS=N``: a table codec's unpack with its table in shared memory runs at most ``N`` warps an SM
 #: (its blocks' layout, :func:`shared_table_layout`); by default as many as its shared memory allows (24 at 4 KiB
-#: entries on an H100). The GPU runbook times unpack at fewer warps (``bench_cuda --unpack-warps``) to learn how its
-#: speed grows with the warps an SM: what a layout of more warps would buy, which only a GPU tells.
+#: entries on a Hopper GPU). The GPU runbook times unpack at fewer warps (``bench_cuda --unpack-warps``) to learn how
+#: its speed grows with the warps an SM: what a layout of more warps would buy, which only a GPU tells.
 UNPACK_WARPS_ENV = "BUDDY_UNPACK_WARPS"
 
 
@@ -425,7 +423,7 @@ _streams: dict[tuple[int, int | None], object] = {}
 def _current_stream_handle(device: torch.device) -> int:
     """The raw handle (``cudaStream_t``) of torch's current stream on ``device``: torch's own accessor of it where
     it has one (what its compiler's generated code calls), else ``torch.cuda.current_stream`` (a Python stream
-    object made at every call: in a profiled GPT-2 step on the H200, 5 % of the step went to such calls)."""
+    object made at every call: a profiled training step spent a share of its host time making them)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None and device.index is not None:
         return raw(device.index)

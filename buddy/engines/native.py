@@ -66,9 +66,8 @@ ENV_THREADS = "BUDDY_NATIVE_THREADS"
 #: entries (8-byte units for ``count``) a block takes on before another block is worth its set-up
 ENTRIES_PER_BLOCK = 16
 _COUNT_UNITS_PER_BLOCK = 64 * 64  # a warp counts 64 units a round
-#: -O3, not -O2: the host compiler makes vector code of more of the kernels' plain loops (32 MiB of ReLU float32, one
-#: launch each, 2 threads: count 5.9 -> 4.4 ms, measure 12.7 -> 9.9, the other kernels as before; -funroll-loops on
-#: top made bfloat16's unpack 40 % slower)
+#: -O3, not -O2: the host compiler makes vector code of more of the kernels' plain loops (count and measure faster,
+#: the others as fast); not -funroll-loops, which made bfloat16's unpack slower (docs/cpu_engine.md)
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fvisibility=hidden", "-pthread", "-fno-strict-aliasing")
 _REPO_CSRC = Path(__file__).resolve().parents[2] / "csrc"
 #: the codecs whose kernel sources are written for any warp size (``BUDDY_WARP_SIZE``, csrc/buddy_warp.h): their
