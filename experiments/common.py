@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-import buddy.autograd
+import buddy.hooks
+import buddy.keys
+import buddy.recording
 from buddy import env
 from buddy.config import DEFAULT_BACKENDS
 from buddy.deps import require, require_cuda
@@ -163,7 +165,8 @@ def _cache_path(cache: Path, name: str, size: str, points: Sequence[int], device
     h = hashlib.sha256()
     for part in (name, size, tuple(points), device, seed, torch.__version__, weights):
         h.update(repr(part).encode())
-    for module in (data, workloads, pretrained, buddy.autograd):
+    # (the recorder's rules: what is taken, once, under which key)
+    for module in (data, workloads, pretrained, buddy.hooks, buddy.keys, buddy.recording):
         assert module.__file__ is not None  # modules of source files
         h.update(Path(module.__file__).read_bytes())
     return cache / f"{name}-{size}-{h.hexdigest()[:16]}.pt"

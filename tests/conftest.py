@@ -392,7 +392,7 @@ def temporary_codec():
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch):
     """buddy warns once per cause per process: every test sees its first warning."""
-    monkeypatch.setattr(buddy.autograd, "_warned", set())
+    monkeypatch.setattr(buddy.saved, "_warned", set())
 
 
 @pytest.fixture(autouse=True)

@@ -244,7 +244,7 @@ def test_a_saved_weight_is_skipped_as_the_full_checks_skip_it(tracker, store, mo
     """A weight, or a view of one, an op saves is named a parameter without check_tensor (_PLAIN), as a small save is
     named small: the same reasons, and the same counts, as the full checks give -- for a large and a small weight,
     an LSTM's and a linear's."""
-    from buddy import autograd as ag
+    from buddy import hooks as ag
 
     torch.manual_seed(0)
     lin, lstm = nn.Linear(1024, 1024), nn.LSTM(16, 16)

@@ -115,7 +115,7 @@ def test_a_flag_outside_backward_is_checked_at_once(emulated_kernels, tracker, s
 def test_nothing_is_compressed_while_a_graph_is_captured(tracker, store, packed, monkeypatch):
     model = _model()
     expected = _step(_model())
-    monkeypatch.setattr(buddy.autograd, "_capturing", lambda: True)
+    monkeypatch.setattr(buddy.hooks, "_capturing", lambda: True)
     session = _session(tracker, store)
     grads = _step(model, session)
     assert all(torch.equal(a, b) for a, b in zip(grads, expected))
@@ -126,18 +126,18 @@ def test_nothing_is_compressed_while_a_graph_is_captured(tracker, store, packed,
     assert st.kept_bytes >= st.captured * 16 * 256 * 4  # the activations, (16, 256) float32 each
     assert "kept as they are: a CUDA graph was being captured" in str(st)
     assert st.to_dict()["captured"] == st.captured
-    monkeypatch.setattr(buddy.autograd, "_capturing", lambda: False)
+    monkeypatch.setattr(buddy.hooks, "_capturing", lambda: False)
     _step(model, session)
     assert packed and session.stats().captured == 0
 
 
 def test_the_capture_check_asks_torch(monkeypatch):
-    assert buddy.autograd._capturing() is False  # no CUDA initialised here
+    assert buddy.hooks._capturing() is False  # no CUDA initialised here
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert buddy.autograd._capturing() is True
+    assert buddy.hooks._capturing() is True
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert buddy.autograd._capturing() is False
+    assert buddy.hooks._capturing() is False
 
 
 @pytest.mark.gpu

@@ -320,7 +320,7 @@ class _Careless(buddy.Policy):
 def test_a_step_past_its_bound_warns_once_with_the_key(store):
     model = _student()
     x, y = _batch(256, 64, 2)
-    buddy.autograd._warned.difference_update({w for w in buddy.autograd._warned if w.startswith("bound _Careless")})
+    buddy.saved._warned.difference_update({w for w in buddy.saved._warned if w.startswith("bound _Careless")})
     for attempt in range(2):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -5,7 +5,7 @@ autograd Function that saves what its partitioner chose with
 ``save_for_backward`` at run time, so the session's hooks see those tensors --
 not eager's -- and compress them like any others; nothing graph-breaks and
 nothing recompiles from step to step (hooks that are not GraphModules are not
-guarded on). Two things needed buddy's help (``buddy.autograd._compile_safe_hooks``):
+guarded on). Two things needed buddy's help (``buddy.saved._compile_safe_hooks``):
 
 * a saved tensor with a non-dense layout came back contiguous, and inductor's
   backward asserts the strides it was compiled for -- backward failed with an

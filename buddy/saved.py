@@ -1,0 +1,386 @@
+"""What autograd keeps for each saved tensor under a session, and how it comes back.
+
+What is kept as it is goes to autograd as ``t.detach()`` (the same memory,
+no ``grad_fn``) with its version when saved (:class:`_AsIs`), never as ``t``: a saved output returned as itself refers to
+its own ``grad_fn``, a cycle through C++ that the garbage collector cannot
+see, which would keep the whole graph -- and every compressed tensor in it --
+alive for good whenever backward does not run (an exception in the block, a
+forward without backward, ``retain_graph=True``).
+
+Unpacking (during backward, after the block) decompresses onto the original
+device, bit-exact. The compressed form is freed when autograd drops the saved
+tensor (after backward, unless ``retain_graph=True``), or with the graph.
+If decompressing fails, backward raises that very exception (an
+out-of-memory error stays one) with a note naming the key: no data is
+returned, the compressed copy stays intact until the graph is dropped, and
+the step has to be run again.
+
+Every entry decompressed for backward is checked, never decoded to silent
+zeros: the torch reference checks on the host and raises at once; the CUDA
+kernels (and nvcomp) check on the device and OR what they found into an
+error flag per tensor, which is read back once, at the end of the backward
+pass (one read per device: ``queue_callback`` of autograd's engine), not per
+tensor. Either way a failed check raises :class:`~buddy.errors.CorruptDataError`
+naming the keys; the gradients of that backward must not be used.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import time
+import warnings
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import engines, streams
+from .errors import CorruptDataError
+from .prefetch import Ahead, Schedule
+from .stats import KeyRow
+from .step import Counters
+from .tensor import BuddyTensor
+from .tracker import Tracker
+
+if TYPE_CHECKING:
+    from .autograd import Session
+
+__all__: list[str] = []
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(cause: str, message: str) -> None:
+    with _warned_lock:
+        if cause in _warned:
+            return
+        _warned.add(cause)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(note)
+
+
+class _AsIs:
+    """What autograd keeps for a saved tensor buddy leaves as it is: ``t.detach()`` (the same memory, no
+    ``grad_fn``) and ``t``'s version when it was saved.
+
+    Autograd checks that a saved tensor was not changed in place only where no saved-tensor hooks are installed.
+    Under the session's, a tensor changed in place after its save would come back changed and its gradient be
+    silently wrong: :meth:`unpack` raises there, as PyTorch does without hooks.
+    """
+
+    __slots__ = ("tensor", "version", "__weakref__")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t.detach()
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {self.version} instead. "
+                f"buddy kept this saved tensor as it is (not compressed), and it was changed in place after it was "
+                f"saved: change a copy instead (PyTorch raises the same without buddy)."
+            )
+        return t
+
+
+class _Kept(_AsIs):
+    """What autograd keeps for a tensor the tracker left as it is (the raw slot).
+
+    Its device bytes are held on the tracker's ledger for as long as autograd
+    holds it -- not as long as the tensor lives, which may be many steps (an
+    input batch reused every step).
+    """
+
+    __slots__ = ()
+
+    def __init__(self, t: torch.Tensor, tracker: Tracker):
+        super().__init__(t)
+        hold = tracker.ledger.hold(t.numel() * t.element_size())
+        weakref.finalize(self, hold.release)  # the hold refers to the ledger only: no cycle through the graph
+
+
+class _View:
+    """What autograd keeps for a dense view of bytes already taken under another shape: the other save's
+    object, and this view's shape and strides (its storage offset is the other's: the same bytes)."""
+
+    __slots__ = ("source", "shape", "stride")
+
+    def __init__(self, source, shape: tuple[int, ...], stride: tuple[int, ...]):
+        self.source, self.shape, self.stride = source, shape, stride
+
+    def unpack(self) -> torch.Tensor:
+        base = self.source.unpack()
+        return base.as_strided(self.shape, self.stride, base.storage_offset())
+
+
+class _Compressed:
+    """What autograd keeps for a compressed saved tensor.
+
+    The graph (C++, invisible to the garbage collector) owns it, so it refers
+    to nothing of the user's: the session only weakly. Were the session (and
+    its policy) held strongly, a session or policy referring back to the
+    graph -- ``policy.trainer.loss`` -- would make a cycle through C++ that
+    keeps the graph and its buddy memory alive for good. The step's
+    :class:`~buddy.prefetch.Schedule` refers to no one's objects but its
+    entries, weakly.
+    """
+
+    __slots__ = (
+        "bt", "session", "row", "cache", "kept", "uses_left", "schedule", "position", "ahead", "checks", "__weakref__",
+    )  # fmt: skip
+
+    def __init__(self, bt: BuddyTensor, session: Session, row: KeyRow, schedule: Schedule, checks: _Checks):
+        self.bt = bt
+        self.checks = checks  # the step's error flags, read at the end of each backward
+        self.session = weakref.ref(session)  # for its counters only; see above
+        self.row = row  # the session's stats row, counting deduplicated saves
+        # weakref to the last decompressed tensor, shared by deduplicated saves
+        self.cache: weakref.ref[torch.Tensor] | None = None
+        self.kept: torch.Tensor | None = None  # that tensor, held until every save of it has been unpacked
+        self.uses_left = 0
+        self.schedule = schedule
+        self.position = schedule.add(self)
+        self.ahead: Ahead | None = None  # decompressed ahead of use by the look-ahead
+
+    def cached(self) -> torch.Tensor | None:
+        return self.cache() if self.cache is not None else None
+
+    def unpack(self) -> torch.Tensor:
+        t = self.cached()
+        if t is not None:
+            self.uses_left -= 1
+            if self.uses_left <= 0:
+                self.kept = None
+            return t
+        _look_ahead(self.schedule, self.position)  # the next tensors' copies start before this one decodes
+        start = time.perf_counter()
+        ahead, self.ahead = self.ahead, None
+        ready = ahead is not None or self.bt.prefetched
+        device = self.bt.device
+        try:
+            if ahead is not None:
+                t, flag = ahead.take(streams.for_device(device).current(device)), ahead.flag
+            else:
+                flag = self.checks.flag(self.bt)
+                t = self.bt.decompress(error_flag=flag)
+        except CorruptDataError as exc:  # the reference's checks: name the key in the error itself
+            error = CorruptDataError(
+                f"buddy: the saved activation {self.row.key!r} failed the format's checks when decompressed for "
+                f"backward ({exc}). No data was returned; this backward pass cannot finish: drop the graph and "
+                f"run the step again."
+            )
+            _add_note(error, self._failed_note())
+            raise error from exc
+        except BaseException as exc:  # keep its type (an out-of-memory error stays one); say what failed
+            _add_note(exc, self._failed_note())
+            raise
+        if flag is not None:
+            self.checks.add(self.row.key, flag)
+        self.schedule.used(self.position, ready)
+        session = self.session()
+        if session is not None:  # no one can read the counters of a session that is gone
+            session._count_unpack(time.perf_counter() - start)
+        self.cache = weakref.ref(t)
+        # Several ops saved it (a ReLU's output is also the next layer's input): their backward
+        # nodes run one after the other, each unpacking it. Held until the last has, it is
+        # decompressed once -- and holds no more than the graph held without buddy.
+        self.uses_left = self.row.saves - 1
+        self.kept = t if self.uses_left > 0 else None
+        return t
+
+    def unpack_ahead(self) -> None:
+        """Decompress on the device's copy stream now; :meth:`unpack` hands the result over."""
+        bt = self.bt
+        ops = streams.for_device(bt.device)
+        if isinstance(ops, streams.HostStreams):  # nothing runs beside the host's work
+            return
+        copy = ops.copy_stream(bt.device)
+        issued = ops.record(ops.current(bt.device))
+        with ops.activate(copy):
+            ops.wait(copy, issued)  # the slots were written by kernels queued on the compute stream
+            flag = self.checks.flag(bt)
+            t = bt.decompress(error_flag=flag)
+            self.ahead = Ahead(t, ops.record(copy), ops, flag)
+
+    def _failed_note(self) -> str:
+        return (
+            f"buddy: decompressing the saved activation {self.row.key!r} for backward failed. No data was "
+            f"returned; the compressed copy is freed with the graph. This backward pass cannot finish: drop the "
+            f"graph and run the step again."
+        )
+
+    def drop_ahead(self) -> None:
+        """Give back what the look-ahead prepared (the tensor was not asked for in time)."""
+        self.ahead = None  # allocated and written on the copy stream only: reused in that stream's order
+        self.bt.drop_prefetch()
+
+
+class _Checks:
+    """The error flags of one step's decompressions on the device, read once at the end of each backward.
+
+    An engine whose checks run on the device (the CUDA kernels, nvcomp) ORs
+    an entry's failed check into the tensor's flag instead of reading it
+    back. The first flag of a backward queues :meth:`check` to run when that
+    backward ends (autograd's final callback), which reads every flag there
+    at once (one read per device) and raises :class:`CorruptDataError`
+    naming the keys that failed. Outside a backward (a saved tensor read
+    directly) a flag is checked at once.
+    """
+
+    __slots__ = ("pending", "lock", "flags", "reads")
+
+    def __init__(self):
+        self.pending: list[tuple[str, torch.Tensor]] = []
+        self.lock = threading.Lock()
+        self.reads = 0  # reads of the flags made (one per device a check)
+        self.flags = Counters(torch.int32, 1024)  # a flag a decompression: slices of a buffer made per 1024
+
+    def flag(self, bt: BuddyTensor) -> torch.Tensor | None:
+        """A zeroed flag for ``bt``'s decompression, or ``None`` where its backend checks on the host."""
+        return None if bt.backend == "reference" else self.flags.take(1, bt.device)
+
+    def add(self, key: str, flag: torch.Tensor) -> None:
+        with self.lock:
+            first = not self.pending
+            self.pending.append((key, flag))
+        if first:
+            try:
+                # (run by autograd where backward ends, maybe inside a compiled frame: never traced)
+                torch.autograd.Variable._execution_engine.queue_callback(_eager_only(self.check))
+            except RuntimeError:  # not inside a backward pass: nothing to wait for
+                self.check()
+
+    def check(self) -> None:
+        """Read the pending flags (one read per device); :class:`CorruptDataError` naming the keys that failed."""
+        with self.lock:
+            pending, self.pending = self.pending, []
+        failed = []
+        for device in {flag.device for _, flag in pending}:
+            mine = [(key, flag) for key, flag in pending if flag.device == device]
+            bits = engines.to_host(torch.cat([flag for _, flag in mine])).tolist()
+            self.reads += 1
+            failed += [f"{key!r} (error bits {b:#x})" for (key, _), b in zip(mine, bits) if b]
+        if failed:
+            raise CorruptDataError(
+                f"buddy: {len(failed)} saved activation(s) failed the format's checks when decompressed for this "
+                f"backward pass: {', '.join(failed)}. Their entries decoded to zeros, so this backward's gradients "
+                f"are not valid: drop them and the graph, and run the step again."
+            )
+
+
+def _look_ahead(schedule: Schedule, position: int) -> None:
+    """Prepare the next tensors of backward; a failure there costs the look-ahead, never the step."""
+    try:
+        schedule.advance(position)
+    except Exception as exc:
+        _warn_once(
+            f"prefetch {type(exc).__name__}: {exc}"[:200],
+            f"buddy could not prefetch saved activations ({type(exc).__name__}: {exc}); backward goes on "
+            f"without look-ahead for them. This warning is shown once per cause.",
+        )
+
+
+# ---- torch.compile -------------------------------------------------------------------
+# TorchDynamo must never trace buddy. Backward called inside a compiled train
+# step, an eager op at a graph break or a session opened inside a compiled
+# function would otherwise run the hooks -- and the BuddyTensor finalizers --
+# under the frame evaluator, which compiles the codec and the store piece by
+# piece (slow, recompiled per tensor size, and the codec's integer work handed
+# to another compiler).
+
+
+def _eager_only(fn):
+    """``fn``, never traced by TorchDynamo (called from compiled code, it runs eagerly).
+
+    Applied when a session opens. If the compiler is not loaded by then,
+    nothing in this process has been compiled, and it is not loaded for this
+    (importing it takes seconds).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return fn
+    disabled = torch.compiler.disable(fn)
+    frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
+    skip_code = getattr(sys.modules["torch._dynamo"].eval_frame, "skip_code", None)
+    if frame_callback is None or skip_code is None:  # (a torch without them: always through the compiler's wrapper)
+        return disabled
+
+    def eager(*args):
+        # Where no compiled code runs (TorchDynamo's frame callback unset: most calls), fn as it is -- the
+        # compiler's wrapper costs a few microseconds a call, on every save and unpack -- else through it.
+        return fn(*args) if frame_callback() is None else disabled(*args)
+
+    skip_code(eager.__code__)  # TorchDynamo runs this frame as it is, never traces it
+    return functools.wraps(fn)(eager)
+
+
+def _release(held: _Held) -> None:
+    held.packed = None  # the last reference frees slots and buddy memory here
+
+
+class _Held:
+    """What autograd keeps for a packed saved tensor (see :func:`_compile_safe_hooks`).
+
+    ``stride``: the strides the tensor had when its layout was not dense (it
+    decompresses contiguous), else ``None``. ``release`` runs when autograd
+    drops it, possibly inside a compiled frame (backward in a compiled step).
+    """
+
+    __slots__ = ("packed", "stride", "release")
+
+    def __init__(self, packed, stride: tuple[int, ...] | None, release):
+        self.packed = packed
+        self.stride = stride
+        self.release = release
+
+    def __del__(self):
+        self.release(self)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _compile_safe_hooks(pack, unpack):
+    """The session's pack and unpack hooks, made safe for ``torch.compile``d code.
+
+    * Packing, unpacking and releasing run eagerly, never traced
+      (:func:`_eager_only`).
+    * A tensor saved with a non-dense layout (a strided slice) decompresses
+      contiguous; it is handed back in its original strides, bit-exact:
+      inductor compiled the backward kernels for those strides and asserts
+      them (``assert_size_stride``), and an eager kernel may round
+      differently on another layout.
+    """
+    release = _eager_only(_release)
+
+    def pack_hook(t):
+        packed = pack(t)
+        if type(packed) is _AsIs:  # kept as it is: nothing to release
+            return packed
+        bt = getattr(packed, "bt", None)
+        dense = bt is None or tuple(bt.stride) == tuple(t.stride())
+        return _Held(packed, None if dense else tuple(t.stride()), release)
+
+    def unpack_hook(held):
+        if not isinstance(held, _Held):
+            return unpack(held)
+        t = unpack(held.packed)
+        if held.stride is None:
+            return t
+        out = torch.empty_strided(t.shape, held.stride, dtype=t.dtype, device=t.device)
+        as_int = _SAME_SIZE_INT.get(t.element_size())
+        if as_int is None:  # complex128: a same-dtype copy moves the bytes
+            return out.copy_(t)
+        out.view(as_int).copy_(t.view(as_int))  # integers: bit-exact for NaN payloads and -0.0 alike
+        return out
+
+    return _eager_only(pack_hook), _eager_only(unpack_hook)
