@@ -353,7 +353,8 @@ class BuddyTensor:
         )  # fmt: skip
         if overflow is self._overflow.data:
             self._overflow.used_on(ops, stream)  # read (copied to the device) on this stream: busy until it ends
-        for buffer in (*buffers, *(() if self._ends is None else (self._ends,))):
+        # (the error flag too: a slice of a step's buffer, which another stream may have allocated)
+        for buffer in (*buffers, *(b for b in (self._ends, error_flag) if b is not None)):
             ops.keep_for(buffer, stream)  # read on this stream: their memory outlives that work
         return out
 
