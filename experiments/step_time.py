@@ -140,6 +140,9 @@ class Model:
     build: Callable[[], nn.Module]
     batch: Callable[[torch.device, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     autocast: torch.dtype | None
+    #: tokens a chunk of a language model's loss (:func:`chunked_cross_entropy`), ``None``: the loss of the model's
+    #: output whole
+    loss_chunk: int | None = None
 
 
 def _resnet(batch: int, side: int) -> Model:
@@ -157,8 +160,12 @@ def _gpt(batch: int, seq: int, width: int, layers: int, heads: int, vocab: int =
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
         return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
-    description = f"GPT-2-class decoder, {layers}x{width}, {batch}x{seq} tokens, vocabulary {vocab}, bf16 autocast"
-    return Model("gpt2", description, lambda: _GPT(size, vocab=vocab), make, torch.bfloat16)
+    chunk = max(1, batch * seq // 8)
+    description = (
+        f"GPT-2-class decoder, {layers}x{width}, {batch}x{seq} tokens, vocabulary {vocab}, bf16 autocast, its loss "
+        f"in chunks of {chunk} tokens"
+    )
+    return Model("gpt2", description, lambda: _GPT(size, vocab=vocab), make, torch.bfloat16, chunk)
 
 
 #: per device kind and model, the batch a step is measured at
@@ -176,12 +183,31 @@ MODELS: dict[str, dict[str, Callable[[int | None], Model]]] = {
 }
 
 
+def _chunk_loss(features: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(features, weight).float(), targets, reduction="sum")
+
+
+def chunked_cross_entropy(features: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+    """The mean cross-entropy of the logits ``features @ weight.T`` against ``targets``, ``chunk`` tokens at a time,
+    each chunk's logits made again in backward (``torch.utils.checkpoint``): what a step holds for the loss is one
+    chunk's logits, not the whole vocabulary's for every token (as language-model training computes it)."""
+    features, targets = features.flatten(0, -2), targets.flatten()
+    total = features.new_zeros((), dtype=torch.float32)
+    for start in range(0, targets.numel(), chunk):
+        part = slice(start, start + chunk)
+        total = total + checkpoint(_chunk_loss, features[part], weight, targets[part], use_reentrant=False)
+    return total / targets.numel()
+
+
 def _loss(model: nn.Module, spec: Model, batch, around_model=None) -> torch.Tensor:
-    """The step's loss; ``around_model``: a context opened around the model's forward alone, not the loss."""
+    """The step's loss; ``around_model``: a context opened around the model's forward alone, not the loss. A model
+    with a ``loss_chunk`` computes it from its features a chunk at a time (:func:`chunked_cross_entropy`)."""
     inputs, targets = batch
     with torch.autocast(inputs.device.type, dtype=spec.autocast, enabled=spec.autocast is not None):
         with around_model if around_model is not None else contextlib.nullcontext():
-            out = model(inputs)
+            out = model.features(inputs) if spec.loss_chunk else model(inputs)
+        if spec.loss_chunk:
+            return chunked_cross_entropy(out, model.tokens.weight, targets, spec.loss_chunk)
         return F.cross_entropy(out.flatten(0, -2).float(), targets.flatten())
 
 

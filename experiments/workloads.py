@@ -266,10 +266,13 @@ class _GPT(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.zeros_(m.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def features(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The last block's output, normalised: what the head (the embedding, tied) turns into logits."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.blocks(self.tokens(tokens) + self.positions(positions))
-        return F.linear(self.ln(x), self.tokens.weight)
+        return self.ln(self.blocks(self.tokens(tokens) + self.positions(positions)))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.features(tokens), self.tokens.weight)
 
 
 class _LSTMModel(nn.Module):

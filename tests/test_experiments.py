@@ -793,3 +793,26 @@ def test_accounting_search_stays_within_host_memory():
     unknown = dataclasses.replace(small, peak_bytes=None)
     assert host_batch_cap(big, memory=8 << 30, smaller=unknown) == 2048, "the saved bytes alone (1 MiB a sample)"
     assert max_batch._peak() is None or max_batch._peak() > 0
+
+
+def test_the_chunked_loss_is_the_whole_loss():
+    """step_time's GPT-2 loss a chunk of tokens at a time (each chunk's logits made again in backward): the same loss
+    and gradients as the whole vocabulary's logits at once, within float rounding, for chunks that divide the tokens
+    and chunks that do not; and the runbook's GPT-2 computes it so."""
+    import torch.nn.functional as F
+
+    from experiments.step_time import MODELS, chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 10, 16, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, requires_grad=True)
+    y = torch.randint(0, 50, (3, 10), generator=g)
+    whole = F.cross_entropy(F.linear(h, w).flatten(0, -2).float(), y.flatten())
+    want = torch.autograd.grad(whole, (w, h))
+    for chunk in (1, 7, 30, 64):
+        part = chunked_cross_entropy(h, w, y, chunk)
+        got = torch.autograd.grad(part, (w, h))
+        assert torch.allclose(part, whole, rtol=1e-5, atol=1e-6), chunk
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(got, want)), chunk
+    spec = MODELS["cuda"]["gpt2"](None)
+    assert spec.loss_chunk == 16 * 1024 // 8 and "chunks" in spec.description
