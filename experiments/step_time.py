@@ -205,9 +205,10 @@ def _loss(model: nn.Module, spec: Model, batch, around_model=None) -> torch.Tens
     inputs, targets = batch
     with torch.autocast(inputs.device.type, dtype=spec.autocast, enabled=spec.autocast is not None):
         with around_model if around_model is not None else contextlib.nullcontext():
-            out = model.features(inputs) if spec.loss_chunk else model(inputs)
+            out = getattr(model, "features")(inputs) if spec.loss_chunk else model(inputs)
         if spec.loss_chunk:
-            return chunked_cross_entropy(out, model.tokens.weight, targets, spec.loss_chunk)
+            head = getattr(model.get_submodule("tokens"), "weight")  # (the head, tied to the embedding)
+            return chunked_cross_entropy(out, head, targets, spec.loss_chunk)
         return F.cross_entropy(out.flatten(0, -2).float(), targets.flatten())
 
 
