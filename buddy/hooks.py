@@ -41,6 +41,12 @@ __all__ = ["DEFAULT_MIN_BYTES"]
 DEFAULT_MIN_BYTES = 1 << 20
 
 
+def _in_backward() -> bool:
+    """Whether a backward pass is running on this thread: a tensor saved now belongs to a forward recomputed inside
+    it (a checkpointed region's), which autograd uses at once and frees with the node that saved it."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _capturing() -> bool:
     """Whether the current CUDA stream is being captured into a CUDA graph (a compress would break it)."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
@@ -158,6 +164,8 @@ class _SavedTensorHooks:
             return "small"
         if _capturing():  # one it would take: kept, and counted as such
             return "capturing"
+        if _in_backward():  # a checkpoint's recomputation: autograd uses it at once, and frees it
+            return "backward"
         return None
 
     def _pack(self, t: torch.Tensor):
@@ -169,7 +177,8 @@ class _SavedTensorHooks:
                 st.skipped += 1
                 st.skipped_bytes += t.numel() * t.element_size()
                 st.captured += reason == "capturing"
-                if reason != "parameter":
+                st.in_backward += reason == "backward"
+                if reason not in ("parameter", "backward"):
                     st.kept_bytes += t.numel() * t.element_size()
                 return _AsIs(t)  # never ``t`` itself: see "kept as it is" in the module doc
             storage = t.untyped_storage()

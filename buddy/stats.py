@@ -77,6 +77,8 @@ class SessionStats:
     kept_bytes: int = 0  # bytes of saved activations (not parameters) left uncompressed: small, unsupported, failed
     failed: int = 0  # packing raised: the original tensor was kept
     captured: int = 0  # saves kept as they are (among ``skipped``) while a CUDA graph was being captured
+    #: saves made while a backward pass ran (among ``skipped``: a checkpointed region's recomputation, used at once)
+    in_backward: int = 0
     compress_seconds: float = 0.0
     decompress_seconds: float = 0.0
     decompressions: int = 0
@@ -164,6 +166,8 @@ class SessionStats:
             )
         if self.captured:
             lines.append(f"{self.captured} save(s) kept as they are: a CUDA graph was being captured")
+        if self.in_backward:
+            lines.append(f"{self.in_backward} save(s) made in backward (a checkpoint's recomputation) kept as they are")
         p = self.prefetch
         if p.prefetched or p.unpacked_ahead:
             lines.append(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 
@@ -391,6 +392,41 @@ def test_failing_codec_keeps_original_and_warns_once(tracker, store, temporary_c
     st = failing[2][-1].stats()
     assert st.failed > 0 and not st.rows
     assert store.bytes_held == 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpoints_recomputation_in_backward_is_not_compressed(reentrant, tracker, store):
+    """Backward run inside the block: a reentrant checkpoint's forward, recomputed there, saves its tensors through
+    the session's hooks; autograd uses them at once, so they are kept as they are (counted), not compressed again.
+    A non-reentrant checkpoint's recomputation saves through its own hooks, which the session never sees. Either
+    way the gradients are checkpointing's alone, bit for bit."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
+
+    def step(session=None):
+        net.zero_grad()
+        with session if session is not None else contextlib.nullcontext():
+            h = net[1](net[0](x))
+            h = checkpoint(lambda t: net[3](net[2](t)), h, use_reentrant=reentrant)
+            net[4](h).square().mean().backward()
+        return [p.grad.clone() for p in net.parameters()]
+
+    alone = step()
+    session = buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN)
+    both = step(session)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(alone, both))
+    st = session.stats()
+    # the recomputed ReLU's output (the region's input is a leaf that requires grad there: skipped as a weight)
+    assert st.rows and st.in_backward == (1 if reentrant else 0)
+    assert ("made in backward" in str(st)) is reentrant
+    forward = buddy.compressed_activations(tracker=buddy.Tracker(), store=store, min_bytes=MIN)
+    with forward:  # the same forward, backward outside the block: the same tensors compressed
+        h = net[1](net[0](x))
+        h = checkpoint(lambda t: net[3](net[2](t)), h, use_reentrant=reentrant)
+        loss = net[4](h).square().mean()
+    loss.backward()
+    assert [(r.shape, r.dtype) for r in forward.stats().rows] == [(r.shape, r.dtype) for r in st.rows]
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
