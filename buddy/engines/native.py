@@ -274,6 +274,11 @@ def _build(codec: str, entry_bytes: int, solo: bool = False) -> Path:
     if out.exists():
         return out
     tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    # a first use waits for the compiler (seconds): say so, once per build, where the wait is
+    print(
+        f"buddy: building the native engine of {codec} at {entry_bytes}-byte entries (once; cached in {out.parent})",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
     cmd = [cxx, *options, *flags, f"-I{csrc}", f"-I{csrc / 'host'}", str(csrc / "host" / "native.cpp"), "-o", str(tmp)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode:
