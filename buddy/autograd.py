@@ -133,7 +133,6 @@ class Session(_SavedTensorHooks):
             row = p.row
             row.buddy_bytes = 0 if p.bt is None else p.bt.buddy_bytes
             row.ideal_bytes = Layout.compacted_bytes(histogram)
-            st.device_bytes += row.device_bytes
             st.buddy_bytes += row.buddy_bytes
             st.ideal_bytes += row.ideal_bytes
             slot = p.layout.sectors_per_entry if p.bt is None else p.bt.slot_sectors
@@ -193,7 +192,8 @@ class Session(_SavedTensorHooks):
                 f"keeping it uncompressed. Training is unaffected. This warning is shown once per cause.",
             )
             return None
-        row = self._row(t, result, key, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        row = self._row(t, key, elapsed, result.bt, result.histogram, result.predicted, result.corrected)
         packed = (
             _Kept(t, self.tracker)
             if result.bt is None
@@ -231,25 +231,20 @@ class Session(_SavedTensorHooks):
                 return None
             codec = bt.codec_object
         elapsed = time.perf_counter() - start
-        row = KeyRow(
-            key=key, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-            codec="kept" if bt is None else bt.codec, target_ratio=1.0 if bt is None else bt.target_ratio,
-            original_bytes=layout.nbytes, device_bytes=layout.nbytes if bt is None else bt.device_bytes,
-            buddy_bytes=0, ideal_bytes=0, predicted_overflow_bytes=place.predicted_overflow_bytes,
-            compress_seconds=elapsed, corrected=place.corrected,
-        )  # fmt: skip (buddy and ideal bytes: once the sizes are read, where forward ends)
-        st = self._stats
-        st.rows.append(row)
-        st.corrected += place.corrected
-        st.compress_seconds += elapsed
+        row = self._row(t, key, elapsed, bt, None, place.predicted_overflow_bytes, place.corrected)
         self._pending.append(_Pending(row, layout, t.device, bt, codec))
         packed = _Kept(t, tracker) if bt is None else _Compressed(bt, self, row, self._schedule, self._checks)
         return packed, row
 
-    def _row(self, t, result: _Packed, key: str, elapsed: float) -> KeyRow:
+    def _row(
+        self, t, key: str, elapsed: float, bt: BuddyTensor | None, histogram, predicted: int | None, corrected: bool
+    ) -> KeyRow:
+        """The stats row of a tensor taken (``bt``: ``None`` where it is kept as it is), counted in the totals.
+        ``histogram``: its sizes, or ``None`` where they are read later (packed ahead): its buddy and ideal bytes
+        are filled in then (:meth:`_settle`)."""
         st = self._stats
         nbytes = t.numel() * t.element_size()
-        bt = result.bt
+        sized = histogram is not None
         row = KeyRow(
             key=key,
             shape=tuple(t.shape),
@@ -258,13 +253,13 @@ class Session(_SavedTensorHooks):
             target_ratio=bt.target_ratio if bt is not None else 1.0,
             original_bytes=nbytes,
             device_bytes=bt.device_bytes if bt is not None else nbytes,
-            buddy_bytes=bt.buddy_bytes if bt is not None else 0,
-            ideal_bytes=Layout.compacted_bytes(result.histogram),
-            predicted_overflow_bytes=result.predicted,
+            buddy_bytes=bt.buddy_bytes if bt is not None and sized else 0,
+            ideal_bytes=Layout.compacted_bytes(histogram) if sized else 0,
+            predicted_overflow_bytes=predicted,
             compress_seconds=elapsed,
-            corrected=result.corrected,
+            corrected=corrected,
         )
-        st.corrected += result.corrected
+        st.corrected += corrected
         st.device_bytes += row.device_bytes
         st.buddy_bytes += row.buddy_bytes
         st.ideal_bytes += row.ideal_bytes
