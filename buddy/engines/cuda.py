@@ -616,11 +616,18 @@ def remember_device_table(table: Table, laid_out: torch.Tensor) -> torch.Tensor:
 
 def _on_device(table: Table, device: torch.device) -> torch.Tensor:
     """:func:`device_table` of ``table`` on ``device``: copied there once (kept on the table), never written."""
-    found = table.on_device.get(device)
+    return _copy_once(table.on_device, device, lambda: device_table(table))
+
+
+def _copy_once(copies: dict[torch.device, torch.Tensor], device: torch.device, host) -> torch.Tensor:
+    """``copies[device]``, made the first time from ``host()`` (host bytes nothing writes): on a GPU from pinned
+    memory, without waiting (the kernels that read it follow on the current stream)."""
+    found = copies.get(device)
     if found is None:
-        laid_out = device_table(table)
-        found = laid_out if laid_out.device == device else laid_out.to(device, non_blocking=True)
-        table.on_device[device] = found
+        made = host()
+        if made.device != device:
+            made = (made.pin_memory() if device.type == "cuda" else made).to(device, non_blocking=True)
+        found = copies[device] = made
     return found
 
 
@@ -833,10 +840,17 @@ def reads_overflow_in_place(overflow: torch.Tensor, device: torch.device) -> boo
     """
     if os.environ.get(ZERO_COPY_ENV) != "1":
         return False
-    if overflow.device.type != "cpu" or not overflow.numel() or not overflow.is_pinned():
+    return bool(overflow.numel()) and _device_reaches(overflow, device)
+
+
+def _device_reaches(host: torch.Tensor, device: torch.device) -> bool:
+    """Whether the kernels on CUDA ``device`` can load and store ``host`` (host memory) where it is, over the bus:
+    16-byte aligned (their loads and stores), pinned with the mapping into the device's address space (not a store
+    block the runtime pinned without it), on a device that takes a registered host pointer as it is."""
+    if host.device.type != "cpu" or host.data_ptr() % ALIGN_BYTES or not host.is_pinned():
         return False
-    if overflow.data_ptr() % ALIGN_BYTES or overflow.untyped_storage().data_ptr() in UNMAPPED_HOST:
-        return False  # the kernels' 16-byte loads, or a store block pinned without the mapping: copied first
+    if host.untyped_storage().data_ptr() in UNMAPPED_HOST:
+        return False
     return _takes_host_pointers(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -1054,11 +1068,7 @@ class CudaEngine(Engine):
             return False
         if self.kernels.device_type == "cpu":
             return device.type == "cpu"
-        if not into.numel():
-            return True
-        if not into.is_pinned() or into.untyped_storage().data_ptr() in UNMAPPED_HOST:
-            return False
-        return _takes_host_pointers(device.index if device.index is not None else torch.cuda.current_device())
+        return not into.numel() or _device_reaches(into, device)
 
     def pack_ahead(self, flat, layout, slot, histogram, into, *, prior=None, keep=None, count=True):
         """Compress ``flat`` with a slot chosen before its sizes are known: nothing is read back.
@@ -1092,15 +1102,7 @@ class CudaEngine(Engine):
         copy per table and device, shared by every tensor coded with it (none writes it); ``None`` without one."""
         fpe = _fpe_member(self.codec)
         table = None if fpe is None else fpe.fitted
-        if table is None:
-            return None
-        found = table.stored_on.get(device)
-        if found is None:
-            found = table.to_bytes()
-            if found.device != device:
-                found = (found.pin_memory() if device.type == "cuda" else found).to(device, non_blocking=True)
-            table.stored_on[device] = found
-        return found
+        return None if table is None else _copy_once(table.stored_on, device, table.to_bytes)
 
     def measure_ahead(self, flat, layout, histogram, *, prior=None, keep=None, count=True):
         """:meth:`pack_ahead`'s fit and sizes alone, nothing packed (a tensor kept as it is, whose key goes on
