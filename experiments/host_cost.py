@@ -38,11 +38,11 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import buddy
 from experiments import cli
 from experiments.common import format_table, progress
+from experiments.operators import OperatorCount
 
 __all__ = ["measure", "main"]
 
@@ -136,21 +136,6 @@ def _cnn(device: str):
 MODELS = {"mlp16-bf16": (_mlp, True), "cnn7-fp32": (_cnn, False)}
 
 
-class _Operators(TorchDispatchMode):
-    """Counts the torch operators dispatched that allocate or compute (views and detaches apart)."""
-
-    _VIEWS = ("detach", "slice", "view", "as_strided", "alias", "expand", ".t.", "transpose", "squeeze", "permute")
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        self.count += not any(v in name for v in self._VIEWS)
-        return func(*args, **(kwargs or {}))
-
-
 def model_steps(name: str, *, steps: int, warmup: int, device: str) -> dict:
     """One row of a model of :data:`MODELS`: its step plain, sized first and ahead (see the module doc)."""
     build, autocast = MODELS[name]
@@ -182,7 +167,7 @@ def model_steps(name: str, *, steps: int, warmup: int, device: str) -> dict:
     row: dict = {"model": name, "device": device, "steps": steps}
     operators = {}
     for kind in kinds:  # over count_every steps: a key's symbols counted in one of them, as in the steady state
-        with _Operators() as counted:
+        with OperatorCount() as counted:
             for _ in range(tracker.count_every):
                 session = step(kind)
         operators[kind] = counted.count / tracker.count_every

@@ -11,7 +11,6 @@ buddy and against the strict step.
 
 from __future__ import annotations
 
-import collections
 import functools
 import re
 import warnings
@@ -20,7 +19,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import DATA_KINDS, assert_bitexact, emulated_cpu_kernels, fuzz_settings, make_data, record_results
 from hypothesis import given
@@ -29,6 +27,7 @@ from hypothesis import strategies as st
 import buddy
 from buddy import engines, pipeline
 from buddy.engines import cuda as bcuda
+from experiments.operators import OperatorCount
 
 pytestmark = [
     pytest.mark.library_defaults,  # the library's defaults: auto2 at 4096 B, on the native engine
@@ -123,22 +122,6 @@ def test_forward_reads_nothing_until_it_ends():
     assert after.rows[-1].ideal_bytes > 0  # filled in where forward ended
 
 
-#: operators that neither allocate nor compute: views, and what autograd does to every saved tensor anyway
-_VIEWS = ("detach", "slice", "view", "as_strided", "alias", "expand", ".t.", "transpose", "unsqueeze", "squeeze")
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if not any(v in name for v in _VIEWS):
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_a_compressed_tensor_costs_at_most_four_operators(kind):
     """A steady step's torch operators that allocate or compute, beyond the plain step's: at most four a compressed
@@ -159,7 +142,7 @@ def test_a_compressed_tensor_costs_at_most_four_operators(kind):
         step(run)
     counted = []
     for session in (functools.partial(buddy.compressed_activations, enabled=False), run):
-        with _Count() as c:
+        with OperatorCount() as c:  # (views and detaches apart)
             s = step(session)
         counted.append(c.ops)
     plain, ours = counted
