@@ -100,12 +100,12 @@ def test_a_steady_step_reads_twice_and_trains_bit_identically(kind):
     # the first step sizes every tensor (a new key: one read each, its table's fit with it; and the kernels'
     # self-test, the first time in the process); then the plan
     assert stats[0].host_reads >= n + 1
-    assert all(st.host_reads == 2 for st in stats[1:]), [st.host_reads for st in stats]
-    for st in stats[1:]:
-        assert all(r.predicted_overflow_bytes is not None for r in st.rows)
-        assert st.buddy_bytes == sum(r.buddy_bytes for r in st.rows) and st.ideal_bytes > 0
+    assert all(step.host_reads == 2 for step in stats[1:]), [step.host_reads for step in stats]
+    for step in stats[1:]:
+        assert all(r.predicted_overflow_bytes is not None for r in step.rows)
+        assert step.buddy_bytes == sum(r.buddy_bytes for r in step.rows) and step.ideal_bytes > 0
     strict, _ = train(kind, 4, sessions(strict=True))
-    assert [st.host_reads for st in strict[1:]] == [n + 1] * 3  # a read per tensor, and backward's
+    assert [step.host_reads for step in strict[1:]] == [n + 1] * 3  # a read per tensor, and backward's
 
 
 def test_forward_reads_nothing_until_it_ends():
@@ -240,11 +240,11 @@ def emulated_zvc():
 @pytest.mark.emulator
 def test_the_kernels_pack_ahead_under_the_emulator(emulated_zvc):
     """The kernel sources, unchanged, under the emulator: each pack ahead is launched with exactly the overflow its
-    sums say it writes (a write past it is caught, every byte of it must be written), the step is bit-exact, and
-    a damaged entry raises where backward ends, naming its key."""
+    sums say it writes (a write past it is caught, every byte of it must be written), and the step is bit-exact.
+    (A damaged entry: test_a_damaged_tensor_packed_ahead_raises_where_backward_ends.)"""
     policy = buddy.FixedRatio(2.0)  # a fixed slot: planned ahead from the first step
     run = sessions(strict=False)
-    model, (x, y) = mlp(), batch("mlp")
+    model, (x, _) = mlp(), batch("mlp")
     model = model[:5]  # two layers: a few launches
     x = x[:64]
     for step in range(2):
@@ -268,7 +268,7 @@ def test_policies_that_need_no_sizes_plan_every_key_from_the_first_step():
     for policy, sized in ((buddy.FixedRatio(2.0), False), (buddy.CompressedOffload(), False),
                           (buddy.BuddyThreshold(0.1), True)):  # fmt: skip
         run = sessions(strict=False)
-        model, (x, y) = mlp(), batch("mlp")
+        model, (x, _) = mlp(), batch("mlp")
         model = model[:7]  # three layers: 256 x 256 float32 activations, 256 KiB each
         reads = []
         for _ in range(2):
