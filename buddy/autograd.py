@@ -127,7 +127,7 @@ class Session(_SavedTensorHooks):
         sizes = {device: iter(self._histograms.read(device)) for device in self._histograms.devices}
         st = self._stats
         for p in pending:
-            histogram = next(sizes[p.device])
+            histogram = next(sizes[p.device])[: p.layout.bins]
             if p.bt is not None:
                 p.bt.settle(histogram)
             row = p.row
@@ -218,7 +218,7 @@ class Session(_SavedTensorHooks):
         place = tracker.plan_ahead(key, layout, policy=self.policy, table_bytes=carried)
         if place is None:
             return None
-        histogram = self._histograms.take(layout.bins, t.device)
+        histogram = self._histograms.take(layout.bins + 1, t.device)  # the sizes, then the kernels' count of blocks
         bt = None
         if place.keep:  # the raw slot: kept as it is, its sizes counted all the same (the key goes on learning)
             codec = engine.measure_ahead(memory_bytes(t)[0], layout, histogram, prior=prior, keep=fitted, count=count)

@@ -143,9 +143,10 @@ def pack_ahead(
 
     What a training step does with the tracker's plan (:mod:`buddy.autograd`,
     ``strict=False``): ``engine`` and ``layout`` from :func:`resolve`,
-    ``slot`` from the plan, ``histogram`` ``layout.bins`` zero int64 on the
-    tensor's device that the sizes are added to -- a slice of a buffer the
-    step reads once for all its tensors. The overflow goes where the pack
+    ``slot`` from the plan, ``histogram`` ``layout.bins + 1`` zero int64 on
+    the tensor's device that the sizes are added to (the last element the
+    kernels' own) -- a slice of a buffer the step reads once for all its
+    tensors. The overflow goes where the pack
     kernel writes it, into a range of ``store`` reserved at its worst case
     (every entry raw), which :meth:`BuddyTensor.settle` trims to what it
     holds once the histogram is read. ``prior``, ``keep``, ``count``: as in
@@ -155,6 +156,9 @@ def pack_ahead(
     does not pack ahead, a codec with a table and no prior, checksums on by default, a store without room for
     the worst case, buddy memory the device cannot write): the caller then measures and packs (one read).
     """
+    if not isinstance(histogram, torch.Tensor) or histogram.dtype != torch.int64 or histogram.shape != (layout.bins + 1,):
+        got = tuple(histogram.shape) if isinstance(histogram, torch.Tensor) else type(histogram).__name__
+        raise ValueError(f"histogram must be {layout.bins + 1} zero int64 (layout.bins + 1), got {got}")
     if not engine.packs_ahead or (prior is None and engine.codec.format_version >= 2) or config.defaults().checksum:
         # (a codec with a table and no prior: its table is fitted to the tensor's counts, read back; checksums: of
         # buffers the host reads, every one of them)
@@ -176,7 +180,7 @@ def pack_ahead(
         table = engine.stored_table(tensor.device)
         return BuddyTensor(
             shape=tensor.shape, stride=stride, dtype=tensor.dtype, device=tensor.device, codec=codec, layout=layout,
-            slot_sectors=slot, histogram=histogram, slots=slots, meta=meta, overflow=overflow, store=store,
+            slot_sectors=slot, histogram=histogram[: layout.bins], slots=slots, meta=meta, overflow=overflow, store=store,
             ledger=ledger, backend=engine.backend, table=table, ends=ends,
         )  # fmt: skip
     except BaseException:

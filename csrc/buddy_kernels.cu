@@ -47,8 +47,8 @@
 #define BUDDY_SHARED_TABLES 0
 #endif
 // Pack's table of whole fields (codec_fpe.h, make_fields) in each block's shared memory, before the warps' staging
-// (1, with BUDDY_SHARED_TABLES); or a word's field made from the table in global memory (0, the default: on the
-// H200 the fields' pack ran fewer warps and took 1.3x as long; buddy.engines.cuda.PACK_FIELDS_ENV).
+// (1, with BUDDY_SHARED_TABLES); or a word's field made from the table in global memory (0, the default: the
+// fields' pack runs fewer warps an SM, and a GPU measured it slower; buddy.engines.tuning.Tuning.pack_fields).
 #if !defined(BUDDY_PACK_FIELDS)
 #define BUDDY_PACK_FIELDS 0
 #endif
@@ -136,23 +136,25 @@ __device__ __forceinline__ void buddy_measure_body(const uint8_t* __restrict__ d
     if (counts[j]) atomicAdd(&histogram[j], (unsigned long long)counts[j]);
 }
 
-// The threads of an ends launch (one block): each sums a contiguous run of entries, the block's runs are put
-// together by its first thread, and each writes its run's sums.
+// The threads of a block that sums the overflow (the ends kernel's one block, the sizes kernel's last): each of the
+// first BUDDY_ENDS_THREADS sums a contiguous run of entries, the block's runs are put together by its first thread,
+// and each writes its run's sums.
 #define BUDDY_ENDS_THREADS 256
 
 // Per entry, the overflow sectors of entries 0..i (the inclusive sum of max(k - s, 0)): where pack places each
-// entry's overflow and unpack finds it. One block of at most BUDDY_ENDS_THREADS threads (the native engine's: one);
-// `run`: BUDDY_ENDS_THREADS of the block's shared memory.
-__device__ __forceinline__ void buddy_ends_body(const buddy_meta_t* __restrict__ meta, long long n_entries,
-                                                uint32_t s, long long* __restrict__ ends, long long* run) {
-  if (blockIdx.x != 0 || threadIdx.x >= BUDDY_ENDS_THREADS) return;
+// entry's overflow and unpack finds it. Every thread of one block calls it (the native engine's block: one thread);
+// `run`: BUDDY_ENDS_THREADS of the block's shared memory. `meta` is not __restrict__: the sizes kernel reads here
+// what its other blocks wrote in the same launch, which a read-only load path need not see.
+__device__ __forceinline__ void buddy_ends_block(const buddy_meta_t* meta, long long n_entries, uint32_t s,
+                                                 long long* __restrict__ ends, long long* run) {
   const long long threads = blockDim.x < BUDDY_ENDS_THREADS ? blockDim.x : BUDDY_ENDS_THREADS;
+  const bool summing = threadIdx.x < threads;
   const long long per = (n_entries + threads - 1) / threads;
-  const long long lo = per * threadIdx.x < n_entries ? per * threadIdx.x : n_entries;
+  const long long lo = summing && per * threadIdx.x < n_entries ? per * threadIdx.x : n_entries;
   const long long hi = lo + per < n_entries ? lo + per : n_entries;
   long long sum = 0;
   for (long long i = lo; i < hi; ++i) sum += buddy_overflow_sectors(buddy_meta_k(meta[i]), s);
-  run[threadIdx.x] = sum;
+  if (summing) run[threadIdx.x] = sum;
   __syncthreads();
   if (threadIdx.x == 0) {  // the runs' sums before each (a few hundred additions: one thread)
     long long before = 0;
@@ -163,11 +165,51 @@ __device__ __forceinline__ void buddy_ends_body(const buddy_meta_t* __restrict__
     }
   }
   __syncthreads();
-  sum = run[threadIdx.x];
+  sum = summing ? run[threadIdx.x] : 0;
   for (long long i = lo; i < hi; ++i) {
     sum += buddy_overflow_sectors(buddy_meta_k(meta[i]), s);
     ends[i] = sum;
   }
+}
+
+// A block's arrival at the end of its part of a launch: *done + 1, returning what it held. On a GPU the fence before
+// it makes the arriving thread's writes, and those of the threads that met it at a barrier, visible to the device
+// before the count says so; the one after, what the others made visible before theirs, to the thread that sees the
+// last count. On a host runtime (the emulator, the native engine) the add is itself a release and an acquire.
+__device__ __forceinline__ unsigned long long buddy_arrive(unsigned long long* done) {
+#if defined(BUDDY_EMULATOR)
+  return __atomic_fetch_add(done, 1ull, __ATOMIC_ACQ_REL);
+#else
+  __threadfence();
+  const unsigned long long before = atomicAdd(done, 1ull);
+  __threadfence();
+  return before;
+#endif
+}
+
+// Whether this block is the last of its launch to get here; every thread of every block calls it once, after the
+// writes the last block then reads. `done`: zero before the launch (a count of the blocks arrived); `last`: a word of
+// the block's shared memory (the kernel's: a __shared__ variable of an inline function is one the host runtimes'
+// shared section cannot hold beside the kernels').
+__device__ __forceinline__ bool buddy_last_block(unsigned long long* done, unsigned int* last) {
+  __syncthreads();  // the block's threads have written
+  if (threadIdx.x == 0) *last = buddy_arrive(done) + 1 == (unsigned long long)gridDim.x;
+  __syncthreads();  // `last` written; the acquire above ordered before every thread's reads after
+  return *last != 0;
+}
+
+// The sizes kernel: measure (buddy_measure_body), then, in whichever block is done last, the overflow's prefix sums
+// for slots of s sectors (buddy_ends_block): a slot chosen before the sizes are known (a tracker's plan) compresses
+// in two launches, this and pack, with nothing read back. histogram[E/32 + 1] counts the blocks done.
+template <class Codec>
+__device__ __forceinline__ void buddy_sizes_body(const uint8_t* __restrict__ data, const uint8_t* __restrict__ tail,
+                                                 long long n_full, long long n_entries, buddy_meta_t* meta,
+                                                 unsigned long long* __restrict__ histogram,
+                                                 const uint8_t* __restrict__ table, uint32_t s,
+                                                 long long* __restrict__ ends, long long* run, unsigned int* last) {
+  buddy_measure_body<Codec>(data, tail, n_full, n_entries, meta, histogram, table);
+  if (buddy_last_block(histogram + BUDDY_SECTORS_PER_ENTRY + 1, last))
+    buddy_ends_block(meta, n_entries, s, ends, run);
 }
 
 template <class Codec>
@@ -383,12 +425,31 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
       int word_bytes) {                 /* word size in bytes (every kernel's last parameter; unused) */            \
     (void)word_bytes;                                                                                              \
     __shared__ long long runs[BUDDY_ENDS_THREADS];                                                                 \
-    buddy_ends_body(reinterpret_cast<const buddy_meta_t*>(meta), n_entries, (uint32_t)slot, ends,                  \
-                    buddy_shared_array(runs));                                                                     \
+    if (blockIdx.x == 0)                                                                                           \
+      buddy_ends_block(reinterpret_cast<const buddy_meta_t*>(meta), n_entries, (uint32_t)slot, ends,               \
+                       buddy_shared_array(runs));                                                                  \
+  }
+#define BUDDY_SIZES_KERNEL(NAME, CODEC)                                                                            \
+  /* measure and, in the block done last, the overflow's prefix sums for a slot chosen before (launched as measure) */ \
+  extern "C" __global__ void BUDDY_MEASURE_BOUNDS buddy_##NAME##_sizes(                                            \
+      const uint8_t* __restrict__ data,  /* in: the tensor's bytes, n_full * E of whole entries */                  \
+      const uint8_t* __restrict__ tail,  /* in: E bytes, the last entry zero-padded (if n_full < n) */              \
+      long long n_full,                  /* entries wholly inside data */                                            \
+      long long n_entries,               /* entries of the tensor */                                                 \
+      uint8_t* meta,                     /* out: n_entries metadata words (read again by the last block) */         \
+      unsigned long long* __restrict__ histogram, /* in/out: E/32 + 2, zero: the counts of k, then blocks done */  \
+      const uint8_t* __restrict__ table, /* in: the codec's device table, or null (see above) */                    \
+      int slot,                          /* s: sectors per slot, 0 .. E/32 */                                        \
+      long long* __restrict__ ends,      /* out: n_entries, overflow sectors of entries 0..i (inclusive sum) */     \
+      int word_bytes) {                  /* word size in bytes: 1, 2, 4 or 8 */                                      \
+    __shared__ long long runs[BUDDY_ENDS_THREADS];                                                                 \
+    __shared__ unsigned int last;                                                                                  \
+    BUDDY_WORD_SWITCH(CODEC, buddy_sizes_body, data, tail, n_full, n_entries, reinterpret_cast<buddy_meta_t*>(meta), \
+                      histogram, table, (uint32_t)slot, ends, buddy_shared_array(runs), buddy_shared_array(&last)) \
   }
 #define BUDDY_FORMAT_KERNELS(NAME, CODEC, BOUNDS)                                                                  \
-  BUDDY_MEASURE_KERNEL(NAME, CODEC) BUDDY_ENDS_KERNEL(NAME) BUDDY_PACK_KERNEL(NAME, CODEC)                         \
-  BUDDY_UNPACK_KERNEL(NAME, CODEC, BOUNDS)
+  BUDDY_MEASURE_KERNEL(NAME, CODEC) BUDDY_ENDS_KERNEL(NAME) BUDDY_SIZES_KERNEL(NAME, CODEC)                       \
+  BUDDY_PACK_KERNEL(NAME, CODEC) BUDDY_UNPACK_KERNEL(NAME, CODEC, BOUNDS)
 
 // A codec with a table fits it where the tensor is: its symbol counts (one
 // pass over the tensor), then the table (one warp). Launch: count, any grid,

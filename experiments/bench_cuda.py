@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import shlex
 import statistics
 import sys
@@ -56,6 +55,7 @@ import torch
 import buddy
 from buddy import env
 from buddy.deps import require_cuda
+from buddy.engines.tuning import current, tuned
 from buddy.errors import MissingDependencyError
 from experiments.bench_codecs import Baseline, RoundTripError, timed
 
@@ -95,20 +95,6 @@ def _row(
         "decompress_gbps": _gbps(nbytes, d["median_s"]),
         **extra,
     }
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: str) -> Iterator[None]:
-    """``name=value`` in the environment for the block (buddy reads its switches at every use)."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
 
 
 @contextlib.contextmanager
@@ -251,21 +237,21 @@ def run(
 ) -> dict[str, Any]:
     """Benchmark every tensor (all on one device) with every method; ``{"rows", "pcie", "errors"}``.
 
-    ``zero_copy``: each codec's kernels once more with ``BUDDY_ZERO_COPY=1`` (method ``.../cuda+zero-copy``:
+    ``zero_copy``: each codec's kernels once more tuned ``zero_copy=True`` (method ``.../cuda+zero-copy``:
     unpack reads the overflow in pinned host memory instead of copying it to the device first; compress is the
     same code either way). ``global_table``: each table codec's kernels once more with
-    ``BUDDY_SHARED_TABLES=0`` (method ``.../cuda+global-table``: unpack reads the table in global memory through
+    ``shared_tables=False`` (method ``.../cuda+global-table``: unpack reads the table in global memory through
     L1, as before each block copied it into its shared memory). ``other_count``: each table codec's kernels once
     more with the count kernel's form the tensor's word size does not take by default
-    (:func:`buddy.engines.cuda.count_matches`; ``BUDDY_COUNT_MATCH``; method ``.../cuda+count-ballot``: a warp's
+    (:meth:`buddy.engines.tuning.Tuning.count_matches`; method ``.../cuda+count-ballot``: a warp's
     zero words by ballots and its other words added one by one, or ``.../cuda+count-match``: a warp's equal keys
-    matched). ``pack_fields``: each table codec's kernels once more with ``BUDDY_PACK_FIELDS=1`` (method
+    matched). ``pack_fields``: each table codec's kernels once more tuned ``pack_fields=True`` (method
     ``.../cuda+pack-fields``: pack reads each word's whole field from a table its block makes in shared memory).
     ``max_blocks``: each codec's kernels once more for each ``n`` with at most ``n`` blocks
     a launch (method ``.../cuda+blocks<=n``), the warps looping over the entries: whether a grid of about one wave
     keeps more warps resident than a warp per entry, whose blocks hold their shared memory until their slowest
     warp is done. ``unpack_warps``: each table codec's kernels once more for each ``n`` with
-    ``BUDDY_UNPACK_WARPS=n`` (method ``.../cuda+unpack-warps=n``): unpack at most ``n`` warps an SM, its decompress
+    ``unpack_warps=n`` (method ``.../cuda+unpack-warps=n``): unpack at most ``n`` warps an SM, its decompress
     against the default's, how its speed grows with the warps an SM. ``baselines``: nvcomp's
     (:func:`nvcomp_or_exit`). A baseline that fails on a tensor is recorded in ``errors`` (method, tensor, the
     error) and the run goes on; buddy's codecs must round trip or the run stops.
@@ -287,26 +273,24 @@ def run(
                 rows.append(row)
                 log(_line(rows[-1]))
             if zero_copy and "cuda" in backends:
-                with _environment(buddy.engines.cuda.ZERO_COPY_ENV, "1"):
+                with tuned(zero_copy=True):
                     row, in_place = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
                 rows.append({**row, "method": f"{row['method']}+zero-copy", "zero_copy": True})
                 log(_line(rows[-1]))
                 in_place.free()
             tabled = "cuda" in backends and codec in buddy.engines.cuda.TABLED_KERNELS
-            kernels = buddy.engines.cuda
-            form = "0" if kernels.count_matches(x.element_size()) else "1"  # the count's form not taken by default
-            count_form = "count-match" if form == "1" else "count-ballot"
-            # (wanted, the switch and its value, the method's suffix, what the row is marked with)
-            variants: tuple[tuple[bool, str, str, str, dict[str, Any]], ...] = (
-                (global_table, kernels.SHARED_TABLES_ENV, "0", "global-table", {"global_table": True}),
-                (other_count, kernels.COUNT_MATCH_ENV, form, count_form, {count_form.replace("-", "_"): True}),
-                (pack_fields, kernels.PACK_FIELDS_ENV, "1", "pack-fields", {"pack_fields": True}),
-                *((True, kernels.UNPACK_WARPS_ENV, str(n), f"unpack-warps={n}", {"unpack_warps": n})
-                  for n in unpack_warps),
+            match = not current().count_matches(x.element_size())  # the count's form not taken by default
+            count_form = "count-match" if match else "count-ballot"
+            # (wanted, the tuning's change, the method's suffix, what the row is marked with)
+            variants: tuple[tuple[bool, dict[str, Any], str, dict[str, Any]], ...] = (
+                (global_table, {"shared_tables": False}, "global-table", {"global_table": True}),
+                (other_count, {"count_match": match}, count_form, {count_form.replace("-", "_"): True}),
+                (pack_fields, {"pack_fields": True}, "pack-fields", {"pack_fields": True}),
+                *((True, {"unpack_warps": n}, f"unpack-warps={n}", {"unpack_warps": n}) for n in unpack_warps),
             )  # fmt: skip
-            for wanted, env, value, suffix, mark in variants:
+            for wanted, change, suffix, mark in variants:
                 if wanted and tabled:
-                    with _environment(env, value):
+                    with tuned(**change):
                         row, other = bench_buddy(name, x, codec, "cuda", store, repeats, warmup)
                     rows.append({**row, "method": f"{row['method']}+{suffix}", **mark})
                     log(_line(rows[-1]))
@@ -398,20 +382,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed ones")
     p.add_argument("--no-nvcomp", action="store_true", help="measure without nvcomp (by default it is required)")
     p.add_argument("--zero-copy", action="store_true",
-                   help="each codec once more with BUDDY_ZERO_COPY=1 (unpack reads the overflow in pinned host memory)")
+                   help="each codec once more tuned zero_copy=True (unpack reads the overflow in pinned host memory)")
     p.add_argument("--global-table", action="store_true",
-                   help="each table codec once more with BUDDY_SHARED_TABLES=0 (unpack reads the table in global "
+                   help="each table codec once more tuned shared_tables=False (unpack reads the table in global "
                         "memory, not a copy each block makes in its shared memory)")  # fmt: skip
     p.add_argument("--other-count", action="store_true",
                    help="each table codec once more with the count kernel's form its word size does not take by "
-                        "default (BUDDY_COUNT_MATCH: a warp's zero words by ballots, or its equal keys matched)")
+                        "default (Tuning.count_match: a warp's zero words by ballots, or its equal keys matched)")
     p.add_argument("--pack-fields", action="store_true",
-                   help="each table codec once more with BUDDY_PACK_FIELDS=1 (pack reads a word's whole field from a "
+                   help="each table codec once more tuned pack_fields=True (pack reads a word's whole field from a "
                         "table each block makes in its shared memory)")  # fmt: skip
     p.add_argument("--max-blocks", type=int, nargs="+", default=[], metavar="N",
                    help="each codec once more with at most N blocks a kernel launch (the warps loop over the entries)")
     p.add_argument("--unpack-warps", type=int, nargs="+", default=[], metavar="N",
-                   help="each table codec once more with BUDDY_UNPACK_WARPS=N (unpack at most N warps an SM)")
+                   help="each table codec once more tuned unpack_warps=N (unpack at most N warps an SM)")
     p.add_argument("--out", type=Path, default=Path("results/bench_cuda"))
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.mib < 1 or any(n < 1 for n in args.max_blocks):

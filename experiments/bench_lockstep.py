@@ -44,6 +44,7 @@ import torch
 import buddy
 from buddy.codecs import fpe
 from buddy.engines import cuda as bcuda
+from buddy.engines.tuning import Tuning
 from experiments.bench_codecs import timed
 from experiments.common import start
 from experiments.fpe_lanes import lockstep_payloads
@@ -100,7 +101,7 @@ def time_lockstep(prep: Prepared, device: torch.device, repeats: int, warmup: in
     """``buddy_fpe_lockstep_decode`` on the prepared payloads: its GB/s (of decoded bytes) and launch."""
     import cupy
 
-    limits = bcuda.device_shared_memory(device)
+    limits = bcuda.device_shared_memory(device, Tuning())
     if limits is None:
         raise RuntimeError(f"no shared memory figures for {device}")
     warps = max(1, min(32, (limits.per_block - bcuda.DECODE_ROWS_BYTES) // (ENTRY + 32)))

@@ -243,7 +243,7 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
             Python("bench_cuda", "experiments.bench_cuda", bench_args, 70, "{work}/bench/results.json",
                    (("--no-nvcomp",),)),  # fmt: skip
             _ncu(timeout_s=60),
-            # unpack reading the overflow in pinned host memory (BUDDY_ZERO_COPY=1) beside the copy first: last,
+            # unpack reading the overflow in pinned host memory (tuned zero_copy=True) beside the copy first: last,
             # in its own process, since an unmapped overflow would end the process with an illegal access
             Python("bench_zero_copy", "experiments.bench_cuda", ("--codecs", _default_codec(), "zvc", "--no-nvcomp",
                    "--zero-copy", "--repeats", "5", "--warmup", "1", "--out", "{work}/bench_zero_copy"), 40,

@@ -278,7 +278,7 @@ RARE_BLOCKS = ("} else {  // ESC with its symbol, or not a code", "} else {  // 
 SERIAL_BLOCKS = ("BUDDY_WARP_FN void encode_serial(", "BUDDY_HD uint32_t put(uint32_t* stream",
                  "BUDDY_HD uint32_t walk_serial(", "BUDDY_WARP_FN uint32_t decode_serial(",
                  "} else {  // a split table of another b", "} else {  // a table of another b (format 1's)",
-                 # and a variant the defaults do not run: the count by ballots (BUDDY_COUNT_MATCH=0)
+                 # and a variant the defaults do not run: the count by ballots (Tuning(count_match=False))
                  "__device__ __forceinline__ void buddy_count_ballots(")  # fmt: skip
 
 
@@ -926,7 +926,7 @@ EXPLAINED = """## What bounds the kernels
   entries, which the decoder reads only to check an escape, stay in global memory) into each block's shared memory
   before the warps' staging: on an H100 one block of 24 warps an SM (23 when the whole table was copied), as many
   blocks as stay resident, their warps striding over the entries (`buddy.engines.cuda.launch_config`,
-  `shared_table_layout`; `BUDDY_SHARED_TABLES=0` keeps the table in global memory, and the runbook's bench and ncu
+  `shared_table_layout`; `Tuning(shared_tables=False)` keeps the table in global memory, and the runbook's bench and ncu
   time both). Its instructions changed little (4,824 -> 4,677 an entry for float32, 7,437 -> 7,293 for bfloat16:
   shared addresses are 32-bit); what it removed is waiting. The third run measured it: 138 / 239 us at 64 MiB
   (float32 / bfloat16) against 232 / 500 with the table in global memory, the warps waiting on L1TEX for 1.3 / 0.6
@@ -934,15 +934,15 @@ EXPLAINED = """## What bounds the kernels
   decompress of 256 MiB went 168 -> 262 and 74 -> 192 GB/s.
 * **Unpack's shared memory holds it at 24 warps an SM**: the rows, then 4 KiB of payload and 4 KiB of output a
   warp. Its 64 registers would allow 32.
-* **Pack's table of whole fields** (`BUDDY_PACK_FIELDS=1`; 16 KiB, `make_fields`: per symbol its code, escape
+* **Pack's table of whole fields** (`Tuning(pack_fields=True)`; 16 KiB, `make_fields`: per symbol its code, escape
   included, its bits and whether a tail follows) makes a word's field one shared-memory load where it is a table
   load and the selects around it: pack 3,352 -> 2,571 instructions an entry for float32, 5,420 -> 3,553 for
   bfloat16 by this count (the table made once a resident block, not charged). But on the H200 it ran 148 / 161 us
   at 64 MiB where reading the table in global memory ran 110 / 126 (72 registers, 17 warps an SM against 19, fewer
   L1 hits), so pack reads the table in global memory by default and the count charges that.
 * **Count's two forms.** In the third run the ballots made the bfloat16 compress 1.3-1.4x faster (the float32 one
-  within its noise), so 2-byte words take them by default (`buddy.engines.cuda.count_matches`;
-  `BUDDY_COUNT_MATCH=1` or `0` for every word size). The count above charges the match.
+  within its noise), so 2-byte words take them by default (`Tuning.count_matches`;
+  `Tuning(count_match=True)` or `False` for every word size). The count above charges the match.
 * **Warps the run did not have.** Pack's and measure's estimates take the cycles an instruction their code took
   in the run (pack 17-22 warps an SM, measure 29) at the warps they allow now (pack 40 for float32 and 32 for
   bfloat16, measure 40). Whether a warp's cycles hold with more warps beside it only a GPU tells.
@@ -1065,7 +1065,7 @@ steady-state compress 495 / 264 -> 689 / 321.
 
 * A run of this code on a GPU: pack reading the table in global memory beside unpack's table in shared memory,
   bfloat16's count by ballots. The bench's `--pack-fields` and `--other-count` time the other forms, and
-  `--unpack-warps` times unpack at 8 and 16 warps an SM beside 24 (`BUDDY_UNPACK_WARPS`).
+  `--unpack-warps` times unpack at 8 and 16 warps an SM beside 24 (`Tuning.unpack_warps`).
 * Unpack's occupancy: its speeds and cycles an instruction at 8, 16 and 24 warps say how far more warps would carry
   it. A layout of 32 warps an SM (no output staging, or a smaller table) should be built only if they say it pays.
 * Two entries a warp, their walks interleaved.

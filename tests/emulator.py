@@ -47,6 +47,7 @@ import torch
 
 from buddy import spec as buddy_spec
 from buddy.engines import cuda as bcuda
+from buddy.engines.tuning import Tuning, current
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -179,20 +180,21 @@ def _runtime(kind: str) -> Path:
     return cached_build(f"runtime-{kind}", cmd, _FLAGS, _RUNTIME[kind], folders=(SOURCES, HOST), suffix=".o")
 
 
-def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all", word_bytes: int | None = None) -> Path:
+def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all", word_bytes: int | None = None,
+          pack_fields: bool = False) -> Path:  # fmt: skip
     """The emulator binary of ``kind`` (``"tsan"``/``"asan"``) for the kernels of ``csrc`` at this entry size.
 
     Compiled with ``buddy.engines.cuda.compile_options(entry_bytes, codec, word_bytes, shared_tables,
     pack_fields)``: with a word size, the module of that word size alone, as the loader compiles it; a table
     codec's unpack with its table in shared memory where an H100's would hold it
     (:data:`buddy.engines.cuda.HOPPER`: every entry size), and its pack with its table of whole fields there where
-    ``BUDDY_PACK_FIELDS=1``, as :class:`Emulator` launches it; cached by the hash of every source, the options and
+    ``pack_fields`` (:attr:`buddy.engines.tuning.Tuning.pack_fields`), as :class:`Emulator` launches it; cached by the hash of every source, the options and
     the compiler.
     """
     if kind not in BUILDS:
         raise ValueError(f"kind must be one of {BUILDS}, got {kind!r}")
     shared_tables = bcuda.shared_table_layout(entry_bytes, bcuda.HOPPER) is not None
-    fields = shared_tables and bcuda.pack_fields()  # pack's table of whole fields: BUDDY_PACK_FIELDS=1, as the loader
+    fields = shared_tables and pack_fields  # pack's table of whole fields, as the loader compiles it
     options = list(bcuda.compile_options(entry_bytes, codec, word_bytes, shared_tables, fields))
     kernels = ["g++", *options, *_FLAGS, *_SANITIZE[kind], f"-I{csrc}", f"-I{SOURCES}", f"-I{HOST}", "-c"]
     # the sources' text, not their folder: a copy elsewhere (a mutation test's, another session's) is the same build
@@ -308,9 +310,11 @@ class Emulator:
         self._servers.clear()
         shutil.rmtree(self._folder, ignore_errors=True)
 
-    def __call__(self, codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple) -> None:
-        fields = bcuda.shares_tables(codec, entry_bytes, bcuda.HOPPER) and bcuda.pack_fields()
-        warps = bcuda.unpack_warps()
+    def __call__(self, codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple,
+                 tuning: Tuning | None = None) -> None:  # fmt: skip
+        tuning = current() if tuning is None else tuning
+        fields = bcuda.shares_tables(codec, entry_bytes, bcuda.HOPPER) and tuning.pack_fields
+        warps = tuning.unpack_warps
         blocks, threads, shared = bcuda.launch_config(op, entry_bytes, n_entries, codec, bcuda.HOPPER, fields, warps)
         if self.max_blocks is not None:
             blocks = min(blocks, self.max_blocks)
@@ -320,10 +324,12 @@ class Emulator:
             # and every byte of them must be written.
             ends, overflow = args[5], args[8]
             args = (*args[:8], overflow[: int(ends[-1]) * buddy_spec.SECTOR_BYTES], *args[9:])
-        self.run(f"buddy_{codec}_{op}", entry_bytes, (blocks, threads, shared), args)
+        self.run(f"buddy_{codec}_{op}", entry_bytes, (blocks, threads, shared), args, pack_fields=fields)
 
-    def run(self, kernel: str, entry_bytes: int, config: tuple[int, int, int], args: tuple) -> None:
-        """Launch ``kernel`` with ``config`` = (grid, block, dynamic shared bytes) on CPU tensors and integers."""
+    def run(self, kernel: str, entry_bytes: int, config: tuple[int, int, int], args: tuple, *,
+            pack_fields: bool = False) -> None:  # fmt: skip
+        """Launch ``kernel`` with ``config`` = (grid, block, dynamic shared bytes) on CPU tensors and integers, from
+        the module with pack's table of whole fields where ``pack_fields`` (:func:`build`)."""
         params = kernel_parameters(self.csrc)[kernel]
         if len(params) != len(args):
             raise ValueError(f"{kernel} takes {len(params)} arguments, got {len(args)}")
@@ -350,7 +356,8 @@ class Emulator:
         words = [kernel, grid, block, shared, self.seed, self.schedules, src, dst, *specs]
         # the module of the launch's word size, as the loader compiles it (every kernel's last parameter)
         word_bytes = int(args[-1]) if params[-1].name == "word_bytes" else None
-        exe = build(self.kind, entry_bytes, csrc=self.csrc, codec=self.codecs, word_bytes=word_bytes)
+        exe = build(self.kind, entry_bytes, csrc=self.csrc, codec=self.codecs, word_bytes=word_bytes,
+                    pack_fields=pack_fields)
         self._request(exe, kernel, " ".join(map(str, words)))
         self.launches.append((kernel, grid, block, shared))
         self.seed += self.schedules

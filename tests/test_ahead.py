@@ -11,6 +11,7 @@ buddy and against the strict step.
 
 from __future__ import annotations
 
+import collections
 import functools
 import re
 import warnings
@@ -152,6 +153,34 @@ def test_a_compressed_tensor_costs_at_most_four_operators(kind):
     assert extra <= 4 * n + 3, f"{extra} operators for {n} tensors: {ours - plain}"
 
 
+def test_a_steady_step_launches_two_kernels_a_compress_and_one_a_decompress(monkeypatch):
+    """Packed ahead, a compress is two launches -- sizes (measure, and the overflow's prefix sums in its last block)
+    and pack -- and a decompress one, unpack; a tensor kept as it is, its sizes still learned, one: measure. Symbols
+    are not counted that step (count_every)."""
+    from buddy.engines import native
+
+    model, (x, y) = mlp(), batch("mlp")
+    run = sessions(strict=False, count_warmup=0, count_every=1000)
+
+    def step():
+        with run() as s:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return s
+
+    for _ in range(2):
+        step()
+    launched: list[str] = []
+    real = native.launch
+    monkeypatch.setattr(native, "launch", lambda codec, op, *rest: (launched.append(op), real(codec, op, *rest))[1])
+    stats = step().stats()
+    rows = stats.rows
+    packed = sum(r.codec != "kept" for r in rows)
+    assert packed >= 3 and stats.host_reads == 2
+    want = {"sizes": packed, "pack": packed, "unpack": packed, "measure": len(rows) - packed}
+    assert collections.Counter(launched) == {op: n for op, n in want.items() if n}, launched
+
+
 def test_a_step_that_compresses_worse_than_its_history_says_so_and_the_next_plan_widens():
     """The plan comes from history: a step whose activations suddenly compress worse than that spills more than its
     bound. Nothing is lost (every byte back, the gradients as without buddy), the step's stats say it passed the
@@ -197,11 +226,12 @@ def test_store_holds_what_the_tensors_spill_once_forward_ends():
 def test_pack_ahead_settles_alone_with_one_read():
     t = torch.relu(torch.randn(300, 1000, generator=torch.Generator().manual_seed(2)))
     engine, layout = pipeline.resolve(t, "zvc", 4096)
-    histogram = torch.zeros(layout.bins, dtype=torch.int64)
+    histogram = torch.zeros(layout.bins + 1, dtype=torch.int64)
     store = buddy.BuddyStore(capacity_bytes=64 << 20, pin=False)
     before = engines.host_reads()
     bt = pipeline.pack_ahead(t, engine, layout, 20, histogram, store=store, ledger=buddy.DeviceLedger())
     assert engines.host_reads() == before and not bt.settled
+    assert int(histogram[-1]) >= 1  # the sizes kernel's blocks, counted as each was done: the last made the sums
     assert bt.buddy_bytes == layout.n_entries * (128 - 20) * 32  # reserved: every entry raw
     u = bt.decompress()  # settles first: one read
     assert engines.host_reads() == before + 1 and bt.settled
@@ -213,6 +243,8 @@ def test_pack_ahead_settles_alone_with_one_read():
     # a codec with a table and nothing learned: its table is fitted to the tensor, read back -- not ahead
     engine, layout = pipeline.resolve(t, "auto2", 4096)
     assert pipeline.pack_ahead(t, engine, layout, 20, histogram, store=store, ledger=buddy.DeviceLedger()) is None
+    with pytest.raises(ValueError, match="histogram must be 130 zero int64"):
+        pipeline.pack_ahead(t, engine, layout, 20, histogram[:-1], store=store, ledger=buddy.DeviceLedger())
     # no room for the worst case: not ahead (the session then sizes it, and a full store keeps it on the device)
     small = buddy.BuddyStore(capacity_bytes=512 << 10, block_bytes=64 << 10, pin=False)
     engine, layout = pipeline.resolve(t, "zvc", 4096)
@@ -319,9 +351,9 @@ def test_one_engine_class_runs_every_device_its_launcher_passed_in():
 
     cpu = buddy.dispatch.engine(buddy.get_codec("auto2"), "cpu")
     assert type(cpu) is bcuda.CudaEngine and cpu.backend == "native"
-    assert cpu.kernels.launch is native.launch and cpu.kernels.device_type == "cpu"
+    assert cpu.kernels.launcher is native.launch and cpu.kernels.device_type == "cpu"
     on_gpu = bcuda.CudaEngine(buddy.get_codec("auto2"))  # (made without a GPU: nothing launched)
-    assert type(on_gpu) is type(cpu) and on_gpu.kernels.launch is bcuda._launch
+    assert type(on_gpu) is type(cpu) and on_gpu.kernels.launcher is bcuda._launch
     assert on_gpu.kernels.device_type == "cuda"
     # the native engine is no class of its own (no method of the CPU's that a GPU does not run): a factory
     assert not isinstance(native.NativeEngine, type) and type(native.NativeEngine(cpu.codec)) is bcuda.CudaEngine
@@ -350,7 +382,7 @@ def test_a_pack_ahead_is_the_sized_packs_bytes(codec, dtype, kind, numel, entry_
     slot = round(share * layout.sectors_per_entry)
     measured = buddy.measure(t, codec, entry_bytes=entry_bytes)  # the table a sized compress fits: the prior here
     prior = None if measured.statistics is None else measured.statistics.double()
-    histogram = torch.zeros(layout.bins, dtype=torch.int64)
+    histogram = torch.zeros(layout.bins + 1, dtype=torch.int64)
     bt = pipeline.pack_ahead(
         t, engine, layout, slot, histogram, store=store, ledger=buddy.DeviceLedger(), prior=prior, keep=measured.codec
     )  # fmt: skip

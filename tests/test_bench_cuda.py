@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import make_data
 
+from buddy.engines import tuning
 from experiments import bench_cuda
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,46 +152,44 @@ def test_max_blocks_times_the_cuda_kernels_again_on_a_capped_grid(gen, monkeypat
     assert [r.get("max_blocks") for r in result["rows"]] == [None, None, 792, 1584]
 
 
-@pytest.mark.parametrize(("option", "env", "dtype", "value", "suffix"), [
-    ("global_table", "SHARED_TABLES_ENV", torch.float32, "0", "global-table"),
-    ("other_count", "COUNT_MATCH_ENV", torch.float32, "0", "count-ballot"),
-    ("other_count", "COUNT_MATCH_ENV", torch.bfloat16, "1", "count-match"),
-    ("pack_fields", "PACK_FIELDS_ENV", torch.float32, "1", "pack-fields"),
+@pytest.mark.parametrize(("option", "dtype", "change", "suffix"), [
+    ("global_table", torch.float32, {"shared_tables": False}, "global-table"),
+    ("other_count", torch.float32, {"count_match": False}, "count-ballot"),
+    ("other_count", torch.bfloat16, {"count_match": True}, "count-match"),
+    ("pack_fields", torch.float32, {"pack_fields": True}, "pack-fields"),
 ])  # fmt: skip
-def test_variants_time_the_table_codecs_again(gen, monkeypatch, option, env, dtype, value, suffix):
-    """--global-table (--other-count, --pack-fields): each table codec's CUDA kernels once more with
-    BUDDY_SHARED_TABLES=0 (BUDDY_COUNT_MATCH set to the form the word size does not take by default,
-    BUDDY_PACK_FIELDS=1) while they run (and restored after), the rows named so; the other codecs once."""
+def test_variants_time_the_table_codecs_again(gen, monkeypatch, option, dtype, change, suffix):
+    """--global-table (--other-count, --pack-fields): each table codec's CUDA kernels once more tuned with
+    shared_tables=False (count_match set to the form the word size does not take by default, pack_fields=True)
+    while they run (and the default tuning after), the rows named so; the other codecs once."""
     seen = []
-    env = getattr(bench_cuda.buddy.engines.cuda, env)
-    monkeypatch.setattr(bench_cuda, "bench_buddy", _fake_bench(seen, lambda codec, backend: (os.environ.get(env),)))
+    monkeypatch.setattr(bench_cuda, "bench_buddy", _fake_bench(seen, lambda codec, backend: (tuning.current(),)))
     monkeypatch.setattr(bench_cuda, "check_backends_agree", lambda *a: None)
-    monkeypatch.delenv(env, raising=False)
     t = {"relu": make_data("relu", 1_001, dtype, gen)}
     result = bench_cuda.run(t, codecs=("zvc", "auto2"), backends=("cuda",), repeats=1, warmup=0, pcie=False,
                             log=lambda line: None, **{option: True})  # fmt: skip
-    assert seen == [("zvc", None), ("auto2", None), ("auto2", value)]
+    default = tuning.Tuning()
+    assert seen == [("zvc", default), ("auto2", default), ("auto2", tuning.Tuning(**change))]
     assert [r["method"] for r in result["rows"]][1:] == ["buddy:zvc/cuda", "buddy:auto2/cuda",
                                                          f"buddy:auto2/cuda+{suffix}"]  # fmt: skip
-    assert env not in os.environ
+    assert tuning.current() == default
 
 
 def test_unpack_warps_time_the_table_codecs_at_fewer_warps(gen, monkeypatch):
-    """--unpack-warps 8 16: each table codec's CUDA kernels once more for each, BUDDY_UNPACK_WARPS set while they run
-    (and unset after), the rows named and marked so; a codec without a table once."""
+    """--unpack-warps 8 16: each table codec's CUDA kernels once more for each, tuned unpack_warps while they run
+    (and the default tuning after), the rows named and marked so; a codec without a table once."""
     seen = []
-    env = bench_cuda.buddy.engines.cuda.UNPACK_WARPS_ENV
-    monkeypatch.setattr(bench_cuda, "bench_buddy", _fake_bench(seen, lambda codec, backend: (os.environ.get(env),)))
+    monkeypatch.setattr(bench_cuda, "bench_buddy",
+                        _fake_bench(seen, lambda codec, backend: (tuning.current().unpack_warps,)))  # fmt: skip
     monkeypatch.setattr(bench_cuda, "check_backends_agree", lambda *a: None)
-    monkeypatch.delenv(env, raising=False)
     t = {"relu": make_data("relu", 1_001, torch.bfloat16, gen)}
     result = bench_cuda.run(t, codecs=("zvc", "auto2"), backends=("cuda",), repeats=1, warmup=0, pcie=False,
                             unpack_warps=(8, 16), log=lambda line: None)  # fmt: skip
-    assert seen == [("zvc", None), ("auto2", None), ("auto2", "8"), ("auto2", "16")]
+    assert seen == [("zvc", None), ("auto2", None), ("auto2", 8), ("auto2", 16)]
     rows = result["rows"][1:]
     assert [r["method"] for r in rows] == ["buddy:zvc/cuda", "buddy:auto2/cuda", "buddy:auto2/cuda+unpack-warps=8",
                                            "buddy:auto2/cuda+unpack-warps=16"]  # fmt: skip
     assert [r.get("unpack_warps") for r in rows] == [None, None, 8, 16]
-    assert env not in os.environ
+    assert tuning.current() == tuning.Tuning()
     with pytest.raises(SystemExit):
         bench_cuda.parse_args(["--unpack-warps", "0"])

@@ -31,7 +31,9 @@ from emulator import kernel_parameters
 from test_device_codecs import device_fit, run_tensor, tensor_ends, tensor_measure, tensor_pack, tensor_unpack
 
 import buddy
+import buddy.engines.tuning
 from buddy.engines import cuda as bcuda
+from buddy.engines.tuning import Tuning
 from buddy import spec
 from buddy.codecs.fpe import n_symbols
 from buddy.layout import Layout
@@ -141,17 +143,16 @@ def test_launch_configuration_with_the_table_in_shared_memory():
         bcuda.compile_options(4096, "fpe", 4, pack_fields=True)
 
 
-@pytest.mark.parametrize(("env", "fields", "shared", "entry_bytes"), [
-    pytest.param(None, None, bcuda.HOPPER, 4096, id="H100"),
-    pytest.param(None, "1", bcuda.HOPPER, 4096, id="H100-BUDDY_PACK_FIELDS=1"),
-    pytest.param("0", None, bcuda.HOPPER, 4096, id="H100-BUDDY_SHARED_TABLES=0"),
-    pytest.param("0", "1", bcuda.HOPPER, 4096, id="H100-BUDDY_SHARED_TABLES=0-BUDDY_PACK_FIELDS=1"),
-    pytest.param(None, "1", bcuda.SharedMemory(108, 163 << 10, 164 << 10), 65536, id="A100-E=65536"),
+@pytest.mark.parametrize(("tables", "fields", "shared", "entry_bytes"), [
+    pytest.param(True, False, bcuda.HOPPER, 4096, id="H100"),
+    pytest.param(True, True, bcuda.HOPPER, 4096, id="H100-pack_fields"),
+    pytest.param(False, False, bcuda.HOPPER, 4096, id="H100-no-shared_tables"),
+    pytest.param(True, True, bcuda.SharedMemory(108, 163 << 10, 164 << 10), 65536, id="A100-E=65536"),
 ])  # fmt: skip
-def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, env, fields, shared, entry_bytes):
+def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, tables, fields, shared, entry_bytes):
     """The loader's launch (buddy.engines.cuda._launch, CuPy faked): a table codec's kernels come from the module
     whose unpack copies its table into shared memory, launched with that configuration, where the device holds it
-    and ``BUDDY_SHARED_TABLES`` is not 0, and with ``BUDDY_PACK_FIELDS=1`` its pack makes its table of whole fields
+    and the tuning's ``shared_tables`` is set, and with ``pack_fields`` its pack makes its table of whole fields
     there too; the other codecs' as before."""
     import contextlib
     import types
@@ -165,11 +166,7 @@ def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, e
 
         return launch
 
-    for name, value in ((bcuda.SHARED_TABLES_ENV, env), (bcuda.PACK_FIELDS_ENV, fields)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
+    tuned = Tuning(shared_tables=tables, pack_fields=fields)
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext()))
     monkeypatch.setattr(bcuda, "_cupy", lambda: fake)
     monkeypatch.setattr(bcuda, "_cupy_stream", lambda cupy, device: None)
@@ -177,10 +174,10 @@ def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, e
     monkeypatch.setattr(bcuda, "_kernel", kernel)
     device, word = torch.device("cuda", 0), np.int32(4)
     for op in ("pack", "unpack"):
-        bcuda._launch("auto2", op, entry_bytes, device, 1000, (word,))
-    bcuda._launch("zvc", "unpack", entry_bytes, device, 1000, (word,))
-    in_shared = env is None and bcuda.shared_table_layout(entry_bytes, shared) is not None
-    made = in_shared and fields == "1"  # pack's fields: asked for, and where the table goes into shared memory
+        bcuda._launch("auto2", op, entry_bytes, device, 1000, (word,), tuned)
+    bcuda._launch("zvc", "unpack", entry_bytes, device, 1000, (word,), tuned)
+    in_shared = tables and bcuda.shared_table_layout(entry_bytes, shared) is not None
+    made = in_shared and fields  # pack's fields: asked for, and where the table goes into shared memory
     # (one module for all of a codec's kernels: the defines change its unpack, and its pack where asked)
     assert [a[:2] + a[5:] for a in launched] == [("pack", in_shared, made), ("unpack", in_shared, made),
                                                  ("unpack", False, False)]  # fmt: skip
@@ -188,7 +185,7 @@ def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, e
     assert launched[0][2:5] == bcuda.launch_config("pack", entry_bytes, 1000, "auto2", place, made)
     assert (launched[0][4] > bcuda.launch_config("pack", entry_bytes, 1000)[2]) == made  # (the fields before it)
     assert launched[1][2:5] == bcuda.launch_config("unpack", entry_bytes, 1000, "auto2", place)
-    assert in_shared == (env is None)
+    assert in_shared == tables
 
 
 @needs_nvcc
@@ -323,7 +320,7 @@ def test_nvrtc_compiles_translation_unit():
         nvrtc.nvrtcGetPTX(prog, ptx)
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
         for codec in bcuda.KERNEL_CODECS:
-            for op in ("measure", "ends", "pack", "unpack"):
+            for op in ("measure", "ends", "sizes", "pack", "unpack"):
                 assert f".entry buddy_{codec}_{op}(".encode() in ptx.value
 
 
@@ -459,7 +456,7 @@ class HostKernels:
         self.sigs = _kernel_signatures()
         self.launches: list[str] = []
 
-    def __call__(self, codec, op, entry_bytes, device, n, args):
+    def __call__(self, codec, op, entry_bytes, device, n, args, tuning):
         _check_launch(self.sigs, f"buddy_{codec}_{op}", args)
         self.launches.append(op)
         with torch.profiler.record_function("emulated kernel"):  # its torch ops are the harness's, not launches
@@ -589,7 +586,7 @@ def test_every_kernels_last_parameter_is_the_word_size():
     bytes failed to compile, and every compress of fpe and auto2 with it. No build here reads the word size so."""
     params = kernel_parameters()
     # (decode: fpe's lockstep decoder, a layout weighed -- codec_fpe.h, decode_lockstep)
-    ops = {"measure", "ends", "pack", "unpack", "count", "fit", "decode"}
+    ops = {"measure", "ends", "sizes", "pack", "unpack", "count", "fit", "decode"}
     assert {name.rsplit("_", 1)[1] for name in params} == ops
     for name, ps in params.items():
         assert (ps[-1].name, ps[-1].ctype) == ("word_bytes", "int"), name
@@ -618,46 +615,53 @@ def test_each_launch_passes_its_word_size_last(word, weighted):
     kernels.unpack(layout, meta, ends, 1, slots, torch.zeros(0, dtype=torch.uint8), data.clone(),
                    torch.zeros(1, dtype=torch.int32), table)  # fmt: skip
     assert [a[1] for a in launched] == ["count", "fit", "measure", "ends", "pack", "unpack"]
-    for codec, op, _, _, _, args in launched:
+    for codec, op, _, _, _, args, _ in launched:
         assert type(args[-1]) is np.int32 and int(args[-1]) == word, (op, args[-1])
 
 
 @pytest.mark.parametrize(
-    ("env", "word", "aggregate"),
-    [(None, 4, 1), (None, 2, 0), (None, 1, 1), (None, 8, 1), ("1", 2, 1), ("1", 4, 1), ("0", 4, 0), ("0", 2, 0)],
-)
-def test_the_count_kernel_matches_or_takes_ballots_by_word_size(monkeypatch, env, word, aggregate):
+    ("match", "word", "aggregate"),
+    [(None, 4, 1), (None, 2, 0), (None, 1, 1), (None, 8, 1), (True, 2, 1), (True, 4, 1), (False, 4, 0),
+     (False, 2, 0)],
+)  # fmt: skip
+def test_the_count_kernel_matches_or_takes_ballots_by_word_size(match, word, aggregate):
     """The count kernel's ``aggregate`` argument: 2-byte words by ballots (0), the others by a warp's match (1),
-    unless BUDDY_COUNT_MATCH says 1 (match) or 0 (ballots) for all."""
-    if env is None:
-        monkeypatch.delenv(bcuda.COUNT_MATCH_ENV, raising=False)
-    else:
-        monkeypatch.setenv(bcuda.COUNT_MATCH_ENV, env)
+    unless the tuning's ``count_match`` says True (match) or False (ballots) for all."""
     launched = []
-    kernels = bcuda.Kernels("auto2", launch=lambda *a: launched.append(a), device_type="cpu")
+    with buddy.engines.tuning.tuned(count_match=match):
+        kernels = bcuda.Kernels("auto2", launch=lambda *a: launched.append(a), device_type="cpu")
     layout = Layout(128, 4 * 128, word)
     data, tail = torch.zeros(4 * 128, dtype=torch.uint8), torch.zeros(128, dtype=torch.uint8)
     kernels.count(layout, data, tail, torch.zeros(n_symbols(word), dtype=torch.int64))
-    (args,) = [a[-1] for a in launched]
+    (args,) = [a[5] for a in launched]
     assert type(args[-2]) is np.int32 and int(args[-2]) == aggregate
+    assert launched[0][6] == Tuning(count_match=match)  # what it launched with: the tuning when it was made
 
 
-@pytest.mark.parametrize(("name", "value"), [("COUNT_MATCH_ENV", "yes"), ("PACK_FIELDS_ENV", "yes"),
-                                           ("UNPACK_WARPS_ENV", "yes"), ("UNPACK_WARPS_ENV", "0"),
-                                           ("UNPACK_WARPS_ENV", "65"), ("UNPACK_WARPS_ENV", "-8")])  # fmt: skip
-def test_a_layout_switch_refuses_what_it_cannot_mean(monkeypatch, name, value):
-    monkeypatch.setenv(getattr(bcuda, name), value)
-    read = {"COUNT_MATCH_ENV": lambda: bcuda.count_matches(4), "PACK_FIELDS_ENV": bcuda.pack_fields,
-            "UNPACK_WARPS_ENV": bcuda.unpack_warps}[name]  # fmt: skip
-    with pytest.raises(ValueError, match=f"got '{value}'"):
-        read()
+@pytest.mark.parametrize(("change", "error", "says"), [
+    ({"count_match": "yes"}, TypeError, "count_match"), ({"pack_fields": 1}, TypeError, "pack_fields"),
+    ({"unpack_warps": "8"}, ValueError, "got '8'"), ({"unpack_warps": 0}, ValueError, "got 0"),
+    ({"unpack_warps": 65}, ValueError, "got 65"), ({"unpack_warps": True}, ValueError, "got True"),
+    ({"pack_fields": True, "shared_tables": False}, ValueError, "needs shared_tables"),
+    ({"unpack_wraps": 8}, TypeError, "unpack_wraps"),
+])  # fmt: skip
+def test_a_tuning_refuses_what_it_cannot_mean(change, error, says):
+    with pytest.raises(error, match=says):
+        with buddy.engines.tuning.tuned(**change):
+            pass
+    assert buddy.engines.tuning.current() == Tuning()
 
 
-def test_unpack_warps_reads_its_switch(monkeypatch):
-    monkeypatch.delenv(bcuda.UNPACK_WARPS_ENV, raising=False)
-    assert bcuda.unpack_warps() is None
-    monkeypatch.setenv(bcuda.UNPACK_WARPS_ENV, " 16 ")
-    assert bcuda.unpack_warps() == 16
+def test_a_tuning_holds_for_its_block_and_is_restored_after_an_error():
+    assert buddy.engines.tuning.current() == Tuning()
+    with pytest.raises(RuntimeError, match="inside"):
+        with buddy.engines.tuning.tuned(unpack_warps=16) as inside:
+            assert buddy.engines.tuning.current() is inside and inside.changed() == {"unpack_warps": 16}
+            with buddy.engines.tuning.tuned(zero_copy=True) as both:  # on top of the one around it
+                assert both.changed() == {"unpack_warps": 16, "zero_copy": True}
+            assert buddy.engines.tuning.current() is inside
+            raise RuntimeError("inside")
+    assert buddy.engines.tuning.current() == Tuning() and not Tuning().changed()
 
 
 @pytest.mark.parametrize("codec", ids("codec", ("zvc", "auto", "auto2")))
@@ -811,18 +815,17 @@ def _aten_ops(prof) -> list[str]:
 
 
 def test_the_overflow_is_read_in_place_only_when_asked_pinned_and_supported(monkeypatch):
-    """BUDDY_ZERO_COPY=1, a pinned overflow with bytes, a device that takes registered host pointers: all four."""
-    overflow, device = torch.zeros(64, dtype=torch.uint8), torch.device("cuda", 0)
-    monkeypatch.delenv(bcuda.ZERO_COPY_ENV, raising=False)
+    """Tuned zero_copy, a pinned overflow with bytes, a device that takes registered host pointers: all four."""
+    overflow, device, asked = torch.zeros(64, dtype=torch.uint8), torch.device("cuda", 0), Tuning(zero_copy=True)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
     monkeypatch.setattr(bcuda, "_takes_host_pointers", lambda index: True)
-    assert not bcuda.reads_overflow_in_place(overflow, device)  # not asked
-    monkeypatch.setenv(bcuda.ZERO_COPY_ENV, "1")
-    assert bcuda.reads_overflow_in_place(overflow, device)
-    assert not bcuda.reads_overflow_in_place(overflow[:0], device)  # nothing to read
+    assert not bcuda.reads_overflow_in_place(overflow, device, Tuning())  # not asked
+    assert bcuda.reads_overflow_in_place(overflow, device, asked)
+    assert not bcuda.reads_overflow_in_place(overflow[:0], device, asked)  # nothing to read
     monkeypatch.setattr(bcuda, "_takes_host_pointers", lambda index: False)
-    assert not bcuda.reads_overflow_in_place(overflow, device)
+    assert not bcuda.reads_overflow_in_place(overflow, device, asked)
     monkeypatch.setattr(bcuda, "_takes_host_pointers", lambda index: True)
-    assert not bcuda.reads_overflow_in_place(torch.zeros(80, dtype=torch.uint8)[8:72], device)  # misaligned: copied
+    misaligned = torch.zeros(80, dtype=torch.uint8)[8:72]
+    assert not bcuda.reads_overflow_in_place(misaligned, device, asked)  # copied
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
-    assert not bcuda.reads_overflow_in_place(overflow, device)
+    assert not bcuda.reads_overflow_in_place(overflow, device, asked)

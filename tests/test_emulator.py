@@ -66,6 +66,7 @@ from test_golden import load_vectors
 
 import buddy
 from buddy.engines import cuda as bcuda
+from buddy.engines.tuning import Tuning, tuned
 from buddy import spec
 from buddy.layout import Layout
 
@@ -182,6 +183,60 @@ def test_the_ends_kernel_is_the_formats_prefix_sum(build, request):
     assert {kernel for kernel, *_ in emu.launches} == {"buddy_zvc_ends"}
 
 
+def _sizes(emu, t: torch.Tensor, slot: int, table=None, codec: str = "zvc"):
+    """The sizes kernel's metadata, histogram (with its count of blocks done) and prefix sums of ``t`` (512-byte
+    entries), launched by ``emu``."""
+    layout = Layout(512, t.numel() * t.element_size(), t.element_size())
+    kernels = bcuda.Kernels(codec, launch=emu, device_type="cpu")
+    flat = t.reshape(-1).view(torch.uint8)
+    whole = layout.n_full * 512
+    tail = torch.zeros(512, dtype=torch.uint8)
+    tail[: layout.tail_bytes] = flat[whole:]
+    meta, ends = torch.empty(layout.meta_bytes, dtype=torch.uint8), torch.empty(layout.n_entries, dtype=torch.int64)
+    histogram = torch.zeros(layout.bins + 1, dtype=torch.int64)
+    kernels.sizes(layout, flat[:whole], tail, meta, histogram, slot, ends, table)
+    return meta, histogram, ends
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_sizes_kernel_sums_in_the_block_done_last(build, activations, request):
+    """The sizes kernel -- measure, then the overflow's prefix sums in whichever block is done last -- on grids of
+    one block to many, blocks in random orders: measure's metadata and histogram, the ends kernel's sums, and its
+    count of blocks done is the grid."""
+    t = activations["f32"][: 200 * 128 + 77]  # 201 entries of 512 bytes, the last partial: 26 blocks of 8 warps
+    reference = buddy.measure(t, "zvc", entry_bytes=512, backend="reference")
+    for max_blocks in (1, 3, None):
+        with emulated_cuda(build, seed=_seed(request), max_blocks=max_blocks) as emu:
+            for slot in (0, 3, 16):
+                meta, histogram, ends = _sizes(emu, t, slot)
+                assert torch.equal(meta, reference.measurement.meta.view(torch.uint8).reshape(-1))
+                assert tuple(histogram[:-1].tolist()) == reference.histogram
+                assert torch.equal(ends, tensor_ends(meta, slot, 512)), (max_blocks, slot)
+        grids = [grid for kernel, grid, *_ in emu.launches]
+        assert grids == [max_blocks or 26] * 3 and int(histogram[-1]) == grids[-1]
+
+
+def test_the_emulator_reports_a_sizes_kernel_that_sums_too_early(activations, request, tmp_path):
+    """The block that sums the overflow must be the last done: taken as the first, the emulator's TSan build reports
+    it or the sums come out wrong. (Whether the last block sees what the others wrote -- the arrival's release and
+    acquire -- the emulator cannot tell: it runs a launch's blocks one after another, ordered.)"""
+    old, new = "buddy_arrive(done) + 1 == (unsigned long long)gridDim.x", "buddy_arrive(done) == 0"
+    csrc = tmp_path / "csrc"
+    shutil.copytree(CSRC, csrc)
+    source = csrc / "buddy_kernels.cu"
+    assert source.read_text().count(old) == 1
+    source.write_text(source.read_text().replace(old, new))
+    t = activations["f32"][: 200 * 128 + 77]
+    reference = buddy.measure(t, "zvc", entry_bytes=512, backend="reference")
+    with Emulator("tsan", seed=_seed(request), schedules=3, csrc=csrc, codecs="zvc") as emu:
+        try:
+            meta, _, ends = _sizes(emu, t, 3)
+        except EmulatorError as error:
+            assert error.what in ("race", "schedules"), error
+            return
+    assert not torch.equal(ends, tensor_ends(reference.measurement.meta.view(torch.uint8).reshape(-1), 3, 512)), "not caught"
+
+
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -201,30 +256,28 @@ def test_kernels_write_and_read_the_reference_buffers(build, codec, case, activa
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("codec", sorted(TABLED))
-@pytest.mark.parametrize(("env", "case"), [("0", CASES[0]), ("1", CASES[1])], ids=["ballots-" + CASES[0].id,
-                                                                                   "match-" + CASES[1].id])
-def test_the_other_count_counts_as_the_reference(build, codec, env, case, activations, store, request, monkeypatch):
-    """The count kernel's form a word size does not take by default (BUDDY_COUNT_MATCH: ReLU float32 with a partial
+@pytest.mark.parametrize(("match", "case"), [(False, CASES[0]), (True, CASES[1])],
+                         ids=["ballots-" + CASES[0].id, "match-" + CASES[1].id])  # fmt: skip
+def test_the_other_count_counts_as_the_reference(build, codec, match, case, activations, store, request):
+    """The count kernel's form a word size does not take by default (tuned count_match: ReLU float32 with a partial
     last entry on a grid of 2 blocks by ballots, its zero words by ballots and its other words added one by one;
     bfloat16 at 4 KiB by a warp's match) gives the reference's symbol counts, so its table and buffers. The default
     tests run the other two."""
     word = case.tensor(activations).element_size()
-    assert bcuda.count_matches(word) != (env == "1"), "the form this word size takes by default"
-    monkeypatch.setenv(bcuda.COUNT_MATCH_ENV, env)
-    with emulated_cuda(build, seed=_seed(request), max_blocks=case.max_blocks) as emu:
+    assert Tuning().count_matches(word) != match, "the form this word size takes by default"
+    with tuned(count_match=match), emulated_cuda(build, seed=_seed(request), max_blocks=case.max_blocks) as emu:
         check_reference_buffers("cuda", codec, case.tensor(activations), case.entry_bytes, case.slot_for, store, True)
     assert "count" in ops_of(emu)
 
 
 @pytest.mark.parametrize("build", BUILDS[:1])
 @pytest.mark.parametrize("codec", sorted(TABLED))
-def test_unpack_at_fewer_warps_an_sm(build, codec, activations, store, request, monkeypatch):
-    """BUDDY_UNPACK_WARPS=2 (what the runbook's bench times unpack at, --unpack-warps): unpack's blocks of two
+def test_unpack_at_fewer_warps_an_sm(build, codec, activations, store, request):
+    """Tuned unpack_warps=2 (what the runbook's bench times unpack at, --unpack-warps): unpack's blocks of two
     warps, their table in shared memory; one block, its warps striding over bfloat16's six entries of 4 KiB, writes
     the reference's buffers."""
     case = CASES[1]
-    monkeypatch.setenv(bcuda.UNPACK_WARPS_ENV, "2")
-    with emulated_cuda(build, seed=_seed(request), max_blocks=1) as emu:
+    with tuned(unpack_warps=2), emulated_cuda(build, seed=_seed(request), max_blocks=1) as emu:
         _, got = check_reference_buffers("cuda", codec, case.tensor(activations), 4096, case.slot_for, store, True)
     assert got.n_entries == 6
     unpacks = [(grid, block, shared) for kernel, grid, block, shared in emu.launches if kernel.endswith("_unpack")]
@@ -308,7 +361,7 @@ class Mutation:
     where: tuple[tuple[str, str], ...] = ()  # (file, function) in each racing access's stack, in either order
     max_blocks: int | None = None
     says: str = ""  # in the report
-    env: tuple[tuple[str, str], ...] = ()  # set while it runs, unmodified and mutated (a layout's switch)
+    tuning: tuple[tuple[str, object], ...] = ()  # tuned so while it runs, unmodified and mutated (a layout's)
 
     def apply(self, root: Path) -> Path:
         """A copy of csrc/ under ``root`` with the change made; its path."""
@@ -368,7 +421,7 @@ MUTATIONS = [
     Mutation(
         "pack: no __syncthreads between making the table of whole fields and reading it", "buddy_kernels.cu",
         "    __syncthreads();\n    codec.use_fields(", "    codec.use_fields(", "fpe", "tsan", "race",
-        (("codec_fpe.h", "make_fields"), ("codec_fpe.h", "encode_split")), env=((bcuda.PACK_FIELDS_ENV, "1"),),
+        (("codec_fpe.h", "make_fields"), ("codec_fpe.h", "encode_split")), tuning=(("pack_fields", True),),
     ),
     Mutation(
         "fpe encode: no warp.sync() between zeroing the payload and ORing the fields in", "codec_fpe.h",
@@ -464,12 +517,11 @@ def _bitten(mutation: Mutation, csrc: Path, t: torch.Tensor, store, seed: int) -
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.id for m in MUTATIONS])
-def test_the_emulator_reports_a_broken_kernel(mutation, activations, store, request, monkeypatch):
-    for name, value in mutation.env:
-        monkeypatch.setenv(name, value)
+def test_the_emulator_reports_a_broken_kernel(mutation, activations, store, request):
     t = Case("f32", 512, 24.5, 4, None).tensor(activations)
-    assert _bitten(mutation, CSRC, t, store, _seed(request)) is None, "the unmodified sources are reported"
-    error = _bitten(mutation, _TREES[mutation.id], t, store, _seed(request))
+    with tuned(**dict(mutation.tuning)):
+        assert _bitten(mutation, CSRC, t, store, _seed(request)) is None, "the unmodified sources are reported"
+        error = _bitten(mutation, _TREES[mutation.id], t, store, _seed(request))
     assert error is not None, f"{mutation.id}: not reported"
     assert error.what == mutation.catch, f"{mutation.id}: reported as {error.what}, not {mutation.catch}\n{error}"
     assert mutation.says in error.report, error

@@ -17,6 +17,7 @@ from conftest import ALL_DTYPES, DATA_KINDS, MiB, assert_bitexact, assert_roundt
 
 import buddy
 from buddy.engines import cuda as bcuda
+from buddy.engines.tuning import tuned
 from buddy import spec
 from buddy.layout import Layout
 
@@ -374,24 +375,24 @@ def test_compress_free_cycles_return_device_memory(cuda, pinned_store, gen):
 
 @pytest.mark.parametrize("codec", ids("codec", KERNEL_CODECS))
 def test_overflow_read_in_place_decodes_the_same(codec, cuda, pinned_store, gen, monkeypatch):
-    """BUDDY_ZERO_COPY=1: the unpack kernel reads the overflow in pinned host memory, over the bus."""
+    """Tuned zero_copy: the unpack kernel reads the overflow in pinned host memory, over the bus."""
     t = make_data("random_bytes", 300_001, torch.float32, gen).to(cuda)  # overflows at 4x, a partial last entry
     bt = buddy.compress(t, 4.0, codec, store=pinned_store, backend="cuda")
     assert bt.buddy_bytes > 0
     copied = bt.decompress()
-    monkeypatch.setenv(bcuda.ZERO_COPY_ENV, "1")
-    assert bcuda.reads_overflow_in_place(bt.buffers()[2], cuda)
-    assert_bitexact(bt.decompress(), t)
+    with tuned(zero_copy=True) as tuning:
+        assert bcuda.reads_overflow_in_place(bt.buffers()[2], cuda, tuning)
+        assert_bitexact(bt.decompress(), t)
     assert_bitexact(copied, t)
 
 
 @pytest.mark.parametrize("codec", ids("codec", sorted(bcuda.TABLED_KERNELS)))
 def test_unpack_at_fewer_warps_an_sm_decodes_the_same(codec, cuda, pinned_store, gen, monkeypatch):
-    """BUDDY_UNPACK_WARPS (the bench's --unpack-warps): unpack's blocks of fewer warps, their table in shared memory,
+    """Tuned unpack_warps (the bench's --unpack-warps): unpack's blocks of fewer warps, their table in shared memory,
     the resident blocks striding over the entries, decode byte for byte."""
     t = make_data("relu", 1_000_003, torch.bfloat16, gen).to(cuda)  # 489 entries of 4 KiB, a partial last one
     bt = buddy.compress(t, codec=codec, store=pinned_store, backend="cuda")
-    for warps in ("1", "8", "16"):
-        monkeypatch.setenv(bcuda.UNPACK_WARPS_ENV, warps)
-        assert_bitexact(bt.decompress(check=True), t)
+    for warps in (1, 8, 16):
+        with tuned(unpack_warps=warps):
+            assert_bitexact(bt.decompress(check=True), t)
     bt.free()

@@ -104,6 +104,25 @@ def test_the_ends_kernel_is_the_formats_prefix_sum(entry_bytes):
             assert got.dtype == torch.int64 and torch.equal(got, tensor_ends(meta, slot, entry_bytes)), (n, slot)
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_the_sizes_kernel_is_measure_then_ends(threads, monkeypatch):
+    """The sizes kernel (measure, and the prefix sums in the block done last), its blocks on host threads at once:
+    measure's metadata and histogram and the ends kernel's sums, every time, its count of blocks done the grid."""
+    monkeypatch.setenv(native.ENV_THREADS, str(threads))
+    t = torch.relu(torch.randn(300_001, generator=torch.Generator().manual_seed(threads)))
+    engine = native.NativeEngine(buddy.get_codec("zvc"))
+    layout = Layout(512, t.numel() * 4, 4)
+    data, tail = engine._entries(t.view(torch.uint8), layout)
+    measured = engine.measure(t.view(torch.uint8), layout)
+    for slot in (0, 5, 16) * 4:
+        meta, ends = torch.empty(layout.meta_bytes, dtype=torch.uint8), torch.empty(layout.n_entries, dtype=torch.int64)
+        histogram = torch.zeros(layout.bins + 1, dtype=torch.int64)
+        engine.kernels.sizes(layout, data, tail, meta, histogram, slot, ends)
+        assert torch.equal(meta, measured.meta) and tuple(histogram[:-1].tolist()) == measured.histogram
+        assert torch.equal(ends, tensor_ends(meta, slot, 512)), slot
+        assert int(histogram[-1]) == native._grid("sizes", layout.n_entries, threads) > 1
+
+
 def test_pack_writes_the_overflow_where_it_is_kept(store, monkeypatch):
     """The native engine's pack writes the overflow into the buffer it is given (buddy memory, the host's): the same
     bytes as into a buffer of its own; the reference takes no such buffer."""

@@ -456,17 +456,18 @@ def test_a_block_is_pinned_unmapped_where_mapping_is_refused(monkeypatch):
     # such a block's pages are pinned (torch says so), not mapped: an unpack copies its overflow, never reads it
     # where it is (a kernel's loads there would be an illegal address)
     from buddy.engines import cuda as bcuda
+    from buddy.engines.tuning import Tuning
 
-    monkeypatch.setenv(bcuda.ZERO_COPY_ENV, "1")
+    zero_copy = Tuning(zero_copy=True)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
     monkeypatch.setattr(bcuda, "_takes_host_pointers", lambda index: True)
     assert alloc.data.untyped_storage().data_ptr() in bcuda.UNMAPPED_HOST
-    assert not bcuda.reads_overflow_in_place(alloc.data, torch.device("cuda", 0))
+    assert not bcuda.reads_overflow_in_place(alloc.data, torch.device("cuda", 0), zero_copy)
     mapped = buddy.BuddyStore(capacity_bytes=MiB, block_bytes=64 * KiB, pin=True)
     with monkeypatch.context() as m:
         m.setattr(store_module, "_cuda_call", lambda *a: None)  # a runtime that maps it
         other = mapped.allocate(1000)
-    assert other.block.mapped and bcuda.reads_overflow_in_place(other.data, torch.device("cuda", 0))
+    assert other.block.mapped and bcuda.reads_overflow_in_place(other.data, torch.device("cuda", 0), zero_copy)
     address = alloc.block.buffer.data_ptr()
     del alloc, store
     gc.collect()  # unpinned while CUDA's calls are still the recorded ones

@@ -27,9 +27,10 @@ a GPU:
 
 One kernel per format operation over the whole tensor, the codec a template
 parameter (``csrc/buddy_kernels.cu``): ``measure`` (metadata + size
-histogram), ``ends`` (the overflow's prefix sums, one block), ``pack``
-(slots + overflow compacted in entry order, written directly) and
-``unpack``. A compress sized first reads one small thing back to the host
+histogram), ``ends`` (the overflow's prefix sums, one block), ``sizes``
+(measure, then the ends in whichever block is done last: a slot chosen
+before the sizes compresses in two launches), ``pack`` (slots + overflow
+compacted in entry order, written directly) and ``unpack``. A compress sized first reads one small thing back to the host
 -- the histogram, which the slot choice needs --, a compress packed ahead
 (:meth:`CudaEngine.pack_ahead`) nothing, and a decompress nothing
 (:meth:`CudaEngine.unpack` reads the kernel's error flag only when asked to
@@ -67,7 +68,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.resources
-import os
 import re
 import threading
 import warnings
@@ -89,6 +89,7 @@ from ..deps import available, require
 from ..errors import CorruptDataError
 from ..layout import WORD_SIZES, Layout
 from . import Engine, Implementation, Measurement, raise_for_errors
+from .tuning import Tuning, current
 
 __all__ = [
     "ALIGN_BYTES",
@@ -113,7 +114,6 @@ __all__ = [
     "SharedMemory",
     "HOPPER",
     "shared_table_layout",
-    "unpack_warps",
     "shares_tables",
 ]
 
@@ -226,55 +226,6 @@ class SharedMemory:
 
 #: an H100's (SXM) and an H200's: the launches the emulator runs and the kernel budget estimates
 HOPPER = SharedMemory(sms=132, per_block=227 << 10, per_sm=228 << 10)
-#: ``BUDDY_SHARED_TABLES=0``: a table codec's unpack reads its table in global memory (the layout before), and its pack
-#: makes no table of whole fields (:data:`PACK_FIELDS_ENV`)
-SHARED_TABLES_ENV = "BUDDY_SHARED_TABLES"
-#: How the count kernel counts (the same counts either way): a warp's lanes of equal keys add their number once (a
-#: match), or its zero words by ballots and every other word on its own. By default 2-byte words take the ballots
-#: and the others the match, the faster of the two for each as a GPU measured them (docs/gpu.md).
-#: ``BUDDY_COUNT_MATCH=1`` matches every word size, ``=0`` takes the ballots for all.
-COUNT_MATCH_ENV = "BUDDY_COUNT_MATCH"
-#: ``BUDDY_PACK_FIELDS=1``: where a table codec's tables go into shared memory, its pack reads each word's whole
-#: field from a table each block makes there (``make_fields``, codec_fpe.h; :data:`FIELDS_BYTES` before the warps'
-#: staging). By default pack reads the codec's table in global memory: the fields' pack, at 72 registers, ran fewer
-#: warps an SM and took longer whatever instructions it saved (docs/gpu.md).
-PACK_FIELDS_ENV = "BUDDY_PACK_FIELDS"
-#: ``BUDDY_UNPACK_WARPS=N``: a table codec's unpack with its table in shared memory runs at most ``N`` warps an SM
-#: (its blocks' layout, :func:`shared_table_layout`); by default as many as its shared memory allows (24 at 4 KiB
-#: entries on a Hopper GPU). The GPU runbook times unpack at fewer warps (``bench_cuda --unpack-warps``) to learn how
-#: its speed grows with the warps an SM: what a layout of more warps would buy, which only a GPU tells.
-UNPACK_WARPS_ENV = "BUDDY_UNPACK_WARPS"
-
-
-def count_matches(word_bytes: int) -> bool:
-    """Whether the count kernel matches a warp's equal keys for words of ``word_bytes`` (else: ballots), as
-    :data:`COUNT_MATCH_ENV` says (read at every launch)."""
-    told = os.environ.get(COUNT_MATCH_ENV, "").strip()
-    if told in ("0", "1"):
-        return told == "1"
-    if told:
-        raise ValueError(f"{COUNT_MATCH_ENV} is 0 (ballots), 1 (match) or unset (by word size), got {told!r}")
-    return word_bytes != 2
-
-
-def pack_fields() -> bool:
-    """Whether a table codec's pack makes its table of whole fields in shared memory (:data:`PACK_FIELDS_ENV`)."""
-    told = os.environ.get(PACK_FIELDS_ENV, "").strip()
-    if told not in ("", "0", "1"):
-        raise ValueError(f"{PACK_FIELDS_ENV} is 1 (pack's fields in shared memory), 0 or unset, got {told!r}")
-    return told == "1"
-
-
-def unpack_warps() -> int | None:
-    """The most warps an SM a table codec's unpack runs (:data:`UNPACK_WARPS_ENV`; None: as many as fit)."""
-    told = os.environ.get(UNPACK_WARPS_ENV, "").strip()
-    if not told:
-        return None
-    if not told.isdigit() or not 1 <= int(told) <= 64:
-        raise ValueError(f"{UNPACK_WARPS_ENV} is a number of warps an SM, 1 to 64, or unset, got {told!r}")
-    return int(told)
-
-
 @functools.cache
 def shared_table_layout(entry_bytes: int, shared: SharedMemory, most_an_sm: int = 64) -> tuple[int, int] | None:
     """``(warps a block, blocks an SM)`` of a table codec's unpack with its table in shared memory on a device
@@ -304,7 +255,8 @@ def launch_config(
     memory to stage a payload in (at most :data:`STAGING_BYTES` a block, at
     least one warp), and the unpack of a table codec (``codec`` in
     :data:`TABLED_KERNELS`, whose lanes decode into shared memory) ``2 E``;
-    measure stages nothing and runs 8 warps a block. A table codec's
+    measure, and sizes (measure, then the ends in its last block), stage
+    nothing and run 8 warps a block (:data:`ENDS_THREADS` threads). A table codec's
     ``count`` runs 256 threads a block, a thread per 16 bytes
     (``n_entries``: the 8-byte units) up to :data:`COUNT_BLOCKS` blocks,
     which then loop; its ``fit`` is one warp.
@@ -313,10 +265,10 @@ def launch_config(
     each block's shared memory, before the warps' staging (the module
     compiled with ``compile_options(..., shared_tables=True)``): unpack's copy
     of the device table's decode rows, where :func:`shared_table_layout` finds room, and
-    with ``pack_fields`` (:data:`PACK_FIELDS_ENV`) pack's table of whole fields
+    with ``pack_fields`` (:attr:`Tuning.pack_fields`) pack's table of whole fields
     (:data:`FIELDS_BYTES`), its warps as before. Either runs as many blocks as
     stay resident at once, their warps striding over the entries, so a block
-    makes its table once. ``unpack_warps`` (:data:`UNPACK_WARPS_ENV`): that unpack at most so many warps an SM.
+    makes its table once. ``unpack_warps`` (:attr:`Tuning.unpack_warps`): that unpack at most so many warps an SM.
     """
     if op == "fit":
         return 1, _WARP, 0
@@ -332,7 +284,7 @@ def launch_config(
         warps, per_sm = found
         blocks = max(1, min(tables.sms * per_sm, -(-n_entries // warps)))
         return blocks, warps * _WARP, DECODE_ROWS_BYTES + warps * 2 * entry_bytes
-    staged = op != "measure"
+    staged = op not in ("measure", "sizes")
     per_warp = entry_bytes * (2 if op == "unpack" and codec in TABLED_KERNELS else 1)
     warps = max(1, min(8, STAGING_BYTES // per_warp)) if staged else 8
     blocks = max(1, min(MAX_BLOCKS, -(-n_entries // warps)))
@@ -393,10 +345,12 @@ def _kernel(
 
 
 def compile_module(
-    codec: str, entry_bytes: int, device: torch.device | str, word_sizes: Sequence[int] = WORD_SIZES
-) -> None:
+    codec: str, entry_bytes: int, device: torch.device | str, word_sizes: Sequence[int] = WORD_SIZES,
+    tuning: Tuning | None = None,
+) -> None:  # fmt: skip
     """Compile the kernels of ``codec`` at ``entry_bytes`` for ``device`` now, not at their first launch: a
-    module per word size in ``word_sizes`` (the tensors' element sizes: 1, 2, 4 or 8 bytes).
+    module per word size in ``word_sizes`` (the tensors' element sizes: 1, 2, 4 or 8 bytes), laid out as
+    ``tuning`` says (default: the current one, :func:`buddy.engines.tuning.current`).
 
     What a launch would do first (NVRTC through CuPy, memoised in this
     process and kept in CuPy's on-disk cache for later ones); a GPU session
@@ -413,8 +367,9 @@ def compile_module(
         if word_bytes not in WORD_SIZES:
             raise ValueError(f"word sizes are 1, 2, 4 or 8 bytes, got {word_bytes!r}")
         layout = Layout(entry_bytes, 0, word_bytes)  # validates the entry size
-        table = _table_in_shared(codec, layout.entry_bytes, device) is not None
-        _kernel(codec, "measure", layout.entry_bytes, device, 0, layout.word_bytes, table, table and pack_fields())
+        tuning = current() if tuning is None else tuning
+        table = _table_in_shared(codec, layout.entry_bytes, device, tuning) is not None
+        _kernel(codec, "measure", layout.entry_bytes, device, 0, layout.word_bytes, table, table and tuning.pack_fields)
 
 
 _streams: dict[tuple[int, int | None], object] = {}
@@ -443,10 +398,10 @@ def _cupy_stream(cupy, device: torch.device):
     return stream
 
 
-def device_shared_memory(device: torch.device) -> SharedMemory | None:
-    """:class:`SharedMemory` of ``device`` (its properties), or None where ``BUDDY_SHARED_TABLES=0`` asks a
-    table codec's pack and unpack to read its table in global memory."""
-    if os.environ.get(SHARED_TABLES_ENV, "1").strip() == "0":
+def device_shared_memory(device: torch.device, tuning: Tuning) -> SharedMemory | None:
+    """:class:`SharedMemory` of ``device`` (its properties), or None where ``tuning`` asks a table codec's pack and
+    unpack to read its table in global memory (:attr:`Tuning.shared_tables` false)."""
+    if not tuning.shared_tables:
         return None
     return _device_shared_memory(device.index)
 
@@ -457,10 +412,10 @@ def shares_tables(codec: str, entry_bytes: int, shared: SharedMemory) -> bool:
     return codec in TABLED_KERNELS and shared_table_layout(entry_bytes, shared) is not None
 
 
-def _table_in_shared(codec: str, entry_bytes: int, device: torch.device) -> SharedMemory | None:
+def _table_in_shared(codec: str, entry_bytes: int, device: torch.device, tuning: Tuning) -> SharedMemory | None:
     """The device's :class:`SharedMemory` where ``codec``'s tables go into its shared memory (:func:`shares_tables`;
-    not with ``BUDDY_SHARED_TABLES=0``), else None."""
-    limits = device_shared_memory(device) if codec in TABLED_KERNELS else None
+    not where ``tuning`` keeps them in global memory), else None."""
+    limits = device_shared_memory(device, tuning) if codec in TABLED_KERNELS else None
     return limits if limits is not None and shares_tables(codec, entry_bytes, limits) else None
 
 
@@ -477,14 +432,17 @@ def _device_shared_memory(index: int) -> SharedMemory:
     )  # fmt: skip
 
 
-def _launch(codec: str, op: str, entry_bytes: int, device: torch.device, n_entries: int, args: tuple) -> None:
-    """Launch ``buddy_<codec>_<op>`` over ``n_entries`` on the device's current torch stream."""
+def _launch(
+    codec: str, op: str, entry_bytes: int, device: torch.device, n_entries: int, args: tuple, tuning: Tuning
+) -> None:
+    """Launch ``buddy_<codec>_<op>`` over ``n_entries`` on the device's current torch stream, laid out as ``tuning``
+    says."""
     import numpy
 
     cupy = _cupy()
-    limits = _table_in_shared(codec, entry_bytes, device)
-    fields = limits is not None and pack_fields()
-    blocks, threads, shared = launch_config(op, entry_bytes, n_entries, codec, limits, fields, unpack_warps())
+    limits = _table_in_shared(codec, entry_bytes, device, tuning)
+    fields = limits is not None and tuning.pack_fields
+    blocks, threads, shared = launch_config(op, entry_bytes, n_entries, codec, limits, fields, tuning.unpack_warps)
     # every kernel's last argument: the word size
     kernel = _kernel(codec, op, entry_bytes, device, shared, int(args[-1]), limits is not None, fields)
     stream = _cupy_stream(cupy, device)
@@ -672,10 +630,12 @@ def _fpe_member(codec: CodecLike | None) -> FPECodec | None:
 class Kernels:
     """The three kernels of codec ``name`` (``buddy_<name>_measure/pack/unpack``), arguments checked.
 
-    ``launch(codec, op, entry_bytes, device, n_entries, args)`` runs a kernel
-    (default: compiled through CuPy, on torch's current stream);
-    ``device_type`` is the device the tensors must live on. Tests run the
-    same glue with the kernels emulated on the host by passing both.
+    ``launch(codec, op, entry_bytes, device, n_entries, args, tuning)`` runs
+    a kernel (default: compiled through CuPy, on torch's current stream),
+    laid out as :attr:`tuning` says (given, else the current one when made:
+    :mod:`buddy.engines.tuning`); ``device_type`` is the device the tensors
+    must live on. Tests run the same glue with the kernels emulated on the
+    host by passing both.
     Buffers: ``data`` the tensor's ``n_full`` whole entries (16-byte
     aligned), ``tail`` the last entry zero-padded (``E`` bytes), ``meta``
     ``n * META_BYTES`` bytes, ``ends`` ``(n,)`` int64 (see csrc/buddy_ops.h);
@@ -683,10 +643,14 @@ class Kernels:
     (:data:`TABLED_KERNELS`), else ``None``.
     """
 
-    def __init__(self, name: str, *, launch=None, device_type: str = "cuda"):
+    def __init__(self, name: str, *, launch=None, device_type: str = "cuda", tuning: Tuning | None = None):
         self.name = name
-        self.launch = _launch if launch is None else launch
+        self.launcher = _launch if launch is None else launch
         self.device_type = device_type
+        self.tuning = current() if tuning is None else tuning
+
+    def launch(self, codec: str, op: str, entry_bytes: int, device: torch.device, n_entries: int, args: tuple) -> None:
+        self.launcher(codec, op, entry_bytes, device, n_entries, args, self.tuning)
 
     def _check(self, layout: Layout, entries: tuple = (), **buffers) -> torch.device:
         """The buffers' common device; ``ValueError`` for any that is not what the kernels need.
@@ -735,12 +699,12 @@ class Kernels:
         """A table codec's symbol counts of the tensor's whole words added to ``counts`` (``S + 2`` int64): the
         8-byte units of ``data`` and the whole words of the tail's :attr:`~Layout.tail_bytes`. A warp's lanes of
         equal keys add their number once, or its zero words are counted by ballots and the other words added one by
-        one (:func:`count_matches`: 2-byte words by default): the same counts."""
+        one (:meth:`Tuning.count_matches`: 2-byte words by default): the same counts."""
         self._tabled()
         word = layout.word_bytes
         device = self._check(layout, (data, tail), counts=(counts, torch.int64, n_symbols(word)))
         n_units, tail_words = layout.n_full * layout.entry_bytes // 8, layout.tail_bytes // word
-        aggregate = _i32(int(count_matches(word)))
+        aggregate = _i32(int(self.tuning.count_matches(word)))
         args = (data, _i64(n_units), tail, _i32(tail_words), counts, aggregate, _i32(word))
         self.launch(self.name, "count", layout.entry_bytes, device, n_units, args)
 
@@ -757,6 +721,21 @@ class Kernels:
         )  # fmt: skip
         args = (counts, work, table, serial, _i32(int(weighted)), _i32(layout.word_bytes))
         self.launch(self.name, "fit", layout.entry_bytes, device, 1, args)
+
+    def sizes(self, layout: Layout, data, tail, meta, histogram, slot: int, ends, table=None) -> None:
+        """:meth:`measure` and :meth:`ends` in one launch, for slots of ``slot`` sectors chosen before the sizes are
+        known: every entry's metadata word into ``meta``, entries of ``k`` sectors added to ``histogram[k]``, and
+        the overflow's prefix sums into ``ends`` (``n`` int64), made by the launch's last block.
+        ``histogram``: ``layout.bins + 1`` int64, the last zero (the kernel counts its blocks done there)."""
+        n = layout.n_entries
+        device = self._check(
+            layout, (data, tail), meta=(meta, torch.uint8, layout.meta_bytes),
+            histogram=(histogram, torch.int64, layout.bins + 1), ends=(ends, torch.int64, n),
+        )  # fmt: skip
+        table = self._table(table, device)
+        n_full, word = _i64(layout.n_full), _i32(layout.word_bytes)
+        args = (data, tail, n_full, _i64(n), meta, histogram, table, _i32(slot), ends, word)
+        self.launch(self.name, "sizes", layout.entry_bytes, device, n, args)
 
     def ends(self, layout: Layout, meta, slot: int, ends) -> None:
         """Per entry into ``ends`` (``n`` int64), the overflow sectors of entries ``0..i`` with slots of ``slot``
@@ -824,21 +803,19 @@ class Kernels:
 #: the start addresses of pinned host buffers a kernel cannot read where they are: pinned without the mapping (a
 #: store block the runtime refused to map: buddy.store adds it when it pins it, removes it when it unpins it)
 UNMAPPED_HOST: set[int] = set()
-#: ``BUDDY_ZERO_COPY=1``: unpack reads the overflow where it is, in pinned host memory (read at every decompress)
-ZERO_COPY_ENV = "BUDDY_ZERO_COPY"
 #: cudaDevAttrCanUseHostPointerForRegisteredMem: a registered host pointer is a valid device pointer as it is
 _HOST_POINTER_ATTRIBUTE = 91
 
 
-def reads_overflow_in_place(overflow: torch.Tensor, device: torch.device) -> bool:
+def reads_overflow_in_place(overflow: torch.Tensor, device: torch.device, tuning: Tuning) -> bool:
     """Whether an unpack on ``device`` reads ``overflow`` in pinned host memory, over the bus, as its kernel runs.
 
     By default the overflow is first copied to the device whole (on the compute stream, before the kernel):
     its time adds to the kernel's. Read in place, the copy is the kernel's own loads, overlapped with its
-    decoding. Opt-in (``BUDDY_ZERO_COPY=1``) until a GPU run says which is faster; it needs the overflow
+    decoding. Opt-in (:attr:`Tuning.zero_copy`) until a GPU run says which is faster; it needs the overflow
     pinned and a device that takes registered host pointers as they are.
     """
-    if os.environ.get(ZERO_COPY_ENV) != "1":
+    if not tuning.zero_copy:
         return False
     return bool(overflow.numel()) and _device_reaches(overflow, device)
 
@@ -895,7 +872,7 @@ class CudaEngine(Engine):
     device (the default), the native build's on the CPU
     (:func:`buddy.engines.native.NativeEngine`), the emulator's in the tests.
     So what the host does per tensor -- argument checks, allocations, the
-    count, fit, measure, ends, pack and unpack launches, reads -- is the same
+    count, fit, measure, sizes, ends, pack and unpack launches, reads -- is the same
     on every device, and what the CPU counts of it is what a GPU pays.
     :attr:`readbacks` counts the device-to-host reads made (per compress
     sized first one: the histogram, with a table codec's table when it fits
@@ -905,7 +882,7 @@ class CudaEngine(Engine):
     backend = "cuda"
     codec: Codec
 
-    def __init__(self, codec: CodecLike, *, launch=None, device_type: str = "cuda"):
+    def __init__(self, codec: CodecLike, *, launch=None, device_type: str = "cuda", tuning: Tuning | None = None):
         # the kernels reproduce exactly buddy's class of that name (an auto codec: with its own members, in order)
         kinds = tuple((m, type(c)) for m, c in codec.members) if isinstance(codec, AutoCodec) else None
         exact = type(codec) is KERNEL_CODECS.get(codec.name)
@@ -915,7 +892,7 @@ class CudaEngine(Engine):
                 f"codec {codec.name!r} ({type(codec).__name__}) has no CUDA kernels (codecs with them: {have})"
             )
         super().__init__(codec)
-        self.kernels = Kernels(codec.name, launch=launch, device_type=device_type)
+        self.kernels = Kernels(codec.name, launch=launch, device_type=device_type, tuning=tuning)
         self._tables: dict[tuple[torch.device, int], torch.Tensor | None] = {}
 
     def _table(self, device: torch.device, word_bytes: int) -> torch.Tensor | None:
@@ -1073,8 +1050,9 @@ class CudaEngine(Engine):
     def pack_ahead(self, flat, layout, slot, histogram, into, *, prior=None, keep=None, count=True):
         """Compress ``flat`` with a slot chosen before its sizes are known: nothing is read back.
 
-        ``histogram``: ``layout.bins`` int64 on the tensor's device, zero, which the entries' sizes are added to
-        (a slice of a step's buffer, read once for all its tensors); ``into``: the overflow's place in buddy
+        ``histogram``: ``layout.bins + 1`` int64 on the tensor's device, zero: the entries' sizes are added to the
+        first ``layout.bins``, and the sizes kernel counts its blocks done in the last (a slice of a step's buffer,
+        read once for all its tensors); ``into``: the overflow's place in buddy
         memory, at least ``layout.slots_bytes(E / 32) - layout.slots_bytes(slot)`` bytes (the worst case: every
         entry stored raw), where the pack kernel writes it (:meth:`writes_overflow_at`); the bytes it holds are
         ``32 * ends[-1]``, known once ``histogram`` is read. A codec with a table fits it on the host to
@@ -1082,18 +1060,20 @@ class CudaEngine(Engine):
         where ``count`` says so; it needs a ``prior`` (without one its table is fitted to the tensor's counts,
         which are read back). Returns ``(codec, meta, slots, ends)``: the fitted codec, the metadata and slots on
         the device, and per entry the overflow sectors of entries ``0..i`` (int64 on the device; kept for
-        unpack).
+        unpack). Two launches (the count a third, where asked): sizes -- the metadata, the histogram and the
+        prefix sums --, then pack.
         """
         device = flat.device
         worst = layout.slots_bytes(layout.sectors_per_entry) - layout.slots_bytes(slot)
         if into.numel() < worst or not self.writes_overflow_at(into, device):
             raise ValueError(f"pack_ahead writes the overflow into {worst} bytes of buddy memory it can reach")
         entries = self._fit_ahead(flat, layout, prior, keep, count)
-        meta = self._measure(flat, entries, layout, histogram)
+        meta = torch.empty(layout.meta_bytes, dtype=torch.uint8, device=device)
         slots = torch.empty(layout.slots_bytes(slot), dtype=torch.uint8, device=device)
-        ends = self._ends(meta, slot, layout)
+        ends = torch.empty(layout.n_entries, dtype=torch.int64, device=device)
         if layout.n_entries:
             table = self._table(device, layout.word_bytes)
+            self.kernels.sizes(layout, *entries, meta, histogram, slot, ends, table)
             self.kernels.pack(layout, *entries, meta, ends, slot, slots, into, table)
         return self.codec, meta, slots, ends
 
@@ -1106,9 +1086,9 @@ class CudaEngine(Engine):
 
     def measure_ahead(self, flat, layout, histogram, *, prior=None, keep=None, count=True):
         """:meth:`pack_ahead`'s fit and sizes alone, nothing packed (a tensor kept as it is, whose key goes on
-        learning): the fitted codec; the sizes are added to ``histogram``."""
+        learning): the fitted codec; the sizes are added to ``histogram``'s first ``layout.bins``."""
         entries = self._fit_ahead(flat, layout, prior, keep, count)
-        self._measure(flat, entries, layout, histogram)
+        self._measure(flat, entries, layout, histogram[: layout.bins])
         return self.codec
 
     def _fit_ahead(self, flat, layout: Layout, prior, keep, count: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1133,7 +1113,7 @@ class CudaEngine(Engine):
         out = torch.empty(n * e, dtype=torch.uint8, device=slots.device)
         if n:
             meta = meta if meta.data_ptr() % 2 == 0 else meta.clone()  # 2-byte words are read aligned
-            if not reads_overflow_in_place(overflow, slots.device):
+            if not reads_overflow_in_place(overflow, slots.device, self.kernels.tuning):
                 overflow = overflow.to(slots.device, non_blocking=True)  # H2D from pinned memory, on the current stream
             error = _error_flag(error_flag, slots.device)
             ends = self._ends(meta, slot, layout) if ends is None else ends

@@ -292,7 +292,7 @@ def _grid(op: str, n: int, threads: int) -> int:
     """Blocks of a launch: enough for every thread to take several, few enough that each loops over many entries."""
     if op in ("fit", "ends"):  # one block
         return 1
-    per_block = _COUNT_UNITS_PER_BLOCK if op == "count" else ENTRIES_PER_BLOCK
+    per_block = _COUNT_UNITS_PER_BLOCK if op == "count" else ENTRIES_PER_BLOCK  # (sizes: as measure)
     return max(1, min(-(-n // per_block), 8 * threads))
 
 
@@ -318,9 +318,10 @@ def kernel_seconds() -> dict[str, float]:
         return dict(_seconds)
 
 
-def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple) -> None:
-    """:class:`~buddy.engines.cuda.Kernels`' ``launch=``: kernel ``buddy_<codec>_<op>`` natively on the host."""
-    del device  # CPU tensors: Kernels checked them
+def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple, tuning=None) -> None:
+    """:class:`~buddy.engines.cuda.Kernels`' ``launch=``: kernel ``buddy_<codec>_<op>`` natively on the host (a
+    native block is one warp, its tables in memory: no GPU tuning applies)."""
+    del device, tuning  # CPU tensors: Kernels checked them
     lib = library(codec, entry_bytes, solo=codec in SOLO_CODECS)
     threads = _threads()
     grid = _grid(op, n_entries, threads)
