@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from . import engines, spec
+from .engines import PLACE_WORDS
 from .codecs import CodecLike
 from .hooks import DEFAULT_MIN_BYTES, _SavedTensorHooks
 from .keys import is_parameter, module_name
@@ -44,7 +45,7 @@ from .stats import KeyRow, SessionStats
 from .step import Counters
 from .store import BuddyStore, default_store
 from .tensor import BuddyTensor
-from .tracker import Policy, Tracker, default_tracker
+from .tracker import Policy, Tracker, default_tracker, group_of
 
 __all__ = [
     "compressed_activations",
@@ -98,6 +99,9 @@ class Session(_SavedTensorHooks):
         self._histograms = Counters(torch.int64, _HISTOGRAMS_CHUNK)
         self._pending: list[_Pending] = []
         self._reads_at = 0
+        # the device reserve: per device, this step's (its state on the device, its buffer), sized by the tracker
+        self._reserves: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._seen = self._sized_spent = 0  # the step's bytes taken so far, and the overflow of those sized
         super().__init__(min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, enabled=enabled)
 
     def _begin(self) -> None:
@@ -108,6 +112,8 @@ class Session(_SavedTensorHooks):
         self._histograms.next_step()
         self._pending = []
         self._reads_at = engines.host_reads()
+        self._reserves = {}  # (the last step's lives on with the tensors that hold some of it)
+        self._seen = self._sized_spent = 0
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
@@ -124,14 +130,21 @@ class Session(_SavedTensorHooks):
             pending, self._pending = self._pending, []
         if not pending:
             return
-        sizes = {device: iter(self._histograms.read(device)) for device in self._histograms.devices}
+        sizes = {device: self._histograms.read(device) for device in self._histograms.devices}
         st = self._stats
+        excess = 0  # overflow sectors past the step's running bound: the reserve's, or passing it
         for p in pending:
-            histogram = next(sizes[p.device])[: p.layout.bins]
+            words = sizes[p.device][p.at]
+            histogram = words[PLACE_WORDS:]
             if p.bt is not None:
-                p.bt.settle(histogram)
+                p.bt.settle(words)
+                if p.bounded:
+                    total = p.layout.overflow_bytes(histogram, p.bt.slot_sectors) // spec.SECTOR_BYTES
+                    excess += max(0, total - words[0])
+                    st.reserved_bytes += p.bt.reserve_bytes
             row = p.row
             row.buddy_bytes = 0 if p.bt is None else p.bt.buddy_bytes
+            row.reserve_bytes = 0 if p.bt is None else p.bt.reserve_bytes
             row.ideal_bytes = Layout.compacted_bytes(histogram)
             st.buddy_bytes += row.buddy_bytes
             st.ideal_bytes += row.ideal_bytes
@@ -140,6 +153,10 @@ class Session(_SavedTensorHooks):
                 row.key, histogram, slot=slot, layout=p.layout,
                 predicted_overflow_bytes=row.predicted_overflow_bytes, statistics=p.codec.statistics, fitted=p.codec,
             )  # fmt: skip
+        bounded = [p for p in pending if p.bounded]
+        if bounded:
+            self.tracker.record_excess(group_of(bounded[0].row.key), excess)  # what the next steps' reserve is sized from
+            st.reserve_short_bytes = excess * spec.SECTOR_BYTES - st.reserved_bytes
 
     def _check_bound(self) -> None:
         """Warn (once per process and policy) if the step passed its policy's overflow bound.
@@ -164,9 +181,10 @@ class Session(_SavedTensorHooks):
         why = (
             "A slot the policy did not choose (a custom policy, or a store that could not take the overflow) does "
             "this." if self.strict else
-            "With strict=False slots come from the tracker's plan before the tensors are sized, so tensors that "
-            "compress worse than their history spill past it (the next step is planned from this one); "
-            "strict=True keeps the bound on every tensor's own sizes, at a read per tensor."
+            "With strict=False slots come from the tracker's plan before the tensors are sized; what tensors that "
+            "compress worse than their history spill past the bound goes to a device reserve sized from recent "
+            "steps, and this step's had no room for some of it (the next step's plan and reserve learn from this "
+            "one); strict=True keeps the bound on every tensor's own sizes, at a read per tensor."
         )  # fmt: skip
         _warn_once(
             f"bound {type(policy).__name__} {bound} {self.strict}",
@@ -218,23 +236,49 @@ class Session(_SavedTensorHooks):
         place = tracker.plan_ahead(key, layout, policy=self.policy, table_bytes=carried)
         if place is None:
             return None
-        histogram = self._histograms.take(layout.bins + 1, t.device)  # the sizes, then the kernels' count of blocks
+        # the step's running bound, in overflow sectors, with this tensor's bytes: what the sizes kernel sends to
+        # buddy memory past it (less what the step's tensors sent there before) goes to the reserve on the device
+        bound, bounded = self._stats.overflow_bound, False
+        step = reserve = room = None
+        if bound is not None and not place.keep:
+            step, reserve = self._reserve(t.device, group_of(key))
+            seen = self._seen + t.numel() * t.element_size()
+            room, bounded = int(bound * seen) // spec.SECTOR_BYTES - self._sized_spent // spec.SECTOR_BYTES, True
+        at = self._histograms.taken(t.device)  # (where its words come back where forward ends)
+        sizes = self._histograms.take(PLACE_WORDS + layout.bins, t.device)  # the placement, then the histogram
         bt = None
         if place.keep:  # the raw slot: kept as it is, its sizes counted all the same (the key goes on learning)
-            codec = engine.measure_ahead(memory_bytes(t)[0], layout, histogram, prior=prior, keep=fitted, count=count)
+            codec = engine.measure_ahead(memory_bytes(t)[0], layout, sizes, prior=prior, keep=fitted, count=count)
         else:
             bt = pack_ahead(
-                t, engine, layout, place.slot, histogram, store=self.store, ledger=tracker.ledger, prior=prior,
-                keep=fitted, count=count,
+                t, engine, layout, place.slot, sizes, store=self.store, ledger=tracker.ledger, prior=prior,
+                keep=fitted, count=count, room=room, step=step, reserve=reserve,
             )  # fmt: skip
             if bt is None:
                 return None
             codec = bt.codec_object
         elapsed = time.perf_counter() - start
         row = self._row(t, key, elapsed, bt, None, place.predicted_overflow_bytes, place.corrected)
-        self._pending.append(_Pending(row, layout, t.device, bt, codec))
+        self._pending.append(_Pending(row, layout, t.device, bt, codec, bounded, at))
         packed = _Kept(t, tracker) if bt is None else _Compressed(bt, self, row, self._schedule, self._checks)
         return packed, row
+
+    def _reserve(self, device: torch.device, group: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's reserve on ``device``: its state (2 int64 of the step's buffer: the overflow sectors the
+        step's tensors sent to buddy memory, and those they took of the reserve) and its buffer, as large as the
+        tracker says from the model's (``group``'s) recent steps (None: they sent nothing past their bound), made
+        at its first tensor. Its bytes are held on the tracker's ledger while any tensor holds a part of it."""
+        found = self._reserves.get(device)
+        if found is None:
+            state = self._histograms.take(2, device)
+            sectors = self.tracker.reserve_sectors(group)
+            nbytes = -(-sectors * spec.SECTOR_BYTES // _RESERVE_ROUND) * _RESERVE_ROUND
+            reserve = torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes else None
+            if reserve is not None:
+                self.tracker.ledger.hold(nbytes).release_when_collected(reserve)
+                self._stats.reserve_bytes += nbytes
+            found = self._reserves[device] = (state, reserve)
+        return found
 
     def _row(
         self, t, key: str, elapsed: float, bt: BuddyTensor | None, histogram, predicted: int | None, corrected: bool
@@ -260,6 +304,8 @@ class Session(_SavedTensorHooks):
             corrected=corrected,
         )
         st.corrected += corrected
+        self._seen += nbytes
+        self._sized_spent += row.buddy_bytes  # (a tensor packed ahead: none yet, its overflow is the device's count)
         st.device_bytes += row.device_bytes
         st.buddy_bytes += row.buddy_bytes
         st.ideal_bytes += row.ideal_bytes
@@ -293,6 +339,9 @@ class Session(_SavedTensorHooks):
         )
 
 
+#: bytes a device reserve is a whole number of
+_RESERVE_ROUND = 4096
+
 #: elements of the buffer a step's histograms are slices of (int64; 254 tensors of 4 KiB entries): made when the
 #: step packs its first tensor ahead, and larger when a step needs more
 _HISTOGRAMS_CHUNK = 1 << 15
@@ -306,6 +355,8 @@ class _Pending(NamedTuple):
     device: torch.device
     bt: BuddyTensor | None  # None: kept as it is (the raw slot), only measured
     codec: CodecLike  # what it was measured with (the tracker keeps its table)
+    bounded: bool  # packed within the step's running bound (its sectors past it: the reserve's)
+    at: int  # its words' place among the step's slices on its device (Counters.taken)
 
 
 class _Packed(NamedTuple):
@@ -397,9 +448,13 @@ def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:
             (a read a tensor), so the policy's bound holds on every tensor's
             real sizes. ``False``: from the tracker's plan before the tensor
             is sized, nothing read back but once where forward ends and once
-            where backward ends; a step whose tensors compress worse than
-            their history passes its bound by that much, and says so (a new
-            key, or one the policy has no plan for, is sized first).
+            where backward ends (a new key, or one the policy has no plan
+            for, is sized first). The bound is kept where the data is: each
+            tensor's overflow past the step's running bound goes to a reserve
+            on the device, which the tracker sizes from the model's recent
+            steps (``Tracker.reserve_sectors``); only what finds no room
+            there passes the bound, and ``session.stats()`` says so (the next
+            step's plan and reserve learn from it).
 
     Returns:
         A :class:`Session`; ``session.stats()`` reports what it held.

@@ -46,7 +46,7 @@ import torch
 from . import config, dispatch, integrity, spec, streams
 from . import engines
 from .codecs import CodecLike, get_codec
-from .engines import Engine, Measurement
+from .engines import PLACE_WORDS, Engine, Measurement
 from .errors import CorruptDataError, HostStoreFull
 from .integrity import Checksum
 from .ledger import DeviceLedger, default_ledger
@@ -127,38 +127,27 @@ def resolve(tensor, codec=None, entry_bytes=None, backend=None) -> tuple[Engine,
 
 
 def pack_ahead(
-    tensor: torch.Tensor,
-    engine: Engine,
-    layout: Layout,
-    slot: int,
-    histogram: torch.Tensor,
-    *,
-    store: BuddyStore,
-    ledger: DeviceLedger,
-    prior: torch.Tensor | None = None,
-    keep: CodecLike | None = None,
-    count: bool = True,
-) -> BuddyTensor | None:
+    tensor: torch.Tensor, engine: Engine, layout: Layout, slot: int, sizes: torch.Tensor, *, store: BuddyStore,
+    ledger: DeviceLedger, prior: torch.Tensor | None = None, keep: CodecLike | None = None, count: bool = True,
+    room: int | None = None, step: torch.Tensor | None = None, reserve: torch.Tensor | None = None,
+) -> BuddyTensor | None:  # fmt: skip
     """Compress ``tensor`` with a slot chosen before its sizes are known: measure and pack with nothing read back.
 
-    What a training step does with the tracker's plan (:mod:`buddy.autograd`,
-    ``strict=False``): ``engine`` and ``layout`` from :func:`resolve`,
-    ``slot`` from the plan, ``histogram`` ``layout.bins + 1`` zero int64 on
-    the tensor's device that the sizes are added to (the last element the
-    kernels' own) -- a slice of a buffer the step reads once for all its
-    tensors. The overflow goes where the pack
-    kernel writes it, into a range of ``store`` reserved at its worst case
-    (every entry raw), which :meth:`BuddyTensor.settle` trims to what it
-    holds once the histogram is read. ``prior``, ``keep``, ``count``: as in
-    :func:`measure` (a codec with a table needs a ``prior``).
+    What a training step does with the tracker's plan (:mod:`buddy.autograd`, ``strict=False``): ``engine`` and
+    ``layout`` from :func:`resolve`, ``slot`` from the plan, ``sizes`` ``PLACE_WORDS + layout.bins`` zero int64 on
+    the tensor's device: where the sizes kernel places the overflow, then the histogram the sizes are added to -- a
+    slice of a buffer the step reads once for all its tensors. The overflow goes where the pack kernel writes it,
+    into a range of ``store`` reserved at its worst case (every entry raw), which :meth:`BuddyTensor.settle` trims
+    to what it holds once the sizes are read; with a ``reserve`` (the step's, whole sectors on the device), its
+    sectors past the ``room`` the step's bound leaves go there instead (``room``, ``step``:
+    :meth:`buddy.engines.cuda.Kernels.sizes`). ``prior``, ``keep``, ``count``: as in :func:`measure` (a codec with
+    a table needs a ``prior``).
 
     Returns a :class:`BuddyTensor` not yet settled, or ``None`` where it cannot be packed so (an engine that
     does not pack ahead, a codec with a table and no prior, checksums on by default, a store without room for
     the worst case, buddy memory the device cannot write): the caller then measures and packs (one read).
     """
-    if not isinstance(histogram, torch.Tensor) or histogram.dtype != torch.int64 or histogram.shape != (layout.bins + 1,):
-        got = tuple(histogram.shape) if isinstance(histogram, torch.Tensor) else type(histogram).__name__
-        raise ValueError(f"histogram must be {layout.bins + 1} zero int64 (layout.bins + 1), got {got}")
+    _check_sizes(sizes, layout)
     if not engine.packs_ahead or (prior is None and engine.codec.format_version >= 2) or config.defaults().checksum:
         # (a codec with a table and no prior: its table is fitted to the tensor's counts, read back; checksums: of
         # buffers the host reads, every one of them)
@@ -175,17 +164,26 @@ def pack_ahead(
             return None
         flat, stride = memory_bytes(tensor)
         codec, meta, slots, ends = engine.pack_ahead(
-            flat, layout, slot, histogram, into, prior=prior, keep=keep, count=count
-        )
+            flat, layout, slot, sizes, into, prior=prior, keep=keep, count=count, room=room, step=step,
+            reserve=reserve,
+        )  # fmt: skip
         table = engine.stored_table(tensor.device)
         return BuddyTensor(
             shape=tensor.shape, stride=stride, dtype=tensor.dtype, device=tensor.device, codec=codec, layout=layout,
-            slot_sectors=slot, histogram=histogram[: layout.bins], slots=slots, meta=meta, overflow=overflow, store=store,
-            ledger=ledger, backend=engine.backend, table=table, ends=ends,
+            slot_sectors=slot, histogram=sizes, slots=slots, meta=meta, overflow=overflow, store=store,
+            ledger=ledger, backend=engine.backend, table=table, ends=ends, reserve=reserve,
         )  # fmt: skip
     except BaseException:
         store.release(overflow)  # nothing half-written survives, KeyboardInterrupt included
         raise
+
+
+def _check_sizes(sizes, layout: Layout) -> None:
+    """``ValueError`` unless ``sizes`` is what :func:`pack_ahead` takes: ``PLACE_WORDS + layout.bins`` int64."""
+    want = PLACE_WORDS + layout.bins
+    if not isinstance(sizes, torch.Tensor) or sizes.dtype != torch.int64 or sizes.shape != (want,):
+        got = tuple(sizes.shape) if isinstance(sizes, torch.Tensor) else type(sizes).__name__
+        raise ValueError(f"sizes must be {want} zero int64 (PLACE_WORDS + layout.bins), got {got}")
 
 
 def _pack_options(store, on_full, checksum, ledger) -> _PackOptions:

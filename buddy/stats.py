@@ -40,6 +40,7 @@ class KeyRow:
     saves: int = 1  # how many saves autograd made of it (dedup)
     compress_seconds: float = 0.0
     corrected: bool = False  # the policy's bound widened the slot its history planned (buddy.tracker.Choice)
+    reserve_bytes: int = 0  # overflow kept on the device in its step's reserve, past the step's bound (strict=False)
 
     @property
     def offloaded(self) -> bool:
@@ -88,6 +89,12 @@ class SessionStats:
     overflow_bound: float | None = None
     #: tensors whose slot the bound widened from what the history planned (the plan was wrong for them)
     corrected: int = 0
+    #: ``strict=False``: device bytes the step set aside for overflow past its bound (the reserve, sized from recent
+    #: steps), the overflow it held, and the overflow past the bound it had no room for (sent to buddy memory: the
+    #: step passes its bound by that much)
+    reserve_bytes: int = 0
+    reserved_bytes: int = 0
+    reserve_short_bytes: int = 0
     #: reads of the device by the host in the step (forward's, and backward's checks once it ran): one per
     #: compressed tensor with ``strict=True``, at most two a step (where forward ends, where backward ends) once
     #: every key has a plan with ``strict=False`` (:func:`buddy.engines.to_host` counts them, on every device)
@@ -102,8 +109,8 @@ class SessionStats:
 
     @property
     def effective_capacity(self) -> float:
-        """original bytes / device bytes of what was compressed."""
-        return _ratio(self.original_bytes, self.device_bytes)
+        """original bytes / device bytes of what was compressed (with the step's device reserve)."""
+        return _ratio(self.original_bytes, self.device_bytes + self.reserve_bytes)
 
     @property
     def overflow_fraction(self) -> float:
@@ -163,6 +170,11 @@ class SessionStats:
                 f"overflow {self.overflow_fraction:.1%} against the policy's bound of {self.overflow_bound:.1%}: "
                 f"{'within it' if self.within_bound else 'PAST IT'}; {self.corrected} slot(s) corrected from the "
                 f"history's plan on the tensors' own sizes"
+            )
+        if self.reserve_bytes or self.reserve_short_bytes:
+            lines.append(
+                f"device reserve {format_bytes(self.reserve_bytes)}: held {format_bytes(self.reserved_bytes)} of "
+                f"overflow past the bound, {format_bytes(self.reserve_short_bytes)} found no room in it"
             )
         if self.captured:
             lines.append(f"{self.captured} save(s) kept as they are: a CUDA graph was being captured")

@@ -39,6 +39,11 @@ class Counters:
         self._used: dict[torch.device, int] = {}  # elements of the device's last buffer handed out (padded)
         self._taken: dict[torch.device, list[tuple[int, int, int]]] = {}  # per slice: (buffer, start, elements)
 
+    def taken(self, device: torch.device) -> int:
+        """Slices handed out on ``device`` this step: the place in :meth:`read`'s list of the next one taken."""
+        with self._lock:
+            return len(self._taken.get(device, ()))
+
     def take(self, n: int, device: torch.device) -> torch.Tensor:
         """``n`` zero elements on ``device``, a slice of the step's buffer (no allocation but a buffer's)."""
         padded = -(-n // self._align) * self._align

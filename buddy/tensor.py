@@ -17,6 +17,7 @@ import torch
 
 from . import dispatch, integrity, spec, streams
 from . import engines
+from .engines import PLACE_WORDS
 from .codecs import CodecLike
 from .errors import FreedTensorError, UnsupportedTensorError
 from .integrity import Checksum
@@ -104,6 +105,8 @@ class BuddyTensor:
         original_bytes: bytes of the tensor's data.
         device_bytes: slots + metadata (+ the codec table, format version 2) on the device.
         buddy_bytes: overflow held in buddy memory.
+        reserve_bytes: overflow held on the device instead, in its step's reserve (packed ahead in a session
+            whose step's bound left no room for it in buddy memory); counted with the reserve, not here.
         compressed_bytes: ``sum(k) * 32``, the size if entries were compacted.
         target_ratio: ``E / (32 * slot_sectors)``, the ratio of the slot used; ``inf`` for the zero slot.
         requested_ratio: the ``target_ratio`` :func:`compress` was given (the slot grid may round it:
@@ -142,6 +145,7 @@ class BuddyTensor:
         checksum: Checksum | None = None,
         table: torch.Tensor | None = None,
         ends: torch.Tensor | None = None,
+        reserve: torch.Tensor | None = None,
     ):
         self.shape = torch.Size(shape)
         #: strides the decompressed tensor gets (the original's when it was dense, else contiguous)
@@ -156,14 +160,7 @@ class BuddyTensor:
         self.slot_sectors = slot_sectors
         self.original_bytes = layout.nbytes
         self.n_entries = layout.n_entries
-        # entries per size (histogram), or, packed ahead (pipeline.pack_ahead), where the device counts them:
-        # an int64 tensor, read when the tensor is settled (settle)
-        self._histogram: tuple[int, ...] | None = None
-        self._counting: torch.Tensor | None = None
-        if isinstance(histogram, torch.Tensor):
-            self._counting = histogram
-        else:
-            self._histogram = tuple(map(int, histogram))
+        self._sizes(histogram, reserve)
         self.format_version = codec.format_version
         self.requested_ratio: float | None = None  # set by compress() when it was given a target ratio
         #: per-buffer checksums taken at compress time, or ``None`` (see :mod:`buddy.integrity`)
@@ -183,6 +180,26 @@ class BuddyTensor:
         hold = ledger.hold(self.device_bytes)
         self._finalizer = weakref.finalize(self, _release, store, overflow, hold)
 
+    def _sizes(self, histogram: Sequence[int] | torch.Tensor, reserve: torch.Tensor | None) -> None:
+        """The sizes, as known when it is made: the histogram, or, packed ahead (:func:`buddy.pipeline.pack_ahead`),
+        the sizes kernel's words on the device -- its placement of the overflow (``PLACE_WORDS``), then the
+        histogram --, read when it is settled; and, with its step's ``reserve``, where its overflow may be."""
+        self._histogram: tuple[int, ...] | None = None
+        self._counting: torch.Tensor | None = None
+        if isinstance(histogram, torch.Tensor):
+            self._counting = histogram
+        else:
+            self._histogram = tuple(map(int, histogram))
+        # packed ahead with its step's reserve: (its placement on the device, the reserve); kept once settled where
+        # some of the overflow is in the reserve, else dropped (every sector in buddy memory, in order)
+        self._placed: tuple[torch.Tensor, torch.Tensor] | None = None
+        if reserve is not None:
+            assert self._counting is not None, "a reserve goes with a tensor packed ahead"
+            self._placed = (self._counting[:PLACE_WORDS], reserve)
+        #: (cap, r, offset): where the overflow's sectors are (see csrc/buddy_ops.h, BuddyOverflowMap), once settled
+        self.placement: tuple[int, int, int] | None = None
+        self.reserve_bytes = 0
+
     # ---- properties -------------------------------------------------------
     @property
     def histogram(self) -> tuple[int, ...]:
@@ -197,23 +214,34 @@ class BuddyTensor:
         """Whether the sizes are known on the host (always, but for a tensor packed ahead not yet settled)."""
         return self._histogram is not None
 
-    def settle(self, histogram: Sequence[int] | None = None) -> None:
-        """Learn the sizes of a tensor packed ahead (:func:`buddy.pipeline.pack_ahead`): its ``histogram`` as read
-        with its step's (else read now, one read), and give back the buddy memory past its overflow. Nothing for a
-        tensor whose sizes are known."""
+    def settle(self, sizes: Sequence[int] | None = None) -> None:
+        """Learn the sizes of a tensor packed ahead (:func:`buddy.pipeline.pack_ahead`): the sizes kernel's words
+        (its placement, then the histogram) as read with its step's (else read now, one read), and give back the
+        buddy memory past the overflow it holds. Nothing for a tensor whose sizes are known."""
         if self._histogram is not None:
             return
-        if histogram is None:
+        if sizes is None:
             assert self._counting is not None
-            histogram = engines.to_host(self._counting).tolist()
-        self._histogram = tuple(map(int, histogram))
+            sizes = engines.to_host(self._counting).tolist()
+        cap, r, offset = (int(v) for v in sizes[:3])
+        self._histogram = tuple(map(int, sizes[PLACE_WORDS:]))
         self._counting = None
         spilled = self.layout.overflow_bytes(self._histogram, self.slot_sectors)
-        if spilled > self._overflow.nbytes:
-            raise RuntimeError(f"the sizes say {spilled} overflow bytes, more than the {self._overflow.nbytes} reserved")
+        if self._placed is None:
+            r = 0  # (no reserve: every sector in buddy memory, whatever its cap)
+        held = spilled - r * spec.SECTOR_BYTES
+        if held > self._overflow.nbytes or r < 0 or (r and not 0 <= cap <= held // spec.SECTOR_BYTES):
+            raise RuntimeError(
+                f"the sizes say {spilled} overflow bytes placed at (cap {cap}, r {r}), which the {self._overflow.nbytes} "
+                f"reserved in buddy memory do not hold"
+            )  # fmt: skip
         if self._finalizer.alive:
-            self.store.shrink(self._overflow, spilled)  # the pack's writes are done: its stream was read
-        self.buddy_bytes = spilled
+            self.store.shrink(self._overflow, held)  # the pack's writes are done: its stream was read
+        self.buddy_bytes = held
+        self.placement = (cap, r, offset)
+        self.reserve_bytes = r * spec.SECTOR_BYTES
+        if not r:
+            self._placed = None
 
     @property
     def codec(self) -> str:
@@ -255,11 +283,23 @@ class BuddyTensor:
 
         They are the tensor's own memory, not copies: do not write to them.
         The overflow's copy to buddy memory has landed by the time this returns.
+        (A tensor with some of its overflow in its step's reserve on the device
+        -- :attr:`reserve_bytes` -- gives its overflow whole, on the host: a copy.)
         """
         self._check_alive("read the buffers of")
         self.settle()
         self._overflow_ready_on_host()
-        return self._meta, self._slots, self._overflow.data
+        return self._meta, self._slots, self._whole(self._overflow.data)
+
+    def _whole(self, overflow: torch.Tensor) -> torch.Tensor:
+        """The overflow's sectors in order in one buffer on ``overflow``'s device: ``overflow`` (those in buddy
+        memory, or their copy), with those in the step's reserve put back between them."""
+        if self._placed is None or self.placement is None:
+            return overflow
+        cap, r, offset = self.placement
+        b = spec.SECTOR_BYTES
+        held = self._placed[1][offset * b : (offset + r) * b].to(overflow.device)
+        return torch.cat((overflow[: cap * b], held, overflow[cap * b :]))
 
     def verify(self) -> None:
         """Check the three buffers against :attr:`checksum` without decoding anything.
@@ -346,15 +386,16 @@ class BuddyTensor:
         ops = streams.for_device(self.device)
         stream = ops.current(self.device)
         overflow = self._overflow_for(ops, stream)
-        buffers = (self._meta, self._slots, overflow)
+        placed = self._placed if engine.packs_ahead else None  # (any other engine reads the overflow whole)
+        buffers = (self._meta, self._slots, overflow if placed is not None else self._whole(overflow))
         out = engines.decode(
             engine, buffers, self.slot_sectors, self.layout, self.shape, self.dtype, self.stride,
-            check=check, error_flag=error_flag, ends=self._ends,
+            check=check, error_flag=error_flag, ends=self._ends, placed=placed,
         )  # fmt: skip
         if overflow is self._overflow.data:
             self._overflow.used_on(ops, stream)  # read (copied to the device) on this stream: busy until it ends
         # (the error flag too: a slice of a step's buffer, which another stream may have allocated)
-        for buffer in (*buffers, *(b for b in (self._ends, error_flag) if b is not None)):
+        for buffer in (*buffers, *(b for b in (self._ends, error_flag, *(placed or ())) if b is not None)):
             ops.keep_for(buffer, stream)  # read on this stream: their memory outlives that work
         return out
 
@@ -372,7 +413,7 @@ class BuddyTensor:
         """Return the slots and buddy memory now. A second call raises."""
         self._check_alive("free")
         self._finalizer()
-        self._slots = self._meta = self._ends = self._counting = None  # type: ignore[assignment]  # freed
+        self._slots = self._meta = self._ends = self._counting = self._placed = None  # type: ignore[assignment]
         self._prefetched = None
 
     def _check_alive(self, action: str) -> None:

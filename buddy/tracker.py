@@ -56,6 +56,7 @@ overflow is counted in whole sectors on both sides, with no rounding.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import threading
 import warnings
@@ -707,6 +708,8 @@ class Tracker:
         self._keys: dict[str, KeyHistory] = {}
         self._step = 0  # steps begun (begin_step)
         self._recorded: dict[str, tuple[int, int]] = {}  # per group: (step, keys recorded in it so far)
+        # per group: the overflow sectors past the bound of its most recent steps packed ahead (the device reserve's)
+        self._excess: dict[str, collections.deque[int]] = {}
         self._lock = threading.RLock()
 
     @property
@@ -885,14 +888,33 @@ class Tracker:
             hist.add(histogram, observation, statistics, fitted)
         return observation
 
+    def record_excess(self, group: str, sectors: int) -> None:
+        """A step of ``group`` packed ahead sent ``sectors`` overflow sectors past its running bound (to its device
+        reserve, or, where that had no room, to buddy memory): what :meth:`reserve_sectors` sizes the next from."""
+        if isinstance(sectors, bool) or not isinstance(sectors, int) or sectors < 0:
+            raise ValueError(f"sectors must be a non-negative int, got {sectors!r}")
+        with self._lock:
+            self._excess.setdefault(group, collections.deque(maxlen=RESERVE_STEPS)).append(sectors)
+
+    def reserve_sectors(self, group: str) -> int:
+        """The device reserve a step of ``group`` packed ahead sets aside, in sectors: the most its last
+        :data:`RESERVE_STEPS` steps sent past their bound, and a quarter more (0 with none)."""
+        with self._lock:
+            most = max(self._excess.get(group, ()), default=0)
+        return -(-most * 5 // 4)
+
     def forget(self) -> None:
         """Drop every key's history (what the ledger holds stays)."""
         with self._lock:
             self._keys.clear()
+            self._excess.clear()
 
     def __repr__(self) -> str:
         return f"Tracker(policy={self.policy!r}, keys={len(self._keys)}, decay={self.decay}, window={self.window})"
 
+
+#: steps of a group whose overflow past their bound sizes its next device reserve (:meth:`Tracker.reserve_sectors`)
+RESERVE_STEPS = 4
 
 _default = ProcessDefault(Tracker, Tracker)
 

@@ -186,6 +186,17 @@ BUDDY_HD void buddy_atomic_add(uint32_t* p, uint32_t v) {
 #endif
 }
 
+// p, a pointer into global memory that the device compiler may be unable to trace back to a kernel argument (one
+// of several, picked at run time): told so, its loads and stores through it are global ones, not generic, slower.
+// Only for a pointer the caller then reads or writes (never null). On a host: p.
+template <class T>
+BUDDY_HD T* buddy_global(T* p) {
+#if defined(__CUDA_ARCH__) && !defined(BUDDY_EMULATOR)
+  __builtin_assume(__isGlobal(p));
+#endif
+  return p;
+}
+
 // x rounded to an integer, halves to even (Python's round of a float).
 BUDDY_HD double buddy_rint(double x) { return rint(x); }
 

@@ -198,18 +198,60 @@ __device__ __forceinline__ bool buddy_last_block(unsigned long long* done, unsig
   return *last != 0;
 }
 
+// Where the sizes kernel's placement words are (BUDDY_PLACE_*: 4 long longs, zero before the launch): the
+// tensor's overflow map (BuddyOverflowMap: cap, r, and the offset of its r sectors in the step's reserve), and the
+// count of the launch's blocks done.
+#define BUDDY_PLACE_CAP 0
+#define BUDDY_PLACE_R 1
+#define BUDDY_PLACE_OFFSET 2
+#define BUDDY_PLACE_DONE 3
+
+// Where a tensor packed ahead sends its overflow, decided where its sizes are known (one thread): the first `cap`
+// sectors to buddy memory, as many as the step's running bound has room for (`room` less what the step's tensors
+// before it sent there, step[0]); the rest, up to what is left of the step's reserve (`reserve_sectors` less
+// step[1]), to the reserve on the device; past that, buddy memory again (the step passes its bound: the host sees
+// it where forward ends). step[0] and step[1] grow by what it sent to each. Without a step (null): `room` alone
+// bounds it, and there is no reserve.
+__device__ __forceinline__ void buddy_place(long long total, long long room, unsigned long long* step,
+                                            long long reserve_sectors, long long* place) {
+  const long long left = step != nullptr ? room - (long long)step[0] : room;
+  const long long cap = total < left ? total : (left > 0 ? left : 0);
+  long long r = 0, offset = 0;
+  if (total > cap && reserve_sectors > 0 && step != nullptr) {
+    offset = (long long)atomicAdd(&step[1], (unsigned long long)(total - cap));
+    const long long free = reserve_sectors - offset;
+    r = free <= 0 ? 0 : (free < total - cap ? free : total - cap);
+  }
+  if (step != nullptr) atomicAdd(&step[0], (unsigned long long)(total - r));
+  place[BUDDY_PLACE_CAP] = cap;
+  place[BUDDY_PLACE_R] = r;
+  place[BUDDY_PLACE_OFFSET] = offset;
+}
+
 // The sizes kernel: measure (buddy_measure_body), then, in whichever block is done last, the overflow's prefix sums
-// for slots of s sectors (buddy_ends_block): a slot chosen before the sizes are known (a tracker's plan) compresses
-// in two launches, this and pack, with nothing read back. histogram[E/32 + 1] counts the blocks done.
+// for slots of s sectors (buddy_ends_block) and its placement (buddy_place): a slot chosen before the sizes are
+// known (a tracker's plan) compresses in two launches, this and pack, with nothing read back.
 template <class Codec>
 __device__ __forceinline__ void buddy_sizes_body(const uint8_t* __restrict__ data, const uint8_t* __restrict__ tail,
                                                  long long n_full, long long n_entries, buddy_meta_t* meta,
                                                  unsigned long long* __restrict__ histogram,
                                                  const uint8_t* __restrict__ table, uint32_t s,
-                                                 long long* __restrict__ ends, long long* run, unsigned int* last) {
+                                                 long long* __restrict__ ends, long long* __restrict__ place,
+                                                 long long room, unsigned long long* __restrict__ step,
+                                                 long long reserve_sectors, long long* run, unsigned int* last) {
   buddy_measure_body<Codec>(data, tail, n_full, n_entries, meta, histogram, table);
-  if (buddy_last_block(histogram + BUDDY_SECTORS_PER_ENTRY + 1, last))
-    buddy_ends_block(meta, n_entries, s, ends, run);
+  if (!buddy_last_block(reinterpret_cast<unsigned long long*>(place + BUDDY_PLACE_DONE), last)) return;
+  buddy_ends_block(meta, n_entries, s, ends, run);
+  __syncthreads();  // the last entry's sum is written
+  if (threadIdx.x == 0) buddy_place(n_entries ? ends[n_entries - 1] : 0, room, step, reserve_sectors, place);
+}
+
+// A tensor's overflow map from its placement words (null: every sector in `overflow`, in order); reserve: the step's.
+// (Its reserve pointer is the reserve argument's, whichever: see BuddyOverflowMap.)
+__device__ __forceinline__ BuddyOverflowMap buddy_placed(uint8_t* overflow, const long long* place, uint8_t* reserve) {
+  if (place == nullptr) return {overflow, reserve, 0, 0};
+  return {overflow, reserve + place[BUDDY_PLACE_OFFSET] * BUDDY_SECTOR_BYTES, place[BUDDY_PLACE_CAP],
+          place[BUDDY_PLACE_R]};
 }
 
 template <class Codec>
@@ -218,8 +260,10 @@ __device__ __forceinline__ void buddy_pack_body(const uint8_t* __restrict__ data
                                                 const buddy_meta_t* __restrict__ meta,
                                                 const long long* __restrict__ ends, uint32_t s,
                                                 uint8_t* __restrict__ slots, uint8_t* __restrict__ overflow,
+                                                const long long* __restrict__ place, uint8_t* __restrict__ reserve,
                                                 const uint8_t* __restrict__ table) {
   const BuddyCudaWarp warp;
+  const BuddyOverflowMap map = buddy_placed(overflow, place, reserve);
 #if BUDDY_PACK_FIELDS && !defined(BUDDY_NATIVE_SOLO)
   // A table codec's table of whole fields (make_fields, codec_fpe.h) in the block's first Codec::FIELDS_BYTES of
   // dynamic shared memory, the warps' staging after it (launch_config): a word's field one load from it
@@ -237,7 +281,7 @@ __device__ __forceinline__ void buddy_pack_body(const uint8_t* __restrict__ data
   uint8_t* staging = buddy_staging();
 #endif
   for (long long i = buddy_first_warp(n_entries), end = buddy_last_warp(n_entries); i < end; i += buddy_warp_stride())
-    buddy_pack_entry<Codec>(warp, codec, i, data, tail, n_full, meta, ends, s, slots, overflow, staging);
+    buddy_pack_entry<Codec>(warp, codec, i, data, tail, n_full, meta, ends, s, slots, map, staging);
 }
 
 // A table codec's decode rows (the device table's first Codec::ROWS_BYTES) copied into the first Codec::ROWS_BYTES
@@ -258,9 +302,26 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
                                                   const long long* __restrict__ ends, uint32_t s,
                                                   const uint8_t* __restrict__ slots,
                                                   const uint8_t* __restrict__ overflow, long long overflow_sectors,
+                                                  const long long* __restrict__ place,
+                                                  const uint8_t* __restrict__ reserve, long long reserve_sectors,
                                                   uint8_t* __restrict__ out, int* __restrict__ error,
                                                   long long n_entries, const uint8_t* __restrict__ table) {
   const BuddyCudaWarp warp;
+  // the overflow's map, checked: a placement that would read outside the overflow or the reserve flags every
+  // entry that reads its overflow, and reads nothing (the overflow then holds none of it)
+  BuddyOverflowMap map = buddy_placed(const_cast<uint8_t*>(overflow), place, const_cast<uint8_t*>(reserve));
+  long long logical = overflow_sectors;  // the overflow's sectors wherever they are
+  if (place != nullptr) {
+    const long long offset = place[BUDDY_PLACE_OFFSET];
+    const bool good = map.cap >= 0 && map.r >= 0 && offset >= 0 && offset <= reserve_sectors &&
+                      map.r <= reserve_sectors - offset && (map.r == 0 || map.cap <= overflow_sectors);
+    if (good) {
+      logical += map.r;
+    } else {
+      map.cap = map.r = 0;
+      logical = 0;
+    }
+  }
 #if defined(BUDDY_NATIVE_SOLO)
   Codec codec = buddy_codec<Codec>(table);
   // (fpe, auto2: codec_fpe.h) -- for a run of entries worth the walk table's rows, which a new table makes anew
@@ -289,20 +350,18 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
     alignas(64) static thread_local uint8_t second[BUDDY_ENTRY_BYTES + 64];
     uint8_t* const stagings[2] = {staging, second};
     for (long long i = buddy_first_warp(n_entries), end = buddy_last_warp(n_entries); i < end;) {
-      if (i + 1 < end && buddy_unpack_pair<Codec>(warp, codec, i, n_entries, meta, ends, s, slots, overflow,
-                                                  overflow_sectors, stagings, out, &err)) {
+      if (i + 1 < end && buddy_unpack_pair<Codec>(warp, codec, i, n_entries, meta, ends, s, slots, map, logical,
+                                                  stagings, out, &err)) {
         i += 2;
         continue;
       }
-      err |= buddy_unpack_entry<Codec>(warp, codec, i, n_entries, meta, ends, s, slots, overflow, overflow_sectors,
-                                       staging, out);
+      err |= buddy_unpack_entry<Codec>(warp, codec, i, n_entries, meta, ends, s, slots, map, logical, staging, out);
       ++i;
     }
   } else
 #endif
   for (long long i = buddy_first_warp(n_entries), end = buddy_last_warp(n_entries); i < end; i += buddy_warp_stride())
-    err |= buddy_unpack_entry<Codec>(warp, codec, i, n_entries, meta, ends, s, slots, overflow, overflow_sectors,
-                                     staging, out);
+    err |= buddy_unpack_entry<Codec>(warp, codec, i, n_entries, meta, ends, s, slots, map, logical, staging, out);
   if (err && warp.lane() == 0) atomicOr(error, (int)err);
 }
 
@@ -391,11 +450,14 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
       const long long* __restrict__ ends, /* in: n_entries, overflow sectors of entries 0..i (inclusive sum) */     \
       int slot,                           /* s: sectors per slot, 0 .. E/32 */                                       \
       uint8_t* __restrict__ slots,        /* out: n_entries * s * 32 bytes */                                        \
-      uint8_t* __restrict__ overflow,     /* out: ends[n - 1] * 32 bytes */                                          \
+      uint8_t* __restrict__ overflow,     /* out: ends[n - 1] * 32 bytes, less those in the reserve */               \
+      const long long* __restrict__ place, /* in: the sizes kernel's placement (BUDDY_PLACE_*), or null: none */    \
+      uint8_t* __restrict__ reserve,      /* in/out: the step's reserve on the device (null without a placement) */ \
       const uint8_t* __restrict__ table,  /* in: the codec's device table, or null (see above) */                    \
       int word_bytes) {                   /* word size in bytes: 1, 2, 4 or 8 */                                     \
     BUDDY_WORD_SWITCH(CODEC, buddy_pack_body, data, tail, n_full, n_entries,                                        \
-                      reinterpret_cast<const buddy_meta_t*>(meta), ends, (uint32_t)slot, slots, overflow, table)   \
+                      reinterpret_cast<const buddy_meta_t*>(meta), ends, (uint32_t)slot, slots, overflow, place,    \
+                      reserve, table)                                                                              \
   }
 #define BUDDY_UNPACK_KERNEL(NAME, CODEC, BOUNDS)                                                                   \
   /* the tensor's entries back; inconsistent buffers never cause an out-of-bounds access: flagged entries decode   \
@@ -406,14 +468,18 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
       int slot,                             /* s: sectors per slot, 0 .. E/32 */                                     \
       const uint8_t* __restrict__ slots,    /* in: n_entries * s * 32 bytes */                                       \
       const uint8_t* __restrict__ overflow, /* in: overflow_sectors * 32 bytes, on the device */                     \
-      long long overflow_sectors,           /* sectors in overflow */                                                \
+      long long overflow_sectors,           /* sectors in overflow (those in the reserve not counted) */             \
+      const long long* __restrict__ place,  /* in: the sizes kernel's placement (BUDDY_PLACE_*), or null: none */    \
+      const uint8_t* __restrict__ reserve,  /* in: the step's reserve on the device (null without a placement) */   \
+      long long reserve_sectors,            /* sectors in reserve */                                                 \
       uint8_t* __restrict__ out,            /* out: n_entries * E bytes */                                           \
       int* __restrict__ error,              /* in/out: one int, ORed with BUDDY_ERR_* bits */                        \
       long long n_entries,                  /* entries of the tensor */                                              \
       const uint8_t* __restrict__ table,    /* in: the codec's device table, or null (see above) */                  \
       int word_bytes) {                     /* word size in bytes: 1, 2, 4 or 8 */                                   \
     BUDDY_WORD_SWITCH(CODEC, buddy_unpack_body, reinterpret_cast<const buddy_meta_t*>(meta), ends, (uint32_t)slot, \
-                      slots, overflow, overflow_sectors, out, error, n_entries, table)                             \
+                      slots, overflow, overflow_sectors, place, reserve, reserve_sectors, out, error, n_entries,   \
+                      table)                                                                                       \
   }
 #define BUDDY_ENDS_KERNEL(NAME)                                                                                    \
   /* the overflow's prefix sums pack and unpack place each entry's overflow by (one block: BUDDY_ENDS_THREADS) */  \
@@ -437,15 +503,20 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
       long long n_full,                  /* entries wholly inside data */                                            \
       long long n_entries,               /* entries of the tensor */                                                 \
       uint8_t* meta,                     /* out: n_entries metadata words (read again by the last block) */         \
-      unsigned long long* __restrict__ histogram, /* in/out: E/32 + 2, zero: the counts of k, then blocks done */  \
+      unsigned long long* __restrict__ histogram, /* in/out: E/32 + 1 counts, entries of k sectors added to [k] */ \
       const uint8_t* __restrict__ table, /* in: the codec's device table, or null (see above) */                    \
       int slot,                          /* s: sectors per slot, 0 .. E/32 */                                        \
       long long* __restrict__ ends,      /* out: n_entries, overflow sectors of entries 0..i (inclusive sum) */     \
+      long long* __restrict__ place,     /* in/out: 4, zero: the placement (BUDDY_PLACE_*), the blocks done */       \
+      long long room,                    /* overflow sectors the step's bound allows so far, this tensor's in */     \
+      unsigned long long* __restrict__ step, /* in/out: 2, the step's sectors sent to buddy memory, to the reserve */ \
+      long long reserve_sectors,         /* sectors in the step's reserve */                                         \
       int word_bytes) {                  /* word size in bytes: 1, 2, 4 or 8 */                                      \
     __shared__ long long runs[BUDDY_ENDS_THREADS];                                                                 \
     __shared__ unsigned int last;                                                                                  \
     BUDDY_WORD_SWITCH(CODEC, buddy_sizes_body, data, tail, n_full, n_entries, reinterpret_cast<buddy_meta_t*>(meta), \
-                      histogram, table, (uint32_t)slot, ends, buddy_shared_array(runs), buddy_shared_array(&last)) \
+                      histogram, table, (uint32_t)slot, ends, place, room, step, reserve_sectors,                  \
+                      buddy_shared_array(runs), buddy_shared_array(&last))                                         \
   }
 #define BUDDY_FORMAT_KERNELS(NAME, CODEC, BOUNDS)                                                                  \
   BUDDY_MEASURE_KERNEL(NAME, CODEC) BUDDY_ENDS_KERNEL(NAME) BUDDY_SIZES_KERNEL(NAME, CODEC)                       \

@@ -223,8 +223,9 @@ class Param:
     const: bool
 
 
-#: pointers a kernel adds to or ORs into (the caller zeroes them): their bytes go in and come back
-_ACCUMULATED = {"histogram", "counts", "error"}
+#: pointers a kernel adds to, ORs into or writes in part (the caller zeroes them, or keeps the rest): their bytes go
+#: in and come back
+_ACCUMULATED = {"histogram", "counts", "error", "place", "step", "reserve"}
 #: pointers a kernel uses as scratch: garbage in, nothing comes back
 _SCRATCH = {"work"}
 
@@ -320,10 +321,11 @@ class Emulator:
             blocks = min(blocks, self.max_blocks)
         if op == "pack" and args[5].numel():
             # A pack ahead writes its overflow into buddy memory reserved at the worst case: the launch gets the
-            # bytes the overflow's prefix sums say it writes, exactly sized, so that a write past them is caught
-            # and every byte of them must be written.
-            ends, overflow = args[5], args[8]
-            args = (*args[:8], overflow[: int(ends[-1]) * buddy_spec.SECTOR_BYTES], *args[9:])
+            # bytes the overflow's prefix sums say it writes there (less those its placement puts in the step's
+            # reserve), exactly sized, so that a write past them is caught and every byte of them must be written.
+            ends, overflow, place = args[5], args[8], args[9]
+            held = int(ends[-1]) - (int(place[1]) if place.numel() else 0)
+            args = (*args[:8], overflow[: held * buddy_spec.SECTOR_BYTES], *args[9:])
         self.run(f"buddy_{codec}_{op}", entry_bytes, (blocks, threads, shared), args, pack_fields=fields)
 
     def run(self, kernel: str, entry_bytes: int, config: tuple[int, int, int], args: tuple, *,

@@ -181,6 +181,29 @@ def test_a_steady_step_launches_two_kernels_a_compress_and_one_a_decompress(monk
     assert collections.Counter(launched) == {op: n for op, n in want.items() if n}, launched
 
 
+def test_the_device_reserve_keeps_the_running_bound_where_the_plan_falls_short():
+    """Packed ahead, a tensor that spills more than its plan says sends the sectors past the step's running bound
+    to a reserve on the device, which the tracker sizes from the model's recent steps: once a step went past it,
+    the next ones set one aside, and the bound holds at every tensor as their overflow lands in it. Training stays
+    bit-identical."""
+    _, plain = train("cnn", 8)
+    run = sessions(strict=False)
+    stats, weights = train("cnn", 8, run)
+    assert all(all(torch.equal(a, b) for a, b in zip(w, v)) for w, v in zip(weights, plain))
+    first = next(i for i, st in enumerate(stats) if st.reserve_short_bytes)  # a step past its running bound
+    later = stats[first + 1 :]
+    assert later and all(st.reserve_bytes > 0 for st in later)  # the reserve set aside from then on
+    assert any(st.reserved_bytes for st in later) and not any(st.reserve_short_bytes for st in later)
+    for st in later:
+        spent = seen = 0
+        for row in st.rows:  # the running bound, tensor by tensor
+            spent, seen = spent + row.buddy_bytes, seen + row.original_bytes
+            assert spent <= st.overflow_bound * seen, row.key
+        assert st.reserved_bytes == sum(r.reserve_bytes for r in st.rows) <= st.reserve_bytes
+        assert st.effective_capacity == st.original_bytes / (st.device_bytes + st.reserve_bytes)
+    assert "device reserve" in str(later[-1])
+
+
 def test_a_step_that_compresses_worse_than_its_history_says_so_and_the_next_plan_widens():
     """The plan comes from history: a step whose activations suddenly compress worse than that spills more than its
     bound. Nothing is lost (every byte back, the gradients as without buddy), the step's stats say it passed the
@@ -226,12 +249,14 @@ def test_store_holds_what_the_tensors_spill_once_forward_ends():
 def test_pack_ahead_settles_alone_with_one_read():
     t = torch.relu(torch.randn(300, 1000, generator=torch.Generator().manual_seed(2)))
     engine, layout = pipeline.resolve(t, "zvc", 4096)
-    histogram = torch.zeros(layout.bins + 1, dtype=torch.int64)
+    sizes = torch.zeros(engines.PLACE_WORDS + layout.bins, dtype=torch.int64)
     store = buddy.BuddyStore(capacity_bytes=64 << 20, pin=False)
     before = engines.host_reads()
-    bt = pipeline.pack_ahead(t, engine, layout, 20, histogram, store=store, ledger=buddy.DeviceLedger())
+    bt = pipeline.pack_ahead(t, engine, layout, 20, sizes, store=store, ledger=buddy.DeviceLedger())
     assert engines.host_reads() == before and not bt.settled
-    assert int(histogram[-1]) >= 1  # the sizes kernel's blocks, counted as each was done: the last made the sums
+    assert int(sizes[3]) >= 1  # the sizes kernel's blocks, counted as each was done: the last made the sums
+    # no bound, no reserve: every overflow sector in buddy memory (cap: all of them; none in a reserve)
+    assert int(sizes[0]) == layout.overflow_bytes(sizes[4:].tolist(), 20) // 32 and int(sizes[1]) == 0
     assert bt.buddy_bytes == layout.n_entries * (128 - 20) * 32  # reserved: every entry raw
     u = bt.decompress()  # settles first: one read
     assert engines.host_reads() == before + 1 and bt.settled
@@ -242,13 +267,13 @@ def test_pack_ahead_settles_alone_with_one_read():
     assert bt.device_bytes == exact.device_bytes + layout.n_entries * 8
     # a codec with a table and nothing learned: its table is fitted to the tensor, read back -- not ahead
     engine, layout = pipeline.resolve(t, "auto2", 4096)
-    assert pipeline.pack_ahead(t, engine, layout, 20, histogram, store=store, ledger=buddy.DeviceLedger()) is None
-    with pytest.raises(ValueError, match="histogram must be 130 zero int64"):
-        pipeline.pack_ahead(t, engine, layout, 20, histogram[:-1], store=store, ledger=buddy.DeviceLedger())
+    assert pipeline.pack_ahead(t, engine, layout, 20, sizes, store=store, ledger=buddy.DeviceLedger()) is None
+    with pytest.raises(ValueError, match="sizes must be 133 zero int64"):
+        pipeline.pack_ahead(t, engine, layout, 20, sizes[:-1], store=store, ledger=buddy.DeviceLedger())
     # no room for the worst case: not ahead (the session then sizes it, and a full store keeps it on the device)
     small = buddy.BuddyStore(capacity_bytes=512 << 10, block_bytes=64 << 10, pin=False)
     engine, layout = pipeline.resolve(t, "zvc", 4096)
-    assert pipeline.pack_ahead(t, engine, layout, 20, histogram, store=small, ledger=buddy.DeviceLedger()) is None
+    assert pipeline.pack_ahead(t, engine, layout, 20, sizes, store=small, ledger=buddy.DeviceLedger()) is None
 
 
 def test_a_full_store_falls_back_to_the_sized_step():
@@ -382,9 +407,9 @@ def test_a_pack_ahead_is_the_sized_packs_bytes(codec, dtype, kind, numel, entry_
     slot = round(share * layout.sectors_per_entry)
     measured = buddy.measure(t, codec, entry_bytes=entry_bytes)  # the table a sized compress fits: the prior here
     prior = None if measured.statistics is None else measured.statistics.double()
-    histogram = torch.zeros(layout.bins + 1, dtype=torch.int64)
+    sizes = torch.zeros(engines.PLACE_WORDS + layout.bins, dtype=torch.int64)
     bt = pipeline.pack_ahead(
-        t, engine, layout, slot, histogram, store=store, ledger=buddy.DeviceLedger(), prior=prior, keep=measured.codec
+        t, engine, layout, slot, sizes, store=store, ledger=buddy.DeviceLedger(), prior=prior, keep=measured.codec
     )  # fmt: skip
     assert bt is not None
     sized = buddy.pack(measured, slot, store=store)

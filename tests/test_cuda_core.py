@@ -489,7 +489,8 @@ class HostKernels:
             meta.copy_(got_meta)
             histogram += got_hist
         elif op == "pack":
-            data, tail, n_full, n_, meta, ends, slot, slots, overflow = args[:9]
+            data, tail, n_full, n_, meta, ends, slot, slots, overflow, place = args[:10]
+            assert not place.numel(), "the host harness packs an overflow into one buffer (no placement)"
             full = torch.cat([data, tail])[: int(n_) * entry_bytes] if int(n_full) < int(n_) else data
             got_slots, got_overflow = tensor_pack(
                 exe, codec, full, meta, int(slot), entry_bytes, word, self.tmp_path, table
@@ -498,7 +499,8 @@ class HostKernels:
             slots.copy_(got_slots)
             overflow.copy_(got_overflow)
         else:
-            meta, ends, slot, slots, overflow, m, out, error, n_ = args[:9]
+            meta, ends, slot, slots, overflow, m, place, _, _, out, error, n_ = args[:12]
+            assert not place.numel(), "the host harness unpacks an overflow in one buffer (no placement)"
             assert torch.equal(ends, tensor_ends(meta, int(slot), entry_bytes))
             got, bits = tensor_unpack(
                 exe, codec, meta, slots, overflow, int(slot), int(n_), entry_bytes, word, self.tmp_path, table
@@ -533,11 +535,15 @@ def test_kernel_signatures_parsed():
         ]  # fmt: skip
         assert sigs[f"buddy_{codec}_pack"] == [
             "uint8_t*", "uint8_t*", "long long", "long long", "uint8_t*", "long long*", "int", "uint8_t*", "uint8_t*",
-            "uint8_t*", "int",
+            "long long*", "uint8_t*", "uint8_t*", "int",
         ]  # fmt: skip
         assert sigs[f"buddy_{codec}_unpack"] == [
-            "uint8_t*", "long long*", "int", "uint8_t*", "uint8_t*", "long long", "uint8_t*", "int*", "long long",
-            "uint8_t*", "int",
+            "uint8_t*", "long long*", "int", "uint8_t*", "uint8_t*", "long long", "long long*", "uint8_t*", "long long",
+            "uint8_t*", "int*", "long long", "uint8_t*", "int",
+        ]  # fmt: skip
+        assert sigs[f"buddy_{codec}_sizes"] == [
+            "uint8_t*", "uint8_t*", "long long", "long long", "uint8_t*", "unsigned long long*", "uint8_t*", "int",
+            "long long*", "long long*", "long long", "unsigned long long*", "long long", "int",
         ]  # fmt: skip
 
 

@@ -193,9 +193,9 @@ def _sizes(emu, t: torch.Tensor, slot: int, table=None, codec: str = "zvc"):
     tail = torch.zeros(512, dtype=torch.uint8)
     tail[: layout.tail_bytes] = flat[whole:]
     meta, ends = torch.empty(layout.meta_bytes, dtype=torch.uint8), torch.empty(layout.n_entries, dtype=torch.int64)
-    histogram = torch.zeros(layout.bins + 1, dtype=torch.int64)
-    kernels.sizes(layout, flat[:whole], tail, meta, histogram, slot, ends, table)
-    return meta, histogram, ends
+    histogram, place = torch.zeros(layout.bins, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    kernels.sizes(layout, flat[:whole], tail, meta, histogram, slot, ends, place, table=table)
+    return meta, histogram, ends, place
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -208,12 +208,39 @@ def test_the_sizes_kernel_sums_in_the_block_done_last(build, activations, reques
     for max_blocks in (1, 3, None):
         with emulated_cuda(build, seed=_seed(request), max_blocks=max_blocks) as emu:
             for slot in (0, 3, 16):
-                meta, histogram, ends = _sizes(emu, t, slot)
+                meta, histogram, ends, place = _sizes(emu, t, slot)
                 assert torch.equal(meta, reference.measurement.meta.view(torch.uint8).reshape(-1))
-                assert tuple(histogram[:-1].tolist()) == reference.histogram
+                assert tuple(histogram.tolist()) == reference.histogram
                 assert torch.equal(ends, tensor_ends(meta, slot, 512)), (max_blocks, slot)
         grids = [grid for kernel, grid, *_ in emu.launches]
-        assert grids == [max_blocks or 26] * 3 and int(histogram[-1]) == grids[-1]
+        assert grids == [max_blocks or 26] * 3 and place.tolist() == [int(ends[-1]), 0, 0, grids[-1]]
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("codec", ("zvc", "auto2"))
+def test_a_pack_ahead_splits_its_overflow_with_the_reserve(build, codec, activations, request):
+    """The kernels, unchanged, under the emulator: a pack ahead whose step's bound leaves room for a few of its
+    overflow sectors sends the next ones to the step's reserve and the rest to buddy memory (each buffer exactly
+    the size its placement says: a write past it is caught); unpack reads them back where they are, bit-exact."""
+    t = activations["f32"][: 200 * 128 + 77]
+    slot, b = 3, 32
+    measured = buddy.measure(t, codec, entry_bytes=512, backend="reference")
+    prior = None if measured.statistics is None else measured.statistics.double()
+    with emulated_cuda(build, seed=_seed(request), max_blocks=4) as emu:
+        engine = bcuda.CudaEngine(buddy.get_codec(codec), launch=emu, device_type="cpu")
+        layout = Layout(512, t.numel() * 4, 4)
+        sizes = torch.zeros(4 + layout.bins, dtype=torch.int64)
+        step, reserve = torch.zeros(2, dtype=torch.int64), torch.zeros(40 * b, dtype=torch.uint8)
+        into = torch.zeros(layout.slots_bytes(16) - layout.slots_bytes(slot), dtype=torch.uint8)
+        _, meta, slots, ends = engine.pack_ahead(
+            t.view(torch.uint8), layout, slot, sizes, into, prior=prior, keep=measured.codec, room=25, step=step,
+            reserve=reserve,
+        )  # fmt: skip
+        total = int(ends[-1])
+        assert sizes[:3].tolist() == [25, 40, 0] and total > 65 and step.tolist() == [total - 40, total - 25]
+        held = into[: (total - 40) * b].clone()
+        out = engine.unpack(meta, slots, held, slot, layout, check=True, ends=ends, place=sizes[:4], reserve=reserve)
+    assert torch.equal(out, t.view(torch.uint8))
 
 
 def test_the_emulator_reports_a_sizes_kernel_that_sums_too_early(activations, request, tmp_path):
@@ -230,7 +257,7 @@ def test_the_emulator_reports_a_sizes_kernel_that_sums_too_early(activations, re
     reference = buddy.measure(t, "zvc", entry_bytes=512, backend="reference")
     with Emulator("tsan", seed=_seed(request), schedules=3, csrc=csrc, codecs="zvc") as emu:
         try:
-            meta, _, ends = _sizes(emu, t, 3)
+            meta, _, ends, _ = _sizes(emu, t, 3)
         except EmulatorError as error:
             assert error.what in ("race", "schedules"), error
             return

@@ -116,11 +116,53 @@ def test_the_sizes_kernel_is_measure_then_ends(threads, monkeypatch):
     measured = engine.measure(t.view(torch.uint8), layout)
     for slot in (0, 5, 16) * 4:
         meta, ends = torch.empty(layout.meta_bytes, dtype=torch.uint8), torch.empty(layout.n_entries, dtype=torch.int64)
-        histogram = torch.zeros(layout.bins + 1, dtype=torch.int64)
-        engine.kernels.sizes(layout, data, tail, meta, histogram, slot, ends)
-        assert torch.equal(meta, measured.meta) and tuple(histogram[:-1].tolist()) == measured.histogram
+        histogram, place = torch.zeros(layout.bins, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+        engine.kernels.sizes(layout, data, tail, meta, histogram, slot, ends, place)
+        assert torch.equal(meta, measured.meta) and tuple(histogram.tolist()) == measured.histogram
         assert torch.equal(ends, tensor_ends(meta, slot, 512)), slot
-        assert int(histogram[-1]) == native._grid("sizes", layout.n_entries, threads) > 1
+        assert place.tolist() == [int(ends[-1]), 0, 0, native._grid("sizes", layout.n_entries, threads)]
+        assert place[3] > 1
+
+
+@pytest.mark.parametrize("room", [0, 40, 1 << 40])
+@pytest.mark.parametrize("reserve_sectors", [0, 20, 4096])
+def test_the_reserve_takes_the_overflow_past_the_room_and_unpack_finds_it(room, reserve_sectors):
+    """The sizes kernel places a tensor's overflow: its first sectors in buddy memory, as many as ``room`` less what
+    the step sent there before; the next in the step's reserve on the device, as many as it has left; the rest in
+    buddy memory again. Pack writes each where it is placed (nothing else of the reserve), the step's state counts
+    them, and unpack reads them back bit-exact. A placement that would read past the reserve is flagged."""
+    t = torch.relu(torch.randn(300_001, generator=torch.Generator().manual_seed(room % 97 + reserve_sectors)))
+    engine = native.NativeEngine(buddy.get_codec("zvc"))
+    layout, slot, b = Layout(512, t.numel() * 4, 4), 5, 32
+    whole = buddy.compress(t, codec="zvc", entry_bytes=512, target_ratio=512 / (slot * b), backend="native")
+    want = whole.buffers()[2]
+    total = want.numel() // b
+    sizes = torch.zeros(4 + layout.bins, dtype=torch.int64)
+    step = torch.tensor([10, 3], dtype=torch.int64)  # the step's tensors before it: 10 sectors sent, 3 reserved
+    reserve = torch.full((reserve_sectors * b,), 0xAB, dtype=torch.uint8)
+    into = torch.zeros(layout.slots_bytes(16) - layout.slots_bytes(slot), dtype=torch.uint8)
+    _, meta, slots, ends = engine.pack_ahead(
+        t.view(torch.uint8), layout, slot, sizes, into, room=room, step=step, reserve=reserve
+    )  # fmt: skip
+    cap = min(total, max(room - 10, 0))
+    r = min(total - cap, max(reserve_sectors - 3, 0)) if reserve_sectors else 0
+    assert sizes[:3].tolist() == [cap, r, 3 if r else 0] and sizes[4:].tolist() == list(whole.histogram)
+    assert step.tolist() == [10 + total - r, 3 + (total - cap if reserve_sectors else 0)]
+    held = into[: (total - r) * b]
+    assert torch.equal(held[: cap * b], want[: cap * b]) and torch.equal(held[cap * b :], want[(cap + r) * b :])
+    assert torch.equal(reserve[3 * b : (3 + r) * b], want[cap * b : (cap + r) * b])
+    untouched = torch.cat((reserve[: 3 * b], reserve[(3 + r) * b :]))
+    assert bool((untouched == 0xAB).all())
+    place = sizes[:4] if reserve_sectors else None
+    placed = {} if place is None else {"place": place, "reserve": reserve}
+    out = engine.unpack(meta, slots, held.clone(), slot, layout, check=True, ends=ends, **placed)
+    assert torch.equal(out, t.view(torch.uint8))
+    if r:  # a placement past the end of the reserve: flagged, nothing read outside it
+        bad = place.clone()
+        bad[1] = reserve_sectors
+        with pytest.raises(buddy.CorruptDataError, match="overflow"):
+            engine.unpack(meta, slots, held.clone(), slot, layout, check=True, ends=ends, place=bad, reserve=reserve)
+    whole.free()
 
 
 def test_pack_writes_the_overflow_where_it_is_kept(store, monkeypatch):

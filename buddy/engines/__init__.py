@@ -39,13 +39,20 @@ from ..codecs.base import CodecLike
 from ..errors import CorruptDataError
 from ..layout import Layout, as_tensor
 
-__all__ = ["Engine", "Measurement", "Implementation", "DEVICES", "decode", "raise_for_errors", "to_host", "host_reads"]
+__all__ = [
+    "Engine", "Measurement", "Implementation", "DEVICES", "PLACE_WORDS", "decode", "raise_for_errors", "to_host",
+    "host_reads",
+]  # fmt: skip
 
 #: the kinds of device an engine runs on
 DEVICES = ("cpu", "cuda")
 #: error bits of an unpack whose checks run on the device (csrc/buddy_format.h, BUDDY_ERR_*; nvcomp's engine sets
 #: the same): a mode the codec never writes, k past the entry, a bad stream, the overflow's size
 ERR_K, ERR_STREAM, ERR_MODE, ERR_WORD, ERR_OVERFLOW = 1, 2, 4, 8, 16
+#: int64 words of a tensor's placement, which a pack ahead's sizes kernel writes before its histogram
+#: (csrc/buddy_kernels.cu, BUDDY_PLACE_*): the overflow's first ``cap`` sectors in buddy memory, the next ``r`` in the
+#: step's reserve on the device at sector ``offset``, the rest in buddy memory again; then the kernel's blocks done
+PLACE_WORDS = 4
 
 
 class _Reads(threading.local):
@@ -156,15 +163,16 @@ class Engine(abc.ABC):
         return False
 
     def pack_ahead(
-        self, flat: torch.Tensor, layout: Layout, slot: int, histogram: torch.Tensor, into: torch.Tensor, *,
-        prior=None, keep=None, count: bool = True,
+        self, flat: torch.Tensor, layout: Layout, slot: int, sizes: torch.Tensor, into: torch.Tensor, *,
+        prior=None, keep=None, count: bool = True, room: int | None = None, step: torch.Tensor | None = None,
+        reserve: torch.Tensor | None = None,
     ) -> tuple[CodecLike, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """Compress with a slot chosen before the sizes are known, reading nothing back: ``(codec, meta, slots,
         ends)`` (an engine that :attr:`packs_ahead`; see :meth:`buddy.engines.cuda.CudaEngine.pack_ahead`)."""
         raise NotImplementedError(f"{self!r} does not pack ahead")
 
     def measure_ahead(
-        self, flat: torch.Tensor, layout: Layout, histogram: torch.Tensor, *, prior=None, keep=None, count: bool = True
+        self, flat: torch.Tensor, layout: Layout, sizes: torch.Tensor, *, prior=None, keep=None, count: bool = True
     ) -> CodecLike:
         """:meth:`pack_ahead`'s fit and sizes alone (an engine that :attr:`packs_ahead`): the fitted codec."""
         raise NotImplementedError(f"{self!r} does not pack ahead")
@@ -233,6 +241,7 @@ def decode(
     check: bool = True,
     error_flag: torch.Tensor | None = None,
     ends: torch.Tensor | None = None,
+    placed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The one decode of :func:`buddy.unpack` and :meth:`BuddyTensor.decompress`, their arguments checked.
 
@@ -243,11 +252,19 @@ def decode(
     ``shape`` and ``dtype``, laid out with ``stride`` (or contiguous).
     ``ends``: the overflow's prefix sums a pack made ahead kept (for an
     engine that :attr:`~Engine.packs_ahead`; the others size it again).
+    ``placed``: ``(place, reserve)``, where a pack ahead put the overflow's
+    sectors, some in its step's reserve on the device (``overflow`` holding
+    the others): only an engine that packs ahead reads that (the caller
+    gives the others the overflow whole).
     """
     meta, slots, overflow = buffers
     if slots.numel() != layout.slots_bytes(slot):
         raise CorruptDataError(f"slots hold {slots.numel()} bytes, expected {layout.slots_bytes(slot)}")
     kept = {"ends": ends} if ends is not None and engine.packs_ahead else {}
+    if placed is not None:
+        if not engine.packs_ahead:
+            raise ValueError(f"{engine!r} cannot read an overflow placed partly in a step's reserve")
+        kept.update(place=placed[0], reserve=placed[1])
     flat = engine.unpack(meta, slots, overflow, slot, layout, check=check, error_flag=error_flag, **kept)
     return as_tensor(flat, shape, dtype, stride)
 

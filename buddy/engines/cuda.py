@@ -88,7 +88,7 @@ from ..codecs.zvc import ZVCCodec
 from ..deps import available, require
 from ..errors import CorruptDataError
 from ..layout import WORD_SIZES, Layout
-from . import Engine, Implementation, Measurement, raise_for_errors
+from . import PLACE_WORDS, Engine, Implementation, Measurement, raise_for_errors
 from .tuning import Tuning, current
 
 __all__ = [
@@ -600,6 +600,18 @@ def _zeros(device: torch.device, nbytes: int) -> torch.Tensor:
     return found
 
 
+#: the sizes kernel's ``room`` when nothing bounds the step's overflow
+NO_BOUND = 1 << 62
+
+
+def _placement(place, reserve, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack's and unpack's ``place`` and ``reserve`` arguments: the given ones, else null pointers (no placement:
+    every overflow sector in the overflow buffer, in order)."""
+    if place is None:
+        return _zeros(device, 0).view(torch.int64), _zeros(device, 0)
+    return place, reserve
+
+
 def codec_table(codec: Codec, word_bytes: int) -> Table | None:
     """The fpe table the kernels of ``codec`` code with, ``None`` for a codec without one.
 
@@ -722,19 +734,37 @@ class Kernels:
         args = (counts, work, table, serial, _i32(int(weighted)), _i32(layout.word_bytes))
         self.launch(self.name, "fit", layout.entry_bytes, device, 1, args)
 
-    def sizes(self, layout: Layout, data, tail, meta, histogram, slot: int, ends, table=None) -> None:
+    def sizes(
+        self, layout: Layout, data, tail, meta, histogram, slot: int, ends, place, *, room: int | None = None,
+        step=None, reserve_sectors: int = 0, table=None,
+    ) -> None:  # fmt: skip
         """:meth:`measure` and :meth:`ends` in one launch, for slots of ``slot`` sectors chosen before the sizes are
-        known: every entry's metadata word into ``meta``, entries of ``k`` sectors added to ``histogram[k]``, and
-        the overflow's prefix sums into ``ends`` (``n`` int64), made by the launch's last block.
-        ``histogram``: ``layout.bins + 1`` int64, the last zero (the kernel counts its blocks done there)."""
+        known, and where the overflow goes: every entry's metadata word into ``meta``, entries of ``k`` sectors
+        added to ``histogram[k]``, the overflow's prefix sums into ``ends`` (``n`` int64), and its placement into
+        ``place`` (:data:`PLACE_WORDS` int64, zero: ``cap``, ``r``, ``offset``, then the kernel's count of its
+        blocks done), all of it but measure's by the launch's last block.
+
+        The placement: the first ``cap`` overflow sectors to buddy memory, as many as ``room`` (the sectors the
+        step's bound allows its tensors so far, this one's included; None: no bound) less what the step sent there
+        before (``step[0]``); the next ``r`` to the step's reserve on the device at sector ``offset``, as many as
+        are left of its ``reserve_sectors`` (``step[1]`` used); any others to buddy memory. ``step``: 2 int64 on
+        the device, zero at the step's start, which it adds to (None: no step, no reserve)."""
         n = layout.n_entries
-        device = self._check(
-            layout, (data, tail), meta=(meta, torch.uint8, layout.meta_bytes),
-            histogram=(histogram, torch.int64, layout.bins + 1), ends=(ends, torch.int64, n),
+        buffers = dict(
+            meta=(meta, torch.uint8, layout.meta_bytes), histogram=(histogram, torch.int64, layout.bins),
+            ends=(ends, torch.int64, n), place=(place, torch.int64, PLACE_WORDS),
         )  # fmt: skip
+        if step is not None:
+            buffers["step"] = (step, torch.int64, 2)
+        device = self._check(layout, (data, tail), **buffers)
+        if reserve_sectors < 0 or (reserve_sectors and step is None):
+            raise ValueError(f"a reserve of {reserve_sectors} sectors needs a step's state (step=) and is >= 0")
         table = self._table(table, device)
+        step = _zeros(device, 0).view(torch.int64) if step is None else step
+        room = _i64(NO_BOUND if room is None else max(0, min(int(room), NO_BOUND)))
         n_full, word = _i64(layout.n_full), _i32(layout.word_bytes)
-        args = (data, tail, n_full, _i64(n), meta, histogram, table, _i32(slot), ends, word)
+        args = (data, tail, n_full, _i64(n), meta, histogram, table, _i32(slot), ends, place, room, step,
+                _i64(reserve_sectors), word)  # fmt: skip
         self.launch(self.name, "sizes", layout.entry_bytes, device, n, args)
 
     def ends(self, layout: Layout, meta, slot: int, ends) -> None:
@@ -749,16 +779,25 @@ class Kernels:
         if self.name not in TABLED_KERNELS:
             raise ValueError(f"codec {self.name!r} codes without a table: it has no count or fit kernel")
 
-    def pack(self, layout: Layout, data, tail, meta, ends, slot: int, slots, overflow, table=None) -> None:
+    def pack(
+        self, layout: Layout, data, tail, meta, ends, slot: int, slots, overflow, table=None, place=None,
+        reserve=None,
+    ) -> None:  # fmt: skip
         """Every entry's slot (``slot`` sectors) into ``slots``, its overflow into ``overflow`` at its place.
 
         ``overflow`` is on the device, or (CUDA kernels) in pinned host memory mapped into the device's address
-        space, written where it is over the bus (:meth:`CudaEngine.writes_overflow_at`)."""
+        space, written where it is over the bus (:meth:`CudaEngine.writes_overflow_at`). With ``place`` (the
+        :meth:`sizes` kernel's) and ``reserve`` (the step's, on the device: whole sectors), the overflow's
+        sectors go where the placement says, some of them into the reserve."""
         n = layout.n_entries
         buffers = dict(
             meta=(meta, torch.uint8, layout.meta_bytes), ends=(ends, torch.int64, n),
             slots=(slots, torch.uint8, layout.slots_bytes(slot)),
         )  # fmt: skip
+        if (place is None) != (reserve is None):
+            raise ValueError("a placement and a reserve go together: pass both or neither")
+        if place is not None:
+            buffers.update(place=(place, torch.int64, PLACE_WORDS), reserve=(reserve, torch.uint8, reserve.numel()))
         in_place = self.device_type == "cuda" and isinstance(overflow, torch.Tensor) and overflow.device.type == "cpu"
         if not in_place:
             buffers["overflow"] = (overflow, torch.uint8, overflow.numel())
@@ -768,15 +807,21 @@ class Kernels:
                 raise ValueError("an overflow in host memory must be pinned for the CUDA kernels to write it")
             _check_tensor("overflow", overflow, device=overflow.device, dtype=torch.uint8, shape=(overflow.numel(),))
         table = self._table(table, device)
+        place, reserve = _placement(place, reserve, device)
         n_full, word = _i64(layout.n_full), _i32(layout.word_bytes)
-        args = (data, tail, n_full, _i64(n), meta, ends, _i32(slot), slots, overflow, table, word)
+        args = (data, tail, n_full, _i64(n), meta, ends, _i32(slot), slots, overflow, place, reserve, table, word)
         self.launch(self.name, "pack", layout.entry_bytes, device, n, args)
 
-    def unpack(self, layout: Layout, meta, ends, slot: int, slots, overflow, out, error, table=None) -> None:
+    def unpack(
+        self, layout: Layout, meta, ends, slot: int, slots, overflow, out, error, table=None, place=None,
+        reserve=None,
+    ) -> None:  # fmt: skip
         """The entries into ``out`` (``n * E`` bytes); ``error`` (one int32) ORed with what was flagged.
 
         ``overflow`` is on the device, or (CUDA kernels) in pinned host memory, read where it is over the bus
-        (:func:`reads_overflow_in_place`)."""
+        (:func:`reads_overflow_in_place`). With ``place`` and ``reserve`` (as :meth:`pack`'s), the overflow's
+        sectors are where the placement says, ``overflow`` holding those not in the reserve; a placement that
+        would read outside either is flagged."""
         if overflow.numel() % spec.SECTOR_BYTES:
             raise CorruptDataError(f"overflow holds {overflow.numel()} bytes, not a whole number of sectors")
         n = layout.n_entries
@@ -788,6 +833,12 @@ class Kernels:
         )  # fmt: skip
         if not in_place:
             buffers["overflow"] = (overflow, torch.uint8, overflow.numel())
+        if (place is None) != (reserve is None):
+            raise ValueError("a placement and a reserve go together: pass both or neither")
+        if place is not None:
+            if reserve.numel() % spec.SECTOR_BYTES:
+                raise CorruptDataError(f"the reserve holds {reserve.numel()} bytes, not a whole number of sectors")
+            buffers.update(place=(place, torch.int64, PLACE_WORDS), reserve=(reserve, torch.uint8, reserve.numel()))
         device = self._check(layout, **buffers)
         if in_place:
             if overflow.numel() and not overflow.is_pinned():
@@ -796,7 +847,10 @@ class Kernels:
         m = overflow.numel() // spec.SECTOR_BYTES
         table = self._table(table, device)
         word = _i32(layout.word_bytes)
-        args = (meta, ends, _i32(slot), slots, overflow, _i64(m), out, error, _i64(n), table, word)
+        reserved = 0 if reserve is None else reserve.numel() // spec.SECTOR_BYTES
+        place, reserve = _placement(place, reserve, device)
+        args = (meta, ends, _i32(slot), slots, overflow, _i64(m), place, reserve, _i64(reserved), out, error, _i64(n),
+                table, word)  # fmt: skip
         self.launch(self.name, "unpack", layout.entry_bytes, device, n, args)
 
 
@@ -1047,12 +1101,17 @@ class CudaEngine(Engine):
             return device.type == "cpu"
         return not into.numel() or _device_reaches(into, device)
 
-    def pack_ahead(self, flat, layout, slot, histogram, into, *, prior=None, keep=None, count=True):
+    def pack_ahead(
+        self, flat, layout, slot, sizes, into, *, prior=None, keep=None, count=True, room=None, step=None,
+        reserve=None,
+    ):  # fmt: skip
         """Compress ``flat`` with a slot chosen before its sizes are known: nothing is read back.
 
-        ``histogram``: ``layout.bins + 1`` int64 on the tensor's device, zero: the entries' sizes are added to the
-        first ``layout.bins``, and the sizes kernel counts its blocks done in the last (a slice of a step's buffer,
-        read once for all its tensors); ``into``: the overflow's place in buddy
+        ``sizes``: :data:`PLACE_WORDS` ``+ layout.bins`` int64 on the tensor's device, zero: the sizes kernel's
+        placement words (:meth:`Kernels.sizes`), then the histogram the entries' sizes are added to (a slice of
+        a step's buffer, read once for all its tensors). ``room``, ``step``: the step's bound and its state on the
+        device (:meth:`Kernels.sizes`); ``reserve``: the step's reserve, whole sectors on the device, which takes
+        the overflow sectors past the tensor's room (None: none, they go to buddy memory); ``into``: the overflow's place in buddy
         memory, at least ``layout.slots_bytes(E / 32) - layout.slots_bytes(slot)`` bytes (the worst case: every
         entry stored raw), where the pack kernel writes it (:meth:`writes_overflow_at`); the bytes it holds are
         ``32 * ends[-1]``, known once ``histogram`` is read. A codec with a table fits it on the host to
@@ -1073,8 +1132,14 @@ class CudaEngine(Engine):
         ends = torch.empty(layout.n_entries, dtype=torch.int64, device=device)
         if layout.n_entries:
             table = self._table(device, layout.word_bytes)
-            self.kernels.sizes(layout, *entries, meta, histogram, slot, ends, table)
-            self.kernels.pack(layout, *entries, meta, ends, slot, slots, into, table)
+            place, histogram = sizes[:PLACE_WORDS], sizes[PLACE_WORDS:]
+            reserved = 0 if reserve is None else reserve.numel() // spec.SECTOR_BYTES
+            self.kernels.sizes(
+                layout, *entries, meta, histogram, slot, ends, place, room=room, step=step, reserve_sectors=reserved,
+                table=table,
+            )  # fmt: skip
+            placed = {} if reserve is None else {"place": place, "reserve": reserve}
+            self.kernels.pack(layout, *entries, meta, ends, slot, slots, into, table, **placed)
         return self.codec, meta, slots, ends
 
     def stored_table(self, device: torch.device) -> torch.Tensor | None:
@@ -1084,11 +1149,11 @@ class CudaEngine(Engine):
         table = None if fpe is None else fpe.fitted
         return None if table is None else _copy_once(table.stored_on, device, table.to_bytes)
 
-    def measure_ahead(self, flat, layout, histogram, *, prior=None, keep=None, count=True):
+    def measure_ahead(self, flat, layout, sizes, *, prior=None, keep=None, count=True):
         """:meth:`pack_ahead`'s fit and sizes alone, nothing packed (a tensor kept as it is, whose key goes on
-        learning): the fitted codec; the sizes are added to ``histogram``'s first ``layout.bins``."""
+        learning): the fitted codec; the sizes are added to ``sizes``' histogram (as :meth:`pack_ahead`'s)."""
         entries = self._fit_ahead(flat, layout, prior, keep, count)
-        self._measure(flat, entries, layout, histogram[: layout.bins])
+        self._measure(flat, entries, layout, sizes[PLACE_WORDS:])
         return self.codec
 
     def _fit_ahead(self, flat, layout: Layout, prior, keep, count: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1104,9 +1169,12 @@ class CudaEngine(Engine):
             self._tables.clear()  # the fitted table, not the unfitted codec's
         return entries
 
-    def unpack(self, meta, slots, overflow, slot, layout, *, check=True, error_flag=None, ends=None):
+    def unpack(
+        self, meta, slots, overflow, slot, layout, *, check=True, error_flag=None, ends=None, place=None, reserve=None
+    ):  # fmt: skip
         """:meth:`Engine.unpack`; ``ends``: the overflow's prefix sums :meth:`pack_ahead` made, kept with the tensor
-        (else made again here from the metadata)."""
+        (else made again here from the metadata); ``place``, ``reserve``: where it put the overflow's sectors, some
+        of them in the step's reserve (``overflow`` then holds the others)."""
         n, e = layout.n_entries, layout.entry_bytes
         if meta.numel() != layout.meta_bytes:
             raise CorruptDataError(f"metadata holds {meta.numel()} bytes, expected {layout.meta_bytes}")
@@ -1118,7 +1186,7 @@ class CudaEngine(Engine):
             error = _error_flag(error_flag, slots.device)
             ends = self._ends(meta, slot, layout) if ends is None else ends
             table = self._table(slots.device, layout.word_bytes)
-            self.kernels.unpack(layout, meta, ends, slot, slots, overflow, out, error, table)
+            self.kernels.unpack(layout, meta, ends, slot, slots, overflow, out, error, table, place, reserve)
             if check:
                 raise_for_errors(self.codec.name, int(self.read(error)[0]), _BAD_STREAM)
         return out[: layout.nbytes]
