@@ -287,6 +287,35 @@ def test_a_full_store_falls_back_to_the_sized_step():
     assert stats[-1].host_reads > 2  # the worst case did not fit: sized, one read a tensor
 
 
+def test_a_tensor_that_falls_back_mid_step_leaves_the_others_their_own_sizes(monkeypatch):
+    """A tensor that cannot be packed ahead after its words were set aside in the step's buffer (here: the second
+    of each step, as a store without room for its worst case refuses it) is sized instead; every other tensor
+    still gets its own sizes where forward ends -- each key's ideal bytes as a strict step measures them."""
+    from buddy import autograd
+
+    real, calls = autograd.pack_ahead, []
+
+    def refuse_the_second(*args, **kwargs):
+        calls.append(1)
+        return None if len(calls) % 1000 == 2 else real(*args, **kwargs)
+
+    model, (x, y) = mlp(), batch("mlp")
+    ahead, strict = sessions(strict=False), sessions(strict=True)
+    for _ in range(2):  # history for every key
+        with ahead() as s:
+            F.cross_entropy(model(x), y).backward()
+    monkeypatch.setattr(autograd, "pack_ahead", refuse_the_second)
+    calls.clear()
+    with ahead() as s:
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    with strict() as sized:
+        F.cross_entropy(model(x), y).backward()
+    got = {r.key: r.ideal_bytes for r in s.stats().rows}
+    assert len(calls) >= 3 and s.stats().host_reads >= 3  # the refused one sized: a read of its own
+    assert got == {r.key: r.ideal_bytes for r in sized.stats().rows}
+
+
 @pytest.fixture
 def emulated_zvc():
     """zvc's kernels, the real sources under the emulator (ASan build), as zvc's CPU default."""
