@@ -78,7 +78,7 @@ class Session(_SavedTensorHooks):
         key_prefix: str = "",
         enabled: bool = True,
         prefetch: Prefetch | bool = True,
-        strict: bool = True,
+        strict: bool = False,
     ):
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be True or False, got {strict!r}")
@@ -128,6 +128,7 @@ class Session(_SavedTensorHooks):
         buddy memory trimmed to its overflow, the tracker taught, the stats filled in (see ``strict``)."""
         with self._lock:
             pending, self._pending = self._pending, []
+            self._reserves = {}  # (the tensors with overflow in a reserve hold it; it goes, and its hold, with them)
         if not pending:
             return
         sizes = {device: self._histograms.read(device) for device in self._histograms.devices}
@@ -241,7 +242,7 @@ class Session(_SavedTensorHooks):
         bound, bounded = self._stats.overflow_bound, False
         step = reserve = room = None
         if bound is not None and not place.keep:
-            step, reserve = self._reserve(t.device, group_of(key))
+            step, reserve = self._reserve(t.device, group_of(key), bound)
             seen = self._seen + t.numel() * t.element_size()
             room, bounded = int(bound * seen) // spec.SECTOR_BYTES - self._sized_spent // spec.SECTOR_BYTES, True
         at = self._histograms.taken(t.device)  # (where its words come back where forward ends)
@@ -263,7 +264,7 @@ class Session(_SavedTensorHooks):
         packed = _Kept(t, tracker) if bt is None else _Compressed(bt, self, row, self._schedule, self._checks)
         return packed, row
 
-    def _reserve(self, device: torch.device, group: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _reserve(self, device: torch.device, group: str, bound: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's reserve on ``device``: its state (2 int64 of the step's buffer: the overflow sectors the
         step's tensors sent to buddy memory, and those they took of the reserve) and its buffer, as large as the
         tracker says from the model's (``group``'s) recent steps (None: they sent nothing past their bound), made
@@ -271,7 +272,7 @@ class Session(_SavedTensorHooks):
         found = self._reserves.get(device)
         if found is None:
             state = self._histograms.take(2, device)
-            sectors = self.tracker.reserve_sectors(group)
+            sectors = self.tracker.reserve_sectors(group, bound)
             nbytes = -(-sectors * spec.SECTOR_BYTES // _RESERVE_ROUND) * _RESERVE_ROUND
             reserve = torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes else None
             if reserve is not None:
@@ -443,18 +444,19 @@ def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:
             copied back to the device on a side stream (and, within
             ``unpack_bytes``, decompressed there). ``True`` (default): the
             defaults; ``False``: no look-ahead. Nothing to do on the host.
-        strict: how each slot is chosen. ``True`` (default): from the
-            tensor's own sizes, read back from its device before it is packed
-            (a read a tensor), so the policy's bound holds on every tensor's
-            real sizes. ``False``: from the tracker's plan before the tensor
-            is sized, nothing read back but once where forward ends and once
-            where backward ends (a new key, or one the policy has no plan
-            for, is sized first). The bound is kept where the data is: each
-            tensor's overflow past the step's running bound goes to a reserve
-            on the device, which the tracker sizes from the model's recent
-            steps (``Tracker.reserve_sectors``); only what finds no room
-            there passes the bound, and ``session.stats()`` says so (the next
-            step's plan and reserve learn from it).
+        strict: how each slot is chosen. ``False`` (default): from the
+            tracker's plan before the tensor is sized, nothing read back but
+            once where forward ends and once where backward ends (a new key,
+            or one the policy has no plan for, is sized first). The bound is
+            kept where the data is: each tensor's overflow past the step's
+            running bound goes to a reserve on the device, which the tracker
+            sizes from the model's recent steps
+            (``Tracker.reserve_sectors``); only what finds no room there
+            passes the bound, and ``session.stats()`` says so (the next
+            step's plan and reserve learn from it). ``True``: from the
+            tensor's own sizes, read back from its device before it is
+            packed (a read a tensor, the GPU idle while the host decides),
+            so the policy's bound holds on every tensor's real sizes.
 
     Returns:
         A :class:`Session`; ``session.stats()`` reports what it held.

@@ -896,12 +896,17 @@ class Tracker:
         with self._lock:
             self._excess.setdefault(group, collections.deque(maxlen=RESERVE_STEPS)).append(sectors)
 
-    def reserve_sectors(self, group: str) -> int:
-        """The device reserve a step of ``group`` packed ahead sets aside, in sectors: the most its last
-        :data:`RESERVE_STEPS` steps sent past their bound, and a quarter more (0 with none)."""
+    def reserve_sectors(self, group: str, bound: float) -> int:
+        """The device reserve a step of ``group`` packed ahead under an overflow ``bound`` sets aside, in sectors:
+        the most its last :data:`RESERVE_STEPS` steps sent past their bound, and a quarter more (0 where they sent
+        none). Before any step of it was packed ahead, a quarter of what the bound allows the group's latest
+        step's bytes: the first plans are the least tried."""
         with self._lock:
-            most = max(self._excess.get(group, ()), default=0)
-        return -(-most * 5 // 4)
+            seen = self._excess.get(group)
+            if seen:
+                return -(-max(seen) * 5 // 4)
+            nbytes = sum(h.observations[-1].original_bytes for h in self.latest_keys(group) if h.observations)
+        return int(bound * nbytes / 4) // spec.SECTOR_BYTES
 
     def forget(self) -> None:
         """Drop every key's history (what the ledger holds stays)."""

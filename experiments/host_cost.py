@@ -12,8 +12,8 @@ key's does one step in four after it: the compress figure is the warm-up's, an u
 (``--warmup 40`` times the steady state). Last, what a save costs that buddy does not take (most of an LSTM's:
 small ones, and weights), against autograd's own cost of Python hooks (:func:`skipped_saves`).
 
-Each row times the session as it is by default (``strict=True``: each tensor sized first, a read of the device a
-tensor) and the step that reads the device at most twice (``strict=False``, "ahead": slots from the tracker's plan),
+Each row times the session sized first (``strict=True``: each tensor sized first, a read of the device a tensor) and
+the step that reads the device at most twice (``strict=False``, the default, "ahead": slots from the tracker's plan),
 with each one's reads a step. Then two small models trained a step at a time the same three ways
 (:func:`model_steps`): a 16-layer MLP under bf16 autocast and a 7-layer CNN, with the library's defaults -- a step's
 wall time against the plain step's, its reads, and the torch operators that allocate or compute which a compressed

@@ -565,9 +565,10 @@ def step_cost(files: Sequence[Results]) -> Section | None:
             "buddy adds outside its kernels: the host's work, Python and torch operations around the kernels; and the "
             "share of the added wall time spent in buddy's compresses and decompresses (kernels included: the rest is "
             "outside them -- the hooks' choice of what to take, the model's own operations run slower beside buddy). "
-            "The session as it is by default sizes every tensor before its slot is chosen (`strict=True`: a read of "
-            "the device a tensor); `strict=False` (ahead) takes its slot from the tracker's plan: its CPU-time ratio "
-            "beside, and the reads a step of each (a read costs nothing on the CPU; it is what a GPU waits for).",
+            "The buddy columns size every tensor before its slot is chosen (`strict=True`: a read of the device a "
+            "tensor); `strict=False` (ahead, the session's default) takes its slot from the tracker's plan: its "
+            "CPU-time ratio beside, and the reads a step of each (a read costs nothing on the CPU; it is what a GPU "
+            "waits for).",
             "",
             _table(["workload", "set", "codec @ E", "backend", "plain step (CPU)", "buddy step (CPU)", "buddy / plain (CPU)",
                     "buddy / plain (wall)", "buddy / plain (main thread)", "ahead / plain (CPU)",

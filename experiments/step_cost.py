@@ -14,8 +14,8 @@ it, every :attr:`~buddy.Tracker.count_every` steps: the steady state timed), the
 kernels took (:func:`buddy.engines.native.kernel_seconds`, also by operation in the JSON) and the rest, the host's
 work, also per tensor compressed (each tensor is compressed once and decompressed once a step).
 
-Each run times three kinds of step: ``none`` (no session), ``buddy`` (the session as it is by default,
-``strict=True``: every tensor sized before its slot is chosen, a read per tensor) and ``ahead`` (``strict=False``:
+Each run times three kinds of step: ``none`` (no session), ``buddy`` (the session sized first, ``strict=True``:
+every tensor sized before its slot is chosen, a read per tensor) and ``ahead`` (``strict=False``, the default:
 slots from the tracker's plan, at most two reads a step); each kind's host reads a step are in the table (a read
 costs nothing on the CPU, but it is what a GPU waits for, and the host code is the GPU's).
 

@@ -6,13 +6,14 @@ optimizer -- under each method, on the same model, data and device:
 
 * ``none``: plain PyTorch;
 * ``buddy``: ``buddy.compressed_activations()`` with the tracker's default
-  policy (after warm-up steps, so the tracker has history);
-* ``buddy-ahead``: the same with ``strict=False``: slots from the tracker's
-  plan, nothing read back per tensor (at most two reads a step). On a CUDA
-  device one more step of it runs under
+  policy (after warm-up steps, so the tracker has history): slots from the
+  tracker's plan, nothing read back per tensor (at most two reads a step).
+  On a CUDA device one more step of it runs under
   ``torch.cuda.set_sync_debug_mode("error")``: any wait of the host for the
   device but buddy's counted reads raises, and the row's ``sync`` says what
   that step found (``silent``, or the error);
+* ``buddy-strict``: the same with ``strict=True``: every tensor sized before
+  its slot is chosen, a read of the device a tensor;
 * ``buddy-model``: the same around the model's forward alone, the loss
   outside the block (its saved tensors kept as they are: see "When the step's
   peak is at the loss" in docs/training.md);
@@ -76,7 +77,7 @@ from experiments.workloads import _GPT, TextSize
 
 __all__ = ["METHODS", "MODELS", "SideStreamOffload", "measure", "main"]
 
-METHODS = ("none", "buddy", "buddy-ahead", "buddy-model", "buddy-offload", "save_on_cpu", "side-stream", "checkpoint")
+METHODS = ("none", "buddy", "buddy-strict", "buddy-model", "buddy-offload", "save_on_cpu", "side-stream", "checkpoint")
 MIN_BYTES = buddy.DEFAULT_MIN_BYTES
 
 
@@ -288,8 +289,8 @@ class _Checkpointed(nn.Module):
 def _context(method: str, device: torch.device, store: buddy.BuddyStore | None, tracker: buddy.Tracker):
     if method == "buddy":
         return buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN_BYTES)
-    if method == "buddy-ahead":
-        return buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN_BYTES, strict=False)
+    if method == "buddy-strict":
+        return buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN_BYTES, strict=True)
     if method == "buddy-offload":
         return buddy.compressed_activations(
             buddy.CompressedOffload(), tracker=tracker, store=store, min_bytes=MIN_BYTES
@@ -321,7 +322,7 @@ class Measurement:
     profile: dict | None = None  # where one more step's time went (--profile): see profile_step
     memory_peak: dict | None = None  # what one more step held at its peak (--memory-peak): experiments.memory_peak
     host_peak_bytes: int | None = None  # a CPU run: one more step's peak resident bytes above its start (host_peak)
-    sync: str | None = None  # buddy-ahead on CUDA: one more step under sync debug mode "error": "silent", or the error
+    sync: str | None = None  # buddy on CUDA: one more step under sync debug mode "error": "silent", or the error
 
 
 def profile_step(step: Callable[[], object], device: torch.device, top: int = 25) -> dict:
@@ -454,7 +455,7 @@ def measure(
     where = profile_step(step, device) if profile and method.startswith("buddy") else None
     held_at_peak = memory_peak_of(step, device) if memory_peak else None
     on_host = host_peak(step) if peak_on_host and device.type == "cpu" else None
-    sync = sync_check(step) if method == "buddy-ahead" and device.type == "cuda" else None
+    sync = sync_check(step) if method == "buddy" and device.type == "cuda" else None
     return Measurement(
         method, spec.name, statistics.median(times), times, peak, state, str(device), held, where, held_at_peak,
         on_host, sync,
@@ -545,7 +546,7 @@ def _verdicts(rows: list[dict]) -> list[str]:
     for model in dict.fromkeys(r["model"] for r in rows):
         by = {r["method"]: r for r in rows if r["model"] == model}
         offload, soc = by.get("buddy-offload"), by.get("save_on_cpu")
-        for name in ("buddy", "buddy-ahead"):
+        for name in ("buddy", "buddy-strict"):
             b = by.get(name)
             if b and b["vs_none"] is not None:
                 ok = b["vs_none"] <= 1.3 and (b["capacity"] or 0) >= 1.4

@@ -183,18 +183,18 @@ def test_a_steady_step_launches_two_kernels_a_compress_and_one_a_decompress(monk
 
 def test_the_device_reserve_keeps_the_running_bound_where_the_plan_falls_short():
     """Packed ahead, a tensor that spills more than its plan says sends the sectors past the step's running bound
-    to a reserve on the device, which the tracker sizes from the model's recent steps: once a step went past it,
-    the next ones set one aside, and the bound holds at every tensor as their overflow lands in it. Training stays
-    bit-identical."""
+    to a reserve on the device, which the tracker sizes: for the first step packed ahead, a quarter of what the
+    bound allows the last step's bytes; then from the most the recent steps sent past it. The CNN's drifting
+    weights spill past the plan by a few sectors a step: the reserve holds them, and the bound holds at every
+    tensor of every step. Training stays bit-identical."""
     _, plain = train("cnn", 8)
-    run = sessions(strict=False)
-    stats, weights = train("cnn", 8, run)
+    stats, weights = train("cnn", 8, sessions(strict=False))
     assert all(all(torch.equal(a, b) for a, b in zip(w, v)) for w, v in zip(weights, plain))
-    first = next(i for i, st in enumerate(stats) if st.reserve_short_bytes)  # a step past its running bound
-    later = stats[first + 1 :]
-    assert later and all(st.reserve_bytes > 0 for st in later)  # the reserve set aside from then on
-    assert any(st.reserved_bytes for st in later) and not any(st.reserve_short_bytes for st in later)
-    for st in later:
+    first, later = stats[1], stats[2:]  # (the first step sizes every tensor: no reserve)
+    assert stats[0].reserve_bytes == 0 and first.reserve_bytes >= first.original_bytes * 0.1 / 4 - 4096
+    assert all(0 < st.reserve_bytes < first.reserve_bytes for st in later)  # learned: far less than the guess
+    assert sum(st.reserved_bytes for st in stats) > 0 and not any(st.reserve_short_bytes for st in stats)
+    for st in stats:
         spent = seen = 0
         for row in st.rows:  # the running bound, tensor by tensor
             spent, seen = spent + row.buddy_bytes, seen + row.original_bytes

@@ -131,7 +131,7 @@ def test_stats_fields_and_table(tracker, store):
     st = sessions[-1].stats()
     assert st.device_bytes == sum(r.device_bytes for r in st.rows)
     assert st.buddy_bytes == sum(r.buddy_bytes for r in st.rows)
-    assert st.effective_capacity == pytest.approx(st.original_bytes / st.device_bytes)
+    assert st.effective_capacity == pytest.approx(st.original_bytes / (st.device_bytes + st.reserve_bytes))
     assert st.overflow_fraction == pytest.approx(st.buddy_bytes / st.original_bytes)
     assert st.compress_seconds > 0 and st.decompress_seconds > 0
     table = str(st)
@@ -342,7 +342,7 @@ def test_device_budget_that_cannot_fit_warns_and_keeps_data(tracker, store):
 
 
 def test_tracker_follows_drift(tracker, store):
-    """Sparsity drops mid-run: the slot grows at once, the bound holding at every step, while the history lags (zvc at 128 B: sparsity is all it sees)."""
+    """Sparsity drops mid-run: the slot grows at once, the bound holding at every step, while the history lags (zvc at 128 B: sparsity is all it sees). Sized first (strict=True): each slot from the tensor's own sizes."""
     g = torch.Generator().manual_seed(3)
     slots = []
     for step in range(10):
@@ -351,7 +351,8 @@ def test_tracker_follows_drift(tracker, store):
         x[torch.rand(128, 1024, generator=g) < zero_fraction] = 0
         x.requires_grad_(True)
         session = buddy.compressed_activations(
-            buddy.BuddyThreshold(0.1), tracker=tracker, store=store, min_bytes=MIN, codec="zvc", entry_bytes=128
+            buddy.BuddyThreshold(0.1), tracker=tracker, store=store, min_bytes=MIN, codec="zvc", entry_bytes=128,
+            strict=True,
         )
         with session as s:
             y = torch.relu(x)  # saves its (sparse, then dense) output

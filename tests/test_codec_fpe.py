@@ -484,14 +484,15 @@ def test_measure_counts_with_a_prior_only_when_asked(backend):
 
 def _linear_steps(tracker, store, steps: int, after, scale=lambda step: 1.0):
     """``steps`` training steps of a ReLU'd linear layer in sessions on ``tracker`` (auto2), ``after(step)`` after
-    each; the weight's gradients, and the layer and its input (``x``, each step's scaled by ``scale(step)``)."""
+    each; the weight's gradients, and the layer and its input (``x``, each step's scaled by ``scale(step)``).
+    Sized first (strict=True): each tensor through ``measure``, which the tests watch."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 256)
     x = torch.randn(64, 256)
     grads = []
     for step in range(steps):
         lin.zero_grad()
-        with buddy.compressed_activations(tracker=tracker, store=store, codec="auto2", min_bytes=1024):
+        with buddy.compressed_activations(tracker=tracker, store=store, codec="auto2", min_bytes=1024, strict=True):
             (torch.relu(lin(x * scale(step))) * 2).sum().backward()
         grads.append(lin.weight.grad.clone())
         after(step)
@@ -545,8 +546,8 @@ def test_session_passes_learned_statistics_to_the_next_step(store, monkeypatch):
     steps = []
     for _ in range(2):
         priors.clear()
-        with buddy.compressed_activations(tracker=tracker, store=store, codec="auto2", min_bytes=1024):
-            (torch.relu(lin(x)) * 2).sum().backward()
+        with buddy.compressed_activations(tracker=tracker, store=store, codec="auto2", min_bytes=1024, strict=True):
+            (torch.relu(lin(x)) * 2).sum().backward()  # (sized first: each tensor through measure, watched)
         steps.append(list(priors))
     assert steps[0] and all(p is None for p in steps[0]), "the first step fits each tensor's own table"
     assert steps[1] and all(p is not None for p in steps[1]), "later steps fit the learned table"

@@ -237,7 +237,10 @@ def chain_input() -> torch.Tensor:
 
 
 def session(store, **kwargs):
+    """A session sized first (strict=True): its pack writes the overflow on the device and the copy stream takes it
+    to buddy memory, the path these tests follow (packed ahead, the kernel writes buddy memory itself)."""
     kwargs.setdefault("policy", buddy.FixedRatio(4.0))
+    kwargs.setdefault("strict", True)
     return buddy.compressed_activations(tracker=buddy.Tracker(), store=store, min_bytes=MIN, **kwargs)
 
 

@@ -274,3 +274,26 @@ def test_the_earlier_keywords_still_give_the_layout():
         old.choose("a", hist, layout=Layout(E, 100 * E), entry_bytes=E)
     with pytest.raises(ValueError, match="entry_bytes"):
         old.plan("a", hist, entry_bytes=100, original_bytes=100 * E)
+
+
+def test_the_reserve_is_a_guess_from_the_bound_then_learned_from_recent_steps():
+    """Tracker.reserve_sectors: before a group's first step packed ahead, a quarter of what the bound allows its
+    latest step's bytes; then a quarter more than the most its last RESERVE_STEPS steps sent past their bound;
+    none where they sent none. Groups apart; forget() starts over."""
+    t = buddy.Tracker()
+    layout = Layout(4096, 64 << 10, 4)
+    for key in ("m/0", "m/1"):
+        t.record(key, [0] * 64 + [16] + [0] * 64, slot=64, layout=layout, predicted_overflow_bytes=None)
+    assert t.reserve_sectors("m", 0.1) == int(0.1 * (128 << 10) / 4) // 32 == 102
+    assert t.reserve_sectors("other", 0.1) == 0  # nothing seen
+    for sectors in (8, 40, 0, 0):
+        t.record_excess("m", sectors)
+    assert t.reserve_sectors("m", 0.1) == 50  # the most of the last four, a quarter more
+    t.record_excess("m", 0)  # 8 leaves the window
+    assert t.reserve_sectors("m", 0.1) == 50
+    t.record_excess("m", 0)  # and 40
+    assert t.reserve_sectors("m", 0.1) == 0
+    with pytest.raises(ValueError, match="non-negative int"):
+        t.record_excess("m", -1)
+    t.forget()
+    assert t.reserve_sectors("m", 0.1) == 0
