@@ -37,7 +37,7 @@ from .codecs import CodecLike
 from .hooks import DEFAULT_MIN_BYTES, _SavedTensorHooks
 from .keys import is_parameter, module_name
 from .layout import Layout, memory_bytes
-from .pipeline import measure, pack, pack_ahead, resolve
+from .pipeline import kept_ends_bytes, measure, pack, pack_ahead, resolve
 from .prefetch import Prefetch, PrefetchStats, Schedule, as_prefetch
 from .recording import RecordedTensor, Recorder, record_activations
 from .saved import _Checks, _Compressed, _Kept, _look_ahead, _warn_once
@@ -232,8 +232,8 @@ class Session(_SavedTensorHooks):
         if prior is None and engine.codec.format_version >= 2:
             return None
         # what the tensor carries on the device beside its slots and metadata: its table, and the overflow's
-        # prefix sums kept for unpack (8 bytes an entry)
-        carried = (0 if fitted is None else fitted.table_bytes) + 8 * layout.n_entries
+        # prefix sums kept for unpack (8 bytes an entry, at entries of 1 KiB and more)
+        carried = (0 if fitted is None else fitted.table_bytes) + kept_ends_bytes(layout)
         place = tracker.plan_ahead(key, layout, policy=self.policy, table_bytes=carried)
         if place is None:
             return None
