@@ -32,7 +32,7 @@ import torch
 
 from ._deferred import DeferredLock
 from ._process_default import ProcessDefault
-from .engines.cuda import UNMAPPED_HOST
+from .engines import pinned
 from .errors import HostStoreFull
 from .spec import SECTOR_BYTES
 
@@ -86,7 +86,7 @@ def _take_last_error() -> None:
 
 def _unpin(address: int) -> None:
     """Unregister a block's pages: at its release, or when it is collected without one."""
-    UNMAPPED_HOST.discard(address)
+    pinned.forget(address)
     try:
         _cuda_call("cudaHostUnregister", address)
     except Exception:  # a finalizer must not raise: the context is gone (interpreter exit), nothing is left to unpin
@@ -111,7 +111,7 @@ class _Block:
                     self.mapped = True
                 except RuntimeError:
                     _cuda_call("cudaHostRegister", self.buffer.data_ptr(), nbytes, portable)
-                    UNMAPPED_HOST.add(self.buffer.data_ptr())  # pinned, not mapped: never read in place
+                    pinned.unmapped(self.buffer.data_ptr())  # pinned, not mapped: never read in place
             except BaseException:
                 self.release()
                 raise

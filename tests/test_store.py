@@ -456,12 +456,13 @@ def test_a_block_is_pinned_unmapped_where_mapping_is_refused(monkeypatch):
     # such a block's pages are pinned (torch says so), not mapped: an unpack copies its overflow, never reads it
     # where it is (a kernel's loads there would be an illegal address)
     from buddy.engines import cuda as bcuda
+    from buddy.engines import pinned
     from buddy.engines.tuning import Tuning
 
     zero_copy = Tuning(zero_copy=True)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
     monkeypatch.setattr(bcuda, "_takes_host_pointers", lambda index: True)
-    assert alloc.data.untyped_storage().data_ptr() in bcuda.UNMAPPED_HOST
+    assert pinned.is_unmapped(alloc.data.untyped_storage().data_ptr())
     assert not bcuda.reads_overflow_in_place(alloc.data, torch.device("cuda", 0), zero_copy)
     mapped = buddy.BuddyStore(capacity_bytes=MiB, block_bytes=64 * KiB, pin=True)
     with monkeypatch.context() as m:
@@ -472,7 +473,7 @@ def test_a_block_is_pinned_unmapped_where_mapping_is_refused(monkeypatch):
     del alloc, store
     gc.collect()  # unpinned while CUDA's calls are still the recorded ones
     assert [a[0] for a in asked].count("cudaHostUnregister") == 1
-    assert address not in bcuda.UNMAPPED_HOST  # unpinned: the address may be a mapped block's next
+    assert not pinned.is_unmapped(address)  # unpinned: the address may be a mapped block's next
     del other, mapped
     gc.collect()
 

@@ -75,20 +75,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .. import spec
 from ..codecs.auto import AUTO_MEMBERS, AutoCodec, member_kinds
 from ..codecs.base import Codec, CodecLike
 from ..codecs.bpc import BPCCodec
-from ..codecs.fpe import MAX_CODE_BITS, MAX_CODED, FPECodec, Table, default_table, fit_weights, n_symbols, refits
+from ..codecs.fpe import MAX_CODED, FPECodec, Table, default_table, fit_weights, n_symbols, refits
+from ..codecs.fpe_device import (
+    DECODE_ROWS_BYTES,
+    DEVICE_TABLE_BYTES,
+    FIELDS_BYTES,
+    FIT_SERIAL_BYTES,
+    FIT_WORK_BYTES,
+    device_table,
+    remember_device_table,
+)  # fmt: skip
 from ..codecs.fpx import FPXCodec
 from ..codecs.zvc import ZVCCodec
 from ..deps import available, require
 from ..errors import CorruptDataError
 from ..layout import WORD_SIZES, Layout
-from . import PLACE_WORDS, Engine, Implementation, Measurement, raise_for_errors
+from . import PLACE_WORDS, Engine, Implementation, Measurement, pinned, raise_for_errors
 from .tuning import Tuning, current
 
 __all__ = [
@@ -505,73 +513,6 @@ KERNEL_CODECS: dict[str, type[Codec]] = {
 TABLED_KERNELS = frozenset(
     name for name, cls in KERNEL_CODECS.items() if FPECodec in (cls, *AUTO_MEMBERS.get(name, ()))
 )
-#: bytes of a device table's decode rows (``BuddyFpe::ROWS_BYTES``), its first: a decode row and a multi row per
-#: value of the next MAX_CODE_BITS stream bits (uint32 each), which unpack copies into each block's shared memory
-#: (the rest, the encode entries read by a decoder only to check an escape, stays in global memory)
-DECODE_ROWS_BYTES = 8 * (1 << MAX_CODE_BITS)
-#: bytes of a device table (``sizeof(BuddyFpeTable)``): its decode rows, an encode entry per symbol of the widest
-#: symbols (uint16: 12 bits, ZERO and ESC), the bits of a word a symbol is, the layout and the span model (uint32
-#: each)
-DEVICE_TABLE_BYTES = DECODE_ROWS_BYTES + 2 * n_symbols(8) + 12
-#: bytes of pack's table of whole fields in a block's shared memory (``BuddyFpe::FIELDS_BYTES``): a 32-bit field
-#: for each of the 2^12 symbols of the fit's b and for a zero word, to 16 bytes
-FIELDS_BYTES = 16400
-#: bytes of the serialized table a fit writes: the longest :meth:`Table.to_bytes` (``BUDDY_FPE_SERIAL_BYTES``)
-FIT_SERIAL_BYTES = 4 + 3 * (MAX_CODED + 2)
-#: scratch bytes of a fit (``sizeof(BuddyFpeFitWork)``, csrc/codec_fpe_fit.h)
-FIT_WORK_BYTES = 93496
-_HOST_TABLES: dict[tuple, torch.Tensor] = {}  # by (word bytes, code lengths), oldest first
-_HOST_TABLES_KEPT = 64
-
-
-def device_table(table: Table) -> torch.Tensor:
-    """An fpe ``table`` laid out as the kernels read it: :data:`DEVICE_TABLE_BYTES` uint8 on the host.
-
-    ``BuddyFpeTable`` (csrc/codec_fpe.h): ``dec[v]`` = symbol | code length << 16 for
-    the next 12 stream bits ``v``, ``multi[v]`` (:attr:`Table.multi_rows`), then
-    ``enc[symbol]`` = stream code | code length << 12 (0: no code), from
-    :meth:`Table.lookups`, then the table's :attr:`~Table.symbol_bits`, whether its
-    payloads have the split layout (:attr:`~Table.split`; both from its format) and
-    its :attr:`~Table.span_model` (``zero | head << 8``), little-endian. Pinned when CUDA
-    is present (its copy to the device is then asynchronous); kept with the table
-    (:attr:`Table.laid_out`: a tensor's table is laid out once, however many
-    tables a step decompresses) and for the last 64 tables seen (an equal table read
-    back from bytes), and never written again.
-    """
-    if table.laid_out is not None:
-        return table.laid_out
-    key = table.key
-    with _lock:
-        found = _HOST_TABLES.pop(key, None)
-        if found is not None:
-            _HOST_TABLES[key] = found  # the newest again
-            table.laid_out = found
-            return found
-    enc_len, enc_code, dec_sym, dec_len = (t.numpy() for t in table.lookups("cpu"))
-    enc = np.zeros(n_symbols(8), dtype="<u2")  # the layout has room for the widest words' symbols
-    enc[: len(enc_code)] = enc_code | enc_len << 12
-    dec = (dec_sym | dec_len << 16).astype("<u4")
-    multi = table.multi_rows.numpy().astype("<u4")
-    zero, head = table.span_model
-    tail = np.array([table.symbol_bits, int(table.split), zero | head << 8], dtype="<u4")
-    raw = b"".join(part.tobytes() for part in (dec, multi, enc, tail))
-    return remember_device_table(table, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-
-
-def remember_device_table(table: Table, laid_out: torch.Tensor) -> torch.Tensor:
-    """Keeps ``laid_out`` (on the host: :func:`device_table`'s bytes of ``table``, e.g. as a fit kernel of the
-    native engine wrote them) as :func:`device_table` of ``table`` from now on, pinned when CUDA is present;
-    returns what is kept. Nothing may write ``laid_out`` after."""
-    if torch.cuda.is_available():
-        laid_out = laid_out.pin_memory()
-    table.laid_out = laid_out
-    with _lock:
-        _HOST_TABLES[table.key] = laid_out
-        while len(_HOST_TABLES) > _HOST_TABLES_KEPT:
-            del _HOST_TABLES[next(iter(_HOST_TABLES))]
-    return laid_out
-
-
 def _on_device(table: Table, device: torch.device) -> torch.Tensor:
     """:func:`device_table` of ``table`` on ``device``: copied there once (kept on the table), never written."""
     return _copy_once(table.on_device, device, lambda: device_table(table))
@@ -854,9 +795,6 @@ class Kernels:
         self.launch(self.name, "unpack", layout.entry_bytes, device, n, args)
 
 
-#: the start addresses of pinned host buffers a kernel cannot read where they are: pinned without the mapping (a
-#: store block the runtime refused to map: buddy.store adds it when it pins it, removes it when it unpins it)
-UNMAPPED_HOST: set[int] = set()
 #: cudaDevAttrCanUseHostPointerForRegisteredMem: a registered host pointer is a valid device pointer as it is
 _HOST_POINTER_ATTRIBUTE = 91
 
@@ -880,7 +818,7 @@ def _device_reaches(host: torch.Tensor, device: torch.device) -> bool:
     block the runtime pinned without it), on a device that takes a registered host pointer as it is."""
     if host.device.type != "cpu" or host.data_ptr() % ALIGN_BYTES or not host.is_pinned():
         return False
-    if host.untyped_storage().data_ptr() in UNMAPPED_HOST:
+    if pinned.is_unmapped(host.untyped_storage().data_ptr()):
         return False
     return _takes_host_pointers(device.index if device.index is not None else torch.cuda.current_device())
 
