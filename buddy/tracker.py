@@ -899,14 +899,16 @@ class Tracker:
     def reserve_sectors(self, group: str, bound: float) -> int:
         """The device reserve a step of ``group`` packed ahead under an overflow ``bound`` sets aside, in sectors:
         the most its last :data:`RESERVE_STEPS` steps sent past their bound, and a quarter more (0 where they sent
-        none). Before any step of it was packed ahead, a quarter of what the bound allows the group's latest
-        step's bytes: the first plans are the least tried."""
+        none). Until :data:`RESERVE_STEPS` of its steps were packed ahead, at least a quarter of what the bound
+        allows the group's latest step's bytes: the first plans are the least tried, and a model's first steps
+        change the most."""
         with self._lock:
-            seen = self._excess.get(group)
-            if seen:
-                return -(-max(seen) * 5 // 4)
+            seen = list(self._excess.get(group, ()))
+            learned = -(-max(seen, default=0) * 5 // 4)
+            if len(seen) >= RESERVE_STEPS:
+                return learned
             nbytes = sum(h.observations[-1].original_bytes for h in self.latest_keys(group) if h.observations)
-        return int(bound * nbytes / 4) // spec.SECTOR_BYTES
+        return max(learned, int(bound * nbytes / 4) // spec.SECTOR_BYTES)
 
     def forget(self) -> None:
         """Drop every key's history (what the ledger holds stays)."""

@@ -183,14 +183,14 @@ def test_a_steady_step_launches_two_kernels_a_compress_and_one_a_decompress(monk
 
 def test_the_device_reserve_keeps_the_running_bound_where_the_plan_falls_short():
     """Packed ahead, a tensor that spills more than its plan says sends the sectors past the step's running bound
-    to a reserve on the device, which the tracker sizes: for the first step packed ahead, a quarter of what the
-    bound allows the last step's bytes; then from the most the recent steps sent past it. The CNN's drifting
+    to a reserve on the device, which the tracker sizes: for the first four steps packed ahead, a quarter of what
+    the bound allows the last step's bytes; then from the most the recent steps sent past it. The CNN's drifting
     weights spill past the plan by a few sectors a step: the reserve holds them, and the bound holds at every
     tensor of every step. Training stays bit-identical."""
     _, plain = train("cnn", 8)
     stats, weights = train("cnn", 8, sessions(strict=False))
     assert all(all(torch.equal(a, b) for a, b in zip(w, v)) for w, v in zip(weights, plain))
-    first, later = stats[1], stats[2:]  # (the first step sizes every tensor: no reserve)
+    first, later = stats[1], stats[5:]  # (the first step sizes every tensor: no reserve)
     assert stats[0].reserve_bytes == 0 and first.reserve_bytes >= first.original_bytes * 0.1 / 4 - 4096
     assert all(0 < st.reserve_bytes < first.reserve_bytes for st in later)  # learned: far less than the guess
     assert sum(st.reserved_bytes for st in stats) > 0 and not any(st.reserve_short_bytes for st in stats)

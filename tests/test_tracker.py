@@ -277,17 +277,19 @@ def test_the_earlier_keywords_still_give_the_layout():
 
 
 def test_the_reserve_is_a_guess_from_the_bound_then_learned_from_recent_steps():
-    """Tracker.reserve_sectors: before a group's first step packed ahead, a quarter of what the bound allows its
-    latest step's bytes; then a quarter more than the most its last RESERVE_STEPS steps sent past their bound;
-    none where they sent none. Groups apart; forget() starts over."""
+    """Tracker.reserve_sectors: a quarter more than the most a group's last RESERVE_STEPS steps sent past their
+    bound (none where they sent none), and until that many were packed ahead, at least a quarter of what the bound
+    allows its latest step's bytes. Groups apart; forget() starts over."""
     t = buddy.Tracker()
     layout = Layout(4096, 64 << 10, 4)
     for key in ("m/0", "m/1"):
         t.record(key, [0] * 64 + [16] + [0] * 64, slot=64, layout=layout, predicted_overflow_bytes=None)
     assert t.reserve_sectors("m", 0.1) == int(0.1 * (128 << 10) / 4) // 32 == 102
     assert t.reserve_sectors("other", 0.1) == 0  # nothing seen
-    for sectors in (8, 40, 0, 0):
+    for sectors in (8, 40, 0):
         t.record_excess("m", sectors)
+        assert t.reserve_sectors("m", 0.1) == 102  # (fewer than four steps: the guess, larger)
+    t.record_excess("m", 0)
     assert t.reserve_sectors("m", 0.1) == 50  # the most of the last four, a quarter more
     t.record_excess("m", 0)  # 8 leaves the window
     assert t.reserve_sectors("m", 0.1) == 50
