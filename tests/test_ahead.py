@@ -126,8 +126,9 @@ def test_forward_reads_nothing_until_it_ends():
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_a_compressed_tensor_costs_at_most_four_operators(kind):
     """A steady step's torch operators that allocate or compute, beyond the plain step's: at most four a compressed
-    tensor (its metadata, slots and overflow sums; its decompressed tensor), and three a step (the histograms'
-    and flags' buffers, the flags gathered for their read). Symbols are not counted that step (count_every)."""
+    tensor (its metadata, slots and overflow sums; its decompressed tensor), and four a step (the histograms'
+    and flags' buffers, the flags gathered for their read, the device reserve). Symbols are not counted that step
+    (count_every)."""
     make, autocast = MODELS[kind]
     model, (x, y) = make(), batch(kind)
     run = sessions(strict=False, count_warmup=0, count_every=1000)
@@ -150,7 +151,7 @@ def test_a_compressed_tensor_costs_at_most_four_operators(kind):
     extra = sum(ours.values()) - sum(plain.values())
     n = len(s.stats().rows)
     assert n >= 7 and s.stats().host_reads == 2
-    assert extra <= 4 * n + 3, f"{extra} operators for {n} tensors: {ours - plain}"
+    assert extra <= 4 * n + 4, f"{extra} operators for {n} tensors: {ours - plain}"
 
 
 def test_a_steady_step_launches_two_kernels_a_compress_and_one_a_decompress(monkeypatch):
