@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import replace as _replaced
@@ -67,7 +66,7 @@ from . import codecs, selftest
 from .codecs.base import CodecLike
 from .config import DEFAULT_BACKENDS, defaults
 from .engines import DEVICES, Engine, Implementation, cuda, native, nvcomp, reference
-from .errors import MissingDependencyError
+from .errors import MissingDependencyError, warn_once
 
 __all__ = [
     "BACKENDS",
@@ -341,11 +340,7 @@ def _kernels(impl: Implementation, codec: CodecLike, device: torch.device, prefe
 
 
 def _warn_once(key: str, message: str) -> None:
-    with _lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    warn_once(_warned, key, message, stacklevel=4)
 
 
 # ---------------------------------------------------------------------------

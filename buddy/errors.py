@@ -1,12 +1,15 @@
-"""Exceptions raised by buddy.
+"""Exceptions raised by buddy, and how it warns once.
 
 Every error a user can trigger is one of these (or a built-in ``TypeError`` /
 ``ValueError`` for plainly wrong arguments), with a message that says what to
 do. All of them derive from :class:`BuddyError` so callers can catch the
-family at once.
+family at once. :func:`warn_once` is the one way a module warns once per cause.
 """
 
 from __future__ import annotations
+
+import threading
+import warnings
 
 __all__ = [
     "BuddyError",
@@ -15,7 +18,20 @@ __all__ = [
     "HostStoreFull",
     "MissingDependencyError",
     "UnsupportedTensorError",
+    "warn_once",
 ]
+
+_warn_lock = threading.Lock()
+
+
+def warn_once(seen: set[str], cause: str, message: str, *, stacklevel: int) -> None:
+    """A ``RuntimeWarning`` of ``message``, unless ``cause`` is in ``seen`` (a module's own set), which it joins.
+    ``stacklevel`` as :func:`warnings.warn` counts it from the caller of this function."""
+    with _warn_lock:
+        if cause in seen:
+            return
+        seen.add(cause)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 class BuddyError(Exception):

@@ -30,14 +30,13 @@ import functools
 import sys
 import threading
 import time
-import warnings
 import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
 from . import engines, streams
-from .errors import CorruptDataError
+from .errors import CorruptDataError, warn_once
 from .prefetch import Ahead, Schedule
 from .stats import KeyRow
 from .step import Counters
@@ -49,16 +48,11 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
+_warned: set[str] = set()  # the causes warned of (errors.warn_once)
 
 
 def _warn_once(cause: str, message: str) -> None:
-    with _warned_lock:
-        if cause in _warned:
-            return
-        _warned.add(cause)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warn_once(_warned, cause, message, stacklevel=3)
 
 
 def _add_note(exc: BaseException, note: str) -> None:
