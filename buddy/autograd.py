@@ -139,8 +139,8 @@ class Session(_SavedTensorHooks):
             histogram = words[PLACE_WORDS:]
             if p.bt is not None:
                 p.bt.settle(words)
-                if p.bounded:
-                    total = p.layout.overflow_bytes(histogram, p.bt.slot_sectors) // spec.SECTOR_BYTES
+                if p.bounded:  # its overflow (settled: what buddy memory holds, and the reserve) past its cap
+                    total = (p.bt.buddy_bytes + p.bt.reserve_bytes) // spec.SECTOR_BYTES
                     excess += max(0, total - words[0])
                     st.reserved_bytes += p.bt.reserve_bytes
             row = p.row

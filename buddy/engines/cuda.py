@@ -720,6 +720,18 @@ class Kernels:
         if self.name not in TABLED_KERNELS:
             raise ValueError(f"codec {self.name!r} codes without a table: it has no count or fit kernel")
 
+    def _overflow_buffers(self, overflow, place, reserve) -> tuple[dict, bool]:
+        """Pack's and unpack's overflow and placement buffers for :meth:`_check`, and whether the overflow is in
+        host memory, which the CUDA kernels reach where it is (then checked apart: :func:`_check_host_overflow`). A
+        placement (:meth:`sizes`'s) and the step's reserve go together."""
+        if (place is None) != (reserve is None):
+            raise ValueError("a placement and a reserve go together: pass both or neither")
+        in_place = self.device_type == "cuda" and isinstance(overflow, torch.Tensor) and overflow.device.type == "cpu"
+        buffers = {} if in_place else {"overflow": (overflow, torch.uint8, overflow.numel())}
+        if place is not None:
+            buffers.update(place=(place, torch.int64, PLACE_WORDS), reserve=(reserve, torch.uint8, reserve.numel()))
+        return buffers, in_place
+
     def pack(
         self, layout: Layout, data, tail, meta, ends, slot: int, slots, overflow, table=None, place=None,
         reserve=None,
@@ -731,22 +743,13 @@ class Kernels:
         :meth:`sizes` kernel's) and ``reserve`` (the step's, on the device: whole sectors), the overflow's
         sectors go where the placement says, some of them into the reserve."""
         n = layout.n_entries
-        buffers = dict(
-            meta=(meta, torch.uint8, layout.meta_bytes), ends=(ends, torch.int64, n),
-            slots=(slots, torch.uint8, layout.slots_bytes(slot)),
+        buffers, in_place = self._overflow_buffers(overflow, place, reserve)
+        device = self._check(
+            layout, (data, tail), meta=(meta, torch.uint8, layout.meta_bytes), ends=(ends, torch.int64, n),
+            slots=(slots, torch.uint8, layout.slots_bytes(slot)), **buffers,
         )  # fmt: skip
-        if (place is None) != (reserve is None):
-            raise ValueError("a placement and a reserve go together: pass both or neither")
-        if place is not None:
-            buffers.update(place=(place, torch.int64, PLACE_WORDS), reserve=(reserve, torch.uint8, reserve.numel()))
-        in_place = self.device_type == "cuda" and isinstance(overflow, torch.Tensor) and overflow.device.type == "cpu"
-        if not in_place:
-            buffers["overflow"] = (overflow, torch.uint8, overflow.numel())
-        device = self._check(layout, (data, tail), **buffers)
         if in_place:
-            if overflow.numel() and not overflow.is_pinned():
-                raise ValueError("an overflow in host memory must be pinned for the CUDA kernels to write it")
-            _check_tensor("overflow", overflow, device=overflow.device, dtype=torch.uint8, shape=(overflow.numel(),))
+            _check_host_overflow(overflow, "write")
         table = self._table(table, device)
         place, reserve = _placement(place, reserve, device)
         n_full, word = _i64(layout.n_full), _i32(layout.word_bytes)
@@ -766,25 +769,16 @@ class Kernels:
         if overflow.numel() % spec.SECTOR_BYTES:
             raise CorruptDataError(f"overflow holds {overflow.numel()} bytes, not a whole number of sectors")
         n = layout.n_entries
-        in_place = self.device_type == "cuda" and isinstance(overflow, torch.Tensor) and overflow.device.type == "cpu"
-        buffers = dict(
-            meta=(meta, torch.uint8, layout.meta_bytes), ends=(ends, torch.int64, n),
+        if reserve is not None and reserve.numel() % spec.SECTOR_BYTES:
+            raise CorruptDataError(f"the reserve holds {reserve.numel()} bytes, not a whole number of sectors")
+        buffers, in_place = self._overflow_buffers(overflow, place, reserve)
+        device = self._check(
+            layout, meta=(meta, torch.uint8, layout.meta_bytes), ends=(ends, torch.int64, n),
             slots=(slots, torch.uint8, layout.slots_bytes(slot)), out=(out, torch.uint8, n * layout.entry_bytes),
-            error=(error, torch.int32, 1),
+            error=(error, torch.int32, 1), **buffers,
         )  # fmt: skip
-        if not in_place:
-            buffers["overflow"] = (overflow, torch.uint8, overflow.numel())
-        if (place is None) != (reserve is None):
-            raise ValueError("a placement and a reserve go together: pass both or neither")
-        if place is not None:
-            if reserve.numel() % spec.SECTOR_BYTES:
-                raise CorruptDataError(f"the reserve holds {reserve.numel()} bytes, not a whole number of sectors")
-            buffers.update(place=(place, torch.int64, PLACE_WORDS), reserve=(reserve, torch.uint8, reserve.numel()))
-        device = self._check(layout, **buffers)
         if in_place:
-            if overflow.numel() and not overflow.is_pinned():
-                raise ValueError("an overflow in host memory must be pinned for the CUDA kernels to read it")
-            _check_tensor("overflow", overflow, device=overflow.device, dtype=torch.uint8, shape=(overflow.numel(),))
+            _check_host_overflow(overflow, "read")
         m = overflow.numel() // spec.SECTOR_BYTES
         table = self._table(table, device)
         word = _i32(layout.word_bytes)
@@ -793,6 +787,14 @@ class Kernels:
         args = (meta, ends, _i32(slot), slots, overflow, _i64(m), place, reserve, _i64(reserved), out, error, _i64(n),
                 table, word)  # fmt: skip
         self.launch(self.name, "unpack", layout.entry_bytes, device, n, args)
+
+
+def _check_host_overflow(overflow: torch.Tensor, verb: str) -> None:
+    """``ValueError`` unless an overflow in host memory is what the CUDA kernels can ``verb`` where it is: pinned
+    (when it holds anything), dense and aligned."""
+    if overflow.numel() and not overflow.is_pinned():
+        raise ValueError(f"an overflow in host memory must be pinned for the CUDA kernels to {verb} it")
+    _check_tensor("overflow", overflow, device=overflow.device, dtype=torch.uint8, shape=(overflow.numel(),))
 
 
 #: cudaDevAttrCanUseHostPointerForRegisteredMem: a registered host pointer is a valid device pointer as it is
