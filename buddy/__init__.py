@@ -9,30 +9,39 @@ slot on the device; what does not fit goes to buddy memory in host RAM.
     >>> torch.equal(bt.decompress().view(torch.uint8), t.view(torch.uint8))
     True
     >>> bt.free()
+
+``__all__`` is what a user calls (docs/api.md lists it); everything else
+lives in its submodule (``buddy.dispatch``, ``buddy.ledger``, ``buddy.codecs``,
+...). A name that moved or was renamed still answers here, with a
+``DeprecationWarning`` naming its new place (:data:`_MOVED`).
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import dispatch, engines, errors, selftest, spec
-from .engines import cuda  # buddy.cuda: the CUDA kernels' module, buddy.engines.cuda (imports no CuPy)
-from .autograd import (
-    DEFAULT_MIN_BYTES,
-    RecordedTensor,
-    Recorder,
-    Session,
-    compressed_activations,
-    record_activations,
-    wrap,
+from typing import TYPE_CHECKING
+
+# the submodules the moved names live in, imported so that `import buddy` reaches them all
+from . import (  # noqa: F401
+    codecs,
+    dispatch,
+    engines,
+    errors,
+    hooks,
+    ledger,
+    pipeline,
+    prefetch,
+    recording,
+    selftest,
+    slots,
+    spec,
+    store,
+    tracker,
 )
-from .codecs import DEFAULT_CODEC, Codec, available_codecs, get_codec, register_codec, unregister_codec
+from .autograd import Session, compressed_activations, wrap
+from .codecs import available_codecs, get_codec
 from .config import defaults, set_defaults
-from .dispatch import Choice
-from .dispatch import chosen as implementations
-from .dispatch import implementations as registered_implementations
-from .dispatch import register as register_implementation
-from .dispatch import unregister as unregister_implementation
 from .errors import (
     BuddyError,
     CorruptDataError,
@@ -41,21 +50,19 @@ from .errors import (
     MissingDependencyError,
     UnsupportedTensorError,
 )
-from .ledger import DeviceLedger, Hold, LedgerStats, default_ledger, set_default_ledger
-from .pipeline import Measured, compress, measure, pack, size_histogram, unpack
-from .prefetch import Prefetch, PrefetchStats
-from .slots import DEFAULT_MAX_OVERFLOW
+from .pipeline import compress, measure, pack, size_histogram, unpack
+from .prefetch import Prefetch
+from .recording import record_activations
 from .stats import KeyRow, SessionStats
-from .store import BuddyAllocation, BuddyStore, StoreStats, default_store, set_default_store
+from .store import BuddyStore, default_store, set_default_store
 from .tensor import BuddyTensor
 from .tracker import (
     BuddyThreshold,
     BudgetExceededWarning,
     CompressedOffload,
     DeviceBudget,
-    OverflowBudget,
     FixedRatio,
-    Placement,
+    OverflowBudget,
     Policy,
     Tracker,
     default_tracker,
@@ -64,63 +71,82 @@ from .tracker import (
 
 __all__ = [
     "__version__",
-    "spec",
-    "dispatch",
-    "engines",
-    "cuda",
-    "selftest",
+    # one tensor
     "compress",
     "measure",
     "pack",
-    "Measured",
     "unpack",
     "size_histogram",
     "BuddyTensor",
-    "BuddyStore",
-    "BuddyAllocation",
-    "StoreStats",
-    "default_store",
-    "set_default_store",
-    "Codec",
-    "DEFAULT_CODEC",
-    "DEFAULT_MAX_OVERFLOW",
-    "available_codecs",
-    "get_codec",
-    "register_codec",
-    "unregister_codec",
-    "implementations",
-    "Choice",
-    "registered_implementations",
-    "register_implementation",
-    "unregister_implementation",
-    "DeviceLedger",
-    "Hold",
-    "LedgerStats",
-    "default_ledger",
-    "set_default_ledger",
+    # training
     "compressed_activations",
     "Session",
-    "record_activations",
-    "Recorder",
-    "RecordedTensor",
     "SessionStats",
     "KeyRow",
-    "Prefetch",
-    "PrefetchStats",
-    "DEFAULT_MIN_BYTES",
     "wrap",
+    "Prefetch",
+    "record_activations",
+    # how slots are chosen
+    "Tracker",
     "Policy",
-    "Placement",
     "FixedRatio",
     "BuddyThreshold",
     "DeviceBudget",
     "OverflowBudget",
     "CompressedOffload",
-    "Tracker",
-    "BudgetExceededWarning",
     "default_tracker",
     "set_default_tracker",
+    # buddy memory
+    "BuddyStore",
+    "default_store",
+    "set_default_store",
+    # codecs and defaults
+    "available_codecs",
+    "get_codec",
     "defaults",
     "set_defaults",
+    # errors and warnings
+    "BuddyError",
+    "CorruptDataError",
+    "FreedTensorError",
+    "HostStoreFull",
+    "MissingDependencyError",
+    "UnsupportedTensorError",
+    "BudgetExceededWarning",
 ]
-__all__ += errors.__all__  # BuddyError and the errors derived from it, imported above
+
+#: names that were public here and are no longer: old name -> (module, name there). Each still answers as
+#: ``buddy.<old name>`` (and ``from buddy import <old name>``), the same object, with one DeprecationWarning per name
+#: and process naming its place. docs/api.md lists them.
+_MOVED: dict[str, tuple[str, str]] = {
+    # renamed: one name per idea (what backend="auto" ran is dispatch.chosen, the registry dispatch.implementations;
+    # engines.Measurement is what an engine's measure returns, MeasuredTensor what buddy.measure does)
+    "implementations": ("buddy.dispatch", "chosen"),
+    "registered_implementations": ("buddy.dispatch", "implementations"),
+    "register_implementation": ("buddy.dispatch", "register"),
+    "unregister_implementation": ("buddy.dispatch", "unregister"),
+    "Measured": ("buddy.pipeline", "MeasuredTensor"),
+    # moved to their submodule under the same name
+    "cuda": ("buddy.engines", "cuda"),
+    "Choice": ("buddy.dispatch", "Choice"),
+    "Codec": ("buddy.codecs", "Codec"),
+    "DEFAULT_CODEC": ("buddy.codecs", "DEFAULT_CODEC"),
+    "register_codec": ("buddy.codecs", "register_codec"),
+    "unregister_codec": ("buddy.codecs", "unregister_codec"),
+    "DEFAULT_MAX_OVERFLOW": ("buddy.slots", "DEFAULT_MAX_OVERFLOW"),
+    "DEFAULT_MIN_BYTES": ("buddy.hooks", "DEFAULT_MIN_BYTES"),
+    "Recorder": ("buddy.recording", "Recorder"),
+    "RecordedTensor": ("buddy.recording", "RecordedTensor"),
+    "PrefetchStats": ("buddy.prefetch", "PrefetchStats"),
+    "Placement": ("buddy.tracker", "Placement"),
+    "BuddyAllocation": ("buddy.store", "BuddyAllocation"),
+    "StoreStats": ("buddy.store", "StoreStats"),
+    "DeviceLedger": ("buddy.ledger", "DeviceLedger"),
+    "Hold": ("buddy.ledger", "Hold"),
+    "LedgerStats": ("buddy.ledger", "LedgerStats"),
+    "default_ledger": ("buddy.ledger", "default_ledger"),
+    "set_default_ledger": ("buddy.ledger", "set_default_ledger"),
+}
+
+if not TYPE_CHECKING:  # hidden from mypy, which would otherwise accept any attribute of buddy
+    __getattr__ = errors.Moved("buddy", _MOVED)

@@ -4,7 +4,7 @@ Every way of running a codec is registered here, once:
 
 * ``"reference"`` -- the codec's torch code under the format layer
   (:mod:`buddy.engines.reference`), on the CPU and on CUDA devices;
-  registered here for every codec :func:`buddy.register_codec` registers
+  registered here for every codec :func:`buddy.codecs.register_codec` registers
   with ``reference=True`` (the registry tells this table: see
   :func:`buddy.codecs.attach`);
 * ``"cuda"`` -- the codec's CUDA kernels (:mod:`buddy.engines.cuda`): the
@@ -34,8 +34,7 @@ this module builds its one table from them.
   (their factory raises ``ValueError`` for any other) and once they have passed their self-test
   on the device (:mod:`buddy.selftest`: golden vectors through the kernels
   both ways, once per process, device and codec); otherwise the reference
-  runs, and a failed self-test warns once. :func:`chosen` (exported as
-  ``buddy.implementations()``) records, per device and codec, what ``"auto"``
+  runs, and a failed self-test warns once. :func:`chosen` records, per device and codec, what ``"auto"``
   ran last and why.
 
 What ``"auto"`` prefers is, in this order: the environment variable
@@ -50,6 +49,15 @@ Tests and users add implementations through :func:`register` (and remove
 them with :func:`unregister`); the implementation that ran is recorded in
 every :class:`~buddy.BuddyTensor`, whose ``decompress()`` asks for it
 explicitly.
+
+An engine is made once per codec object, device, backend asked for, preference
+and launch settings (:func:`buddy.engines.tuning.current`), and kept: each
+call gets a copy of it (:meth:`~buddy.engines.Engine.for_tensor`). What the
+choice read that can change unseen -- each implementation's answer to whether
+it can run here, the self-test's verdict -- is asked again at every use, and a
+different answer makes the engine again; registering or removing an
+implementation forgets every engine kept. Codecs that carry a table (fitted to
+one tensor) are not kept: their engines are made at every call.
 """
 
 from __future__ import annotations
@@ -59,13 +67,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import replace as _replaced
+from typing import NamedTuple
 
 import torch
 
 from . import codecs, selftest
 from .codecs.base import CodecLike
 from .config import DEFAULT_BACKENDS, defaults
-from .engines import DEVICES, Engine, Implementation, cuda, native, nvcomp, reference
+from .engines import DEVICES, Engine, Implementation, cuda, native, nvcomp, reference, tuning
 from .errors import MissingDependencyError, warn_once
 
 __all__ = [
@@ -96,6 +105,8 @@ ENV_BACKEND = "BUDDY_BACKEND"
 _TABLE: dict[tuple[str, str, str], Implementation] = {}
 _lock = threading.Lock()
 _warned: set[str] = set()
+#: counts the table's changes: an engine made while it changed is not kept
+_generation = 0
 
 
 def register(
@@ -131,6 +142,7 @@ def register(
                 if other.codec == codec and other.device == device and other.default:
                     _TABLE[other_key] = _replaced(other, default=False)
         _TABLE[key] = impl
+        _changed()
     return impl
 
 
@@ -138,7 +150,15 @@ def unregister(codec: str, device: str | None = None, backend: str | None = None
     """Remove the implementations of ``codec`` (on ``device``, of ``backend``, when given); returns them."""
     with _lock:
         gone = [key for key in _TABLE if key[0] == codec and device in (None, key[1]) and backend in (None, key[2])]
+        _changed()
         return [_TABLE.pop(key) for key in gone]
+
+
+def _changed() -> None:
+    """The table changed (under ``_lock``): every engine kept is forgotten."""
+    global _generation
+    _generation += 1
+    _MADE.clear()
 
 
 def implementations(
@@ -187,7 +207,7 @@ _CHOSEN: dict[tuple[str, str], Choice] = {}
 
 
 def chosen(codec: str | None = None, *, device: str | None = None) -> list[Choice]:
-    """Per device and codec, what ``backend="auto"`` ran last in this process and why (``buddy.implementations()``).
+    """Per device and codec, what ``backend="auto"`` ran last in this process and why.
 
     ``device``: ``"cuda:0"`` (that device) or ``"cuda"`` (every CUDA device);
     ``codec``: a codec's name. Rows appear as codecs are first used.
@@ -200,10 +220,13 @@ def chosen(codec: str | None = None, *, device: str | None = None) -> list[Choic
 
 
 def _record(where: str, codec: str, backend: str, why: str) -> None:
-    row = Choice(where, codec, backend, why)
-    if _CHOSEN.get((where, codec)) != row:
+    _recorded(Choice(where, codec, backend, why))
+
+
+def _recorded(row: Choice) -> None:
+    if _CHOSEN.get((row.device, row.codec)) != row:
         with _lock:
-            _CHOSEN[(where, codec)] = row
+            _CHOSEN[(row.device, row.codec)] = row
 
 
 def env_backend() -> str | None:
@@ -228,17 +251,72 @@ def _preference() -> tuple[str, str]:
     return preferred, f"set_defaults(backend={preferred!r})"
 
 
+class _Made(NamedTuple):
+    """An engine :func:`engine` made, and what decided it that its key does not hold."""
+
+    #: the codec it runs (held: its id, in the key, names no other object while it is kept)
+    codec: CodecLike
+    engine: Engine
+    #: the implementations asked whether they can run here, and their answers
+    asked: tuple[tuple[Implementation, str | None], ...] = ()
+    #: the self-test asked (its arguments) and its verdict
+    tested: tuple[tuple, selftest.Verdict] | None = None
+    #: what ``"auto"`` records of it
+    choice: Choice | None = None
+
+    def holds(self) -> bool:
+        """Whether what decided the engine answers as it did: the implementations asked, the self-test."""
+        for impl, why in self.asked:
+            if impl.why_unusable() != why:
+                return False
+        return self.tested is None or selftest.verdict(*self.tested[0]) is self.tested[1]
+
+
+#: the engines made, by codec object (its id), device, backend asked for, preference and tuning (see the module doc)
+_MADE: dict[tuple, _Made] = {}
+#: engines kept at most (the oldest is dropped first): a codec object is held only while one of its engines is
+MADE_KEPT = 64
+
+
 def engine(codec: CodecLike, device: torch.device | str, backend: str | None = None) -> Engine:
-    """The engine that runs ``codec`` for a tensor on ``device`` with ``backend`` (see the module doc)."""
+    """The engine that runs ``codec`` for a tensor on ``device`` with ``backend`` (see the module doc): a copy, for
+    this call alone, of the one made for them."""
     backend = check_backend(backend)
     kind = device_type(device)
-    if backend == "auto":
-        return _auto(codec, torch.device(device), kind)
+    where = _where(torch.device(device)) if kind == "cuda" else _HOST
+    preference = _preference() if backend == "auto" else None
+    # a codec that carries a table is fitted to one tensor (or bound to one's): its engine is not kept
+    fitted = codec.table_bytes or codec.statistics is not None
+    key = None if fitted else (id(codec), where, backend, preference, tuning.current())
+    made = None if key is None else _MADE.get(key)
+    if made is None or not made.holds():
+        generation = _generation
+        made = _named(codec, kind, backend, device) if preference is None else _auto(codec, where, kind, preference)
+        if key is not None:
+            _keep(key, made, generation)
+    if made.choice is not None:
+        _recorded(made.choice)  # again: the record may have been cleared since
+    return made.engine if key is None else made.engine.for_tensor()
+
+
+def _keep(key: tuple, made: _Made, generation: int) -> None:
+    """Keeps ``made`` for ``key``, unless the table changed while it was made (``generation``: the table's count of
+    changes when it was begun)."""
+    with _lock:
+        if generation == _generation:
+            _MADE[key] = made
+            while len(_MADE) > MADE_KEPT:
+                del _MADE[next(iter(_MADE))]
+
+
+def _named(codec: CodecLike, kind: str, backend: str, device) -> _Made:
+    """The engine of an explicit ``backend``; ``ValueError`` where there is none, ``MissingDependencyError`` where it
+    cannot run here."""
     impl = _explicit(codec, kind, backend, device)
     why = impl.why_unusable()
     if why is not None:
         raise MissingDependencyError(f"the {_LABEL[impl.backend]} of codec {codec.name!r} cannot run here: {why}")
-    return _made(impl, codec)
+    return _Made(codec, _made(impl, codec), ((impl, None),))
 
 
 def _made(impl: Implementation, codec: CodecLike) -> Engine:
@@ -265,6 +343,9 @@ def _explicit(codec: CodecLike, kind: str, backend: str, device) -> Implementati
     )
 
 
+_HOST = torch.device("cpu")
+
+
 def _where(device: torch.device) -> torch.device:
     """The device with its index (a CUDA device without one: the current one)."""
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
@@ -272,23 +353,29 @@ def _where(device: torch.device) -> torch.device:
     return device
 
 
+def _row_device(device: torch.device) -> str:
+    """How :func:`chosen` names a device: ``"cuda:0"``, ``"cpu"``."""
+    return str(device) if device.type == "cuda" else device.type
+
+
 #: the backends that run compiled kernels, behind their self-test: the CUDA kernels, and the same sources built for
 #: the host (buddy.engines.native)
 COMPILED = ("cuda", "native")
 
 
-def _auto(codec: CodecLike, device: torch.device, kind: str) -> Engine:
-    """What ``backend="auto"`` runs (see the module doc), recorded with the reason."""
-    preferred, source = _preference()
+def _auto(codec: CodecLike, device: torch.device, kind: str, preference: tuple[str, str]) -> _Made:
+    """What ``backend="auto"`` runs (see the module doc) with ``preference`` (:func:`_preference`), and why;
+    ``device`` with its index."""
+    preferred, source = preference
     default = _default(codec, kind)
     reference = _TABLE.get((codec.name, kind, "reference"))
-    where = str(_where(device)) if kind == "cuda" else kind
+    where = _row_device(device)
     preferred_kernels = _TABLE.get((codec.name, kind, preferred)) if preferred in COMPILED else None
     impl = preferred_kernels or default
     if impl.backend in COMPILED and reference is not None:
-        made, why = (None, source) if preferred == "reference" else _kernels(impl, codec, _where(device), preferred)
-        _record(where, codec.name, "reference" if made is None else impl.backend, why)
-        return _made(reference, codec) if made is None else made
+        if preferred == "reference":
+            return _Made(codec, _made(reference, codec), choice=Choice(where, codec.name, "reference", source))
+        return _kernels(impl, reference, codec, device, preferred)
     if preferred == "reference" and reference is not None:
         impl = reference
     unusable = impl.why_unusable()
@@ -297,10 +384,10 @@ def _auto(codec: CodecLike, device: torch.device, kind: str) -> Engine:
             f"the {_LABEL[impl.backend]} of codec {codec.name!r} cannot run here: {unusable}"
         )
     if kind == "cuda" and (codec.name, kind, "cuda") not in _TABLE and impl.backend == "reference":
-        _record(where, codec.name, "reference", f"codec {codec.name!r} has no CUDA kernels")
+        why = f"codec {codec.name!r} has no CUDA kernels"
     else:
-        _record(where, codec.name, impl.backend, f"the default on {kind} tensors")
-    return _made(impl, codec)
+        why = f"the default on {kind} tensors"
+    return _Made(codec, _made(impl, codec), ((impl, None),), choice=Choice(where, codec.name, impl.backend, why))
 
 
 def _default(codec: CodecLike, kind: str) -> Implementation:
@@ -318,10 +405,13 @@ def _default(codec: CodecLike, kind: str) -> Implementation:
     raise ValueError(f"codec {codec.name!r} has no implementation registered; register_codec() gives it one")
 
 
-def _kernels(impl: Implementation, codec: CodecLike, device: torch.device, preferred: str) -> tuple[Engine | None, str]:
-    """The kernels' engine if they can run here, reproduce ``codec`` and passed their self-test on ``device``;
-    else ``None``; and why."""
+def _kernels(
+    impl: Implementation, reference: Implementation, codec: CodecLike, device: torch.device, preferred: str
+) -> _Made:
+    """The kernels' engine if they can run here, reproduce ``codec`` and passed their self-test on ``device``; else
+    the reference's; and why."""
     why = impl.why_unusable()
+    asked = ((impl, why),)
     if why is not None:
         label = _LABEL[impl.backend]
         if preferred == impl.backend:
@@ -330,13 +420,23 @@ def _kernels(impl: Implementation, codec: CodecLike, device: torch.device, prefe
         elif impl.backend == "native" and not native.switched_off():  # one line saying why it is slower
             _warn_once("native:unusable", f"buddy's {label} cannot run here ({why}): the torch reference runs on "
                        "CPU tensors instead (slower; docs/cpu_engine.md).")  # fmt: skip
-        return None, why
+        return _fallback(reference, codec, device, why, asked)
     try:
         made = _made(impl, codec)
     except ValueError as exc:  # a codec object the kernels do not reproduce (a subclass, other members)
-        return None, str(exc)
-    verdict = selftest.verdict(codec.name, device, impl.factory, _LABEL[impl.backend])
-    return (made if verdict.passed else None), verdict.why
+        return _fallback(reference, codec, device, str(exc), asked)
+    test = (codec.name, device, impl.factory, _LABEL[impl.backend])
+    verdict = selftest.verdict(*test)
+    if not verdict.passed:
+        return _fallback(reference, codec, device, verdict.why, asked, (test, verdict))
+    choice = Choice(_row_device(device), codec.name, impl.backend, verdict.why)
+    return _Made(codec, made, asked, (test, verdict), choice)
+
+
+def _fallback(reference: Implementation, codec: CodecLike, device: torch.device, why: str, asked, tested=None) -> _Made:
+    """The reference's engine where the kernels do not run, and ``why``."""
+    choice = Choice(_row_device(device), codec.name, "reference", why)
+    return _Made(codec, _made(reference, codec), asked, tested, choice)
 
 
 def _warn_once(key: str, message: str) -> None:

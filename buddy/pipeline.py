@@ -30,8 +30,8 @@ Arguments shared by the functions here:
   the device;
 * ``checksum``: ``True`` stores a 64-bit checksum of each buffer, checked
   before decoding (:mod:`buddy.integrity`); ``None``: the process default;
-* ``ledger``: the :class:`~buddy.DeviceLedger` the device bytes are held on
-  (default :func:`buddy.default_ledger`).
+* ``ledger``: the :class:`~buddy.ledger.DeviceLedger` the device bytes are held on
+  (default :func:`buddy.ledger.default_ledger`).
 """
 
 from __future__ import annotations
@@ -39,29 +39,28 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from . import config, dispatch, integrity, spec, streams
-from . import engines
+from . import config, dispatch, engines, integrity, spec, streams
 from .codecs import CodecLike, get_codec
 from .engines import PLACE_WORDS, Engine, Measurement
-from .errors import CorruptDataError, HostStoreFull
+from .errors import CorruptDataError, HostStoreFull, Moved
 from .integrity import Checksum
-from .ledger import DeviceLedger, default_ledger
 from .layout import LaidOut, Layout, dense_strides, memory_bytes
+from .ledger import DeviceLedger, default_ledger
 from .slots import DEFAULT_MAX_OVERFLOW, check_max_overflow, slot_for_overflow, tightest_slot
 from .store import BuddyStore, default_store
 from .tensor import BuddyTensor, check_tensor
 
-__all__ = ["Measured", "measure", "pack", "pack_ahead", "resolve", "compress", "unpack", "size_histogram"]
+__all__ = ["MeasuredTensor", "measure", "pack", "pack_ahead", "resolve", "compress", "unpack", "size_histogram"]
 
 _ON_FULL = ("raise", "device")
 
 
 @dataclass(frozen=True, eq=False)
-class Measured(LaidOut):
+class MeasuredTensor(LaidOut):
     """A tensor whose entries have been sized (made by :func:`measure`): all :func:`pack` needs.
 
     ``histogram[k]`` entries compress to ``k`` sectors; :meth:`overflow_bytes`
@@ -100,7 +99,7 @@ class Measured(LaidOut):
 
     def __repr__(self) -> str:
         return (
-            f"Measured({tuple(self.tensor.shape)} {self.tensor.dtype}, codec={self.codec.name!r}, "
+            f"MeasuredTensor({tuple(self.tensor.shape)} {self.tensor.dtype}, codec={self.codec.name!r}, "
             f"entry_bytes={self.entry_bytes}, backend={self.backend!r}, histogram={list(self.histogram)})"
         )
 
@@ -203,15 +202,17 @@ def _pack_options(store, on_full, checksum, ledger) -> _PackOptions:
     if not isinstance(on_full, str) or on_full not in _ON_FULL:
         raise ValueError(f"on_full must be one of {_ON_FULL}, got {on_full!r}")
     if ledger is not None and not isinstance(ledger, DeviceLedger):
-        raise TypeError(f"ledger must be a buddy.DeviceLedger (or None for the default), got {type(ledger).__name__}")
+        raise TypeError(
+            f"ledger must be a buddy.ledger.DeviceLedger (or None for the default), got {type(ledger).__name__}"
+        )
     checksum = config.defaults().checksum if checksum is None else config.check_checksum(checksum)
     return _PackOptions(store or default_store(), on_full, checksum, ledger or default_ledger())
 
 
-def _measure(tensor: torch.Tensor, engine: Engine, layout: Layout, prior=None, keep=None, count=True) -> Measured:
+def _measure(tensor: torch.Tensor, engine: Engine, layout: Layout, prior=None, keep=None, count=True) -> MeasuredTensor:
     flat, stride = memory_bytes(tensor)
     fitted, measurement = engine.fit_measure(flat, layout, prior, keep, count)  # a codec with a table fits it
-    return Measured(tensor, flat, stride, fitted, engine, layout, measurement)
+    return MeasuredTensor(tensor, flat, stride, fitted, engine, layout, measurement)
 
 
 def measure(
@@ -223,7 +224,7 @@ def measure(
     prior: torch.Tensor | None = None,
     keep: CodecLike | None = None,
     count: bool = True,
-) -> Measured:
+) -> MeasuredTensor:
     """Size every entry of ``tensor`` (nothing is stored): the first step of :func:`compress`.
 
     ``tensor``: any dense tensor on any device (see :func:`compress`). The
@@ -235,7 +236,7 @@ def measure(
     ``keep``, the codec measured for the same key before (:meth:`buddy.Tracker.fitted`),
     lends its table while the prior still fits it, and nothing is fitted.
     With a ``prior``, ``count=False`` skips counting the tensor's symbols
-    (:attr:`Measured.statistics` is then ``None``): a pass over the tensor
+    (:attr:`MeasuredTensor.statistics` is then ``None``): a pass over the tensor
     a tracker that has learned the key does only every few steps
     (:meth:`buddy.Tracker.counts`).
     """
@@ -255,7 +256,7 @@ def size_histogram(
 
 
 def pack(
-    measured: Measured,
+    measured: MeasuredTensor,
     slot: int,
     *,
     store: BuddyStore | None = None,
@@ -268,13 +269,13 @@ def pack(
     ``slot`` is ``0 .. E/32`` (``E / (32 * slot)`` is the target ratio). The
     other arguments are described in the module doc. Nothing is sized again.
     """
-    if not isinstance(measured, Measured):
+    if not isinstance(measured, MeasuredTensor):
         raise TypeError(f"pack takes what buddy.measure returns, got {type(measured).__name__}")
     options = _pack_options(store, on_full, checksum, ledger)
     return _pack(measured, measured.layout.check_slot(slot), options)
 
 
-def _pack(measured: Measured, slot: int, options: _PackOptions) -> BuddyTensor:
+def _pack(measured: MeasuredTensor, slot: int, options: _PackOptions) -> BuddyTensor:
     store = options.store
     try:  # buddy memory for the overflow, before anything is written
         overflow = store.allocate(measured.overflow_bytes(slot))
@@ -485,3 +486,7 @@ def _as_float(ratio: float) -> float:
         return float(ratio)
     except OverflowError:
         return math.inf
+
+
+if not TYPE_CHECKING:  # hidden from mypy, which would otherwise accept any attribute of this module
+    __getattr__ = Moved(__name__, {"Measured": (__name__, "MeasuredTensor")})  # engines.Measurement is the engine's

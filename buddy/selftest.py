@@ -17,7 +17,7 @@ run once; other threads wait for it). A failure warns once (a
 ``RuntimeWarning`` naming the codec, the case, the buffer and the first
 differing byte, expected and got), and that codec runs the torch reference on
 that device from then on; so does an exception in the kernels (a compile
-error, a check that fails). ``buddy.implementations()`` records which ran and
+error, a check that fails). ``buddy.dispatch.chosen()`` records which ran and
 why.
 
 The vectors are a subset of the repository's golden vectors
@@ -100,7 +100,7 @@ def verdict(codec: str, device: torch.device, factory: Factory, what: str = "com
                 warnings.warn(
                     f"buddy: the {what} of codec {codec!r} failed their self-test on {device} "
                     f"({found.why.removeprefix('self-test failed: ')}): codec {codec!r} runs the torch reference "
-                    f"on {device} in this process (buddy.implementations() says why). Please report this, with "
+                    f"on {device} in this process (buddy.dispatch.chosen() says why). Please report this, with "
                     f"buddy.env.format_environment(buddy.env.environment()).",
                     RuntimeWarning,
                     stacklevel=5,

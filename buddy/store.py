@@ -276,7 +276,7 @@ class BuddyStore:
     finalizers) never wait for it: they are queued and applied by whoever
     holds or next takes it (see :mod:`buddy._deferred`). When no call is in
     progress, every release has been applied. Device bytes are counted by
-    :class:`~buddy.DeviceLedger`, not here.
+    :class:`~buddy.ledger.DeviceLedger`, not here.
     """
 
     def __init__(

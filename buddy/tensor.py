@@ -115,7 +115,7 @@ class BuddyTensor:
         backend: ``"reference"``, ``"cuda"`` or ``"nvcomp"``: what ran the
             codec at compress time (see :mod:`buddy.dispatch`), and what
             :meth:`decompress` uses unless told otherwise.
-        ledger: the :class:`~buddy.DeviceLedger` its device bytes are held
+        ledger: the :class:`~buddy.ledger.DeviceLedger` its device bytes are held
             on until it is freed.
         checksum: a :class:`~buddy.integrity.Checksum` -- one 64-bit checksum
             per buffer (metadata, slots, overflow) -- when compressed with

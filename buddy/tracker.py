@@ -70,6 +70,7 @@ import torch
 from . import spec
 from ._process_default import ProcessDefault
 from .layout import LaidOut, Layout
+from .errors import Moved
 from .ledger import DeviceLedger, default_ledger
 from .slots import DEFAULT_MAX_OVERFLOW, larger_than, overflow_sectors, slot_for_overflow, tightest_slot
 
@@ -84,7 +85,7 @@ __all__ = [
     "OverflowBudget",
     "CompressedOffload",
     "Decision",
-    "Choice",
+    "SlotChoice",
     "Placement",
     "group_of",
     "KeyHistory",
@@ -95,6 +96,9 @@ __all__ = [
     "COUNT_EVERY",
     "COUNT_WARMUP",
 ]
+
+if not TYPE_CHECKING:  # (hidden from the type checker: a typo stays an error there)
+    __getattr__ = Moved(__name__, {"Choice": (__name__, "SlotChoice")})
 
 #: a :class:`Tracker`'s defaults of how often a learned key's symbols are counted (see its ``count_every``): every
 #: step for a key's first COUNT_WARMUP steps, then every COUNT_EVERY-th (over 100 training steps of the tuning
@@ -144,7 +148,7 @@ class Decision(LaidOut):
 
 
 @dataclass(frozen=True)
-class Choice:
+class SlotChoice:
     """A policy's slot, and whether the bound corrected the plan made from history.
 
     ``corrected``: the slot the plan (the key's history) asked for would have
@@ -167,7 +171,7 @@ class Placement(LaidOut):
     is (a raw slot would hold the same bytes plus metadata).
     ``device_bytes``: what the tensor holds on the device that way (its
     codec table, ``table_bytes``, included when it is compressed).
-    ``corrected``: see :class:`Choice`.
+    ``corrected``: see :class:`SlotChoice`.
     """
 
     slot: int
@@ -195,11 +199,11 @@ class Policy:
     def begin_step(self, tracker: Tracker) -> None:
         """Called when a step (a ``compressed_activations`` block) opens."""
 
-    def choose(self, decision: Decision, tracker: Tracker) -> int | Choice:
-        """The slot for the tensor of ``decision``: an ``int``, or a :class:`Choice`."""
+    def choose(self, decision: Decision, tracker: Tracker) -> int | SlotChoice:
+        """The slot for the tensor of ``decision``: an ``int``, or a :class:`SlotChoice`."""
         raise NotImplementedError
 
-    def choose_ahead(self, decision: Decision, tracker: Tracker) -> int | Choice | None:
+    def choose_ahead(self, decision: Decision, tracker: Tracker) -> int | SlotChoice | None:
         """The slot for a tensor not yet sized (``decision.ahead``: its ``current`` is the key's prediction), or
         ``None`` where the policy needs the tensor's own sizes (a key it has no plan for; by default every key):
         it is then sized first and :meth:`choose` decides."""
@@ -457,7 +461,7 @@ class OverflowBudget(Policy):
         for key, s in slots.items():
             self._allowance[key] = overflow_sectors(predicted[key], s) * spec.SECTOR_BYTES
 
-    def choose(self, decision: Decision, tracker: Tracker) -> Choice:
+    def choose(self, decision: Decision, tracker: Tracker) -> SlotChoice:
         if self._stepping and decision.group not in self._planned:
             self._plan_group(tracker, decision.group)
         # the running bound: the step's overflow so far, this tensor's included, within max_overflow of their bytes
@@ -473,9 +477,9 @@ class OverflowBudget(Policy):
             self._spare = wanted - decision.overflow_bytes(slot)
         self._seen += decision.original_bytes
         self._spent += decision.overflow_bytes(slot)
-        return Choice(slot, corrected)
+        return SlotChoice(slot, corrected)
 
-    def choose_ahead(self, decision: Decision, tracker: Tracker) -> Choice | None:
+    def choose_ahead(self, decision: Decision, tracker: Tracker) -> SlotChoice | None:
         """A planned key's slot from its prediction alone (a key with no plan: ``None``, it is sized first).
 
         The same rule as :meth:`choose` with the prediction for the tensor's sizes: the smallest slot whose
@@ -668,7 +672,7 @@ class Tracker:
             ``count_warmup`` steps (default 32: activations' statistics move
             most early in training), then every ``count_every`` steps
             (default 4; 1: every step). See :meth:`counts`.
-        ledger: the :class:`~buddy.DeviceLedger` budgets are planned against,
+        ledger: the :class:`~buddy.ledger.DeviceLedger` budgets are planned against,
             and that what is packed through the tracker holds its device
             bytes on. Default: the process-wide one at the time of use.
 
@@ -703,7 +707,7 @@ class Tracker:
         self.decay = decay
         self.window = window
         if ledger is not None and not isinstance(ledger, DeviceLedger):
-            raise TypeError(f"ledger must be a buddy.DeviceLedger, got {type(ledger).__name__}")
+            raise TypeError(f"ledger must be a buddy.ledger.DeviceLedger, got {type(ledger).__name__}")
         self._ledger = ledger
         self._keys: dict[str, KeyHistory] = {}
         self._step = 0  # steps begun (begin_step)
@@ -787,7 +791,7 @@ class Tracker:
     ) -> Placement:
         """Where a tensor about to be packed goes: its slot under ``policy`` (default: the tracker's).
 
-        ``layout``: the tensor's entries and bytes (:attr:`buddy.Measured.layout`; or ``entry_bytes`` and
+        ``layout``: the tensor's entries and bytes (:attr:`buddy.pipeline.MeasuredTensor.layout`; or ``entry_bytes`` and
         ``original_bytes``, from which it is built); ``table_bytes``: the codec table it will carry on the device
         (budgets count it).
         """
@@ -815,7 +819,7 @@ class Tracker:
             chosen = policy.choose_ahead(decision, self)
             if chosen is None:
                 return None
-            slot, corrected = (chosen.slot, chosen.corrected) if isinstance(chosen, Choice) else (int(chosen), False)
+            slot, corrected = (chosen.slot, chosen.corrected) if isinstance(chosen, SlotChoice) else (int(chosen), False)
             overflow = None if predicted is None else int(round(overflow_sectors(predicted, slot) * spec.SECTOR_BYTES))
             return Placement(slot, overflow, layout, table_bytes, corrected)
 
@@ -843,7 +847,7 @@ class Tracker:
                 group=group_of(key),
             )
             chosen = policy.choose(decision, self)
-            slot, corrected = (chosen.slot, chosen.corrected) if isinstance(chosen, Choice) else (int(chosen), False)
+            slot, corrected = (chosen.slot, chosen.corrected) if isinstance(chosen, SlotChoice) else (int(chosen), False)
             if predicted is None:
                 return slot, None, corrected
             return slot, int(round(overflow_sectors(predicted, slot) * spec.SECTOR_BYTES)), corrected
@@ -865,7 +869,7 @@ class Tracker:
         with ``slot``.
 
         ``statistics``: the tensor's symbol statistics, if any; ``fitted``: the
-        codec it was measured with (:attr:`buddy.Measured.codec`), for the next step to keep its table.
+        codec it was measured with (:attr:`buddy.pipeline.MeasuredTensor.codec`), for the next step to keep its table.
         """
         layout = _layout_arg(layout, entry_bytes, original_bytes)
         observation = Observation(

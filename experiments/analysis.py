@@ -335,7 +335,7 @@ def simulate_policy(
     ``DeviceBudget`` sees) and released at the end of the point, as backward
     frees the step's activations.
     """
-    tracker = buddy.Tracker(policy, decay=decay, ledger=buddy.DeviceLedger())
+    tracker = buddy.Tracker(policy, decay=decay, ledger=buddy.ledger.DeviceLedger())
     outcomes = []
     for point, tensors in points:
         tracker.begin_step(policy)

@@ -97,7 +97,7 @@ def measure(name: str, *, size: str, steps: int, warmup: int, seed: int, learn: 
     in_kernels = statistics.median(sum(k.values()) for k in kernels)
     added = walls["buddy"] - walls["none"]  # the wall time buddy adds to a step
     codec = buddy.defaults().codec
-    ran = buddy.implementations(codec, device="cpu")
+    ran = buddy.dispatch.chosen(codec, device="cpu")
     return {
         "workload": name,
         "size": size,

@@ -78,7 +78,7 @@ from experiments.workloads import _GPT, TextSize
 __all__ = ["METHODS", "MODELS", "SideStreamOffload", "measure", "main"]
 
 METHODS = ("none", "buddy", "buddy-strict", "buddy-model", "buddy-offload", "save_on_cpu", "side-stream", "checkpoint")
-MIN_BYTES = buddy.DEFAULT_MIN_BYTES
+MIN_BYTES = buddy.hooks.DEFAULT_MIN_BYTES
 
 
 # ---- models -------------------------------------------------------------------------------

@@ -55,8 +55,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import buddy
-from buddy import DEFAULT_MIN_BYTES, RecordedTensor
 from buddy.deps import require
+from buddy.hooks import DEFAULT_MIN_BYTES
+from buddy.recording import RecordedTensor
 
 from .data import digit_images, sample_image_crops, stdlib_docstrings, stdlib_text_bytes
 
@@ -1021,7 +1022,7 @@ def make_run(name: str, size: str = "quick", device="cpu", seed: int = 0) -> Run
 #: for it (``"<index>:<dtype><shape>"``), ``tensor`` a detached CPU copy with the original's
 #: strides when they were dense (its bytes in memory order are the ones buddy compresses), ``op``
 #: the name of the autograd node that produced it (e.g. ``"ReluBackward0"``; ``""`` for inputs and
-#: tensors made without grad). See :class:`buddy.RecordedTensor`.
+#: tensors made without grad). See :class:`buddy.recording.RecordedTensor`.
 SavedTensor = RecordedTensor
 
 

@@ -379,14 +379,14 @@ def temporary_codec():
     """``temporary_codec(codec)`` registers a codec (and its reference implementation) for one test only."""
     names = []
 
-    def register(codec: buddy.Codec, **kwargs) -> buddy.Codec:
-        buddy.register_codec(codec, **kwargs)
+    def register(codec: buddy.codecs.Codec, **kwargs) -> buddy.codecs.Codec:
+        buddy.codecs.register_codec(codec, **kwargs)
         names.append(codec.name)
         return codec
 
     yield register
     for name in names:
-        buddy.unregister_codec(name)
+        buddy.codecs.unregister_codec(name)
 
 
 @pytest.fixture(autouse=True)
@@ -396,17 +396,17 @@ def _fresh_warnings(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def ledger() -> buddy.DeviceLedger:
+def ledger() -> buddy.ledger.DeviceLedger:
     """A fresh process-wide ledger for every test: the device bytes held start at zero."""
-    fresh = buddy.DeviceLedger()
-    previous = buddy.set_default_ledger(fresh)
+    fresh = buddy.ledger.DeviceLedger()
+    previous = buddy.ledger.set_default_ledger(fresh)
     yield fresh
-    buddy.set_default_ledger(previous)
+    buddy.ledger.set_default_ledger(previous)
 
 
 def held(store: buddy.BuddyStore | None = None) -> tuple[int, int, int]:
     """``(buddy bytes held by store, device bytes held, tensors held)``: all zero when nothing is held."""
-    st = buddy.default_ledger().stats()
+    st = buddy.ledger.default_ledger().stats()
     return (store.bytes_held if store is not None else 0), st.device_bytes_held, st.tensors_held
 
 
@@ -615,16 +615,16 @@ def emulated_cpu_kernels(codec: str, seed: int):
     from emulator import Emulator
 
     selftest.reset()
-    before = buddy.registered_implementations(codec, device="cpu")
+    before = buddy.dispatch.implementations(codec, device="cpu")
     with Emulator("asan", seed=seed) as emu:
         factory = functools.partial(bcuda.CudaEngine, launch=emu, device_type="cpu")
-        buddy.register_implementation(codec, "cpu", "cuda", factory, default=True, replace=True)
+        buddy.dispatch.register(codec, "cpu", "cuda", factory, default=True, replace=True)
         try:
             yield emu
         finally:  # the codec's CPU default as it was (the native engine), in its place in the table
-            buddy.unregister_implementation(codec, "cpu", "cuda")
+            buddy.dispatch.unregister(codec, "cpu", "cuda")
             for row in (r for r in before if r.default):
-                buddy.register_implementation(
+                buddy.dispatch.register(
                     codec, "cpu", row.backend, row.factory, default=True, requires=row.requires, replace=True
                 )
             selftest.reset()

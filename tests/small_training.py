@@ -127,7 +127,7 @@ def live_buddy_tensors(store: buddy.BuddyStore) -> list[buddy.BuddyTensor]:
 def assert_clean(store: buddy.BuddyStore, tracker: buddy.Tracker | None = None) -> None:
     """After a garbage collection nothing is held: no bytes, no tensors (so no live BuddyTensor), no taken range."""
     gc.collect()
-    st, dev = store.stats(), buddy.default_ledger().stats()
+    st, dev = store.stats(), buddy.ledger.default_ledger().stats()
     assert st.buddy_bytes_held == 0, f"{st.buddy_bytes_held} buddy bytes still held"
     assert dev.device_bytes_held == 0 and dev.tensors_held == 0, f"{dev.tensors_held} tensor(s) still counted"
     assert not store._pending, "releases left unapplied"

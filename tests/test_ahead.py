@@ -253,7 +253,7 @@ def test_pack_ahead_settles_alone_with_one_read():
     sizes = torch.zeros(engines.PLACE_WORDS + layout.bins, dtype=torch.int64)
     store = buddy.BuddyStore(capacity_bytes=64 << 20, pin=False)
     before = engines.host_reads()
-    bt = pipeline.pack_ahead(t, engine, layout, 20, sizes, store=store, ledger=buddy.DeviceLedger())
+    bt = pipeline.pack_ahead(t, engine, layout, 20, sizes, store=store, ledger=buddy.ledger.DeviceLedger())
     assert engines.host_reads() == before and not bt.settled
     assert int(sizes[3]) >= 1  # the sizes kernel's blocks, counted as each was done: the last made the sums
     # no bound, no reserve: every overflow sector in buddy memory (cap: all of them; none in a reserve)
@@ -268,13 +268,13 @@ def test_pack_ahead_settles_alone_with_one_read():
     assert bt.device_bytes == exact.device_bytes + layout.n_entries * 8
     # a codec with a table and nothing learned: its table is fitted to the tensor, read back -- not ahead
     engine, layout = pipeline.resolve(t, "auto2", 4096)
-    assert pipeline.pack_ahead(t, engine, layout, 20, sizes, store=store, ledger=buddy.DeviceLedger()) is None
+    assert pipeline.pack_ahead(t, engine, layout, 20, sizes, store=store, ledger=buddy.ledger.DeviceLedger()) is None
     with pytest.raises(ValueError, match="sizes must be 133 zero int64"):
-        pipeline.pack_ahead(t, engine, layout, 20, sizes[:-1], store=store, ledger=buddy.DeviceLedger())
+        pipeline.pack_ahead(t, engine, layout, 20, sizes[:-1], store=store, ledger=buddy.ledger.DeviceLedger())
     # no room for the worst case: not ahead (the session then sizes it, and a full store keeps it on the device)
     small = buddy.BuddyStore(capacity_bytes=512 << 10, block_bytes=64 << 10, pin=False)
     engine, layout = pipeline.resolve(t, "zvc", 4096)
-    assert pipeline.pack_ahead(t, engine, layout, 20, sizes, store=small, ledger=buddy.DeviceLedger()) is None
+    assert pipeline.pack_ahead(t, engine, layout, 20, sizes, store=small, ledger=buddy.ledger.DeviceLedger()) is None
 
 
 def test_a_full_store_falls_back_to_the_sized_step():
@@ -438,8 +438,9 @@ def test_a_pack_ahead_is_the_sized_packs_bytes(codec, dtype, kind, numel, entry_
     measured = buddy.measure(t, codec, entry_bytes=entry_bytes)  # the table a sized compress fits: the prior here
     prior = None if measured.statistics is None else measured.statistics.double()
     sizes = torch.zeros(engines.PLACE_WORDS + layout.bins, dtype=torch.int64)
+    ledger = buddy.ledger.DeviceLedger()
     bt = pipeline.pack_ahead(
-        t, engine, layout, slot, sizes, store=store, ledger=buddy.DeviceLedger(), prior=prior, keep=measured.codec
+        t, engine, layout, slot, sizes, store=store, ledger=ledger, prior=prior, keep=measured.codec
     )  # fmt: skip
     assert bt is not None
     sized = buddy.pack(measured, slot, store=store)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -45,7 +49,7 @@ def test_top_level_names():
     for name in ("compress", "unpack", "pack", "BuddyTensor", "BuddyStore", "available_codecs", "get_codec"):
         assert hasattr(buddy, name), name
     assert {"raw", "zvc"} <= set(buddy.available_codecs())
-    assert buddy.DEFAULT_CODEC in buddy.available_codecs()
+    assert buddy.codecs.DEFAULT_CODEC in buddy.available_codecs()
     assert issubclass(buddy.UnsupportedTensorError, TypeError)
     assert issubclass(buddy.CorruptDataError, ValueError)
     assert issubclass(buddy.HostStoreFull, MemoryError)
@@ -58,6 +62,110 @@ def test_top_level_names():
         buddy.MissingDependencyError,
     ):
         assert issubclass(err, buddy.BuddyError)
+
+
+# ---------------------------------------------------------------------------
+# the names: __all__, and the names that moved (buddy._MOVED, docs/api.md)
+# ---------------------------------------------------------------------------
+def test_all_holds_what_a_user_calls():
+    assert len(buddy.__all__) == len(set(buddy.__all__)) <= 40
+    missing = [name for name in buddy.__all__ if not hasattr(buddy, name)]
+    assert not missing, missing
+    assert not [name for name in buddy.__all__ if inspect.ismodule(getattr(buddy, name))]  # modules are reached by path
+    assert not set(buddy.__all__) & set(buddy._MOVED)
+    namespace: dict = {}
+    exec("from buddy import *", namespace)
+    assert set(buddy.__all__) <= set(namespace)
+
+
+def test_warn_once_is_not_public():
+    assert "warn_once" not in buddy.__all__ and "warn_once" not in buddy.errors.__all__
+    assert not hasattr(buddy, "warn_once")
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        buddy.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize("old", sorted(buddy._MOVED))
+def test_a_moved_name_warns_once_with_its_new_place(old, monkeypatch):
+    """The same object as at its new place, a public name there; the first use warns naming that place."""
+    module_name, new = buddy._MOVED[old]
+    module = importlib.import_module(module_name)
+    expected = getattr(module, new)
+    assert inspect.ismodule(expected) or new in module.__all__
+    monkeypatch.setattr(buddy.__getattr__, "_warned", set())  # as in a fresh process
+    with pytest.warns(DeprecationWarning, match=rf"^buddy\.{old} is deprecated; use {module_name}\.{new}$") as caught:
+        assert getattr(buddy, old) is expected
+    assert [w.filename for w in caught] == [__file__]  # the warning points at the caller
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert getattr(buddy, old) is expected  # once per name
+
+
+def test_from_buddy_import_of_a_moved_name(monkeypatch):
+    monkeypatch.setattr(buddy.__getattr__, "_warned", set())
+    with pytest.warns(DeprecationWarning, match="use buddy.ledger.DeviceLedger"):
+        from buddy import DeviceLedger
+    assert DeviceLedger is buddy.ledger.DeviceLedger
+
+
+def test_measured_is_renamed_measured_tensor(store, gen, monkeypatch):
+    """One name per idea: buddy.measure returns a MeasuredTensor (the tensor, its engine and layout, and the
+    measurement its engine made); the old name ``Measured`` still answers."""
+    measured = buddy.measure(make_data("relu", 1024, torch.float32, gen), "zvc")
+    assert type(measured) is buddy.pipeline.MeasuredTensor
+    assert repr(measured).startswith("MeasuredTensor(")
+    assert "Measured" not in buddy.pipeline.__all__
+    monkeypatch.setattr(buddy.pipeline.__getattr__, "_warned", set())
+    with pytest.warns(
+        DeprecationWarning, match=r"^buddy\.pipeline\.Measured is deprecated; use buddy\.pipeline\.MeasuredTensor$"
+    ):
+        assert buddy.pipeline.Measured is buddy.pipeline.MeasuredTensor
+    with pytest.raises(AttributeError):
+        buddy.pipeline.no_such_name  # noqa: B018
+
+
+def test_what_ran_and_the_registry_have_one_name_each(store):
+    """buddy.dispatch.chosen: what backend="auto" ran (Choice rows); buddy.dispatch.implementations: the registry
+    (Implementation rows)."""
+    buddy.compress(torch.zeros(256), 2.0, "zvc", store=store).free()
+    assert all(isinstance(row, buddy.dispatch.Choice) for row in buddy.dispatch.chosen())
+    assert buddy.dispatch.chosen("zvc", device="cpu")
+    rows = buddy.dispatch.implementations("zvc", device="cpu")
+    assert rows and all(isinstance(row, buddy.engines.Implementation) for row in rows)
+    assert not {"implementations", "registered_implementations", "chosen"} & set(buddy.__all__)
+
+
+_MOVED_USE = re.compile(r"(?<![\w.])buddy\.(" + "|".join(buddy._MOVED) + r")\b(?!\.py)")
+
+
+def test_the_repository_uses_the_new_places():
+    """Tests, experiments and docs name moved things at their new place (docs/api.md's table of moved names and
+    this file excepted)."""
+    paths = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "tests").rglob("*.py")]
+    paths += [p for p in (REPO / "experiments").rglob("*.py") if "results" not in p.parts]
+    found = []
+    for path in sorted(paths):
+        text = path.read_text()
+        if path.name == "api.md":
+            text = text.split("### Moved names")[0]
+        if path != Path(__file__):
+            found += [f"{path.relative_to(REPO)}: buddy.{m.group(1)}" for m in _MOVED_USE.finditer(text)]
+    assert not found, "\n".join(found)
+
+
+def test_compress_takes_ratio_and_codec_by_position_the_rest_by_keyword(store):
+    """As docs/api.md says: ``compress(t, target_ratio, codec, *, ...)``; ``measure(t, codec, *, ...)``."""
+    t = torch.zeros(1024)
+    buddy.compress(t, 2.0, store=store).free()
+    buddy.compress(t, 2.0, "zvc", store=store).free()
+    with pytest.raises(TypeError, match="positional"):
+        buddy.compress(t, 2.0, "zvc", 512, store=store)
+    with pytest.raises(TypeError, match="positional"):
+        buddy.measure(t, "zvc", 512)
+    with pytest.raises(TypeError, match="positional"):
+        buddy.pack(buddy.measure(t, "zvc"), 2, store)
+    with pytest.raises(TypeError, match="positional"):
+        buddy.size_histogram(t, "zvc", 512)
 
 
 # ---------------------------------------------------------------------------
@@ -96,7 +204,7 @@ def test_unsupported_tensors(make, store):
         buddy.compress(t, target_ratio=2.0, store=store)
     with pytest.raises(TypeError):  # it is a TypeError too
         buddy.compress(t, store=store)
-    assert buddy.default_ledger().tensors_held == 0
+    assert buddy.ledger.default_ledger().tensors_held == 0
 
 
 def test_unknown_codec_lists_the_available_ones(store):

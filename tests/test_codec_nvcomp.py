@@ -82,7 +82,7 @@ def test_names_map_to_nvcomp_algorithms():
 def test_chunk_codecs_are_names_not_torch_codecs():
     """nvcomp's codecs are ChunkCodecs: a name and an algorithm, no per-block torch code, so no reference."""
     codec = nvcomp.chunk_codec("nvcomp-zstd")
-    assert isinstance(codec, buddy.codecs.ChunkCodec) and not isinstance(codec, buddy.Codec)
+    assert isinstance(codec, buddy.codecs.ChunkCodec) and not isinstance(codec, buddy.codecs.Codec)
     assert (codec.name, codec.algorithm, codec.format_version, codec.table, codec.table_bytes) == (
         "nvcomp-zstd", "Zstd", 1, None, 0
     )  # fmt: skip
@@ -90,7 +90,7 @@ def test_chunk_codecs_are_names_not_torch_codecs():
     with pytest.raises(buddy.CorruptDataError, match="takes no table"):
         codec.bind(torch.ones(4, dtype=torch.uint8), 4)
     with pytest.raises(ValueError, match="reference=False"):
-        buddy.register_codec(buddy.codecs.ChunkCodec("nvcomp-test", "LZ4"))
+        buddy.codecs.register_codec(buddy.codecs.ChunkCodec("nvcomp-test", "LZ4"))
     with pytest.raises(ValueError, match="nvcomp codecs"):
         nvcomp.NvcompEngine(buddy.codecs.ChunkCodec("nvcomp-lz4", "Zstd"))  # not the algorithm of that name
 
@@ -108,7 +108,8 @@ def test_unusable_here_is_refused_by_name_with_the_reason():
 @pytest.mark.parametrize("name", nvcomp.NAMES)
 def test_cpu_tensors_are_refused_before_any_work(name, store):
     codec = nvcomp.chunk_codec(name)
-    assert {(i.device, i.backend, i.default) for i in buddy.registered_implementations(name)} == {("cuda", "nvcomp", True)}
+    rows = buddy.dispatch.implementations(name)
+    assert {(i.device, i.backend, i.default) for i in rows} == {("cuda", "nvcomp", True)}
     with pytest.raises(buddy.MissingDependencyError, match="GPU"):
         buddy.compress(torch.randn(4096), codec=codec, entry_bytes=4096, store=store)
     assert store.bytes_held == 0
@@ -123,7 +124,7 @@ def test_cpu_tensors_are_refused_before_any_work(name, store):
             shape=(1024,),
             dtype=torch.float32,
         )
-    assert not isinstance(codec, buddy.Codec)  # no per-block torch code to run on the CPU: a ChunkCodec
+    assert not isinstance(codec, buddy.codecs.Codec)  # no per-block torch code to run on the CPU: a ChunkCodec
     engine = nvcomp.NvcompEngine(codec)  # the real engine, handed a CPU tensor directly
     with pytest.raises(buddy.MissingDependencyError, match="GPU"):
         engine.measure(torch.ones(4096, dtype=torch.uint8), Layout(4096, 4096, 1))
@@ -727,10 +728,10 @@ def host_nvcomp():
     fake = HostNvcomp()
     engine = functools.partial(nvcomp.NvcompEngine, batch=fake, device_type="cpu")
     for name in nvcomp.NAMES:
-        buddy.register_implementation(name, "cpu", "nvcomp", engine, default=True)
+        buddy.dispatch.register(name, "cpu", "nvcomp", engine, default=True)
     yield fake
     for name in nvcomp.NAMES:
-        buddy.unregister_implementation(name, "cpu", "nvcomp")
+        buddy.dispatch.unregister(name, "cpu", "nvcomp")
 
 
 def expected_buffers(x: torch.Tensor, entry_bytes: int, slot: int):

@@ -119,7 +119,7 @@ def assert_compressed(sessions, store, tracker) -> None:
         assert st.failed == 0
         assert any(r.codec != "kept" for r in st.rows), "nothing was compressed"
         assert st.decompressions > 0
-    assert store.bytes_held == 0 and buddy.default_ledger().tensors_held == 0  # all released after backward
+    assert store.bytes_held == 0 and buddy.ledger.default_ledger().tensors_held == 0  # all released after backward
     assert tracker.held_device_bytes == 0
 
 

@@ -76,7 +76,7 @@ def _thread_data(i: int) -> list[torch.Tensor]:
 def _check_store(store: buddy.BuddyStore) -> None:
     st = store.stats()
     assert 0 <= st.buddy_bytes_held <= st.buddy_reserved_bytes <= store.capacity_bytes
-    dev = buddy.default_ledger().stats()
+    dev = buddy.ledger.default_ledger().stats()
     assert dev.tensors_held >= 0 and dev.device_bytes_held >= 0
 
 
@@ -162,7 +162,7 @@ def test_a_release_never_waits_for_the_lock(store, gen, monkeypatch):
     freer.join(30)
     assert not waited, "freeing a BuddyTensor waited for the store's lock"
     assert allocated and store.bytes_held == 1024  # the victim's range was returned before allocate let go
-    dev = buddy.default_ledger().stats()
+    dev = buddy.ledger.default_ledger().stats()
     assert dev.tensors_held == 0 and dev.device_bytes_held == 0
     store.release(allocated[0])
     assert_clean(store)
@@ -190,7 +190,7 @@ def test_a_finalizer_inside_allocate_is_applied_after_it(store, gen, monkeypatch
     alloc = store.allocate(100)
     assert seen["collected"] > 0, "the garbage tensor was collected inside allocate"
     assert seen["unchanged"], "a finalizer changed a free list in the middle of allocate"
-    assert store.bytes_held == 128 and buddy.default_ledger().tensors_held == 0
+    assert store.bytes_held == 128 and buddy.ledger.default_ledger().tensors_held == 0
     store.release(alloc)
     assert_clean(store)
 

@@ -202,7 +202,7 @@ def test_damage_with_checksum_always_raises(codec, data):
         assert_bitexact(bt.decompress(), t)
     finally:
         bt.free()
-    assert store.stats().buddy_bytes_held == 0 and buddy.default_ledger().tensors_held == 0
+    assert store.stats().buddy_bytes_held == 0 and buddy.ledger.default_ledger().tensors_held == 0
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
@@ -225,7 +225,7 @@ def test_damage_without_checksum_never_crashes(codec, data):
         assert_bitexact(bt.decompress(), t)
     finally:
         bt.free()
-    assert store.stats().buddy_bytes_held == 0 and buddy.default_ledger().tensors_held == 0
+    assert store.stats().buddy_bytes_held == 0 and buddy.ledger.default_ledger().tensors_held == 0
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])

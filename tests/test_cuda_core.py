@@ -520,10 +520,10 @@ def emulated_gpu(host_exe, tmp_path):
     kernels = HostKernels(host_exe, tmp_path)
     engine = functools.partial(bcuda.CudaEngine, launch=kernels, device_type="cpu")
     for name in bcuda.KERNEL_CODECS:
-        buddy.register_implementation(name, "cpu", "cuda", engine)
+        buddy.dispatch.register(name, "cpu", "cuda", engine)
     yield kernels
     for name in bcuda.KERNEL_CODECS:
-        buddy.unregister_implementation(name, "cpu", "cuda")
+        buddy.dispatch.unregister(name, "cpu", "cuda")
 
 
 def test_kernel_signatures_parsed():

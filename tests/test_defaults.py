@@ -19,7 +19,7 @@ pytestmark = pytest.mark.library_defaults
 
 def test_the_defaults_are_the_measured_choice():
     d = buddy.defaults()
-    assert (d.codec, d.entry_bytes) == ("auto2", 4096) == (buddy.DEFAULT_CODEC, spec.DEFAULT_ENTRY_BYTES)
+    assert (d.codec, d.entry_bytes) == ("auto2", 4096) == (buddy.codecs.DEFAULT_CODEC, spec.DEFAULT_ENTRY_BYTES)
     assert d.backend == "auto" and d.checksum is False  # the kernels on CUDA tensors, behind their self-test
 
 

@@ -42,13 +42,13 @@ def temporary_implementation():
     def register(codec, device, backend, factory, **kwargs):
         before = dispatch.implementations(codec, device=device)
         added.append(((codec, device, backend), before))
-        return buddy.register_implementation(codec, device, backend, factory, replace=True, **kwargs)
+        return buddy.dispatch.register(codec, device, backend, factory, replace=True, **kwargs)
 
     yield register
     for (codec, device, backend), before in reversed(added):
-        buddy.unregister_implementation(codec, device, backend)
+        buddy.dispatch.unregister(codec, device, backend)
         for impl in before:  # the defaults as they were
-            buddy.register_implementation(
+            buddy.dispatch.register(
                 impl.codec, impl.device, impl.backend, impl.factory, default=impl.default, requires=impl.requires,
                 replace=True,
             )  # fmt: skip
@@ -59,22 +59,22 @@ def test_the_table_by_default():
     kernels = ("zvc", "fpx", "bpc", "auto", "fpe", "auto2")
     for codec in ("raw", "zvc", "fpx", "bpc", "auto", "fpe", "auto2"):
         for device in ("cpu", "cuda"):
-            (impl,) = [i for i in buddy.registered_implementations(codec, device=device) if i.default]
+            (impl,) = [i for i in buddy.dispatch.implementations(codec, device=device) if i.default]
             if device == "cuda" and codec in kernels:  # the kernels, behind their self-test
                 assert impl.backend == "cuda" and impl.factory is buddy.engines.cuda.CudaEngine
             elif device == "cpu" and codec in buddy.engines.native.DEFAULT_CODECS:  # the same kernels, natively
                 assert impl.backend == "native" and impl.factory is buddy.engines.native.NativeEngine
             else:
                 assert impl.backend == "reference" and impl.factory is BlockEngine
-            (reference,) = buddy.registered_implementations(codec, device=device, backend="reference")
+            (reference,) = buddy.dispatch.implementations(codec, device=device, backend="reference")
             assert reference.factory is BlockEngine  # what the kernels fall back to
-    cuda = buddy.registered_implementations(backend="cuda")
+    cuda = buddy.dispatch.implementations(backend="cuda")
     assert [(i.codec, i.device, i.default) for i in cuda] == [(name, "cuda", True) for name in kernels]
-    native = buddy.registered_implementations(backend="native")
+    native = buddy.dispatch.implementations(backend="native")
     assert [(i.codec, i.device, i.default) for i in native] == [
         (name, "cpu", name in buddy.engines.native.DEFAULT_CODECS) for name in kernels
     ]
-    nvcomp = buddy.registered_implementations(backend="nvcomp")
+    nvcomp = buddy.dispatch.implementations(backend="nvcomp")
     assert {i.codec for i in nvcomp} == set(buddy.engines.nvcomp.NAMES)
     assert all(i.device == "cuda" and i.default for i in nvcomp)
 
@@ -149,7 +149,7 @@ def test_default_cuda_backend_prefers_kernels_only_where_they_exist(store, gen, 
     assert previous.backend == "auto" and buddy.defaults().backend == "cuda"
     t = make_data("relu", 10_000, torch.float32, gen)
     bt = buddy.compress(t, store=store)  # a CPU tensor: no kernels here, the default runs, no error
-    assert bt.backend == buddy.implementations(bt.codec, device="cpu")[0].backend  # the CPU default
+    assert bt.backend == buddy.dispatch.chosen(bt.codec, device="cpu")[0].backend  # the CPU default
     assert bt.backend != "cuda"
     assert_roundtrip(bt, t)
     assert dispatch.engine(buddy.get_codec("raw"), "cuda").backend == "reference"  # raw has no kernels
@@ -187,20 +187,20 @@ def test_the_pipeline_runs_the_registered_engine(store, gen, temporary_implement
 
 def test_one_default_per_codec_and_device(temporary_implementation):
     temporary_implementation("zvc", "cpu", "cuda", BlockEngine, default=True)
-    defaults = [i for i in buddy.registered_implementations("zvc", device="cpu") if i.default]
+    defaults = [i for i in buddy.dispatch.implementations("zvc", device="cpu") if i.default]
     assert [i.backend for i in defaults] == ["cuda"]  # the reference stopped being the default
     assert dispatch.engine(ZVC, "cpu").backend == "cuda"  # an engine carries the registry's name for it
 
 
 def test_registering_checks_its_arguments():
     with pytest.raises(ValueError, match="device"):
-        buddy.register_implementation("zvc", "tpu", "reference", BlockEngine)
+        buddy.dispatch.register("zvc", "tpu", "reference", BlockEngine)
     with pytest.raises(ValueError, match="backend"):
-        buddy.register_implementation("zvc", "cpu", "auto", BlockEngine)
+        buddy.dispatch.register("zvc", "cpu", "auto", BlockEngine)
     with pytest.raises(ValueError, match="already registered"):
-        buddy.register_implementation("zvc", "cpu", "reference", BlockEngine)
+        buddy.dispatch.register("zvc", "cpu", "reference", BlockEngine)
     with pytest.raises(TypeError, match="factory"):
-        buddy.register_implementation("zvc", "cpu", "nvcomp", "not callable")
+        buddy.dispatch.register("zvc", "cpu", "nvcomp", "not callable")
 
 
 def test_an_implementation_that_cannot_run_here_says_why(temporary_implementation):

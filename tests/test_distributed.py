@@ -138,7 +138,7 @@ def store_summary(store: buddy.BuddyStore) -> dict:
     return {"buddy_peak": st.buddy_peak_bytes, "held": st.buddy_bytes_held}
 
 
-def ledger_summary(ledger: buddy.DeviceLedger) -> dict:
+def ledger_summary(ledger: buddy.ledger.DeviceLedger) -> dict:
     st = ledger.stats()
     return {"device_peak": st.device_peak_bytes, "held": st.device_bytes_held, "tensors": st.tensors_held}
 
@@ -160,7 +160,7 @@ def run_policies(rank: int, wrap, *, gather=None) -> dict:
     session_fns = {"plain": None}
     ledgers = {}
     for name, policy in POLICIES.items():
-        ledgers[name] = buddy.DeviceLedger()  # the device bytes of this policy's sessions
+        ledgers[name] = buddy.ledger.DeviceLedger()  # the device bytes of this policy's sessions
         tracker = buddy.Tracker(ledger=ledgers[name])  # this rank's tracker: its shard's history, fresh per policy
         store = explicit_store if name == "threshold" else None
         session_fns[name] = lambda policy=policy, tracker=tracker, store=store: buddy.compressed_activations(
@@ -323,7 +323,9 @@ def launched(request, tmp_path_factory) -> dict:
     """Every scenario, in one launch of the two ranks, under the suite's pinned defaults and the library's own."""
     results = launch(ALL, tmp_path_factory.mktemp("ranks"), request.param)
     expected = (
-        (SUITE_CODEC, SUITE_ENTRY_BYTES) if request.param else (buddy.DEFAULT_CODEC, buddy.spec.DEFAULT_ENTRY_BYTES)
+        (SUITE_CODEC, SUITE_ENTRY_BYTES)
+        if request.param
+        else (buddy.codecs.DEFAULT_CODEC, buddy.spec.DEFAULT_ENTRY_BYTES)
     )
     for ranks in results.values():
         assert isinstance(ranks, str) or all(tuple(r["defaults"]) == expected for r in ranks)

@@ -154,12 +154,12 @@ def emulated_cuda(build: str, *, seed: int, schedules: int = 2, max_blocks: int 
     with own as emu:
         engine = functools.partial(bcuda.CudaEngine, launch=emu, device_type="cpu")
         for name in CODECS:
-            buddy.register_implementation(name, "cpu", "cuda", engine)
+            buddy.dispatch.register(name, "cpu", "cuda", engine)
         try:
             yield emu
         finally:
             for name in CODECS:
-                buddy.unregister_implementation(name, "cpu", "cuda")
+                buddy.dispatch.unregister(name, "cpu", "cuda")
 
 
 def ops_of(emu: Emulator) -> list[str]:

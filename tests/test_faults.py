@@ -366,7 +366,7 @@ def test_decode_failure_in_backward_raises_and_the_step_can_be_rerun(exc, raised
     opt.zero_grad(set_to_none=True)
     with session:
         loss = F.cross_entropy(model(x), y)
-    assert buddy.default_ledger().tensors_held > 0
+    assert buddy.ledger.default_ledger().tensors_held > 0
     with pytest.raises(raised, match="out of memory|decode exploded") as info:
         loss.backward()
     notes = "\n".join(getattr(info.value, "__notes__", []))
@@ -552,7 +552,7 @@ def test_user_exception_in_the_block_frees_everything(store, tracker):
     session = buddy.compressed_activations(buddy.FixedRatio(4.0), tracker=tracker, store=store, min_bytes=MIN_BYTES)
     with pytest.raises(ValueError, match="user code failed") as info:
         _forward_then_fail(model, x, y, session)
-    assert buddy.default_ledger().tensors_held > 0, "the traceback still holds the partial graph"
+    assert buddy.ledger.default_ledger().tensors_held > 0, "the traceback still holds the partial graph"
     assert session._hooks is None
     del info
     assert_clean(store, tracker)
@@ -578,7 +578,7 @@ def test_a_graph_dropped_without_backward_frees_everything(retain_graph, store, 
             logits = model(x)
             loss = torch.nn.functional.cross_entropy(logits, y) + logits.exp().mean()
         assert any(r.codec == "kept" for r in session.stats().rows), "an output is kept as it is"
-        assert buddy.default_ledger().tensors_held > 0
+        assert buddy.ledger.default_ledger().tensors_held > 0
         if retain_graph:
             loss.backward(retain_graph=True)
         del logits, loss

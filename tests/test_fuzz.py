@@ -261,7 +261,7 @@ def _new_store(capacity: int | None = None) -> buddy.BuddyStore:
 
 
 def _assert_store_empty(store: buddy.BuddyStore) -> None:
-    assert held(store) == (0, 0, 0), (store.stats(), buddy.default_ledger().stats())
+    assert held(store) == (0, 0, 0), (store.stats(), buddy.ledger.default_ledger().stats())
 
 
 def _check_format(bt: buddy.BuddyTensor, nbytes: int) -> None:

@@ -370,7 +370,7 @@ def test_compress_free_cycles_return_device_memory(cuda, pinned_store, gen):
     torch.cuda.synchronize()
     pinned_store.trim()
     assert torch.cuda.memory_allocated(cuda) == baseline
-    assert pinned_store.bytes_held == 0 and buddy.default_ledger().stats().device_bytes_held == 0
+    assert pinned_store.bytes_held == 0 and buddy.ledger.default_ledger().stats().device_bytes_held == 0
 
 
 @pytest.mark.parametrize("codec", ids("codec", KERNEL_CODECS))

@@ -54,7 +54,7 @@ class GrowCounter:
 
 
 def _snapshot(store: buddy.BuddyStore) -> dict:
-    st, dev = store.stats(), buddy.default_ledger().stats()
+    st, dev = store.stats(), buddy.ledger.default_ledger().stats()
     return {
         "buddy_bytes_held": st.buddy_bytes_held,
         "device_bytes_held": dev.device_bytes_held,
@@ -213,7 +213,7 @@ def _forward(store, tracker):
     x, y = make_batch()
     with buddy.compressed_activations(buddy.FixedRatio(4.0), tracker=tracker, store=store, min_bytes=MIN_BYTES) as s:
         loss = torch.nn.functional.cross_entropy(model(x), y)
-    assert buddy.default_ledger().tensors_held > 0
+    assert buddy.ledger.default_ledger().tensors_held > 0
     return model, loss, s
 
 
@@ -253,7 +253,7 @@ def test_retained_graph_backward_twice_then_dropped(store, tracker):
     model, loss, _ = _forward(store, tracker)
     loss.backward(retain_graph=True)
     first = [p.grad.clone() for p in model.parameters()]
-    held = buddy.default_ledger().tensors_held
+    held = buddy.ledger.default_ledger().tensors_held
     assert held > 0, "a retained graph keeps its compressed tensors"
     model.zero_grad(set_to_none=True)
     loss.backward()
@@ -288,7 +288,7 @@ def test_policy_referring_back_to_the_graph(owner, store):
     with session:
         trainer.loss = torch.nn.functional.cross_entropy(make_mlp()(x), y)
     trainer.session = session
-    assert buddy.default_ledger().tensors_held > 0
+    assert buddy.ledger.default_ledger().tensors_held > 0
     del trainer, policy, session
     if owner == "session":
         assert_clean(store, tracker)

@@ -47,7 +47,7 @@ def _check_accounting(bt: buddy.BuddyTensor, t: torch.Tensor, store: buddy.Buddy
     assert bt.buddy_bytes == overflow_sectors(bt.histogram, bt.slot_sectors) * spec.SECTOR_BYTES
     assert bt.compressed_bytes == sum(k * c for k, c in enumerate(bt.histogram)) * spec.SECTOR_BYTES
     assert store.bytes_held == bt.buddy_bytes
-    assert buddy.default_ledger().bytes_held == bt.device_bytes
+    assert buddy.ledger.default_ledger().bytes_held == bt.device_bytes
 
 
 # ---------------------------------------------------------------------------
@@ -323,7 +323,7 @@ def test_on_full_device_keeps_tensor_whole(codec, kind, capacity, gen):
     assert bt.slot_sectors > 1
     assert_roundtrip(bt, t)
     bt.free()
-    assert buddy.default_ledger().tensors_held == 0
+    assert buddy.ledger.default_ledger().tensors_held == 0
 
 
 def test_on_full_device_is_a_no_op_when_the_store_has_room(store, gen):
@@ -338,7 +338,7 @@ def test_on_full_device_is_a_no_op_when_the_store_has_room(store, gen):
 @pytest.mark.parametrize("codec", ids("codec", CODECS))
 def test_default_target_ratio_bounds_overflow(codec, kind, max_overflow, store, gen):
     t = make_data(kind, 20_000, torch.bfloat16, gen)
-    kwargs = {} if max_overflow == buddy.DEFAULT_MAX_OVERFLOW else {"max_overflow": max_overflow}
+    kwargs = {} if max_overflow == buddy.slots.DEFAULT_MAX_OVERFLOW else {"max_overflow": max_overflow}
     bt = buddy.compress(t, codec=codec, store=store, **kwargs)
     limit = max_overflow * bt.original_bytes
     assert bt.buddy_bytes <= limit
@@ -354,7 +354,7 @@ def test_default_target_ratio_compresses_relu(store, gen):
     t = make_data("relu", 100_000, torch.float32, gen)
     bt = buddy.compress(t, store=store)
     assert bt.slot_sectors < 4 and bt.device_bytes < bt.original_bytes
-    assert bt.buddy_bytes <= buddy.DEFAULT_MAX_OVERFLOW * bt.original_bytes
+    assert bt.buddy_bytes <= buddy.slots.DEFAULT_MAX_OVERFLOW * bt.original_bytes
     assert_roundtrip(bt, t)
 
 

@@ -30,7 +30,7 @@ def _assert_empty(store: buddy.BuddyStore) -> None:
 def test_accounting_returns_to_zero_after_free(store, gen):
     tensors = [_overflowing(gen, n) for n in (100, 5000, 8000, 1)]
     bts = [buddy.compress(t, target_ratio=4.0, store=store) for t in tensors]
-    st, dev = store.stats(), buddy.default_ledger().stats()
+    st, dev = store.stats(), buddy.ledger.default_ledger().stats()
     assert dev.tensors_held == 4
     assert st.buddy_bytes_held == store.bytes_held == sum(b.buddy_bytes for b in bts) > 0
     assert dev.device_bytes_held == sum(b.device_bytes for b in bts) > 0
@@ -38,7 +38,7 @@ def test_accounting_returns_to_zero_after_free(store, gen):
     for i, bt in enumerate(bts):
         bt.free()
         assert bt.freed
-        assert buddy.default_ledger().tensors_held == 3 - i
+        assert buddy.ledger.default_ledger().tensors_held == 3 - i
         assert store.bytes_held == sum(b.buddy_bytes for b in bts[i + 1 :])
     _assert_empty(store)
     assert store.free_bytes == store.capacity_bytes
@@ -55,13 +55,13 @@ def test_peak_tracks_the_maximum(store, gen):
     assert store.bytes_held == b.buddy_bytes + c.buddy_bytes < both
     assert store.peak_bytes == both, "the peak does not fall when memory is freed"
     st = store.stats()
-    assert st.buddy_peak_bytes == both and buddy.default_ledger().peak_bytes == dev_both
+    assert st.buddy_peak_bytes == both and buddy.ledger.default_ledger().peak_bytes == dev_both
     b.free()
     c.free()
     assert store.peak_bytes == both
     store.reset_peak()
-    buddy.default_ledger().reset_peak()
-    assert store.peak_bytes == 0 and buddy.default_ledger().peak_bytes == 0
+    buddy.ledger.default_ledger().reset_peak()
+    assert store.peak_bytes == 0 and buddy.ledger.default_ledger().peak_bytes == 0
 
 
 def test_stats_snapshot_and_str(store, gen):
@@ -72,11 +72,11 @@ def test_stats_snapshot_and_str(store, gen):
     assert st.buddy_blocks >= 1 and st.pinned is False
     text = str(st)
     assert "buddy memory" in text and "pageable" in text
-    dev = buddy.default_ledger().stats()
+    dev = buddy.ledger.default_ledger().stats()
     assert "1 tensor" in str(dev)
     bt.free()
     assert dev.tensors_held == 1, "a snapshot does not change afterwards"
-    assert "tensors=0" in repr(buddy.default_ledger())
+    assert "tensors=0" in repr(buddy.ledger.default_ledger())
 
 
 # ---------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def test_host_store_full_raises_and_leaks_nothing(gen):
     assert 0 < small.buddy_bytes <= 4 * KiB
     with pytest.raises(buddy.HostStoreFull):
         buddy.compress(_overflowing(gen, 1500), target_ratio=4.0, store=store)
-    assert buddy.default_ledger().tensors_held == 1 and store.bytes_held == small.buddy_bytes
+    assert buddy.ledger.default_ledger().tensors_held == 1 and store.bytes_held == small.buddy_bytes
     assert_roundtrip(small, fits)
     small.free()
     _assert_empty(store)

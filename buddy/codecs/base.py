@@ -15,7 +15,7 @@ entries -- is the format layer's (:mod:`buddy.format`). A codec supplies:
 
 All three work on ``(n, E)`` ``uint8`` blocks in batched torch ops (no
 Python loop over entries), on whatever device the block lives on. A codec
-plugs in with :func:`buddy.register_codec`, which also registers this torch
+plugs in with :func:`buddy.codecs.register_codec`, which also registers this torch
 code as its reference implementation (see :mod:`buddy.dispatch`); the
 pipeline, the experiments and the benchmarks then use it by name.
 """

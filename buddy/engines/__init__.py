@@ -31,13 +31,16 @@ import abc
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from ..codecs.base import CodecLike
 from ..errors import CorruptDataError
 from ..layout import Layout, as_tensor
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = [
     "Engine", "Measurement", "Implementation", "DEVICES", "PLACE_WORDS", "decode", "raise_for_errors", "to_host",
@@ -133,6 +136,16 @@ class Engine(abc.ABC):
         self.codec = codec
         #: device-to-host reads this engine made (the compress and decompress it ran, and codec fits)
         self.readbacks = 0
+
+    def for_tensor(self) -> Self:
+        """A copy of this engine for one compress or decompress: what it was made with shared, its own codec (a fit
+        replaces it) and :attr:`readbacks` (zero). :mod:`buddy.dispatch` keeps the engines it makes and hands out
+        such copies, so that nothing one tensor does to its engine reaches another's. A subclass that keeps more
+        per tensor (a cache of its codec's) gives the copy its own."""
+        made = object.__new__(type(self))
+        made.__dict__.update(self.__dict__)
+        made.readbacks = 0
+        return made
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
         """A small tensor on the host: the one place an engine waits for the device (:func:`to_host`; counted

@@ -8,7 +8,7 @@ on CUDA devices. Their first use on a device runs :mod:`buddy.selftest`
 codec); a failure warns once and that codec runs the torch reference on that
 device. ``backend="cuda"`` asks for the kernels explicitly (no self-test);
 ``backend="reference"`` or ``BUDDY_BACKEND=reference`` for the reference;
-``buddy.implementations()`` says what ran and why. What runs where without
+``buddy.dispatch.chosen()`` says what ran and why. What runs where without
 a GPU:
 
 * the kernels themselves -- ``csrc/buddy_kernels.cu`` and its headers,
@@ -71,9 +71,10 @@ import importlib.resources
 import re
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -99,6 +100,9 @@ from ..layout import WORD_SIZES, Layout
 from . import PLACE_WORDS, Engine, Implementation, Measurement, pinned, raise_for_errors
 from .tuning import Tuning, current
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 __all__ = [
     "ALIGN_BYTES",
     "CudaEngine",
@@ -120,6 +124,7 @@ __all__ = [
     "translation_unit",
     "launch_config",
     "SharedMemory",
+    "Launcher",
     "HOPPER",
     "shared_table_layout",
     "shares_tables",
@@ -580,15 +585,23 @@ def _fpe_member(codec: CodecLike | None) -> FPECodec | None:
 # ---------------------------------------------------------------------------
 # the kernels of one codec: strict (no copies), checked before any launch
 # ---------------------------------------------------------------------------
+class Launcher(NamedTuple):
+    """A launch function looked up where it lives at each launch (``of()`` returns it): an engine kept from call to
+    call (:mod:`buddy.dispatch`) launches through what is there then, a test's stand-in included."""
+
+    of: Callable[[], Callable]
+
+
 class Kernels:
     """The three kernels of codec ``name`` (``buddy_<name>_measure/pack/unpack``), arguments checked.
 
     ``launch(codec, op, entry_bytes, device, n_entries, args, tuning)`` runs
-    a kernel (default: compiled through CuPy, on torch's current stream),
-    laid out as :attr:`tuning` says (given, else the current one when made:
-    :mod:`buddy.engines.tuning`); ``device_type`` is the device the tensors
-    must live on. Tests run the same glue with the kernels emulated on the
-    host by passing both.
+    a kernel (default: compiled through CuPy, on torch's current stream: this
+    module's ``_launch``, looked up at each launch; a :class:`Launcher` is
+    asked at each launch too), laid out as :attr:`tuning` says (given, else
+    the current one when made: :mod:`buddy.engines.tuning`); ``device_type``
+    is the device the tensors must live on. Tests run the same glue with the
+    kernels emulated on the host by passing both.
     Buffers: ``data`` the tensor's ``n_full`` whole entries (16-byte
     aligned), ``tail`` the last entry zero-padded (``E`` bytes), ``meta``
     ``n * META_BYTES`` bytes, ``ends`` ``(n,)`` int64 (see csrc/buddy_ops.h);
@@ -598,9 +611,17 @@ class Kernels:
 
     def __init__(self, name: str, *, launch=None, device_type: str = "cuda", tuning: Tuning | None = None):
         self.name = name
-        self.launcher = _launch if launch is None else launch
+        self._launch = launch
         self.device_type = device_type
         self.tuning = current() if tuning is None else tuning
+
+    @property
+    def launcher(self) -> Callable:
+        """What runs a kernel now (see the class doc)."""
+        given = self._launch
+        if given is None:
+            return _launch
+        return given.of() if isinstance(given, Launcher) else given
 
     def launch(self, codec: str, op: str, entry_bytes: int, device: torch.device, n_entries: int, args: tuple) -> None:
         self.launcher(codec, op, entry_bytes, device, n_entries, args, self.tuning)
@@ -888,6 +909,13 @@ class CudaEngine(Engine):
         super().__init__(codec)
         self.kernels = Kernels(codec.name, launch=launch, device_type=device_type, tuning=tuning)
         self._tables: dict[tuple[torch.device, int], torch.Tensor | None] = {}
+
+    def for_tensor(self) -> Self:
+        """:meth:`Engine.for_tensor`: the kernels shared; the device tables of the copy's codec its own (a fit
+        puts the fitted table's there)."""
+        made = super().for_tensor()
+        made._tables = {}
+        return made
 
     def _table(self, device: torch.device, word_bytes: int) -> torch.Tensor | None:
         """The codec's device table for the kernels (``None`` for a codec without one).

@@ -336,8 +336,9 @@ def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: 
 
 def NativeEngine(codec: Codec) -> cuda.CudaEngine:
     """The kernels' format operations on CPU tensors, natively: the one kernel engine
-    (:class:`~buddy.engines.cuda.CudaEngine`) with this module's :func:`launch` (see the module doc)."""
-    return cuda.CudaEngine(codec, launch=launch, device_type="cpu")
+    (:class:`~buddy.engines.cuda.CudaEngine`) with this module's :func:`launch`, looked up at each launch (see the
+    module doc)."""
+    return cuda.CudaEngine(codec, launch=cuda.Launcher(lambda: launch), device_type="cpu")
 
 
 #: the codecs the native engine is the CPU default of: those whose compress and decompress together take less time

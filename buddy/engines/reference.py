@@ -1,7 +1,7 @@
 """The torch reference engine: the format layer and a codec's torch code, a block of entries at a time.
 
 :class:`BlockEngine` runs every codec registered with ``reference=True``
-(:func:`buddy.register_codec`), on the CPU and on CUDA devices: :func:`rows`
+(:func:`buddy.codecs.register_codec`), on the CPU and on CUDA devices: :func:`rows`
 gives its implementations of a codec, which :mod:`buddy.dispatch` registers
 as the default on both kinds of device.
 """
