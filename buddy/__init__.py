@@ -40,6 +40,7 @@ from . import (  # noqa: F401
     tracker,
 )
 from .autograd import Session, compressed_activations, wrap
+from .budget import MemoryTarget, TimeBudget
 from .codecs import available_codecs, get_codec
 from .config import defaults, set_defaults
 from .errors import (
@@ -94,6 +95,8 @@ __all__ = [
     "DeviceBudget",
     "OverflowBudget",
     "CompressedOffload",
+    "MemoryTarget",
+    "TimeBudget",
     "default_tracker",
     "set_default_tracker",
     # buddy memory

@@ -31,13 +31,15 @@ from typing import NamedTuple
 
 import torch
 
-from . import engines, spec
-from .engines import PLACE_WORDS
+from . import config, engines, spec
 from .codecs import CodecLike
+from .engines import PLACE_WORDS
 from .hooks import DEFAULT_MIN_BYTES, _SavedTensorHooks
+from .keyed import _tracked, wrap
 from .keys import is_parameter, module_name
 from .layout import Layout, memory_bytes
-from .pipeline import kept_ends_bytes, measure, pack, pack_ahead, resolve
+from .peak import Saved, StepProfile
+from .pipeline import kept_ends_bytes, pack_ahead, resolve
 from .prefetch import Prefetch, PrefetchStats, Schedule, as_prefetch
 from .recording import RecordedTensor, Recorder, record_activations
 from .saved import _Checks, _Compressed, _Kept, _look_ahead, _warn_once
@@ -102,10 +104,21 @@ class Session(_SavedTensorHooks):
         # the device reserve: per device, this step's (its state on the device, its buffer), sized by the tracker
         self._reserves: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._seen = self._sized_spent = 0  # the step's bytes taken so far, and the overflow of those sized
+        self._profile = StepProfile()  # the step's saves, uses and memory (buddy.peak), kept on the tracker
+        self._known: dict[str, int] = {}  # per key, its device bytes when it was last compressed
         super().__init__(min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, enabled=enabled)
 
     def _begin(self) -> None:
-        self.tracker.begin_step(self.policy)
+        previous = self.tracker.last_profile
+        if previous is not None:
+            previous.finish()
+        self.tracker.begin_step(self.policy)  # (a budget policy plans from the step before's profile)
+        self._profile = StepProfile()
+        self._known = {} if previous is None else {
+            s.key: s.device_bytes for s in previous.saved if s.device_bytes is not None
+        }  # fmt: skip
+        self.tracker.last_profile = self._profile
+        self._stats.plan = (self.policy or self.tracker.policy).describe()
         self._stats.overflow_bound = getattr(self.policy or self.tracker.policy, "overflow_bound", None)
         self._schedule = Schedule(self.prefetch)  # one per step: the old one lives on with the old graph
         self._checks = _Checks()  # likewise
@@ -117,6 +130,7 @@ class Session(_SavedTensorHooks):
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
+        self._profile.end_forward()
         self._settle()
         self._stats.host_reads = engines.host_reads() - self._reads_at  # forward's; backward's: its checks
         self._check_bound()
@@ -173,6 +187,8 @@ class Session(_SavedTensorHooks):
             if bound is None:
                 return
             for row in st.rows:
+                if row.left is not None:  # (outside the bound's bytes: the policy placed none of it)
+                    continue
                 spent, seen = spent + row.buddy_bytes, seen + row.original_bytes
                 if spent > bound * seen:
                     break
@@ -196,6 +212,9 @@ class Session(_SavedTensorHooks):
 
     def _take(self, t: torch.Tensor, key: str):
         start = time.perf_counter()
+        why = (self.policy or self.tracker.policy).leaves(key)
+        if why is not None:
+            return self._leave(t, key, why)
         try:
             if not self.strict:
                 taken = self._take_ahead(t, key, start)
@@ -213,12 +232,7 @@ class Session(_SavedTensorHooks):
             return None
         elapsed = time.perf_counter() - start
         row = self._row(t, key, elapsed, result.bt, result.histogram, result.predicted, result.corrected)
-        packed = (
-            _Kept(t, self.tracker)
-            if result.bt is None
-            else _Compressed(result.bt, self, row, self._schedule, self._checks)
-        )
-        return packed, row
+        return self._packed(t, result.bt, row), row
 
     def _take_ahead(self, t: torch.Tensor, key: str, start: float):
         """:meth:`_take` with the slot from the key's history, nothing read back (``strict=False``); ``None``
@@ -261,8 +275,34 @@ class Session(_SavedTensorHooks):
         elapsed = time.perf_counter() - start
         row = self._row(t, key, elapsed, bt, None, place.predicted_overflow_bytes, place.corrected)
         self._pending.append(_Pending(row, layout, t.device, bt, codec, bounded, at))
-        packed = _Kept(t, tracker) if bt is None else _Compressed(bt, self, row, self._schedule, self._checks)
-        return packed, row
+        return self._packed(t, bt, row), row
+
+    def _packed(self, t: torch.Tensor, bt: BuddyTensor | None, row: KeyRow):
+        """What autograd keeps for ``t`` (``bt``: its compressed form, ``None`` where it is kept as it is), its
+        save recorded in the step's profile."""
+        codec = row.codec if bt is not None else (self.codec or config.defaults().codec)
+        known = row.device_bytes if bt is not None or row.codec == "kept" else self._known.get(row.key)
+        item = Saved(row.key, row.original_bytes, known, bt is not None, t.dtype, t.device, codec, saved_at=0)
+        profiled = (self._profile, self._profile.save(item))
+        self._profile.measured_seconds += row.compress_seconds
+        if bt is None:
+            return _Kept(t, self.tracker, profiled)
+        return _Compressed(bt, self, row, self._schedule, self._checks, profiled)
+
+    def _leave(self, t: torch.Tensor, key: str, why: str):
+        """Keep ``t`` as it is because the policy says ``why`` (:meth:`Policy.leaves`): a row of its own, outside
+        the overflow bound's bytes, its save and use in the step's profile all the same."""
+        nbytes = t.numel() * t.element_size()
+        row = KeyRow(
+            key=key, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."), codec="left", target_ratio=1.0,
+            original_bytes=nbytes, device_bytes=nbytes, buddy_bytes=0, ideal_bytes=0, predicted_overflow_bytes=None,
+            left=why,
+        )  # fmt: skip
+        st = self._stats
+        st.device_bytes += nbytes
+        st.left_bytes += nbytes
+        st.rows.append(row)
+        return self._packed(t, None, row), row
 
     def _reserve(self, device: torch.device, group: str, bound: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's reserve on ``device``: its state (2 int64 of the step's buffer: the overflow sectors the
@@ -358,67 +398,6 @@ class _Pending(NamedTuple):
     codec: CodecLike  # what it was measured with (the tracker keeps its table)
     bounded: bool  # packed within the step's running bound (its sectors past it: the reserve's)
     at: int  # its words' place among the step's slices on its device (Counters.taken)
-
-
-class _Packed(NamedTuple):
-    bt: BuddyTensor | None  # None: kept as it is (the tracker chose the raw slot)
-    histogram: tuple[int, ...]
-    predicted: int | None  # overflow bytes the tracker predicted; None for a new key
-    corrected: bool  # the bound widened the slot the key's history planned (see buddy.tracker.Choice)
-
-
-def _tracked(t, key, tracker: Tracker, policy, store, codec, entry_bytes, *, keep: bool, on_full="device"):
-    """Measure ``t``, let the tracker place it under ``key``, pack it there, and record what happened.
-
-    With ``keep``, a tensor the tracker gives the raw slot is not packed
-    (``bt`` is ``None``): the raw slot would hold the same bytes plus
-    metadata; the caller keeps it (see :class:`_Kept`). A full store keeps
-    the tensor whole on the device by default (``on_full="device"``): a full
-    store must not cost a training step.
-    """
-    measured = measure(
-        t, codec, entry_bytes=entry_bytes, prior=tracker.prior(key), keep=tracker.fitted(key), count=tracker.counts(key)
-    )
-    place = tracker.plan(
-        key, measured.histogram, layout=measured.layout, policy=policy, table_bytes=measured.codec.table_bytes
-    )
-    bt = None
-    if not (keep and place.keep):
-        bt = pack(measured, place.slot, store=store, on_full=on_full, ledger=tracker.ledger)
-    tracker.record(
-        key,
-        measured.histogram,
-        slot=place.slot if bt is None else bt.slot_sectors,
-        layout=measured.layout,
-        predicted_overflow_bytes=place.predicted_overflow_bytes,
-        statistics=measured.statistics,
-        fitted=measured.codec,
-    )
-    return _Packed(bt, measured.histogram, place.predicted_overflow_bytes, place.corrected)
-
-
-def wrap(
-    tensor: torch.Tensor,
-    key: str,
-    *,
-    policy: Policy | None = None,
-    tracker: Tracker | None = None,
-    store: BuddyStore | None = None,
-    codec: str | None = None,
-    entry_bytes: int | None = None,
-    on_full: str = "raise",
-) -> BuddyTensor:
-    """Compress a tensor kept outside autograd under a user-given ``key``.
-
-    The slot comes from the tracker (default: the process-wide one, with its
-    policy unless ``policy`` is given), which learns the key's history across
-    calls exactly as for saved activations. ``on_full`` is as in
-    :func:`buddy.compress`.
-    """
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"key must be a non-empty string, got {key!r}")
-    tracker = tracker if tracker is not None else default_tracker()
-    return _tracked(tensor, key, tracker, policy, store, codec, entry_bytes, keep=False, on_full=on_full).bt
 
 
 def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:

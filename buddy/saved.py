@@ -45,6 +45,7 @@ from .tracker import Tracker
 
 if TYPE_CHECKING:
     from .autograd import Session
+    from .peak import StepProfile
 
 __all__: list[str] = []
 
@@ -95,12 +96,20 @@ class _Kept(_AsIs):
     input batch reused every step).
     """
 
-    __slots__ = ()
+    __slots__ = ("profiled",)
 
-    def __init__(self, t: torch.Tensor, tracker: Tracker):
+    def __init__(self, t: torch.Tensor, tracker: Tracker, profiled: tuple[StepProfile, int] | None = None):
         super().__init__(t)
+        self.profiled = profiled  # its step's profile and its place there: its first use is recorded
         hold = tracker.ledger.hold(t.numel() * t.element_size())
         weakref.finalize(self, hold.release)  # the hold refers to the ledger only: no cycle through the graph
+
+    def unpack(self) -> torch.Tensor:
+        t = super().unpack()
+        if self.profiled is not None:
+            profile, index = self.profiled
+            profile.use(index)
+        return t
 
 
 class _View:
@@ -130,11 +139,18 @@ class _Compressed:
     """
 
     __slots__ = (
-        "bt", "session", "row", "cache", "kept", "uses_left", "schedule", "position", "ahead", "checks", "__weakref__",
+        "bt", "session", "row", "cache", "kept", "uses_left", "schedule", "position", "ahead", "checks", "profiled",
+        "__weakref__",
     )  # fmt: skip
 
-    def __init__(self, bt: BuddyTensor, session: Session, row: KeyRow, schedule: Schedule, checks: _Checks):
+    def __init__(
+        self, bt: BuddyTensor, session: Session, row: KeyRow, schedule: Schedule, checks: _Checks,
+        profiled: tuple[StepProfile, int] | None = None,
+    ):  # fmt: skip
         self.bt = bt
+        # its step's profile (saves, uses, memory: buddy.peak) and its place there; the profile refers to no one's
+        # objects, and outlives the session (the tracker keeps the most recent step's)
+        self.profiled = profiled
         self.checks = checks  # the step's error flags, read at the end of each backward
         self.session = weakref.ref(session)  # for its counters only; see above
         self.row = row  # the session's stats row, counting deduplicated saves
@@ -181,9 +197,14 @@ class _Compressed:
         if flag is not None:
             self.checks.add(self.row.key, flag)
         self.schedule.used(self.position, ready)
+        seconds = time.perf_counter() - start
+        if self.profiled is not None:
+            profile, index = self.profiled
+            profile.use(index)
+            profile.measured_seconds += seconds
         session = self.session()
         if session is not None:  # no one can read the counters of a session that is gone
-            session._count_unpack(time.perf_counter() - start)
+            session._count_unpack(seconds)
         self.cache = weakref.ref(t)
         # Several ops saved it (a ReLU's output is also the next layer's input): their backward
         # nodes run one after the other, each unpacking it. Held until the last has, it is

@@ -39,8 +39,9 @@ class KeyRow:
     predicted_overflow_bytes: int | None  # None: new key, decided from its size pass
     saves: int = 1  # how many saves autograd made of it (dedup)
     compress_seconds: float = 0.0
-    corrected: bool = False  # the policy's bound widened the slot its history planned (buddy.tracker.Choice)
+    corrected: bool = False  # the policy's bound widened the slot its history planned (buddy.tracker.SlotChoice)
     reserve_bytes: int = 0  # overflow kept on the device in its step's reserve, past the step's bound (strict=False)
+    left: str | None = None  # why the policy kept it as it is, uncompressed (codec "left"; see buddy.budget)
 
     @property
     def offloaded(self) -> bool:
@@ -99,13 +100,18 @@ class SessionStats:
     #: compressed tensor with ``strict=True``, at most two a step (where forward ends, where backward ends) once
     #: every key has a plan with ``strict=False`` (:func:`buddy.engines.to_host` counts them, on every device)
     host_reads: int = 0
+    #: bytes of the tensors the policy kept as they are (rows of codec ``"left"``: :mod:`buddy.budget`)
+    left_bytes: int = 0
+    #: what the policy planned for the step (:meth:`buddy.Policy.describe`; ``None``: nothing to say)
+    plan: str | None = None
 
     @property
     def within_bound(self) -> bool:
-        """Whether the step's overflow kept the policy's bound (``True`` when it states none)."""
+        """Whether the step's overflow kept the policy's bound (``True`` when it states none): over the bytes of
+        the tensors the policy placed, not of those it left."""
         if self.overflow_bound is None:
             return True
-        return self.buddy_bytes <= self.overflow_bound * sum(r.original_bytes for r in self.rows)
+        return self.buddy_bytes <= self.overflow_bound * sum(r.original_bytes for r in self.rows if r.left is None)
 
     @property
     def effective_capacity(self) -> float:
@@ -132,6 +138,18 @@ class SessionStats:
         )
         return d
 
+    def _plan_lines(self) -> list[str]:
+        """What the policy planned, and why the tensors it left are left (:mod:`buddy.budget`)."""
+        if self.plan is None:
+            return []
+        reasons: dict[str, int] = {}
+        for r in self.rows:
+            if r.left is not None:
+                reasons[r.left] = reasons.get(r.left, 0) + 1
+        if not reasons:
+            return [self.plan]
+        return [self.plan, "left as they are: " + "; ".join(f"{n} because {why}" for why, n in reasons.items())]
+
     def __str__(self) -> str:
         # keys name their model ("ResNet-1a2b3c4d/12:float32[64, 256, 56, 56]"): wide enough for the longest
         w = min(max([28, *(len(r.key) for r in self.rows)]), 64)
@@ -139,7 +157,7 @@ class SessionStats:
         lines = [header, "-" * len(header)]
         for r in self.rows:
             pred = (
-                "new"
+                "left" if r.left is not None else "new"
                 if r.predicted_overflow_bytes is None
                 else f"{_ratio(r.predicted_overflow_bytes, r.original_bytes):.1%}"
             )
@@ -158,8 +176,10 @@ class SessionStats:
             f"{self.effective_capacity:>7.2f}x {self.overflow_fraction:>8.1%}"
         )
         lines.append(
-            f"saves {self.saves}: {sum(r.codec != 'kept' for r in self.rows)} compressed, "
-            f"{sum(r.codec == 'kept' for r in self.rows)} incompressible kept, {self.deduplicated} deduplicated, "
+            f"saves {self.saves}: {sum(r.codec not in ('kept', 'left') for r in self.rows)} compressed, "
+            f"{sum(r.codec == 'kept' for r in self.rows)} incompressible kept, "
+            f"{sum(r.left is not None for r in self.rows)} left by the policy ({format_bytes(self.left_bytes)}), "
+            f"{self.deduplicated} deduplicated, "
             f"{self.skipped} skipped ({format_bytes(self.kept_bytes)} of activations kept as is), {self.failed} failed; "
             f"compress {self.compress_seconds * 1e3:.1f} ms, decompress {self.decompress_seconds * 1e3:.1f} ms "
             f"({self.decompressions} unpacks); ideal ratio {self.ideal_ratio:.2f}x; {self.host_reads} read(s) of the "
@@ -171,6 +191,7 @@ class SessionStats:
                 f"{'within it' if self.within_bound else 'PAST IT'}; {self.corrected} slot(s) corrected from the "
                 f"history's plan on the tensors' own sizes"
             )
+        lines += self._plan_lines()
         if self.reserve_bytes or self.reserve_short_bytes:
             lines.append(
                 f"device reserve {format_bytes(self.reserve_bytes)}: held {format_bytes(self.reserved_bytes)} of "

@@ -76,6 +76,7 @@ from .slots import DEFAULT_MAX_OVERFLOW, larger_than, overflow_sectors, slot_for
 
 if TYPE_CHECKING:
     from .codecs.base import CodecLike
+    from .peak import StepProfile
 
 __all__ = [
     "Policy",
@@ -207,6 +208,15 @@ class Policy:
         """The slot for a tensor not yet sized (``decision.ahead``: its ``current`` is the key's prediction), or
         ``None`` where the policy needs the tensor's own sizes (a key it has no plan for; by default every key):
         it is then sized first and :meth:`choose` decides."""
+        return None
+
+    def leaves(self, key: str) -> str | None:
+        """Why a training step should keep the tensor of ``key`` as it is, uncompressed; ``None`` (the default):
+        compress it (see :mod:`buddy.budget`)."""
+        return None
+
+    def describe(self) -> str | None:
+        """A line on what the policy planned for the step now open, for ``session.stats()`` (``None``: none)."""
         return None
 
     def __repr__(self) -> str:
@@ -714,6 +724,9 @@ class Tracker:
         self._recorded: dict[str, tuple[int, int]] = {}  # per group: (step, keys recorded in it so far)
         # per group: the overflow sectors past the bound of its most recent steps packed ahead (the device reserve's)
         self._excess: dict[str, collections.deque[int]] = {}
+        #: the most recent training step's saves, uses and memory (a session records it: :mod:`buddy.peak`), which
+        #: the budget policies plan the next step from
+        self.last_profile: StepProfile | None = None
         self._lock = threading.RLock()
 
     @property
@@ -919,6 +932,7 @@ class Tracker:
         with self._lock:
             self._keys.clear()
             self._excess.clear()
+            self.last_profile = None
 
     def __repr__(self) -> str:
         return f"Tracker(policy={self.policy!r}, keys={len(self._keys)}, decay={self.decay}, window={self.window})"

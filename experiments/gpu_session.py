@@ -20,6 +20,9 @@ times):
   :mod:`experiments.host_cost` (the host's work per saved tensor, the plan);
 * ``step``: :mod:`experiments.step_time` and :mod:`experiments.max_batch` on
   the GPU under a real per-process memory cap;
+* ``frontier``: :mod:`experiments.frontier`: step time against capacity on
+  ResNet-50 and GPT-2-small for every method, buddy's memory targets and time
+  budgets among them;
 * ``ncu`` (optional): Nsight Compute over the default codec's kernels, the
   metrics of :data:`NCU_METRICS`;
 * ``essentials``: check, step time (fewer methods, the step with no read per
@@ -87,7 +90,7 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("essentials", "check", "tests", "sanitize", "bench", "step", "ncu")
+PHASES = ("essentials", "check", "tests", "sanitize", "bench", "step", "frontier", "ncu")
 #: a lease of 15 minutes in one call (a start, one call of at most 10 minutes): these phases in this order, each
 #: step's limit cut to what is left before the call's deadline (``--deadline-s``), so the call ends in time
 LEASE = (("essentials", None), ("tests", "1/1"), ("sanitize", None))
@@ -303,6 +306,13 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
             {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},  # the cap counts what is allocated, not slack
         )  # fmt: skip
         return [_compile(codecs=(_default_codec(),), entry_bytes=(4096,), timeout_s=60), step_time, max_batch]
+    if phase == "frontier":
+        # step time against capacity for every method on ResNet-50 and GPT-2-small, the buddy budgets among them
+        args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--out", "{work}/frontier")
+        frontier = Python(
+            "frontier", "experiments.frontier", args, 360, "{work}/frontier/results.json", (("--backend", "reference"),)
+        )
+        return [_compile(codecs=(_default_codec(),), entry_bytes=(4096,), timeout_s=60), frontier]
     if phase == "ncu":
         # (unpack also at 8 and 16 warps an SM: each layout's cycles an instruction and its waits)
         ncu = _ncu(timeout_s=390, unpack_warps=("8", "16"))

@@ -12,6 +12,7 @@
 #   bash experiments/gpu_session.sh sanitize      compute-sanitizer memcheck, racecheck, synccheck, initcheck
 #   bash experiments/gpu_session.sh bench         every codec's kernels vs nvcomp and memcpy, 256 MiB, fp32 + bf16
 #   bash experiments/gpu_session.sh step          step time and the largest batch under a real memory cap
+#   bash experiments/gpu_session.sh frontier      step time against capacity: every method, the buddy budgets
 #   bash experiments/gpu_session.sh ncu           (optional) Nsight Compute over the default codec's kernels
 #   bash experiments/gpu_session.sh --dry-run     anywhere: the travelling size, then every phase's entry
 #                                                 points up to their first CUDA call (CI runs this)
@@ -47,10 +48,10 @@ fi
 phase=${1:-}
 shard=${2:-}
 case "$phase" in
-lease | essentials | check | sanitize | bench | step | ncu) [ -z "$shard" ] || { echo "only tests takes a shard" >&2; exit 2; } ;;
+lease | essentials | check | sanitize | bench | step | frontier | ncu) [ -z "$shard" ] || { echo "only tests takes a shard" >&2; exit 2; } ;;
 tests) shard=${shard:-1/2} ;; # 2: TEST_SHARDS in experiments/gpu_session.py
 *)
-  echo "usage: bash experiments/gpu_session.sh lease | essentials | check | tests I/N | sanitize | bench | step | ncu | --dry-run" >&2
+  echo "usage: bash experiments/gpu_session.sh lease | essentials | check | tests I/N | sanitize | bench | step | frontier | ncu | --dry-run" >&2
   exit 2
   ;;
 esac

@@ -581,6 +581,45 @@ def step_cost(files: Sequence[Results]) -> Section | None:
     return Section("step_cost", "Training step cost on the CPU", body)
 
 
+def frontier(files: Sequence[Results]) -> Section | None:
+    """Step time against capacity: every method on the same models (experiments.frontier)."""
+    result = _latest(files, lambda r: r.experiment == "frontier")
+    if result is None:
+        return None
+    rows = [
+        [r["model"], r["method"], f"{r['step_ms']:,.0f} ms", _x(r.get("vs_none")), _x(r.get("capacity")),
+         _x(r.get("buddy_capacity")), _x(r.get("modeled_capacity"))]
+        for r in result.rows()
+    ]  # fmt: skip
+    where = (
+        "On the CPU: the models shrunk to a step of a few tenths of a second, every method on the host, CPU times "
+        "(not GPU times); capacity from each step's peak resident memory above its start, the least of two more "
+        "steps after the timings. There the activations saved are a small part of what a step holds at its peak "
+        "(the embedding's and the loss chunks' buffers, gradients) and the resident peak moves by about 15 % from "
+        "run to run: read its capacity column for checkpointing's gain and nothing finer. The GPU run of the "
+        "runbook (`frontier` phase) measures the allocator's peak."
+        if result.doc.get("cpu_run")
+        else "On a GPU: capacity from the allocator's peak less the model's state."
+    )
+    body = "\n".join(
+        [
+            "Per model, one training step under each method on the same data: step time (median of the timed steps) "
+            "against a plain step's, and capacity: the memory a plain step adds at its peak over what the method's "
+            "step adds. `buddy-target-F`: `MemoryTarget(fraction=F)`; `buddy-time-F`: `TimeBudget(F)`; "
+            "`buddy+checkpoint`: every block checkpointed, buddy compressing what checkpointing keeps; the buddy "
+            "ratio: what the session's compressed tensors held on the device against their originals; the saved "
+            "peak (modeled): the session's own account of its saved tensors (`buddy.peak`), their peak uncompressed "
+            f"over their peak as the step compressed them, no transient buffers counted. {where}",
+            "",
+            _table(["model", "method", "step", "time vs none", "capacity", "buddy ratio", "saved peak (modeled)"],
+                   rows),  # fmt: skip
+            "",
+            _sources([result]),
+        ]
+    )
+    return Section("frontier", "Step time against capacity", body, _plot(result, "frontier.png", "frontier.png"))
+
+
 def _cpu_engines_result(files: Sequence[Results]) -> Results | None:
     """The latest bench_codecs run that timed buddy's CPU engines by name (``codec@backend`` methods)."""
     return _latest(files, lambda r: r.experiment == "bench_codecs" and any("@" in x["method"] for x in r.rows()))
@@ -729,7 +768,9 @@ def gpu(files: Sequence[Results], folder: Path = GPU_RESULTS) -> Section | None:
     return Section("gpu", "On a GPU", "\n".join(parts))
 
 
-SECTIONS = (main_job, gpu, decision, full_capacity, over_training, max_batch, step_cost, cpu_engines, speed)
+SECTIONS = (
+    main_job, gpu, decision, full_capacity, over_training, max_batch, step_cost, frontier, cpu_engines, speed,
+)  # fmt: skip
 
 
 def _sets(result: Results) -> dict[str, dict]:

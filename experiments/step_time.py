@@ -286,14 +286,17 @@ class _Checkpointed(nn.Module):
         return checkpoint(self.inner, x, use_reentrant=False)
 
 
-def _context(method: str, device: torch.device, store: buddy.BuddyStore | None, tracker: buddy.Tracker):
+def _context(
+    method: str, device: torch.device, store: buddy.BuddyStore | None, tracker: buddy.Tracker, policy=None,
+    min_bytes: int = MIN_BYTES,
+):  # fmt: skip
     if method == "buddy":
-        return buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN_BYTES)
+        return buddy.compressed_activations(policy, tracker=tracker, store=store, min_bytes=min_bytes)
     if method == "buddy-strict":
-        return buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN_BYTES, strict=True)
+        return buddy.compressed_activations(tracker=tracker, store=store, min_bytes=min_bytes, strict=True)
     if method == "buddy-offload":
         return buddy.compressed_activations(
-            buddy.CompressedOffload(), tracker=tracker, store=store, min_bytes=MIN_BYTES
+            buddy.CompressedOffload(), tracker=tracker, store=store, min_bytes=min_bytes
         )
     if method == "save_on_cpu":
         return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
@@ -398,9 +401,14 @@ def fix_mmap_threshold(nbytes: int = 64 << 10) -> bool:
 
 def measure(
     spec: Model, method: str, *, device, steps: int, warmup: int, seed: int = 0, profile: bool = False,
-    memory_peak: bool = False, peak_on_host: bool = False,
+    memory_peak: bool = False, peak_on_host: bool = False, policy: buddy.Policy | None = None,
+    checkpointed: bool | None = None, min_bytes: int = MIN_BYTES,
 ) -> Measurement:  # fmt: skip
     """``warmup`` untimed steps, then ``steps`` timed ones, each synchronised; peak memory over the timed ones.
+
+    ``policy``: the ``buddy`` method's (default: the tracker's own). ``checkpointed``: every block of the model
+    under ``torch.utils.checkpoint`` (default: for the ``checkpoint`` method only; with ``buddy``: buddy takes what
+    checkpointing keeps). ``min_bytes``: the buddy methods' (smaller tensors are kept as they are).
 
     ``profile``: for a buddy method, one more step under the profilers (:func:`profile_step`), not timed.
     ``memory_peak``: on a CUDA device, one more step under the allocator's history: what it held at its peak
@@ -413,7 +421,7 @@ def measure(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = spec.build().to(device).train()
-    if method == "checkpoint":
+    if checkpointed if checkpointed is not None else method == "checkpoint":
         model.blocks = nn.Sequential(*(_Checkpointed(b) for b in model.get_submodule("blocks").children()))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     batch = spec.batch(device, gen)
@@ -427,10 +435,10 @@ def measure(
         """One training step; its session (a buddy.Session, or what another method's context gave)."""
         optimizer.zero_grad(set_to_none=True)
         if method == "buddy-model":
-            session = buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN_BYTES)
+            session = buddy.compressed_activations(tracker=tracker, store=store, min_bytes=min_bytes)
             loss = _loss(model, spec, batch, around_model=session)
         else:
-            with _context(method, device, store, tracker) as session:
+            with _context(method, device, store, tracker, policy, min_bytes) as session:
                 loss = _loss(model, spec, batch)
         loss.backward()
         optimizer.step()
@@ -452,6 +460,10 @@ def measure(
     if held is not None:
         kept = ("original_bytes", "device_bytes", "buddy_bytes", "effective_capacity", "host_reads", "within_bound")
         held = {k: held[k] for k in kept}
+        saves = tracker.last_profile  # the last step's saves and uses (buddy.peak): its saved tensors' peak, modeled
+        if saves is not None and saves.events:
+            held["saved_peak_plain"] = float(saves.held(set()).max())
+            held["saved_peak"] = float(saves.held().max())
     where = profile_step(step, device) if profile and method.startswith("buddy") else None
     held_at_peak = memory_peak_of(step, device) if memory_peak else None
     on_host = host_peak(step) if peak_on_host and device.type == "cpu" else None
@@ -603,13 +615,19 @@ def plot(results_path: Path, out_dir: Path) -> list[Path]:
     return [path]
 
 
-def main(argv=None) -> list[dict]:
-    args, header = cli.begin("step_time", parse_args, argv)
+def setup(experiment: str, args) -> tuple[torch.device, str, str, list[Model]]:
+    """A run's device, buddy backend (made the default), device kind and models, from its arguments (``--device``,
+    ``--backend``, ``--models``, ``--batch``)."""
     device = torch.device(args.device)
-    backend = choose_backend("step_time", args.backend, device)
+    backend = choose_backend(experiment, args.backend, device)
     buddy.set_defaults(backend=backend)
     kind = "cuda" if device.type == "cuda" else "cpu"
-    specs = [MODELS[kind][name](args.batch) for name in args.models]
+    return device, backend, kind, [MODELS[kind][name](args.batch) for name in args.models]
+
+
+def main(argv=None) -> list[dict]:
+    args, header = cli.begin("step_time", parse_args, argv)
+    device, backend, kind, specs = setup("step_time", args)
     if kind == "cpu":
         print("  CPU RUN: small models, CPU times (not GPU times), no device memory to measure; capacity from each "
               "step's peak resident memory above its start (host peak), one more step after the timings")

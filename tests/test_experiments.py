@@ -564,6 +564,24 @@ def test_step_time_tiny(tmp_path, capsys):
     assert (tmp_path / "step_time.png").stat().st_size > 10_000
 
 
+@pytest.mark.exhaustive  # most of a minute: the exhaustive tier
+def test_frontier_tiny(tmp_path, capsys):
+    from experiments import frontier
+
+    argv = ["--device", "cpu", "--models", "resnet50", "--batch", "1", "--steps", "1", "--warmup", "2",
+            "--methods", "buddy-target-0.5", "buddy+checkpoint", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+    rows = frontier.main(argv)
+    assert [r["method"] for r in rows] == ["none", "buddy-target-0.5", "buddy+checkpoint"]  # none: what all are set against
+    for r in rows[1:]:
+        assert r["buddy"]["original_bytes"] > 0 and r["buddy"]["device_bytes"] < r["buddy"]["original_bytes"]
+    # with checkpointing, the session takes what checkpointing keeps: fewer bytes than the model saves whole
+    assert rows[2]["buddy"]["original_bytes"] < rows[1]["buddy"]["original_bytes"]
+    assert "time vs none" in capsys.readouterr().out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["cpu_run"] and results["experiment"] == "frontier"
+    assert (tmp_path / "frontier.png").stat().st_size > 10_000
+
+
 def test_a_cuda_run_exits_when_the_kernels_fail_their_self_test(monkeypatch):
     """On an H200 the kernels of auto2 failed their self-test (a compile error), every buddy method then ran the
     torch reference, and step_time spent its whole 150 s on it: a GPU run now stops at once, saying why."""
