@@ -51,17 +51,13 @@ class _Selective(OverflowBudget):
         self._left: dict[str, str] = {}
         self.last_plan: Plan | None = None  # what the step now open was planned with (None: no step before it)
 
-    def seconds(self, device: torch.device, codec: str, dtype: torch.dtype, nbytes: int) -> float:
-        """Modeled seconds to compress and decompress a tensor (:class:`buddy.cost.Rates`)."""
-        return self._rates(device, codec, dtype).seconds(nbytes)
-
     def begin_step(self, tracker: Tracker) -> None:
         super().begin_step(tracker)
         self._left, self.last_plan = {}, None
         profile = tracker.last_profile
         if profile is None or not profile.saved:
             return
-        seconds = [self.seconds(s.device, s.codec, s.dtype, s.original_bytes) for s in profile.saved]
+        seconds = self._modeled(profile)
         limits = self._limits(profile, seconds)
         if limits is None:
             return
@@ -69,6 +65,19 @@ class _Selective(OverflowBudget):
         self._left = {
             profile.saved[i].key: why for i, why in chosen.left.items() if profile.saved[i].device_bytes is not None
         }
+
+    def _modeled(self, profile: StepProfile) -> list[float]:
+        """Per tensor of ``profile``, the modeled seconds its compression costs: its kernels' (the rates'), and the
+        host's work a tensor as the step before measured it -- the session's time in its hooks over the tensors it
+        compressed, less their kernels' time where the device runs them inside the hooks (not CUDA's)."""
+        rates = [self._rates(s.device, s.codec, s.dtype) for s in profile.saved]
+        kernels = [r.seconds(s.original_bytes) - r.host for r, s in zip(rates, profile.saved, strict=True)]
+        done = [i for i, s in enumerate(profile.saved) if s.compressed]
+        if not done:  # nothing measured: the calibration's host cost
+            return [k + r.host for k, r in zip(kernels, rates, strict=True)]
+        inside = sum(kernels[i] for i in done if profile.saved[i].device.type != "cuda")
+        host = max(0.0, profile.measured_seconds - inside) / len(done)
+        return [k + host for k in kernels]
 
     def leaves(self, key: str) -> str | None:
         return self._left.get(key)

@@ -44,11 +44,11 @@ def _step(model, session=None):
 
 @pytest.fixture
 def packed(monkeypatch):
-    """The BuddyTensors the session packs, in order: sized first (``pack``) or packed ahead (``pack_ahead``, the
-    default once a key has a plan; its refusals, None, left out)."""
+    """The BuddyTensors the session packs, in order: sized first (``pack``, :mod:`buddy.keyed`) or packed ahead
+    (``pack_ahead``, the default once a key has a plan; its refusals, None, left out)."""
     made: list = []
-    for name in ("pack", "pack_ahead"):
-        original = getattr(buddy.autograd, name)
+    for module, name in ((buddy.keyed, "pack"), (buddy.autograd, "pack_ahead")):
+        original = getattr(module, name)
 
         def spy(*args, _original=original, **kwargs):
             result = _original(*args, **kwargs)
@@ -56,7 +56,7 @@ def packed(monkeypatch):
                 made.append(result)
             return result
 
-        monkeypatch.setattr(buddy.autograd, name, spy)
+        monkeypatch.setattr(module, name, spy)
     return made
 
 

@@ -210,6 +210,18 @@ def test_budget_policies_with_checkpointing_are_bit_identical_to_checkpointing_a
         assert st.in_backward == 0  # a non-reentrant checkpoint recomputes through its own hooks
 
 
+def test_a_time_budget_counts_the_host_work_the_step_before_measured():
+    # three 4 MiB tensors, compressed in the step before; 1 GB/s each way: 8.4 ms of kernels a tensor on the CPU
+    tracker = buddy.Tracker()
+    for measured, expected in ((0.0, 1), (0.06, 0)):  # its hooks took no more than the kernels; 60 ms in all
+        tracker.last_profile = _profile([(4 * MIB, MIB)] * 3, compressed={0, 1, 2}, order=[0, 1, 2])
+        tracker.last_profile.measured_seconds = measured
+        policy = TimeBudget(seconds=0.012, rates=_flat)
+        policy.begin_step(tracker)
+        assert policy.last_plan is not None and len(policy.last_plan.compress) == expected
+        assert sum(policy.leaves(f"m/{i}") is not None for i in range(3)) == 3 - expected
+
+
 @pytest.mark.parametrize("bad", [
     lambda: MemoryTarget(), lambda: MemoryTarget(1 << 20, fraction=0.5), lambda: MemoryTarget(fraction=0.0),
     lambda: MemoryTarget(fraction=1.5), lambda: MemoryTarget(-1), lambda: TimeBudget(),

@@ -508,7 +508,7 @@ def test_tracker_counts_a_learned_key_every_few_steps(store, monkeypatch):
         asked.append(kwargs.get("count"))
         return buddy.pipeline.measure(t, codec, **kwargs)
 
-    monkeypatch.setattr(buddy.autograd, "measure", spy)
+    monkeypatch.setattr(buddy.keyed, "measure", spy)
     with pytest.raises(ValueError, match="count_every"):
         buddy.Tracker(count_every=0)
     with pytest.raises(ValueError, match="count_warmup"):
@@ -539,7 +539,7 @@ def test_session_passes_learned_statistics_to_the_next_step(store, monkeypatch):
         priors.append(kwargs.get("prior"))
         return buddy.pipeline.measure(t, codec, **kwargs)
 
-    monkeypatch.setattr(buddy.autograd, "measure", spy)
+    monkeypatch.setattr(buddy.keyed, "measure", spy)
     tracker = buddy.Tracker()
     lin = torch.nn.Linear(256, 256)
     x = torch.randn(64, 256)
