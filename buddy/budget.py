@@ -39,6 +39,9 @@ __all__ = ["MemoryTarget", "TimeBudget"]
 
 RatesOf = Callable[[torch.device, str, torch.dtype], cost.Rates]
 
+#: :class:`TimeBudget`: the weight of a step's own estimate of a plain step's time in the running one
+PLAIN_DECAY = 0.5
+
 
 class _Selective(OverflowBudget):
     """An :class:`OverflowBudget` over the tensors :meth:`_limits` and :func:`buddy.peak.plan` choose."""
@@ -172,14 +175,17 @@ class TimeBudget(_Selective):
         super().__init__(max_overflow, rates)
         self.fraction, self.budget_seconds = fraction, seconds
         self._budget: float | None = None
+        self._plain: float | None = None  # a plain step's seconds, as estimated over the steps so far
 
     def _limits(self, profile: StepProfile, seconds: list[float]) -> dict | None:
         if self.budget_seconds is not None:
             self._budget = float(self.budget_seconds)
         elif profile.period is None or self.fraction is None:
             return None
-        else:
-            self._budget = self.fraction * max(0.0, profile.period - profile.measured_seconds)
+        else:  # a plain step's time, estimated each step and smoothed: one noisy step does not move the plan
+            plain = max(0.0, profile.period - profile.measured_seconds)
+            self._plain = plain if self._plain is None else (1 - PLAIN_DECAY) * self._plain + PLAIN_DECAY * plain
+            self._budget = self.fraction * self._plain
         return {"budget": self._budget, "with_base": True}
 
     def _limit_text(self) -> str:

@@ -131,6 +131,10 @@ class StepProfile:
         return np.nan_to_num(base, nan=float(np.nanmin(base)))
 
 
+#: :func:`plan`'s preference for what the step compressed (see its ``sticky``)
+STICKY = 1.25
+
+
 @dataclass
 class Plan:
     """What :func:`plan` chose: the indices of the tensors to compress, why each other one is left, the modeled
@@ -150,13 +154,17 @@ def plan(
     target: float | None = None,
     budget: float | None = None,
     with_base: bool = True,
+    sticky: float = STICKY,
 ) -> Plan:
     """Choose the tensors of ``profile`` to compress (see the module doc).
 
     ``seconds``: per tensor, the modeled seconds its compression costs. ``target``: stop once the modeled peak is
     at most this many bytes; ``budget``: spend at most this many modeled seconds; either, both or neither (then:
     every tensor that lowers the peak). ``with_base``: the memory is the saved tensors' and the base's (bytes the
-    allocator counts, on CUDA); else the saved tensors' alone.
+    allocator counts, on CUDA); else the saved tensors' alone. ``sticky``: a tensor the step compressed counts its
+    bytes freed a second this many times over (1: no preference): a choice that holds from step to step keeps
+    its key's plan (a key newly compressed has none, and is sized first: a read), where a plan moved by the
+    noise of a step's measured time would not.
     """
     if len(seconds) != len(profile.saved):
         raise ValueError(f"seconds has {len(seconds)} values for {len(profile.saved)} tensors")
@@ -177,7 +185,8 @@ def plan(
         if not affordable:
             stop = "budget" if held_there else "peak"
             break
-        best = max(affordable, key=lambda i: (savings[i] / max(seconds[i], 1e-12), savings[i]))
+        weight = [sticky if profile.saved[i].compressed else 1.0 for i in range(len(savings))]
+        best = max(affordable, key=lambda i: (weight[i] * savings[i] / max(seconds[i], 1e-12), savings[i]))
         lo, hi = spans[best]
         memory[lo:hi] -= savings[best]
         chosen.add(best)
