@@ -61,7 +61,7 @@ class _Selective(OverflowBudget):
         if profile is None or not profile.saved:
             return
         seconds = self._modeled(profile)
-        limits = self._limits(profile, seconds)
+        limits = self._limits(profile)
         if limits is None:
             return
         self.last_plan = chosen = plan(profile, seconds, **limits)
@@ -85,7 +85,7 @@ class _Selective(OverflowBudget):
     def leaves(self, key: str) -> str | None:
         return self._left.get(key)
 
-    def _limits(self, profile: StepProfile, seconds: list[float]) -> dict | None:
+    def _limits(self, profile: StepProfile) -> dict | None:
         """:func:`buddy.peak.plan`'s ``target``, ``budget`` and ``with_base`` for the step after ``profile``;
         ``None``: compress every tensor."""
         raise NotImplementedError
@@ -134,7 +134,7 @@ class MemoryTarget(_Selective):
         super().__init__(max_overflow, rates)
         self.nbytes, self.fraction = nbytes, fraction
 
-    def _limits(self, profile: StepProfile, seconds: list[float]) -> dict:
+    def _limits(self, profile: StepProfile) -> dict:
         if self.nbytes is not None:
             return {"target": float(self.nbytes), "with_base": True}
         held = profile.held(set())
@@ -177,7 +177,7 @@ class TimeBudget(_Selective):
         self._budget: float | None = None
         self._plain: float | None = None  # a plain step's seconds, as estimated over the steps so far
 
-    def _limits(self, profile: StepProfile, seconds: list[float]) -> dict | None:
+    def _limits(self, profile: StepProfile) -> dict | None:
         if self.budget_seconds is not None:
             self._budget = float(self.budget_seconds)
         elif profile.period is None or self.fraction is None:

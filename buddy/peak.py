@@ -171,6 +171,8 @@ def plan(
     memory = profile.held(set()) + (profile.base() if with_base else 0.0)
     spans = profile.spans()
     savings = [s.saving for s in profile.saved]
+    # bytes freed a second, what the step compressed favoured (``sticky``)
+    score = [(sticky if s.compressed else 1.0) * s.saving / max(t, 1e-12) for s, t in zip(profile.saved, seconds)]
     peak_plain = float(memory.max()) if memory.size else 0.0
     chosen: set[int] = set()
     spent, stop = 0.0, "peak"
@@ -185,8 +187,7 @@ def plan(
         if not affordable:
             stop = "budget" if held_there else "peak"
             break
-        weight = [sticky if profile.saved[i].compressed else 1.0 for i in range(len(savings))]
-        best = max(affordable, key=lambda i: (weight[i] * savings[i] / max(seconds[i], 1e-12), savings[i]))
+        best = max(affordable, key=lambda i: (score[i], savings[i]))
         lo, hi = spans[best]
         memory[lo:hi] -= savings[best]
         chosen.add(best)
