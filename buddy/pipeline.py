@@ -139,7 +139,7 @@ def pack_ahead(
     into a range of ``store`` reserved at its worst case (every entry raw), which :meth:`BuddyTensor.settle` trims
     to what it holds once the sizes are read; with a ``reserve`` (the step's, whole sectors on the device), its
     sectors past the ``room`` the step's bound leaves go there instead (``room``, ``step``:
-    :meth:`buddy.engines.cuda.Kernels.sizes`). ``prior``, ``keep``, ``count``: as in :func:`measure` (a codec with
+    :meth:`buddy.engines.kernels.Kernels.sizes`). ``prior``, ``keep``, ``count``: as in :func:`measure` (a codec with
     a table needs a ``prior``).
 
     Returns a :class:`BuddyTensor` not yet settled, or ``None`` where it cannot be packed so (an engine that

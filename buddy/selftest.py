@@ -47,8 +47,8 @@ import numpy as np
 import torch
 
 from .codecs import get_codec
-from .engines.cuda import KERNEL_CODECS, TABLED_KERNELS
 from .engines import Engine
+from .engines.sources import KERNEL_CODECS, TABLED_KERNELS
 from .layout import Layout
 
 __all__ = ["Verdict", "verdict", "run", "reset", "VECTORS", "INPUTS", "SLOT", "SOURCES", "load_vectors"]

@@ -7,7 +7,7 @@ concatenated in saving order and repeated up to the size -- it measures, in
 GB/s of input bytes:
 
 * ``buddy:<codec>/cuda`` for every codec with kernels (zvc, fpx, bpc, auto,
-  fpe, auto2: :data:`buddy.engines.cuda.KERNEL_CODECS`) at the default entry size, and ``buddy:<codec>/reference`` (the torch
+  fpe, auto2: :data:`buddy.engines.sources.KERNEL_CODECS`) at the default entry size, and ``buddy:<codec>/reference`` (the torch
   reference on the GPU, ``--reference``): ``buddy.compress`` (measure, the
   slot the default policy picks, pack, the overflow's copy to pinned memory)
   and ``decompress``; the CUDA path's buffers must equal the reference's byte
@@ -64,7 +64,7 @@ __all__ = ["main", "run", "pcie_rates", "activation_bytes"]
 GB = 1e9  # decimal GB/s
 MiB = 1 << 20
 #: the codecs measured: every codec with kernels, the default (auto2) among them
-CODECS = tuple(buddy.engines.cuda.KERNEL_CODECS)
+CODECS = tuple(buddy.engines.sources.KERNEL_CODECS)
 #: the workload whose saved activations make each dtype's tensor
 WORKLOADS = {torch.float32: "resnet-fp32", torch.bfloat16: "gpt-bf16"}
 
@@ -101,12 +101,12 @@ def _row(
 def _max_blocks(n: int) -> Iterator[None]:
     """At most ``n`` blocks a launch of the CUDA kernels for the block: their warps loop over the entries (by
     default a launch has a warp per entry)."""
-    before = buddy.engines.cuda.MAX_BLOCKS
-    buddy.engines.cuda.MAX_BLOCKS = n
+    before = buddy.engines.launch.MAX_BLOCKS
+    buddy.engines.launch.MAX_BLOCKS = n
     try:
         yield
     finally:
-        buddy.engines.cuda.MAX_BLOCKS = before
+        buddy.engines.launch.MAX_BLOCKS = before
 
 
 def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -278,7 +278,7 @@ def run(
                 rows.append({**row, "method": f"{row['method']}+zero-copy", "zero_copy": True})
                 log(_line(rows[-1]))
                 in_place.free()
-            tabled = "cuda" in backends and codec in buddy.engines.cuda.TABLED_KERNELS
+            tabled = "cuda" in backends and codec in buddy.engines.sources.TABLED_KERNELS
             match = not current().count_matches(x.element_size())  # the count's form not taken by default
             count_form = "count-match" if match else "count-ballot"
             # (wanted, the tuning's change, the method's suffix, what the row is marked with)

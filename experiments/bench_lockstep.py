@@ -42,8 +42,9 @@ import numpy as np
 import torch
 
 import buddy
-from buddy.codecs import fpe
+from buddy.codecs import fpe, fpe_device
 from buddy.engines import cuda as bcuda
+from buddy.engines import sources as bsources
 from buddy.engines.tuning import Tuning
 from experiments.bench_codecs import timed
 from experiments.common import start
@@ -88,9 +89,9 @@ def _lockstep_kernel(word: int, device: torch.device, shared: int):
     CuPy, as the loader compiles its kernels: the same source and options) and allowed ``shared`` bytes."""
     import cupy
 
-    options = bcuda.compile_options(ENTRY, "fpe", word, shared_tables=True)
+    options = bsources.compile_options(ENTRY, "fpe", word, shared_tables=True)
     with cupy.cuda.Device(device.index):
-        module = cupy.RawModule(code=bcuda.translation_unit(), options=options)
+        module = cupy.RawModule(code=bsources.translation_unit(), options=options)
         kernel = module.get_function("buddy_fpe_lockstep_decode")
         if shared > 48 << 10:  # beyond the default a block may ask for: opt in
             kernel.max_dynamic_shared_size_bytes = shared
@@ -104,12 +105,12 @@ def time_lockstep(prep: Prepared, device: torch.device, repeats: int, warmup: in
     limits = bcuda.device_shared_memory(device, Tuning())
     if limits is None:
         raise RuntimeError(f"no shared memory figures for {device}")
-    warps = max(1, min(32, (limits.per_block - bcuda.DECODE_ROWS_BYTES) // (ENTRY + 32)))
-    shared = bcuda.DECODE_ROWS_BYTES + warps * (ENTRY + 32)
+    warps = max(1, min(32, (limits.per_block - fpe_device.DECODE_ROWS_BYTES) // (ENTRY + 32)))
+    shared = fpe_device.DECODE_ROWS_BYTES + warps * (ENTRY + 32)
     blocks = limits.sms * max(1, limits.blocks_per_sm(shared, warps))
     kernel = _lockstep_kernel(prep.word, device, shared)
     payloads, sectors = prep.payloads.to(device), prep.sectors.to(device)
-    table = bcuda.device_table(prep.table).to(device)
+    table = fpe_device.device_table(prep.table).to(device)
     out = torch.empty_like(prep.entries, device=device)
     error = torch.zeros(1, dtype=torch.int32, device=device)
     args = (np.uint64(payloads.data_ptr()), np.uint64(sectors.data_ptr()), np.int64(prep.entries.shape[0]),

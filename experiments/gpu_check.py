@@ -56,6 +56,7 @@ import torch
 
 import buddy
 from buddy.engines import cuda as bcuda
+from buddy.engines import sources as bsources
 from buddy import env, spec
 from buddy.codecs.fpe import TABLE_FORMAT
 from buddy.deps import require, require_cuda
@@ -124,7 +125,7 @@ def golden_sets(folder: Path = GOLDEN) -> list[GoldenSet]:
 
 def _backend_for(codec: str, backend: str) -> str:
     """``backend``, except for a codec without kernels when the kernels were asked for: the reference."""
-    return backend if backend != "cuda" or codec in bcuda.KERNEL_CODECS else "reference"
+    return backend if backend != "cuda" or codec in bsources.KERNEL_CODECS else "reference"
 
 
 def _case_slots(golden: GoldenSet, case: dict[str, Any]) -> Iterator[tuple[str, int, str, torch.Tensor | None]]:
@@ -215,7 +216,7 @@ def check_codecs(device: torch.device, backend: str, store: buddy.BuddyStore, ch
     for i, dtype in enumerate((torch.float32, torch.bfloat16)):
         host = _relu(numel, dtype, seed=10 + i)
         x = host.to(device)
-        for codec in bcuda.KERNEL_CODECS:
+        for codec in bsources.KERNEL_CODECS:
             name = f"{codec}/{str(dtype).removeprefix('torch.')}"
             bt = buddy.compress(x, codec=codec, store=store, backend=backend)
             ref = buddy.compress(host, codec=codec, store=store, backend="reference")
@@ -300,7 +301,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--numel", type=int, default=262_147, help="elements of the table and codec checks' tensors")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--compile-only", action="store_true", help="only compile the kernel modules (and time them)")
-    p.add_argument("--codecs", nargs="+", choices=list(bcuda.KERNEL_CODECS), default=list(bcuda.KERNEL_CODECS))
+    p.add_argument("--codecs", nargs="+", choices=list(bsources.KERNEL_CODECS), default=list(bsources.KERNEL_CODECS))
     p.add_argument("--entry-bytes", nargs="+", type=int, default=list(COMPILE_ENTRY_BYTES))
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes compiling at once")
     args = p.parse_args(argv)

@@ -1,11 +1,11 @@
 """The kernel budget of the default codec at 4 KiB entries: what each kernel costs an H100, estimated from its SASS.
 
 No GPU is needed. For each kernel of the codec (measure, pack, unpack,
-count, fit), built as the loader builds it (``buddy.engines.cuda.translation_unit``
+count, fit), built as the loader builds it (``buddy.engines.sources.translation_unit``
 and ``compile_options`` for one word size) for sm_90 with nvcc:
 
 * **resources** from ptxas (``-Xptxas -v``): registers, shared memory,
-  spills; with the launch configuration (``buddy.engines.cuda.launch_config``) they
+  spills; with the launch configuration (``buddy.engines.launch.launch_config``) they
   give the **occupancy** (resident warps per SM);
 * **instructions per entry**: the SASS (``nvdisasm``, with ``-lineinfo``)
   is cut into its loops (a backward branch closes one); each instruction
@@ -75,7 +75,8 @@ import torch
 
 import buddy
 from buddy.tracker import COUNT_EVERY, COUNT_WARMUP
-from buddy.engines import cuda as bcuda
+from buddy.engines import launch as blaunch
+from buddy.engines import sources as bsources
 from buddy import spec
 
 __all__ = ["H100", "TRIPS", "main"]
@@ -156,10 +157,10 @@ def build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[s
 
 def _build(codec: str, word: int, entry_bytes: int, folder: Path) -> tuple[dict[str, Kernel], list[str]]:
     unit = folder / "kernels.cu"
-    text = bcuda.translation_unit()
+    text = bsources.translation_unit()
     unit.write_text(text)
     cubin = folder / f"{codec}_{word}.cubin"
-    cmd = [_tool("nvcc"), "-arch=sm_90", "-lineinfo", "-Xptxas", "-v", *bcuda.compile_options(entry_bytes, codec, word, bcuda.shares_tables(codec, entry_bytes, bcuda.HOPPER)),
+    cmd = [_tool("nvcc"), "-arch=sm_90", "-lineinfo", "-Xptxas", "-v", *bsources.compile_options(entry_bytes, codec, word, blaunch.shares_tables(codec, entry_bytes, blaunch.HOPPER)),
            "-cubin", str(unit), "-o", str(cubin)]  # fmt: skip
     log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
     kernels: dict[str, Kernel] = {}
@@ -660,11 +661,11 @@ def budget(codec: str, dtype: torch.dtype, entry_bytes: int, sim: dict, folder: 
         if kern is None:
             continue
         if op == "count":
-            blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1 << 20, codec)
+            blocks, threads, shared = blaunch.launch_config(op, entry_bytes, 1 << 20, codec)
         elif op == "fit":
-            blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1, codec)
+            blocks, threads, shared = blaunch.launch_config(op, entry_bytes, 1, codec)
         else:  # on an H100 (a table codec's unpack with its table in shared memory)
-            blocks, threads, shared = bcuda.launch_config(op, entry_bytes, 1 << 20, codec, bcuda.HOPPER)
+            blocks, threads, shared = blaunch.launch_config(op, entry_bytes, 1 << 20, codec, blaunch.HOPPER)
         trips = {"grid": 1.0, "one": 1.0, "rounds16": units, "serial_words": 0.0, "none": 0.0,
                  "units": units, "gather": math.ceil(2 * k / 32), "payload": math.ceil(2 * k / 32),
                  "unit_words": units * 16 // word, "bpc_chunks": sim["bpc_chunks"], "fpx_words": units,
@@ -925,7 +926,7 @@ EXPLAINED = """## What bounds the kernels
 * **Unpack's table in shared memory.** So unpack copies the table's decode rows (32 of its 40 KiB; the encode
   entries, which the decoder reads only to check an escape, stay in global memory) into each block's shared memory
   before the warps' staging: on an H100 one block of 24 warps an SM (23 when the whole table was copied), as many
-  blocks as stay resident, their warps striding over the entries (`buddy.engines.cuda.launch_config`,
+  blocks as stay resident, their warps striding over the entries (`buddy.engines.launch.launch_config`,
   `shared_table_layout`; `Tuning(shared_tables=False)` keeps the table in global memory, and the runbook's bench and ncu
   time both). Its instructions changed little (4,824 -> 4,677 an entry for float32, 7,437 -> 7,293 for bfloat16:
   shared addresses are 32-bit); what it removed is waiting. The third run measured it: 138 / 239 us at 64 MiB
@@ -987,9 +988,9 @@ The decoder (unpack):
   4 KiB entries;
 * only the table's decode rows copied into shared memory (24 warps an SM, not yet run on a GPU);
 * a warp's copies and fills with 16-byte loads and stores alone: every buffer a kernel is given is 16-byte aligned
-  (`buddy.engines.cuda` checks the tensor's and the overflow's and allocates the rest), so their 8-byte path,
-  compiled into every kernel, never ran (4,131 -> 3,958 and 6,329 -> 6,127; pack 2,344 -> 2,235 and 3,549 ->
-  3,430, float32's in 48 registers, not 54: 40 warps an SM where 32 were);
+  (`buddy.engines.kernels` checks the tensor's and the overflow's and the engine allocates the rest), so their
+  8-byte path, compiled into every kernel, never ran (4,131 -> 3,958 and 6,329 -> 6,127; pack 2,344 -> 2,235 and
+  3,549 -> 3,430, float32's in 48 registers, not 54: 40 warps an SM where 32 were);
 * whether a lane must resynchronize checked before the loop of rounds, not in it: the loop runs only on the rounds
   that resynchronize, 0.2-0.3 an entry (3,958 -> 3,858 and 6,127 -> 6,028).
 
@@ -1228,7 +1229,7 @@ def render_measured(measured: dict, rows: list[dict], where: str) -> list[str]:
 def main(argv=None) -> str:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--codec", default="auto2", choices=sorted(bcuda.TABLED_KERNELS))
+    p.add_argument("--codec", default="auto2", choices=sorted(bsources.TABLED_KERNELS))
     p.add_argument("--entry-bytes", type=int, default=spec.DEFAULT_ENTRY_BYTES)
     p.add_argument("--sample", type=int, default=200, help="coded entries simulated per dtype")
     p.add_argument("--cache", type=Path, default=None, help="captures kept here between runs (as decide's)")

@@ -3,8 +3,8 @@
 ``buddy.engines.cuda`` compiles one module per (codec, entry size, device
 architecture) through CuPy's NVRTC the first time it launches a kernel of it.
 NVRTC itself needs no GPU, so this script compiles exactly those modules --
-the same translation unit and options (:func:`buddy.engines.cuda.translation_unit`,
-:func:`buddy.engines.cuda.compile_options`), for ``--arch`` -- on any machine with
+the same translation unit and options (:func:`buddy.engines.sources.translation_unit`,
+:func:`buddy.engines.sources.compile_options`), for ``--arch`` -- on any machine with
 NVRTC's library, and prints the seconds and the size of the cubin. The
 numbers size the GPU session's phases (``experiments/README.md``).
 
@@ -34,7 +34,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from buddy.engines import cuda as bcuda
+from buddy.engines import sources as bsources
 from buddy import env
 
 __all__ = ["find_nvrtc", "compile_seconds", "main"]
@@ -100,15 +100,15 @@ class _Nvrtc:
 
 def compile_seconds(nvrtc: _Nvrtc, codec: str, entry_bytes: int, arch: str) -> dict[str, Any]:
     """One module as :mod:`buddy.engines.cuda` builds it: ``{"codec", "entry_bytes", "seconds", "cubin_bytes"}``."""
-    options = [*bcuda.compile_options(entry_bytes, codec), f"-arch={arch}"]
+    options = [*bsources.compile_options(entry_bytes, codec), f"-arch={arch}"]
     start = time.perf_counter()
-    cubin = nvrtc.compile(bcuda.translation_unit(), options)
+    cubin = nvrtc.compile(bsources.translation_unit(), options)
     return {"codec": codec, "entry_bytes": entry_bytes, "seconds": time.perf_counter() - start, "cubin_bytes": cubin}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="nvrtc_time", description=__doc__.split("\n\n")[0])
-    p.add_argument("--codecs", nargs="+", default=list(bcuda.KERNEL_CODECS), choices=list(bcuda.KERNEL_CODECS))
+    p.add_argument("--codecs", nargs="+", default=list(bsources.KERNEL_CODECS), choices=list(bsources.KERNEL_CODECS))
     p.add_argument("--entry-bytes", nargs="+", type=int, default=[512, 4096])
     p.add_argument("--arch", default="sm_90", help="target architecture (H100 and H200: sm_90)")
     p.add_argument("--jobs", type=int, default=1, help="modules compiled at once (threads; NVRTC releases the GIL)")

@@ -2,8 +2,8 @@
 
 The sources are compiled unchanged by g++ through a CUDA shim
 (``cuda_shim.h``) with the defines the loader gives NVRTC
-(:func:`buddy.engines.cuda.compile_options`: one module per codec, entry size and
-word size, the word size a launch's last argument), and run by the emulator's driver
+(:func:`buddy.engines.sources.compile_options`: one module per codec, entry size
+and word size, the word size a launch's last argument), and run by the emulator's driver
 (``runtime.cpp``): every thread of a block a fiber, a seeded random order
 between synchronisation points, blocks one after another. Two builds:
 
@@ -16,9 +16,9 @@ between synchronisation points, blocks one after another. Two builds:
   dynamic shared buffer, the static ``__shared__`` arrays) or undefined
   behaviour aborts.
 
-:class:`Emulator` is a ``launch=`` for :class:`buddy.engines.cuda.Kernels` and
-:class:`buddy.engines.cuda.CudaEngine`: it launches a kernel with the grid, block and
-shared memory of :func:`buddy.engines.cuda.launch_config` on an H100 (optionally fewer blocks,
+:class:`Emulator` is a ``launch=`` for :class:`buddy.engines.kernels.Kernels` and
+:class:`buddy.engines.kernel_engine.KernelEngine`: it launches a kernel with the grid,
+block and shared memory of :func:`buddy.engines.launch.launch_config` on an H100 (optionally fewer blocks,
 so the warps' grid-stride loops loop), on exactly-sized copies of the
 arguments, several schedules each, and copies the results back. Any report
 raises :class:`EmulatorError` with the emulator's text.
@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from buddy import spec as buddy_spec
-from buddy.engines import cuda as bcuda
+from buddy.engines import launch as blaunch
+from buddy.engines import sources as bsources
 from buddy.engines.tuning import Tuning, current
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,18 +185,18 @@ def build(kind: str, entry_bytes: int, *, csrc: Path = CSRC, codec: str = "all",
           pack_fields: bool = False) -> Path:  # fmt: skip
     """The emulator binary of ``kind`` (``"tsan"``/``"asan"``) for the kernels of ``csrc`` at this entry size.
 
-    Compiled with ``buddy.engines.cuda.compile_options(entry_bytes, codec, word_bytes, shared_tables,
+    Compiled with ``buddy.engines.sources.compile_options(entry_bytes, codec, word_bytes, shared_tables,
     pack_fields)``: with a word size, the module of that word size alone, as the loader compiles it; a table
     codec's unpack with its table in shared memory where an H100's would hold it
-    (:data:`buddy.engines.cuda.HOPPER`: every entry size), and its pack with its table of whole fields there where
+    (:data:`buddy.engines.launch.HOPPER`: every entry size), and its pack with its table of whole fields there where
     ``pack_fields`` (:attr:`buddy.engines.tuning.Tuning.pack_fields`), as :class:`Emulator` launches it; cached by the hash of every source, the options and
     the compiler.
     """
     if kind not in BUILDS:
         raise ValueError(f"kind must be one of {BUILDS}, got {kind!r}")
-    shared_tables = bcuda.shared_table_layout(entry_bytes, bcuda.HOPPER) is not None
+    shared_tables = blaunch.shared_table_layout(entry_bytes, blaunch.HOPPER) is not None
     fields = shared_tables and pack_fields  # pack's table of whole fields, as the loader compiles it
-    options = list(bcuda.compile_options(entry_bytes, codec, word_bytes, shared_tables, fields))
+    options = list(bsources.compile_options(entry_bytes, codec, word_bytes, shared_tables, fields))
     kernels = ["g++", *options, *_FLAGS, *_SANITIZE[kind], f"-I{csrc}", f"-I{SOURCES}", f"-I{HOST}", "-c"]
     # the sources' text, not their folder: a copy elsewhere (a mutation test's, another session's) is the same build
     trees = (_tree(Path(csrc)), _tree(SOURCES), _tree(HOST))
@@ -239,7 +240,7 @@ def kernel_parameters(csrc: Path = CSRC) -> dict[str, list[Param]]:
 def _parameters(key: str, csrc: str) -> dict[str, list[Param]]:
     """:func:`kernel_parameters` of the sources in ``csrc`` whose text hashes to ``key``."""
     expanded = subprocess.run(
-        ["g++", "-E", "-P", "-x", "c++", *bcuda.compile_options(128, "all"), f"-I{csrc}", "-"],
+        ["g++", "-E", "-P", "-x", "c++", *bsources.compile_options(128, "all"), f"-I{csrc}", "-"],
         input='#include "buddy_kernels.cu"\n',
         capture_output=True,
         text=True,
@@ -270,7 +271,8 @@ def role(param: Param) -> str:
 # launches
 # ---------------------------------------------------------------------------
 class Emulator:
-    """A ``launch=`` for :class:`buddy.engines.cuda.Kernels` / :class:`buddy.engines.cuda.CudaEngine` that runs the emulator.
+    """A ``launch=`` for :class:`buddy.engines.kernels.Kernels` / :class:`buddy.engines.kernel_engine.KernelEngine`
+    that runs the emulator.
 
     ``kind``: the build; ``seed``, ``schedules``: schedule ``s`` of a launch uses
     the random stream of ``seed + s`` (each launch advances ``seed``);
@@ -314,9 +316,9 @@ class Emulator:
     def __call__(self, codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple,
                  tuning: Tuning | None = None) -> None:  # fmt: skip
         tuning = current() if tuning is None else tuning
-        fields = bcuda.shares_tables(codec, entry_bytes, bcuda.HOPPER) and tuning.pack_fields
+        fields = blaunch.shares_tables(codec, entry_bytes, blaunch.HOPPER) and tuning.pack_fields
         warps = tuning.unpack_warps
-        blocks, threads, shared = bcuda.launch_config(op, entry_bytes, n_entries, codec, bcuda.HOPPER, fields, warps)
+        blocks, threads, shared = blaunch.launch_config(op, entry_bytes, n_entries, codec, blaunch.HOPPER, fields, warps)
         if self.max_blocks is not None:
             blocks = min(blocks, self.max_blocks)
         if op == "pack" and args[5].numel():

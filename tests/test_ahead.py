@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 import buddy
 from buddy import engines, pipeline
 from buddy.engines import cuda as bcuda
+from buddy.engines import sources as bsources
 from experiments.operators import OperatorCount
 
 pytestmark = [
@@ -400,18 +401,20 @@ def test_checksums_size_every_tensor_first():
 
 
 def test_one_engine_class_runs_every_device_its_launcher_passed_in():
-    """The native engine of the CPU is the CUDA engine's class with the native build's launcher: the host's work per
+    """The native engine of the CPU and the CUDA engine are one class with another launcher each: the host's work per
     tensor (checks, allocations, launches, reads) is one code on every device; only the launcher differs."""
     from buddy.engines import native
+    from buddy.engines.kernel_engine import KernelEngine
 
     cpu = buddy.dispatch.engine(buddy.get_codec("auto2"), "cpu")
-    assert type(cpu) is bcuda.CudaEngine and cpu.backend == "native"
+    assert type(cpu) is KernelEngine and cpu.backend == "native"
     assert cpu.kernels.launcher is native.launch and cpu.kernels.device_type == "cpu"
     on_gpu = bcuda.CudaEngine(buddy.get_codec("auto2"))  # (made without a GPU: nothing launched)
     assert type(on_gpu) is type(cpu) and on_gpu.kernels.launcher is bcuda._launch
     assert on_gpu.kernels.device_type == "cuda"
-    # the native engine is no class of its own (no method of the CPU's that a GPU does not run): a factory
-    assert not isinstance(native.NativeEngine, type) and type(native.NativeEngine(cpu.codec)) is bcuda.CudaEngine
+    # neither engine is a class of its own (no method of the CPU's that a GPU does not run): factories
+    for factory in (native.NativeEngine, bcuda.CudaEngine):
+        assert not isinstance(factory, type) and type(factory(cpu.codec)) is KernelEngine
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool, torch.complex64]
@@ -419,7 +422,7 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint
 
 @fuzz_settings(0.5)
 @given(
-    codec=st.sampled_from(sorted(bcuda.KERNEL_CODECS)),
+    codec=st.sampled_from(sorted(bsources.KERNEL_CODECS)),
     dtype=st.sampled_from(_DTYPES),
     kind=st.sampled_from(DATA_KINDS),
     numel=st.integers(1, 3000),

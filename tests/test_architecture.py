@@ -133,7 +133,7 @@ def test_the_checker_sees_every_kind_of_import():
     assert "buddy.engines" in graph["buddy.engines.reference"]  # from . import Engine, ...
     assert "buddy" in graph["buddy.env"]  # a function-level ``from . import __version__``
     assert "buddy.codecs.base" not in graph["buddy.format"]  # under TYPE_CHECKING
-    assert "buddy.codecs" in graph["buddy.engines.cuda"]  # from ..codecs.auto import ...: runs codecs/__init__
+    assert "buddy.codecs" in graph["buddy.engines.kernel_engine"]  # from ..codecs.auto import ...: runs codecs/__init__
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
@@ -144,18 +144,18 @@ def test_no_import_cycle():
 
 
 def test_the_kernel_lists_agree_with_the_kernels_source():
-    """The kernel codecs are listed once in Python (buddy.engines.cuda) and once in C++ (csrc/): the two agree."""
+    """The kernel codecs are listed once in Python (buddy.engines.sources) and once in C++ (csrc/): the two agree."""
     from buddy import selftest
     from buddy.codecs.auto import AUTO_MEMBERS
-    from buddy.engines import cuda
+    from buddy.engines import sources
 
     source = (ROOT / "csrc" / "buddy_kernels.cu").read_text()
     kernels = re.findall(r"^BUDDY_FORMAT_KERNELS\((\w+),", source, re.M)
     fitted = re.findall(r"^BUDDY_FIT_KERNELS\((\w+)\)", source, re.M)
-    assert kernels == list(cuda.KERNEL_CODECS)
-    assert set(fitted) == cuda.TABLED_KERNELS == {"fpe", "auto2"}
-    assert set(selftest.SOURCES) == set(cuda.KERNEL_CODECS)
-    assert set(AUTO_MEMBERS) == {name for name, cls in cuda.KERNEL_CODECS.items() if cls.__name__ == "AutoCodec"}
+    assert kernels == list(sources.KERNEL_CODECS)
+    assert set(fitted) == sources.TABLED_KERNELS == {"fpe", "auto2"}
+    assert set(selftest.SOURCES) == set(sources.KERNEL_CODECS)
+    assert set(AUTO_MEMBERS) == {name for name, cls in sources.KERNEL_CODECS.items() if cls.__name__ == "AutoCodec"}
 
 
 # ---------------------------------------------------------------------------

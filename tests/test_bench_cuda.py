@@ -139,14 +139,14 @@ def test_max_blocks_times_the_cuda_kernels_again_on_a_capped_grid(gen, monkeypat
     restored after; the rows named by the cap."""
     seen = []
     monkeypatch.setattr(bench_cuda, "bench_buddy",
-                        _fake_bench(seen, lambda codec, backend: (backend, bench_cuda.buddy.engines.cuda.MAX_BLOCKS)))
+                        _fake_bench(seen, lambda codec, backend: (backend, bench_cuda.buddy.engines.launch.MAX_BLOCKS)))
     monkeypatch.setattr(bench_cuda, "check_backends_agree", lambda *a: None)
-    before = bench_cuda.buddy.engines.cuda.MAX_BLOCKS
+    before = bench_cuda.buddy.engines.launch.MAX_BLOCKS
     t = {"relu.f32": make_data("relu", 1_001, torch.float32, gen)}
     result = bench_cuda.run(t, codecs=("auto2",), backends=("cuda",), repeats=1, warmup=0, pcie=False,
                             max_blocks=(792, 1584), log=lambda line: None)  # fmt: skip
     assert seen == [("auto2", "cuda", before), ("auto2", "cuda", 792), ("auto2", "cuda", 1584)]
-    assert bench_cuda.buddy.engines.cuda.MAX_BLOCKS == before
+    assert bench_cuda.buddy.engines.launch.MAX_BLOCKS == before
     methods = [r["method"] for r in result["rows"]]
     assert methods == ["memcpy", "buddy:auto2/cuda", "buddy:auto2/cuda+blocks<=792", "buddy:auto2/cuda+blocks<=1584"]
     assert [r.get("max_blocks") for r in result["rows"]] == [None, None, 792, 1584]

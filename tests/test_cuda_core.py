@@ -33,6 +33,10 @@ from test_device_codecs import device_fit, run_tensor, tensor_ends, tensor_measu
 import buddy
 import buddy.engines.tuning
 from buddy.engines import cuda as bcuda
+from buddy.codecs import fpe_device
+from buddy.engines import kernels as bkernels
+from buddy.engines import launch as blaunch
+from buddy.engines import sources as bsources
 from buddy.engines.tuning import Tuning
 from buddy import spec
 from buddy.codecs.fpe import n_symbols
@@ -54,100 +58,104 @@ def _defines(entry_bytes: int) -> list[str]:
 # sources: what the loader compiles
 # ---------------------------------------------------------------------------
 def test_translation_unit_inlines_local_headers():
-    tu = bcuda.translation_unit()
+    tu = bsources.translation_unit()
     assert '#include "' not in tu and "#pragma once" not in tu
     headers = ("buddy_format.h", "buddy_device.h", "buddy_warp.h", "buddy_entry.h", "buddy_ops.h")
     codecs = ("codec_zvc.h", "codec_fpx.h", "codec_bpc.h", "codec_auto.h", "codec_fpe.h", "codec_auto2.h")
     for header in (*headers, *codecs):
         assert tu.count(f"// ---- begin {header}") == 1, header
-    assert bcuda.read_source("buddy_kernels.cu") == (CSRC / "buddy_kernels.cu").read_text()
+    assert bsources.read_source("buddy_kernels.cu") == (CSRC / "buddy_kernels.cu").read_text()
 
 
 def test_compile_options_carry_the_spec():
     for e in (32, 128, 65536):
-        opts = bcuda.compile_options(e, "fpx")
+        opts = bsources.compile_options(e, "fpx")
         assert "-std=c++17" in opts
         defines = {f"-D{k}={v}" for k, v in spec.c_defines(e).items()} | {"-DBUDDY_CODEC_FPX=1"}
         assert {o for o in opts if o.startswith("-D")} == defines
     with pytest.raises(ValueError):
-        bcuda.compile_options(100)
-    assert bcuda.compile_options(128, "fpe", 2)[-1] == "-DBUDDY_WORD_BYTES=2"
+        bsources.compile_options(100)
+    assert bsources.compile_options(128, "fpe", 2)[-1] == "-DBUDDY_WORD_BYTES=2"
     for word in (0, 3, 16):  # a module is built for the word size a launch passes last: a bad one is refused
         with pytest.raises(ValueError, match="word sizes"):
-            bcuda.compile_options(128, "fpe", word)
+            bsources.compile_options(128, "fpe", word)
 
 
 def test_launch_configuration():
     """One warp per entry; pack and unpack stage an entry per warp in shared memory (at most 32 KiB a block)."""
-    assert bcuda.launch_config("measure", 512, 1000) == (125, 256, 0)
-    assert bcuda.launch_config("pack", 512, 1000) == (125, 256, 8 * 512)
-    assert bcuda.launch_config("unpack", 4096, 1000) == (125, 256, 8 * 4096)
-    assert bcuda.launch_config("pack", 16384, 10) == (5, 64, 2 * 16384)
-    assert bcuda.launch_config("unpack", 65536, 3) == (3, 32, 65536)  # one warp: 64 KiB, the loader opts in
+    assert blaunch.launch_config("measure", 512, 1000) == (125, 256, 0)
+    assert blaunch.launch_config("pack", 512, 1000) == (125, 256, 8 * 512)
+    assert blaunch.launch_config("unpack", 4096, 1000) == (125, 256, 8 * 4096)
+    assert blaunch.launch_config("pack", 16384, 10) == (5, 64, 2 * 16384)
+    assert blaunch.launch_config("unpack", 65536, 3) == (3, 32, 65536)  # one warp: 64 KiB, the loader opts in
     # the table codecs decode into shared memory too: 2 E a warp
-    assert bcuda.launch_config("unpack", 4096, 1000, "fpe") == (250, 128, 4 * 2 * 4096)
-    assert bcuda.launch_config("unpack", 512, 1000, "auto2") == (125, 256, 8 * 2 * 512)
-    assert bcuda.launch_config("pack", 4096, 1000, "auto2") == bcuda.launch_config("pack", 4096, 1000)
-    assert bcuda.launch_config("measure", 128, 0) == (1, 256, 0)
-    assert bcuda.launch_config("measure", 32, 10**12)[0] == bcuda.MAX_BLOCKS  # warps stride over the rest
+    assert blaunch.launch_config("unpack", 4096, 1000, "fpe") == (250, 128, 4 * 2 * 4096)
+    assert blaunch.launch_config("unpack", 512, 1000, "auto2") == (125, 256, 8 * 2 * 512)
+    assert blaunch.launch_config("pack", 4096, 1000, "auto2") == blaunch.launch_config("pack", 4096, 1000)
+    assert blaunch.launch_config("measure", 128, 0) == (1, 256, 0)
+    assert blaunch.launch_config("measure", 32, 10**12)[0] == blaunch.MAX_BLOCKS  # warps stride over the rest
 
 
 def test_launch_configuration_with_the_table_in_shared_memory():
     """Given a device's shared memory, a table codec's unpack gives each block the table's decode rows before its
     warps' staging, its pack the table of whole fields: the most warps an SM (unpack), as many blocks as stay
     resident (their warps stride over the rest)."""
-    table = bcuda.DECODE_ROWS_BYTES
-    assert table % 16 == 0 and table < bcuda.DEVICE_TABLE_BYTES  # (the table's first bytes; its enc stays out)
+    table = fpe_device.DECODE_ROWS_BYTES
+    assert table % 16 == 0 and table < fpe_device.DEVICE_TABLE_BYTES  # (the table's first bytes; its enc stays out)
     # an H100: one block of 24 warps an SM at 4 KiB (the whole table would leave room for 23); 132 blocks however
     # many entries
-    assert bcuda.shared_table_layout(4096, bcuda.HOPPER) == (24, 1)
-    assert bcuda.launch_config("unpack", 4096, 10**6, "auto2", bcuda.HOPPER) == (132, 768, table + 24 * 2 * 4096)
-    assert bcuda.launch_config("unpack", 4096, 50, "fpe", bcuda.HOPPER) == (3, 768, table + 24 * 2 * 4096)
-    assert bcuda.launch_config("unpack", 512, 10**6, "fpe", bcuda.HOPPER)[1] == 8 * 32  # small entries: 8 warps
+    assert blaunch.shared_table_layout(4096, blaunch.HOPPER) == (24, 1)
+    assert blaunch.launch_config("unpack", 4096, 10**6, "auto2", blaunch.HOPPER) == (132, 768, table + 24 * 2 * 4096)
+    assert blaunch.launch_config("unpack", 4096, 50, "fpe", blaunch.HOPPER) == (3, 768, table + 24 * 2 * 4096)
+    assert blaunch.launch_config("unpack", 512, 10**6, "fpe", blaunch.HOPPER)[1] == 8 * 32  # small entries: 8 warps
     for e in (32, 1024, 8192, 65536):  # every entry size fits an H100, within its limits
-        warps, per_sm = bcuda.shared_table_layout(e, bcuda.HOPPER)
+        warps, per_sm = blaunch.shared_table_layout(e, blaunch.HOPPER)
         block = table + warps * 2 * e
-        assert block <= bcuda.HOPPER.per_block and per_sm * (block + 1024) <= bcuda.HOPPER.per_sm, e
+        assert block <= blaunch.HOPPER.per_block and per_sm * (block + 1024) <= blaunch.HOPPER.per_sm, e
         assert warps <= (24 if e >= 4096 else 8) and warps * per_sm <= 64
     # at most so many warps an SM (BUDDY_UNPACK_WARPS): the most that fit under the cap, the larger blocks on a tie
-    assert [bcuda.shared_table_layout(4096, bcuda.HOPPER, n) for n in (1, 8, 12, 16, 20, 24, 64)] == [
+    assert [blaunch.shared_table_layout(4096, blaunch.HOPPER, n) for n in (1, 8, 12, 16, 20, 24, 64)] == [
         (1, 1), (8, 1), (12, 1), (16, 1), (20, 1), (24, 1), (24, 1)]  # fmt: skip
-    assert bcuda.shared_table_layout(512, bcuda.HOPPER, 20) == (5, 4)  # blocks of 8 would make 16
-    assert bcuda.launch_config("unpack", 4096, 10**6, "auto2", bcuda.HOPPER, unpack_warps=16) == (
+    assert blaunch.shared_table_layout(512, blaunch.HOPPER, 20) == (5, 4)  # blocks of 8 would make 16
+    assert blaunch.launch_config("unpack", 4096, 10**6, "auto2", blaunch.HOPPER, unpack_warps=16) == (
         132, 512, table + 16 * 2 * 4096)  # fmt: skip
-    assert bcuda.launch_config("pack", 4096, 10**6, "auto2", bcuda.HOPPER, unpack_warps=16) == bcuda.launch_config(
-        "pack", 4096, 10**6, "auto2", bcuda.HOPPER)  # fmt: skip
+    assert blaunch.launch_config("pack", 4096, 10**6, "auto2", blaunch.HOPPER, unpack_warps=16) == blaunch.launch_config(
+        "pack", 4096, 10**6, "auto2", blaunch.HOPPER)  # fmt: skip
     # pack, asked for its fields (BUDDY_PACK_FIELDS=1): the table of whole fields before the warps' staging, its
     # warps as before, the resident blocks looping; by default its table in global memory, as without a device
-    fields, hop = bcuda.FIELDS_BYTES, bcuda.HOPPER
-    assert bcuda.launch_config("pack", 4096, 10**6, "fpe", hop, True) == (132 * 4, 256, fields + 8 * 4096)
-    assert bcuda.launch_config("pack", 4096, 1000, "auto2", hop, True) == (125, 256, fields + 8 * 4096)
-    assert bcuda.launch_config("pack", 65536, 1000, "fpe", hop, True) == (264, 32, fields + 65536)
-    assert bcuda.launch_config("pack", 4096, 10**6, "fpe", hop) == bcuda.launch_config("pack", 4096, 10**6, "fpe")
+    fields, hop = fpe_device.FIELDS_BYTES, blaunch.HOPPER
+    assert blaunch.launch_config("pack", 4096, 10**6, "fpe", hop, True) == (132 * 4, 256, fields + 8 * 4096)
+    assert blaunch.launch_config("pack", 4096, 1000, "auto2", hop, True) == (125, 256, fields + 8 * 4096)
+    assert blaunch.launch_config("pack", 65536, 1000, "fpe", hop, True) == (264, 32, fields + 65536)
+    assert blaunch.launch_config("pack", 4096, 10**6, "fpe", hop) == blaunch.launch_config("pack", 4096, 10**6, "fpe")
     # the other codecs and ops, and no device given: as before
-    assert bcuda.launch_config("unpack", 4096, 1000, "zvc", bcuda.HOPPER) == bcuda.launch_config("unpack", 4096, 1000)
-    assert bcuda.launch_config("pack", 4096, 1000, "zvc", bcuda.HOPPER) == bcuda.launch_config("pack", 4096, 1000)
-    assert bcuda.launch_config("measure", 4096, 1000, "fpe", bcuda.HOPPER) == bcuda.launch_config("measure", 4096, 1000)
+    assert blaunch.launch_config("unpack", 4096, 1000, "zvc", blaunch.HOPPER) == blaunch.launch_config(
+        "unpack", 4096, 1000
+    )
+    assert blaunch.launch_config("pack", 4096, 1000, "zvc", blaunch.HOPPER) == blaunch.launch_config("pack", 4096, 1000)
+    assert blaunch.launch_config("measure", 4096, 1000, "fpe", blaunch.HOPPER) == blaunch.launch_config(
+        "measure", 4096, 1000
+    )
     # a device whose block cannot hold the rows and one warp's 128 KiB (99 KiB a block, as sm_86's): the table
     # stays in global memory; an A100's 163 KiB hold them (the whole table would not: 40 KiB)
-    small = bcuda.SharedMemory(sms=84, per_block=99 << 10, per_sm=100 << 10)
-    assert bcuda.shared_table_layout(65536, small) is None
-    assert bcuda.launch_config("unpack", 65536, 3, "fpe", small) == bcuda.launch_config("unpack", 65536, 3, "fpe")
-    a100 = bcuda.SharedMemory(sms=108, per_block=163 << 10, per_sm=164 << 10)
-    assert bcuda.shared_table_layout(65536, a100) == (1, 1) and bcuda.DEVICE_TABLE_BYTES + 2 * 65536 > 163 << 10
-    assert bcuda.compile_options(4096, "fpe", 4, shared_tables=True)[-1] == "-DBUDDY_SHARED_TABLES=1"
+    small = blaunch.SharedMemory(sms=84, per_block=99 << 10, per_sm=100 << 10)
+    assert blaunch.shared_table_layout(65536, small) is None
+    assert blaunch.launch_config("unpack", 65536, 3, "fpe", small) == blaunch.launch_config("unpack", 65536, 3, "fpe")
+    a100 = blaunch.SharedMemory(sms=108, per_block=163 << 10, per_sm=164 << 10)
+    assert blaunch.shared_table_layout(65536, a100) == (1, 1) and fpe_device.DEVICE_TABLE_BYTES + 2 * 65536 > 163 << 10
+    assert bsources.compile_options(4096, "fpe", 4, shared_tables=True)[-1] == "-DBUDDY_SHARED_TABLES=1"
     both = ("-DBUDDY_SHARED_TABLES=1", "-DBUDDY_PACK_FIELDS=1")
-    assert bcuda.compile_options(4096, "fpe", 4, True, True)[-2:] == both
-    assert not any("SHARED_TABLE" in o or "PACK_FIELDS" in o for o in bcuda.compile_options(4096, "fpe", 4))
+    assert bsources.compile_options(4096, "fpe", 4, True, True)[-2:] == both
+    assert not any("SHARED_TABLE" in o or "PACK_FIELDS" in o for o in bsources.compile_options(4096, "fpe", 4))
     with pytest.raises(ValueError, match="needs shared_tables"):
-        bcuda.compile_options(4096, "fpe", 4, pack_fields=True)
+        bsources.compile_options(4096, "fpe", 4, pack_fields=True)
 
 
 @pytest.mark.parametrize(("tables", "fields", "shared", "entry_bytes"), [
-    pytest.param(True, False, bcuda.HOPPER, 4096, id="H100"),
-    pytest.param(True, True, bcuda.HOPPER, 4096, id="H100-pack_fields"),
-    pytest.param(False, False, bcuda.HOPPER, 4096, id="H100-no-shared_tables"),
-    pytest.param(True, True, bcuda.SharedMemory(108, 163 << 10, 164 << 10), 65536, id="A100-E=65536"),
+    pytest.param(True, False, blaunch.HOPPER, 4096, id="H100"),
+    pytest.param(True, True, blaunch.HOPPER, 4096, id="H100-pack_fields"),
+    pytest.param(False, False, blaunch.HOPPER, 4096, id="H100-no-shared_tables"),
+    pytest.param(True, True, blaunch.SharedMemory(108, 163 << 10, 164 << 10), 65536, id="A100-E=65536"),
 ])  # fmt: skip
 def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, tables, fields, shared, entry_bytes):
     """The loader's launch (buddy.engines.cuda._launch, CuPy faked): a table codec's kernels come from the module
@@ -176,15 +184,15 @@ def test_the_loader_compiles_and_launches_the_table_where_it_fits(monkeypatch, t
     for op in ("pack", "unpack"):
         bcuda._launch("auto2", op, entry_bytes, device, 1000, (word,), tuned)
     bcuda._launch("zvc", "unpack", entry_bytes, device, 1000, (word,), tuned)
-    in_shared = tables and bcuda.shared_table_layout(entry_bytes, shared) is not None
+    in_shared = tables and blaunch.shared_table_layout(entry_bytes, shared) is not None
     made = in_shared and fields  # pack's fields: asked for, and where the table goes into shared memory
     # (one module for all of a codec's kernels: the defines change its unpack, and its pack where asked)
     assert [a[:2] + a[5:] for a in launched] == [("pack", in_shared, made), ("unpack", in_shared, made),
                                                  ("unpack", False, False)]  # fmt: skip
     place = shared if in_shared else None
-    assert launched[0][2:5] == bcuda.launch_config("pack", entry_bytes, 1000, "auto2", place, made)
-    assert (launched[0][4] > bcuda.launch_config("pack", entry_bytes, 1000)[2]) == made  # (the fields before it)
-    assert launched[1][2:5] == bcuda.launch_config("unpack", entry_bytes, 1000, "auto2", place)
+    assert launched[0][2:5] == blaunch.launch_config("pack", entry_bytes, 1000, "auto2", place, made)
+    assert (launched[0][4] > blaunch.launch_config("pack", entry_bytes, 1000)[2]) == made  # (the fields before it)
+    assert launched[1][2:5] == blaunch.launch_config("unpack", entry_bytes, 1000, "auto2", place)
     assert in_shared == tables
 
 
@@ -206,7 +214,7 @@ def test_translation_unit_compiles_without_warnings(tmp_path, entry_bytes, codec
     loader builds a module per word size; one of all four compiles too; a table codec's unpack with its table
     in shared memory or not, and pack's table of whole fields there: ``"fields"``)."""
     unit = tmp_path / "kernels_tu.cu"
-    unit.write_text(bcuda.translation_unit())
+    unit.write_text(bsources.translation_unit())
     cmd = [
         "nvcc",
         f"-arch={arch}",
@@ -214,7 +222,7 @@ def test_translation_unit_compiles_without_warnings(tmp_path, entry_bytes, codec
         "all-warnings",
         "-Xptxas",
         "-v",
-        *bcuda.compile_options(entry_bytes, codec, word, bool(table), table == "fields"),
+        *bsources.compile_options(entry_bytes, codec, word, bool(table), table == "fields"),
     ]
     result = subprocess.run(
         [*cmd, "-c", str(unit), "-o", str(tmp_path / "k.o")], check=True, capture_output=True, text=True
@@ -241,8 +249,8 @@ def test_kernels_read_and_write_memory_by_its_own_space(tmp_path, codec, word, t
     itself, or a codec's decode rows from a copy in shared memory or from the table -- and then reads with
     generic loads (``ld.u64``), slower than either's own."""
     unit = tmp_path / "kernels_tu.cu"
-    unit.write_text(bcuda.translation_unit())
-    options = bcuda.compile_options(spec.DEFAULT_ENTRY_BYTES, codec, word, bool(table), table == "fields")
+    unit.write_text(bsources.translation_unit())
+    options = bsources.compile_options(spec.DEFAULT_ENTRY_BYTES, codec, word, bool(table), table == "fields")
     ptx = tmp_path / "k.ptx"
     subprocess.run(["nvcc", "-arch=sm_90", *options, "-ptx", str(unit), "-o", str(ptx)], check=True, timeout=900)
     text = ptx.read_text()
@@ -261,12 +269,12 @@ def test_table_codecs_unpack_within_64_registers(tmp_path, word, table):
     thread, no spills; and every codec's pack (its launch bounds: 4 blocks of 8 warps an SM), and its measure within
     48 (5 blocks)."""
     unit = tmp_path / "kernels_tu.cu"
-    unit.write_text(bcuda.translation_unit())
-    options = bcuda.compile_options(spec.DEFAULT_ENTRY_BYTES, "all", word, table)
+    unit.write_text(bsources.translation_unit())
+    options = bsources.compile_options(spec.DEFAULT_ENTRY_BYTES, "all", word, table)
     cmd = ["nvcc", "-arch=sm_90", "-Xptxas", "-v", *options, "-cubin", str(unit), "-o", str(tmp_path / "k.cubin")]
     log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
     wanted = [(c, "unpack", 64) for c in ("fpe", "auto2")]
-    wanted += [(c, op, most) for c in bcuda.KERNEL_CODECS for op, most in (("pack", 64), ("measure", 48))]
+    wanted += [(c, op, most) for c in bsources.KERNEL_CODECS for op, most in (("pack", 64), ("measure", 48))]
     for codec, op, most in wanted:
         found = re.search(rf"entry function 'buddy_{codec}_{op}'.*?\n.*?(\d+) bytes spill stores.*?\n.*?Used (\d+) registers",
                           log, re.S)  # fmt: skip
@@ -307,9 +315,9 @@ def test_nvrtc_compiles_translation_unit():
     size = ctypes.c_size_t()
     for e in (32, 128, 65536):
         prog = ctypes.c_void_p()
-        source = bcuda.translation_unit().encode()
+        source = bsources.translation_unit().encode()
         assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source, b"buddy_kernels.cu", 0, None, None) == 0
-        options = [o.encode() for o in (*bcuda.compile_options(e, "all"), "-arch=compute_80")]
+        options = [o.encode() for o in (*bsources.compile_options(e, "all"), "-arch=compute_80")]
         result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
         nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value)
@@ -319,7 +327,7 @@ def test_nvrtc_compiles_translation_unit():
         ptx = ctypes.create_string_buffer(size.value)
         nvrtc.nvrtcGetPTX(prog, ptx)
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
-        for codec in bcuda.KERNEL_CODECS:
+        for codec in bsources.KERNEL_CODECS:
             for op in ("measure", "ends", "sizes", "pack", "unpack"):
                 assert f".entry buddy_{codec}_{op}(".encode() in ptx.value
 
@@ -328,7 +336,7 @@ def test_nvrtc_compiles_translation_unit():
 # argument checks of the launchers (they run before any launch, on any device)
 # ---------------------------------------------------------------------------
 def test_launchers_reject_cpu_tensors():
-    kernels = bcuda.Kernels("zvc")
+    kernels = bkernels.Kernels("zvc", launch=bcuda.LAUNCHER)
     b = torch.zeros(4 * 128, dtype=torch.uint8)
     tail, meta, hist = (
         torch.zeros(128, dtype=torch.uint8),
@@ -345,7 +353,7 @@ def test_launchers_reject_cpu_tensors():
 def test_launcher_checks_name_each_problem():
     """Run with the CPU as the kernels' device: every check, no launch."""
     launched = []
-    kernels = bcuda.Kernels("zvc", launch=lambda *a: launched.append(a), device_type="cpu")
+    kernels = bkernels.Kernels("zvc", launch=lambda *a: launched.append(a), device_type="cpu")
     e, n = 128, 4
     b, tail = torch.zeros(n * e, dtype=torch.uint8), torch.zeros(e, dtype=torch.uint8)
     meta, hist = torch.zeros(n, dtype=torch.uint8), torch.zeros(5, dtype=torch.int64)
@@ -377,7 +385,7 @@ def test_launcher_checks_name_each_problem():
 
 def test_tensor_check_names_each_problem():
     cpu = torch.device("cpu")
-    check = bcuda._check_tensor
+    check = bkernels.check_tensor
     good = torch.zeros(8, 128, dtype=torch.uint8)
     check("x", good, device=cpu, dtype=torch.uint8, shape=(8, 128))
     with pytest.raises(ValueError, match="must be torch.int32"):
@@ -398,22 +406,22 @@ def test_tensor_check_names_each_problem():
 
 def test_table_sizes_agree_with_the_sources():
     """The buffer sizes the loader allocates for the table kernels are the sources' (static_asserts hold them there)."""
-    fit = bcuda.read_source("codec_fpe_fit.h")
-    assert int(re.search(r"#define BUDDY_FPE_FIT_WORK_BYTES (\d+)u", fit).group(1)) == bcuda.FIT_WORK_BYTES
-    assert bcuda.FIT_SERIAL_BYTES == 4 + 3 * (255 + 2) == 775
-    fpe_h = bcuda.read_source("codec_fpe.h")
+    fit = bsources.read_source("codec_fpe_fit.h")
+    assert int(re.search(r"#define BUDDY_FPE_FIT_WORK_BYTES (\d+)u", fit).group(1)) == fpe_device.FIT_WORK_BYTES
+    assert fpe_device.FIT_SERIAL_BYTES == 4 + 3 * (255 + 2) == 775
+    fpe_h = bsources.read_source("codec_fpe.h")
     assert "8u * BUDDY_FPE_ROWS + 2u * BUDDY_FPE_SYMBOLS + 12u" in fpe_h
-    assert bcuda.DEVICE_TABLE_BYTES == 8 * 4096 + 2 * 4098 + 12
+    assert fpe_device.DEVICE_TABLE_BYTES == 8 * 4096 + 2 * 4098 + 12
     # pack's table of whole fields in shared memory: a word a symbol of 12 bits and a zero word's, to 16 bytes
-    assert int(re.search(r"FIELDS_BYTES = (\d+)u;", fpe_h).group(1)) == bcuda.FIELDS_BYTES == 16400
-    assert bcuda.FIELDS_BYTES % 16 == 0 and bcuda.FIELDS_BYTES >= 4 * (4096 + 1)
+    assert int(re.search(r"FIELDS_BYTES = (\d+)u;", fpe_h).group(1)) == fpe_device.FIELDS_BYTES == 16400
+    assert fpe_device.FIELDS_BYTES % 16 == 0 and fpe_device.FIELDS_BYTES >= 4 * (4096 + 1)
 
 
 def test_codecs_with_kernels():
     """The kernels' table rows decide which codec objects they run: their factory refuses any other."""
-    assert set(bcuda.KERNEL_CODECS) == {"zvc", "fpx", "bpc", "auto", "fpe", "auto2"}
+    assert set(bsources.KERNEL_CODECS) == {"zvc", "fpx", "bpc", "auto", "fpe", "auto2"}
     rows = {row.codec: row for row in bcuda.rows()}
-    assert set(rows) == set(bcuda.KERNEL_CODECS)
+    assert set(rows) == set(bsources.KERNEL_CODECS)
     for name, row in rows.items():
         assert row.factory(buddy.get_codec(name)).codec is buddy.get_codec(name)
     with pytest.raises(ValueError, match="has no CUDA kernels"):
@@ -449,7 +457,8 @@ def _check_launch(sigs, name: str, args: tuple) -> None:
 
 
 class HostKernels:
-    """Runs each launch of buddy.engines.cuda's kernels in the host harness, on CPU tensors; records the launches."""
+    """Runs each launch of the kernels' glue (buddy.engines.kernels) in the host harness, on CPU tensors; records
+    the launches."""
 
     def __init__(self, host_exe, tmp_path):
         self.host_exe, self.tmp_path = host_exe, tmp_path
@@ -514,21 +523,21 @@ def emulated_gpu(host_exe, tmp_path):
     """The CUDA engine for CPU tensors, each launch run by the host harness, registered as "cuda" on the CPU.
 
     Selected through the public registry (``backend="cuda"`` on a CPU tensor
-    then runs the real glue of :mod:`buddy.engines.cuda`). Every launch's arguments
+    then runs the real glue of :mod:`buddy.engines.kernels`). Every launch's arguments
     are checked against the kernel's C signature.
     """
     kernels = HostKernels(host_exe, tmp_path)
     engine = functools.partial(bcuda.CudaEngine, launch=kernels, device_type="cpu")
-    for name in bcuda.KERNEL_CODECS:
+    for name in bsources.KERNEL_CODECS:
         buddy.dispatch.register(name, "cpu", "cuda", engine)
     yield kernels
-    for name in bcuda.KERNEL_CODECS:
+    for name in bsources.KERNEL_CODECS:
         buddy.dispatch.unregister(name, "cpu", "cuda")
 
 
 def test_kernel_signatures_parsed():
     sigs = _kernel_signatures()
-    for codec in bcuda.KERNEL_CODECS:
+    for codec in bsources.KERNEL_CODECS:
         # the last pointer: the codec's device table (null for a codec without one)
         assert sigs[f"buddy_{codec}_measure"] == [
             "uint8_t*", "uint8_t*", "long long", "long long", "uint8_t*", "unsigned long long*", "uint8_t*", "int",
@@ -604,16 +613,16 @@ def test_each_launch_passes_its_word_size_last(word, weighted):
     """What :func:`buddy.engines.cuda._launch` reads as the word size is the layout's, for every kernel (the fit's
     ``weighted`` flag, 0 or 1, once stood there)."""
     launched = []
-    kernels = bcuda.Kernels("fpe", launch=lambda *a: launched.append(a), device_type="cpu")
+    kernels = bkernels.Kernels("fpe", launch=lambda *a: launched.append(a), device_type="cpu")
     e, n = 128, 4
     layout = Layout(e, n * e, word)
     data, tail = torch.zeros(n * e, dtype=torch.uint8), torch.zeros(e, dtype=torch.uint8)
     meta, hist = torch.zeros(layout.meta_bytes, dtype=torch.uint8), torch.zeros(layout.bins, dtype=torch.int64)
-    table = torch.zeros(bcuda.DEVICE_TABLE_BYTES, dtype=torch.uint8)
+    table = torch.zeros(fpe_device.DEVICE_TABLE_BYTES, dtype=torch.uint8)
     counts = torch.zeros(n_symbols(word), dtype=torch.int64)
     kernels.count(layout, data, tail, counts)
-    kernels.fit(layout, counts, torch.zeros(bcuda.FIT_WORK_BYTES, dtype=torch.uint8), table,
-                torch.zeros(bcuda.FIT_SERIAL_BYTES, dtype=torch.uint8), weighted=weighted)  # fmt: skip
+    kernels.fit(layout, counts, torch.zeros(fpe_device.FIT_WORK_BYTES, dtype=torch.uint8), table,
+                torch.zeros(fpe_device.FIT_SERIAL_BYTES, dtype=torch.uint8), weighted=weighted)  # fmt: skip
     kernels.measure(layout, data, tail, meta, hist, table)
     ends, slots = torch.zeros(n, dtype=torch.int64), torch.zeros(n * 32, dtype=torch.uint8)
     kernels.ends(layout, meta, 1, ends)
@@ -635,7 +644,7 @@ def test_the_count_kernel_matches_or_takes_ballots_by_word_size(match, word, agg
     unless the tuning's ``count_match`` says True (match) or False (ballots) for all."""
     launched = []
     with buddy.engines.tuning.tuned(count_match=match):
-        kernels = bcuda.Kernels("auto2", launch=lambda *a: launched.append(a), device_type="cpu")
+        kernels = bkernels.Kernels("auto2", launch=lambda *a: launched.append(a), device_type="cpu")
     layout = Layout(128, 4 * 128, word)
     data, tail = torch.zeros(4 * 128, dtype=torch.uint8), torch.zeros(128, dtype=torch.uint8)
     kernels.count(layout, data, tail, torch.zeros(n_symbols(word), dtype=torch.int64))
@@ -692,7 +701,7 @@ def test_cuda_path_emulated(emulated_gpu, codec, dtype, store, gen):
         assert torch.equal(b.decompress(backend="cuda", check=True), t)
         a.free()
         b.free()
-    tabled = {"count", "fit"} if codec in bcuda.TABLED_KERNELS else set()
+    tabled = {"count", "fit"} if codec in bsources.TABLED_KERNELS else set()
     assert set(emulated_gpu.launches) == {"measure", "ends", "pack", "unpack"} | tabled
 
 
@@ -743,7 +752,7 @@ def test_launches_and_host_reads_do_not_grow_with_the_tensor(emulated_gpu, codec
     small, large = counts.values()
     assert small == large, f"launches depend on the tensor's size: {counts}"
     kernels, (measure_ops, pack_ops, unpack_ops), after_compress, readbacks = large
-    tabled = ["count", "fit"] if codec in bcuda.TABLED_KERNELS else []  # the table counted and fitted first
+    tabled = ["count", "fit"] if codec in bsources.TABLED_KERNELS else []  # the table counted and fitted first
     # the overflow's prefix sums by the ends kernel before pack, and again before unpack (a tensor sized first keeps
     # none: pack_ahead's keep theirs)
     assert kernels == [*tabled, "measure", "ends", "pack", "ends", "unpack"]

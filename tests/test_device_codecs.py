@@ -22,7 +22,7 @@ quick, thorough check of the codecs' per-entry logic at every size.
 
 The codecs with a table (fpe, auto2) code with the table fitted to the test
 data (``get_codec(name).fit``), and fpe also with its default table; the
-harness gets the table as the kernels do (buddy.engines.cuda.device_table).
+harness gets the table as the kernels do (buddy.codecs.fpe_device.device_table).
 
 bpc has cases of its own: entries built plane by plane so that every plane
 code turns up, the codec without the format rules (E = 32, where the format
@@ -46,7 +46,7 @@ import torch
 from conftest import ALL_DTYPES, DATA_KINDS, field, ids, make_data, stream_bytes
 
 import buddy
-from buddy.engines import cuda as bcuda
+from buddy.codecs import fpe_device
 from buddy import spec
 from buddy.codecs._bitstream import StreamWriter, write_fields
 from buddy.codecs.bpc import geometry
@@ -97,11 +97,11 @@ def device_args(codec, word: int) -> tuple[str, torch.Tensor | None]:
     """``(CODEC argument, device table or None)`` of a codec name or object, for the harness.
 
     A codec with a table gives the one it was fitted to (else its word size's
-    default table), laid out by buddy.engines.cuda.device_table: what the kernels get.
+    default table), laid out by buddy.codecs.fpe_device.device_table: what the kernels get.
     """
     codec = buddy.get_codec(codec)
-    table = bcuda.codec_table(codec, word)
-    return codec.name, None if table is None else bcuda.device_table(table)
+    table = fpe_device.codec_table(codec, word)
+    return codec.name, None if table is None else fpe_device.device_table(table)
 
 
 def coded_with(codec: str, entries: torch.Tensor, word: int):
@@ -1117,7 +1117,7 @@ def test_fpe_code_section_estimate_as_the_reference(host_exe, word, tmp_path):
     for entry_bytes in (4096, 32768):
         for name, table in tables.items():
             src, dst = tmp_path / "table.bin", tmp_path / "estimate.bin"
-            bcuda.device_table(table).numpy().tofile(src)
+            fpe_device.device_table(table).numpy().tofile(src)
             subprocess.run([str(host_exe(entry_bytes)), "fpe", "estimate", str(word), str(src), str(dst)],
                            check=True, timeout=60)  # fmt: skip
             got = np.fromfile(dst, dtype=np.uint32).tolist()
@@ -1142,7 +1142,7 @@ def test_fpe_codec_without_the_format_rules(host_exe, word, tmp_path):
             if analysis.tail_bits:
                 writer.add(analysis.tail, analysis.tail_at)
             src, dst = tmp_path / "entries.bin", tmp_path / "out.bin"
-            _write_input(src, bcuda.device_table(table), entries.reshape(-1).numpy())
+            _write_input(src, fpe_device.device_table(table), entries.reshape(-1).numpy())
             cmd = [str(host_exe(entry_bytes)), "fpe", "stream", str(word), str(n), str(src), str(dst)]
             subprocess.run(cmd, check=True, timeout=900)
             r = _Reader(np.fromfile(dst, dtype=np.uint8))
@@ -1288,7 +1288,7 @@ def test_fpe_device_flags_damage_like_reference(host_exe, word, tmp_path):
             k = torch.tensor([k for _, _, k, _ in cases], dtype=torch.int32)
             codec = FPECodec(table)
             got = run_decode(host_exe(entry_bytes), "fpe", payload, k, torch.zeros_like(k), word, tmp_path,
-                             bcuda.device_table(table))  # fmt: skip
+                             fpe_device.device_table(table))  # fmt: skip
             for i, (name, row, ki, raises) in enumerate(cases):
                 if raises is not None:
                     expected = _reference_entry(codec, row, ki, 0, word, entry_bytes)
@@ -1328,7 +1328,7 @@ def device_fit(
     op = "fit-weights" if weighted else "fit"
     subprocess.run([str(exe), "fpe", op, str(word), str(src), str(dst)], check=True, timeout=120)
     r = _Reader(np.fromfile(dst, dtype=np.uint8))
-    table, serial = r.take(bcuda.DEVICE_TABLE_BYTES), r.take(bcuda.FIT_SERIAL_BYTES)
+    table, serial = r.take(fpe_device.DEVICE_TABLE_BYTES), r.take(fpe_device.FIT_SERIAL_BYTES)
     r.done()
     return table, serial
 
@@ -1400,7 +1400,7 @@ def test_fpe_table_fitted_on_the_device(host_exe, word, tmp_path):
         expected = want.to_bytes()
         assert torch.equal(serial[: expected.numel()], expected), f"{name}: serialized table"
         assert not serial[expected.numel() :].any(), f"{name}: bytes after the serialized table"
-        assert torch.equal(table, bcuda.device_table(want)), f"{name}: device table"
+        assert torch.equal(table, fpe_device.device_table(want)), f"{name}: device table"
         assert Table.from_bytes(serial[: expected.numel()], word) == want
         if _unlimited_depth(counts, word) > MAX_CODE_BITS:
             halved.append(name)
@@ -1425,7 +1425,7 @@ def test_fpe_table_fitted_to_a_prior_on_the_device(host_exe, word, tmp_path):
         expected = want.to_bytes()
         assert torch.equal(serial[: expected.numel()], expected), f"{name}: serialized table"
         assert not serial[expected.numel() :].any(), f"{name}: bytes after the serialized table"
-        assert torch.equal(table, bcuda.device_table(want)), f"{name}: device table"
+        assert torch.equal(table, fpe_device.device_table(want)), f"{name}: device table"
     # weights taken as they are, not scaled: Fibonacci weights of a small total halve into a table of their own
     weights = torch.zeros(s, dtype=torch.int64)
     a, b = 1, 1
@@ -1436,7 +1436,7 @@ def test_fpe_table_fitted_to_a_prior_on_the_device(host_exe, word, tmp_path):
     want = Table.from_counts(total, word)
     assert want != Table.from_counts(weights, word)  # (scaled, they would fit another table)
     table, serial = device_fit(exe, weights, word, tmp_path, weighted=True)
-    assert torch.equal(serial[: want.nbytes], want.to_bytes()) and torch.equal(table, bcuda.device_table(want))
+    assert torch.equal(serial[: want.nbytes], want.to_bytes()) and torch.equal(table, fpe_device.device_table(want))
 
 
 @pytest.mark.parametrize("word", ids("w", WORDS))

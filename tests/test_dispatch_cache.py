@@ -19,8 +19,8 @@ from conftest import assert_bitexact, make_data
 
 import buddy
 from buddy import dispatch, selftest
+from buddy.codecs import fpe_device
 from buddy.codecs.zvc import ZVCCodec
-from buddy.engines import cuda as bcuda
 from buddy.engines import native
 from buddy.engines.reference import BlockEngine
 from buddy.engines.tuning import current, tuned
@@ -196,8 +196,8 @@ def test_a_kept_table_is_laid_out_once(monkeypatch, store, gen):
     prior = first.statistics.to(torch.float64) / 3 + 0.5
     fitted = buddy.measure(t, "fpe", entry_bytes=512, backend="native", prior=prior).codec
     laid_out: list[object] = []
-    lay_out = bcuda.device_table
-    monkeypatch.setattr(bcuda, "device_table", lambda table: laid_out.append(table) or lay_out(table))
+    lay_out = fpe_device.device_table
+    monkeypatch.setattr(fpe_device, "device_table", lambda table: laid_out.append(table) or lay_out(table))
     for _ in range(4):
         kept = buddy.measure(t, "fpe", entry_bytes=512, backend="native", prior=prior, keep=fitted)
         assert kept.codec.fitted is fitted.fitted  # the table kept, not fitted again

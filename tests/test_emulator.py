@@ -5,12 +5,12 @@ a block a fiber, in seeded random orders, several schedules per launch
 (``tests/emulator.py``, ``tests/host/emulator``), under two builds: ``tsan``
 (a race in shared or global memory is reported with both source lines) and
 ``asan`` (AddressSanitizer and UBSan: misaligned loads, a byte read or written
-past any buffer, undefined behaviour). Every launch goes through buddy.engines.cuda's
-own glue: a :class:`buddy.engines.cuda.CudaEngine` whose launches run in the emulator
+past any buffer, undefined behaviour). Every launch goes through the engine's own
+glue: a :func:`buddy.engines.cuda.CudaEngine` whose launches run in the emulator
 is registered as the ``"cuda"`` backend of CPU tensors, so ``backend="cuda"``
 runs the whole engine path -- the entries and the zero-padded tail, the
 overflow prefix sum, the fit's readout, the error flag -- with the grid,
-block and shared memory of :func:`buddy.engines.cuda.launch_config`, and in some
+block and shared memory of :func:`buddy.engines.launch.launch_config`, and in some
 cases fewer blocks than the entries need, so the warps' grid-stride loops
 loop.
 
@@ -66,6 +66,10 @@ from test_golden import load_vectors
 
 import buddy
 from buddy.engines import cuda as bcuda
+from buddy.codecs import fpe_device
+from buddy.engines import kernels as bkernels
+from buddy.engines import launch as blaunch
+from buddy.engines import sources as bsources
 from buddy.engines.tuning import Tuning, tuned
 from buddy import spec
 from buddy.layout import Layout
@@ -75,8 +79,8 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++"),
 ]
 
-CODECS = tuple(bcuda.KERNEL_CODECS)
-TABLED = bcuda.TABLED_KERNELS
+CODECS = tuple(bsources.KERNEL_CODECS)
+TABLED = bsources.TABLED_KERNELS
 
 
 def _seed(request) -> int:
@@ -142,7 +146,7 @@ def _builds(request, tmp_path_factory):
 @contextlib.contextmanager
 def emulated_cuda(build: str, *, seed: int, schedules: int = 2, max_blocks: int | None = None, csrc: Path = CSRC,
                   codecs: str = "all"):  # fmt: skip
-    """``backend="cuda"`` on CPU tensors: buddy.engines.cuda's engine, every launch run by an :class:`Emulator` (of the
+    """``backend="cuda"`` on CPU tensors: the kernels' engine, every launch run by an :class:`Emulator` (of the
     unmodified sources: the module's, set to this seed; of a mutated copy: one of its own)."""
     if csrc == CSRC and codecs == "all":
         emu = _EMULATORS[build] if build in _EMULATORS else _EMULATORS.setdefault(build, Emulator(build))
@@ -172,7 +176,7 @@ def test_the_ends_kernel_is_the_formats_prefix_sum(build, request):
     counts of entries around its threads' (every output byte written, the same on every schedule)."""
     gen = torch.Generator().manual_seed(_seed(request))
     with emulated_cuda(build, seed=_seed(request)) as emu:
-        kernels = bcuda.Kernels("zvc", launch=emu, device_type="cpu")
+        kernels = bkernels.Kernels("zvc", launch=emu, device_type="cpu")
         for n in (1, 255, 257, 1000):
             layout = Layout(512, n * 512, 4)
             meta = torch.randint(0, 256, (layout.meta_bytes,), dtype=torch.uint8, generator=gen)
@@ -187,7 +191,7 @@ def _sizes(emu, t: torch.Tensor, slot: int, table=None, codec: str = "zvc"):
     """The sizes kernel's metadata, histogram (with its count of blocks done) and prefix sums of ``t`` (512-byte
     entries), launched by ``emu``."""
     layout = Layout(512, t.numel() * t.element_size(), t.element_size())
-    kernels = bcuda.Kernels(codec, launch=emu, device_type="cpu")
+    kernels = bkernels.Kernels(codec, launch=emu, device_type="cpu")
     flat = t.reshape(-1).view(torch.uint8)
     whole = layout.n_full * 512
     tail = torch.zeros(512, dtype=torch.uint8)
@@ -278,7 +282,7 @@ def test_kernels_write_and_read_the_reference_buffers(build, codec, case, activa
     )
     if case.max_blocks:
         blocks = {op: grid for op, (_, grid, _, _) in zip(ops_of(emu), emu.launches)}
-        assert blocks["measure"] == case.max_blocks < bcuda.launch_config("measure", e, got.n_entries)[0]
+        assert blocks["measure"] == case.max_blocks < blaunch.launch_config("measure", e, got.n_entries)[0]
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -308,7 +312,7 @@ def test_unpack_at_fewer_warps_an_sm(build, codec, activations, store, request):
         _, got = check_reference_buffers("cuda", codec, case.tensor(activations), 4096, case.slot_for, store, True)
     assert got.n_entries == 6
     unpacks = [(grid, block, shared) for kernel, grid, block, shared in emu.launches if kernel.endswith("_unpack")]
-    assert unpacks == [(1, 64, bcuda.DECODE_ROWS_BYTES + 2 * 2 * 4096)]
+    assert unpacks == [(1, 64, fpe_device.DECODE_ROWS_BYTES + 2 * 2 * 4096)]
 
 
 @pytest.mark.parametrize("build", BUILDS[:1])

@@ -145,7 +145,8 @@ def faulty(temporary_codec) -> FaultyCodec:
 def device_memory(monkeypatch) -> _DeviceAllocations:
     fake = _DeviceAllocations()
     monkeypatch.setattr(buddy.engines.reference, "torch", fake)
-    monkeypatch.setattr(buddy.engines.cuda, "torch", fake)
+    monkeypatch.setattr(buddy.engines.kernel_engine, "torch", fake)  # the kernels' engine and its launches' glue
+    monkeypatch.setattr(buddy.engines.kernels, "torch", fake)
     return fake
 
 

@@ -124,7 +124,7 @@ def test_lockstep_decoder_kernel_reads_the_simulations_streams(dtype, build):
     zeros, the others exact)."""
     from emulator import Emulator
 
-    from buddy.engines import cuda as bcuda
+    from buddy.codecs import fpe_device
 
     e = 4096
     g = torch.Generator().manual_seed(8)
@@ -147,8 +147,8 @@ def test_lockstep_decoder_kernel_reads_the_simulations_streams(dtype, build):
     error = torch.zeros(1, dtype=torch.int32)
     n, word = np.int64(rows.numel()), np.int32(x.element_size())
     with Emulator(build, seed=4) as emu:
-        emu.run("buddy_fpe_lockstep_decode", e, (2, 64, bcuda.DECODE_ROWS_BYTES + 2 * (e + 32)),
-                (payloads, sectors, n, out, error, bcuda.device_table(table), word))  # fmt: skip
+        emu.run("buddy_fpe_lockstep_decode", e, (2, 64, fpe_device.DECODE_ROWS_BYTES + 2 * (e + 32)),
+                (payloads, sectors, n, out, error, fpe_device.device_table(table), word))  # fmt: skip
     keep = torch.arange(rows.numel()) != damaged
     assert torch.equal(out[keep], want[keep])
     assert int(error) != 0 and not out[damaged].any()

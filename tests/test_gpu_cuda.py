@@ -17,13 +17,18 @@ from conftest import ALL_DTYPES, DATA_KINDS, MiB, assert_bitexact, assert_roundt
 
 import buddy
 from buddy.engines import cuda as bcuda
+from buddy.codecs import fpe_device
+from buddy.engines import kernels as bkernels
+from buddy.engines.kernel_engine import KernelEngine
+from buddy.engines import launch as blaunch
+from buddy.engines import sources as bsources
 from buddy.engines.tuning import tuned
 from buddy import spec
 from buddy.layout import Layout
 
 pytestmark = pytest.mark.gpu
 
-KERNEL_CODECS = tuple(bcuda.KERNEL_CODECS)
+KERNEL_CODECS = tuple(bsources.KERNEL_CODECS)
 ENTRY_SIZES = (32, 128, 256, 512, 4096, 65536)
 SIZES = (0, 1, 127, 128, 129, 98433)
 
@@ -92,7 +97,7 @@ def test_large_tensors(codec, dtype, cuda, pinned_store, gen):
 
 def test_grid_stride(cuda, pinned_store, gen, monkeypatch):
     """More entries than one launch's warps: the stride loop covers the rest."""
-    monkeypatch.setattr(bcuda, "MAX_BLOCKS", 3)
+    monkeypatch.setattr(blaunch, "MAX_BLOCKS", 3)  # where launch_config reads it
     t = make_data("relu", 200_000, torch.float32, gen).to(cuda)
     bt = _same_buffers(t, "auto", 8, 512, pinned_store)
     assert_bitexact(bt.decompress(check=True), t)
@@ -237,17 +242,17 @@ def test_table_fitted_on_the_gpu(word, cuda, gen):
     """The fit kernel against Table.from_counts on every shape of counts the host tests use."""
     from test_device_codecs import fit_cases
 
-    kernels = bcuda.Kernels("fpe")
+    kernels = bkernels.Kernels("fpe", launch=bcuda.LAUNCHER)
     for name, counts in fit_cases(word, torch.Generator().manual_seed(word)).items():
         want = buddy.codecs.fpe.Table.from_counts(counts, word)
-        table = torch.empty(bcuda.DEVICE_TABLE_BYTES, dtype=torch.uint8, device=cuda)
-        serial = torch.empty(bcuda.FIT_SERIAL_BYTES, dtype=torch.uint8, device=cuda)
-        work = torch.empty(bcuda.FIT_WORK_BYTES, dtype=torch.uint8, device=cuda)
+        table = torch.empty(fpe_device.DEVICE_TABLE_BYTES, dtype=torch.uint8, device=cuda)
+        serial = torch.empty(fpe_device.FIT_SERIAL_BYTES, dtype=torch.uint8, device=cuda)
+        work = torch.empty(fpe_device.FIT_WORK_BYTES, dtype=torch.uint8, device=cuda)
         kernels.fit(Layout(512, 0, word), counts.to(cuda), work, table, serial)
         expected = want.to_bytes()
         assert torch.equal(serial.cpu()[: expected.numel()], expected), name
         assert not serial.cpu()[expected.numel() :].any(), name
-        assert torch.equal(table.cpu(), bcuda.device_table(want)), name
+        assert torch.equal(table.cpu(), fpe_device.device_table(want)), name
 
 
 def test_compile_cache(cuda, gen):
@@ -298,7 +303,7 @@ def test_damaged_buffers_are_flagged(cuda, pinned_store, gen):
 # ---------------------------------------------------------------------------
 def test_bad_arguments_rejected_before_launch(cuda):
     launched = []
-    kernels = bcuda.Kernels("zvc", launch=lambda *a: launched.append(a))
+    kernels = bkernels.Kernels("zvc", launch=lambda *a: launched.append(a))
     e, n = 128, 64
     b = torch.zeros(n * e, dtype=torch.uint8, device=cuda)
     tail = torch.zeros(e, dtype=torch.uint8, device=cuda)
@@ -328,8 +333,8 @@ def test_training_with_the_kernels_is_bit_exact(cuda, pinned_store, monkeypatch)
     """Saved activations compressed by the kernels (the library's default codec): the same gradients, bit for
     bit, as a plain step; and the kernels did the packing."""
     packed = []
-    real_pack = bcuda.CudaEngine.pack
-    monkeypatch.setattr(bcuda.CudaEngine, "pack", lambda self, *a, **k: packed.append(1) or real_pack(self, *a, **k))
+    real_pack = KernelEngine.pack
+    monkeypatch.setattr(KernelEngine, "pack", lambda self, *a, **k: packed.append(1) or real_pack(self, *a, **k))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(1024, 1024), torch.nn.ReLU())]).to(cuda)
     x = torch.randn(1024, 1024, device=cuda)
@@ -386,7 +391,7 @@ def test_overflow_read_in_place_decodes_the_same(codec, cuda, pinned_store, gen,
     assert_bitexact(copied, t)
 
 
-@pytest.mark.parametrize("codec", ids("codec", sorted(bcuda.TABLED_KERNELS)))
+@pytest.mark.parametrize("codec", ids("codec", sorted(bsources.TABLED_KERNELS)))
 def test_unpack_at_fewer_warps_an_sm_decodes_the_same(codec, cuda, pinned_store, gen, monkeypatch):
     """Tuned unpack_warps (the bench's --unpack-warps): unpack's blocks of fewer warps, their table in shared memory,
     the resident blocks striding over the entries, decode byte for byte."""

@@ -217,7 +217,7 @@ def test_the_tests_subset_holds_every_kernel_at_512_and_4096_on_four_dtypes_and_
     files = ("tests/test_gpu_cuda.py", "tests/test_codec_nvcomp.py")
     subset = _collect("--gpu-subset", "tests", *files)
     kernels = [n for n in subset if "test_kernels_write_the_reference_buffers" in n]
-    for codec in buddy.engines.cuda.KERNEL_CODECS:
+    for codec in buddy.engines.sources.KERNEL_CODECS:
         for e in (512, 4096):
             for dtype in ("f32", "bf16", "u8", "f64"):
                 assert any(f"codec={codec}-dtype={dtype}-" in n and f"E={e}]" in n for n in kernels), (codec, e, dtype)

@@ -58,15 +58,16 @@ from test_golden import load_vectors
 import buddy
 from buddy import dispatch, selftest, spec
 from buddy import format as bformat
+from buddy.codecs import fpe_device
 from buddy.codecs.fpe import FPECodec
-from buddy.engines import cuda as bcuda
 from buddy.engines import native
+from buddy.engines import sources as bsources
 from buddy.layout import Layout
 
 pytestmark = pytest.mark.skipif(native.why_unusable() is not None, reason=f"{native.why_unusable()}")
 
-CODECS = tuple(bcuda.KERNEL_CODECS)
-TABLED = bcuda.TABLED_KERNELS
+CODECS = tuple(bsources.KERNEL_CODECS)
+TABLED = bsources.TABLED_KERNELS
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=[f"codec={c}" for c in CODECS])
@@ -445,9 +446,9 @@ def test_one_lane_fits_are_the_warps(word):
     solo, warp = native.library("auto2", 4096, solo=True), native.library("auto2", 4096, solo=False)
 
     def fit(lib, counts, weighted):
-        work = torch.empty(bcuda.FIT_WORK_BYTES, dtype=torch.uint8)
-        table = torch.zeros(bcuda.DEVICE_TABLE_BYTES, dtype=torch.uint8)
-        serial = torch.zeros(bcuda.FIT_SERIAL_BYTES, dtype=torch.uint8)
+        work = torch.empty(fpe_device.FIT_WORK_BYTES, dtype=torch.uint8)
+        table = torch.zeros(fpe_device.DEVICE_TABLE_BYTES, dtype=torch.uint8)
+        serial = torch.zeros(fpe_device.FIT_SERIAL_BYTES, dtype=torch.uint8)
         lib.launch("buddy_auto2_fit", 1, 0, (counts, work, table, serial, np.int32(weighted), np.int32(word)), 1)
         return table, serial
 

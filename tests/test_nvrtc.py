@@ -1,7 +1,7 @@
 """Every codec's kernels at every entry size through NVRTC, the run-time compiler CuPy uses -- no GPU needed.
 
-The loader (buddy.engines.cuda) hands NVRTC :func:`buddy.engines.cuda.translation_unit` with
-:func:`buddy.engines.cuda.compile_options` for one codec and one entry size; here
+The loader (buddy.engines.cuda) hands NVRTC :func:`buddy.engines.sources.translation_unit` with
+:func:`buddy.engines.sources.compile_options` for one codec and one entry size; here
 each of the 6 codecs at each of the 12 entry sizes (32 B ... 64 KiB) and each
 of the 4 word sizes (the loader builds a module per word size) goes the same
 way, to PTX for compute capability 9.0, and must compile without a warning
@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 from test_cuda_core import _find_nvrtc
 
-from buddy.engines import cuda as bcuda
+from buddy.engines import launch as blaunch
+from buddy.engines import sources as bsources
 from buddy import spec
 from buddy.layout import WORD_SIZES
 
@@ -82,23 +83,23 @@ def compile_ptx(nvrtc, source: str, options: tuple[str, ...]) -> tuple[int, str,
 
 @pytest.mark.parametrize("entry_bytes", ENTRY_SIZES, ids=lambda e: f"E={e}")
 def test_every_codec_compiles_with_nvrtc(nvrtc, entry_bytes):
-    source = bcuda.translation_unit()
+    source = bsources.translation_unit()
 
     def one(job: tuple[str, int]):
         codec, word_bytes = job
-        table = bcuda.shares_tables(codec, entry_bytes, bcuda.HOPPER)
-        options = (*bcuda.compile_options(entry_bytes, codec, word_bytes, table), ARCH)
+        table = blaunch.shares_tables(codec, entry_bytes, blaunch.HOPPER)
+        options = (*bsources.compile_options(entry_bytes, codec, word_bytes, table), ARCH)
         return codec, word_bytes, compile_ptx(nvrtc, source, options)
 
     # what the loader compiles on an H100: a module per codec, entry size and word size, a table codec's unpack
     # with its table in shared memory
-    jobs = [(codec, w) for codec in bcuda.KERNEL_CODECS for w in WORD_SIZES]
+    jobs = [(codec, w) for codec in bsources.KERNEL_CODECS for w in WORD_SIZES]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # NVRTC compiles programs side by side
         results = list(pool.map(one, jobs))
     for codec, w, (result, log, ptx) in results:
         assert result == 0, f"NVRTC failed for {codec} at E={entry_bytes}, words of {w} B:\n{log}"
         assert not log.strip(), f"NVRTC warned for {codec} at E={entry_bytes}, words of {w} B:\n{log}"
-        ops = ("measure", "ends", "sizes", "pack", "unpack", *(("count", "fit") if codec in bcuda.TABLED_KERNELS else ()),
+        ops = ("measure", "ends", "sizes", "pack", "unpack", *(("count", "fit") if codec in bsources.TABLED_KERNELS else ()),
                *(("lockstep_decode",) if codec == "fpe" else ()))  # (a layout weighed: codec_fpe.h, decode_lockstep)
         entries = {name.decode() for name in _entries(ptx)}
         assert entries == {f"buddy_{codec}_{op}" for op in ops}, (codec, sorted(entries))

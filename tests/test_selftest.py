@@ -26,11 +26,12 @@ from conftest import MiB, make_data
 
 import buddy
 from buddy.engines import cuda as bcuda
+from buddy.engines import sources as bsources
 from buddy import dispatch, selftest
 from buddy.engines.reference import BlockEngine
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
-KERNELS = tuple(bcuda.KERNEL_CODECS)
+KERNELS = tuple(bsources.KERNEL_CODECS)
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++")
 
 

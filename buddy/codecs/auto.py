@@ -46,8 +46,8 @@ __all__ = ["AutoCodec", "AUTO_MEMBERS", "AUTO2_MEMBERS", "member_kinds", "member
 
 #: buddy's auto codecs and the classes of their members, in the order they are tried (their modes are
 #: :data:`buddy.spec.AUTO_MODES`); ``auto2`` (format version 2) is ``auto``'s members and ``fpe``, whose table
-#: the tensor carries. The one list: the registry, the CUDA kernels' check (:class:`buddy.engines.cuda.CudaEngine`)
-#: and the default of :class:`AutoCodec` read it.
+#: the tensor carries. The one list: the registry, the kernels' check
+#: (:class:`buddy.engines.kernel_engine.KernelEngine`) and the default of :class:`AutoCodec` read it.
 AUTO_MEMBERS: dict[str, tuple[type[Codec], ...]] = {
     "auto": (ZVCCodec, FPXCodec, BPCCodec),
     "auto2": (ZVCCodec, FPXCodec, BPCCodec, FPECodec),

@@ -277,9 +277,9 @@ class Table:
         #: :meth:`slack` on the counts :meth:`from_counts` fitted it to (``None``: a table read from bytes)
         self.fit_slack: float | None = None
         self._serialized: np.ndarray | None = None  # to_bytes()'s bytes, made once
-        #: the kernels' layout of this table (buddy.engines.cuda.device_table's bytes, on the host), made once
+        #: the kernels' layout of this table (buddy.codecs.fpe_device.device_table's bytes, on the host), made once
         self.laid_out: torch.Tensor | None = None
-        #: :attr:`laid_out` on each device it was copied to (buddy.engines.cuda.CudaEngine), never written
+        #: :attr:`laid_out` on each device it was copied to (buddy.codecs.fpe_device.kernel_table), never written
         self.on_device: dict[torch.device, torch.Tensor] = {}
         #: :meth:`to_bytes` on each device a tensor packed ahead stores it on (shared by them), never written
         self.stored_on: dict[torch.device, torch.Tensor] = {}

@@ -1,9 +1,12 @@
 """An fpe table's device form: the bytes the kernels read it as (``BuddyFpeTable``, csrc/codec_fpe.h).
 
 The codec's own: laid out from its :class:`~buddy.codecs.fpe.Table`, kept
-with it, and the sizes of what the kernels' fit writes and needs. Every
-engine that runs the kernels (the CUDA loader, the native build, the
-emulator in the tests) takes it from here.
+with it, copied to each device once, and the sizes of what the kernels' fit
+writes and needs. Every engine that runs the kernels (the CUDA loader, the
+native build, the emulator in the tests) takes it from here: which table a
+codec's kernels code with (:func:`codec_table`: ``fpe``'s, or an auto codec's
+fpe member's), its copy on a device (:func:`kernel_table`), and the copy of
+the bytes a tensor coded with it carries (:func:`stored_table`).
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import threading
 import numpy as np
 import torch
 
-from .fpe import MAX_CODE_BITS, MAX_CODED, Table, n_symbols
+from .auto import AutoCodec
+from .base import CodecLike
+from .fpe import MAX_CODE_BITS, MAX_CODED, FPECodec, Table, default_table, n_symbols
 
 __all__ = [
     "DECODE_ROWS_BYTES", "DEVICE_TABLE_BYTES", "FIELDS_BYTES", "FIT_SERIAL_BYTES", "FIT_WORK_BYTES", "device_table",
-    "remember_device_table",
+    "remember_device_table", "fpe_member", "codec_table", "kernel_table", "stored_table",
 ]  # fmt: skip
 
 #: bytes of a device table's decode rows (``BuddyFpe::ROWS_BYTES``), its first: a decode row and a multi row per
@@ -86,3 +91,57 @@ def remember_device_table(table: Table, laid_out: torch.Tensor) -> torch.Tensor:
         while len(_HOST_TABLES) > _HOST_TABLES_KEPT:
             del _HOST_TABLES[next(iter(_HOST_TABLES))]
     return laid_out
+
+
+def fpe_member(codec: CodecLike | None) -> FPECodec | None:
+    """``codec`` itself if it is fpe, else its fpe member (an auto codec's), else ``None``."""
+    if isinstance(codec, AutoCodec):
+        return next((member for _, member in codec.members if isinstance(member, FPECodec)), None)
+    return codec if isinstance(codec, FPECodec) else None
+
+
+def codec_table(codec: CodecLike, word_bytes: int) -> Table | None:
+    """The fpe table the kernels of ``codec`` code with, ``None`` for a codec without one.
+
+    ``fpe``'s own, or ``auto2``'s fpe member's: the table it was fitted to or bound
+    to, else (an unfitted codec, as the reference) the word size's default table.
+    """
+    fpe = fpe_member(codec)
+    if fpe is None:
+        return None
+    table = fpe.fitted
+    if table is None:
+        return default_table(word_bytes)
+    if table.word_bytes != word_bytes:
+        raise ValueError(f"this fpe table is for {table.word_bytes}-byte words, got {word_bytes}-byte words")
+    return table
+
+
+def kernel_table(codec: CodecLike, word_bytes: int, device: torch.device) -> torch.Tensor | None:
+    """The kernels' ``table`` argument for ``codec`` on ``device``: :func:`device_table` of its
+    :func:`codec_table`, copied there once per table (:attr:`Table.on_device`) and never written, so a key's table
+    kept from step to step, and every decompress of a tensor coded with it, reads the same copy; ``None`` for a
+    codec without one."""
+    table = codec_table(codec, word_bytes)
+    return None if table is None else _copy_once(table.on_device, device, lambda: device_table(table))
+
+
+def stored_table(codec: CodecLike, device: torch.device) -> torch.Tensor | None:
+    """The serialized table a tensor coded with ``codec`` carries (:attr:`CodecLike.table`) on ``device``: one copy
+    per table and device (:attr:`Table.stored_on`), shared by every tensor coded with it (none writes it); ``None``
+    for a codec not fitted to one."""
+    fpe = fpe_member(codec)
+    table = None if fpe is None else fpe.fitted
+    return None if table is None else _copy_once(table.stored_on, device, table.to_bytes)
+
+
+def _copy_once(copies: dict[torch.device, torch.Tensor], device: torch.device, host) -> torch.Tensor:
+    """``copies[device]``, made the first time from ``host()`` (host bytes nothing writes): on a GPU from pinned
+    memory, without waiting (the kernels that read it follow on the current stream)."""
+    found = copies.get(device)
+    if found is None:
+        made = host()
+        if made.device != device:
+            made = (made.pin_memory() if device.type == "cuda" else made).to(device, non_blocking=True)
+        found = copies[device] = made
+    return found

@@ -10,13 +10,19 @@ An engine runs a codec's three format operations on a tensor's bytes:
   sizes are not computed again;
 * :meth:`Engine.unpack` -- slots, overflow and metadata back to the bytes.
 
-The engines, one module each:
+The engines:
 
 * :mod:`buddy.engines.reference` -- :class:`~buddy.engines.reference.BlockEngine`,
   the torch reference: the format layer's functions (:mod:`buddy.format`) with
   the codec's torch code, in a loop over blocks of entries that bounds the
   temporaries on any device;
-* :mod:`buddy.engines.cuda` -- the CUDA kernels (``csrc/`` through CuPy and NVRTC);
+* :mod:`buddy.engines.kernel_engine` -- :class:`~buddy.engines.kernel_engine.KernelEngine`,
+  the kernels of ``csrc/`` over the whole tensor, its launcher passed in:
+  :mod:`buddy.engines.cuda`'s (CuPy and NVRTC) on CUDA devices,
+  :mod:`buddy.engines.native`'s (the same sources built for the host) on the
+  CPU; their sources (:mod:`buddy.engines.sources`), launch layout
+  (:mod:`buddy.engines.launch`) and checked launches
+  (:mod:`buddy.engines.kernels`) are shared;
 * :mod:`buddy.engines.nvcomp` -- nvcomp's batched chunk compressors (through
   :mod:`buddy.engines._nvcomp_capi`).
 
@@ -181,7 +187,8 @@ class Engine(abc.ABC):
         reserve: torch.Tensor | None = None,
     ) -> tuple[CodecLike, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """Compress with a slot chosen before the sizes are known, reading nothing back: ``(codec, meta, slots,
-        ends)`` (an engine that :attr:`packs_ahead`; see :meth:`buddy.engines.cuda.CudaEngine.pack_ahead`)."""
+        ends)`` (an engine that :attr:`packs_ahead`; see
+        :meth:`buddy.engines.kernel_engine.KernelEngine.pack_ahead`)."""
         raise NotImplementedError(f"{self!r} does not pack ahead")
 
     def measure_ahead(

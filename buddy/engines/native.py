@@ -3,7 +3,7 @@
 ``csrc/buddy_kernels.cu`` and its headers -- the very sources NVRTC compiles
 for the GPU -- are compiled by the host's C++ compiler through the CUDA shim
 (``csrc/host/cuda_shim.h``) into a shared library per (codec, entry size),
-with the loader's defines (:func:`buddy.engines.cuda.compile_options`), and run by a
+with the loaders' defines (:func:`buddy.engines.sources.compile_options`), and run by a
 runtime made for speed (``csrc/host/native.cpp``): every block one warp,
 its 32 lanes fibers switched at collectives in a fixed order, the blocks
 spread over host threads (``torch.get_num_threads()``, or ``BUDDY_NATIVE_THREADS``): the OpenMP runtime's, which
@@ -12,7 +12,8 @@ Each codec with kernels has a second build of one lane a warp (``BUDDY_WARP_SIZE
 a block is a plain call, the lane's loops doing what 32 lanes do on a GPU, no
 fibers; it runs every kernel of :data:`SOLO_CODECS`, so the build of 32 lanes is compiled only when asked for
 (:func:`library`). :func:`NativeEngine`
-is :class:`~buddy.engines.cuda.CudaEngine`, the one kernel engine, with this launch on CPU tensors, so the
+is :class:`~buddy.engines.kernel_engine.KernelEngine`, the one kernel engine, with this module's
+:data:`LAUNCHER` on CPU tensors, so the
 host's work -- argument checks, the table codecs' count and fit kernels, the
 overflow's prefix sums, the error flag, every allocation -- is the GPU path's, line for line.
 
@@ -49,12 +50,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import Implementation, cuda
 from ..codecs.base import Codec
+from . import Implementation
+from .kernel_engine import KernelEngine
+from .kernels import Launcher
+from .launch import launch_config
+from .sources import KERNEL_CODECS, REPO_CSRC, compile_options
 
 __all__ = [
-    "NativeEngine", "why_unusable", "switched_off", "describe", "library", "launch", "rows", "DEFAULT_CODECS",
-    "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS", "ENTRIES_PER_BLOCK", "SOLO_CODECS",
+    "NativeEngine", "LAUNCHER", "why_unusable", "switched_off", "describe", "library", "launch", "rows",
+    "DEFAULT_CODECS", "ENV_SWITCH", "ENV_CACHE", "ENV_THREADS", "ENTRIES_PER_BLOCK", "SOLO_CODECS",
 ]  # fmt: skip
 
 #: ``BUDDY_NATIVE=0`` turns the native engine off (the reference runs on the CPU)
@@ -69,7 +74,6 @@ _COUNT_UNITS_PER_BLOCK = 64 * 64  # a warp counts 64 units a round
 #: -O3, not -O2: the host compiler makes vector code of more of the kernels' plain loops (count and measure faster,
 #: the others as fast); not -funroll-loops, which made bfloat16's unpack slower (docs/cpu_engine.md)
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fvisibility=hidden", "-pthread", "-fno-strict-aliasing")
-_REPO_CSRC = Path(__file__).resolve().parents[2] / "csrc"
 #: the codecs whose kernel sources are written for any warp size (``BUDDY_WARP_SIZE``, csrc/buddy_warp.h): their
 #: native build runs one lane a warp -- a block is one plain call, the work of a warp's 32 lanes that lane's loops,
 #: every collective its own value -- with no fibers (csrc/host/native.cpp, ``BUDDY_NATIVE_SOLO``); their ``fit``
@@ -103,7 +107,7 @@ def _csrc() -> Path:
             return found
     except (ModuleNotFoundError, TypeError):
         pass
-    return _REPO_CSRC
+    return REPO_CSRC
 
 
 @functools.cache
@@ -262,7 +266,7 @@ def _build(codec: str, entry_bytes: int, solo: bool = False) -> Path:
         raise RuntimeError(f"the native engine cannot be built: {compiler}")
     cxx, version = compiler
     csrc = _csrc()
-    options = cuda.compile_options(entry_bytes, codec)
+    options = compile_options(entry_bytes, codec)
     if solo:
         options += _SOLO_DEFINES
     flags = _FLAGS + _openmp_flags()
@@ -319,13 +323,13 @@ def kernel_seconds() -> dict[str, float]:
 
 
 def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: tuple, tuning=None) -> None:
-    """:class:`~buddy.engines.cuda.Kernels`' ``launch=``: kernel ``buddy_<codec>_<op>`` natively on the host (a
+    """:data:`LAUNCHER`'s launch function: kernel ``buddy_<codec>_<op>`` natively on the host (a
     native block is one warp, its tables in memory: no GPU tuning applies)."""
     del device, tuning  # CPU tensors: Kernels checked them
     lib = library(codec, entry_bytes, solo=codec in SOLO_CODECS)
     threads = _threads()
     grid = _grid(op, n_entries, threads)
-    _, block, shared = cuda.launch_config(op, entry_bytes, n_entries, codec)
+    _, block, shared = launch_config(op, entry_bytes, n_entries, codec)
     shared = shared // (block // 32)  # a native block is one warp: one warp's staging
     start = time.perf_counter()
     lib.launch(f"buddy_{codec}_{op}", grid, shared, args, min(threads, grid))
@@ -334,11 +338,16 @@ def launch(codec: str, op: str, entry_bytes: int, device, n_entries: int, args: 
         _seconds[op] = _seconds.get(op, 0.0) + took
 
 
-def NativeEngine(codec: Codec) -> cuda.CudaEngine:
+#: the native build's launcher: :func:`launch`, looked up here at each launch (a test's stand-in included); the
+#: kernels run on the host, so they reach no host memory beyond their own tensors'
+LAUNCHER = Launcher(lambda: launch)
+
+
+def NativeEngine(codec: Codec) -> KernelEngine:
     """The kernels' format operations on CPU tensors, natively: the one kernel engine
-    (:class:`~buddy.engines.cuda.CudaEngine`) with this module's :func:`launch`, looked up at each launch (see the
-    module doc)."""
-    return cuda.CudaEngine(codec, launch=cuda.Launcher(lambda: launch), device_type="cpu")
+    (:class:`~buddy.engines.kernel_engine.KernelEngine`) with this module's :data:`LAUNCHER` (see the module
+    doc)."""
+    return KernelEngine(codec, launch=LAUNCHER, device_type="cpu")
 
 
 #: the codecs the native engine is the CPU default of: those whose compress and decompress together take less time
@@ -353,5 +362,5 @@ def rows() -> tuple[Implementation, ...]:
     its self-test passed (see :mod:`buddy.dispatch`)."""
     return tuple(
         Implementation(name, "cpu", "native", NativeEngine, default=name in DEFAULT_CODECS, requires=why_unusable)
-        for name in cuda.KERNEL_CODECS
+        for name in KERNEL_CODECS
     )

@@ -56,7 +56,7 @@
 //          IN:  device table    OUT: E/32 uint32
 // CODEC: zvc | fpx | bpc | auto | fpe | auto2. The codecs with a table (fpe,
 // auto2) take it first: for them IN starts with the device table the kernels
-// get (sizeof(BuddyFpeTable) bytes, buddy.engines.cuda.device_table), then the above.
+// get (sizeof(BuddyFpeTable) bytes, buddy.codecs.fpe_device.device_table), then the above.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
