@@ -31,13 +31,14 @@ from typing import NamedTuple
 
 import torch
 
-from . import config, engines, spec
+from . import config, engines, spec, streams
 from .codecs import CodecLike
 from .engines import PLACE_WORDS
 from .hooks import DEFAULT_MIN_BYTES, _SavedTensorHooks
 from .keyed import _tracked, wrap
 from .keys import is_parameter, module_name
 from .layout import Layout, memory_bytes
+from .overlap import Overlap, Stash, as_overlap
 from .peak import Saved, StepProfile
 from .pipeline import kept_ends_bytes, pack_ahead, resolve
 from .prefetch import Prefetch, PrefetchStats, Schedule, as_prefetch
@@ -81,6 +82,7 @@ class Session(_SavedTensorHooks):
         enabled: bool = True,
         prefetch: Prefetch | bool = True,
         strict: bool = False,
+        overlap: Overlap | bool = False,
     ):
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be True or False, got {strict!r}")
@@ -96,6 +98,8 @@ class Session(_SavedTensorHooks):
         self.entry_bytes = spec.check_entry_bytes(entry_bytes) if entry_bytes is not None else None
         self.prefetch = as_prefetch(prefetch)
         self.strict = strict
+        self.overlap = as_overlap(overlap)
+        self._stashes: dict[torch.device, Stash] = {}  # per device, the originals of packs in flight (overlap)
         self._schedule = Schedule(self.prefetch)
         self._checks = _Checks()
         self._histograms = Counters(torch.int64, _HISTOGRAMS_CHUNK)
@@ -127,15 +131,41 @@ class Session(_SavedTensorHooks):
         self._reads_at = engines.host_reads()
         self._reserves = {}  # (the last step's lives on with the tensors that hold some of it)
         self._seen = self._sized_spent = 0
+        self._stashes = {}
+        self._profile.stash_bytes = self.overlap.stash_bytes if self.overlap is not None else 0
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         self._profile.end_forward()
+        self._drain()
         self._settle()
         self._stats.host_reads = engines.host_reads() - self._reads_at  # forward's; backward's: its checks
         self._check_bound()
         if exc[0] is None:  # forward is done: backward will first ask for what was packed last
             _look_ahead(self._schedule, len(self._schedule))
+
+    def _drain(self) -> None:
+        """Where forward ends: forward's stream waits for the last pack on each device, the stashes let go."""
+        with self._lock:
+            stashes, self._stashes = self._stashes, {}
+        st = self._stats
+        for device, stash in stashes.items():
+            stash.drain(stash.ops.record(stash.ops.pack_stream(device)))
+            st.stash_peak_bytes = max(st.stash_peak_bytes, stash.peak_bytes)
+            st.stash_waits += stash.waits
+
+    def _stash(self, device: torch.device) -> Stash | None:
+        """The step's stash on ``device`` where its packs overlap forward (``overlap`` on, an asynchronous
+        device); else ``None``."""
+        if self.overlap is None:
+            return None
+        stash = self._stashes.get(device)
+        if stash is None:
+            ops = streams.for_device(device)
+            if ops.synchronous:
+                return None
+            stash = self._stashes[device] = Stash(ops, ops.current(device), self.overlap.stash_bytes)
+        return stash
 
     def _settle(self) -> None:
         """Where forward ends: the sizes of every tensor packed ahead in one read (per device), each tensor's
@@ -261,21 +291,38 @@ class Session(_SavedTensorHooks):
             room, bounded = int(bound * seen) // spec.SECTOR_BYTES - self._sized_spent // spec.SECTOR_BYTES, True
         at = self._histograms.taken(t.device)  # (where its words come back where forward ends)
         sizes = self._histograms.take(PLACE_WORDS + layout.bins, t.device)  # the placement, then the histogram
-        bt = None
+        bt = stash = None
         if place.keep:  # the raw slot: kept as it is, its sizes counted all the same (the key goes on learning)
             codec = engine.measure_ahead(memory_bytes(t)[0], layout, sizes, prior=prior, keep=fitted, count=count)
         else:
-            bt = pack_ahead(
-                t, engine, layout, place.slot, sizes, store=self.store, ledger=tracker.ledger, prior=prior,
-                keep=fitted, count=count, room=room, step=step, reserve=reserve,
-            )  # fmt: skip
+            stash = self._stash(t.device)
+            if stash is None:
+                bt = pack_ahead(
+                    t, engine, layout, place.slot, sizes, store=self.store, ledger=tracker.ledger, prior=prior,
+                    keep=fitted, count=count, room=room, step=step, reserve=reserve,
+                )  # fmt: skip
+            else:  # on the pack stream, after forward's work so far (it wrote t): see buddy.overlap
+                ops, side = stash.ops, stash.ops.pack_stream(t.device)
+                written = ops.record(stash.compute)
+                with ops.activate(side):
+                    ops.wait(side, written)
+                    bt = pack_ahead(
+                        t, engine, layout, place.slot, sizes, store=self.store, ledger=tracker.ledger, prior=prior,
+                        keep=fitted, count=count, room=room, step=step, reserve=reserve,
+                    )  # fmt: skip
+                packed_event = ops.record(side)
             if bt is None:
                 return None
             codec = bt.codec_object
         elapsed = time.perf_counter() - start
         row = self._row(t, key, elapsed, bt, None, place.predicted_overflow_bytes, place.corrected)
         self._pending.append(_Pending(row, layout, t.device, bt, codec, bounded, at))
-        return self._packed(t, bt, row), row
+        packed = self._packed(t, bt, row)
+        if stash is not None and isinstance(packed, _Compressed):
+            packed.packed = (stash.ops, packed_event)  # backward's decompression waits for it
+            stash.add(t, packed_event, packed)
+            self._stats.overlapped += 1
+        return packed, row
 
     def _packed(self, t: torch.Tensor, bt: BuddyTensor | None, row: KeyRow):
         """What autograd keeps for ``t`` (``bt``: its compressed form, ``None`` where it is kept as it is), its
@@ -436,6 +483,14 @@ def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:
             tensor's own sizes, read back from its device before it is
             packed (a read a tensor, the GPU idle while the host decides),
             so the policy's bound holds on every tensor's real sizes.
+        overlap: pack beside forward (:class:`~buddy.Overlap`, see
+            :mod:`buddy.overlap`): each pack runs on a side stream while
+            forward's next kernels compute, its original held in a stash
+            of at most ``stash_bytes`` until the pack has read it (bytes
+            a :class:`~buddy.MemoryTarget` counts). ``True``: the defaults;
+            ``False`` (default): packs run in forward's stream. With
+            ``strict=False`` only (a strict pack waits on its sizes
+            anyway); nothing changes on the host.
 
     Returns:
         A :class:`Session`; ``session.stats()`` reports what it held.

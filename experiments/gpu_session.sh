@@ -4,7 +4,7 @@
 #
 #   bash experiments/gpu_session.sh lease         a lease of 15 minutes in one call: essentials, tests 1/1,
 #                                                 sanitize, each step cut to the call's deadline (540 s)
-#   bash experiments/gpu_session.sh essentials    check, step time (5 methods, the read-free step under sync
+#   bash experiments/gpu_session.sh essentials    check, step time (6 methods, the read-free step under sync
 #                                                 debug mode "error", each buddy step profiled), bench (5
 #                                                 repeats) and ncu in one phase
 #   bash experiments/gpu_session.sh check         golden vectors through every kernel both ways

@@ -12,6 +12,9 @@ optimizer -- under each method, on the same model, data and device:
   ``torch.cuda.set_sync_debug_mode("error")``: any wait of the host for the
   device but buddy's counted reads raises, and the row's ``sync`` says what
   that step found (``silent``, or the error);
+* ``buddy-overlap``: the same with ``overlap=True``: each pack on a side
+  stream beside forward's next kernels, originals held in a bounded stash
+  until packed (:mod:`buddy.overlap`; on the CPU the same as ``buddy``);
 * ``buddy-strict``: the same with ``strict=True``: every tensor sized before
   its slot is chosen, a read of the device a tensor;
 * ``buddy-model``: the same around the model's forward alone, the loss
@@ -77,7 +80,7 @@ from experiments.workloads import _GPT, TextSize
 
 __all__ = ["METHODS", "MODELS", "SideStreamOffload", "measure", "main"]
 
-METHODS = ("none", "buddy", "buddy-strict", "buddy-model", "buddy-offload", "save_on_cpu", "side-stream", "checkpoint")
+METHODS = ("none", "buddy", "buddy-overlap", "buddy-strict", "buddy-model", "buddy-offload", "save_on_cpu", "side-stream", "checkpoint")
 MIN_BYTES = buddy.hooks.DEFAULT_MIN_BYTES
 
 
@@ -292,6 +295,8 @@ def _context(
 ):  # fmt: skip
     if method == "buddy":
         return buddy.compressed_activations(policy, tracker=tracker, store=store, min_bytes=min_bytes)
+    if method == "buddy-overlap":
+        return buddy.compressed_activations(policy, tracker=tracker, store=store, min_bytes=min_bytes, overlap=True)
     if method == "buddy-strict":
         return buddy.compressed_activations(tracker=tracker, store=store, min_bytes=min_bytes, strict=True)
     if method == "buddy-offload":
@@ -467,7 +472,7 @@ def measure(
     where = profile_step(step, device) if profile and method.startswith("buddy") else None
     held_at_peak = memory_peak_of(step, device) if memory_peak else None
     on_host = host_peak(step) if peak_on_host and device.type == "cpu" else None
-    sync = sync_check(step) if method == "buddy" and device.type == "cuda" else None
+    sync = sync_check(step) if method in ("buddy", "buddy-overlap") and device.type == "cuda" else None
     return Measurement(
         method, spec.name, statistics.median(times), times, peak, state, str(device), held, where, held_at_peak,
         on_host, sync,
@@ -558,7 +563,7 @@ def _verdicts(rows: list[dict]) -> list[str]:
     for model in dict.fromkeys(r["model"] for r in rows):
         by = {r["method"]: r for r in rows if r["model"] == model}
         offload, soc = by.get("buddy-offload"), by.get("save_on_cpu")
-        for name in ("buddy", "buddy-strict"):
+        for name in ("buddy", "buddy-overlap", "buddy-strict"):
             b = by.get(name)
             if b and b["vs_none"] is not None:
                 ok = b["vs_none"] <= 1.3 and (b["capacity"] or 0) >= 1.4
