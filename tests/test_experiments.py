@@ -235,7 +235,7 @@ def test_report_keeps_what_no_file_holds_and_says_where_each_date_comes_from(tmp
     report.main(["--results", str(tmp_path / "results"), "--out", str(page), "--readme", str(readme)])
     text = page.read_text()
     assert f"<!-- report:decision -->\n{kept}<!-- /report:decision -->" in text  # no decide file: kept word for word
-    assert "| resnet-fp32 | tuning | 64 (1.00x) | 107 (1.67x) |" in text and "5.00 s (50.0x)" in text
+    assert "| resnet-fp32 | tuning | 64 (1.00x); 0.10 s | 107 (1.67x); 5.00 s (50.0x) |" in text
     assert "`python -m experiments.max_batch --size tiny` — some CPU, 2 cores, no GPU, torch 2.13.0+cpu" in text
     assert "not in the file: the file's modification time" in text  # no date recorded, not in git
     assert "The main job" not in text  # neither a file nor an earlier section
@@ -304,6 +304,10 @@ def test_report_headline_gives_the_native_engines_speed(tmp_path):
     assert f"native engine of `{codec}` @ 4096 B compresses 0.75-1.25 GB/s and decompresses 1.50-2.50 GB/s" in block
     assert "on 2 threads (lz4: 1.00-2.00 / 3.00-6.00; zstd-3: 0.30-0.30 / 1.00-1.00, one thread each" in block
     assert "memcpy" not in block
+    page = out.read_text()  # a row a method, a column a tensor
+    assert f"| {codec}@native | 1.250 / 2.500 | 0.750 / 1.500 |" in page
+    assert f"| {codec}@reference | 0.040 / 0.050 | - |" in page
+    assert f"| {codec} | 2.00 | 2.00 |" in page and "| lz4 | 2.000 / 6.000 | 1.000 / 3.000 |" in page
 
 
 def test_entropy_bound_and_simulation():
@@ -491,7 +495,7 @@ def test_report_shows_the_latest_gpu_sessions_bench_and_step_time(tmp_path, monk
     monkeypatch.setattr(report, "ROOT", tmp_path.parent)  # the files' folder is named relative to it
     section = report.gpu([], folder=tmp_path)
     assert section is not None and section.key == "gpu"
-    assert "| t | float32 | buddy:auto2/cuda | 1.47 | 100 | 182 |" in section.body  # the latest session's
+    assert "| buddy:auto2/cuda | 1.47 | 100 / 182 |" in section.body  # the latest session's
     assert "| gpt2 | buddy | 1,694.2 | 33.70 | 15.10 | 1.03 |" in section.body and "* gpt2: NOT met" in section.body
     assert "NVIDIA H200, driver 580" in section.body and "2026-11-27-h200" in section.body
     # the step phase's record, newer in the same folder: its step table (every method), what each step held at its
@@ -510,7 +514,7 @@ def test_report_shows_the_latest_gpu_sessions_bench_and_step_time(tmp_path, monk
     assert "(`2026-11-27-h200/step.json`)" in body
     assert "* gpt2 / buddy-model: 3.00 GiB -- before the step 1.00; buddy cuda.py:pack 1.00 (GiB)" in body
     assert "| gpt2 (step_time) | buddy | 16,000 | 24 | 1.50 |  |" in body
-    assert "| t | float32 | buddy:auto2/cuda | 1.47 | 100 | 182 |" in body  # the bench: essentials' still
+    assert "| buddy:auto2/cuda | 1.47 | 100 / 182 |" in body  # the bench: essentials' still
     batch["rows"][0] |= {"max_batch": 0, "note": "Expected a torch.device with a specified index"}  # a failed search
     (tmp_path / "2026-11-27-h200" / "step.json").write_text(json.dumps(record))
     body = report.gpu([], folder=tmp_path).body
