@@ -640,7 +640,7 @@ def test_side_stream_offload_is_exact(cuda):
 
 
 def test_learned_tables_tiny(tmp_path, capsys):
-    from experiments import learned_tables
+    from experiments.lab import learned_tables
 
     rows = learned_tables.main(["--size", "tiny", "--workloads", "gpt-bf16", "--no-progress", "--out", str(tmp_path)])
     (row,) = rows
@@ -654,7 +654,7 @@ def test_learned_tables_tiny(tmp_path, capsys):
 
 
 def test_context_bound():
-    from experiments.context_bound import context_bits
+    from experiments.lab.context_bound import context_bits
 
     g = torch.Generator().manual_seed(0)
     # two exponents taking turns: one bit a word at order 0, none given the previous word's
@@ -669,7 +669,7 @@ def test_context_bound():
 
 
 def test_context_bound_tiny(tmp_path):
-    from experiments import context_bound
+    from experiments.lab import context_bound
 
     args = ["--size", "tiny", "--workloads", "gpt-bf16", "lstm-fp32", "--no-progress", "--out", str(tmp_path)]
     rows = {r["workload"]: r for r in context_bound.main(args)}
@@ -679,7 +679,7 @@ def test_context_bound_tiny(tmp_path):
 
 
 def test_repeated_rows():
-    from experiments.repeats import repeated_rows
+    from experiments.lab.repeats import repeated_rows
 
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(10, 64, generator=g)
@@ -694,7 +694,7 @@ def test_repeated_rows():
 
 
 def test_repeats_tiny(tmp_path, capsys):
-    from experiments import repeats
+    from experiments.lab import repeats
 
     args = ["--size", "tiny", "--workloads", "gpt-bf16", "--codec", "auto2", "--no-progress", "--out", str(tmp_path)]
     (row,) = repeats.main(args)
@@ -800,7 +800,7 @@ def test_accounting_hooks_leave_no_graph_behind():
 
 
 def test_accounting_search_stays_within_host_memory():
-    from experiments import max_batch
+    from experiments.common import host_peak_bytes
     from experiments.max_batch import HOST_MEMORY_SHARE, HOST_PEAK_SHARE, Measurement, host_batch_cap
 
     m = Measurement("w", "save_on_cpu", batch=16, state_bytes=0, activation_bytes=0, seconds=0.0, saved_bytes=16 << 20)
@@ -814,7 +814,7 @@ def test_accounting_search_stays_within_host_memory():
     assert host_batch_cap(big, memory=8 << 30, smaller=small) == want == 38, "the peak binds before the saved bytes"
     unknown = dataclasses.replace(small, peak_bytes=None)
     assert host_batch_cap(big, memory=8 << 30, smaller=unknown) == 2048, "the saved bytes alone (1 MiB a sample)"
-    assert max_batch._peak() is None or max_batch._peak() > 0
+    assert host_peak_bytes() is None or host_peak_bytes() > 0
 
 
 def test_the_chunked_loss_is_the_whole_loss():
