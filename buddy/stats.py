@@ -197,6 +197,12 @@ class SessionStats:
                 f"history's plan on the tensors' own sizes"
             )
         lines += self._plan_lines()
+        lines += self._traffic_lines()
+        return "\n".join(lines)
+
+    def _traffic_lines(self) -> list[str]:
+        """The reserve, packing beside forward, what was kept and why, and backward's look-ahead: where any."""
+        lines = []
         if self.reserve_bytes or self.reserve_short_bytes:
             lines.append(
                 f"device reserve {format_bytes(self.reserve_bytes)}: held {format_bytes(self.reserved_bytes)} of "
@@ -218,4 +224,4 @@ class SessionStats:
                 f"{p.unpacked_ahead} tensors decompressed ahead, {p.ready} unpacks found them ready, "
                 f"{p.dropped} dropped unused"
             )
-        return "\n".join(lines)
+        return lines
