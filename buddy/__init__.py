@@ -30,6 +30,7 @@ from . import (  # noqa: F401
     errors,
     hooks,
     ledger,
+    overlap,
     pipeline,
     prefetch,
     recording,
@@ -52,6 +53,7 @@ from .errors import (
     UnsupportedTensorError,
 )
 from .pipeline import compress, measure, pack, size_histogram, unpack
+from .overlap import Overlap
 from .prefetch import Prefetch
 from .recording import record_activations
 from .stats import KeyRow, SessionStats
@@ -86,6 +88,7 @@ __all__ = [
     "KeyRow",
     "wrap",
     "Prefetch",
+    "Overlap",
     "record_activations",
     # how slots are chosen
     "Tracker",

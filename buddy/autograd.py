@@ -27,24 +27,23 @@ recorder (what is taken, once, under which key; CUDA graphs, interrupts, threads
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
 
 import torch
 
-from . import config, engines, spec
-from .codecs import CodecLike
+from . import config, engines, spec, streams
 from .engines import PLACE_WORDS
 from .hooks import DEFAULT_MIN_BYTES, _SavedTensorHooks
 from .keyed import _tracked, wrap
 from .keys import is_parameter, module_name
 from .layout import Layout, memory_bytes
+from .overlap import Overlap, Stash, as_overlap
 from .peak import Saved, StepProfile
 from .pipeline import kept_ends_bytes, pack_ahead, resolve
 from .prefetch import Prefetch, PrefetchStats, Schedule, as_prefetch
 from .recording import RecordedTensor, Recorder, record_activations
 from .saved import _Checks, _Compressed, _Kept, _look_ahead, _warn_once
 from .stats import KeyRow, SessionStats
-from .step import Counters
+from .step import AheadStep, Pending, past_bound, past_bound_warning
 from .store import BuddyStore, default_store
 from .tensor import BuddyTensor
 from .tracker import Policy, Tracker, default_tracker, group_of
@@ -81,6 +80,7 @@ class Session(_SavedTensorHooks):
         enabled: bool = True,
         prefetch: Prefetch | bool = True,
         strict: bool = False,
+        overlap: Overlap | bool = False,
     ):
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be True or False, got {strict!r}")
@@ -96,14 +96,12 @@ class Session(_SavedTensorHooks):
         self.entry_bytes = spec.check_entry_bytes(entry_bytes) if entry_bytes is not None else None
         self.prefetch = as_prefetch(prefetch)
         self.strict = strict
+        self.overlap = as_overlap(overlap)
+        self._stashes: dict[torch.device, Stash] = {}  # per device, the originals of packs in flight (overlap)
         self._schedule = Schedule(self.prefetch)
         self._checks = _Checks()
-        self._histograms = Counters(torch.int64, _HISTOGRAMS_CHUNK)
-        self._pending: list[_Pending] = []
+        self._ahead = AheadStep()  # the step's tensors packed ahead of their sizes, and its reserve
         self._reads_at = 0
-        # the device reserve: per device, this step's (its state on the device, its buffer), sized by the tracker
-        self._reserves: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._seen = self._sized_spent = 0  # the step's bytes taken so far, and the overflow of those sized
         self._profile = StepProfile()  # the step's saves, uses and memory (buddy.peak), kept on the tracker
         self._known: dict[str, int] = {}  # per key, its device bytes when it was last compressed
         super().__init__(min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, enabled=enabled)
@@ -122,93 +120,48 @@ class Session(_SavedTensorHooks):
         self._stats.overflow_bound = getattr(self.policy or self.tracker.policy, "overflow_bound", None)
         self._schedule = Schedule(self.prefetch)  # one per step: the old one lives on with the old graph
         self._checks = _Checks()  # likewise
-        self._histograms.next_step()
-        self._pending = []
+        self._ahead.next_step()
         self._reads_at = engines.host_reads()
-        self._reserves = {}  # (the last step's lives on with the tensors that hold some of it)
-        self._seen = self._sized_spent = 0
+        self._stashes = {}
+        self._profile.stash_bytes = self.overlap.stash_bytes if self.overlap is not None else 0
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         self._profile.end_forward()
-        self._settle()
+        self._drain()
+        with self._lock:
+            pending = self._ahead.take_pending()
+        self._ahead.settle(pending, self._stats, self.tracker)
         self._stats.host_reads = engines.host_reads() - self._reads_at  # forward's; backward's: its checks
-        self._check_bound()
+        with self._lock:
+            past = past_bound(self._stats)
+        if past is not None:
+            _warn_once(*past_bound_warning(self._stats, self.policy or self.tracker.policy, self.strict, *past))
         if exc[0] is None:  # forward is done: backward will first ask for what was packed last
             _look_ahead(self._schedule, len(self._schedule))
 
-    def _settle(self) -> None:
-        """Where forward ends: the sizes of every tensor packed ahead in one read (per device), each tensor's
-        buddy memory trimmed to its overflow, the tracker taught, the stats filled in (see ``strict``)."""
+    def _drain(self) -> None:
+        """Where forward ends: forward's stream waits for the last pack on each device, the stashes let go."""
         with self._lock:
-            pending, self._pending = self._pending, []
-            self._reserves = {}  # (the tensors with overflow in a reserve hold it; it goes, and its hold, with them)
-        if not pending:
-            return
-        sizes = {device: self._histograms.read(device) for device in self._histograms.devices}
+            stashes, self._stashes = self._stashes, {}
         st = self._stats
-        excess = 0  # overflow sectors past the step's running bound: the reserve's, or passing it
-        for p in pending:
-            words = sizes[p.device][p.at]
-            histogram = words[PLACE_WORDS:]
-            if p.bt is not None:
-                p.bt.settle(words)
-                if p.bounded:  # its overflow (settled: what buddy memory holds, and the reserve) past its cap
-                    total = (p.bt.buddy_bytes + p.bt.reserve_bytes) // spec.SECTOR_BYTES
-                    excess += max(0, total - words[0])
-                    st.reserved_bytes += p.bt.reserve_bytes
-            row = p.row
-            row.buddy_bytes = 0 if p.bt is None else p.bt.buddy_bytes
-            row.reserve_bytes = 0 if p.bt is None else p.bt.reserve_bytes
-            row.ideal_bytes = Layout.compacted_bytes(histogram)
-            st.buddy_bytes += row.buddy_bytes
-            st.ideal_bytes += row.ideal_bytes
-            slot = p.layout.sectors_per_entry if p.bt is None else p.bt.slot_sectors
-            self.tracker.record(
-                row.key, histogram, slot=slot, layout=p.layout,
-                predicted_overflow_bytes=row.predicted_overflow_bytes, statistics=p.codec.statistics, fitted=p.codec,
-            )  # fmt: skip
-        bounded = [p for p in pending if p.bounded]
-        if bounded:
-            self.tracker.record_excess(group_of(bounded[0].row.key), excess)  # what the next steps' reserve is sized from
-            st.reserve_short_bytes = excess * spec.SECTOR_BYTES - st.reserved_bytes
+        for device, stash in stashes.items():
+            stash.drain(stash.ops.record(stash.ops.pack_stream(device)))
+            st.stash_peak_bytes = max(st.stash_peak_bytes, stash.peak_bytes)
+            st.stash_waits += stash.waits
 
-    def _check_bound(self) -> None:
-        """Warn (once per process and policy) if the step passed its policy's overflow bound.
-
-        The policies that state a bound keep it whatever the history (see
-        :mod:`buddy.tracker`); what can still push a step past it is a slot
-        the policy did not choose. The warning names the tensor with which the
-        step's running overflow first passed the bound, and the figures.
-        """
-        with self._lock:
-            st = self._stats
-            bound, spent, seen = st.overflow_bound, 0, 0
-            if bound is None:
-                return
-            for row in st.rows:
-                if row.left is not None:  # (outside the bound's bytes: the policy placed none of it)
-                    continue
-                spent, seen = spent + row.buddy_bytes, seen + row.original_bytes
-                if spent > bound * seen:
-                    break
-            else:
-                return
-        policy = self.policy or self.tracker.policy
-        why = (
-            "A slot the policy did not choose (a custom policy, or a store that could not take the overflow) does "
-            "this." if self.strict else
-            "With strict=False slots come from the tracker's plan before the tensors are sized; what tensors that "
-            "compress worse than their history spill past the bound goes to a device reserve sized from recent "
-            "steps, and this step's had no room for some of it (the next step's plan and reserve learn from this "
-            "one); strict=True keeps the bound on every tensor's own sizes, at a read per tensor."
-        )  # fmt: skip
-        _warn_once(
-            f"bound {type(policy).__name__} {bound} {self.strict}",
-            f"buddy: this step's overflow passed its policy's bound ({policy!r}): with {row.key!r} the step's "
-            f"tensors so far spilled {spent:,} of {seen:,} bytes ({spent / seen:.1%} > {bound:.1%}); the step "
-            f"ended at {st.overflow_fraction:.1%}. {why} This warning is shown once.",
-        )
+    def _stash(self, device: torch.device) -> Stash | None:
+        """The step's stash on ``device`` where its packs overlap forward (``overlap`` on, an asynchronous
+        device); else ``None``."""
+        if self.overlap is None:
+            return None
+        stash = self._stashes.get(device)
+        if stash is None:
+            ops = streams.for_device(device)
+            if ops.synchronous:
+                return None
+            stash = self._stashes[device] = Stash(ops, ops.current(device), self.overlap.stash_bytes)
+        return stash
 
     def _take(self, t: torch.Tensor, key: str):
         start = time.perf_counter()
@@ -256,26 +209,41 @@ class Session(_SavedTensorHooks):
         bound, bounded = self._stats.overflow_bound, False
         step = reserve = room = None
         if bound is not None and not place.keep:
-            step, reserve = self._reserve(t.device, group_of(key), bound)
-            seen = self._seen + t.numel() * t.element_size()
-            room, bounded = int(bound * seen) // spec.SECTOR_BYTES - self._sized_spent // spec.SECTOR_BYTES, True
-        at = self._histograms.taken(t.device)  # (where its words come back where forward ends)
-        sizes = self._histograms.take(PLACE_WORDS + layout.bins, t.device)  # the placement, then the histogram
-        bt = None
+            step, reserve = self._ahead.reserve(t.device, group_of(key), bound, tracker, self._stats)
+            room, bounded = self._ahead.room(bound, t.numel() * t.element_size()), True
+        at, sizes = self._ahead.sizes(PLACE_WORDS + layout.bins, t.device)  # the placement, then the histogram
+        bt = stash = None
         if place.keep:  # the raw slot: kept as it is, its sizes counted all the same (the key goes on learning)
             codec = engine.measure_ahead(memory_bytes(t)[0], layout, sizes, prior=prior, keep=fitted, count=count)
         else:
-            bt = pack_ahead(
-                t, engine, layout, place.slot, sizes, store=self.store, ledger=tracker.ledger, prior=prior,
-                keep=fitted, count=count, room=room, step=step, reserve=reserve,
-            )  # fmt: skip
+            stash = self._stash(t.device)
+            if stash is None:
+                bt = pack_ahead(
+                    t, engine, layout, place.slot, sizes, store=self.store, ledger=tracker.ledger, prior=prior,
+                    keep=fitted, count=count, room=room, step=step, reserve=reserve,
+                )  # fmt: skip
+            else:  # on the pack stream, after forward's work so far (it wrote t): see buddy.overlap
+                ops, side = stash.ops, stash.ops.pack_stream(t.device)
+                written = ops.record(stash.compute)
+                with ops.activate(side):
+                    ops.wait(side, written)
+                    bt = pack_ahead(
+                        t, engine, layout, place.slot, sizes, store=self.store, ledger=tracker.ledger, prior=prior,
+                        keep=fitted, count=count, room=room, step=step, reserve=reserve,
+                    )  # fmt: skip
+                packed_event = ops.record(side)
             if bt is None:
                 return None
             codec = bt.codec_object
         elapsed = time.perf_counter() - start
         row = self._row(t, key, elapsed, bt, None, place.predicted_overflow_bytes, place.corrected)
-        self._pending.append(_Pending(row, layout, t.device, bt, codec, bounded, at))
-        return self._packed(t, bt, row), row
+        self._ahead.pending.append(Pending(row, layout, t.device, bt, codec, bounded, at))
+        packed = self._packed(t, bt, row)
+        if stash is not None and isinstance(packed, _Compressed):
+            packed.packed = (stash.ops, packed_event)  # backward's decompression waits for it
+            stash.add(t, packed_event, packed)
+            self._stats.overlapped += 1
+        return packed, row
 
     def _packed(self, t: torch.Tensor, bt: BuddyTensor | None, row: KeyRow):
         """What autograd keeps for ``t`` (``bt``: its compressed form, ``None`` where it is kept as it is), its
@@ -304,23 +272,6 @@ class Session(_SavedTensorHooks):
         st.rows.append(row)
         return self._packed(t, None, row), row
 
-    def _reserve(self, device: torch.device, group: str, bound: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step's reserve on ``device``: its state (2 int64 of the step's buffer: the overflow sectors the
-        step's tensors sent to buddy memory, and those they took of the reserve) and its buffer, as large as the
-        tracker says from the model's (``group``'s) recent steps (None: they sent nothing past their bound), made
-        at its first tensor. Its bytes are held on the tracker's ledger while any tensor holds a part of it."""
-        found = self._reserves.get(device)
-        if found is None:
-            state = self._histograms.take(2, device)
-            sectors = self.tracker.reserve_sectors(group, bound)
-            nbytes = -(-sectors * spec.SECTOR_BYTES // _RESERVE_ROUND) * _RESERVE_ROUND
-            reserve = torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes else None
-            if reserve is not None:
-                self.tracker.ledger.hold(nbytes).release_when_collected(reserve)
-                self._stats.reserve_bytes += nbytes
-            found = self._reserves[device] = (state, reserve)
-        return found
-
     def _row(
         self, t, key: str, elapsed: float, bt: BuddyTensor | None, histogram, predicted: int | None, corrected: bool
     ) -> KeyRow:
@@ -345,8 +296,7 @@ class Session(_SavedTensorHooks):
             corrected=corrected,
         )
         st.corrected += corrected
-        self._seen += nbytes
-        self._sized_spent += row.buddy_bytes  # (a tensor packed ahead: none yet, its overflow is the device's count)
+        self._ahead.taken(nbytes, row.buddy_bytes)  # (a tensor packed ahead: none yet, its overflow is the device's)
         st.device_bytes += row.device_bytes
         st.buddy_bytes += row.buddy_bytes
         st.ideal_bytes += row.ideal_bytes
@@ -378,26 +328,6 @@ class Session(_SavedTensorHooks):
             f"<buddy Session {state}: policy={self.policy or self.tracker.policy!r}, min_bytes={self.min_bytes}, "
             f"prefetch={self.prefetch}>"
         )
-
-
-#: bytes a device reserve is a whole number of
-_RESERVE_ROUND = 4096
-
-#: elements of the buffer a step's histograms are slices of (int64; 254 tensors of 4 KiB entries): made when the
-#: step packs its first tensor ahead, and larger when a step needs more
-_HISTOGRAMS_CHUNK = 1 << 15
-
-
-class _Pending(NamedTuple):
-    """A tensor packed ahead whose sizes the step reads where forward ends."""
-
-    row: KeyRow
-    layout: Layout
-    device: torch.device
-    bt: BuddyTensor | None  # None: kept as it is (the raw slot), only measured
-    codec: CodecLike  # what it was measured with (the tracker keeps its table)
-    bounded: bool  # packed within the step's running bound (its sectors past it: the reserve's)
-    at: int  # its words' place among the step's slices on its device (Counters.taken)
 
 
 def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:
@@ -436,6 +366,14 @@ def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:
             tensor's own sizes, read back from its device before it is
             packed (a read a tensor, the GPU idle while the host decides),
             so the policy's bound holds on every tensor's real sizes.
+        overlap: pack beside forward (:class:`~buddy.Overlap`, see
+            :mod:`buddy.overlap`): each pack runs on a side stream while
+            forward's next kernels compute, its original held in a stash
+            of at most ``stash_bytes`` until the pack has read it (bytes
+            a :class:`~buddy.MemoryTarget` counts). ``True``: the defaults;
+            ``False`` (default): packs run in forward's stream. With
+            ``strict=False`` only (a strict pack waits on its sizes
+            anyway); nothing changes on the host.
 
     Returns:
         A :class:`Session`; ``session.stats()`` reports what it held.

@@ -135,10 +135,12 @@ class MemoryTarget(_Selective):
         self.nbytes, self.fraction = nbytes, fraction
 
     def _limits(self, profile: StepProfile) -> dict:
+        # the originals an overlapping session's stash may hold at the peak count against the target
         if self.nbytes is not None:
-            return {"target": float(self.nbytes), "with_base": True}
+            return {"target": float(self.nbytes - profile.stash_bytes), "with_base": True}
         held = profile.held(set())
-        return {"target": float(self.fraction or 0.0) * float(held.max() if held.size else 0.0), "with_base": False}
+        want = float(self.fraction or 0.0) * float(held.max() if held.size else 0.0)
+        return {"target": want - profile.stash_bytes, "with_base": False}
 
     def _limit_text(self) -> str:
         want = format_bytes(self.nbytes) if self.nbytes is not None else f"{self.fraction:.0%} of the uncompressed"

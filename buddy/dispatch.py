@@ -159,6 +159,7 @@ def _changed() -> None:
     global _generation
     _generation += 1
     _MADE.clear()
+    codecs.forget_usable()
 
 
 def implementations(

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import threading
 import weakref
+from types import FrameType
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import UnsupportedTensorError
-from .keys import _call_site, _outermost_module, _storages_of, _tensor_key, is_parameter, module_name
+from .keys import _call_site, _outermost_call, _storages_of, _tensor_key, is_parameter, module_name
 from .layout import dense_strides
 from .saved import _AsIs, _compile_safe_hooks, _View
 from .stats import KeyRow, SessionStats
@@ -125,6 +126,7 @@ class _SavedTensorHooks:
             if self._thread != threading.get_ident():  # saved-tensor hooks are per thread
                 raise RuntimeError(f"a {self._what} must be closed by the thread that opened it")
             hooks, self._hooks = self._hooks, None
+            self._calls.clear()  # (their frames, and the locals of those that returned, go)
         hooks.__exit__(*exc)
 
     _what = "saved-tensor hooks block"
@@ -136,6 +138,7 @@ class _SavedTensorHooks:
         with self._lock:
             self._index: dict[str, int] = {}  # per key prefix: tensors taken under it
             self._names: dict[int, tuple[weakref.ref, str]] = {}  # id(module) -> (module, its name), this block
+            self._calls: dict[FrameType, str] = {}  # the block's outermost module calls -> their prefixes
             self._last_prefix: str | None = None
             self._dedup: dict[tuple, tuple[StorageWeakRef, weakref.ref, KeyRow | None]] = {}
             self._storages: dict[int, list[int]] = {}  # storage -> [storage bytes, bytes of its views taken]
@@ -216,14 +219,17 @@ class _SavedTensorHooks:
         """The key prefix of a tensor being saved now: ``key_prefix``, else its model's name and ``/``."""
         if self.key_prefix:
             return self.key_prefix
-        module = _outermost_module()
-        if module is None:  # outside any module's forward: the step's previous model, else the call site
-            return self._last_prefix or f"{self._site}/"
-        found = self._names.get(id(module))
-        if found is None or found[0]() is not module:  # named once per block (a model's tree does not change)
-            found = self._names[id(module)] = (weakref.ref(module), module_name(module))
-        self._last_prefix = f"{found[1]}/"
-        return self._last_prefix
+        frame, prefix = _outermost_call(self._calls)
+        if prefix is None:
+            module = frame.f_locals.get("self") if frame is not None else None  # (nn.Module.__call__'s self)
+            if frame is None or not isinstance(module, torch.nn.Module):  # outside any module's forward: the
+                return self._last_prefix or f"{self._site}/"  # step's previous model, else the call site
+            found = self._names.get(id(module))
+            if found is None or found[0]() is not module:  # named once per block (a model's tree does not change)
+                found = self._names[id(module)] = (weakref.ref(module), module_name(module))
+            prefix = self._calls[frame] = f"{found[1]}/"  # the call's next tensors find it without a name
+        self._last_prefix = prefix
+        return prefix
 
     def _take(self, t: torch.Tensor, key: str) -> tuple[object, KeyRow | None] | None:
         """What autograd keeps for ``t`` (weakly referable) and its stats row; ``None``: keep ``t`` as it is."""

@@ -56,23 +56,25 @@ _CALL_CODES = frozenset(
 )
 
 
-def _outermost_module() -> torch.nn.Module | None:
-    """The outermost module whose forward is running on this thread's stack, or ``None``.
+def _outermost_call(known: dict[FrameType, str]) -> tuple[FrameType | None, str | None]:
+    """The frame of the outermost module call on this thread's stack (``None``: no module's forward is running),
+    and its prefix where ``known`` holds it.
 
-    The stack is walked by code objects alone; only the outermost call frames' locals are read (a frame's
-    ``f_locals`` makes a snapshot of them: reading every call frame's cost a deep model most of the walk).
+    ``known`` maps outermost call frames to their prefixes, the frames held (so none is freed and another made at
+    its address while it is a key). A known frame met on the way up is still running, so everything above it is
+    as it was when it was found outermost: the walk stops there, reading no frame's locals. A model is then named
+    once per call (a step's forward), not once per tensor.
     """
-    frame: FrameType | None = sys._getframe(1)
-    calls = []
+    frame: FrameType | None = sys._getframe(2)
+    outer = None
     while frame is not None:
+        hit = known.get(frame)
+        if hit is not None:
+            return frame, hit
         if frame.f_code in _CALL_CODES:
-            calls.append(frame)
+            outer = frame
         frame = frame.f_back
-    for call in reversed(calls):  # the outermost first
-        module = call.f_locals.get("self")
-        if isinstance(module, torch.nn.Module):
-            return module
-    return None
+    return outer, None
 
 
 def module_name(module: torch.nn.Module) -> str:

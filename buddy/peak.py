@@ -71,6 +71,8 @@ class StepProfile:
     measured_seconds: float = 0.0
     #: seconds from this step's start to the next's (None until the next step starts): the whole step's period
     period: float | None = None
+    #: the most bytes of originals the session's stash may hold beside the saved tensors (buddy.overlap; 0: none)
+    stash_bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
     _sample: Callable[[], int] | None = None
 

@@ -140,7 +140,7 @@ class _Compressed:
 
     __slots__ = (
         "bt", "session", "row", "cache", "kept", "uses_left", "schedule", "position", "ahead", "checks", "profiled",
-        "__weakref__",
+        "packed", "raced", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -161,6 +161,27 @@ class _Compressed:
         self.schedule = schedule
         self.position = schedule.add(self)
         self.ahead: Ahead | None = None  # decompressed ahead of use by the look-ahead
+        # packed beside forward (buddy.overlap): the stream operations and the event of its pack, which its
+        # decompression waits for; whether the original was changed in place while the pack could read it
+        self.packed: tuple[streams.StreamOps, object] | None = None
+        self.raced = False
+
+    def _after_pack(self, stream) -> None:
+        """Make ``stream``'s later work wait for the pack (packed beside forward), on the device."""
+        if self.packed is None:
+            return
+        session = self.session()
+        if session is not None:  # (a backward inside the block: its stashes let go first, their changes seen)
+            session._drain()
+        if self.raced:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"the saved activation {self.row.key!r} was changed in place while buddy was compressing it beside "
+                f"forward (overlap), so its compressed copy may hold some of the new bytes; none is returned. "
+                f"Change a copy instead (PyTorch raises the same without buddy)."
+            )
+        ops, event = self.packed
+        ops.wait(stream, event)
 
     def cached(self) -> torch.Tensor | None:
         return self.cache() if self.cache is not None else None
@@ -177,6 +198,7 @@ class _Compressed:
         ahead, self.ahead = self.ahead, None
         ready = ahead is not None or self.bt.prefetched
         device = self.bt.device
+        self._after_pack(streams.for_device(device).current(device))
         try:
             if ahead is not None:
                 t, flag = ahead.take(streams.for_device(device).current(device)), ahead.flag
@@ -223,6 +245,7 @@ class _Compressed:
         issued = ops.record(ops.current(bt.device))
         with ops.activate(copy):
             ops.wait(copy, issued)  # the slots were written by kernels queued on the compute stream
+            self._after_pack(copy)  # (or on the pack stream)
             flag = self.checks.flag(bt)
             t = bt.decompress(error_flag=flag)
             self.ahead = Ahead(t, ops.record(copy), ops, flag)

@@ -104,6 +104,11 @@ class SessionStats:
     left_bytes: int = 0
     #: what the policy planned for the step (:meth:`buddy.Policy.describe`; ``None``: nothing to say)
     plan: str | None = None
+    #: with overlap (:mod:`buddy.overlap`): tensors packed on the pack stream, the most bytes of originals the
+    #: stash held at once, and how often forward's stream waited for a pack because the stash was full
+    overlapped: int = 0
+    stash_peak_bytes: int = 0
+    stash_waits: int = 0
 
     @property
     def within_bound(self) -> bool:
@@ -192,10 +197,21 @@ class SessionStats:
                 f"history's plan on the tensors' own sizes"
             )
         lines += self._plan_lines()
+        lines += self._traffic_lines()
+        return "\n".join(lines)
+
+    def _traffic_lines(self) -> list[str]:
+        """The reserve, packing beside forward, what was kept and why, and backward's look-ahead: where any."""
+        lines = []
         if self.reserve_bytes or self.reserve_short_bytes:
             lines.append(
                 f"device reserve {format_bytes(self.reserve_bytes)}: held {format_bytes(self.reserved_bytes)} of "
                 f"overflow past the bound, {format_bytes(self.reserve_short_bytes)} found no room in it"
+            )
+        if self.overlapped:
+            lines.append(
+                f"overlap: {self.overlapped} packed beside forward; the stash held at most "
+                f"{format_bytes(self.stash_peak_bytes)} of originals, forward waited for {self.stash_waits} pack(s)"
             )
         if self.captured:
             lines.append(f"{self.captured} save(s) kept as they are: a CUDA graph was being captured")
@@ -208,4 +224,4 @@ class SessionStats:
                 f"{p.unpacked_ahead} tensors decompressed ahead, {p.ready} unpacks found them ready, "
                 f"{p.dropped} dropped unused"
             )
-        return "\n".join(lines)
+        return lines

@@ -7,7 +7,9 @@ device's:
 * CUDA tensors: :class:`CudaStreams`. Overflow copies run on one **copy
   stream per device**, made once; an event orders them after the kernels
   that wrote what they read, and the compute stream waits for a copy only
-  where it reads its result, so forward never waits for its own offload;
+  where it reads its result, so forward never waits for its own offload.
+  With overlap on (:mod:`buddy.overlap`) packing runs on one **pack stream
+  per device**, beside forward's kernels;
 * CPU tensors: :class:`HostStreams`: one "stream", nothing asynchronous,
   every event already complete.
 
@@ -45,6 +47,10 @@ class StreamOps:
         """The stream buddy's copies of ``device``'s tensors run on (one per device)."""
         raise NotImplementedError
 
+    def pack_stream(self, device: torch.device):
+        """The stream buddy packs ``device``'s tensors on when packing overlaps forward (one per device)."""
+        raise NotImplementedError
+
     def activate(self, stream) -> contextlib.AbstractContextManager:
         """Issue the work of the ``with`` block on ``stream``."""
         raise NotImplementedError
@@ -78,7 +84,7 @@ class HostStreams(StreamOps):
     def current(self, device):
         return None
 
-    copy_stream = current
+    copy_stream = pack_stream = current
 
     def activate(self, stream):
         return contextlib.nullcontext()
@@ -103,20 +109,27 @@ class CudaStreams(StreamOps):
     """CUDA: torch's streams and events, each on the tensor's own device."""
 
     def __init__(self) -> None:
-        self._copy: dict[int, torch.cuda.Stream] = {}
+        self._made: dict[tuple[str, int], torch.cuda.Stream] = {}
         self._lock = threading.Lock()
 
     def current(self, device):
         return torch.cuda.current_stream(device)
 
-    def copy_stream(self, device):
+    def _side(self, device, role: str) -> torch.cuda.Stream:
+        """The device's stream for ``role``, made at its first use."""
         index = torch.device(device).index
         index = torch.cuda.current_device() if index is None else index
         with self._lock:
-            stream = self._copy.get(index)
+            stream = self._made.get((role, index))
             if stream is None:
-                stream = self._copy[index] = torch.cuda.Stream(device=index)
+                stream = self._made[role, index] = torch.cuda.Stream(device=index)
         return stream
+
+    def copy_stream(self, device):
+        return self._side(device, "copy")
+
+    def pack_stream(self, device):
+        return self._side(device, "pack")
 
     def activate(self, stream):
         return torch.cuda.stream(stream)

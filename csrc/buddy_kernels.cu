@@ -287,7 +287,7 @@ __device__ __forceinline__ void buddy_pack_body(const uint8_t* __restrict__ data
 // A table codec's decode rows (the device table's first Codec::ROWS_BYTES) copied into the first Codec::ROWS_BYTES
 // of the block's dynamic shared memory by the block's threads (the block waits for them): the decoder reads its
 // rows from there, the rest of the table (enc, read only to check an escape) in global memory -- 8 KiB less a
-// block, a warp more an SM on an H100. Unpack's and the lockstep decoder's.
+// block, so more warps an SM where shared memory bounds them. Unpack's and the lockstep decoder's.
 template <class Codec>
 __device__ __forceinline__ const uint8_t* buddy_table_to_shared(const uint8_t* __restrict__ table) {
   uint64_t* copy = reinterpret_cast<uint64_t*>(buddy_dynamic_shared());
@@ -331,8 +331,8 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
 #elif BUDDY_SHARED_TABLES
   // The block's first Codec::ROWS_BYTES of dynamic shared memory hold the table's decode rows, the warps' staging
   // follows (launch_config): the rows are read a code at a time, at random, and from global memory they missed L1
-  // about half the time (a warp waited on L1TEX for 8.5 / 14.8 of its 14.2 / 21.2 cycles an instruction, float32 /
-  // bfloat16, on an H200), shared memory answers every one.
+  // often (a warp waited on L1TEX for most of its cycles: the profile in docs/kernel_budget.md), shared memory
+  // answers every one.
   const uint8_t* rows = table;
   uint8_t* staging = buddy_staging(buddy_unpack_staging_entries<Codec>());
   if constexpr (Codec::TABLED) {
@@ -391,8 +391,9 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
 // The unpack of the table codecs, at entries of 4 KiB and more, is held to 64 registers a thread, 85 for 8-byte
 // words (auto2's members need more there): their decoders fit without spilling (nvcc --resource-usage; the kernel
 // budget, docs/kernel_budget.md). With the table in global memory a block runs at most 8 warps (4 blocks of 8 warps
-// fill an SM's registers at 64); with the table's rows in shared memory at most 24 (one block an SM: 24 warps at 4
-// KiB on an H100). Smaller entries unroll differently and are left to the compiler (at most 8 warps a block).
+// fill an SM's registers at 64); with the table's rows in shared memory at most 24 (one block an SM: the rows and
+// 24 warps' staging at 4 KiB fill its shared memory, shared_table_layout). Smaller entries unroll differently and
+// are left to the compiler (at most 8 warps a block).
 #if BUDDY_ENTRY_BYTES >= 4096 && BUDDY_SHARED_TABLES && !(defined(BUDDY_WORD_BYTES) && BUDDY_WORD_BYTES == 8)
 #define BUDDY_UNPACK_BOUNDS_LIMITED __launch_bounds__(1024, 1)
 #elif BUDDY_ENTRY_BYTES >= 4096 && BUDDY_SHARED_TABLES
@@ -406,18 +407,18 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
 #endif
 #define BUDDY_UNPACK_BOUNDS_FREE
 // Pack, at entries of 4 KiB and more and words of 2, 4 or 8 bytes, is held to 64 registers a thread (4 blocks of its
-// 8 warps an SM): unbounded, nvcc gave float32's 70 (24 warps an SM) where 64 hold it without a spill (55; the
-// kernel budget: 3,304 -> 3,328 instructions an entry). 1-byte words would spill there (auto2's members); a module
-// of every word size is left to the compiler.
+// 8 warps an SM): unbounded, nvcc gave float32's 70 (24 warps an SM) where 64 hold it without a spill, for a few
+// more instructions an entry (the kernel budget counts them). 1-byte words would spill there (auto2's members); a
+// module of every word size is left to the compiler.
 #if BUDDY_ENTRY_BYTES >= 4096 && defined(BUDDY_WORD_BYTES) && BUDDY_WORD_BYTES > 1
 #define BUDDY_PACK_BOUNDS __launch_bounds__(256, 4)
 #else
 #define BUDDY_PACK_BOUNDS
 #endif
 // Measure (8 warps a block, no staging) at entries of at most 4 KiB and words of 1, 2 or 4 bytes is held to 48
-// registers: 5 blocks an SM, 40 warps, where nvcc gave auto2's 54 (32 warps) unbounded; none spills (the kernel
-// budget: 2,427 -> 2,475 instructions an entry for float32, 3,216 -> 3,253 for bfloat16). 8-byte words (auto2's)
-// and larger entries (every codec's) would spill there.
+// registers: 5 blocks an SM, 40 warps, where nvcc gave auto2's 54 (32 warps) unbounded; none spills, for a few
+// more instructions an entry (the kernel budget counts them). 8-byte words (auto2's) and larger entries (every
+// codec's) would spill there.
 #if BUDDY_ENTRY_BYTES <= 4096 && defined(BUDDY_WORD_BYTES) && BUDDY_WORD_BYTES < 8
 #define BUDDY_MEASURE_BOUNDS __launch_bounds__(256, 5)
 #else
@@ -568,8 +569,8 @@ __device__ __forceinline__ void buddy_count_body(const uint8_t* __restrict__ dat
     // format kernels (a contiguous run: strided by the grid, each block read a 16-byte unit of every 16 x 16 bytes,
     // and every cache line came from memory once per block)
     // A word's count key is its symbol, zero words' too (a zero word's symbol is 0), and the zero words are then
-    // moved to ZERO's count: a shift a word, not a select (4 Mi words, one thread: float32 randn 3.6 -> 2.6 ms,
-    // bfloat16 3.4 -> 2.7; ReLU, half of whose words add to one count in turn, 4.4 -> 4.3)
+    // moved to ZERO's count: a shift a word, not a select, fewer operations in the loop (ReLU gains least: half of
+    // its words add to one count in turn)
     constexpr uint32_t t = buddy_fpe_fit_split<WB>::t, zero = 1u << buddy_fpe_fit_split<WB>::b;
     uint32_t zeros = 0;
     for (long long u = buddy_first_warp(n16), end = buddy_last_warp(n16); u < end; u += buddy_warp_stride()) {
@@ -669,7 +670,7 @@ BUDDY_FIT_KERNELS(auto2)
 #endif
 
 // The lockstep layout's decoder (codec_fpe.h, decode_lockstep): a layout weighed for a format to come, which no
-// encoder writes; its streams come from experiments/fpe_lanes.py. Not in the one-lane build (the layout is of 32
+// encoder writes; its streams come from experiments/lab/fpe_lanes.py. Not in the one-lane build (the layout is of 32
 // lanes). As unpack's: the table's decode rows in the block's shared memory, then a warp's payload (E + 32 bytes)
 // after them; a round's words go straight to global memory, side by side. Launch: dynamic shared memory ROWS_BYTES
 // + the warps' (E + 32) bytes.

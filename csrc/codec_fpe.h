@@ -64,9 +64,9 @@
 //            tails (ZERO words are the zeroed output's). When the estimate
 //            falls short of C, another pass like it takes the rest from the
 //            true end. Work: about 2 W / 32 steps per lane plus a few
-//            rounds' scans (python -m experiments.fpe_lanes measures the
-//            passes, rounds and steps on the capture workloads; the kernel
-//            budget, docs/kernel_budget.md, turns them into GB/s).
+//            rounds' scans (python -m experiments.lab.fpe_lanes measures
+//            the passes, rounds and steps on the capture workloads; the
+//            kernel budget, docs/kernel_budget.md, turns them into rates).
 //            Serial layout: lane 0 walks the stream (each code's length and
 //            the tail after it: serial by construction), 31 lanes idle --
 //            kept so older tensors decode; nothing writes it any more.
@@ -243,13 +243,13 @@ struct BuddyFpe {
   // (at: the tail code's place among the row's codes, `codes` for a tail code the row lacks; bits 0: the first
   // code is ESC or not in the table -- emit_walk's one-code path; the last fields are what a step computes from
   // `tails`: its tails' bits, and each slot's mask as a sign bit). The rows follow from dec and b alone; a host
-  // thread keeps the last table's (about 4,096 x 6 dec reads to make, a 16 KiB compare to reuse). Measured on
-  // 32 MiB of randn float32 / bfloat16, one thread: 12 bits decode about 6 % / 12 % faster than 11 (rows of two
-  // codes of 6 bits), 14 bits (128 KiB) a little faster still but four times the rows to make a table.
+  // thread keeps the last table's (about 4,096 x 6 dec reads to make, a 16 KiB compare to reuse). 12 bits, not
+  // 11: a row then holds two codes of 6 bits, fewer steps an entry; not 14 (128 KiB): little faster still, but
+  // four times the rows to make a table.
   static constexpr uint32_t WALKS = 1u, WALK_BITS = 12u, WALK_ROWS = 1u << WALK_BITS;
 // A launch's block makes the walk table only for a run of at least this many entries (buddy_kernels.cu): a new
 // table's rows cost about as much as decoding ten entries without them, and a tensor of a few entries is decoded
-// sooner with emit alone (host_cost's 16 KiB tensors, 34 a step: decompress 264 -> 227 us a tensor)
+// sooner with emit alone (experiments.host_cost's small tensors: the table would cost more than it saves)
 #define BUDDY_WALK_MIN_ENTRIES 8
   struct WalkCache {
     bool made = false;
@@ -466,8 +466,8 @@ struct BuddyFpe {
         // With the sizes table (prepare_sizes): a word's code bits by its symbol alone, a zero word's as symbol
         // 0's, the difference made up per zero word at each check, and the tails from the non-zero count -- the
         // same sums at every check, so the same stop and result. (The fit's b: a word's top b bits are its
-        // symbol, nothing to mask. 4 Mi words, one thread: auto2's measure 9.8 -> 6.4 ms for float32, 9.9 -> 6.9
-        // for bfloat16.)
+        // symbol, nothing to mask: a byte load and two adds a word, where the loop below masks, selects ZERO's
+        // code and tests for an escape.)
         const uint8_t* const sb = size_bits;
         const uint32_t zero_fix = sp.zero ? (sp.zero >> 12) - sb[0] : 0u;  // (mod 2^32: may be "negative")
         uint32_t sum = 0, nnz = 0, bits = 0;
@@ -475,8 +475,8 @@ struct BuddyFpe {
 #if defined(__AVX2__)
           if constexpr (WB == 4 || WB == 2) {
             // eight words' code bits at a time by one gather (4 bytes at each symbol's byte, its low byte kept),
-            // the zero words by a compare: the same sums (auto2's measure, 4 Mi words, one thread: float32
-            // 6.3-6.4 -> 5.5-5.7 ms, bfloat16 6.8 -> 6.0)
+            // the zero words by a compare: the same sums, an instruction for eight words where the loop takes
+            // a few a word
             sum += buddy_fpe_avx2_sizes<WB>(entry_bytes + (size_t)WB * i0, chunk, sb, t, &nnz);
           } else
 #endif
@@ -544,14 +544,14 @@ struct BuddyFpe {
     uint32_t nt = 0, tw = nw - 1u;
     // G words' tails at a time where they fit the buffer beside a partial word (G t <= 32; the fit's b for words
     // of 2 bytes: 4 tails of 4 bits), else a word at a time: the buffer's counters are a chain of dependent
-    // operations per group, not per word (with the codes two at a time below, 8 MiB of bfloat16, one thread:
-    // pack 15.4 -> 11.9 ms; float32, whose tails go one at a time, 15.4 -> 14.9)
+    // operations per group, not per word (a word's tail of 4 bits, bfloat16's, is a short step of that chain;
+    // float32's, one at a time, gain little)
     constexpr uint32_t G = B && 8u * WB - B <= 8u ? 4u : 1u;
     static_assert(words % G == 0, "whole groups");
     // 4-byte words (the fit's b: tails of 20 bits): the tails first gathered, a chunk of words at a time, then
     // written eight at a time: 160 bits are five whole stream words (the tails start at a word's top: the payload
     // is whole sectors), made with fixed shifts and no buffer; the last few go through the buffer (put_tails).
-    // (float32, 16 MiB, one thread: pack 14.9 -> 12.1 ms for ReLU, 15.5 -> 13.1 for randn)
+    // (Fixed shifts are independent of each other: no chain through the buffer's counters.)
     auto put_tails = [&](uint32_t group, uint32_t bits) {  // a group's tails (its first the highest), bits < 32
       nt += bits;
       tails |= (uint64_t)group << ((64u - nt) & 63u);
@@ -568,8 +568,8 @@ struct BuddyFpe {
       for (uint32_t i0 = 0; i0 < words; i0 += chunk) {
 #if BUDDY_FPE_AVX512
         if constexpr (chunk % 16u == 0) {
-          // 16 words' tails at a time, those of the words that have one moved together (the same tails; 16 MiB
-          // of float32, one thread: pack 11.0 -> 8.3 ms for ReLU, 12.6 -> 9.3 for randn)
+          // 16 words' tails at a time, those of the words that have one moved together (the same tails; one
+          // compress for 16 words, no branch on which have one)
           const __m512i low = _mm512_set1_epi32((int)tmask);
           for (uint32_t i = i0; i < i0 + chunk; i += 16u) {
             const __m512i x = buddy_fpe_load16<WB>(entry_bytes + (size_t)WB * i);
@@ -1157,8 +1157,8 @@ struct BuddyFpe {
     for (;;) {
       // a row's steps, while a row's codes and the place after them are inside the entry, a refill every third
       // step, after its lookup (from 56 bits and more, three rows leave at least 20: the next lookup's 12 are in
-      // the buffer): a lookup waits on the shift before it, a refill's load on no step (4 Mi words of float32 /
-      // bfloat16, one thread: a refill every step took 15-20 % longer)
+      // the buffer): a lookup waits on the shift before it, a refill's load on no step (a refill every step
+      // would put its work into every step's chain, not one step's in three)
       for (uint32_t step = 0;; step = step == 2u ? 0u : step + 1u) {
         if (done + WALK_BITS >= words) break;
         if (pos >= end) return never;  // unchecked codes: stay in the payload
@@ -1207,7 +1207,7 @@ struct BuddyFpe {
 
 #if BUDDY_FPE_AVX512
   // ---- two entries at once (the one-lane build with AVX-512: decode_pair) ---------------
-  // A walk's steps are a chain: each row's lookup waits on the shift of the step before, about 10 cycles a step
+  // A walk's steps are a chain: each row's lookup waits on the shift of the step before, a load's latency a step
   // whatever else the step does; two entries' walks in one loop overlap their chains. Each walk (SymWalk) stores
   // a word's symbol, 0x8000 | symbol for a word with a tail and 0 for ZERO's, into 2-byte slots and leaves the
   // tails in the stream; expand then makes 16 words at a time. The same words, places and checks as emit_walk's
@@ -1495,7 +1495,7 @@ struct BuddyFpe {
   }
 
   // ---- the lockstep layout: weighed for a format to come; no encoder writes it ------------------------------------
-  // experiments/fpe_lanes.py (`lockstep`) specifies it and makes its streams (docs/format-v3.md, "A layout for one
+  // experiments/lab/fpe_lanes.py (`lockstep`) specifies it and makes its streams (docs/format-v3.md, "A layout for one
   // walk"). Word i is lane i % 32's, a word a lane each round, from a bit buffer the lane fills from the code section
   // in the order the lanes need bits. Before each word a lane holding fewer than LOCK_LOOKAHEAD bits tops it up by
   // what its words left are sure to hold (each at least the table's shortest code): 32 bits where they hold that many

@@ -40,7 +40,7 @@
 // leaves: three rankings) and, when more than 255 symbols occur, 11 passes
 // of S / 32 keys per lane for the radix select (S = 4096 for the 12-bit
 // symbols: about 1400 a lane) -- about 130,000 warp instructions
-// (python -m experiments.kernel_budget, docs/kernel_budget.md), not measured
+// (python -m experiments.lab.kernel_budget, docs/kernel_budget.md), not measured
 // on a GPU; the kernel runs once per compress that has no learned table.
 #pragma once
 
@@ -109,9 +109,9 @@ BUDDY_WARP_FN void buddy_fpe_count_unit16(const Warp& warp, buddy_u128 unit, boo
 
 // The same count without matching keys (the count kernel's `aggregate` 0): per word position, the zero words
 // by a ballot, their number added to *zeros (the same on every lane: the warp's), and every other word by an atomic
-// add of its own -- lanes of equal keys meet at one count, which the hardware serializes. On an H200 the matched
-// count waited on shared memory for 35-49 of a warp's 69-92 cycles an instruction; this form, a ballot where the
-// match was, is there for a GPU to time beside it (docs/kernel_budget.md).
+// add of its own -- lanes of equal keys meet at one count, which the hardware serializes. The matched count's
+// warps spend most of their cycles waiting on shared memory (the profile in docs/kernel_budget.md); this form, a
+// ballot where the match was, is there for a GPU to time beside it.
 template <int WB, class Warp>
 BUDDY_WARP_FN void buddy_fpe_count_unit16_ballot(const Warp& warp, buddy_u128 unit, bool valid, uint32_t* counts,
                                                  uint32_t* zeros) {
@@ -242,7 +242,7 @@ BUDDY_HD void buddy_fit_lengths(BuddyFpeFitWork* wk, uint32_t n) {
 //
 // Once at most 32 keys share the digits found (`part`: 32 words of scratch), they are gathered one a lane and
 // ranked among themselves: the passes over every symbol stop there (on the capture workloads' counts after 5.2 of
-// the 11 digits on average, about 20 keys left: experiments.kernel_budget, `select_passes`).
+// the 11 digits on average, about 20 keys left: experiments.lab.kernel_budget, `select_passes`).
 template <class Warp>
 BUDDY_WARP_FN uint64_t buddy_fit_select(const Warp& warp, const uint32_t* c, uint32_t S, uint32_t r, uint64_t* part) {
 #if defined(BUDDY_NATIVE_SOLO)

@@ -34,6 +34,8 @@ __all__ = [
     "tensor_bytes",
     "data_bytes",
     "byte_entropy_bits",
+    "order0_bits",
+    "FLOAT_FIELDS",
     "field_entropy_bits",
     "entry_zstd_histogram",
     "compacted_bytes",
@@ -213,7 +215,7 @@ def byte_entropy_bits(t: torch.Tensor) -> float:
     return float(-(p * torch.log2(p)).sum())
 
 
-def _order0_bits(symbols: torch.Tensor, n_symbols: int) -> float:
+def order0_bits(symbols: torch.Tensor, n_symbols: int) -> float:
     """Total order-0 entropy, in bits, of a flat tensor of symbols in ``[0, n_symbols)``."""
     if symbols.numel() == 0:
         return 0.0
@@ -223,7 +225,7 @@ def _order0_bits(symbols: torch.Tensor, n_symbols: int) -> float:
 
 
 #: (exponent bits, mantissa bits) of the float dtypes the field bound splits
-_FLOAT_FIELDS = {
+FLOAT_FIELDS = {
     torch.float16: (5, 10),
     torch.bfloat16: (8, 7),
     torch.float32: (8, 23),
@@ -243,18 +245,18 @@ def field_entropy_bits(t: torch.Tensor) -> float:
     Integer and bool tensors fall back to the byte bound (per value).
     """
     t = t.detach().contiguous().reshape(-1)
-    if t.dtype not in _FLOAT_FIELDS:
+    if t.dtype not in FLOAT_FIELDS:
         return byte_entropy_bits(t) * t.element_size()
     if t.numel() == 0:
         return 0.0
-    exp_bits, man_bits = _FLOAT_FIELDS[t.dtype]
+    exp_bits, man_bits = FLOAT_FIELDS[t.dtype]
     word = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     w = t.view(word).to(torch.int64)
-    total = _order0_bits((w >> man_bits) & ((1 << (exp_bits + 1)) - 1), 1 << (exp_bits + 1))
+    total = order0_bits((w >> man_bits) & ((1 << (exp_bits + 1)) - 1), 1 << (exp_bits + 1))
     top = man_bits
     while top > 0:
         width = min(16, top)
-        total += _order0_bits((w >> (top - width)) & ((1 << width) - 1), 1 << width)
+        total += order0_bits((w >> (top - width)) & ((1 << width) - 1), 1 << width)
         top -= width
     return total / t.numel()
 

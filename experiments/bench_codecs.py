@@ -21,7 +21,6 @@ import csv
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -39,6 +38,8 @@ import torch
 import buddy
 from buddy import env
 from buddy.deps import require, require_cuda
+from experiments import common
+from experiments.common import command_line
 from experiments.data import SCALES, activation_tensors
 from experiments.plot import plot_bench_codecs
 
@@ -396,38 +397,40 @@ def _fmt(value: float | None, spec: str) -> str:
     return "inf" if math.isinf(value) else format(value, spec)
 
 
+#: the table's columns (key, title, format spec): :func:`format_table` formats the cells itself
+_COLUMNS = [
+    ("tensor", "tensor", ""), ("dtype", "dtype", ""), ("MiB", "MiB", ""), ("method", "method", ""),
+    ("ratio", "ratio", ""), ("eff_ratio", "eff. ratio", ""), ("buddy", "buddy %", ""), ("comp", "comp GB/s", ""),
+    ("decomp", "decomp GB/s", ""),
+]  # fmt: skip
+
+
 def format_table(rows: list[Row], repeats: int) -> str:
     """A fixed-width table, one line per tensor x method; a tensor's name only on its first line."""
-    header = ["tensor", "dtype", "MiB", "method", "ratio", "eff. ratio", "buddy %", "comp GB/s", "decomp GB/s"]
-    left = {0, 1, 3}  # text columns; numbers are right-aligned
     lines, previous = [], None
     for r in rows:
         first = r.tensor != previous
         previous = r.tensor
         lines.append(
-            [
-                r.tensor if first else "",
-                r.dtype if first else "",
-                f"{r.original_bytes / MiB:.2f}" if first else "",
-                r.method,
-                _fmt(r.ratio, ".2f"),
-                _fmt(r.eff_ratio, ".2f"),
-                _fmt(None if r.buddy_fraction is None else 100 * r.buddy_fraction, ".1f"),
-                _fmt(r.comp_gbps, ".3f"),
-                _fmt(r.decomp_gbps, ".3f"),
-            ]
+            {
+                "tensor": r.tensor if first else "",
+                "dtype": r.dtype if first else "",
+                "MiB": f"{r.original_bytes / MiB:.2f}" if first else "",
+                "method": r.method,
+                "ratio": _fmt(r.ratio, ".2f"),
+                "eff_ratio": _fmt(r.eff_ratio, ".2f"),
+                "buddy": _fmt(None if r.buddy_fraction is None else 100 * r.buddy_fraction, ".1f"),
+                "comp": _fmt(r.comp_gbps, ".3f"),
+                "decomp": _fmt(r.decomp_gbps, ".3f"),
+            }
         )
-    widths = [max(len(c) for c in col) for col in zip(header, *lines)]
-
-    def render(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
     notes = [
         "ratio: original / compressed bytes (buddy: entries compacted to their sectors)",
         "eff. ratio: original / device bytes (slots + metadata); buddy %: overflow in buddy memory / original",
         f"GB/s: original bytes / median of {repeats} runs after {WARMUP} warm-up (1 GB = 1e9 B); memcpy: one copy in both columns",
     ]
-    return "\n".join([render(header), render(["-" * w for w in widths]), *map(render, lines), "", *notes])
+    table = common.format_table(lines, _COLUMNS, left=("dtype", "method"))
+    return "\n".join([table, "", *notes])
 
 
 def _jsonable(value: Any) -> Any:
@@ -484,7 +487,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "experiment": "bench_codecs",
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "environment": environment,
-        "command": shlex.join(["python", "-m", "experiments.bench_codecs", *argv]),
+        "command": command_line("bench_codecs", argv),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "warmup": WARMUP,
         "load_average": {"start": _load_average()},

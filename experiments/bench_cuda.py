@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import json
 import math
-import shlex
 import statistics
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -58,6 +57,7 @@ from buddy.deps import require_cuda
 from buddy.engines.tuning import current, tuned
 from buddy.errors import MissingDependencyError
 from experiments.bench_codecs import Baseline, RoundTripError, timed
+from experiments.common import command_line
 
 __all__ = ["main", "run", "pcie_rates", "activation_bytes"]
 
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {
         "environment": env.environment(),
         "device": torch.cuda.get_device_name(device),
-        "command": shlex.join([sys.executable, "-m", "experiments.bench_cuda", *(argv or sys.argv[1:])]),
+        "command": command_line("bench_cuda", argv or sys.argv[1:], python=sys.executable),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         **result,
     }

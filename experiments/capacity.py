@@ -211,7 +211,7 @@ def parse_args(argv):
     cli.add_size_argument(p)
     cli.add_workloads_argument(p, DEFAULT_WORKLOADS)
     cli.add_codec_arguments(p, choices=buddy.available_codecs())
-    p.add_argument("--points", type=int, nargs="+", default=None, help="training steps before each capture")
+    cli.add_points_argument(p)
     cli.add_common_arguments(p, out="results/capacity", device="cpu", plot=True)
     return p.parse_args(argv)
 

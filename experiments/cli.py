@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import buddy
@@ -14,6 +14,9 @@ __all__ = [
     "add_size_argument",
     "add_workloads_argument",
     "add_codec_arguments",
+    "add_points_argument",
+    "add_methods_argument",
+    "add_cache_argument",
     "add_common_arguments",
     "begin",
     "capture_workloads",
@@ -52,6 +55,22 @@ def add_codec_arguments(
     """``--codec`` (default: buddy's default codec) and ``--entry-bytes`` (default: buddy's default entry size)."""
     parser.add_argument("--codec", default=default or buddy.defaults().codec, choices=choices, help=help)
     parser.add_argument("--entry-bytes", type=int, default=buddy.defaults().entry_bytes)
+
+
+def add_points_argument(parser: argparse.ArgumentParser) -> None:
+    """``--points``: the training steps before each capture (default: the size's, :data:`DEFAULT_POINTS`)."""
+    parser.add_argument("--points", type=int, nargs="+", default=None, help="training steps before each capture")
+
+
+def add_methods_argument(parser: argparse.ArgumentParser, methods: Iterable[str]) -> None:
+    """``--methods``: any of ``methods`` (names, or a mapping by name), all of them by default."""
+    names = list(methods)
+    parser.add_argument("--methods", nargs="+", choices=names, default=list(names))
+
+
+def add_cache_argument(parser: argparse.ArgumentParser, *, help: str = "keep captures here between runs") -> None:
+    """``--cache``: a folder that keeps captures between runs (see :func:`capture_workloads`); none by default."""
+    parser.add_argument("--cache", type=Path, default=None, help=help)
 
 
 def add_common_arguments(

@@ -1,4 +1,4 @@
-"""Plumbing shared by the experiment scripts: environment, captures, results files, tables."""
+"""Plumbing shared by the experiment scripts: environment, captures, results files, tables, the host's peak memory."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
@@ -29,6 +29,7 @@ __all__ = [
     "SIZES",
     "DEFAULT_POINTS",
     "start",
+    "command_line",
     "add_backend_argument",
     "choose_backend",
     "capture_all",
@@ -38,6 +39,8 @@ __all__ = [
     "geomean",
     "by_set",
     "progress",
+    "reset_host_peak",
+    "host_peak_bytes",
 ]
 
 
@@ -61,11 +64,17 @@ def start(script: str, argv: Sequence[str]) -> dict:
     return {
         "environment": environment,
         "buddy": environment["buddy"],
-        "command": shlex.join(["python", "-m", f"experiments.{script}", *argv]),
+        "command": command_line(script, argv),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         # other work on the machine stretches wall times: the 1-minute load average says how much there was
         "load_average": _load_average(),
     }
+
+
+def command_line(script: str, argv: Sequence[str], *, python: str = "python") -> str:
+    """The command a run records: ``python -m experiments.<script> <argv>`` (``script`` dotted below
+    ``experiments``, e.g. ``"lab.gpu_check"``), quoted for a shell."""
+    return shlex.join([python, "-m", f"experiments.{script}", *argv])
 
 
 def _load_average() -> float | None:
@@ -139,6 +148,37 @@ def progress(iterable, *, desc: str, total: int | None = None, enabled: bool = T
     except ImportError:
         return iterable
     return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False)
+
+
+def reset_host_peak() -> None:
+    """Restart the process's peak resident memory (Linux: /proc/self/clear_refs); elsewhere nothing.
+
+    Freed heap the C allocator keeps counts as resident and would hide how the
+    next measurement grows, so it is handed back first (glibc ``malloc_trim``):
+    without that, a --full run measured minilm-fp32's buddy step at the level
+    an earlier, larger step had left and ran the host out of memory.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def host_peak_bytes() -> int | None:
+    """The process's peak resident bytes since :func:`reset_host_peak` (Linux: VmHWM), ``None`` where unknown."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 #: environment variable naming a folder where :func:`capture_all` keeps captures between runs
@@ -237,11 +277,13 @@ def write_results(out: Path, header: dict, rows: Sequence[dict], **extra) -> Pat
     return out / "results.json"
 
 
-def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> str:
-    """A fixed-width table; ``columns`` are ``(key, title, format spec)``."""
+def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]], *, left: Collection[str] = ()) -> str:
+    """A fixed-width table; ``columns`` are ``(key, title, format spec)``, a missing value ``-``. The first column
+    and those whose key is in ``left`` are aligned left (text), the others right (numbers)."""
     cells = [[format(r[k], f) if r.get(k) is not None else "-" for k, _, f in columns] for r in rows]
     widths = [max([len(title)] + [len(c[i]) for c in cells]) for i, (_, title, _) in enumerate(columns)]
-    line = lambda items: "  ".join(f"{x:>{w}}" if i else f"{x:<{w}}" for i, (x, w) in enumerate(zip(items, widths)))  # noqa: E731
+    lefts = [i == 0 or key in left for i, (key, _, _) in enumerate(columns)]
+    line = lambda items: "  ".join(f"{x:<{w}}" if lt else f"{x:>{w}}" for x, w, lt in zip(items, widths, lefts))  # noqa: E731
     out = [line([t for _, t, _ in columns]), line(["-" * w for w in widths])]
     out += [line(c) for c in cells]
     return "\n".join(out)

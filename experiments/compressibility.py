@@ -122,7 +122,7 @@ def parse_args(argv):
         default=[c for c in buddy.available_codecs("cpu") if c != "raw"],
     )
     p.add_argument("--entry-bytes", type=int, nargs="+", default=[buddy.defaults().entry_bytes])
-    p.add_argument("--points", type=int, nargs="+", default=None)
+    cli.add_points_argument(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--nvcomp", action="store_true", help="add nvcomp's codecs (needs --device cuda and nvcomp)")
     cli.add_common_arguments(p, out="results/compressibility")

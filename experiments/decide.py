@@ -331,12 +331,12 @@ def parse_args(argv):
     p.add_argument(
         "--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES), help="tracker policies, each at 10 %%"
     )
-    p.add_argument("--points", type=int, nargs="+", default=None)
+    cli.add_points_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per speed measurement (median)")
     p.add_argument("--no-speed", action="store_true", help="skip the CPU GB/s columns")
     p.add_argument("--no-zstd-entries", action="store_true", help="skip zstd-3 run per entry (slow at small E)")
-    p.add_argument("--cache", type=Path, default=None, help="keep captures here between runs")
+    cli.add_cache_argument(p)
     cli.add_common_arguments(p, out="results/decision", seed=False, plot=True)
     args = p.parse_args(argv)
     for e in args.entry_bytes:

@@ -117,7 +117,7 @@ def parse_args(argv):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--models", nargs="+", choices=sorted(step_time.MODELS["cuda"]),
                    default=sorted(step_time.MODELS["cuda"]))  # fmt: skip
-    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    cli.add_methods_argument(p, METHODS)
     p.add_argument("--batch", type=int, default=None, help="batch size (default: per model and device kind)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per method")
     p.add_argument(
@@ -149,9 +149,9 @@ COLUMNS = [
 
 def plot(results_path: Path, out_dir: Path) -> list[Path]:
     """One PNG: per model, step time (x none) against capacity (x none), every method a point."""
-    from experiments.plot import _open, _save
+    from experiments.plot import open_results, save_figure
 
-    plt, results = _open(results_path)
+    plt, results = open_results(results_path)
     rows = [r for r in results["rows"] if r.get("capacity") and r.get("vs_none")]
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, max(1, len(models)), figsize=(5.2 * max(1, len(models)), 4.2), squeeze=False)
@@ -183,7 +183,7 @@ def plot(results_path: Path, out_dir: Path) -> list[Path]:
     if results.get("cpu_run"):
         fig.suptitle("CPU run: small models, CPU times -- the shape carries over, the numbers do not", fontsize=9,
                      color="tab:red")  # fmt: skip
-    path = _save(plt, fig, results, Path(out_dir) / "frontier.png", dpi=150, bottom=0.04)
+    path = save_figure(plt, fig, results, Path(out_dir) / "frontier.png", dpi=150, bottom=0.04)
     return [path]
 
 
@@ -205,7 +205,7 @@ def main(argv=None) -> list[dict]:
         for (spec, method), m in zip(jobs, measurements, strict=True):
             peaks = [_measure(spec, method, args, peak_on_host=True).host_peak_bytes for _ in range(PEAK_REPEATS)]
             m.host_peak_bytes = min((p for p in peaks if p is not None), default=None)
-    rows = step_time._rows(measurements)
+    rows = step_time.rows_vs_none(measurements)
     for r in rows:  # the session's own account of its saved tensors' peak: uncompressed over as compressed
         b = r["buddy"] or {}
         r["modeled_capacity"] = b["saved_peak_plain"] / b["saved_peak"] if b.get("saved_peak") else None

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One phase of a GPU session, in one call on a lent machine: install the carried wheels, run the phase,
-# write <phase>.json and <phase>.log under $OUT (flat names; experiments/gpu_session.py says what each holds).
+# write <phase>.json and <phase>.log under $OUT (flat names; experiments/lab/gpu_session.py says what each holds).
 #
 #   bash experiments/gpu_session.sh lease         a lease of 15 minutes in one call: essentials, tests 1/1,
 #                                                 sanitize, each step cut to the call's deadline (540 s)
-#   bash experiments/gpu_session.sh essentials    check, step time (5 methods, the read-free step under sync
+#   bash experiments/gpu_session.sh essentials    check, step time (6 methods, the read-free step under sync
 #                                                 debug mode "error", each buddy step profiled), bench (5
 #                                                 repeats) and ncu in one phase
 #   bash experiments/gpu_session.sh check         golden vectors through every kernel both ways
@@ -17,7 +17,7 @@
 #   bash experiments/gpu_session.sh --dry-run     anywhere: the travelling size, then every phase's entry
 #                                                 points up to their first CUDA call (CI runs this)
 #
-# Each phase is one call of at most 8 minutes; experiments/README.md gives the calls, the expected times and
+# Each phase is one call of at most 8 minutes; experiments/lab/README.md gives the calls, the expected times and
 # how to commit what comes back.
 #
 # The machine is bare and reaches no registry: the wheels it lacks travel in .whl/ (git ignores it) and the
@@ -32,7 +32,7 @@
 # nvidia-nvcomp-cu13 is nvcomp's Python API; the library it loads is nvidia-libnvcomp-cu13, which buddy's
 # nvcomp codecs bind too. For a machine on CUDA 12, download the -cu12 pair instead: the phases install the
 # pair of the machine's CUDA major version and fail, saying which wheel is missing, without it.
-# Then, before the first call: python3 experiments/travel_size.py (it must print "fits").
+# Then, before the first call: python3 experiments/lab/travel_size.py (it must print "fits").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -41,15 +41,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "${1:-}" = "--dry-run" ]; then
   shift
-  "$PY" experiments/travel_size.py || exit 1
-  exec "$PY" -m experiments.gpu_session --dry-run "$@"
+  "$PY" experiments/lab/travel_size.py || exit 1
+  exec "$PY" -m experiments.lab.gpu_session --dry-run "$@"
 fi
 
 phase=${1:-}
 shard=${2:-}
 case "$phase" in
 lease | essentials | check | sanitize | bench | step | frontier | ncu) [ -z "$shard" ] || { echo "only tests takes a shard" >&2; exit 2; } ;;
-tests) shard=${shard:-1/2} ;; # 2: TEST_SHARDS in experiments/gpu_session.py
+tests) shard=${shard:-1/2} ;; # 2: TEST_SHARDS in experiments/lab/gpu_session.py
 *)
   echo "usage: bash experiments/gpu_session.sh lease | essentials | check | tests I/N | sanitize | bench | step | frontier | ncu | --dry-run" >&2
   exit 2
@@ -94,10 +94,10 @@ install_wheels() {
 
 {
   echo "== what travelled"
-  "$PY" experiments/travel_size.py --carry .whl || echo "(over the limit: see experiments/README.md)"
+  "$PY" experiments/lab/travel_size.py --carry .whl || echo "(over the limit: see experiments/lab/README.md)"
   echo "== wheels (.whl/)"
   install_wheels
-  "$PY" -m experiments.gpu_session "$phase" ${shard:+"$shard"} --out "$OUT" \
+  "$PY" -m experiments.lab.gpu_session "$phase" ${shard:+"$shard"} --out "$OUT" \
     --command "bash experiments/gpu_session.sh $phase${shard:+ $shard}"
 } 2>&1 | tee "$OUT/$label.log"
 exit "${PIPESTATUS[0]}"

@@ -70,7 +70,7 @@ from torch.utils.checkpoint import checkpoint
 import buddy
 from buddy.autograd import is_parameter
 from experiments import cli
-from experiments.common import choose_backend, format_table, progress
+from experiments.common import choose_backend, format_table, host_peak_bytes, progress, reset_host_peak
 
 __all__ = ["METHODS", "measure", "max_batch", "main"]
 
@@ -89,37 +89,6 @@ HOST_MEMORY_SHARE = 0.25
 HOST_PEAK_SHARE = 0.6
 #: on a GPU the default budget is a plain step's peak allocated bytes at the base batch times this
 CUDA_HEADROOM = 1.05
-
-
-def _reset_peak() -> None:
-    """Restart the process's peak resident memory (Linux: /proc/self/clear_refs); elsewhere nothing.
-
-    Freed heap the C allocator keeps counts as resident and would hide how the
-    next measurement grows, so it is handed back first (glibc ``malloc_trim``):
-    without that, a --full run measured minilm-fp32's buddy step at the level
-    an earlier, larger step had left and ran the host out of memory.
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def _peak() -> int | None:
-    """The process's peak resident bytes since :func:`_reset_peak` (Linux: VmHWM), ``None`` where unknown."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 # ---- a training step at a given batch, under a method ---------------------------------------
@@ -241,7 +210,7 @@ def measure(workload: str, method: str, *, size: str, batch: int, device: str = 
     """A warm-up step, then one timed step under ``method``: the device bytes it holds, and its time."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
-    _reset_peak()
+    reset_host_peak()
     run = _run(workload, size, batch, device, seed)
     run.step(run.forward_loss())  # warm-up: optimizer state exists from now on
     data = next(run.batches)
@@ -286,8 +255,9 @@ def measure(workload: str, method: str, *, size: str, batch: int, device: str = 
         activation = stats.device_bytes + stats.kept_bytes
     activation += plain.largest
     state = _state_bytes(run.model, run.optimizer)
+    host_peak = host_peak_bytes()
     return Measurement(
-        workload, method, batch, state, activation, seconds, plain.outside, _peak(), device_peak_bytes=device_peak
+        workload, method, batch, state, activation, seconds, plain.outside, host_peak, device_peak_bytes=device_peak
     )
 
 
@@ -473,7 +443,7 @@ def parse_args(argv):
     cli.add_workloads_argument(p, DEFAULT_WORKLOADS)
     p.add_argument("--step-models", nargs="+", choices=sorted(STEP_MODELS["cuda"]), default=[],
                    help="a CUDA device: step_time's models at their GPU size instead of the workloads")  # fmt: skip
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    cli.add_methods_argument(p, METHODS)
     p.add_argument(
         "--budget-mib", type=float, default=None, help="device budget (default: what the base batch needs uncompressed)"
     )

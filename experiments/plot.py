@@ -15,7 +15,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-__all__ = ["plot_capacity", "plot_over_training", "plot_max_batch", "plot_decision", "main"]
+__all__ = ["open_results", "save_figure", "plot_capacity", "plot_over_training", "plot_max_batch", "plot_decision", "main"]
 
 _FAMILY_STYLE = {
     "FixedRatio": dict(marker="s", linestyle="--", color="tab:gray"),
@@ -34,7 +34,7 @@ def _pyplot():
     return plt
 
 
-def _open(results_path: Path):
+def open_results(results_path: Path):
     """``(pyplot, results)``: pyplot drawing to files, and a results file read."""
     return _pyplot(), json.loads(Path(results_path).read_text())
 
@@ -45,7 +45,7 @@ def _caption(results: dict) -> str:
     return f"{results['command']}  |  {device}, torch {env['torch']}, buddy {results.get('buddy', env.get('buddy', '?'))}"
 
 
-def _save(plt, fig, results: dict, path: Path, *, dpi: int, fontsize: int = 5, bottom: float = 0.02) -> Path:
+def save_figure(plt, fig, results: dict, path: Path, *, dpi: int, fontsize: int = 5, bottom: float = 0.02) -> Path:
     """Caption the figure with the command and machine, lay it out, write it and close it."""
     fig.text(0.01, 0.005, _caption(results), fontsize=fontsize, alpha=0.7)
     fig.tight_layout(rect=(0, bottom, 1, 1))
@@ -229,7 +229,7 @@ def _sets_axes(ax, headline: list[dict], codec: str, entry_bytes: int):
 
 def plot_capacity(results_path: Path, out_dir: Path) -> list[Path]:
     """One PNG per workload (capacity against buddy traffic, a line per policy), an overview, and the two sets."""
-    plt, results = _open(results_path)
+    plt, results = open_results(results_path)
     rows = results["rows"]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     written = []
@@ -238,7 +238,7 @@ def plot_capacity(results_path: Path, out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4.8))
         _capacity_axes(ax, [r for r in rows if r["workload"] == workload], workload)
         ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, frameon=False)
-        path = _save(plt, fig, results, Path(out_dir) / f"capacity_{workload}.png", dpi=130)
+        path = save_figure(plt, fig, results, Path(out_dir) / f"capacity_{workload}.png", dpi=130)
         written.append(path)
     cols = min(3, len(workloads))
     nrows = -(-len(workloads) // cols)
@@ -250,7 +250,7 @@ def plot_capacity(results_path: Path, out_dir: Path) -> list[Path]:
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.012), ncol=6, fontsize=7, frameon=False)
     bottom = 0.5 / (3.8 * nrows + 0.5)
-    written.append(_save(plt, fig, results, Path(out_dir) / "capacity_overview.png", dpi=110, fontsize=6, bottom=bottom))
+    written.append(save_figure(plt, fig, results, Path(out_dir) / "capacity_overview.png", dpi=110, fontsize=6, bottom=bottom))
     headline = results.get("headline")
     if headline and any(r.get("summary") for r in headline):
         points = sum(1 for r in headline if not r.get("summary"))
@@ -260,13 +260,13 @@ def plot_capacity(results_path: Path, out_dir: Path) -> list[Path]:
         handles, labels = ax.get_legend_handles_labels()
         fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.03), ncol=2, fontsize=7, frameon=False)
         path = Path(out_dir) / "capacity_sets.png"
-        written.append(_save(plt, fig, results, path, dpi=130, bottom=0.6 / height))
+        written.append(save_figure(plt, fig, results, path, dpi=130, bottom=0.6 / height))
     return written
 
 
 def plot_over_training(results_path: Path, out_dir: Path) -> list[Path]:
     """Per workload: ideal ratio and the tracker's chosen target per key across training."""
-    plt, results = _open(results_path)
+    plt, results = open_results(results_path)
     rows = results["rows"]
     written = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
@@ -284,14 +284,14 @@ def plot_over_training(results_path: Path, out_dir: Path) -> list[Path]:
         top.set_title(f"{workload}: compressibility and the tracker's choices over training", fontsize=9)
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
-        path = _save(plt, fig, results, Path(out_dir) / f"over_training_{workload}.png", dpi=120)
+        path = save_figure(plt, fig, results, Path(out_dir) / f"over_training_{workload}.png", dpi=120)
         written.append(path)
     return written
 
 
 def plot_max_batch(results_path: Path, out_dir: Path) -> list[Path]:
     """Largest batch under the budget and its step time, per workload and method."""
-    plt, results = _open(results_path)
+    plt, results = open_results(results_path)
     rows = results["rows"]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -312,7 +312,7 @@ def plot_max_batch(results_path: Path, out_dir: Path) -> list[Path]:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, axis="y")
     left.legend(fontsize=7)
-    path = _save(plt, fig, results, Path(out_dir) / "max_batch.png", dpi=120, bottom=0.03)
+    path = save_figure(plt, fig, results, Path(out_dir) / "max_batch.png", dpi=120, bottom=0.03)
     return [path]
 
 
@@ -362,7 +362,7 @@ def plot_decision(results_path: Path, out_dir: Path) -> list[Path]:
     Whole-tensor zstd-3 and the field-entropy bound are drawn as horizontal
     lines, zstd-3 run per entry as a dashed line.
     """
-    plt, results = _open(results_path)
+    plt, results = open_results(results_path)
     rows = [r for r in results["rows"] if "ideal_ratio" in r]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     per_entry = list(dict.fromkeys(r["method"] for r in rows if r["entry_bytes"] is not None))
@@ -390,14 +390,14 @@ def plot_decision(results_path: Path, out_dir: Path) -> list[Path]:
     if any(r.get("policy") == "OverflowBudget" for r in rows):
         axes[1][0].plot([], [], linestyle=":", color="black", label="dotted: OverflowBudget(10 %)")
         axes[1][0].legend(fontsize=6)
-    path = _save(plt, fig, results, Path(out_dir) / "entry_size.png", dpi=120)
+    path = save_figure(plt, fig, results, Path(out_dir) / "entry_size.png", dpi=120)
     return [path]
 
 
 def plot_bench_codecs(results_path: Path, out_dir: Path) -> list[Path]:
     """Compress and decompress GB/s per method (buddy codec @ backend, lz4, zstd-3): the median over the tensors as a
     bar, their range as a line, on a log scale; memcpy left out (it would set the scale)."""
-    plt, results = _open(results_path)
+    plt, results = open_results(results_path)
     rows = [r for r in results["rows"] if r["method"] != "memcpy"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(8.0, 0.28 * len(methods) + 1.2), sharey=True)
@@ -416,7 +416,7 @@ def plot_bench_codecs(results_path: Path, out_dir: Path) -> list[Path]:
     axes[0].invert_yaxis()
     fig.suptitle("bar: the median over the tensors, line: their range.  green: the native CPU engine, "
                  "blue: the torch reference, grey: general-purpose compressors (one thread)", fontsize=7)  # fmt: skip
-    path = _save(plt, fig, results, Path(out_dir) / "speed.png", dpi=120)
+    path = save_figure(plt, fig, results, Path(out_dir) / "speed.png", dpi=120)
     return [path]
 
 

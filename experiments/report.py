@@ -153,6 +153,18 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def _by_tensor(
+    rows: Sequence[dict], label: Callable[[dict], str], cell: Callable[[dict], str]
+) -> tuple[list[str], list[list[str]]]:
+    """``(header, rows)``: a row per ``label`` (in the order first seen), a column per tensor (its dtype beside it)."""
+    tensors = list(dict.fromkeys((r["tensor"], r["dtype"]) for r in rows))
+    cells: dict[str, dict[tuple[str, str], str]] = {}
+    for r in rows:
+        cells.setdefault(label(r), {}).setdefault((r["tensor"], r["dtype"]), cell(r))
+    header = [f"{t} ({d})" for t, d in tensors]
+    return header, [[name, *(row.get(t, "-") for t in tensors)] for name, row in cells.items()]
+
+
 def _runs(files: Sequence[Results]) -> list[Results]:
     """One file per run: files with the same command and start were written by one run; its last one speaks for it."""
     runs: dict[tuple, Results] = {}
@@ -257,6 +269,20 @@ def _policy_name(result: Results) -> str:
     return f"`{HEADLINE_POLICY[0]}({HEADLINE_POLICY[1].replace('%', ' %')})`"
 
 
+def _with_other_coders(
+    header: list[str], rows: list[list[str]], summary: Sequence[dict], by_codec: dict[str, Results]
+) -> tuple[list[str], list[list[str]]]:
+    """The capacity table with a column per other coder of a compressibility run (zstd-3, lz4, the entropy bound):
+    its ideal ratio per workload ("-" on the set rows). buddy's own codecs are in the table already."""
+    ours = {(codec, result.codec()[1]) for codec, result in by_codec.items()}
+    methods = [m for m in dict.fromkeys((s["method"], s["entry_bytes"]) for s in summary) if m not in ours]
+    label = {m: m[0] if m[1] is None else f"{m[0]}@{m[1]}" for m in methods}
+    label = {m: {"zstd-3": "zstd-3 (whole tensor)", "lz4": "lz4 (whole tensor)"}.get(v, v) for m, v in label.items()}
+    by = {(s["workload"], s["method"], s["entry_bytes"]): s["ratio"] for s in summary}
+    rows = [[*row, *(_x(by.get((row[0], *m))) for m in methods)] for row in rows]
+    return [*header, *(f"{label[m]}: ideal" for m in methods)], rows
+
+
 def main_job(files: Sequence[Results]) -> Section | None:
     """The main job's capacity tables (both sets, every codec it ran) and its ideal ratios."""
     by_codec = _main_capacity(files)
@@ -264,32 +290,22 @@ def main_job(files: Sequence[Results]) -> Section | None:
         return None
     first = next(iter(by_codec.values()))
     header, rows = _capacity_rows(by_codec)
-    parts = [
-        f"Effective capacity (original bytes / device bytes: slots + metadata) under the tracker's default policy, "
-        f"{_policy_name(first)}, and the buddy traffic it costs (overflow bytes / activation bytes), over the "
-        f"tensors captured at training steps {', '.join(map(str, first.doc.get('points', [])))} ({first.size} size). The defaults "
-        "were chosen on the tuning set; the check set was not used to choose. Set rows: geometric mean, worst traffic.",
-        "",
-        _table(header, rows),
-    ]
     comps = _main_job(files, "compressibility")
     comp = comps[-1] if comps else None
     sources = list(by_codec.values())
-    if comp is not None and comp.doc.get("summary"):
-        summary = comp.doc["summary"]
-        methods = list(dict.fromkeys((s["method"], s["entry_bytes"]) for s in summary))
-        label = {m: m[0] if m[1] is None else f"{m[0]}@{m[1]}" for m in methods}
-        label = {m: {"zstd-3": "zstd-3 (whole tensor)", "lz4": "lz4 (whole tensor)"}.get(v, v) for m, v in label.items()}
-        by = {(s["workload"], s["method"], s["entry_bytes"]): s["ratio"] for s in summary}
-        workloads = list(dict.fromkeys(s["workload"] for s in summary))
-        parts += [
-            "",
-            "Ideal compacted ratio (no slot rounding, no metadata) of the same captures, next to general-purpose "
-            "coders on whole tensors and the order-0 byte-entropy bound:",
-            "",
-            _table(["workload", *(label[m] for m in methods)], [[w, *(_x(by.get((w, *m))) for m in methods)] for w in workloads]),
-        ]
+    if comp is not None and comp.doc.get("summary"):  # the other coders' ideal ratios, as columns of the same rows
+        header, rows = _with_other_coders(header, rows, comp.doc["summary"], by_codec)
         sources.append(comp)
+    parts = [
+        f"Effective capacity (original bytes / device bytes: slots + metadata) under the tracker's default policy, "
+        f"{_policy_name(first)}, and the buddy traffic it costs (overflow bytes / activation bytes), over the "
+        f"tensors captured at training steps {', '.join(map(str, first.doc.get('points', [])))} ({first.size} size); "
+        "*ideal*: the compacted ratio (no slot rounding, no metadata), beside it general-purpose coders' on whole "
+        "tensors and the order-0 byte-entropy bound. The defaults were chosen on the tuning set; the check set was not "
+        "used to choose. Set rows: geometric mean, worst traffic.",
+        "",
+        _table(header, rows),
+    ]
     parts += ["", _sources(sources)]
     plots = []
     for codec, result in by_codec.items():
@@ -480,26 +496,24 @@ def max_batch(files: Sequence[Results]) -> Section | None:
     rows = result.rows()
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {(r["workload"], r["method"]): r for r in rows}
-    table, times = [], []
+    table = []
     notes: dict[str, None] = {}  # the file's notes, in order, once each
     for w in dict.fromkeys(r["workload"] for r in rows):
         cells = [w, _set_of(w)]
+        base = by.get((w, "none"), {}).get("step_seconds")
         for m in methods:
             r = by.get((w, m))
             if r is not None and r.get("note"):
                 notes.setdefault(r["note"], None)
             if r is None or not r["max_batch"]:
                 cells.append("-")
-            else:
-                capped = ", capped" if r.get("note", "").startswith("search capped") else ""
-                cells.append(f"{r['max_batch']} ({r['vs_none']:.2f}x{capped})")
+                continue
+            capped = ", capped" if r.get("note", "").startswith("search capped") else ""
+            cell = f"{r['max_batch']} ({r['vs_none']:.2f}x{capped})"
+            if s := r.get("step_seconds"):
+                cell += f"; {s:.2f} s" + (f" ({s / base:.1f}x)" if base and m != "none" else "")
+            cells.append(cell)
         table.append(cells)
-        base = by.get((w, "none"), {}).get("step_seconds")
-        step = [w]
-        for m in methods:
-            s = by.get((w, m), {}).get("step_seconds")
-            step.append("-" if not s else f"{s:.2f} s" + (f" ({s / base:.1f}x)" if base and m != "none" else ""))
-        times.append(step)
     accounting = result.doc.get("accounting")
     how = (
         "an accounting run: no GPU, so the device bytes each method would hold are counted, not allocated"
@@ -509,16 +523,13 @@ def max_batch(files: Sequence[Results]) -> Section | None:
     body = "\n".join(
         [
             f"The largest batch whose step fits the memory a plain step of the base batch needs, per method ({how}; "
-            f"size {result.size}). In brackets: against no compression. A single compressed step per measurement, "
+            f"size {result.size}), in brackets against no compression; then the step time at that batch on this "
+            "machine, in brackets against the plain step at its own batch. A single compressed step per measurement, "
             "so the tracker has no history and each slot is the per-tensor rule's.",
             "",
             _table(["workload", "set", *methods], table),
             "",
             "Notes of the file: " + "; ".join(notes) + "." if notes else "",
-            "",
-            "Step time at that batch on this machine (in brackets: against the plain step at its own batch):",
-            "",
-            _table(["workload", *methods], times),
             "",
             _sources([result]),
         ]
@@ -653,12 +664,10 @@ def cpu_engines(files: Sequence[Results]) -> Section | None:
     result = _cpu_engines_result(files)
     if result is None:
         return None
-    rows = [
-        [r["tensor"], r["dtype"], r["method"].removeprefix("buddy:"), _x(r["ratio"]), f"{r['comp_gbps']:.3f}",
-         f"{r['decomp_gbps']:.3f}"]
-        for r in result.rows()
-        if r["method"] != "memcpy"
-    ]  # fmt: skip
+    rows = [r for r in result.rows() if r["method"] != "memcpy"]
+    ratios = _by_tensor(rows, lambda r: r["method"].removeprefix("buddy:").split("@")[0], lambda r: _x(r["ratio"]))
+    speeds = _by_tensor(rows, lambda r: r["method"].removeprefix("buddy:"),
+                        lambda r: f"{r['comp_gbps']:.3f} / {r['decomp_gbps']:.3f}")  # fmt: skip
     args = result.doc.get("args", {})
     body = "\n".join(
         [
@@ -667,7 +676,13 @@ def cpu_engines(files: Sequence[Results]) -> Section | None:
             "`@reference`: the torch reference), next to lz4 and zstd-3 (single-threaded, on the same bytes); "
             f"medians of {args.get('repeats', '?')} runs, decimal GB/s, every round trip checked byte for byte.",
             "",
-            _table(["tensor", "dtype", "method", "ratio", "compress GB/s", "decompress GB/s"], rows),
+            "Ratio (every backend of a codec writes the same bytes):",
+            "",
+            _table(["codec", *ratios[0]], ratios[1]),
+            "",
+            "Compress / decompress GB/s:",
+            "",
+            _table(["method", *speeds[0]], speeds[1]),
             "",
             _sources([result]),
         ]
@@ -750,18 +765,20 @@ def gpu(files: Sequence[Results], folder: Path = GPU_RESULTS) -> Section | None:
     source = f"`{record.get('command', '?')}` — {where}; {record.get('finished', '?')}. Files: `{path.parent.relative_to(ROOT)}/`."
     bench = steps["bench_cuda"]["result"]
     args = bench.get("args", {})
-    rows = [
-        [r["tensor"], r["dtype"], r["method"], _x(r["ratio"]), f"{r['compress_gbps']:,.0f}", f"{r['decompress_gbps']:,.0f}"]
-        for r in bench.get("rows", [])
-    ]  # fmt: skip
+    ratios = _by_tensor(bench.get("rows", []), lambda r: r["method"], lambda r: _x(r["ratio"]))
+    speeds = _by_tensor(bench.get("rows", []), lambda r: r["method"],
+                        lambda r: f"{r['compress_gbps']:,.0f} / {r['decompress_gbps']:,.0f}")  # fmt: skip
+    header = ["method"] + [f"{t}: {what}" for t in ratios[0] for what in ("ratio", "GB/s")]
+    rows = [[name, *(c for pair in zip(ratio, speed) for c in pair)]
+            for (name, *ratio), (_, *speed) in zip(ratios[1], speeds[1])]  # fmt: skip
     parts = [
         f"Every codec with kernels and every nvcomp algorithm on {args.get('mib', '?')} MiB of real activations of "
-        f"each dtype, GB/s of input, median of {args.get('repeats', '?')} timed runs after {args.get('warmup', '?')} "
-        "untimed, every round trip checked byte for byte. A buddy figure includes its buddy memory's traffic over "
+        f"each dtype, GB/s of input (compress / decompress), median of {args.get('repeats', '?')} timed runs after "
+        f"{args.get('warmup', '?')} untimed, every round trip checked byte for byte. A buddy figure includes its buddy memory's traffic over "
         "PCIe (the default policy sends about 10 % of the bytes there) and, in compress, fitting the table (nothing "
         "learned).",
         "",
-        _table(["tensor", "dtype", "method", "ratio", "compress GB/s", "decompress GB/s"], rows),
+        _table(header, rows),
     ]
     parts += _gpu_step_time(folder)
     parts += ["", source]
@@ -850,14 +867,11 @@ def headline(files: Sequence[Results], previous: str = "") -> str | None:
 HEADER = """# Results
 
 Generated by `python -m experiments.report` from the experiments' results files; do not edit by hand. Every table
-names the command that produced it, the machine it ran on and the date. The experiments write their results
-under `results/` (not committed); run the command a table names to get its file back, then
-`python -m experiments.report` to regenerate this page. How the numbers are read and what chose the defaults:
-[choosing.md](choosing.md); what each experiment measures: [experiments.md](experiments.md).
-
-One section comes from a GPU ("On a GPU": the latest session's files, committed under `experiments/results/gpu/`);
-every other run is on the CPU (the reference path; since the native CPU engine landed, the native engine for the
-codecs it is the default of -- the step-cost table says which ran).
+names the command that produced it, the machine it ran on and the date. The experiments write their results under
+`results/` (not committed): run the command a table names to get its file back, then `python -m experiments.report`.
+How the numbers are read: [choosing.md](choosing.md); what each experiment measures: [experiments.md](experiments.md).
+"On a GPU" comes from the latest GPU session's files (committed under `experiments/results/gpu/`); every other table
+from the CPU, where a codec runs its default backend (the step-cost table names it).
 """
 
 _BEGIN, _END = "<!-- report:{} -->", "<!-- /report:{} -->"

@@ -12,6 +12,9 @@ optimizer -- under each method, on the same model, data and device:
   ``torch.cuda.set_sync_debug_mode("error")``: any wait of the host for the
   device but buddy's counted reads raises, and the row's ``sync`` says what
   that step found (``silent``, or the error);
+* ``buddy-overlap``: the same with ``overlap=True``: each pack on a side
+  stream beside forward's next kernels, originals held in a bounded stash
+  until packed (:mod:`buddy.overlap`; on the CPU the same as ``buddy``);
 * ``buddy-strict``: the same with ``strict=True``: every tensor sized before
   its slot is chosen, a read of the device a tensor;
 * ``buddy-model``: the same around the model's forward alone, the loss
@@ -72,12 +75,12 @@ import buddy
 from buddy.tracker import COUNT_WARMUP
 from buddy.autograd import is_parameter
 from experiments import cli
-from experiments.common import choose_backend, format_table, progress
-from experiments.workloads import _GPT, TextSize
+from experiments.common import choose_backend, format_table, host_peak_bytes, progress, reset_host_peak
+from experiments.workloads import GPT, TextSize
 
-__all__ = ["METHODS", "MODELS", "SideStreamOffload", "measure", "main"]
+__all__ = ["METHODS", "MODELS", "SideStreamOffload", "measure", "rows_vs_none", "main"]
 
-METHODS = ("none", "buddy", "buddy-strict", "buddy-model", "buddy-offload", "save_on_cpu", "side-stream", "checkpoint")
+METHODS = ("none", "buddy", "buddy-overlap", "buddy-strict", "buddy-model", "buddy-offload", "save_on_cpu", "side-stream", "checkpoint")
 MIN_BYTES = buddy.hooks.DEFAULT_MIN_BYTES
 
 
@@ -166,7 +169,7 @@ def _gpt(batch: int, seq: int, width: int, layers: int, heads: int, vocab: int =
         f"GPT-2-class decoder, {layers}x{width}, {batch}x{seq} tokens, vocabulary {vocab}, bf16 autocast, its loss "
         f"in chunks of {chunk} tokens"
     )
-    return Model("gpt2", description, lambda: _GPT(size, vocab=vocab), make, torch.bfloat16, chunk)
+    return Model("gpt2", description, lambda: GPT(size, vocab=vocab), make, torch.bfloat16, chunk)
 
 
 #: per device kind and model, the batch a step is measured at
@@ -292,6 +295,8 @@ def _context(
 ):  # fmt: skip
     if method == "buddy":
         return buddy.compressed_activations(policy, tracker=tracker, store=store, min_bytes=min_bytes)
+    if method == "buddy-overlap":
+        return buddy.compressed_activations(policy, tracker=tracker, store=store, min_bytes=min_bytes, overlap=True)
     if method == "buddy-strict":
         return buddy.compressed_activations(tracker=tracker, store=store, min_bytes=min_bytes, strict=True)
     if method == "buddy-offload":
@@ -375,15 +380,13 @@ def host_peak(step: Callable[[], object]) -> int | None:
     blocks may stay resident and hide the step's own peak."""
     import gc
 
-    from experiments.max_batch import _peak, _reset_peak
-
     gc.collect()
-    _reset_peak()
-    start = _peak()
+    reset_host_peak()
+    start = host_peak_bytes()
     if start is None:
         return None
     step()
-    end = _peak()
+    end = host_peak_bytes()
     return None if end is None else end - start
 
 
@@ -467,7 +470,7 @@ def measure(
     where = profile_step(step, device) if profile and method.startswith("buddy") else None
     held_at_peak = memory_peak_of(step, device) if memory_peak else None
     on_host = host_peak(step) if peak_on_host and device.type == "cpu" else None
-    sync = sync_check(step) if method == "buddy" and device.type == "cuda" else None
+    sync = sync_check(step) if method in ("buddy", "buddy-overlap") and device.type == "cuda" else None
     return Measurement(
         method, spec.name, statistics.median(times), times, peak, state, str(device), held, where, held_at_peak,
         on_host, sync,
@@ -498,7 +501,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--models", nargs="+", choices=sorted(MODELS["cuda"]), default=sorted(MODELS["cuda"]))
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    cli.add_methods_argument(p, METHODS)
     p.add_argument("--batch", type=int, default=None, help="batch size (default: per model and device kind)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (the tracker learns; kernels compile)")
@@ -524,7 +527,7 @@ COLUMNS = [
 ]
 
 
-def _rows(measurements: list[Measurement]) -> list[dict]:
+def rows_vs_none(measurements: list[Measurement]) -> list[dict]:
     """Rows with each method set against ``none`` on the same model."""
     rows = [dataclasses.asdict(m) for m in measurements]
     for r in rows:
@@ -558,7 +561,7 @@ def _verdicts(rows: list[dict]) -> list[str]:
     for model in dict.fromkeys(r["model"] for r in rows):
         by = {r["method"]: r for r in rows if r["model"] == model}
         offload, soc = by.get("buddy-offload"), by.get("save_on_cpu")
-        for name in ("buddy", "buddy-strict"):
+        for name in ("buddy", "buddy-overlap", "buddy-strict"):
             b = by.get(name)
             if b and b["vs_none"] is not None:
                 ok = b["vs_none"] <= 1.3 and (b["capacity"] or 0) >= 1.4
@@ -579,9 +582,9 @@ def _verdicts(rows: list[dict]) -> list[str]:
 
 def plot(results_path: Path, out_dir: Path) -> list[Path]:
     """One PNG: per model, step time (bars) and peak memory (bars) for each method."""
-    from experiments.plot import _open, _save
+    from experiments.plot import open_results, save_figure
 
-    plt, results = _open(results_path)
+    plt, results = open_results(results_path)
     rows = results["rows"]
     models = list(dict.fromkeys(r["model"] for r in rows))
     with_memory = any(r["peak_bytes"] for r in rows)
@@ -611,7 +614,7 @@ def plot(results_path: Path, out_dir: Path) -> list[Path]:
             ax.grid(axis="x", alpha=0.3)
     if results.get("cpu_run"):
         fig.suptitle("CPU run: small models, CPU times -- not GPU times, no device memory", fontsize=9, color="tab:red")
-    path = _save(plt, fig, results, Path(out_dir) / "step_time.png", dpi=150, bottom=0.04)
+    path = save_figure(plt, fig, results, Path(out_dir) / "step_time.png", dpi=150, bottom=0.04)
     return [path]
 
 
@@ -648,7 +651,7 @@ def main(argv=None) -> list[dict]:
         for (spec, method), m in zip(jobs, measurements):
             again = measure(spec, method, device=device, steps=1, warmup=args.warmup, seed=args.seed, peak_on_host=True)
             m.host_peak_bytes = again.host_peak_bytes
-    rows = _rows(measurements)
+    rows = rows_vs_none(measurements)
     print()
     print(format_table(rows, COLUMNS))
     verdicts = _verdicts(rows) if kind == "cuda" else ["  (targets are checked on a GPU only)"]

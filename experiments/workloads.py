@@ -64,6 +64,7 @@ from .data import digit_images, sample_image_crops, stdlib_docstrings, stdlib_te
 __all__ = [
     "ImageSize",
     "TextSize",
+    "GPT",
     "EncoderSize",
     "ViTSize",
     "Workload",
@@ -252,7 +253,7 @@ class _GPTBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class _GPT(nn.Module):
+class GPT(nn.Module):
     """A GPT-style byte-level decoder: token + position embeddings, pre-LN blocks, head tied to the embedding."""
 
     def __init__(self, size: TextSize, vocab: int = 256):
@@ -846,7 +847,7 @@ def _tuning_workloads() -> list[Workload]:
             "resnet-bf16", f"ResNet-style CNN, {_DIGITS}, bf16 autocast", torch.bfloat16, _ResNet, 0.05, _RESNET_SIZES
         ),
         _image_workload("vgg-fp32", f"VGG-style plain CNN, {_DIGITS}, fp32", None, _VGG, 0.01, _VGG_SIZES),
-        _text_workload("gpt-bf16", f"GPT-style decoder, {_TEXT}, bf16 autocast", torch.bfloat16, _GPT, 3e-3, _GPT_SIZES),
+        _text_workload("gpt-bf16", f"GPT-style decoder, {_TEXT}, bf16 autocast", torch.bfloat16, GPT, 3e-3, _GPT_SIZES),
         _text_workload("lstm-fp32", f"2-layer LSTM language model, {_TEXT}, fp32", None, _LSTMModel, 3e-3, _LSTM_SIZES),
     ]
 

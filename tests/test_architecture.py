@@ -1,9 +1,11 @@
-"""The package's import graph: no cycles inside ``buddy/``.
+"""The import graphs of the package and of the experiments: no cycles inside ``buddy/`` or ``experiments/``;
+the experiments share public names only, and nothing outside ``experiments/lab/`` imports the lab.
 
-Every ``buddy/**/*.py`` is parsed with :mod:`ast`; every import of a buddy
-module counts, at module level or inside a function (``from . import x``,
-``from .x import y``, ``from .. import z``, ``import buddy.x``), except those
-under ``if TYPE_CHECKING:``. Importing ``buddy.a.b`` also runs ``buddy.a``'s
+Every ``buddy/**/*.py`` (and ``experiments/**/*.py`` but the results) is
+parsed with :mod:`ast`; every import of a module of the same tree counts, at
+module level or inside a function (``from . import x``, ``from .x import y``,
+``from .. import z``, ``import buddy.x``), except those under ``if
+TYPE_CHECKING:``. Importing ``buddy.a.b`` also runs ``buddy.a``'s
 ``__init__``: that edge counts too, unless ``buddy.a`` is a package the
 importer lives in (it is already being imported then).
 """
@@ -16,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "buddy"
+EXPERIMENTS = ROOT / "experiments"
 
 
 def module_name(path: Path) -> str:
@@ -25,9 +28,14 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def modules() -> dict[str, Path]:
-    """Every buddy module by dotted name (a package by its own name)."""
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+def modules(tree: Path = PACKAGE) -> dict[str, Path]:
+    """Every module of ``tree`` (buddy's by default) by dotted name (a package by its own name); not the results a
+    GPU session brought back (``experiments/results/``: kept as they ran)."""
+    return {
+        module_name(p): p
+        for p in sorted(tree.rglob("*.py"))
+        if "results" not in p.relative_to(ROOT).parts
+    }  # fmt: skip
 
 
 def _type_checking(test: ast.expr) -> bool:
@@ -55,7 +63,7 @@ def _ancestors(name: str) -> list[str]:
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The buddy modules ``name`` imports."""
+    """The modules of ``known`` that ``name`` imports."""
     is_package = path.name == "__init__.py"
     package = name if is_package else name.rpartition(".")[0]
     found: set[str] = set()
@@ -82,8 +90,8 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    mods = modules()
+def import_graph(tree: Path = PACKAGE) -> dict[str, set[str]]:
+    mods = modules(tree)
     known = set(mods)
     return {name: imports_of(name, path, known) for name, path in mods.items()}
 
@@ -141,6 +149,96 @@ def test_the_checker_sees_every_kind_of_import():
 def test_no_import_cycle():
     cycles = all_cycles(import_graph())
     assert not cycles, "import cycles in buddy/:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# ---------------------------------------------------------------------------
+# experiments/: no cycle, public names only between scripts, the lab apart
+# ---------------------------------------------------------------------------
+LAB = "experiments.lab"
+
+
+def _in_lab(name: str) -> bool:
+    return name == LAB or name.startswith(LAB + ".")
+
+
+def private_names_used(name: str, path: Path, known: set[str]) -> list[str]:
+    """The underscore names of other modules of ``known`` that module ``name`` (at ``path``) takes: ``from m import
+    _x`` (``_x`` not itself a module), or ``m._x`` on a name bound to a module ``m`` by an import."""
+    is_package = path.name == "__init__.py"
+    package = name if is_package else name.rpartition(".")[0]
+    private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
+    found, bound = [], {}  # bound: local name -> the module it names
+    for node in _imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            bound.update({a.asname: a.name for a in node.names if a.asname and a.name in known})
+            continue
+        if node.level:
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            stem = ".".join(base + ([node.module] if node.module else []))
+        else:
+            stem = node.module or ""
+        for a in node.names:
+            if f"{stem}.{a.name}" in known:
+                bound[a.asname or a.name] = f"{stem}.{a.name}"
+            elif stem in known and stem != name and private(a.name):
+                found.append(f"{name} imports {stem}.{a.name}")
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            if private(node.attr) and bound[node.value.id] != name:
+                found.append(f"{name} uses {bound[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_the_experiments_checks_see_what_they_must(tmp_path):
+    graph = import_graph(EXPERIMENTS)
+    assert "experiments.common" in graph["experiments.cli"]  # from experiments.common import ...
+    assert "experiments.data" in graph["experiments.workloads"]  # from .data import ...
+    assert "experiments.step_time" in graph["experiments.max_batch"]  # a function-level import
+    assert "experiments.lab.fpe_lanes" in graph["experiments.lab.kernel_budget"]
+    assert "experiments" not in graph["experiments.lab.kernel_budget"]  # its own package: already importing
+    known = set(modules(EXPERIMENTS))
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from experiments.plot import _open, save_figure\nfrom experiments import max_batch, lab\n"
+        "from .analysis import _FLOAT_FIELDS\nimport experiments.workloads as w\n"
+        "max_batch._peak(); w._GPT; lab.fpe_lanes; max_batch.__name__\n"
+    )
+    assert sorted(private_names_used("experiments.probe", probe, known)) == [
+        "experiments.probe imports experiments.analysis._FLOAT_FIELDS",
+        "experiments.probe imports experiments.plot._open",
+        "experiments.probe uses experiments.max_batch._peak",
+        "experiments.probe uses experiments.workloads._GPT",
+    ]
+    assert {"experiments.lab", "experiments.max_batch"} <= imports_of("experiments.probe", probe, known)  # lab: seen
+
+
+def test_no_import_cycle_among_the_experiments():
+    cycles = all_cycles(import_graph(EXPERIMENTS))
+    assert not cycles, "import cycles in experiments/:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_experiment_takes_another_modules_underscore_name():
+    """What two scripts share is a public name of one module (``experiments.common``, ``experiments.cli`` or the
+    module it belongs to), documented there."""
+    mods = modules(EXPERIMENTS)
+    found = [use for name, path in mods.items() for use in private_names_used(name, path, set(mods))]
+    assert not found, "make these public where they are defined:\n" + "\n".join(found)
+
+
+def test_nothing_outside_the_lab_imports_the_lab():
+    """experiments/lab/ (the GPU runbook, the kernel budget, the lane and codec studies) may import what a user
+    runs; what a user runs, and the package, never import the lab."""
+    mods = {**modules(PACKAGE), **modules(EXPERIMENTS)}
+    known = set(mods)
+    assert any(_in_lab(m) for m in known) and not _in_lab("experiments.labs")
+    found = [
+        f"{name} imports {dep}"
+        for name, path in sorted(mods.items())
+        if not _in_lab(name)
+        for dep in sorted(imports_of(name, path, known))
+        if _in_lab(dep)
+    ]
+    assert not found, "the lab is imported from outside it:\n" + "\n".join(found)
 
 
 def test_the_kernel_lists_agree_with_the_kernels_source():

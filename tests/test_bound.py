@@ -261,6 +261,47 @@ def test_same_class_other_sizes_or_dtypes_get_other_keys():
     assert len({a, b, c}) == 3 and all(n.startswith("Sequential-") for n in (a, b, c))
 
 
+class _Wrapper(nn.Module):
+    """Calls a model inside its own forward: the outermost model is the wrapper."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).relu()
+
+
+def test_a_model_is_named_once_a_call_not_once_a_tensor(monkeypatch):
+    """The stack is walked to the model's call and its locals read at its first tensor; the call's other tensors
+    stop at the known call frame. Two calls of a model, a model inside another and the loss after the model
+    returned keep their keys, and the block lets go of the frames."""
+    named = []
+    real = buddy.hooks._outermost_call
+
+    def counting(known):
+        frame, prefix = real(known)
+        named.append(prefix is None and frame is not None)
+        return frame, prefix
+
+    monkeypatch.setattr(buddy.hooks, "_outermost_call", counting)
+    student, x = _student(), torch.randn(64, 256)
+    wrapped = _Wrapper(_student())
+    tracker, store = buddy.Tracker(), buddy.BuddyStore(capacity_bytes=64 << 20)
+    with buddy.compressed_activations(buddy.FixedRatio(2.0), tracker=tracker, store=store, min_bytes=1) as rec:
+        a = student(x)
+        b = student(x)  # a second call: named again (its own frame), its name kept from the first
+        c = wrapped(x)  # the student inside: the wrapper's keys
+        (a + b + c).square().sum()  # after the models returned: the last model's
+    keys = [r.key for r in rec.stats().rows]
+    assert sum(named) == 3 and len(named) == len(keys) >= 9  # three model calls read locals, of many tensors
+    prefixes = [k.split("/")[0] for k in keys]
+    student_name, wrapper_name = buddy.autograd.module_name(student), buddy.autograd.module_name(wrapped)
+    assert prefixes == sorted(prefixes, key=[student_name, wrapper_name].index)  # the student's, then the wrapper's
+    assert set(prefixes) == {student_name, wrapper_name} and prefixes[-1] == wrapper_name
+    assert not rec._calls  # the frames (and the locals of the calls that returned) went with the block
+
+
 @pytest.mark.parametrize("change", ["lr_spike", "unfreeze"])
 def test_abrupt_changes_keep_the_bound(change):
     """The activations change at once between two steps: a learning-rate spike that blows the weights up, or a

@@ -170,6 +170,29 @@ def test_compiled_matches_eager_under_aot_eager(plain_compiled, tracker, store):
     assert_compressed(eager[3], store, tracker)
 
 
+def test_composes_with_the_activation_memory_budget(tracker, store):
+    """torch.compile's activation memory budget (the min-cut partitioner recomputes in backward what it does not
+    save): buddy compresses what the compiled graph still saves, bit-identical to the same budget without buddy."""
+    import torch._functorch.config as functorch_config
+
+    saved = {}
+    for budget in (1.0, 0.3):
+        torch._dynamo.reset()
+        with functorch_config.patch(activation_memory_budget=budget):
+            plain = train("aot_eager_decomp_partition")
+            torch._dynamo.reset()
+            compressed = train(
+                "aot_eager_decomp_partition",
+                lambda: buddy.compressed_activations(
+                    buddy.FixedRatio(2.0), tracker=tracker, store=store, min_bytes=MIN_BYTES
+                ),
+            )
+        assert_same(plain, compressed)
+        assert_compressed(compressed[3], store, tracker)
+        saved[budget] = compressed[3][-1].stats().original_bytes
+    assert saved[0.3] < saved[1.0] / 2  # the budget recomputes; buddy compresses the rest
+
+
 def test_backward_inside_a_compiled_step_runs_buddy_eagerly(tracker, store):
     """A compiled train step calling backward: the hooks and the release of compressed tensors run inside it."""
 

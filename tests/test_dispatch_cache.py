@@ -205,3 +205,17 @@ def test_a_kept_table_is_laid_out_once(monkeypatch, store, gen):
         assert_bitexact(bt.decompress(), t)
         bt.free()
     assert laid_out == [fitted.fitted]
+
+
+def test_get_codec_asks_the_table_again_when_it_changes(temporary_codec):
+    """get_codec scans the implementations once per codec, not once a compress; a change to the table (an
+    implementation registered or removed, a codec registered) is seen at the next call."""
+    codec = temporary_codec(_Named())
+    assert buddy.codecs.get_codec(codec.name) is codec
+    assert codec.name in buddy.codecs._usable  # remembered: the next compress does not scan
+    dispatch.unregister(codec.name)
+    dispatch.register(codec.name, "cpu", "reference", BlockEngine, requires=lambda: "a library is missing")
+    with pytest.raises(buddy.MissingDependencyError, match="not available here"):
+        buddy.codecs.get_codec(codec.name)
+    dispatch.register(codec.name, "cpu", "reference", BlockEngine, default=True, replace=True)
+    assert buddy.codecs.get_codec(codec.name) is codec

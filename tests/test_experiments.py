@@ -235,7 +235,7 @@ def test_report_keeps_what_no_file_holds_and_says_where_each_date_comes_from(tmp
     report.main(["--results", str(tmp_path / "results"), "--out", str(page), "--readme", str(readme)])
     text = page.read_text()
     assert f"<!-- report:decision -->\n{kept}<!-- /report:decision -->" in text  # no decide file: kept word for word
-    assert "| resnet-fp32 | tuning | 64 (1.00x) | 107 (1.67x) |" in text and "5.00 s (50.0x)" in text
+    assert "| resnet-fp32 | tuning | 64 (1.00x); 0.10 s | 107 (1.67x); 5.00 s (50.0x) |" in text
     assert "`python -m experiments.max_batch --size tiny` — some CPU, 2 cores, no GPU, torch 2.13.0+cpu" in text
     assert "not in the file: the file's modification time" in text  # no date recorded, not in git
     assert "The main job" not in text  # neither a file nor an earlier section
@@ -304,6 +304,10 @@ def test_report_headline_gives_the_native_engines_speed(tmp_path):
     assert f"native engine of `{codec}` @ 4096 B compresses 0.75-1.25 GB/s and decompresses 1.50-2.50 GB/s" in block
     assert "on 2 threads (lz4: 1.00-2.00 / 3.00-6.00; zstd-3: 0.30-0.30 / 1.00-1.00, one thread each" in block
     assert "memcpy" not in block
+    page = out.read_text()  # a row a method, a column a tensor
+    assert f"| {codec}@native | 1.250 / 2.500 | 0.750 / 1.500 |" in page
+    assert f"| {codec}@reference | 0.040 / 0.050 | - |" in page
+    assert f"| {codec} | 2.00 | 2.00 |" in page and "| lz4 | 2.000 / 6.000 | 1.000 / 3.000 |" in page
 
 
 def test_entropy_bound_and_simulation():
@@ -491,7 +495,7 @@ def test_report_shows_the_latest_gpu_sessions_bench_and_step_time(tmp_path, monk
     monkeypatch.setattr(report, "ROOT", tmp_path.parent)  # the files' folder is named relative to it
     section = report.gpu([], folder=tmp_path)
     assert section is not None and section.key == "gpu"
-    assert "| t | float32 | buddy:auto2/cuda | 1.47 | 100 | 182 |" in section.body  # the latest session's
+    assert "| buddy:auto2/cuda | 1.47 | 100 / 182 |" in section.body  # the latest session's
     assert "| gpt2 | buddy | 1,694.2 | 33.70 | 15.10 | 1.03 |" in section.body and "* gpt2: NOT met" in section.body
     assert "NVIDIA H200, driver 580" in section.body and "2026-11-27-h200" in section.body
     # the step phase's record, newer in the same folder: its step table (every method), what each step held at its
@@ -510,7 +514,7 @@ def test_report_shows_the_latest_gpu_sessions_bench_and_step_time(tmp_path, monk
     assert "(`2026-11-27-h200/step.json`)" in body
     assert "* gpt2 / buddy-model: 3.00 GiB -- before the step 1.00; buddy cuda.py:pack 1.00 (GiB)" in body
     assert "| gpt2 (step_time) | buddy | 16,000 | 24 | 1.50 |  |" in body
-    assert "| t | float32 | buddy:auto2/cuda | 1.47 | 100 | 182 |" in body  # the bench: essentials' still
+    assert "| buddy:auto2/cuda | 1.47 | 100 / 182 |" in body  # the bench: essentials' still
     batch["rows"][0] |= {"max_batch": 0, "note": "Expected a torch.device with a specified index"}  # a failed search
     (tmp_path / "2026-11-27-h200" / "step.json").write_text(json.dumps(record))
     body = report.gpu([], folder=tmp_path).body
@@ -636,7 +640,7 @@ def test_side_stream_offload_is_exact(cuda):
 
 
 def test_learned_tables_tiny(tmp_path, capsys):
-    from experiments import learned_tables
+    from experiments.lab import learned_tables
 
     rows = learned_tables.main(["--size", "tiny", "--workloads", "gpt-bf16", "--no-progress", "--out", str(tmp_path)])
     (row,) = rows
@@ -650,7 +654,7 @@ def test_learned_tables_tiny(tmp_path, capsys):
 
 
 def test_context_bound():
-    from experiments.context_bound import context_bits
+    from experiments.lab.context_bound import context_bits
 
     g = torch.Generator().manual_seed(0)
     # two exponents taking turns: one bit a word at order 0, none given the previous word's
@@ -665,7 +669,7 @@ def test_context_bound():
 
 
 def test_context_bound_tiny(tmp_path):
-    from experiments import context_bound
+    from experiments.lab import context_bound
 
     args = ["--size", "tiny", "--workloads", "gpt-bf16", "lstm-fp32", "--no-progress", "--out", str(tmp_path)]
     rows = {r["workload"]: r for r in context_bound.main(args)}
@@ -675,7 +679,7 @@ def test_context_bound_tiny(tmp_path):
 
 
 def test_repeated_rows():
-    from experiments.repeats import repeated_rows
+    from experiments.lab.repeats import repeated_rows
 
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(10, 64, generator=g)
@@ -690,7 +694,7 @@ def test_repeated_rows():
 
 
 def test_repeats_tiny(tmp_path, capsys):
-    from experiments import repeats
+    from experiments.lab import repeats
 
     args = ["--size", "tiny", "--workloads", "gpt-bf16", "--codec", "auto2", "--no-progress", "--out", str(tmp_path)]
     (row,) = repeats.main(args)
@@ -796,7 +800,7 @@ def test_accounting_hooks_leave_no_graph_behind():
 
 
 def test_accounting_search_stays_within_host_memory():
-    from experiments import max_batch
+    from experiments.common import host_peak_bytes
     from experiments.max_batch import HOST_MEMORY_SHARE, HOST_PEAK_SHARE, Measurement, host_batch_cap
 
     m = Measurement("w", "save_on_cpu", batch=16, state_bytes=0, activation_bytes=0, seconds=0.0, saved_bytes=16 << 20)
@@ -810,7 +814,7 @@ def test_accounting_search_stays_within_host_memory():
     assert host_batch_cap(big, memory=8 << 30, smaller=small) == want == 38, "the peak binds before the saved bytes"
     unknown = dataclasses.replace(small, peak_bytes=None)
     assert host_batch_cap(big, memory=8 << 30, smaller=unknown) == 2048, "the saved bytes alone (1 MiB a sample)"
-    assert max_batch._peak() is None or max_batch._peak() > 0
+    assert host_peak_bytes() is None or host_peak_bytes() > 0
 
 
 def test_the_chunked_loss_is_the_whole_loss():

@@ -1,4 +1,4 @@
-"""experiments.fpe_lanes: the lane simulation of the split layout's decoder, on small synthetic activations."""
+"""experiments.lab.fpe_lanes: the lane simulation of the split layout's decoder, on small synthetic activations."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from buddy.codecs import fpe
-from experiments import fpe_lanes
+from experiments.lab import fpe_lanes
 
 
 def test_lane_work_on_small_entries_stays_inside_each_stream():
@@ -119,7 +119,7 @@ _KERNEL_CASES = [(dtype, "asan") for dtype in (torch.float32, torch.bfloat16, to
 def test_lockstep_decoder_kernel_reads_the_simulations_streams(dtype, build):
     """The kernel sources' decoder of the lockstep layout (codec_fpe.h, decode_lockstep), under the block emulator
     (bounds with ASan, races on the staging with TSan), gives back every coded entry of the streams the simulation
-    (experiments/fpe_lanes.py) writes, byte for byte -- ReLU entries, escapes and, for 8-byte and 1-byte words,
+    (experiments/lab/fpe_lanes.py) writes, byte for byte -- ReLU entries, escapes and, for 8-byte and 1-byte words,
     tails of 52 bits and none -- and flags an entry with a bit set between its codes and its tails (its words
     zeros, the others exact)."""
     from emulator import Emulator
@@ -155,10 +155,10 @@ def test_lockstep_decoder_kernel_reads_the_simulations_streams(dtype, build):
 
 
 def test_the_lockstep_bench_prepares_exact_streams_without_a_gpu():
-    """experiments.bench_lockstep's CPU half (the GPU times what it makes): the coded entries of a tensor and their
+    """experiments.lab.bench_lockstep's CPU half (the GPU times what it makes): the coded entries of a tensor and their
     lockstep payloads, which the simulation's decoder reads back into those entries' fields -- made chunk by chunk
     (a chunk smaller than the entries here), so that the chunks' payloads and sectors line up with the entries."""
-    from experiments import bench_lockstep
+    from experiments.lab import bench_lockstep
 
     g = torch.Generator().manual_seed(9)
     x = torch.relu(torch.randn(40, 1024, generator=g)) * torch.rand(40, 1, generator=g)

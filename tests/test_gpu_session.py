@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import buddy
-from experiments import dry_run, gpu_check, gpu_session, travel_size
+from experiments.lab import dry_run, gpu_check, gpu_session, travel_size
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the dry run pretends to torch that a GPU exists: where one really does, CUDA may already be initialised

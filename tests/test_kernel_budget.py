@@ -1,4 +1,4 @@
-"""The kernel budget's counting rules (experiments/kernel_budget.py) on small made-up SASS listings.
+"""The kernel budget's counting rules (experiments/lab/kernel_budget.py) on small made-up SASS listings.
 
 The budget itself needs nvcc and nvdisasm and is run by hand (docs/kernel_budget.md); what is checked here
 is how it turns a listing into instructions per entry: a loop the compiler copied (unswitched, unrolled)
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.kernel_budget import Kernel, per_entry, read_listing
+from experiments.lab.kernel_budget import Kernel, per_entry, read_listing
 
 SOURCE = [
     "for (long long i = buddy_first_warp(); i < n_entries; i += buddy_warp_stride()) {",  # 1: the grid
@@ -86,7 +86,7 @@ def test_bpc_stops_only_where_it_cannot_win(dtype):
     import torch
 
     import buddy
-    from experiments.kernel_budget import bpc_chunks_stepped
+    from experiments.lab.kernel_budget import bpc_chunks_stepped
     from kernel_cases import straddling_entries
 
     e = 1024
@@ -139,7 +139,7 @@ def test_an_instruction_is_charged_to_every_place_it_is_inlined_at():
 def test_a_branch_back_from_a_loop_line_is_a_loop(branch):
     # a loop of two conditions closes with a branch that tests a second predicate (`BRA P1, ...`); a branch
     # back from a line that is no loop's (a block moved out of line) and a forward one are not loops
-    from experiments.kernel_budget import loops
+    from experiments.lab.kernel_budget import loops
 
     source = ["while (pos < limit && pos < early) {", "  x = y;", "}"]
     k = Kernel("k")
@@ -153,7 +153,7 @@ def test_a_branch_back_from_a_loop_line_is_a_loop(branch):
 def test_cycles_per_instruction_of_a_gpu_run():
     # a launch of 242 us at 16 warps an SM that ran 4,322 warp instructions an entry over 16,384 entries: with the
     # H100's clock (the run recorded none) and 132 SMs, a warp took about 12.7 cycles an instruction
-    from experiments.kernel_budget import cycles_per_instruction
+    from experiments.lab.kernel_budget import cycles_per_instruction
 
     row = {"us": 242.0, "warps/SM": 16.0, "instr": 4322.0 * 16384, "clock GHz": float("nan")}
     assert cycles_per_instruction(row) == pytest.approx(242e-6 * 1.755e9 * 132 * 16 / (4322 * 16384))
@@ -166,7 +166,7 @@ def test_ncu_launches_of_two_layouts_are_two_kernels(tmp_path):
     # dynamic shared memory (49,168 and 32,768 bytes; ncu may say Kbyte), measure twice alike
     import json
 
-    from experiments.kernel_budget import ncu_measured
+    from experiments.lab.kernel_budget import ncu_measured
 
     mib = 1 << 20
     rows = [{"tensor": t, "dtype": d, "bytes": mib, "entry_bytes": 4096, "method": m}
@@ -197,7 +197,7 @@ def test_ncu_launches_of_two_layouts_are_two_kernels(tmp_path):
     assert got["auto2 pack (256 threads, 32,768 B shared)", "float32"]["us"] == pytest.approx(6.0)
     assert got["auto2 measure", "float32"]["us"] == pytest.approx(2.0) and got["auto2 measure", "float32"]["launches"] == 2
     # the estimate of a launch reads the layout it estimates: pack reading the table in global memory, unpack its copy
-    from experiments.kernel_budget import measured_launch
+    from experiments.lab.kernel_budget import measured_launch
 
     measured = {"rows": got}
     assert measured_launch(measured, "auto2 pack", "float32", 256, 32768)["us"] == pytest.approx(6.0)
@@ -218,7 +218,7 @@ def test_the_radix_select_simulated_finds_the_rth_largest(seed):
     # at most 32 keys share the digits found
     import numpy as np
 
-    from experiments.kernel_budget import radix_select
+    from experiments.lab.kernel_budget import radix_select
 
     rng = np.random.default_rng(seed)
     symbols = rng.choice(4096, size=int(rng.integers(256, 4097)), replace=False)
@@ -232,7 +232,7 @@ def test_the_radix_select_simulated_finds_the_rth_largest(seed):
 def test_a_latency_bound_from_another_layout_is_said():
     """Where a kernel's cycles an instruction come from the GPU run's layout, not the one estimated (its layout
     changed since the run), the budget says so under its table: which layout ran, which is estimated."""
-    from experiments.kernel_budget import _other_layouts
+    from experiments.lab.kernel_budget import _other_layouts
 
     rows = [{"kernel": "auto2 unpack", "dtype": d, "warps/SM": 24, "smem/block": 229376,
              "measured layout": (736.0, 229392.0)} for d in ("float32", "bfloat16")]  # fmt: skip
@@ -247,7 +247,7 @@ def test_what_unpack_needs_for_the_target_is_said():
     """Where an unpack's estimate is short of 800 GB/s, the budget says what its instructions an entry must come to:
     at every issue slot busy (4 KiB entries on an H100: 132 x 4 x 1.755 GHz x 4096 B / 800 GB/s), and at the
     share of issue slots the GPU run kept busy; nothing where every unpack reaches it."""
-    from experiments.kernel_budget import H100, _unpack_needs
+    from experiments.lab.kernel_budget import H100, _unpack_needs
 
     most = H100["sms"] * H100["schedulers"] * H100["clock_ghz"] * 4096 / 800
 

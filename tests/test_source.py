@@ -55,7 +55,10 @@ def _private(parts: list[str]) -> bool:
     return parts[0] == "buddy" and any(p.startswith("_") and not p.startswith("__") for p in parts)
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "experiments").glob("*.py")), ids=lambda p: p.name)
+EXPERIMENTS = sorted(p for p in (ROOT / "experiments").rglob("*.py") if "results" not in p.relative_to(ROOT).parts)
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: str(p.relative_to(ROOT / "experiments")))
 def test_experiments_use_only_public_names_of_the_library(path):
     uses = _private_uses(path)
     assert not uses, f"{path.name} reaches into buddy's private names:\n" + "\n".join(

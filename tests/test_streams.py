@@ -37,7 +37,8 @@ class FakeEvent:
 
 
 class FakeStreams(streams.StreamOps):
-    """Streams named ``"compute"`` and ``"copy"``; nothing completes until :meth:`finish` or a host wait."""
+    """Streams named ``"compute"``, ``"copy"`` and ``"pack"``; nothing completes until :meth:`finish` or a host
+    wait."""
 
     def __init__(self):
         self.now = "compute"
@@ -49,6 +50,9 @@ class FakeStreams(streams.StreamOps):
 
     def copy_stream(self, device):
         return "copy"
+
+    def pack_stream(self, device):
+        return "pack"
 
     @contextlib.contextmanager
     def activate(self, stream):

@@ -104,6 +104,7 @@ def register_codec(codec: CodecLike, *, replace: bool = False, reference: bool =
     if codec.name in _REGISTRY and not replace:
         raise ValueError(f"codec {codec.name!r} is already registered (pass replace=True to override)")
     _REGISTRY[codec.name] = codec
+    forget_usable()
     if reference:
         _REFERENCE.add(codec.name)
     else:
@@ -116,6 +117,7 @@ def register_codec(codec: CodecLike, *, replace: bool = False, reference: bool =
 def unregister_codec(name: str) -> CodecLike:
     """Remove a codec and every implementation of it; returns it."""
     codec = _REGISTRY.pop(name)
+    forget_usable()
     _REFERENCE.discard(name)
     if _table is not None:
         _table.removed(name)
@@ -137,13 +139,26 @@ def get_codec(codec: str | CodecLike | None) -> CodecLike:
     found = _REGISTRY.get(codec)
     if found is None:
         raise ValueError(f"unknown codec {codec!r}; available: {', '.join(available_codecs())}")
+    if codec in _usable:  # (every compress asks: the table is scanned once per codec, not once a tensor)
+        return found
     reasons = _reasons(codec)
     if reasons and all(why is not None for why in reasons):
         raise MissingDependencyError(
             f"codec {codec!r} is not available here: {reasons[0]}; "
             f"available: {', '.join(available_codecs())}"
         )
+    _usable.add(codec)
     return found
+
+
+#: the codecs :func:`get_codec` found an implementation of that can run here, until the table changes
+#: (:func:`forget_usable`). An implementation that stops working later is the engine's error to raise.
+_usable: set[str] = set()
+
+
+def forget_usable() -> None:
+    """The implementation table changed: :func:`get_codec` asks it again."""
+    _usable.clear()
 
 
 def available_codecs(device: str | torch.device | None = None) -> list[str]:

@@ -95,7 +95,7 @@ lane decodes from its span's first bit, and a lane whose start turns out not
 to be the true end of the lane before it decodes again from that end until
 none changes; a warp scan of the lanes' code counts then gives each lane its
 words' places, and one of their tail counts its tails' places. Measured on
-the capture workloads (``python -m experiments.fpe_lanes``): see
+the capture workloads (``python -m experiments.lab.fpe_lanes``): see
 docs/format-v3.md for the rounds and the work per lane, and for the
 layouts weighed against this one: per-lane offsets stored in the entry and
 interleaved sub-streams, which cost 0.6-2.8 % of ideal ratio, and sub-streams

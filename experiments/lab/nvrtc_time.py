@@ -6,14 +6,14 @@ NVRTC itself needs no GPU, so this script compiles exactly those modules --
 the same translation unit and options (:func:`buddy.engines.sources.translation_unit`,
 :func:`buddy.engines.sources.compile_options`), for ``--arch`` -- on any machine with
 NVRTC's library, and prints the seconds and the size of the cubin. The
-numbers size the GPU session's phases (``experiments/README.md``).
+numbers size the GPU session's phases (``experiments/lab/README.md``).
 
 NVRTC's library comes from the ``nvidia-cuda-nvrtc`` wheel (CUDA 13:
 ``pip install nvidia-cuda-nvrtc==13.0.*``) or a CUDA toolkit; ``--nvrtc``
 names the file when it is elsewhere.
 
-    python -m experiments.nvrtc_time                                 # every codec at 512 and 4096 B
-    python -m experiments.nvrtc_time --codecs auto2 --entry-bytes 4096 --jobs 2
+    python -m experiments.lab.nvrtc_time                                 # every codec at 512 and 4096 B
+    python -m experiments.lab.nvrtc_time --codecs auto2 --entry-bytes 4096 --jobs 2
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import ctypes
 import glob
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -32,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from buddy.engines import sources as bsources
 from buddy import env
+from experiments.common import command_line
 
 __all__ = ["find_nvrtc", "compile_seconds", "main"]
 
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     if args.json is not None:
         payload = {
-            "command": shlex.join(
-                ["python", "-m", "experiments.nvrtc_time", *(argv if argv is not None else sys.argv[1:])]
-            ),
+            "command": command_line("lab.nvrtc_time", argv if argv is not None else sys.argv[1:]),
             "environment": env.environment(),
             "nvrtc": nvrtc.version(),
             "arch": args.arch,

@@ -11,7 +11,7 @@ splits each workload's tensors into those with repeated rows (more than
 for each group its bytes, zstd-3's whole-tensor ratio and the ideal ratio of
 the codec (compacted sectors, the default codec and entry size).
 
-    python -m experiments.repeats            # quick, tuning and check sets
+    python -m experiments.lab.repeats            # quick, tuning and check sets
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
@@ -90,7 +90,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> list[dict]:
-    args, header = cli.begin("repeats", parse_args, argv)
+    args, header = cli.begin("lab.repeats", parse_args, argv)
     points, captures = cli.capture_workloads(args)
     rows = analyse(captures, codec=args.codec, entry_bytes=args.entry_bytes, show=not args.no_progress)
     print()

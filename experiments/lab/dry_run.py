@@ -16,7 +16,7 @@ with its real arguments under that pretence and sorts what ended it:
 
 An entry point that returns without touching CUDA passes too. The GPU
 session's ``--dry-run`` runs every phase's entry points this way
-(:mod:`experiments.gpu_session`).
+(:mod:`experiments.lab.gpu_session`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from buddy.errors import MissingDependencyError
 
 __all__ = ["NoCuda", "pretend_gpu", "Outcome", "classify", "run_entry", "GPU_ONLY_MODULES"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: packages that exist only where there is a GPU (their absence here is expected, not a bug)
 GPU_ONLY_MODULES = ("cupy", "nvidia.nvcomp")
 #: how PyTorch's CPU builds refuse CUDA on their own (messages, as a regular expression)

@@ -9,8 +9,8 @@ above ``--limit-mib`` (default 48: room to spare). Outside a git checkout --
 on the GPU machine, which receives the tree without ``.git`` -- it adds up
 every file under the root: what arrived.
 
-    python experiments/travel_size.py                 # tracked + untracked + .whl/, fails above 48 MiB
-    python experiments/travel_size.py --carry .whl .gl --limit-mib 48 --top 10
+    python experiments/lab/travel_size.py                 # tracked + untracked + .whl/, fails above 48 MiB
+    python experiments/lab/travel_size.py --carry .whl .gl --limit-mib 48 --top 10
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 __all__ = ["LIMIT_MIB", "travelling_files", "sizes", "main"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 #: the size the GPU session keeps the travelling tree under (the machine takes 64 MiB)
 LIMIT_MIB = 48

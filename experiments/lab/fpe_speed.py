@@ -8,8 +8,8 @@ byte, and prints input bytes per second (decimal MB/s, the fastest of
 ``--repeats`` timed runs after a warm-up: the machines these run on are
 shared) for each table format asked for.
 
-    python -m experiments.fpe_speed                    # every format of 12-bit symbols (2 and 3)
-    python -m experiments.fpe_speed --formats 2 --mib 4
+    python -m experiments.lab.fpe_speed                    # every format of 12-bit symbols (2 and 3)
+    python -m experiments.lab.fpe_speed --formats 2 --mib 4
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 

@@ -14,7 +14,7 @@ On ``--mib`` MiB of real activations of each dtype (those of
   GPU, then ``decompress`` timed -- fpe's unpack, and the engine's few small
   launches around it;
 * **lockstep:** the same entries in the lockstep layout (their streams made on
-  the CPU by :func:`experiments.fpe_lanes.lockstep_payloads`), decoded by
+  the CPU by :func:`experiments.lab.fpe_lanes.lockstep_payloads`), decoded by
   ``buddy_fpe_lockstep_decode`` with as many warps a block as its shared
   memory allows (32 at most) and a block an SM, the kernel alone timed.
 
@@ -22,7 +22,7 @@ Both are checked byte for byte against the entries. Timing: CUDA events, the
 median of ``--repeats`` after ``--warmup``. GPU only: without one it says
 so after preparing the streams (which need no GPU) and exits.
 
-    python -m experiments.bench_lockstep --mib 32 --out results/lockstep
+    python -m experiments.lab.bench_lockstep --mib 32 --out results/lockstep
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a file, not with -m: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ from buddy.engines import sources as bsources
 from buddy.engines.tuning import Tuning
 from experiments.bench_codecs import timed
 from experiments.common import start
-from experiments.fpe_lanes import lockstep_payloads
+from experiments.lab.fpe_lanes import lockstep_payloads
 
 __all__ = ["Prepared", "main"]
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from experiments.bench_cuda import activation_bytes
 
     args = parse_args(argv)
-    header = start("bench_lockstep", sys.argv[1:] if argv is None else list(argv))
+    header = start("lab.bench_lockstep", sys.argv[1:] if argv is None else list(argv))
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     rows: list[dict[str, Any]] = []

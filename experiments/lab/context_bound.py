@@ -20,7 +20,7 @@ much over order-0, no coder of single values and their neighbours gets
 further, and a higher capacity has to come from elsewhere (larger entries,
 overflow).
 
-    python -m experiments.context_bound             # quick, tuning and check sets
+    python -m experiments.lab.context_bound             # quick, tuning and check sets
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
 from experiments import cli
-from experiments.analysis import _FLOAT_FIELDS, _order0_bits, field_entropy_bits, ratio
+from experiments.analysis import FLOAT_FIELDS, field_entropy_bits, order0_bits, ratio
 from experiments.common import by_set, format_table, geomean, progress
 
 __all__ = ["context_bits", "analyse", "main"]
@@ -47,27 +47,27 @@ TOP_BITS = 4
 
 def _conditional_bits(a: torch.Tensor, b: torch.Tensor, na: int, nb: int) -> float:
     """Total bits of ``a`` given ``b`` (symbols in ``[0, na)`` and ``[0, nb)``): H(a, b) - H(b), order 0."""
-    return _order0_bits(b * na + a, na * nb) - _order0_bits(b, nb)
+    return order0_bits(b * na + a, na * nb) - order0_bits(b, nb)
 
 
 def context_bits(t: torch.Tensor) -> dict[str, float] | None:
     """Total bits of a float tensor under the order-0 field bound and the two contexts (``None``: not a float)."""
     t = t.detach().contiguous().reshape(-1)
-    if t.dtype not in _FLOAT_FIELDS or t.numel() == 0:
+    if t.dtype not in FLOAT_FIELDS or t.numel() == 0:
         return None
-    e, m = _FLOAT_FIELDS[t.dtype]
+    e, m = FLOAT_FIELDS[t.dtype]
     word = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     w = t.view(word).to(torch.int64)
     n_sym = 1 << (1 + e)
     sym = (w >> m) & (n_sym - 1)
     order0 = field_entropy_bits(t) * t.numel()
-    symbol0 = _order0_bits(sym, n_sym)
+    symbol0 = order0_bits(sym, n_sym)
     previous = torch.cat([sym.new_zeros(1), sym[:-1]])
     with_previous = order0 - symbol0 + _conditional_bits(sym, previous, n_sym, n_sym)
     # the bound codes the mantissa's top piece P (up to 16 bits) at H(P) = H(top) + H(rest of P | top): given
     # the symbol, the top bits cost H(top | symbol) instead of H(top), the rest the same
     top = (w >> (m - TOP_BITS)) & ((1 << TOP_BITS) - 1)
-    with_top = with_previous - _order0_bits(top, 1 << TOP_BITS) + _conditional_bits(top, sym, 1 << TOP_BITS, n_sym)
+    with_top = with_previous - order0_bits(top, 1 << TOP_BITS) + _conditional_bits(top, sym, 1 << TOP_BITS, n_sym)
     return {"order0": order0, "previous": with_previous, "top": with_top}
 
 
@@ -132,7 +132,7 @@ def parse_args(argv):
 def main(argv=None) -> list[dict]:
     from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS
 
-    args, header = cli.begin("context_bound", parse_args, argv)
+    args, header = cli.begin("lab.context_bound", parse_args, argv)
     points, captures = cli.capture_workloads(args)
     rows = analyse(captures, show=not args.no_progress)
     rows = with_sets(rows, {"tuning": list(TUNING_WORKLOADS), "check": list(CHECK_WORKLOADS)})

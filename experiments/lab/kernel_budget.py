@@ -14,7 +14,7 @@ and ``compile_options`` for one word size) for sm_90 with nvcc:
   loop (:data:`TRIPS`: e.g. the middle of fpe's find walk, ``while (pos <=
   limit - BUDDY_FPE_CODE_BITS)``, steps as often as the split layout's
   decoder steps there on real data -- the lane
-  simulation of :mod:`experiments.fpe_lanes` on the capture workloads --
+  simulation of :mod:`experiments.lab.fpe_lanes` on the capture workloads --
   and a copy loop E / 16 / 32 times). Every instruction of a loop body
   counts, both sides of its branches: an upper bound, but for the blocks
   run on a known share of the steps (:data:`RARE_BLOCKS`) or not at all
@@ -45,8 +45,8 @@ counts a learned key only every ``count_every`` steps after its first
 pack alone, and the steady state is the mean over ``count_every`` steps.
 Decompress is unpack. The totals are for a 256 MiB tensor.
 
-    python -m experiments.kernel_budget                      # writes docs/kernel_budget.md
-    python -m experiments.kernel_budget --codec fpe --out -   # print only
+    python -m experiments.lab.kernel_budget                      # writes docs/kernel_budget.md
+    python -m experiments.lab.kernel_budget --codec fpe --out -   # print only
 
 Needs nvcc (CUDA 12 or 13) and nvdisasm (``pip install
 nvidia-cuda-nvdisasm``, or the CUDA toolkit's).
@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 import torch
@@ -78,6 +78,7 @@ from buddy.tracker import COUNT_EVERY, COUNT_WARMUP
 from buddy.engines import launch as blaunch
 from buddy.engines import sources as bsources
 from buddy import spec
+from experiments import cli
 
 __all__ = ["H100", "TRIPS", "main"]
 
@@ -89,7 +90,7 @@ TENSOR_BYTES = 256 << 20
 #: fixed costs: a kernel launch, the one device-to-host read of a compress (histogram and fitted table)
 LAUNCH_US, READBACK_US = 4.0, 15.0
 
-#: the split layout's find loops (experiments.fpe_lanes: a warp's steps in each, per entry)
+#: the split layout's find loops (experiments.lab.fpe_lanes: a warp's steps in each, per entry)
 FIND_LOOPS = ("warm_mid", "warm_tail", "find_head", "find_mid", "find_tail", "resync_head", "resync_mid",
               "resync_tail")
 
@@ -434,7 +435,7 @@ def lane_trips(dtype: torch.dtype, entry_bytes: int, sample: int, cache) -> dict
     """Mean iterations per entry of the split layout's loops on the capture workloads' tensors of ``dtype``."""
     from experiments.common import DEFAULT_POINTS
     from experiments.common import capture_all
-    from experiments.fpe_lanes import lane_work
+    from experiments.lab.fpe_lanes import lane_work
     from experiments.workloads import CHECK_WORKLOADS, TUNING_WORKLOADS
 
     workloads = [*TUNING_WORKLOADS, *CHECK_WORKLOADS]
@@ -491,7 +492,7 @@ def render_lockstep(weighed: dict, rows: list[dict]) -> list[str]:
            "under the emulator on the simulation's streams), but no encoder is.",
            "Counted as above: the SASS of its loop over rounds, split into a round's (every lane a word), the "
            "partial top-up's block and the lazy loop's body,",
-           "with the rounds of each that the simulation (`experiments.fpe_lanes`) takes on the same entries.",
+           "with the rounds of each that the simulation (`experiments.lab.fpe_lanes`) takes on the same entries.",
            "Beside it, the split layout's unpack, its instructions per entry but the body's (`parts` above):", "",
            "| dtype | regs | SASS a round | rounds | SASS a partial top-up | partial rounds | SASS a lazy round | "
            "lazy rounds | instr/entry in the rounds | split unpack, its loops |",
@@ -552,7 +553,7 @@ def bpc_stops(tensors, e: int, sample: int, g: torch.Generator) -> dict:
     share whose bpc member is sized (zvc's and then fpx's size above one sector, as codec_auto.h) and the mean
     32-delta chunks bpc's plan steps for them before it stops (``measure_below``: once the planes sure to be raw
     make it no smaller than the size so far, checked after chunks 0, 1, 3, 7, 11, ...)."""
-    from experiments.fpe_lanes import _entries
+    from experiments.lab.fpe_lanes import fitted_entries
 
     from buddy.codecs.fpx import FPXCodec
     from buddy.codecs.zvc import ZVCCodec
@@ -560,7 +561,7 @@ def bpc_stops(tensors, e: int, sample: int, g: torch.Generator) -> dict:
     zvc, fpx = ZVCCodec(), FPXCodec()
     sized, chunks, seen, of = 0, [], 0, 0
     for i in torch.randperm(len(tensors), generator=g).tolist():
-        got = _entries(tensors[i], e)
+        got = fitted_entries(tensors[i], e)
         if got is None:
             continue
         entries, word, _ = got
@@ -788,7 +789,7 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
     out = [
         "# Kernel budget: the default codec at 4 KiB entries on an H100 (estimated)",
         "",
-        f"Produced by `python -m experiments.kernel_budget {' '.join(args)}` on {machine}, "
+        f"Produced by `python -m experiments.lab.kernel_budget {' '.join(args)}` on {machine}, "
         f"{time.strftime('%Y-%m-%d')}; nvcc for sm_90, no GPU: every figure below is an estimate from the "
         "compiled kernels (the method is in the script's docstring). A GPU session checks it with `ncu` "
         "(below).",
@@ -866,7 +867,7 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
         out += ["", "Every loop the kernels run on a coded fpe entry has its trip count (`TRIPS`).", ""]
     out += [*EXPLAINED.splitlines(), ""]
     out += weighed or []
-    from experiments.gpu_session import NCU_METRICS
+    from experiments.lab.gpu_session import NCU_METRICS
 
     out += NCU.format(metrics=", ".join(f"`{m}`" for m in NCU_METRICS)).splitlines()
     return "\n".join(out) + "\n"
@@ -1079,7 +1080,7 @@ steady-state compress 495 / 264 -> 689 / 321.
 
 NCU = """## Checking it on a GPU
 
-The GPU runbook's `ncu` phase (`bash experiments/gpu_session.sh ncu`, experiments/gpu_session.py) runs
+The GPU runbook's `ncu` phase (`bash experiments/gpu_session.sh ncu`, experiments/lab/gpu_session.py) runs
 `experiments.bench_cuda` on the default codec (64 MiB of each activation, once) under Nsight Compute and writes a row
 per kernel launch with {metrics}.
 Per kernel, `smsp__inst_executed.sum` over the launch's entries is the instructions per entry above (counted here
@@ -1232,7 +1233,7 @@ def main(argv=None) -> str:
     p.add_argument("--codec", default="auto2", choices=sorted(bsources.TABLED_KERNELS))
     p.add_argument("--entry-bytes", type=int, default=spec.DEFAULT_ENTRY_BYTES)
     p.add_argument("--sample", type=int, default=200, help="coded entries simulated per dtype")
-    p.add_argument("--cache", type=Path, default=None, help="captures kept here between runs (as decide's)")
+    cli.add_cache_argument(p, help="captures kept here between runs (as decide's)")
     p.add_argument("--out", default="docs/kernel_budget.md", help="the markdown file ('-': print only)")
     p.add_argument("--ncu", type=Path, default=None,
                    help="a folder with the runbook's ncu.csv and ncu.json: the measured figures beside the estimate")

@@ -25,8 +25,8 @@ torch reference on the host: what the tests use to check this script.
 modules a GPU session needs, in parallel processes, and reports the seconds:
 later processes of the session then find them compiled.
 
-    python -m experiments.gpu_check --json results/gpu/check.json
-    python -m experiments.gpu_check --compile-only --jobs 16
+    python -m experiments.lab.gpu_check --json results/gpu/check.json
+    python -m experiments.lab.gpu_check --compile-only --jobs 16
 
 Writes JSON (``--json``): environment, command, every check's counts and
 what differed; exits 1 when anything differed.
@@ -38,7 +38,6 @@ import argparse
 import functools
 import json
 import os
-import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy
 import torch
@@ -62,10 +61,11 @@ from buddy.codecs.fpe import TABLE_FORMAT
 from buddy.deps import require, require_cuda
 from buddy.errors import MissingDependencyError
 from buddy.layout import WORD_SIZES
+from experiments.common import command_line
 
 __all__ = ["GOLDEN", "COMPILE_ENTRY_BYTES", "Check", "golden_sets", "run_checks", "compile_modules", "main"]
 
-GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "tests" / "golden"
 #: the entry sizes whose modules a session compiles up front: the golden vectors' (which include the
 #: tests' 128, 512 and the default 4096)
 COMPILE_ENTRY_BYTES = (32, 128, 256, 512, 1024, 4096)
@@ -320,13 +320,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     if device.type == "cuda":
         try:
-            require_cuda("experiments.gpu_check")
+            require_cuda("experiments.lab.gpu_check")
             if args.backend == "cuda" or args.compile_only:
-                require("cupy", "experiments.gpu_check (the CUDA kernels)")
+                require("cupy", "experiments.lab.gpu_check (the CUDA kernels)")
         except MissingDependencyError as exc:
             raise SystemExit(f"gpu_check: {exc}") from exc
     payload: dict[str, Any] = {
-        "command": shlex.join(["python", "-m", "experiments.gpu_check", *argv]),
+        "command": command_line("lab.gpu_check", argv),
         "environment": environment,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "backend": args.backend,

@@ -10,7 +10,7 @@ with a table fitted to that earlier tensor's statistics. The captures lie
 10-20 training steps apart (quick), a session's statistics one step, so
 this is an upper bound on what learning costs.
 
-    python -m experiments.learned_tables            # quick, tuning and check sets, the default codec
+    python -m experiments.lab.learned_tables            # quick, tuning and check sets, the default codec
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import buddy
 from experiments import cli
@@ -105,7 +105,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> list[dict]:
-    args, header = cli.begin("learned_tables", parse_args, argv)
+    args, header = cli.begin("lab.learned_tables", parse_args, argv)
     points, captures = cli.capture_workloads(args)
     rows = analyse(captures, codec=args.codec, entry_bytes=args.entry_bytes, show=not args.no_progress)
     print()

@@ -4,11 +4,11 @@ their dry run on a machine without a GPU.
 A lent machine gives 30 minutes of GPU time in calls of at most 10 minutes,
 each on a bare machine; ``experiments/gpu_session.sh PHASE`` installs the
 carried wheels and runs one phase here. Each phase fits one call (at most 8
-minutes, installs included; ``experiments/README.md`` gives the expected
+minutes, installs included; ``experiments/lab/README.md`` gives the expected
 times):
 
 * ``check``: the kernel modules compiled in parallel (timed), then golden
-  vectors through every kernel both ways (:mod:`experiments.gpu_check`);
+  vectors through every kernel both ways (:mod:`experiments.lab.gpu_check`);
 * ``tests I/N``: the I-th of N shards of the curated GPU subset
   (``tests/gpu_subset.py``) on every core, each test under a time limit;
 * ``sanitize``: compute-sanitizer's memcheck, racecheck, synccheck and
@@ -41,12 +41,12 @@ silently.
 
 ``--dry-run`` runs every phase's Python entry points with their real
 arguments on this machine, up to their first CUDA call
-(:mod:`experiments.dry_run`), and collects each pytest step's tests with its
+(:mod:`experiments.lab.dry_run`), and collects each pytest step's tests with its
 real arguments: a call with a missing argument, a bad option or an empty
 test selection fails here rather than on the GPU.
 
-    python -m experiments.gpu_session check --out results/gpu      # on the GPU machine (via the .sh)
-    python -m experiments.gpu_session --dry-run                      # anywhere: every phase
+    python -m experiments.lab.gpu_session check --out results/gpu      # on the GPU machine (via the .sh)
+    python -m experiments.lab.gpu_session --dry-run                      # anywhere: every phase
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 __all__ = [
     "PHASES",
@@ -89,14 +89,14 @@ __all__ = [
     "main",
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PHASES = ("essentials", "check", "tests", "sanitize", "bench", "step", "frontier", "ncu")
 #: a lease of 15 minutes in one call (a start, one call of at most 10 minutes): these phases in this order, each
 #: step's limit cut to what is left before the call's deadline (``--deadline-s``), so the call ends in time
 LEASE = (("essentials", None), ("tests", "1/1"), ("sanitize", None))
 #: the seconds a lease's phases may take together (the call's 10 minutes less a start's installs and margin)
 LEASE_DEADLINE_S = 540
-#: shards of the ``tests`` phase: each is one call (see experiments/README.md for the expected times)
+#: shards of the ``tests`` phase: each is one call (see experiments/lab/README.md for the expected times)
 TEST_SHARDS = 2
 #: compute-sanitizer's tools, each run over the sanitize subset
 SANITIZERS = ("memcheck", "racecheck", "synccheck", "initcheck")
@@ -184,7 +184,7 @@ def _compile(
         args += ["--codecs", *codecs]
     if entry_bytes:
         args += ["--entry-bytes", *map(str, entry_bytes)]
-    return Python("compile", "experiments.gpu_check", tuple(args), timeout_s, "{work}/compile.json", required=True)
+    return Python("compile", "experiments.lab.gpu_check", tuple(args), timeout_s, "{work}/compile.json", required=True)
 
 
 def _ncu(timeout_s: int, unpack_warps: tuple[str, ...] = ()) -> Python:
@@ -231,14 +231,16 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
         bench_args = ("--out", "{work}/bench", "--repeats", "5", "--warmup", "1", "--global-table", "--other-count",
                       "--pack-fields", "--unpack-warps", "8", "16")  # fmt: skip
         # (--memory-peak: one more step of each method under the allocator's history, what it held at its peak;
-        # buddy, the step with no read per tensor: one more step of it under sync debug mode "error"; buddy-strict:
+        # buddy, the step with no read per tensor: one more step of it under sync debug mode "error"; buddy-overlap:
+        # its packs beside forward on a side stream; buddy-strict:
         # every tensor sized first; the loss outside the block, buddy-model, in the step phase)
         step_args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--steps", "4",
-                     "--warmup", "2", "--methods", "none", "buddy", "buddy-strict", "save_on_cpu", "checkpoint",
+                     "--warmup", "2", "--methods", "none", "buddy", "buddy-overlap", "buddy-strict", "save_on_cpu",
+                     "checkpoint",
                      "--profile", "--memory-peak", "--out", "{work}/step_time")  # fmt: skip
         return [
             _compile(timeout_s=100),
-            Python("check", "experiments.gpu_check", ("--json", "{work}/check.json"), 60, "{work}/check.json"),
+            Python("check", "experiments.lab.gpu_check", ("--json", "{work}/check.json"), 60, "{work}/check.json"),
             # the step first among the measurements: what a user pays
             Python("step_time", "experiments.step_time", step_args, 150, "{work}/step_time/results.json",
                    (("--backend", "reference"),)),  # fmt: skip
@@ -255,7 +257,7 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
     if phase == "check":
         return [
             _compile(),
-            Python("check", "experiments.gpu_check", ("--json", "{work}/check.json"), 240, "{work}/check.json"),
+            Python("check", "experiments.lab.gpu_check", ("--json", "{work}/check.json"), 240, "{work}/check.json"),
         ]
     if phase == "tests":
         args = (
@@ -520,7 +522,7 @@ def run_phase(
     record: dict[str, Any] = {
         "phase": phase,
         "shard": shard,
-        "command": command or shlex.join([sys.executable, "-m", "experiments.gpu_session", *sys.argv[1:]]),
+        "command": command or shlex.join([sys.executable, "-m", "experiments.lab.gpu_session", *sys.argv[1:]]),
         "commit": _commit(),
         "environment": environment,
         "device": environment.get("gpu"),
@@ -627,7 +629,7 @@ def _collect(step: Pytest, values: Mapping[str, str]) -> tuple[bool, str]:
 
 def dry_run(phases: Sequence[str] = PHASES) -> bool:
     """Every step of ``phases`` as far as it goes here (see the module doc); prints one line per run."""
-    from experiments.dry_run import run_entry
+    from experiments.lab.dry_run import run_entry
 
     ok = True
     with tempfile.TemporaryDirectory(prefix="buddy-dry-run-") as tmp:

@@ -35,8 +35,8 @@ to it at E bytes a entry:
   layout's decoder, the tails at the payload's end or after each code
   (``tails inline``).
 
-    python -m experiments.fpe_lanes --cache .cache/captures
-    python -m experiments.fpe_lanes --cache .cache/captures --sample 64 --entry-bytes 4096 512
+    python -m experiments.lab.fpe_lanes --cache .cache/captures
+    python -m experiments.lab.fpe_lanes --cache .cache/captures --sample 64 --entry-bytes 4096 512
 """
 
 from __future__ import annotations
@@ -48,16 +48,17 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 import torch
 
 import buddy
 from buddy.codecs import fpe
+from experiments import cli
 from experiments.common import capture_all, format_table, start
 
-__all__ = ["LANES", "simulate_entry", "lockstep", "lockstep_read", "lockstep_stream", "lockstep_payloads", "layout_bits", "main"]
+__all__ = ["LANES", "simulate_entry", "lockstep", "lockstep_read", "lockstep_stream", "lockstep_payloads", "layout_bits", "fitted_entries", "main"]
 
 LANES = 32
 #: the first pass's spans cover the estimate of the code section and 1/OVERSHOOT more (csrc/codec_fpe.h)
@@ -465,7 +466,7 @@ def _sectors(bits: torch.Tensor) -> torch.Tensor:
     return (bits + 255) // 256
 
 
-def _entries(t: torch.Tensor, e: int):
+def fitted_entries(t: torch.Tensor, e: int):
     """``(entries (n, E), word bytes, fpe table fitted to the tensor)``, or ``None`` for a tensor under one entry."""
     word = buddy.spec.word_bytes(t.dtype)
     flat = t.detach().reshape(-1).view(torch.uint8)
@@ -479,7 +480,7 @@ def ratio_costs(tensors, e: int) -> dict:
     """Compacted sectors of every layout over ``tensors`` (and the original's); checks the split layout's k."""
     sizes: dict[str, int] = {}
     for t in tensors:
-        got = _entries(t, e)
+        got = fitted_entries(t, e)
         if got is None:
             continue
         entries, word, counts = got
@@ -516,7 +517,7 @@ def lane_work(tensors, e: int, sample: int, g: torch.Generator, **options) -> li
     sims = []
     order = torch.randperm(len(tensors), generator=g).tolist()
     for i in order:
-        got = _entries(tensors[i], e)
+        got = fitted_entries(tensors[i], e)
         if got is None:
             continue
         entries, word, counts = got
@@ -559,10 +560,10 @@ def main(argv=None) -> dict:
     p.add_argument("--overshoot", type=int, default=OVERSHOOT, help="the first pass covers 1/OVERSHOOT more (0: none)")
     p.add_argument("--no-ratio", action="store_true", help="only the decoder's work (the ratio part codes every tensor)")
     p.add_argument("--workloads", nargs="+", default=None)
-    p.add_argument("--cache", type=Path, default=None, help="captures kept here between runs (as decide's)")
+    cli.add_cache_argument(p, help="captures kept here between runs (as decide's)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    start("fpe_lanes", sys.argv[1:] if argv is None else list(argv))
+    start("lab.fpe_lanes", sys.argv[1:] if argv is None else list(argv))
     workloads = args.workloads or [*TUNING_WORKLOADS, *CHECK_WORKLOADS]
     captures = capture_all(
         workloads, size="quick", points=DEFAULT_POINTS["quick"], device="cpu", seed=args.seed, show=False,
