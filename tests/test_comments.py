@@ -16,8 +16,8 @@ SOURCES = [*(ROOT / "buddy").rglob("*.py"), *(ROOT / "csrc").rglob("*.h"), *(ROO
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 #: a machine's name or a timing: a figure that held on one machine, on one day
 MACHINE_FIGURE = re.compile(r"H200|H100|GB/s|[0-9.]+ ?(->|\u2192) ?[0-9.]+ ?ms|[0-9]+ ?ms\b")
-#: buddy/engines/cuda.py names the devices its shared-memory table describes (HOPPER): a contract, not a figure
-NAMES_DEVICES = {"buddy/engines/cuda.py"}
+#: buddy/engines/launch.py names the devices its shared-memory table describes (HOPPER): a contract, not a figure
+NAMES_DEVICES = {"buddy/engines/launch.py"}
 
 
 def test_no_dated_measurements_in_the_package_or_the_kernels():
