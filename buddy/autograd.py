@@ -41,9 +41,9 @@ from .peak import Saved, StepProfile
 from .pipeline import kept_ends_bytes, pack_ahead, resolve
 from .prefetch import Prefetch, PrefetchStats, Schedule, as_prefetch
 from .recording import RecordedTensor, Recorder, record_activations
-from .saved import _Checks, _Compressed, _Kept, _look_ahead, _warn_once
+from .saved import _Compressed, _Kept, _look_ahead, _warn_once
 from .stats import KeyRow, SessionStats
-from .step import AheadStep, Pending, past_bound, past_bound_warning
+from .step import AheadStep, Checks, Pending, past_bound, past_bound_warning
 from .store import BuddyStore, default_store
 from .tensor import BuddyTensor
 from .tracker import Policy, Tracker, default_tracker, group_of
@@ -99,7 +99,7 @@ class Session(_SavedTensorHooks):
         self.overlap = as_overlap(overlap)
         self._stashes: dict[torch.device, Stash] = {}  # per device, the originals of packs in flight (overlap)
         self._schedule = Schedule(self.prefetch)
-        self._checks = _Checks()
+        self._checks = Checks()
         self._ahead = AheadStep()  # the step's tensors packed ahead of their sizes, and its reserve
         self._reads_at = 0
         self._profile = StepProfile()  # the step's saves, uses and memory (buddy.peak), kept on the tracker
@@ -119,7 +119,7 @@ class Session(_SavedTensorHooks):
         self._stats.plan = (self.policy or self.tracker.policy).describe()
         self._stats.overflow_bound = getattr(self.policy or self.tracker.policy, "overflow_bound", None)
         self._schedule = Schedule(self.prefetch)  # one per step: the old one lives on with the old graph
-        self._checks = _Checks()  # likewise
+        self._checks = Checks()  # likewise
         self._ahead.next_step()
         self._reads_at = engines.host_reads()
         self._stashes = {}

@@ -26,20 +26,18 @@ naming the keys; the gradients of that backward must not be used.
 
 from __future__ import annotations
 
-import functools
-import sys
-import threading
 import time
 import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
-from . import engines, streams
+from . import streams
+from .eager import eager_only
 from .errors import CorruptDataError, warn_once
 from .prefetch import Ahead, Schedule
 from .stats import KeyRow
-from .step import Counters
+from .step import Checks
 from .tensor import BuddyTensor
 from .tracker import Tracker
 
@@ -144,7 +142,7 @@ class _Compressed:
     )  # fmt: skip
 
     def __init__(
-        self, bt: BuddyTensor, session: Session, row: KeyRow, schedule: Schedule, checks: _Checks,
+        self, bt: BuddyTensor, session: Session, row: KeyRow, schedule: Schedule, checks: Checks,
         profiled: tuple[StepProfile, int] | None = None,
     ):  # fmt: skip
         self.bt = bt
@@ -263,59 +261,6 @@ class _Compressed:
         self.bt.drop_prefetch()
 
 
-class _Checks:
-    """The error flags of one step's decompressions on the device, read once at the end of each backward.
-
-    An engine whose checks run on the device (the CUDA kernels, nvcomp) ORs
-    an entry's failed check into the tensor's flag instead of reading it
-    back. The first flag of a backward queues :meth:`check` to run when that
-    backward ends (autograd's final callback), which reads every flag there
-    at once (one read per device) and raises :class:`CorruptDataError`
-    naming the keys that failed. Outside a backward (a saved tensor read
-    directly) a flag is checked at once.
-    """
-
-    __slots__ = ("pending", "lock", "flags", "reads")
-
-    def __init__(self):
-        self.pending: list[tuple[str, torch.Tensor]] = []
-        self.lock = threading.Lock()
-        self.reads = 0  # reads of the flags made (one per device a check)
-        self.flags = Counters(torch.int32, 1024)  # a flag a decompression: slices of a buffer made per 1024
-
-    def flag(self, bt: BuddyTensor) -> torch.Tensor | None:
-        """A zeroed flag for ``bt``'s decompression, or ``None`` where its backend checks on the host."""
-        return None if bt.backend == "reference" else self.flags.take(1, bt.device)
-
-    def add(self, key: str, flag: torch.Tensor) -> None:
-        with self.lock:
-            first = not self.pending
-            self.pending.append((key, flag))
-        if first:
-            try:
-                # (run by autograd where backward ends, maybe inside a compiled frame: never traced)
-                torch.autograd.Variable._execution_engine.queue_callback(_eager_only(self.check))
-            except RuntimeError:  # not inside a backward pass: nothing to wait for
-                self.check()
-
-    def check(self) -> None:
-        """Read the pending flags (one read per device); :class:`CorruptDataError` naming the keys that failed."""
-        with self.lock:
-            pending, self.pending = self.pending, []
-        failed = []
-        for device in {flag.device for _, flag in pending}:
-            mine = [(key, flag) for key, flag in pending if flag.device == device]
-            bits = engines.to_host(torch.cat([flag for _, flag in mine])).tolist()
-            self.reads += 1
-            failed += [f"{key!r} (error bits {b:#x})" for (key, _), b in zip(mine, bits) if b]
-        if failed:
-            raise CorruptDataError(
-                f"buddy: {len(failed)} saved activation(s) failed the format's checks when decompressed for this "
-                f"backward pass: {', '.join(failed)}. Their entries decoded to zeros, so this backward's gradients "
-                f"are not valid: drop them and the graph, and run the step again."
-            )
-
-
 def _look_ahead(schedule: Schedule, position: int) -> None:
     """Prepare the next tensors of backward; a failure there costs the look-ahead, never the step."""
     try:
@@ -328,39 +273,7 @@ def _look_ahead(schedule: Schedule, position: int) -> None:
         )
 
 
-# ---- torch.compile -------------------------------------------------------------------
-# TorchDynamo must never trace buddy. Backward called inside a compiled train
-# step, an eager op at a graph break or a session opened inside a compiled
-# function would otherwise run the hooks -- and the BuddyTensor finalizers --
-# under the frame evaluator, which compiles the codec and the store piece by
-# piece (slow, recompiled per tensor size, and the codec's integer work handed
-# to another compiler).
-
-
-def _eager_only(fn):
-    """``fn``, never traced by TorchDynamo (called from compiled code, it runs eagerly).
-
-    Applied when a session opens. If the compiler is not loaded by then,
-    nothing in this process has been compiled, and it is not loaded for this
-    (importing it takes seconds).
-    """
-    if "torch._dynamo" not in sys.modules:
-        return fn
-    disabled = torch.compiler.disable(fn)
-    frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
-    skip_code = getattr(sys.modules["torch._dynamo"].eval_frame, "skip_code", None)
-    if frame_callback is None or skip_code is None:  # (a torch without them: always through the compiler's wrapper)
-        return disabled
-
-    def eager(*args):
-        # Where no compiled code runs (TorchDynamo's frame callback unset: most calls), fn as it is -- the
-        # compiler's wrapper costs a few microseconds a call, on every save and unpack -- else through it.
-        return fn(*args) if frame_callback() is None else disabled(*args)
-
-    skip_code(eager.__code__)  # TorchDynamo runs this frame as it is, never traces it
-    return functools.wraps(fn)(eager)
-
-
+# ---- torch.compile: the hooks run eagerly (buddy.eager) -----------------------------
 def _release(held: _Held) -> None:
     held.packed = None  # the last reference frees slots and buddy memory here
 
@@ -391,14 +304,14 @@ def _compile_safe_hooks(pack, unpack):
     """The session's pack and unpack hooks, made safe for ``torch.compile``d code.
 
     * Packing, unpacking and releasing run eagerly, never traced
-      (:func:`_eager_only`).
+      (:func:`buddy.eager.eager_only`).
     * A tensor saved with a non-dense layout (a strided slice) decompresses
       contiguous; it is handed back in its original strides, bit-exact:
       inductor compiled the backward kernels for those strides and asserts
       them (``assert_size_stride``), and an eager kernel may round
       differently on another layout.
     """
-    release = _eager_only(_release)
+    release = eager_only(_release)
 
     def pack_hook(t):
         packed = pack(t)
@@ -421,4 +334,4 @@ def _compile_safe_hooks(pack, unpack):
         out.view(as_int).copy_(t.view(as_int))  # integers: bit-exact for NaN payloads and -0.0 alike
         return out
 
-    return _eager_only(pack_hook), _eager_only(unpack_hook)
+    return eager_only(pack_hook), eager_only(unpack_hook)

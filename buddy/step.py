@@ -5,7 +5,8 @@ every compressed tensor's entry-size histogram (its overflow's size, the tracker
 decompressed tensor's error bits. Each tensor is given a slice of a buffer made once for the step, and the host
 reads a buffer whole where the step ends: one read where forward ends, one where backward ends.
 
-:class:`AheadStep` is a session's step packed that way: the slices of its tensors' sizes, its running bound and
+:class:`Checks` holds a step's error flags of decompressions, read where each backward ends. :class:`AheadStep` is
+a session's step packed that way: the slices of its tensors' sizes, its running bound and
 device reserve, and where forward ends the settling of every tensor with its sizes.
 
 :class:`Counters` hands out the slices, zeroed, on any device; :meth:`Counters.read` brings what was handed out to
@@ -20,7 +21,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from . import engines, spec
+from .eager import eager_only
 from .engines import PLACE_WORDS
+from .errors import CorruptDataError
 from .layout import Layout
 from .tracker import group_of
 
@@ -30,7 +33,7 @@ if TYPE_CHECKING:
     from .tensor import BuddyTensor
     from .tracker import Policy, Tracker
 
-__all__ = ["Counters", "AheadStep", "Pending", "past_bound", "past_bound_warning"]
+__all__ = ["Counters", "Checks", "AheadStep", "Pending", "past_bound", "past_bound_warning"]
 
 
 class Counters:
@@ -102,6 +105,59 @@ class Counters:
 
 #: where a slice starts (bytes): the kernels load their arguments 16 bytes at a time
 _ALIGN_BYTES = 16
+
+
+class Checks:
+    """The error flags of one step's decompressions on the device, read once at the end of each backward.
+
+    An engine whose checks run on the device (the CUDA kernels, nvcomp) ORs
+    an entry's failed check into the tensor's flag instead of reading it
+    back. The first flag of a backward queues :meth:`check` to run when that
+    backward ends (autograd's final callback), which reads every flag there
+    at once (one read per device) and raises :class:`CorruptDataError`
+    naming the keys that failed. Outside a backward (a saved tensor read
+    directly) a flag is checked at once.
+    """
+
+    __slots__ = ("pending", "lock", "flags", "reads")
+
+    def __init__(self):
+        self.pending: list[tuple[str, torch.Tensor]] = []
+        self.lock = threading.Lock()
+        self.reads = 0  # reads of the flags made (one per device a check)
+        self.flags = Counters(torch.int32, 1024)  # a flag a decompression: slices of a buffer made per 1024
+
+    def flag(self, bt: BuddyTensor) -> torch.Tensor | None:
+        """A zeroed flag for ``bt``'s decompression, or ``None`` where its backend checks on the host."""
+        return None if bt.backend == "reference" else self.flags.take(1, bt.device)
+
+    def add(self, key: str, flag: torch.Tensor) -> None:
+        with self.lock:
+            first = not self.pending
+            self.pending.append((key, flag))
+        if first:
+            try:
+                # (run by autograd where backward ends, maybe inside a compiled frame: never traced)
+                torch.autograd.Variable._execution_engine.queue_callback(eager_only(self.check))
+            except RuntimeError:  # not inside a backward pass: nothing to wait for
+                self.check()
+
+    def check(self) -> None:
+        """Read the pending flags (one read per device); :class:`CorruptDataError` naming the keys that failed."""
+        with self.lock:
+            pending, self.pending = self.pending, []
+        failed = []
+        for device in {flag.device for _, flag in pending}:
+            mine = [(key, flag) for key, flag in pending if flag.device == device]
+            bits = engines.to_host(torch.cat([flag for _, flag in mine])).tolist()
+            self.reads += 1
+            failed += [f"{key!r} (error bits {b:#x})" for (key, _), b in zip(mine, bits) if b]
+        if failed:
+            raise CorruptDataError(
+                f"buddy: {len(failed)} saved activation(s) failed the format's checks when decompressed for this "
+                f"backward pass: {', '.join(failed)}. Their entries decoded to zeros, so this backward's gradients "
+                f"are not valid: drop them and the graph, and run the step again."
+            )
 
 
 # ---- a step packed ahead of its sizes ----------------------------------------------------------
