@@ -63,7 +63,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -486,14 +486,12 @@ def render_lockstep(weighed: dict, rows: list[dict]) -> list[str]:
     """The section on the lockstep layout's decoder (:func:`lockstep_counts` per dtype) beside the split layout's
     unpack (its instructions per entry but the body's)."""
     out = ["## A layout weighed: the lockstep decoder", "",
-           "docs/format-v3.md (\"A layout for one walk\") weighs a layout in which a warp walks once, word `i` in "
-           "lane `i % 32`.",
-           "Its decoder is written (`buddy_fpe_lockstep_decode`, codec_fpe.h's `decode_lockstep`; the tests run it "
-           "under the emulator on the simulation's streams), but no encoder is.",
-           "Counted as above: the SASS of its loop over rounds, split into a round's (every lane a word), the "
-           "partial top-up's block and the lazy loop's body,",
-           "with the rounds of each that the simulation (`experiments.lab.fpe_lanes`) takes on the same entries.",
-           "Beside it, the split layout's unpack, its instructions per entry but the body's (`parts` above):", "",
+           "The lockstep layout ([format-v3.md](format-v3.md#a-layout-for-one-walk-weighed-not-kept)): its "
+           "decoder's SASS a",
+           "round (every lane a word), a partial top-up and a lazy round, with the simulation's rounds of each on "
+           "the same",
+           "entries, beside the split layout's unpack (its instructions per entry but the body's):",
+           "",
            "| dtype | regs | SASS a round | rounds | SASS a partial top-up | partial rounds | SASS a lazy round | "
            "lazy rounds | instr/entry in the rounds | split unpack, its loops |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
@@ -779,23 +777,26 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
     cols = ["kernel", "dtype", "regs", "smem/block", "spills", "warps/SM", "instr/entry", "instr/byte",
             "bytes moved/entry", "issue GB/s", "memory GB/s", "cycles/instr", "latency GB/s", "estimate GB/s",
             "bound"]  # fmt: skip
-    if measured is None:
-        latency = "no GPU run given (`--ncu`): no latency bound."
-    else:
-        latency = (f"latency: a warp's instructions at the cycles per instruction (`cycles/instr`) it took in the "
-                   f"GPU run below ({measured['device']}, commit {str(measured['commit'])[:10]}), at the warps "
-                   "allowed here -- that run's code, not this one's where they differ: a run of this code "
-                   "measures them again.")  # fmt: skip
+    method = (
+        f"What each kernel of `{_codec(rows)}` costs an H100, estimated without a GPU from its SASS (the method is in "
+        "the docstring of `experiments/lab/kernel_budget.py`, which writes this page): registers, shared memory and "
+        "occupancy from ptxas; instructions per entry, each loop charged its trip count on real data (the lane "
+        "simulation of `experiments/lab/fpe_lanes.py`; both sides of a branch count, so an upper bound); and the GB/s "
+        f"of input as the least of three bounds: **issue** ({H100['schedulers']} warp instructions a cycle an SM), "
+        f"**memory** (HBM's {H100['hbm_gbps'] / 1000:.2f} TB/s) and **latency** (every resident warp issuing at the "
+        "cycles an instruction it took in the GPU run below, at the warps allowed here)."
+        + ("" if measured is not None else " No GPU run was given (`--ncu`): no latency bound.")
+    )  # fmt: skip
+    produced = (
+        f"Produced by `python -m experiments.lab.kernel_budget {_shown_command(args, measured)}`"
+        f"{_session_note(measured)} on {machine} for sm_90; H100: {H100['sms']} SMs x {H100['schedulers']} "
+        f"schedulers at {H100['clock_ghz']} GHz."
+    )  # fmt: skip
     out = [
         "# Kernel budget: the default codec at 4 KiB entries on an H100 (estimated)",
         "",
-        f"Produced by `python -m experiments.lab.kernel_budget {' '.join(args)}` on {machine}, "
-        f"{time.strftime('%Y-%m-%d')}; nvcc for sm_90, no GPU: every figure below is an estimate from the "
-        "compiled kernels (the method is in the script's docstring). A GPU session checks it with `ncu` "
-        "(below).",
-        "",
-        f"H100: {H100['sms']} SMs x {H100['schedulers']} schedulers at {H100['clock_ghz']} GHz, HBM "
-        f"{H100['hbm_gbps'] / 1000:.2f} TB/s; {latency}",
+        *_wrap(method, 120),
+        *_wrap(produced, 120),
         "",
         "| " + " | ".join(cols) + " |",
         "| " + " | ".join("---" for _ in cols) + " |",
@@ -867,10 +868,48 @@ def render(rows, sims, totals, fit, args, machine: str, measured: dict | None = 
         out += ["", "Every loop the kernels run on a coded fpe entry has its trip count (`TRIPS`).", ""]
     out += [*EXPLAINED.splitlines(), ""]
     out += weighed or []
-    from experiments.lab.gpu_session import NCU_METRICS
-
-    out += NCU.format(metrics=", ".join(f"`{m}`" for m in NCU_METRICS)).splitlines()
+    if measured is None:
+        out += ["## Measured on a GPU", "", *_wrap(NCU + " No run given here (`--ncu FOLDER`: a GPU session's folder "
+                                                   "under `experiments/results/gpu/`).", 117)]  # fmt: skip
     return "\n".join(out) + "\n"
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """``text`` as the page's lines of at most ``width`` characters (a long code span stays whole)."""
+    return textwrap.wrap(text, width=width, break_on_hyphens=False, break_long_words=False)
+
+
+def _codec(rows: list[dict]) -> str:
+    """The codec the rows are of (their kernels' first word)."""
+    return rows[0]["kernel"].split()[0] if rows else "?"
+
+
+def _shown_command(args: list[str], measured: dict | None) -> str:
+    """The command's arguments as the page shows them: without ``--out`` (the page is where it went), and the GPU
+    session's folder as ``<session>`` (:func:`_session_note` names it)."""
+    shown, skip = [], False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a == "--out" or a.startswith("--out="):
+            skip = a == "--out"
+            continue
+        if measured is not None and i and args[i - 1] == "--ncu":
+            a = "<session>"
+        elif measured is not None and a.startswith("--ncu="):
+            a = "--ncu=<session>"
+        shown.append(a)
+    return " ".join(shown)
+
+
+def _session_note(measured: dict | None) -> str:
+    """Which GPU session ``<session>`` is: its device and commit (its folder under experiments/results/gpu/)."""
+    if measured is None:
+        return ""
+    device = str(measured.get("device") or "GPU").removeprefix("NVIDIA ")
+    return (f" (`<session>`: the {device} session of commit {str(measured['commit'])[:10]} under "
+            "`experiments/results/gpu/`)")  # fmt: skip
 
 
 def _unpack_needs(rows: list[dict], target: float = 800.0) -> str:
@@ -907,190 +946,53 @@ def _met(totals: dict) -> str:
 EXPLAINED = """## What bounds the kernels
 
 * **Latency, in every kernel.** By the instructions counted alone every kernel but count would be issue-bound
-  (`issue GB/s`; memory would allow 1.9-3.3 TB/s of input). The GPU runs (H200s; the last, of the code at 3f7ecc4,
-  is "Measured on a GPU" below) found every kernel waiting on latency instead: a warp took 8-21 cycles an
-  instruction (count 67-92) with 4 to 7 warps a scheduler. So the estimate takes the run's
-  cycles an instruction as a bound of its own (`latency GB/s`), and that bound binds every kernel. Fewer
-  instructions pay in proportion only while the cycles an instruction hold. More warps in flight, more independent
+  (memory would allow 1.9-3.3 TB/s of input). On the GPU every kernel waits on latency instead: a warp takes 8-21
+  cycles an instruction (count 67-92) with 4 to 7 warps a scheduler, so that bound binds every kernel. Fewer
+  instructions pay in proportion only while the cycles an instruction hold; more warps in flight, more independent
   work a warp and shorter dependent chains are the other levers, and only a GPU measures them.
-* **How close the count is.** The instructions counted were 0.7-1.2 times those run. bfloat16's unpack and count
-  ran more than counted (8,894 and 1,701 an entry in the second run). Pack ran fewer: its round held two copies of
-  the field block, which the compiler unswitched on whether the table has ZERO, and a warp runs one where the count
-  charged both. They are now two versions of the loop over rounds called from one line (`encode_split_rounds`),
-  which the count charges as one: pack 3,328 -> 3,129 instructions an entry for float32, 5,398 -> 4,629 for
-  bfloat16, where the third run counted 3,079 and 3,559. The fit took 0.34-0.38 ms, not the 0.9 ms estimated.
-* **Where a warp's cycles went** (the second run): unpack's warps waited on L1TEX for 8.5 of their 14.2 cycles an
-  instruction (float32) and 14.8 of 21.2 (bfloat16), with 47-51 % of L1 hits -- the table's rows, read a code at a
-  time at random, did not stay in the L1 left beside 24 warps' 192 KiB of staging. Count's warps waited on shared
-  memory for 35-49 of 69-92 cycles (its warp match and atomic adds, most of them on a few bins); measure's and
-  pack's on neither much (2-3 cycles).
-* **Unpack's table in shared memory.** So unpack copies the table's decode rows (32 of its 40 KiB; the encode
-  entries, which the decoder reads only to check an escape, stay in global memory) into each block's shared memory
-  before the warps' staging: on an H100 one block of 24 warps an SM (23 when the whole table was copied), as many
-  blocks as stay resident, their warps striding over the entries (`buddy.engines.launch.launch_config`,
-  `shared_table_layout`; `Tuning(shared_tables=False)` keeps the table in global memory, and the runbook's bench and ncu
-  time both). Its instructions changed little (4,824 -> 4,677 an entry for float32, 7,437 -> 7,293 for bfloat16:
-  shared addresses are 32-bit); what it removed is waiting. The third run measured it: 138 / 239 us at 64 MiB
-  (float32 / bfloat16) against 232 / 500 with the table in global memory, the warps waiting on L1TEX for 1.3 / 0.6
-  cycles an instruction where they had waited 7.4 / 12.5, 7.9-8.3 cycles an instruction in all; the default's
-  decompress of 256 MiB went 168 -> 262 and 74 -> 192 GB/s.
-* **Unpack's shared memory holds it at 24 warps an SM**: the rows, then 4 KiB of payload and 4 KiB of output a
-  warp. Its 64 registers would allow 32.
-* **Pack's table of whole fields** (`Tuning(pack_fields=True)`; 16 KiB, `make_fields`: per symbol its code, escape
-  included, its bits and whether a tail follows) makes a word's field one shared-memory load where it is a table
-  load and the selects around it: pack 3,352 -> 2,571 instructions an entry for float32, 5,420 -> 3,553 for
-  bfloat16 by this count (the table made once a resident block, not charged). But on the H200 it ran 148 / 161 us
-  at 64 MiB where reading the table in global memory ran 110 / 126 (72 registers, 17 warps an SM against 19, fewer
-  L1 hits), so pack reads the table in global memory by default and the count charges that.
-* **Count's two forms.** In the third run the ballots made the bfloat16 compress 1.3-1.4x faster (the float32 one
-  within its noise), so 2-byte words take them by default (`Tuning.count_matches`;
-  `Tuning(count_match=True)` or `False` for every word size). The count above charges the match.
-* **Warps the run did not have.** Pack's and measure's estimates take the cycles an instruction their code took
-  in the run (pack 17-22 warps an SM, measure 29) at the warps they allow now (pack 40 for float32 and 32 for
-  bfloat16, measure 40). Whether a warp's cycles hold with more warps beside it only a GPU tells.
+* **Where a warp's cycles go.** Unpack's decoder reads a table row a code, at random, and from global memory half
+  of those reads miss L1 beside 24 warps' staging, so unpack copies the table's decode rows (32 of its 40 KiB) into
+  each block's shared memory ([gpu.md](gpu.md#the-gpu-engine)); with `Tuning(shared_tables=False)` (the "128
+  threads" rows below) it is 1.7x (float32) and 2.1x (bfloat16) slower. Shared memory (the rows, then 4 KiB of
+  payload and 4 KiB of output a warp) holds unpack at 24 warps an SM; its 64 registers would allow 32. Count's warps
+  wait on shared memory for most of their cycles (the match and atomic adds, most on a few bins).
+* **Pack's table of whole fields** (`Tuning(pack_fields=True)`; 16 KiB in shared memory: per symbol its code, escape
+  included, its bits and whether a tail follows) takes a quarter to a third fewer instructions by this count, but runs
+  slower: on the H200 148 / 161 us at 64 MiB (float32 / bfloat16; the "auto2 pack" rows below, that run's default)
+  against 110 / 126 us reading the table in global memory (the "256 threads" rows), with 72 registers, fewer warps an
+  SM and fewer L1 hits. So pack reads the table in global memory by default, and the count charges that.
+* **Count's two forms.** For 2-byte words a warp counts its zero words by ballots, which made the bfloat16 compress
+  1.3-1.4x faster on the H200; other words take the match (`Tuning.count_matches`; `Tuning(count_match=True)` or
+  `False` for every word size). The count above charges the match.
+* **Warps the run did not have.** Pack's and measure's estimates take the cycles an instruction of the run (pack
+  17-22 warps an SM, measure 29) at the warps they allow now (pack 40 for float32 and 32 for bfloat16, measure 40);
+  whether those cycles hold with more warps beside them only a GPU tells.
 
 ## What the kernels spend their instructions on
 
-The parts table above gives the figures.
+**Unpack** steps over every code twice, by the find walk and then by the emit walk that writes it, after a warm-up
+([format-v3.md](format-v3.md#how-a-warp-decodes-it)): each step a 32-bit read of the payload, one or two table
+lookups and the lanes' bookkeeping. **Measure** sizes every entry with all four members of auto2 (bpc stopping once
+it cannot win, `measure_below`; fpx in two passes of 16-byte loads, zvc's size from fpx's first). **Pack** spends
+about half its instructions on fpe's fields (a word's code from the table and the selects around it), the rest on
+ORing codes and tails into the payload. With **nothing learned**, the fit, one warp's serial work (ranking 257
+leaves, a radix select, two Huffman builds), takes about as long as the rest of a 256 MiB compress.
 
-* **Unpack**: every code is stepped over twice, by the find walk and then by the emit walk that writes it, after a
-  warm-up. Each step is a 32-bit read of the payload, one or two table lookups and the bookkeeping of the lanes'
-  spans.
-* **Measure**: auto2 sizes every entry with all four members. bpc's bit-plane transpose was about half of it on
-  the H200, until bpc stopped once it cannot win (`measure_below`, not yet run on a GPU; the figures above count
-  it, with the chunks it steps from the simulation below the decoder's table). fpx's choice reads the entry in two
-  passes of 16-byte loads, and zvc's size comes from fpx's first pass.
-* **Pack**: fpe's fields (a word's code from the table and the selects around it), then its codes and tails ORed
-  into the payload a few 32-bit words a unit.
-* **Nothing learned**: the fit, one warp's serial work (ranking 257 leaves, an 11-pass radix select, two Huffman
-  builds), takes about as long as the rest of a 256 MiB compress.
+## Open questions for a GPU run
 
-## Done so far
+How unpack's speed grows with its warps an SM (the bench's `--unpack-warps`: 8, 16 and 24; `Tuning.unpack_warps`)
+says whether a layout of 32 warps an SM pays; `--pack-fields` and `--other-count` time pack's and count's other
+forms. Beyond them: two entries a warp, their walks interleaved; one walk instead of two, each code's symbol kept in
+shared memory at a cost in warps; a histogram a warp for count; a fit of more warps."""
 
-Instructions an entry, float32 and then bfloat16, as the count stood at the time.
-
-The decoder (unpack):
-
-* multi-code steps, a 128-bit warm-up and a 32-bit record of code starts (0.2-0.3 resynchronizing rounds a pass);
-  the walks' 32-bit reads without bounds (`DECODE_PAD` zeros after the payload); a step's first code written from
-  the row loaded beside its multi row; the tails' bounds checked once a lane;
-* the find walk in three loops (`walk`: the span's first 32 bits with every check; the middle, where a step's codes
-  all start before the limit, with no cut, no record of starts and no meeting point to look for -- most steps; the
-  last steps, cut at the limit) and the warm-up in two (the steps that end before the guess, then the last): 5,519
-  -> 4,823 and 8,713 -> 7,437;
-* its arithmetic, the walks unchanged (4,646 -> 4,129 and 7,287 -> 6,437): a walk's 32-bit read is one funnel
-  shift, which takes its place mod 32 itself (`buddy_funnel_r`: no mask); emit takes a tail's place down by t
-  from the one before, a code's word index from a shift of the row's starts, the place where the tails begin from
-  the lane with the section's last code, and stores a step's first word with no branch (a zero where the first
-  code is ZERO: the output holds one already); the find walk's step counts a row's tails where they lie in it; the
-  gap between codes and tails is read in 4-byte words; the estimate of the code section is made in 32-bit integers
-  up to 16 KiB entries (its 64-bit division was a call of some 60 instructions an entry; a test holds it to
-  `fpe.code_section_estimate` at 4 and 32 KiB); a pass's code and tail counts are scanned in one warp scan up to
-  4 KiB entries;
-* only the table's decode rows copied into shared memory (24 warps an SM, not yet run on a GPU);
-* a warp's copies and fills with 16-byte loads and stores alone: every buffer a kernel is given is 16-byte aligned
-  (`buddy.engines.kernels` checks the tensor's and the overflow's and the engine allocates the rest), so their
-  8-byte path, compiled into every kernel, never ran (4,131 -> 3,958 and 6,329 -> 6,127; pack 2,344 -> 2,235 and
-  3,549 -> 3,430, float32's in 48 registers, not 54: 40 warps an SM where 32 were);
-* whether a lane must resynchronize checked before the loop of rounds, not in it: the loop runs only on the rounds
-  that resynchronize, 0.2-0.3 an entry (3,958 -> 3,858 and 6,127 -> 6,028).
-
-The encoder (count, measure, pack, fit):
-
-* encode fields without branches and computed once; pack's fields through 64-bit buffers, a shared-memory OR per
-  32 bits of codes or tails (not two a field), and the split layout's b a constant (pack 3,626 -> 3,352 and 6,659
-  -> 6,249); the tails of a unit of 2-byte words (8 of 4 bits) ORed once after the unit (bfloat16's pack 6,249 ->
-  5,420, 68 -> 62 registers: 24 -> 32 warps an SM);
-* no kernel reads through a generic address: pack copied its payload out through a pointer that was shared memory
-  for a coded entry and global memory for a raw one, so it read with generic loads; a raw entry is now copied into
-  the staging buffer first (`test_kernels_read_and_write_memory_by_its_own_space` reads every kernel's PTX for
-  generic loads and stores);
-* launch bounds: pack, at 4 KiB entries and words of 2 to 8 bytes, held to 64 registers (float32's took 70, 24
-  warps an SM, where 55 hold it without a spill: 32 warps; 3,304 -> 3,328); measure, at entries of at most 4 KiB
-  and words of 1 to 4 bytes, to 48 (54 before: 5 blocks of 8 warps an SM, not 4; 2,427 -> 2,475 and 3,216 ->
-  3,253);
-* pack's tails shifted into registers where the split layout's b is a constant (one register for 2-byte words,
-  three for 4-byte ones; the first tail highest, a word without a tail shifting nothing in) and ORed in after the
-  unit, and a group of four words' codes into three registers from the last word to the first (a code is at most
-  24 bits: the first lowest, with no running offset and no fill check a word), where 64-bit buffers took a
-  variable shift and a check a word (`put_unit`, `put_bits`; pack 3,129 -> 2,344 and 4,629 -> 3,549);
-* measure: bpc's early stop; fpx's two passes over 16-byte loads, its histogram in fields as wide as its word size
-  allows (one suffix sum per 7 or 15 units, not per 15 words), zvc's size from fpx's first pass (auto's and auto2's
-  measure 3,105 -> 2,427 and 4,672 -> 3,220); a word sized from its table entry alone, in versions for the fit's
-  b and for tables with ZERO and without (`unit_sizes`), where it made the whole field (1,955 -> 1,661 and 3,258 ->
-  2,890); the words of 1 to 4 bytes of a 16-byte unit taken from its 32-bit quarters (`buddy_unit_word`), where
-  from its 64-bit halves a 2-byte word was compared with zero in 64 bits;
-* count: of a key's peers (the lanes of a key) the one that adds for them is the one with none of them before it,
-  an AND with the lanes below, where it counted the peers' trailing zeros (832 -> 760 and 1,552 -> 1,432);
-* the fit: its radix select by 4-bit digits, its rankings (of the leaves, twice, and of the canonical order) with
-  a lane's leaves ranked in one pass over all of them, their keys in registers (132,325 -> 108,626 instructions by
-  `fit_time_us`, 40 -> 56 registers); the radix select stopped once at most 32 keys share the digits found, which
-  are ranked among themselves (5.2 of its 11 passes over every symbol on the captures' counts: 108,626 -> 90,899);
-  the canonical order ranked by the leaves' routine (84,882).
-
-Fixes to the count itself:
-
-* every place an instruction is inlined at is read, not the two innermost, so an intrinsic's instructions
-  (atomicOr's) inside the serial layout's code are no longer charged to pack (on the same sources, pack 4,969 ->
-  3,626 and 8,191 -> 6,659; unpack 6,514 -> 6,239 and 9,743 -> 9,100);
-* the simulation's warm-up stepped a code at a time where the kernel steps a multi row (its warm-up steps 34.4 ->
-  17.7 and 26.3 -> 17.3 an entry; the kernel of then, unpack 6,239 -> 5,519 and 9,100 -> 8,713), and a loop whose
-  branch back tests two predicates (`BRA P1, ...`) was not seen as a loop (the find walk's first loop: its steps
-  were charged once a pass);
-* a loop of 16-byte rounds is counted by its unit loads (`ANCHORS`): the compiler runs the sizing rounds of auto2's
-  measure two to a pass for float32, which the count had charged as one round a pass (2,475 -> 1,955; the H200 run
-  counted 1,803 an entry, of the code at 3f7ecc4).
-
-From pack's tails in registers on, the estimate's decompress went 531 / 381 -> 568 / 400 GB/s and its
-steady-state compress 495 / 264 -> 689 / 321.
-
-## Tried and not kept
-
-* an emit walk on 8-byte rows holding the symbols and places of a step's first two codes with tails (the native
-  engine's walk rows, 32 KiB more of device table): 80 instructions a step by this count, where a step and its
-  later tails take 67-74 (a warp runs a row's second word whenever any of its lanes has one);
-* a shorter warm-up (64, 32 bits or none), whose resynchronizing costs more than it saves. Find steps a warp,
-  float32 / bfloat16: 49.2 / 80.5 now; 53.0-55.2 / 98.3-109.0 with the 32-bit record of starts; 49.1-51.3 /
-  79.1-103.6 with a 64-bit record (two registers more; 49.1 / 79.1 with the 128-bit warm-up); 45.1 / 81.6 with a
-  128-bit record and no warm-up (four more);
-* pack's table of whole fields, by default (above: slower on the H200);
-* a predicated `red.shared.or` in inline PTX for `put_bits`' conditional ORs: 12-14 instructions a round fewer,
-  but ptxas still branched around the atomic, and the emulator cannot run inline PTX;
-* a count key without its select, `(x >> t) | (x == 0) * ZERO`: bfloat16's round went from 174 to 180;
-* `buddy_warp_any_nonzero` without its 8-byte path: ptxas then spilled 8 bytes in float32's measure;
-* a layout in which a warp walks once (docs/format-v3.md, "A layout for one walk"; "A layout weighed" below),
-  simulated, its decoder written and counted: it costs no bit, but its rounds take as many instructions as the
-  split layout's walks, so it is no way to the targets by instructions. What it would change is the shared memory a
-  warp needs (no output staging), which only a GPU can price.
-
-## Next
-
-* A run of this code on a GPU: pack reading the table in global memory beside unpack's table in shared memory,
-  bfloat16's count by ballots. The bench's `--pack-fields` and `--other-count` time the other forms, and
-  `--unpack-warps` times unpack at 8 and 16 warps an SM beside 24 (`Tuning.unpack_warps`).
-* Unpack's occupancy: its speeds and cycles an instruction at 8, 16 and 24 warps say how far more warps would carry
-  it. A layout of 32 warps an SM (no output staging, or a smaller table) should be built only if they say it pays.
-* Two entries a warp, their walks interleaved.
-* One walk instead of two: the find walk keeps each code's symbol in shared memory (by the lane simulation a lane
-  finds 34 codes on average for 32 float32 words and 72 for 64 bfloat16 words). That memory costs warps.
-* Pack's fields: a word's code from the table and the selects around it, some 20 instructions a bfloat16 word,
-  about half of pack's. What is left is the scan and the ORs into the payload.
-* A histogram a warp for count, if it still waits on shared memory.
-* A fit of more warps."""
-
-NCU = """## Checking it on a GPU
-
-The GPU runbook's `ncu` phase (`bash experiments/gpu_session.sh ncu`, experiments/lab/gpu_session.py) runs
-`experiments.bench_cuda` on the default codec (64 MiB of each activation, once) under Nsight Compute and writes a row
-per kernel launch with {metrics}.
-Per kernel, `smsp__inst_executed.sum` over the launch's entries is the instructions per entry above (counted here
-with both sides of every branch but the blocks named rare or not run: an upper bound), `dram__bytes.sum` over them
-the bytes moved, `sm__warps_active` the occupancy, `launch__registers_per_thread` the registers, and
-`gpu__time_duration` gives the GB/s the estimate stands for; with the clock and the occupancy it gives the cycles an
-instruction took a warp (the latency bound's), which `smsp__average_warps_active_per_issue_active` measures
-directly, with the part of them a warp waited on L1TEX (`long_scoreboard`: global loads, the table's rows) and on
-shared memory (`short_scoreboard`), beside the L1 hit rate.
-"""
+#: what the runbook's ncu phase measures (the section "Measured on a GPU" starts with it)
+NCU = (
+    "The GPU runbook's `ncu` phase runs `experiments.bench_cuda` on the default codec under Nsight Compute (the "
+    "metrics of `experiments.lab.gpu_session.NCU_METRICS`, a row per kernel launch): instructions per entry "
+    "(`smsp__inst_executed.sum`), bytes moved (`dram__bytes.sum`), occupancy (`sm__warps_active`), time, and the "
+    "cycles an instruction took a warp (`smsp__average_warps_active_per_issue_active`) with the part spent waiting "
+    "on L1TEX (`long_scoreboard`: global loads, the table's rows) and on shared memory (`short_scoreboard`)."
+)
 
 
 # ---- the estimate checked: an ncu run of the GPU runbook ----------------------------------------------
@@ -1201,12 +1103,12 @@ def ncu_measured(folder: Path) -> dict:
 def render_measured(measured: dict, rows: list[dict], where: str) -> list[str]:
     """The ncu run beside the estimate, kernel by kernel."""
     est = {(r["kernel"], r["dtype"]): r for r in rows}
-    out = ["## Measured on a GPU", "",
-           f"{measured['device']}, the runbook's `ncu` phase (`{measured['command']}`, commit "
-           f"{str(measured['commit'])[:10]}; {measured['mib']} MiB of each activation, one compress and decompress "
-           f"timed, median of a kernel's launches; files in {where}). The estimate is for an H100 (HBM 3.35 TB/s; "
-           "the H200's is 4.8 TB/s, the SMs and clocks the same): the kernels here are not memory bound, so the "
-           "two compare.", "",
+    run = (f"{NCU} Below: an {measured['device']} (`{measured['command']}`, commit {str(measured['commit'])[:10]}; "
+           f"{measured['mib']} MiB of each activation, one compress and decompress timed, median of a kernel's "
+           "launches). The estimate is for an H100 (HBM 3.35 TB/s; the H200's is 4.8 TB/s, the SMs and clocks the "
+           "same): the kernels are not memory bound, so the two compare. The instructions counted are 0.7-1.2 times "
+           "those run.")  # fmt: skip
+    out = ["## Measured on a GPU", "", *_wrap(run, 117), "",
            "| kernel | dtype | us a launch | GB/s measured | GB/s estimated | instr/entry measured | instr/entry "
            "estimated | warps/SM measured | warps/SM allowed | regs | DRAM % of peak | issue slots busy % | cycles "
            "a warp per instruction (of them: waiting on L1TEX, on shared memory) | L1 hit % |",
@@ -1281,7 +1183,7 @@ def main(argv=None) -> str:
             }  # fmt: skip
     text = render(rows, sims, totals, fit, argv, machine, measured, render_lockstep(weighed, rows))
     if measured is not None:
-        text += "\n" + "\n".join(render_measured(measured, rows, str(args.ncu)))
+        text += "\n".join(render_measured(measured, rows, str(args.ncu)))
     if args.out == "-":
         print(text)
     else:
