@@ -239,7 +239,8 @@ class Session(_SavedTensorHooks):
         row = self._row(t, key, elapsed, bt, None, place.predicted_overflow_bytes, place.corrected)
         self._ahead.pending.append(Pending(row, layout, t.device, bt, codec, bounded, at))
         packed = self._packed(t, bt, row)
-        if stash is not None and isinstance(packed, _Compressed):
+        if stash is not None and bt is not None and isinstance(packed, _Compressed):
+            bt.written_on(stash.ops, stash.ops.pack_stream(t.device))  # its range busy until the pack is done
             packed.packed = (stash.ops, packed_event)  # backward's decompression waits for it
             stash.add(t, packed_event, packed)
             self._stats.overlapped += 1

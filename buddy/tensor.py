@@ -209,6 +209,12 @@ class BuddyTensor:
         assert self._histogram is not None
         return self._histogram
 
+    def written_on(self, ops, stream) -> None:
+        """Its pack, which wrote the overflow straight into buddy memory, ran on ``stream``, not the stream that
+        holds the tensor (packed beside forward: :mod:`buddy.overlap`): readers of the range wait for it, and the
+        store hands the range to no one else before it has completed, even if the tensor is freed at once."""
+        self._overflow.written_on(ops, stream)
+
     @property
     def settled(self) -> bool:
         """Whether the sizes are known on the host (always, but for a tensor packed ahead not yet settled)."""

@@ -202,6 +202,26 @@ def test_originals_are_released_where_forward_ends(fake, store):
     y.square().sum().backward()
 
 
+def test_a_range_freed_while_its_pack_runs_waits_for_the_pack(fake, store):
+    """A graph dropped during forward frees its compressed tensors while their packs may still write their ranges
+    of buddy memory: the store hands those ranges to no one else until the packs' events complete."""
+    model, x = Chain(), chain_input()
+    tracker = learned(store, model, x)
+    fake.finish()
+    with overlapping(store, tracker) as s:
+        y = model(x)
+        held = [e.bt._overflow for e in (r() for r in s._schedule._entries) if e is not None]
+        assert held and all(a.written is not None and a.written.stream == "pack" for a in held)
+        del y  # the graph goes: every compressed tensor is freed now
+        gc.collect()
+        store.trim()
+        assert all(a.busy for a in held)  # ... their ranges wait for their packs
+        assert s.stats().overlapped == len(held)
+    fake.finish()
+    store.trim()
+    assert store.bytes_held == 0
+
+
 def test_a_backward_inside_the_block_waits_for_the_packs(fake, store):
     model, x = Chain(), chain_input()
     expected = grads(model, x)
