@@ -26,6 +26,7 @@ recorder (what is taken, once, under which key; CUDA graphs, interrupts, threads
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -216,22 +217,12 @@ class Session(_SavedTensorHooks):
         if place.keep:  # the raw slot: kept as it is, its sizes counted all the same (the key goes on learning)
             codec = engine.measure_ahead(memory_bytes(t)[0], layout, sizes, prior=prior, keep=fitted, count=count)
         else:
-            stash = self._stash(t.device)
-            if stash is None:
+            stash = self._stash(t.device)  # (with one: on the pack stream, see buddy.overlap)
+            with contextlib.nullcontext() if stash is None else stash.beside(t.device):
                 bt = pack_ahead(
                     t, engine, layout, place.slot, sizes, store=self.store, ledger=tracker.ledger, prior=prior,
                     keep=fitted, count=count, room=room, step=step, reserve=reserve,
                 )  # fmt: skip
-            else:  # on the pack stream, after forward's work so far (it wrote t): see buddy.overlap
-                ops, side = stash.ops, stash.ops.pack_stream(t.device)
-                written = ops.record(stash.compute)
-                with ops.activate(side):
-                    ops.wait(side, written)
-                    bt = pack_ahead(
-                        t, engine, layout, place.slot, sizes, store=self.store, ledger=tracker.ledger, prior=prior,
-                        keep=fitted, count=count, room=room, step=step, reserve=reserve,
-                    )  # fmt: skip
-                packed_event = ops.record(side)
             if bt is None:
                 return None
             codec = bt.codec_object
@@ -240,7 +231,8 @@ class Session(_SavedTensorHooks):
         self._ahead.pending.append(Pending(row, layout, t.device, bt, codec, bounded, at))
         packed = self._packed(t, bt, row)
         if stash is not None and bt is not None and isinstance(packed, _Compressed):
-            bt.written_on(stash.ops, stash.ops.pack_stream(t.device))  # its range busy until the pack is done
+            packed_event = stash.ops.record(stash.ops.pack_stream(t.device))  # (nothing issued there since)
+            bt.written_by(stash.ops, packed_event)  # its range busy until the pack is done
             packed.packed = (stash.ops, packed_event)  # backward's decompression waits for it
             stash.add(t, packed_event, packed)
             self._stats.overlapped += 1

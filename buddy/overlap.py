@@ -35,8 +35,10 @@ nothing is asynchronous: overlap changes nothing there.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +102,16 @@ class Stash:
         self.bytes = 0
         self.peak_bytes = 0  # the most it held at once
         self.waits = 0  # packs forward's stream waited for because the stash was full
+
+    @contextlib.contextmanager
+    def beside(self, device: torch.device) -> Iterator[None]:
+        """Issue the block's work on ``device``'s pack stream, after forward's work so far (which wrote what the
+        block reads)."""
+        side = self.ops.pack_stream(device)
+        written = self.ops.record(self.compute)
+        with self.ops.activate(side):
+            self.ops.wait(side, written)
+            yield
 
     def add(self, tensor: torch.Tensor, event, owner) -> None:
         """Hold ``tensor`` until ``event`` (its pack) completes; ``owner`` (weakly): what autograd keeps for it,

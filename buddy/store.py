@@ -200,9 +200,13 @@ class BuddyAllocation:
 
     def written_on(self, ops, stream) -> None:
         """The copy that fills the range was just issued on ``stream``."""
+        self.written_by(ops, ops.record(stream))
+
+    def written_by(self, ops, event) -> None:
+        """The work that fills the range completes with ``event``."""
         self.ops = ops
-        self.written = ops.record(stream)
-        self.uses.append(self.written)
+        self.written = event
+        self.uses.append(event)
 
     def used_on(self, ops, stream) -> None:
         """A copy reading the range was just issued on ``stream``: the range stays busy until it ends."""

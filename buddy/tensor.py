@@ -209,11 +209,12 @@ class BuddyTensor:
         assert self._histogram is not None
         return self._histogram
 
-    def written_on(self, ops, stream) -> None:
-        """Its pack, which wrote the overflow straight into buddy memory, ran on ``stream``, not the stream that
-        holds the tensor (packed beside forward: :mod:`buddy.overlap`): readers of the range wait for it, and the
-        store hands the range to no one else before it has completed, even if the tensor is freed at once."""
-        self._overflow.written_on(ops, stream)
+    def written_by(self, ops, event) -> None:
+        """Its pack, which wrote the overflow straight into buddy memory, completes with ``event`` of a stream
+        other than the one that holds the tensor (packed beside forward: :mod:`buddy.overlap`): readers of the
+        range wait for it, and the store hands the range to no one else before it, even if the tensor is freed at
+        once."""
+        self._overflow.written_by(ops, event)
 
     @property
     def settled(self) -> bool:
