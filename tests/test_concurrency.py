@@ -433,6 +433,23 @@ def test_a_tensor_on_a_non_current_device(cuda):
     assert_clean(store)
 
 
+def _linear_relu_step(cuda):
+    """A training step of eight Linear+ReLU pairs on ``cuda`` (each saves a 8 MiB activation): ``step(session=None)``
+    runs one, in ``session`` when given, and returns the gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(1024, 1024), torch.nn.ReLU())]).to(cuda)
+    x = torch.randn(2048, 1024, device=cuda)
+
+    def step(session=None):
+        model.zero_grad()
+        with session if session is not None else contextlib.nullcontext():
+            loss = model(x).square().sum()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    return step
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "policy, prefetch",
@@ -446,16 +463,7 @@ def test_a_tensor_on_a_non_current_device(cuda):
 )
 def test_backward_with_look_ahead_is_bit_exact_on_the_gpu(cuda, policy, prefetch):
     store = buddy.BuddyStore(capacity_bytes=1 << 30, block_bytes=64 * MiB, pin=True)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(1024, 1024), torch.nn.ReLU())]).to(cuda)
-    x = torch.randn(2048, 1024, device=cuda)
-
-    def step(session=None):
-        model.zero_grad()
-        with session if session is not None else contextlib.nullcontext():
-            loss = model(x).square().sum()
-        loss.backward()
-        return [p.grad.clone() for p in model.parameters()]
+    step = _linear_relu_step(cuda)
 
     expected = step()
     s = buddy.compressed_activations(
@@ -478,17 +486,7 @@ def test_packing_beside_forward_is_bit_exact_and_never_waits_on_the_host(cuda):
     """overlap=True on a real device: packs on the pack stream, the stash's waits on the device, the step's
     gradients bit-identical to a plain step's, and no host wait in the step but the session's counted reads."""
     store = buddy.BuddyStore(capacity_bytes=1 << 30, block_bytes=64 * MiB, pin=True)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(1024, 1024), torch.nn.ReLU())]).to(cuda)
-    x = torch.randn(2048, 1024, device=cuda)
-    tracker = buddy.Tracker()
-
-    def step(session=None):
-        model.zero_grad()
-        with session if session is not None else contextlib.nullcontext():
-            loss = model(x).square().sum()
-        loss.backward()
-        return [p.grad.clone() for p in model.parameters()]
+    step, tracker = _linear_relu_step(cuda), buddy.Tracker()
 
     expected = step()
     for _ in range(2):  # the keys learn (sized first), then pack ahead
