@@ -42,6 +42,7 @@ from .peak import Saved, StepProfile
 from .pipeline import kept_ends_bytes, pack_ahead, resolve
 from .prefetch import Prefetch, PrefetchStats, Schedule, as_prefetch
 from .recording import RecordedTensor, Recorder, record_activations
+from .ring import OverflowRing, check_ring_bytes
 from .saved import _Compressed, _Kept, _look_ahead, _warn_once
 from .stats import KeyRow, SessionStats
 from .step import AheadStep, Checks, Pending, past_bound, past_bound_warning
@@ -82,6 +83,7 @@ class Session(_SavedTensorHooks):
         prefetch: Prefetch | bool = True,
         strict: bool = False,
         overlap: Overlap | bool = False,
+        overflow_ring: int = 0,
     ):
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be True or False, got {strict!r}")
@@ -98,6 +100,8 @@ class Session(_SavedTensorHooks):
         self.prefetch = as_prefetch(prefetch)
         self.strict = strict
         self.overlap = as_overlap(overlap)
+        self.overflow_ring = check_ring_bytes(overflow_ring)
+        self._rings: dict[torch.device, OverflowRing] = {}  # per device, the step's overflow ring (overflow_ring)
         self._stashes: dict[torch.device, Stash] = {}  # per device, the originals of packs in flight (overlap)
         self._schedule = Schedule(self.prefetch)
         self._checks = Checks()
@@ -124,12 +128,20 @@ class Session(_SavedTensorHooks):
         self._ahead.next_step()
         self._reads_at = engines.host_reads()
         self._stashes = {}
-        self._profile.stash_bytes = self.overlap.stash_bytes if self.overlap is not None else 0
+        self._rings = {}
+        # device bytes held beside the saved tensors: the stash's, and an overflow ring's per device
+        self._profile.stash_bytes = (self.overlap.stash_bytes if self.overlap is not None else 0) + self.overflow_ring
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         self._profile.end_forward()
         self._drain()
+        st = self._stats
+        for ring in self._rings.values():  # (their drains go on: every reader of a range waits for its own)
+            st.ring_bytes += ring.held_bytes
+            st.ring_drained += ring.drained
+            st.ring_waits += ring.waits
+            st.ring_too_large += ring.too_large
         with self._lock:
             pending = self._ahead.take_pending()
         self._ahead.settle(pending, self._stats, self.tracker)
@@ -163,6 +175,15 @@ class Session(_SavedTensorHooks):
                 return None
             stash = self._stashes[device] = Stash(ops, ops.current(device), self.overlap.stash_bytes)
         return stash
+
+    def _ring(self, device: torch.device) -> OverflowRing | None:
+        """The step's overflow ring on ``device`` (``overflow_ring`` bytes, :mod:`buddy.ring`); ``None`` without."""
+        if not self.overflow_ring:
+            return None
+        ring = self._rings.get(device)
+        if ring is None:
+            ring = self._rings[device] = OverflowRing(device, self.overflow_ring, ledger=self.tracker.ledger)
+        return ring
 
     def _take(self, t: torch.Tensor, key: str):
         start = time.perf_counter()
@@ -214,15 +235,19 @@ class Session(_SavedTensorHooks):
             room, bounded = self._ahead.room(bound, t.numel() * t.element_size()), True
         at, sizes = self._ahead.sizes(PLACE_WORDS + layout.bins, t.device)  # the placement, then the histogram
         bt = stash = None
+        drained = False
         if place.keep:  # the raw slot: kept as it is, its sizes counted all the same (the key goes on learning)
             codec = engine.measure_ahead(memory_bytes(t)[0], layout, sizes, prior=prior, keep=fitted, count=count)
         else:
             stash = self._stash(t.device)  # (with one: on the pack stream, see buddy.overlap)
+            ring = self._ring(t.device)
+            before = 0 if ring is None else ring.drained
             with contextlib.nullcontext() if stash is None else stash.beside(t.device):
                 bt = pack_ahead(
                     t, engine, layout, place.slot, sizes, store=self.store, ledger=tracker.ledger, prior=prior,
-                    keep=fitted, count=count, room=room, step=step, reserve=reserve,
+                    keep=fitted, count=count, room=room, step=step, reserve=reserve, ring=ring,
                 )  # fmt: skip
+            drained = ring is not None and ring.drained > before  # (its range's write: the drain, after the pack)
             if bt is None:
                 return None
             codec = bt.codec_object
@@ -232,7 +257,8 @@ class Session(_SavedTensorHooks):
         packed = self._packed(t, bt, row)
         if stash is not None and bt is not None and isinstance(packed, _Compressed):
             packed_event = stash.ops.record(stash.ops.pack_stream(t.device))  # (nothing issued there since)
-            bt.written_by(stash.ops, packed_event)  # its range busy until the pack is done
+            if not drained:
+                bt.written_by(stash.ops, packed_event)  # its range busy until the pack is done
             packed.packed = (stash.ops, packed_event)  # backward's decompression waits for it
             stash.add(t, packed_event, packed)
             self._stats.overlapped += 1
@@ -367,6 +393,14 @@ def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:
             ``False`` (default): packs run in forward's stream. With
             ``strict=False`` only (a strict pack waits on its sizes
             anyway); nothing changes on the host.
+        overflow_ring: bytes of an overflow ring per device
+            (:mod:`buddy.ring`; 0, the default: none). A tensor packed
+            ahead (``strict=False``) then writes its overflow into a region
+            of the ring on the device, and a drain kernel on the copy stream
+            copies it to buddy memory while forward goes on, instead of the
+            pack writing it over the bus itself. Device bytes that count
+            against capacity and a :class:`~buddy.MemoryTarget`; off until a
+            GPU run measures which is faster. The bytes are the same.
 
     Returns:
         A :class:`Session`; ``session.stats()`` reports what it held.

@@ -50,6 +50,7 @@ from .errors import CorruptDataError, HostStoreFull, Moved
 from .integrity import Checksum
 from .layout import LaidOut, Layout, dense_strides, memory_bytes
 from .ledger import DeviceLedger, default_ledger
+from .ring import OverflowRing
 from .slots import DEFAULT_MAX_OVERFLOW, check_max_overflow, slot_for_overflow, tightest_slot
 from .store import BuddyStore, default_store
 from .tensor import BuddyTensor, check_tensor
@@ -129,6 +130,7 @@ def pack_ahead(
     tensor: torch.Tensor, engine: Engine, layout: Layout, slot: int, sizes: torch.Tensor, *, store: BuddyStore,
     ledger: DeviceLedger, prior: torch.Tensor | None = None, keep: CodecLike | None = None, count: bool = True,
     room: int | None = None, step: torch.Tensor | None = None, reserve: torch.Tensor | None = None,
+    ring: OverflowRing | None = None,
 ) -> BuddyTensor | None:  # fmt: skip
     """Compress ``tensor`` with a slot chosen before its sizes are known: measure and pack with nothing read back.
 
@@ -139,7 +141,9 @@ def pack_ahead(
     into a range of ``store`` reserved at its worst case (every entry raw), which :meth:`BuddyTensor.settle` trims
     to what it holds once the sizes are read; with a ``reserve`` (the step's, whole sectors on the device), its
     sectors past the ``room`` the step's bound leaves go there instead (``room``, ``step``:
-    :meth:`buddy.engines.kernels.Kernels.sizes`). ``prior``, ``keep``, ``count``: as in :func:`measure` (a codec with
+    :meth:`buddy.engines.kernels.Kernels.sizes`). With a ``ring`` (the tensor's device's, :mod:`buddy.ring`) the
+    pack writes the overflow into a region of it instead, and the copy stream drains it into that range (a worst
+    case larger than the ring: as without one). ``prior``, ``keep``, ``count``: as in :func:`measure` (a codec with
     a table needs a ``prior``).
 
     Returns a :class:`BuddyTensor` not yet settled, or ``None`` where it cannot be packed so (an engine that
@@ -157,14 +161,13 @@ def pack_ahead(
     except HostStoreFull:
         return None
     try:
-        into = overflow.data
-        if not engine.writes_overflow_at(into, tensor.device):
+        if not engine.writes_overflow_at(overflow.data, tensor.device):
             store.release(overflow)
             return None
         flat, stride = memory_bytes(tensor)
-        codec, meta, slots, ends = engine.pack_ahead(
-            flat, layout, slot, sizes, into, prior=prior, keep=keep, count=count, room=room, step=step,
-            reserve=reserve,
+        codec, meta, slots, ends = _pack_into(
+            ring, overflow, worst, engine, flat, layout, slot, sizes, prior=prior, keep=keep, count=count, room=room,
+            step=step, reserve=reserve,
         )  # fmt: skip
         table = engine.stored_table(tensor.device)
         return BuddyTensor(
@@ -176,6 +179,25 @@ def pack_ahead(
     except BaseException:
         store.release(overflow)  # nothing half-written survives, KeyboardInterrupt included
         raise
+
+
+def _pack_into(ring: OverflowRing | None, overflow, worst: int, engine: Engine, flat, layout: Layout, slot: int,
+               sizes: torch.Tensor, **kwargs):  # fmt: skip
+    """``engine.pack_ahead`` with the overflow going into ``overflow`` (a :class:`~buddy.store.BuddyAllocation`
+    reserved at the ``worst`` case): written there by the pack (no ``ring``, or a worst case larger than it), else
+    packed into a region of the ring and drained into it on the copy stream (a failure frees the region once the
+    work issued before it is done)."""
+    region = None if ring is None else ring.stage(worst)
+    if region is None:
+        return engine.pack_ahead(flat, layout, slot, sizes, overflow.data, **kwargs)
+    assert ring is not None
+    try:
+        packed = engine.pack_ahead(flat, layout, slot, sizes, region.data, **kwargs)
+        ring.drain(region, engine, layout, packed[3], sizes[:PLACE_WORDS], overflow)
+    except BaseException:
+        ring.abandon(region)
+        raise
+    return packed
 
 
 #: the smallest entry size at which a tensor packed ahead keeps its overflow's prefix sums for unpack (8 bytes an

@@ -109,6 +109,13 @@ class SessionStats:
     overlapped: int = 0
     stash_peak_bytes: int = 0
     stash_waits: int = 0
+    #: with an overflow ring (:mod:`buddy.ring`): its device bytes, the tensors whose overflow it drained to buddy
+    #: memory, how often a pack waited for earlier drains to free its region, and the tensors whose worst case was
+    #: larger than the ring (packed as without one)
+    ring_bytes: int = 0
+    ring_drained: int = 0
+    ring_waits: int = 0
+    ring_too_large: int = 0
 
     @property
     def within_bound(self) -> bool:
@@ -120,8 +127,8 @@ class SessionStats:
 
     @property
     def effective_capacity(self) -> float:
-        """original bytes / device bytes of what was compressed (with the step's device reserve)."""
-        return _ratio(self.original_bytes, self.device_bytes + self.reserve_bytes)
+        """original bytes / device bytes of what was compressed (with the step's device reserve and overflow ring)."""
+        return _ratio(self.original_bytes, self.device_bytes + self.reserve_bytes + self.ring_bytes)
 
     @property
     def overflow_fraction(self) -> float:
@@ -212,6 +219,11 @@ class SessionStats:
             lines.append(
                 f"overlap: {self.overlapped} packed beside forward; the stash held at most "
                 f"{format_bytes(self.stash_peak_bytes)} of originals, forward waited for {self.stash_waits} pack(s)"
+            )
+        if self.ring_bytes:
+            lines.append(
+                f"overflow ring {format_bytes(self.ring_bytes)}: drained {self.ring_drained} overflow(s) to buddy "
+                f"memory, {self.ring_waits} pack(s) waited for a region, {self.ring_too_large} too large for it"
             )
         if self.captured:
             lines.append(f"{self.captured} save(s) kept as they are: a CUDA graph was being captured")

@@ -228,6 +228,24 @@ __device__ __forceinline__ void buddy_place(long long total, long long room, uns
   place[BUDDY_PLACE_OFFSET] = offset;
 }
 
+// The drain kernel (an overflow ring, opt-in): a tensor packed ahead whose pack wrote its overflow into a region of a
+// ring on the device (`staged`, as pack writes buddy memory: its sectors in order, less those its placement put in
+// the step's reserve) has it copied to its range of buddy memory, on a GPU pinned host memory mapped into the
+// device's address space -- the stores cross the bus, a warp's 256 contiguous bytes each, on the stream that runs
+// the drain (the copy stream) while forward's kernels go on. How many sectors: ends[n - 1] less the placement's r,
+// which the host never reads, clamped to [0, capacity] (a bad count copies what fits, never past either buffer).
+__device__ __forceinline__ void buddy_drain_body(const uint8_t* __restrict__ staged, long long capacity,
+                                                 const long long* __restrict__ ends, long long n_entries,
+                                                 const long long* __restrict__ place, uint8_t* __restrict__ buddy) {
+  if (n_entries <= 0) return;
+  long long sectors = ends[n_entries - 1] - (place != nullptr ? place[BUDDY_PLACE_R] : 0);
+  sectors = sectors < 0 ? 0 : (sectors < capacity ? sectors : capacity);
+  const long long words = sectors * (BUDDY_SECTOR_BYTES / 8);
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < words; w += stride)
+    reinterpret_cast<uint64_t*>(buddy)[w] = reinterpret_cast<const uint64_t*>(staged)[w];
+}
+
 // The sizes kernel: measure (buddy_measure_body), then, in whichever block is done last, the overflow's prefix sums
 // for slots of s sectors (buddy_ends_block) and its placement (buddy_place): a slot chosen before the sizes are
 // known (a tracker's plan) compresses in two launches, this and pack, with nothing read back.
@@ -519,9 +537,22 @@ __device__ __forceinline__ void buddy_unpack_body(const buddy_meta_t* __restrict
                       histogram, table, (uint32_t)slot, ends, place, room, step, reserve_sectors,                  \
                       buddy_shared_array(runs), buddy_shared_array(&last))                                         \
   }
+#define BUDDY_DRAIN_KERNEL(NAME)                                                                                   \
+  /* an overflow staged in a ring on the device into buddy memory (the overflow ring; any grid, 256 threads) */     \
+  extern "C" __global__ void buddy_##NAME##_drain(                                                                 \
+      const uint8_t* __restrict__ staged, /* in: the overflow as pack wrote it, capacity * 32 bytes */             \
+      long long capacity,                 /* sectors staged holds and buddy takes */                               \
+      const long long* __restrict__ ends, /* in: n_entries, overflow sectors of entries 0..i (inclusive sum) */    \
+      long long n_entries,                /* entries of the tensor */                                              \
+      const long long* __restrict__ place, /* in: the sizes kernel's placement (BUDDY_PLACE_*), or null: none */   \
+      uint8_t* __restrict__ buddy,        /* out: its range of buddy memory, capacity * 32 bytes */                \
+      int word_bytes) {                   /* word size in bytes (every kernel's last parameter; unused) */         \
+    (void)word_bytes;                                                                                              \
+    buddy_drain_body(staged, capacity, ends, n_entries, place, buddy);                                             \
+  }
 #define BUDDY_FORMAT_KERNELS(NAME, CODEC, BOUNDS)                                                                  \
   BUDDY_MEASURE_KERNEL(NAME, CODEC) BUDDY_ENDS_KERNEL(NAME) BUDDY_SIZES_KERNEL(NAME, CODEC)                       \
-  BUDDY_PACK_KERNEL(NAME, CODEC) BUDDY_UNPACK_KERNEL(NAME, CODEC, BOUNDS)
+  BUDDY_PACK_KERNEL(NAME, CODEC) BUDDY_UNPACK_KERNEL(NAME, CODEC, BOUNDS) BUDDY_DRAIN_KERNEL(NAME)
 
 // A codec with a table fits it where the tensor is: its symbol counts (one
 // pass over the tensor), then the table (one warp). Launch: count, any grid,

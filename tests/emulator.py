@@ -328,6 +328,12 @@ class Emulator:
             ends, overflow, place = args[5], args[8], args[9]
             held = int(ends[-1]) - (int(place[1]) if place.numel() else 0)
             args = (*args[:8], overflow[: held * buddy_spec.SECTOR_BYTES], *args[9:])
+        if op == "drain" and args[2].numel():
+            # An overflow ring's drain: the launch gets exactly the bytes it copies (the same count), in the
+            # ring's region and in buddy memory, so that a read or write past them is caught, every byte written.
+            staged, ends, place, into = args[0], args[2], args[4], args[5]
+            nbytes = (int(ends[-1]) - int(place[1])) * buddy_spec.SECTOR_BYTES
+            args = (staged[:nbytes], args[1], ends, args[3], place, into[:nbytes], args[6])
         self.run(f"buddy_{codec}_{op}", entry_bytes, (blocks, threads, shared), args, pack_fields=fields)
 
     def run(self, kernel: str, entry_bytes: int, config: tuple[int, int, int], args: tuple, *,

@@ -481,31 +481,64 @@ def test_backward_with_look_ahead_is_bit_exact_on_the_gpu(cuda, policy, prefetch
     assert_clean(store)
 
 
+def _learned_linear_relu_step(cuda):
+    """:func:`_linear_relu_step` with a pinned store and a tracker that has seen two steps of it (its keys sized
+    first, then packed ahead): ``(store, step, tracker, the gradients of a plain step)``."""
+    store = buddy.BuddyStore(capacity_bytes=1 << 30, block_bytes=64 * MiB, pin=True)
+    step, tracker = _linear_relu_step(cuda), buddy.Tracker()
+    expected = step()
+    for _ in range(2):
+        step(buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN_BYTES))
+    torch.cuda.synchronize()
+    return store, step, tracker, expected
+
+
+def _bitexact_without_host_waits(step, session, expected) -> None:
+    """``step(session)`` under sync debug mode "error" (a host wait but the session's counted reads raises), its
+    gradients bit-identical to ``expected``."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step(session)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for a, b in zip(got, expected):
+        assert_bitexact(a, b)
+
+
 @pytest.mark.gpu
 def test_packing_beside_forward_is_bit_exact_and_never_waits_on_the_host(cuda):
     """overlap=True on a real device: packs on the pack stream, the stash's waits on the device, the step's
     gradients bit-identical to a plain step's, and no host wait in the step but the session's counted reads."""
-    store = buddy.BuddyStore(capacity_bytes=1 << 30, block_bytes=64 * MiB, pin=True)
-    step, tracker = _linear_relu_step(cuda), buddy.Tracker()
-
-    expected = step()
-    for _ in range(2):  # the keys learn (sized first), then pack ahead
-        step(buddy.compressed_activations(tracker=tracker, store=store, min_bytes=MIN_BYTES))
-    torch.cuda.synchronize()
+    store, step, tracker, expected = _learned_linear_relu_step(cuda)
     for stash_bytes in (256 * MiB, 8 * MiB):  # room for every original, then for one (forward waits on the device)
         s = buddy.compressed_activations(
             tracker=tracker, store=store, min_bytes=MIN_BYTES, overlap=buddy.Overlap(stash_bytes=stash_bytes)
         )
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            got = step(s)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        for a, b in zip(got, expected):
-            assert_bitexact(a, b)
+        _bitexact_without_host_waits(step, s, expected)
         st = s.stats()
         assert st.overlapped == sum(r.codec not in ("kept", "left") for r in st.rows) > 0
         assert st.stash_peak_bytes <= max(stash_bytes, 8 * MiB)
+    torch.cuda.synchronize()
+    store.trim()
+    assert_clean(store)
+
+
+@pytest.mark.gpu
+def test_a_step_through_the_overflow_ring_is_bit_exact_and_never_waits_on_the_host(cuda):
+    """overflow_ring on a real device: each pack writes its region of the ring, a drain kernel on the copy stream
+    writes buddy memory over the bus, decompression waits for its drain. A ring of 256 MiB (room for every
+    tensor's worst case), one of 24 MiB (three 8 MiB worst cases: packs wait on the device for earlier drains),
+    and the large one with packing beside forward: gradients bit-identical to a plain step's, no host wait in the
+    step but the session's counted reads."""
+    store, step, tracker, expected = _learned_linear_relu_step(cuda)
+    for ring_bytes, overlap in ((256 * MiB, False), (24 * MiB, False), (256 * MiB, True)):
+        s = buddy.compressed_activations(
+            tracker=tracker, store=store, min_bytes=MIN_BYTES, overflow_ring=ring_bytes, overlap=overlap
+        )  # fmt: skip
+        _bitexact_without_host_waits(step, s, expected)
+        st = s.stats()
+        assert st.ring_drained == sum(r.codec not in ("kept", "left") for r in st.rows) > 0, str(st)
+        assert st.ring_bytes == ring_bytes and (st.ring_waits > 0) == (ring_bytes < 256 * MiB), str(st)
     torch.cuda.synchronize()
     store.trim()
     assert_clean(store)

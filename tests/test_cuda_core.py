@@ -328,7 +328,7 @@ def test_nvrtc_compiles_translation_unit():
         nvrtc.nvrtcGetPTX(prog, ptx)
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
         for codec in bsources.KERNEL_CODECS:
-            for op in ("measure", "ends", "sizes", "pack", "unpack"):
+            for op in ("measure", "ends", "sizes", "pack", "unpack", "drain"):
                 assert f".entry buddy_{codec}_{op}(".encode() in ptx.value
 
 
@@ -601,7 +601,7 @@ def test_every_kernels_last_parameter_is_the_word_size():
     bytes failed to compile, and every compress of fpe and auto2 with it. No build here reads the word size so."""
     params = kernel_parameters()
     # (decode: fpe's lockstep decoder, a layout weighed -- codec_fpe.h, decode_lockstep)
-    ops = {"measure", "ends", "sizes", "pack", "unpack", "count", "fit", "decode"}
+    ops = {"measure", "ends", "sizes", "pack", "unpack", "drain", "count", "fit", "decode"}
     assert {name.rsplit("_", 1)[1] for name in params} == ops
     for name, ps in params.items():
         assert (ps[-1].name, ps[-1].ctype) == ("word_bytes", "int"), name

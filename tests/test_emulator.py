@@ -244,7 +244,18 @@ def test_a_pack_ahead_splits_its_overflow_with_the_reserve(build, codec, activat
         assert sizes[:3].tolist() == [25, 40, 0] and total > 65 and step.tolist() == [total - 40, total - 25]
         held = into[: (total - 40) * b].clone()
         out = engine.unpack(meta, slots, held, slot, layout, check=True, ends=ends, place=sizes[:4], reserve=reserve)
+        # through an overflow ring: packed into a region of it, then drained (each launch given exactly the bytes
+        # it reads and writes): the same bytes in buddy memory
+        staged, drained = torch.zeros_like(into), torch.zeros_like(into)
+        sizes2, step2, reserve2 = torch.zeros_like(sizes), torch.zeros(2, dtype=torch.int64), torch.zeros_like(reserve)
+        _, _, _, ends2 = engine.pack_ahead(
+            t.view(torch.uint8), layout, slot, sizes2, staged, prior=prior, keep=measured.codec, room=25, step=step2,
+            reserve=reserve2,
+        )  # fmt: skip
+        engine.drain(layout, staged, ends2, sizes2[:4], drained)
+        assert [k for k, *_ in emu.launches[-2:]] == [f"buddy_{codec}_pack", f"buddy_{codec}_drain"]
     assert torch.equal(out, t.view(torch.uint8))
+    assert torch.equal(drained[: held.numel()], held) and torch.equal(reserve2, reserve)
 
 
 def test_the_emulator_reports_a_sizes_kernel_that_sums_too_early(activations, request, tmp_path):

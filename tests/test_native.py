@@ -158,6 +158,17 @@ def test_the_reserve_takes_the_overflow_past_the_room_and_unpack_finds_it(room, 
     placed = {} if place is None else {"place": place, "reserve": reserve}
     out = engine.unpack(meta, slots, held.clone(), slot, layout, check=True, ends=ends, **placed)
     assert torch.equal(out, t.view(torch.uint8))
+    # through an overflow ring: packed into a region of it, then drained into buddy memory -- the same bytes there,
+    # the same in the reserve, nothing written past them
+    staged, drained = torch.full_like(into, 0xCD), torch.full_like(into, 0xEF)
+    sizes2, step2 = torch.zeros_like(sizes), torch.tensor([10, 3], dtype=torch.int64)
+    reserve2 = torch.full_like(reserve, 0xAB)
+    _, _, _, ends2 = engine.pack_ahead(
+        t.view(torch.uint8), layout, slot, sizes2, staged, room=room, step=step2, reserve=reserve2
+    )  # fmt: skip
+    engine.drain(layout, staged, ends2, sizes2[:4], drained)
+    assert torch.equal(sizes2, sizes) and torch.equal(step2, step) and torch.equal(reserve2, reserve)
+    assert torch.equal(drained[: held.numel()], held) and bool((drained[held.numel() :] == 0xEF).all())
     if r:  # a placement past the end of the reserve: flagged, nothing read outside it
         bad = place.clone()
         bad[1] = reserve_sectors

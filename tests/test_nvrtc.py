@@ -99,7 +99,8 @@ def test_every_codec_compiles_with_nvrtc(nvrtc, entry_bytes):
     for codec, w, (result, log, ptx) in results:
         assert result == 0, f"NVRTC failed for {codec} at E={entry_bytes}, words of {w} B:\n{log}"
         assert not log.strip(), f"NVRTC warned for {codec} at E={entry_bytes}, words of {w} B:\n{log}"
-        ops = ("measure", "ends", "sizes", "pack", "unpack", *(("count", "fit") if codec in bsources.TABLED_KERNELS else ()),
+        ops = ("measure", "ends", "sizes", "pack", "unpack", "drain",
+               *(("count", "fit") if codec in bsources.TABLED_KERNELS else ()),
                *(("lockstep_decode",) if codec == "fpe" else ()))  # (a layout weighed: codec_fpe.h, decode_lockstep)
         entries = {name.decode() for name in _entries(ptx)}
         assert entries == {f"buddy_{codec}_{op}" for op in ops}, (codec, sorted(entries))

@@ -191,6 +191,14 @@ class Engine(abc.ABC):
         :meth:`buddy.engines.kernel_engine.KernelEngine.pack_ahead`)."""
         raise NotImplementedError(f"{self!r} does not pack ahead")
 
+    def drain(
+        self, layout: Layout, staged: torch.Tensor, ends: torch.Tensor, place: torch.Tensor, into: torch.Tensor
+    ) -> None:
+        """An overflow :meth:`pack_ahead` wrote into ``staged`` on the device (a region of an overflow ring) copied
+        into ``into`` (buddy memory), on the current stream, its size never read (an engine that
+        :attr:`packs_ahead`; see :meth:`buddy.engines.kernel_engine.KernelEngine.drain`)."""
+        raise NotImplementedError(f"{self!r} does not pack ahead")
+
     def measure_ahead(
         self, flat: torch.Tensor, layout: Layout, sizes: torch.Tensor, *, prior=None, keep=None, count: bool = True
     ) -> CodecLike:

@@ -269,7 +269,8 @@ class KernelEngine(Engine):
         device (:meth:`Kernels.sizes`); ``reserve``: the step's reserve, whole sectors on the device, which takes
         the overflow sectors past the tensor's room (None: none, they go to buddy memory); ``into``: the overflow's
         place in buddy memory, at least ``layout.slots_bytes(E / 32) - layout.slots_bytes(slot)`` bytes (the worst case: every
-        entry stored raw), where the pack kernel writes it (:meth:`writes_overflow_at`); the bytes it holds are
+        entry stored raw), where the pack kernel writes it (:meth:`writes_overflow_at`), or as many on the tensor's
+        device (a region of an overflow ring, which :meth:`drain` then copies to buddy memory); the bytes it holds are
         ``32 * ends[-1]``, known once ``histogram`` is read. A codec with a table fits it on the host to
         ``prior`` (``keep``'s while it still codes the prior well) and counts the tensor's symbols on the device
         where ``count`` says so; it needs a ``prior`` (without one its table is fitted to the tensor's counts,
@@ -280,8 +281,10 @@ class KernelEngine(Engine):
         """
         device = flat.device
         worst = layout.slots_bytes(layout.sectors_per_entry) - layout.slots_bytes(slot)
-        if into.numel() < worst or not self.writes_overflow_at(into, device):
-            raise ValueError(f"pack_ahead writes the overflow into {worst} bytes of buddy memory it can reach")
+        if into.numel() < worst or not (into.device == device or self.writes_overflow_at(into, device)):
+            raise ValueError(
+                f"pack_ahead writes the overflow into {worst} bytes of buddy memory it can reach, or of the device"
+            )
         entries = self._fit_ahead(flat, layout, prior, keep, count)
         meta = torch.empty(layout.meta_bytes, dtype=torch.uint8, device=device)
         slots = torch.empty(layout.slots_bytes(slot), dtype=torch.uint8, device=device)
@@ -297,6 +300,16 @@ class KernelEngine(Engine):
             placed = {} if reserve is None else {"place": place, "reserve": reserve}
             self.kernels.pack(layout, *entries, meta, ends, slot, slots, into, table, **placed)
         return self.codec, meta, slots, ends
+
+    def drain(self, layout, staged, ends, place, into) -> None:
+        """:meth:`Engine.drain`: one launch (:meth:`Kernels.drain`), on the current stream; ``staged`` and ``into``
+        as :meth:`pack_ahead`'s ``into`` (the worst case, ``into`` where its kernels write it:
+        :meth:`writes_overflow_at`), ``ends`` and ``place`` its prefix sums and the sizes kernel's placement words
+        (``sizes[:PLACE_WORDS]``), read by the kernel alone."""
+        if into.device != staged.device and not self.writes_overflow_at(into, staged.device):
+            raise ValueError("drain writes the overflow into buddy memory its kernels reach")
+        if layout.n_entries:
+            self.kernels.drain(layout, staged, ends, place, into)
 
     def stored_table(self, device: torch.device) -> torch.Tensor | None:
         """The table a tensor coded with the engine's codec carries (:attr:`CodecLike.table`) on ``device``: one

@@ -350,6 +350,25 @@ class Kernels:
                 table, word)  # fmt: skip
         self.launch(self.name, "unpack", layout.entry_bytes, device, n, args)
 
+    def drain(self, layout: Layout, staged, ends, place, buddy) -> None:
+        """A tensor's overflow, packed (:meth:`pack`) into ``staged`` on the device with ``ends`` and the sizes
+        kernel's ``place``, copied to ``buddy``: its sectors less those the placement put in the step's reserve
+        (``ends[-1] - place[1]``, never read here), at most as many as both hold. ``buddy`` is on the device, or
+        (CUDA kernels) in pinned host memory mapped into the device's address space, written over the bus (an
+        overflow ring's drain, :mod:`buddy.ring`)."""
+        n = layout.n_entries
+        in_place = self.device_type == "cuda" and isinstance(buddy, torch.Tensor) and buddy.device.type == "cpu"
+        buffers = {} if in_place else {"buddy": (buddy, torch.uint8, buddy.numel())}
+        device = self._check(
+            layout, staged=(staged, torch.uint8, staged.numel()), ends=(ends, torch.int64, n),
+            place=(place, torch.int64, PLACE_WORDS), **buffers,
+        )  # fmt: skip
+        if in_place:
+            _check_host_overflow(buddy, "write")
+        capacity = min(staged.numel(), buddy.numel()) // spec.SECTOR_BYTES
+        args = (staged, _i64(capacity), ends, _i64(n), place, buddy, _i32(layout.word_bytes))
+        self.launch(self.name, "drain", layout.entry_bytes, device, n, args)
+
 
 def _check_host_overflow(overflow: torch.Tensor, verb: str) -> None:
     """``ValueError`` unless an overflow in host memory is what the CUDA kernels can ``verb`` where it is: pinned

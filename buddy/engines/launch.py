@@ -16,7 +16,7 @@ from ..codecs.fpe_device import DECODE_ROWS_BYTES, FIELDS_BYTES
 from .sources import TABLED_KERNELS
 
 __all__ = [
-    "MAX_BLOCKS", "COUNT_BLOCKS", "STAGING_BYTES", "ENDS_THREADS", "WARP", "SharedMemory", "HOPPER",
+    "MAX_BLOCKS", "COUNT_BLOCKS", "DRAIN_BLOCKS", "STAGING_BYTES", "ENDS_THREADS", "WARP", "SharedMemory", "HOPPER",
     "shared_table_layout", "shares_tables", "launch_config",
 ]  # fmt: skip
 
@@ -26,6 +26,9 @@ MAX_BLOCKS = 1 << 20
 #: Each block zeroes its histogram in shared memory and adds it to the tensor's once, so a block per entry would
 #: spend more on its histogram than on counting (docs/gpu.md)
 COUNT_BLOCKS = 1024
+#: most blocks of a drain launch (an overflow ring's copy to buddy memory, :mod:`buddy.ring`): its stores cross the
+#: bus, which a few SMs' worth of stores in flight keep busy, and the SMs are forward's (a guess a GPU run should tune)
+DRAIN_BLOCKS = 32
 #: shared memory (bytes) a block of pack or unpack stages payloads in: one entry per warp
 STAGING_BYTES = 32 << 10
 #: threads of the one block of an ends launch (``BUDDY_ENDS_THREADS``)
@@ -94,7 +97,8 @@ def launch_config(
     nothing and run 8 warps a block (:data:`ENDS_THREADS` threads). A table codec's
     ``count`` runs 256 threads a block, a thread per 16 bytes
     (``n_entries``: the 8-byte units) up to :data:`COUNT_BLOCKS` blocks,
-    which then loop; its ``fit`` is one warp.
+    which then loop; its ``fit`` is one warp. A ``drain`` runs 256 threads a block, at most
+    :data:`DRAIN_BLOCKS` blocks, which loop.
 
     Given the device's ``shared`` memory, a table codec's tables go into
     each block's shared memory, before the warps' staging (the module
@@ -109,6 +113,8 @@ def launch_config(
         return 1, WARP, 0
     if op == "ends":  # one block (csrc/buddy_kernels.cu: BUDDY_ENDS_THREADS)
         return 1, ENDS_THREADS, 0
+    if op == "drain":  # a thread per 8 bytes of the worst case (every entry raw), 8 a round; the blocks then loop
+        return max(1, min(DRAIN_BLOCKS, -(-n_entries * entry_bytes // (8 * 8 * 256)))), 256, 0
     if op == "count":  # a lane loads 16 bytes a round; the blocks loop, their histograms zeroed and added once
         return max(1, min(COUNT_BLOCKS, -(-n_entries // 512))), 256, 0
     tables = shared if codec in TABLED_KERNELS else None

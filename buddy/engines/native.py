@@ -296,7 +296,7 @@ def _grid(op: str, n: int, threads: int) -> int:
     """Blocks of a launch: enough for every thread to take several, few enough that each loops over many entries."""
     if op in ("fit", "ends"):  # one block
         return 1
-    per_block = _COUNT_UNITS_PER_BLOCK if op == "count" else ENTRIES_PER_BLOCK  # (sizes: as measure)
+    per_block = _COUNT_UNITS_PER_BLOCK if op == "count" else ENTRIES_PER_BLOCK  # (sizes, drain: as measure)
     return max(1, min(-(-n // per_block), 8 * threads))
 
 

@@ -73,7 +73,7 @@ void run(const BuddyEmuArg* args) {
 #define BUDDY_EMU_FORMAT(NAME)                                                                  \
   BUDDY_EMU_KERNEL(buddy_##NAME##_measure) BUDDY_EMU_KERNEL(buddy_##NAME##_ends)                 \
   BUDDY_EMU_KERNEL(buddy_##NAME##_sizes) BUDDY_EMU_KERNEL(buddy_##NAME##_pack)                   \
-  BUDDY_EMU_KERNEL(buddy_##NAME##_unpack)
+  BUDDY_EMU_KERNEL(buddy_##NAME##_unpack) BUDDY_EMU_KERNEL(buddy_##NAME##_drain)
 // the fit kernel of fpe, buddy_fpe_fit, overloads the device function of that name (codec_fpe_fit.h): by its type
 typedef void (*BuddyEmuFit)(const long long*, uint8_t*, uint8_t*, uint8_t*, int, int);
 #define BUDDY_EMU_FIT(NAME)                                                                                \

@@ -232,11 +232,12 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
                       "--pack-fields", "--unpack-warps", "8", "16")  # fmt: skip
         # (--memory-peak: one more step of each method under the allocator's history, what it held at its peak;
         # buddy, the step with no read per tensor: one more step of it under sync debug mode "error"; buddy-overlap:
-        # its packs beside forward on a side stream; buddy-strict:
-        # every tensor sized first; the loss outside the block, buddy-model, in the step phase)
+        # its packs beside forward on a side stream; buddy-ring: its overflow staged on the device and drained by
+        # the copy stream; buddy-strict: every tensor sized first; the loss outside the block, buddy-model, in the
+        # step phase)
         step_args = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress", "--steps", "4",
-                     "--warmup", "2", "--methods", "none", "buddy", "buddy-overlap", "buddy-strict", "save_on_cpu",
-                     "checkpoint",
+                     "--warmup", "2", "--methods", "none", "buddy", "buddy-overlap", "buddy-ring", "buddy-strict",
+                     "save_on_cpu", "checkpoint",
                      "--profile", "--memory-peak", "--out", "{work}/step_time")  # fmt: skip
         return [
             _compile(timeout_s=100),
