@@ -9,8 +9,10 @@ histories those steps left, timed alone. On a GPU (``--device cuda``) the same n
 of a training step's overhead. With fewer warm-up steps than the tracker's count warm-up
 (:attr:`buddy.Tracker.count_warmup`, 32), every timed compress also counts its tensor's symbols, which a learned
 key's does one step in four after it: the compress figure is the warm-up's, an upper bound of the steady state's
-(``--warmup 40`` times the steady state). Last, what a save costs that buddy does not take (most of an LSTM's:
-small ones, and weights), against autograd's own cost of Python hooks (:func:`skipped_saves`).
+(``--warmup 40`` times the steady state). Then where a step packed ahead spends its host time, stage by stage, in
+the steady state (:func:`stage_times`: the plan, the engine, each kernel launch, forward's end, the unpack). Last,
+what a save costs that buddy does not take (most of an LSTM's: small ones, and weights), against autograd's own
+cost of Python hooks (:func:`skipped_saves`).
 
 Each row times the session sized first (``strict=True``: each tensor sized first, a read of the device a tensor) and
 the step that reads the device at most twice (``strict=False``, the default, "ahead": slots from the tracker's plan),
@@ -44,7 +46,7 @@ from experiments import cli
 from experiments.common import format_table, progress
 from experiments.operators import OperatorCount
 
-__all__ = ["measure", "main"]
+__all__ = ["STAGES", "measure", "stage_times", "main"]
 
 
 def measure(n: int, *, numel: int, steps: int, warmup: int, device: str, seed: int) -> dict:
@@ -114,6 +116,102 @@ def measure(n: int, *, numel: int, steps: int, warmup: int, device: str, seed: i
         "ahead_host_reads": statistics.median(reads["ahead"]),
         "plan_ms": statistics.median(plans) * 1e3 if plans else None,
     }
+
+
+#: the stages :func:`stage_times` times: (where, the method, what it is); a stage's time holds those it calls
+STAGES = (
+    ("buddy.hooks", "_SavedTensorHooks._pack", "the pack hook, every save"),
+    ("buddy.autograd", "Session._take_ahead", "a tensor packed ahead"),
+    ("buddy.tracker", "Tracker.plan_ahead", "  its slot, from the plan"),
+    ("buddy.engines.kernel_engine", "KernelEngine.pack_ahead", "  the engine's pack ahead"),
+    ("buddy.engines.kernel_engine", "KernelEngine._fit_ahead", "    its table, fitted to the prior"),
+    ("buddy.step", "AheadStep.settle", "forward's end: the read, the sizes settled"),
+    ("buddy.tracker", "Tracker.record", "  the tracker learning each"),
+    ("buddy.saved", "_Compressed.unpack", "backward's unpack, every use"),
+    ("buddy.tensor", "BuddyTensor.decompress", "  a decompression"),
+    ("buddy.engines.kernel_engine", "KernelEngine.unpack", "    the engine's unpack"),
+)
+
+
+@contextlib.contextmanager
+def _timed(spent: dict[str, float], calls: dict[str, int]):
+    """Within the block, each of :data:`STAGES`, and :meth:`buddy.engines.kernels.Kernels.launch` by operation, adds
+    its wall time and calls to ``spent`` and ``calls`` (by stage name); everything is restored after."""
+    import functools
+    import importlib
+
+    def timing(fn, name_of):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                name = name_of(args)
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - began
+                calls[name] = calls.get(name, 0) + 1
+
+        return timed
+
+    launches = ("buddy.engines.kernels", "Kernels.launch", lambda args: f"launches of {args[2]} (their host work, run)")
+    patched = []
+    for module, qualname, name_of in [*((m, q, lambda args, what=what: what) for m, q, what in STAGES), launches]:
+        owner_name, attr = qualname.split(".")
+        owner = getattr(importlib.import_module(module), owner_name)
+        fn = owner.__dict__[attr]
+        patched.append((owner, attr, fn))
+        setattr(owner, attr, timing(fn, name_of))
+    try:
+        yield
+    finally:
+        for owner, attr, fn in patched:
+            setattr(owner, attr, fn)
+
+
+def stage_times(n: int, *, numel: int, steps: int, warmup: int, device: str, seed: int) -> list[dict]:
+    """Where a step packed ahead spends its host time: the synthetic step of :func:`measure` (``n`` tensors of
+    ``numel`` float32 values), its :data:`STAGES` and kernel launches timed over ``steps`` steps after ``warmup``:
+    per stage its microseconds per compressed tensor (inclusive) and calls a step. The timers add about a microsecond
+    a call. On the CPU a launch's time holds its kernel's run (the native build runs it as it is launched)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(numel, generator=gen).to(device).requires_grad_() for _ in range(n)]
+    start = torch.randn(numel, generator=gen).to(device)
+    tracker = buddy.Tracker(count_warmup=0)  # the steady state: symbols counted one step in count_every
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def step():
+        with buddy.compressed_activations(tracker=tracker, min_bytes=1024) as session:
+            x = start
+            for w in weights:
+                x = torch.relu(x * w)
+        x.sum().backward()
+        sync()
+        return session
+
+    for _ in range(warmup):
+        step()
+    spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    with _timed(spent, calls):
+        began = time.perf_counter()
+        for _ in range(steps):
+            session = step()
+        wall = time.perf_counter() - began
+    tensors = max(sum(r.codec != "kept" for r in session.stats().rows), 1)
+    order = [what for _, _, what in STAGES]
+    rows = [{"stage": "the step, all of it", "us_per_tensor": wall / steps / tensors * 1e6, "calls_per_step": 1.0,
+             "tensors": tensors}]  # fmt: skip
+    for name in sorted(spent, key=lambda k: (order.index(k) if k in order else len(order), k)):
+        rows.append({"stage": name, "us_per_tensor": spent[name] / steps / tensors * 1e6,
+                     "calls_per_step": calls[name] / steps})  # fmt: skip
+    return rows
+
+
+STAGE_COLUMNS = [
+    ("stage", "stage", ""),
+    ("us_per_tensor", "us a compressed tensor", ",.1f"),
+    ("calls_per_step", "calls a step", ",.1f"),
+]
 
 
 def _mlp(device: str):
@@ -283,6 +381,11 @@ def main(argv=None) -> list[dict]:
     print(f"\nbuddy's host work per tensor ({args.numel} float32 values each, {buddy.defaults().codec}, the "
           f"tracker's default policy, {args.device}); medians of {args.steps} steps")  # fmt: skip
     print(format_table(rows, COLUMNS))
+    stages = stage_times(max(args.tensors), numel=args.numel, steps=args.steps, warmup=max(args.warmup, 3),
+                         device=args.device, seed=args.seed)  # fmt: skip
+    print(f"\nWhere a step packed ahead spends its host time ({max(args.tensors)} tensors, the steady state), per "
+          "tensor compressed; a stage's time holds the indented ones below it, and the launches made in it:")  # fmt: skip
+    print(format_table(stages, STAGE_COLUMNS))
     models = [
         model_steps(name, steps=args.steps, warmup=max(args.warmup, 3), device=args.device)
         for name in progress(args.models, desc="models", enabled=not args.no_progress)
@@ -295,7 +398,8 @@ def main(argv=None) -> list[dict]:
     print(f"\nA save buddy does not take ({args.saves} tanh saves of 64 values a step), over the step without hooks, "
           "per save:")  # fmt: skip
     print(format_table([skipped], SKIPPED_COLUMNS))
-    cli.finish(args, header, rows, mention_csv=False, experiment="host_cost", skipped_saves=skipped, models=models)
+    cli.finish(args, header, rows, mention_csv=False, experiment="host_cost", skipped_saves=skipped, models=models,
+               stages=stages)  # fmt: skip
     return rows
 
 

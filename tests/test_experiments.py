@@ -200,6 +200,14 @@ def test_host_cost_tiny(tmp_path):
         assert row["ahead_step_s"] > 0 and row["ahead_compress_us"] > 0 and row["ahead_decompress_us"] > 0
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["experiment"] == "host_cost"
+    # where a step packed ahead spends its host time: every stage timed, a compressed tensor's once a step each
+    stages = {r["stage"]: r for r in saved["stages"]}
+    assert {what for *_, what in host_cost.STAGES} <= set(stages)
+    whole, tensors = stages["the step, all of it"]["us_per_tensor"], stages["the step, all of it"]["tensors"]
+    for what in ("  the engine's pack ahead", "  a decompression", "launches of sizes (their host work, run)"):
+        assert stages[what]["calls_per_step"] == tensors and stages[what]["us_per_tensor"] > 0, what
+    assert stages["a tensor packed ahead"]["calls_per_step"] >= tensors  # (and those kept whole, measured ahead)
+    assert whole > stages["the pack hook, every save"]["us_per_tensor"] > stages["a tensor packed ahead"]["us_per_tensor"]
     # a save buddy does not take: every kind timed, per save over the step without hooks
     kinds = {"identity_hooks_us", "detach_hooks_us", "buddy_disabled_us", "buddy_small_us"}
     assert set(saved["skipped_saves"]) == kinds
