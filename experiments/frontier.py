@@ -109,6 +109,8 @@ def _measure(spec, method: Method, args, *, peak_on_host: bool = False) -> step_
         checkpointed=method.checkpointed or method.base == "checkpoint", min_bytes=args.min_bytes,
     )  # fmt: skip
     m.method = method.name
+    if args.no_progress and not peak_on_host:  # (the runbook's way): kept in the log if a later one stops the run
+        print(step_time.measured_line(m), flush=True)
     return m
 
 

@@ -82,7 +82,7 @@ from experiments import cli
 from experiments.common import choose_backend, format_table, host_peak_bytes, progress, reset_host_peak
 from experiments.workloads import GPT, TextSize
 
-__all__ = ["METHODS", "MODELS", "SideStreamOffload", "measure", "rows_vs_none", "main"]
+__all__ = ["METHODS", "MODELS", "SideStreamOffload", "measure", "measured_line", "rows_vs_none", "main"]
 
 METHODS = ("none", "buddy", "buddy-overlap", "buddy-ring", "buddy-strict", "buddy-model", "buddy-offload", "save_on_cpu", "side-stream", "checkpoint")
 MIN_BYTES = buddy.hooks.DEFAULT_MIN_BYTES
@@ -641,6 +641,13 @@ def setup(experiment: str, args) -> tuple[torch.device, str, str, list[Model]]:
     return device, backend, kind, [MODELS[kind][name](args.batch) for name in args.models]
 
 
+def measured_line(m: Measurement) -> str:
+    """One measurement as a line of the log, printed as it is made."""
+    peak = f", peak {m.peak_bytes / 2**30:.2f} GiB" if m.peak_bytes is not None else ""
+    sync = f", sync check {m.sync}" if m.sync else ""
+    return f"  measured {m.model} / {m.method}: {m.step_ms:.1f} ms a step{peak}{sync}"
+
+
 def main(argv=None) -> list[dict]:
     args, header = cli.begin("step_time", parse_args, argv)
     device, backend, kind, specs = setup("step_time", args)
@@ -657,6 +664,8 @@ def main(argv=None) -> list[dict]:
             measure(spec, method, device=device, steps=args.steps, warmup=args.warmup, seed=args.seed,
                     profile=args.profile, memory_peak=args.memory_peak)
         )  # fmt: skip
+        if args.no_progress:  # (the runbook's way): a line as each is measured, kept in the log if a later one stops
+            print(measured_line(measurements[-1]), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if kind == "cpu":  # after every timing (the threshold stays for the process): each method's step once more

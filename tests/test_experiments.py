@@ -571,6 +571,8 @@ def test_step_time_tiny(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "CPU RUN" in out and "not GPU times" in out
     assert "resnet50 / none: needs a CUDA device" in out
+    # a line as each method is measured (--no-progress, the runbook's): what a run stopped by its time limit keeps
+    assert out.index("  measured resnet50 / none: ") < out.index("  measured resnet50 / buddy-model: ")
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["cpu_run"] and results["experiment"] == "step_time" and len(results["rows"]) == 4
     assert (tmp_path / "step_time.png").stat().st_size > 10_000
@@ -588,7 +590,8 @@ def test_frontier_tiny(tmp_path, capsys):
         assert r["buddy"]["original_bytes"] > 0 and r["buddy"]["device_bytes"] < r["buddy"]["original_bytes"]
     # with checkpointing, the session takes what checkpointing keeps: fewer bytes than the model saves whole
     assert rows[2]["buddy"]["original_bytes"] < rows[1]["buddy"]["original_bytes"]
-    assert "time vs none" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "time vs none" in out and "  measured resnet50 / buddy+checkpoint: " in out  # (a line as each is made)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["cpu_run"] and results["experiment"] == "frontier"
     assert (tmp_path / "frontier.png").stat().st_size > 10_000
