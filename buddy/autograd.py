@@ -235,19 +235,15 @@ class Session(_SavedTensorHooks):
             room, bounded = self._ahead.room(bound, t.numel() * t.element_size()), True
         at, sizes = self._ahead.sizes(PLACE_WORDS + layout.bins, t.device)  # the placement, then the histogram
         bt = stash = None
-        drained = False
         if place.keep:  # the raw slot: kept as it is, its sizes counted all the same (the key goes on learning)
             codec = engine.measure_ahead(memory_bytes(t)[0], layout, sizes, prior=prior, keep=fitted, count=count)
         else:
             stash = self._stash(t.device)  # (with one: on the pack stream, see buddy.overlap)
-            ring = self._ring(t.device)
-            before = 0 if ring is None else ring.drained
             with contextlib.nullcontext() if stash is None else stash.beside(t.device):
                 bt = pack_ahead(
                     t, engine, layout, place.slot, sizes, store=self.store, ledger=tracker.ledger, prior=prior,
-                    keep=fitted, count=count, room=room, step=step, reserve=reserve, ring=ring,
+                    keep=fitted, count=count, room=room, step=step, reserve=reserve, ring=self._ring(t.device),
                 )  # fmt: skip
-            drained = ring is not None and ring.drained > before  # (its range's write: the drain, after the pack)
             if bt is None:
                 return None
             codec = bt.codec_object
@@ -257,8 +253,7 @@ class Session(_SavedTensorHooks):
         packed = self._packed(t, bt, row)
         if stash is not None and bt is not None and isinstance(packed, _Compressed):
             packed_event = stash.ops.record(stash.ops.pack_stream(t.device))  # (nothing issued there since)
-            if not drained:
-                bt.written_by(stash.ops, packed_event)  # its range busy until the pack is done
+            bt.written_by(stash.ops, packed_event)  # its range busy until the pack is done (or its drain)
             packed.packed = (stash.ops, packed_event)  # backward's decompression waits for it
             stash.add(t, packed_event, packed)
             self._stats.overlapped += 1

@@ -213,8 +213,10 @@ class BuddyTensor:
         """Its pack, which wrote the overflow straight into buddy memory, completes with ``event`` of a stream
         other than the one that holds the tensor (packed beside forward: :mod:`buddy.overlap`): readers of the
         range wait for it, and the store hands the range to no one else before it, even if the tensor is freed at
-        once."""
-        self._overflow.written_by(ops, event)
+        once. Where the range's write is recorded already -- an overflow ring's drain (:mod:`buddy.ring`), which
+        waits for the pack -- that one stands."""
+        if self._overflow.written is None:
+            self._overflow.written_by(ops, event)
 
     @property
     def settled(self) -> bool:

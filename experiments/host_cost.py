@@ -46,18 +46,19 @@ from experiments import cli
 from experiments.common import format_table, progress
 from experiments.operators import OperatorCount
 
-__all__ = ["STAGES", "measure", "stage_times", "main"]
+__all__ = ["STAGES", "chain_step", "measure", "stage_times", "main"]
 
 
-def measure(n: int, *, numel: int, steps: int, warmup: int, device: str, seed: int) -> dict:
-    """One row: ``n`` tensors a step of ``numel`` float32 values each (see the module doc)."""
+def chain_step(n: int, *, numel: int, device: str, seed: int, tracker: buddy.Tracker) -> Callable[[str], buddy.Session]:
+    """The synthetic step of the module doc: ``step(kind)`` runs one (``kind``: ``"none"``, plain; ``"buddy"``, sized
+    first; ``"ahead"``, packed ahead) of ``n`` links of ``numel`` float32 values, histories on ``tracker``, and
+    returns its session."""
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(numel, generator=gen).to(device).requires_grad_() for _ in range(n)]
     start = torch.randn(numel, generator=gen).to(device)
-    tracker = buddy.Tracker()  # this row's own history
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
-    def step(kind: str):
+    def step(kind: str) -> buddy.Session:
         enabled, strict = kind != "none", kind != "ahead"
         with buddy.compressed_activations(tracker=tracker, min_bytes=1024, enabled=enabled, strict=strict) as session:
             x = start
@@ -67,6 +68,14 @@ def measure(n: int, *, numel: int, steps: int, warmup: int, device: str, seed: i
         loss.backward()
         sync()
         return session
+
+    return step
+
+
+def measure(n: int, *, numel: int, steps: int, warmup: int, device: str, seed: int) -> dict:
+    """One row: ``n`` tensors a step of ``numel`` float32 values each (see the module doc)."""
+    tracker = buddy.Tracker()  # this row's own history
+    step = chain_step(n, numel=numel, device=device, seed=seed, tracker=tracker)
 
     kinds = ("buddy", "ahead", "none")
     walls: dict[str, list[float]] = {kind: [] for kind in kinds}
@@ -173,29 +182,16 @@ def stage_times(n: int, *, numel: int, steps: int, warmup: int, device: str, see
     ``numel`` float32 values), its :data:`STAGES` and kernel launches timed over ``steps`` steps after ``warmup``:
     per stage its microseconds per compressed tensor (inclusive) and calls a step. The timers add about a microsecond
     a call. On the CPU a launch's time holds its kernel's run (the native build runs it as it is launched)."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(numel, generator=gen).to(device).requires_grad_() for _ in range(n)]
-    start = torch.randn(numel, generator=gen).to(device)
-    tracker = buddy.Tracker(count_warmup=0)  # the steady state: symbols counted one step in count_every
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-
-    def step():
-        with buddy.compressed_activations(tracker=tracker, min_bytes=1024) as session:
-            x = start
-            for w in weights:
-                x = torch.relu(x * w)
-        x.sum().backward()
-        sync()
-        return session
-
+    # the steady state: symbols counted one step in count_every
+    step = chain_step(n, numel=numel, device=device, seed=seed, tracker=buddy.Tracker(count_warmup=0))
     for _ in range(warmup):
-        step()
+        step("ahead")
     spent: dict[str, float] = {}
     calls: dict[str, int] = {}
     with _timed(spent, calls):
         began = time.perf_counter()
         for _ in range(steps):
-            session = step()
+            session = step("ahead")
         wall = time.perf_counter() - began
     tensors = max(sum(r.codec != "kept" for r in session.stats().rows), 1)
     order = [what for _, _, what in STAGES]
@@ -384,7 +380,8 @@ def main(argv=None) -> list[dict]:
     stages = stage_times(max(args.tensors), numel=args.numel, steps=args.steps, warmup=max(args.warmup, 3),
                          device=args.device, seed=args.seed)  # fmt: skip
     print(f"\nWhere a step packed ahead spends its host time ({max(args.tensors)} tensors, the steady state), per "
-          "tensor compressed; a stage's time holds the indented ones below it, and the launches made in it:")  # fmt: skip
+          "tensor compressed; a stage's time holds the indented ones below it, and the launches made "
+          "in it:")  # fmt: skip
     print(format_table(stages, STAGE_COLUMNS))
     models = [
         model_steps(name, steps=args.steps, warmup=max(args.warmup, 3), device=args.device)

@@ -474,8 +474,9 @@ def measure(
     held = session.stats().to_dict() if isinstance(session, buddy.Session) else None
     if held is not None:
         kept = ("original_bytes", "device_bytes", "buddy_bytes", "effective_capacity", "host_reads", "within_bound")
-        ring = ("ring_bytes", "ring_drained", "ring_waits", "ring_too_large", "overlapped", "stash_waits")
-        held = {k: held[k] for k in kept} | {k: held[k] for k in ring if held[k]}
+        # the overflow ring's and overlap's counts, where the method has them
+        counted = ("ring_bytes", "ring_drained", "ring_waits", "ring_too_large", "overlapped", "stash_waits")
+        held = {k: held[k] for k in kept} | {k: held[k] for k in counted if held[k]}
         saves = tracker.last_profile  # the last step's saves and uses (buddy.peak): its saved tensors' peak, modeled
         if saves is not None and saves.events:
             held["saved_peak_plain"] = float(saves.held(set()).max())

@@ -174,7 +174,7 @@ def test_with_overlap_a_drain_follows_its_pack_and_writes_the_range(fake, store)
 # ---------------------------------------------------------------------------
 # the drain kernel
 # ---------------------------------------------------------------------------
-def packed_into_region(codec: str, engine, slot: int = 2):
+def packed_into_region(engine, slot: int = 2):
     t = torch.relu(torch.randn(20_000, generator=torch.Generator().manual_seed(3)))
     layout = Layout(512, t.numel() * 4, 4)
     sizes = torch.zeros(engines.PLACE_WORDS + layout.bins, dtype=torch.int64)
@@ -186,7 +186,7 @@ def packed_into_region(codec: str, engine, slot: int = 2):
 
 def test_a_drain_copies_what_the_placement_counts_and_never_past_either_buffer():
     engine = native.NativeEngine(buddy.get_codec("zvc"))
-    t, layout, sizes, staged, ends = packed_into_region("zvc", engine)
+    t, layout, sizes, staged, ends = packed_into_region(engine)
     total = int(ends[-1]) * 32
     assert 0 < total < staged.numel()
     into = torch.full_like(staged, 0xEF)
@@ -221,7 +221,7 @@ def test_the_emulator_catches_a_drain_that_copies_a_sector_too_many(tmp_path):
     for sources, caught in ((CSRC, False), (csrc, True)):
         with Emulator("asan", seed=1, csrc=sources, codecs="zvc") as emu:
             engine = bcuda.CudaEngine(buddy.get_codec("zvc"), launch=emu, device_type="cpu")
-            t, layout, sizes, staged, ends = packed_into_region("zvc", engine)
+            t, layout, sizes, staged, ends = packed_into_region(engine)
             into = torch.zeros_like(staged)
             try:
                 engine.drain(layout, staged, ends, sizes[:4], into)

@@ -281,14 +281,19 @@ class Kernels:
         if self.name not in TABLED_KERNELS:
             raise ValueError(f"codec {self.name!r} codes without a table: it has no count or fit kernel")
 
+    def _host_or_checked(self, what: str, t) -> tuple[dict, bool]:
+        """``t``'s entry for :meth:`_check` (uint8, any size), none where it is in host memory, which the CUDA kernels
+        reach where it is (then checked apart: :func:`_check_host_overflow`); and whether it is."""
+        in_place = self.device_type == "cuda" and isinstance(t, torch.Tensor) and t.device.type == "cpu"
+        return ({} if in_place else {what: (t, torch.uint8, t.numel())}), in_place
+
     def _overflow_buffers(self, overflow, place, reserve) -> tuple[dict, bool]:
         """Pack's and unpack's overflow and placement buffers for :meth:`_check`, and whether the overflow is in
         host memory, which the CUDA kernels reach where it is (then checked apart: :func:`_check_host_overflow`). A
         placement (:meth:`sizes`'s) and the step's reserve go together."""
         if (place is None) != (reserve is None):
             raise ValueError("a placement and a reserve go together: pass both or neither")
-        in_place = self.device_type == "cuda" and isinstance(overflow, torch.Tensor) and overflow.device.type == "cpu"
-        buffers = {} if in_place else {"overflow": (overflow, torch.uint8, overflow.numel())}
+        buffers, in_place = self._host_or_checked("overflow", overflow)
         if place is not None:
             buffers.update(place=(place, torch.int64, PLACE_WORDS), reserve=(reserve, torch.uint8, reserve.numel()))
         return buffers, in_place
@@ -357,8 +362,7 @@ class Kernels:
         (CUDA kernels) in pinned host memory mapped into the device's address space, written over the bus (an
         overflow ring's drain, :mod:`buddy.ring`)."""
         n = layout.n_entries
-        in_place = self.device_type == "cuda" and isinstance(buddy, torch.Tensor) and buddy.device.type == "cpu"
-        buffers = {} if in_place else {"buddy": (buddy, torch.uint8, buddy.numel())}
+        buffers, in_place = self._host_or_checked("buddy", buddy)
         device = self._check(
             layout, staged=(staged, torch.uint8, staged.numel()), ends=(ends, torch.int64, n),
             place=(place, torch.int64, PLACE_WORDS), **buffers,
