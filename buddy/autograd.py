@@ -84,6 +84,7 @@ class Session(_SavedTensorHooks):
         strict: bool = False,
         overlap: Overlap | bool = False,
         overflow_ring: int = 0,
+        rederive_casts: bool = True,
     ):
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be True or False, got {strict!r}")
@@ -109,7 +110,9 @@ class Session(_SavedTensorHooks):
         self._reads_at = 0
         self._profile = StepProfile()  # the step's saves, uses and memory (buddy.peak), kept on the tracker
         self._known: dict[str, int] = {}  # per key, its device bytes when it was last compressed
-        super().__init__(min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, enabled=enabled)
+        super().__init__(
+            min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, enabled=enabled, rederive_casts=rederive_casts
+        )
 
     def _begin(self) -> None:
         previous = self.tracker.last_profile
@@ -388,14 +391,16 @@ def compressed_activations(policy: Policy | None = None, **kwargs) -> Session:
             ``False`` (default): packs run in forward's stream. With
             ``strict=False`` only (a strict pack waits on its sizes
             anyway); nothing changes on the host.
-        overflow_ring: bytes of an overflow ring per device
-            (:mod:`buddy.ring`; 0, the default: none). A tensor packed
-            ahead (``strict=False``) then writes its overflow into a region
-            of the ring on the device, and a drain kernel on the copy stream
-            copies it to buddy memory while forward goes on, instead of the
-            pack writing it over the bus itself. Device bytes that count
-            against capacity and a :class:`~buddy.MemoryTarget`; off until a
-            GPU run measures which is faster. The bytes are the same.
+        overflow_ring: bytes of an overflow ring per device (0, the
+            default: none; :mod:`buddy.ring`): a tensor packed ahead writes
+            its overflow there, and a drain kernel on the copy stream copies
+            it to buddy memory while forward goes on. Device bytes that count
+            against capacity; off until a GPU run measures which is faster.
+        rederive_casts: ``True`` (default): a parameter's copy in another
+            dtype made in the block (autocast's bf16 weight) is made again
+            in backward, bit-exact, not held (``stats().rederived``); a
+            parameter changed in place before backward then raises, as
+            for an fp32 weight (docs/training.md). ``False``: compressed.
 
     Returns:
         A :class:`Session`; ``session.stats()`` reports what it held.

@@ -22,6 +22,7 @@ packed.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from types import FrameType
@@ -30,9 +31,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import UnsupportedTensorError
-from .keys import _call_site, _outermost_call, _storages_of, _tensor_key, is_parameter, module_name
+from .keys import (
+    _call_site, _outermost_call, _storages_of, _tensor_key, cast_source, is_parameter, module_name, node_sequence_now,
+)
 from .layout import dense_strides
-from .saved import _AsIs, _compile_safe_hooks, _View
+from .saved import _AsIs, _compile_safe_hooks, _Recast, _View
 from .stats import KeyRow, SessionStats
 from .tensor import check_tensor
 
@@ -88,9 +91,13 @@ class _SavedTensorHooks:
     doc) and the index counts the tensors taken under that prefix in the block.
     """
 
-    def __init__(self, *, min_bytes: int, exclude, key_prefix: str, enabled: bool):
+    def __init__(self, *, min_bytes: int, exclude, key_prefix: str, enabled: bool, rederive_casts: bool = True):
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"min_bytes must be a non-negative int (bytes), got {min_bytes!r}")
+        if not isinstance(rederive_casts, bool):
+            raise TypeError(f"rederive_casts must be True or False, got {rederive_casts!r}")
+        self.rederive_casts = rederive_casts
+        self._since = sys.maxsize  # autograd nodes numbered at least this were made in the block (node_sequence_now)
         self.min_bytes = min_bytes
         if not isinstance(key_prefix, str):
             raise TypeError(f"key_prefix must be a string, got {type(key_prefix).__name__}")
@@ -113,6 +120,7 @@ class _SavedTensorHooks:
                 )
             self._reset()
             self._site = _call_site()
+            self._since = node_sequence_now() if self.rederive_casts else sys.maxsize
             self._begin()
             hooks = torch.autograd.graph.saved_tensors_hooks(*_compile_safe_hooks(_weak_pack(self), self._unpack))
             hooks.__enter__()
@@ -184,6 +192,11 @@ class _SavedTensorHooks:
                 if reason not in ("parameter", "backward"):
                     st.kept_bytes += t.numel() * t.element_size()
                 return _AsIs(t)  # never ``t`` itself: see "kept as it is" in the module doc
+            recast = self._recast(t)
+            if recast is not None:  # a parameter's copy in another dtype: made again in backward, nothing held
+                st.rederived += 1
+                st.rederived_bytes += t.numel() * t.element_size()
+                return recast
             storage = t.untyped_storage()
             dedup_key = (storage._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
             # a dense view of the very bytes taken already (an attention output saved as (B, H, S, D) and as
@@ -230,6 +243,16 @@ class _SavedTensorHooks:
             prefix = self._calls[frame] = f"{found[1]}/"  # the call's next tensors find it without a name
         self._last_prefix = prefix
         return prefix
+
+    def _recast(self, t: torch.Tensor):
+        """What autograd keeps for ``t`` where it is a parameter's copy made in the block, which backward makes
+        again (:func:`buddy.keys.cast_source`; ``rederive_casts``); else ``None``: ``t`` is taken or kept."""
+        source = cast_source(t, self._since)
+        return None if source is None else self._rederived(t, source)
+
+    def _rederived(self, t: torch.Tensor, source: torch.Tensor):
+        """What autograd keeps for ``t``, a copy of ``source`` made in the block."""
+        return _Recast(t, source)
 
     def _take(self, t: torch.Tensor, key: str) -> tuple[object, KeyRow | None] | None:
         """What autograd keeps for ``t`` (weakly referable) and its stats row; ``None``: keep ``t`` as it is."""

@@ -30,7 +30,7 @@ from types import FrameType
 
 import torch
 
-__all__ = ["is_parameter", "module_name"]
+__all__ = ["cast_source", "is_parameter", "module_name", "node_sequence_now"]
 
 
 def is_parameter(t: torch.Tensor) -> bool:
@@ -42,6 +42,49 @@ def is_parameter(t: torch.Tensor) -> bool:
     if type(base) is torch.Tensor:  # what isinstance(base, Parameter) says of a plain tensor (torch's _ParameterMeta:
         return bool(getattr(base, "_is_param", False))  # its _is_param flag), without the metaclass's Python call
     return isinstance(base, torch.nn.Parameter)
+
+
+def node_sequence_now() -> int:
+    """The sequence number the next autograd node made on this thread will have, or more (numbers grow per thread):
+    a node numbered at least this was made after the call. ``sys.maxsize`` where none can be made here (inference
+    mode), so that no node counts as made after."""
+    try:
+        with torch.enable_grad():
+            node = torch.empty(0, requires_grad=True).view(0).grad_fn
+    except RuntimeError:
+        return sys.maxsize
+    return sys.maxsize if node is None else node._sequence_nr() + 1
+
+
+def cast_source(t: torch.Tensor, since: int) -> torch.Tensor | None:
+    """The parameter ``t`` is an exact copy of, or a view of one, where the copy was made on this thread after
+    ``since`` (:func:`node_sequence_now`); ``None`` for any other tensor.
+
+    What qualifies is what autocast saves for a weight, and ``.to(dtype)`` of a parameter: a ``_to_copy`` of a leaf
+    that requires grad (its ``grad_fn`` a ``ToCopyBackward0`` whose one input is the leaf's ``AccumulateGrad``), on
+    the leaf's device, with its shape and strides, at offset 0. ``source.to(t.dtype)`` then makes the copy's very
+    bytes again -- as long as the leaf is not changed in place, which its version says. Made after ``since`` (in the
+    step): a copy made before, autocast's cache kept over an optimizer's step, may hold values the leaf no longer
+    has.
+    """
+    base = t if t._base is None else t._base
+    fn = base.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or fn._sequence_nr() < since:
+        return None
+    inputs = fn.next_functions
+    if len(inputs) != 1 or inputs[0][0] is None:
+        return None
+    source = getattr(inputs[0][0], "variable", None)  # (an AccumulateGrad's leaf)
+    if (
+        source is None or type(source) not in (torch.Tensor, torch.nn.Parameter) or type(base) is not torch.Tensor
+        or source.layout is not torch.strided or source.is_nested or source.is_quantized
+        or not source.dtype.is_floating_point or not base.dtype.is_floating_point
+        or base.is_conj() or base.is_neg() or source.is_conj() or source.is_neg()
+        or source.device != base.device or source.shape != base.shape or source.stride() != base.stride()
+        or base.storage_offset() != 0
+    ):  # fmt: skip
+        return None
+    return source
 
 
 def _tensor_key(t: torch.Tensor) -> str:

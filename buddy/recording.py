@@ -48,9 +48,19 @@ class Recorder(_SavedTensorHooks):
 
     _what = "record_activations block"
 
-    def __init__(self, *, min_bytes: int = DEFAULT_MIN_BYTES, exclude=None, key_prefix: str = "", device="cpu"):
+    def __init__(
+        self,
+        *,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        exclude=None,
+        key_prefix: str = "",
+        device="cpu",
+        rederive_casts: bool = True,
+    ):
         self.device = torch.device(device)
-        super().__init__(min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, enabled=True)
+        super().__init__(
+            min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, enabled=True, rederive_casts=rederive_casts
+        )
 
     def _reset(self) -> None:
         super()._reset()
@@ -64,17 +74,25 @@ class Recorder(_SavedTensorHooks):
         self.tensors.append(RecordedTensor(key, x.to(self.device, memory_format=layout, copy=True), op))
         return _AsIs(t), None  # a new object a save: a dedup hit can check it is still held
 
+    def _rederived(self, t: torch.Tensor, source: torch.Tensor):
+        return _AsIs(t)  # a parameter's copy a session makes again in backward: counted as such, not recorded
+
     def stats(self) -> SessionStats:
         """What a session would have seen (no rows: nothing was compressed)."""
         with self._lock:
             return SessionStats(**{k: v for k, v in vars(self._stats).items() if k != "rows"})
 
 
-def record_activations(*, min_bytes: int = DEFAULT_MIN_BYTES, exclude=None, key_prefix: str = "", device="cpu"):
+def record_activations(
+    *, min_bytes: int = DEFAULT_MIN_BYTES, exclude=None, key_prefix: str = "", device="cpu", rederive_casts=True
+):
     """A context manager that records, without compressing, what a session would compress.
 
     The same skip, dedup and key rules as :func:`compressed_activations`
-    (``min_bytes``, ``exclude``, ``key_prefix`` as there); each tensor taken
-    is copied to ``device``. Returns a :class:`Recorder`.
+    (``min_bytes``, ``exclude``, ``key_prefix``, ``rederive_casts`` as
+    there: a parameter's copy a session makes again is not recorded); each
+    tensor taken is copied to ``device``. Returns a :class:`Recorder`.
     """
-    return Recorder(min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, device=device)
+    return Recorder(
+        min_bytes=min_bytes, exclude=exclude, key_prefix=key_prefix, device=device, rederive_casts=rederive_casts
+    )

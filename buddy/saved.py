@@ -59,6 +59,15 @@ def _add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
 
 
+def _check_version(t: torch.Tensor, version: int, what: str, why: str) -> None:
+    """Raise PyTorch's error where ``t`` (``what``, its description's start) is no longer at ``version``."""
+    if t._version != version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"{what}[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead. {why}"
+        )
+
+
 class _AsIs:
     """What autograd keeps for a saved tensor buddy leaves as it is: ``t.detach()`` (the same memory, no
     ``grad_fn``) and ``t``'s version when it was saved.
@@ -76,13 +85,10 @@ class _AsIs:
 
     def unpack(self) -> torch.Tensor:
         t = self.tensor
-        if t._version != self.version:
-            raise RuntimeError(
-                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {self.version} instead. "
-                f"buddy kept this saved tensor as it is (not compressed), and it was changed in place after it was "
-                f"saved: change a copy instead (PyTorch raises the same without buddy)."
-            )
+        _check_version(
+            t, self.version, "", "buddy kept this saved tensor as it is (not compressed), and it was changed in place "
+            "after it was saved: change a copy instead (PyTorch raises the same without buddy).",
+        )  # fmt: skip
         return t
 
 
@@ -108,6 +114,36 @@ class _Kept(_AsIs):
             profile, index = self.profiled
             profile.use(index)
         return t
+
+
+class _Recast:
+    """What autograd keeps for a saved copy of a parameter in another dtype (autocast's cast of a weight, or a
+    view of it: :func:`buddy.keys.cast_source`): the parameter (``detach()``: the same memory and version counter)
+    and the parameter's version when the copy was saved. Backward makes the copy again, ``source.to(dtype)``,
+    bit-exact: nothing is held for it, and nothing compressed.
+
+    A parameter changed in place after the save would give a gradient computed from its new values:
+    :meth:`unpack` raises there, as PyTorch does where it saves a parameter itself (an fp32 weight).
+    """
+
+    __slots__ = ("source", "version", "dtype", "view", "__weakref__")
+
+    def __init__(self, t: torch.Tensor, source: torch.Tensor):
+        self.source = source.detach()
+        self.version = source._version
+        self.dtype = t.dtype
+        self.view = None if t._base is None else (tuple(t.shape), t.stride(), t.storage_offset())
+
+    def unpack(self) -> torch.Tensor:
+        s = self.source
+        _check_version(
+            s, self.version, "the parameter ",
+            f"buddy makes its saved {str(self.dtype).removeprefix('torch.')} copy (autocast's cast of a weight) again "
+            f"from it in backward, and it was changed in place after the copy was saved: change parameters after "
+            f"backward, or pass rederive_casts=False to compressed_activations to keep such copies.",
+        )  # fmt: skip
+        out = s.to(self.dtype)
+        return out if self.view is None else out.as_strided(*self.view)
 
 
 class _View:
@@ -315,7 +351,7 @@ def _compile_safe_hooks(pack, unpack):
 
     def pack_hook(t):
         packed = pack(t)
-        if type(packed) is _AsIs:  # kept as it is: nothing to release
+        if type(packed) in (_AsIs, _Recast):  # kept as it is, or made again: nothing to release
             return packed
         bt = getattr(packed, "bt", None)
         dense = bt is None or tuple(bt.stride) == tuple(t.stride())

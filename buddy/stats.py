@@ -116,6 +116,11 @@ class SessionStats:
     ring_drained: int = 0
     ring_waits: int = 0
     ring_too_large: int = 0
+    #: saved copies of parameters in another dtype (autocast's casts of weights) made again from the parameter in
+    #: backward, not held (``rederive_casts``): their saves, and their bytes (one count per save; not among the bytes
+    #: compressed or kept)
+    rederived: int = 0
+    rederived_bytes: int = 0
 
     @property
     def within_bound(self) -> bool:
@@ -224,6 +229,11 @@ class SessionStats:
             lines.append(
                 f"overflow ring {format_bytes(self.ring_bytes)}: drained {self.ring_drained} overflow(s) to buddy "
                 f"memory, {self.ring_waits} pack(s) waited for a region, {self.ring_too_large} too large for it"
+            )
+        if self.rederived:
+            lines.append(
+                f"{self.rederived} save(s) of parameters' casts ({format_bytes(self.rederived_bytes)}) made again "
+                f"in backward, not held"
             )
         if self.captured:
             lines.append(f"{self.captured} save(s) kept as they are: a CUDA graph was being captured")

@@ -50,6 +50,7 @@ SUBSETS: dict[str, dict[str, dict[str, Rule]]] = {
         },
         "test_codec_nvcomp.py": {"test_gpu_round_trip": lambda p: p["entry_bytes"] == 4096, "*": _every},
         "test_concurrency.py": {"*": _every},
+        "test_rederive.py": {"*": _every},
         "test_experiments.py": {"*": _every},
         "test_workloads.py": {"*": _every},
         "test_api.py": {"*": _every},
