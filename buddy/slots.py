@@ -54,6 +54,16 @@ def overflow_sectors(histogram: Sequence[float], slot_sectors: int) -> float: ..
 
 def overflow_sectors(histogram: Sequence[float], slot_sectors: int) -> float:
     """Sectors that go to buddy memory with a slot of ``slot_sectors`` (a float for a predicted, float histogram)."""
+    spill = _spill(histogram, make=False)  # (a histogram asked once, a tensor's measured one, is summed as it is)
+    if spill is not None:
+        found = spill.overflow.get(slot_sectors)
+        if found is None:
+            found = spill.overflow[slot_sectors] = _overflow_sectors(histogram, slot_sectors)
+        return found
+    return _overflow_sectors(histogram, slot_sectors)
+
+
+def _overflow_sectors(histogram: Sequence[float], slot_sectors: int) -> float:
     first = max(slot_sectors + 1, 0)  # the bins past the slot, summed in order as before (the same bits)
     past = histogram[first:]  # (map and operator.mul: the generator's products and sum, without its frames)
     return sum(map(operator.mul, range(first - slot_sectors, first - slot_sectors + len(past)), past))
@@ -61,31 +71,99 @@ def overflow_sectors(histogram: Sequence[float], slot_sectors: int) -> float:
 
 def larger_than(histogram: Sequence[float]) -> list[float]:
     """``out[s]``: the entries larger than ``s`` sectors, each spilling one more sector when the slot goes to ``s``."""
-    out, running = [0.0] * len(histogram), 0.0
-    for s in range(len(histogram) - 1, -1, -1):
-        out[s] = running
-        running += histogram[s]
-    return out
+    spill = _spill(histogram)
+    if spill is not None:
+        return list(spill.larger)
+    return _Spill(histogram).larger
 
 
 def slot_for_overflow(histogram: Sequence[float], max_overflow: float, budget_bytes: float) -> int:
     """The smallest slot whose overflow is at most ``max_overflow * budget_bytes``.
 
     ``budget_bytes`` is the tensor's size in bytes. The full slot (``E/32``)
-    always qualifies, so this never fails. One pass down from the full slot:
-    a sector less spills one more sector of every entry larger than the new
-    slot.
+    always qualifies, so this never fails. A sector less spills one more
+    sector of every entry larger than the new slot: the overflow at each
+    slot is summed down from the full slot, once per histogram
+    (:class:`_Spill`), and the slot found by bisection.
     """
     limit = check_max_overflow(max_overflow) * budget_bytes
-    spilled, larger = 0.0, 0.0
-    for s in range(len(histogram) - 1, 0, -1):
-        larger += histogram[s]  # entries of at least s sectors: each spills one more at slot s - 1
-        if (spilled + larger) * spec.SECTOR_BYTES > limit:
-            return s
-        spilled += larger
-    return 0
+    spill = _spill(histogram)
+    if spill is None:  # (not a tuple, or a negative bin): the same sums, scanned
+        spilled, larger = 0.0, 0.0
+        for s in range(len(histogram) - 1, 0, -1):
+            larger += histogram[s]  # entries of at least s sectors: each spills one more at slot s - 1
+            if (spilled + larger) * spec.SECTOR_BYTES > limit:
+                return s
+            spilled += larger
+        return 0
+    at = spill.spilled  # at[s - 1]: the overflow at slot s - 1, non-increasing in s
+    lo, hi = 0, len(histogram) - 1  # the answer: the largest s in [1, hi] with at[s - 1] * 32 > limit, else 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if at[mid - 1] * spec.SECTOR_BYTES > limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def tightest_slot(histogram: Sequence[float]) -> int:
     """The smallest slot with no overflow at all (the largest ``k`` present)."""
+    spill = _spill(histogram)
+    if spill is not None:
+        return spill.tightest
     return max((k for k, n in enumerate(histogram) if n), default=0)
+
+
+class _Spill:
+    """A histogram's overflow at every slot, made in one pass down from the full slot.
+
+    ``larger[s]``: the entries larger than ``s`` sectors; ``spilled[s]``: the sectors spilled with a slot of ``s``.
+    Both are running sums in the one order a pass down from the full slot adds them, so each is the very float
+    the loops that scan for a slot make: ``spilled`` is non-increasing in ``s`` for a histogram with no negative
+    bin (the sums only grow), which the bisection of :func:`slot_for_overflow` needs, and which holds for any
+    histogram of counts and any prediction from them. ``overflow``: :func:`overflow_sectors`'s results by slot.
+    """
+
+    __slots__ = ("larger", "spilled", "tightest", "overflow")
+
+    def __init__(self, histogram: Sequence[float]):
+        n = len(histogram)
+        larger, spilled = [0.0] * n, [0.0] * n
+        running, total, tightest = 0.0, 0.0, 0
+        for s in range(n - 1, 0, -1):
+            larger[s] = running
+            count = histogram[s]
+            if count and not tightest:
+                tightest = s
+            running += count
+            total += running  # (the loop's ``spilled + larger``: the same addition)
+            spilled[s - 1] = total
+        if n:
+            larger[0] = running
+        self.larger, self.spilled, self.tightest = larger, spilled, tightest
+        self.overflow: dict[int, float] = {}
+
+
+#: id -> (histogram, its _Spill) of the tuples seen last (a predicted histogram is asked again and again in a step:
+#: by the plan, by each tensor's slot and its overflow); cleared when full
+_SPILLS: dict[int, tuple[tuple, _Spill]] = {}
+_SPILLS_HELD = 2048
+
+
+def _spill(histogram: Sequence[float], *, make: bool = True) -> _Spill | None:
+    """``histogram``'s :class:`_Spill`, made once per tuple (immutable: its id names it while the cache holds it);
+    ``None`` for another sequence, or one with a negative bin (scanned as it is, never bisected), and with
+    ``make=False`` for one not made yet."""
+    if type(histogram) is not tuple:
+        return None
+    hit = _SPILLS.get(id(histogram))
+    if hit is not None and hit[0] is histogram:
+        return hit[1]
+    if not make or (histogram and min(histogram) < 0):
+        return None
+    if len(_SPILLS) >= _SPILLS_HELD:
+        _SPILLS.clear()
+    made = _Spill(histogram)
+    _SPILLS[id(histogram)] = (histogram, made)
+    return made

@@ -403,3 +403,54 @@ def test_two_views_of_the_same_bytes_are_compressed_once(store):
     ref = x.detach().clone().requires_grad_()
     _TwoViews.apply(ref * 1.0).sum().backward()
     assert torch.equal(x.grad.view(torch.int32), ref.grad.view(torch.int32))
+
+
+# ---- the slot functions' one-pass sums (buddy.slots._Spill) against the scans they replace -------------------------
+def _scan_slot(histogram, limit):
+    spilled, larger = 0.0, 0.0
+    for s in range(len(histogram) - 1, 0, -1):
+        larger += histogram[s]
+        if (spilled + larger) * spec.SECTOR_BYTES > limit:
+            return s
+        spilled += larger
+    return 0
+
+
+def _scan_larger(histogram):
+    out, running = [0.0] * len(histogram), 0.0
+    for s in range(len(histogram) - 1, -1, -1):
+        out[s] = running
+        running += histogram[s]
+    return out
+
+
+_BIN = st.one_of(
+    st.integers(0, 60),
+    st.floats(0, 1e6, allow_nan=False, allow_infinity=False),
+    st.sampled_from([0, 0.0, 0.1, 1 / 3, 2.5]),
+)
+
+
+@fuzz_settings()
+@given(
+    histogram=st.lists(_BIN, min_size=1, max_size=129),
+    fraction=st.sampled_from([0.0, 0.05, 0.1, 0.5, 1.0]),
+    budget=st.one_of(st.integers(-10, 1 << 20), st.floats(-1e3, 1e7, allow_nan=False)),
+)
+def test_slots_from_one_pass_are_the_scans_to_the_bit(histogram, fraction, budget):
+    """Bisection over a histogram's one-pass sums finds the very slot a scan down from the full slot finds, and
+    the larger-than counts and overflows are the same floats -- for a tuple (summed once and kept) and a list."""
+    from buddy.slots import larger_than, slot_for_overflow, tightest_slot
+
+    for h in (tuple(histogram), list(histogram), tuple(histogram)):  # (the tuple twice: its sums kept)
+        assert slot_for_overflow(h, fraction, budget) == _scan_slot(h, fraction * budget)
+        spilled, larger = 0.0, 0.0  # the bound's exact edges: a limit equal to the overflow at each slot
+        for s in range(len(h) - 1, 0, -1):
+            larger += h[s]
+            spilled += larger
+            edge = spilled * spec.SECTOR_BYTES
+            assert slot_for_overflow(h, 1.0, edge) == _scan_slot(h, edge) <= s - 1
+        assert larger_than(h) == _scan_larger(h)
+        assert tightest_slot(h) == max((k for k, n in enumerate(h) if n), default=0)
+        for slot in range(-1, len(h) + 1):
+            assert overflow_sectors(h, slot) == sum(max(k - slot, 0) * n for k, n in enumerate(h) if k > slot)
