@@ -21,6 +21,9 @@ optimizer -- under each method, on the same model, data and device:
   it over the bus;
 * ``buddy-strict``: the same with ``strict=True``: every tensor sized before
   its slot is chosen, a read of the device a tensor;
+* ``buddy-casts``: the same with ``rederive_casts=False``: the weights'
+  copies autocast saves compressed too, not made again in backward (what
+  making them again saves; on an fp32 model the same as ``buddy``);
 * ``buddy-model``: the same around the model's forward alone, the loss
   outside the block (its saved tensors kept as they are: see "When the step's
   peak is at the loss" in docs/training.md);
@@ -84,7 +87,7 @@ from experiments.workloads import GPT, TextSize
 
 __all__ = ["METHODS", "MODELS", "SideStreamOffload", "measure", "measured_line", "rows_vs_none", "main"]
 
-METHODS = ("none", "buddy", "buddy-overlap", "buddy-ring", "buddy-strict", "buddy-model", "buddy-offload", "save_on_cpu", "side-stream", "checkpoint")
+METHODS = ("none", "buddy", "buddy-overlap", "buddy-ring", "buddy-strict", "buddy-casts", "buddy-model", "buddy-offload", "save_on_cpu", "side-stream", "checkpoint")
 MIN_BYTES = buddy.hooks.DEFAULT_MIN_BYTES
 #: ``buddy-ring``'s overflow ring per device: a few of the models' largest worst cases (a guess the runbook
 #: measures); for the CPU's shrunk models, whose activations compressed hold about 9 MiB a step and the largest 1
@@ -311,6 +314,10 @@ def _context(
         )  # fmt: skip
     if method == "buddy-strict":
         return buddy.compressed_activations(tracker=tracker, store=store, min_bytes=min_bytes, strict=True)
+    if method == "buddy-casts":
+        return buddy.compressed_activations(
+            policy, tracker=tracker, store=store, min_bytes=min_bytes, rederive_casts=False
+        )  # fmt: skip
     if method == "buddy-offload":
         return buddy.compressed_activations(
             buddy.CompressedOffload(), tracker=tracker, store=store, min_bytes=min_bytes
@@ -575,7 +582,7 @@ def _verdicts(rows: list[dict]) -> list[str]:
     for model in dict.fromkeys(r["model"] for r in rows):
         by = {r["method"]: r for r in rows if r["model"] == model}
         offload, soc = by.get("buddy-offload"), by.get("save_on_cpu")
-        for name in ("buddy", "buddy-overlap", "buddy-ring", "buddy-strict"):
+        for name in ("buddy", "buddy-overlap", "buddy-ring", "buddy-strict", "buddy-casts"):
             b = by.get(name)
             if b and b["vs_none"] is not None:
                 ok = b["vs_none"] <= 1.3 and (b["capacity"] or 0) >= 1.4

@@ -297,7 +297,7 @@ def plan(phase: str, shard: str | None = None) -> list[Step]:
     if phase == "step":
         common = ("--device", "cuda", "--backend", "cuda", "--no-plot", "--no-progress")
         step_time = Python(
-            "step_time", "experiments.step_time", (*common, "--memory-peak", "--out", "{work}/step_time"), 150,
+            "step_time", "experiments.step_time", (*common, "--memory-peak", "--out", "{work}/step_time"), 180,
             "{work}/step_time/results.json", (("--backend", "reference"),),
         )  # fmt: skip
         # (step_time's models at their GPU size: the workloads' are small enough that a step's transient buffers set
