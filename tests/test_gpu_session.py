@@ -284,3 +284,11 @@ def test_travel_size_counts_tracked_untracked_and_carried(tmp_path, capsys):
     shutil.rmtree(repo / ".git")  # as on the GPU machine: every file that arrived
     arrived = travel_size.sizes(travel_size.travelling_files(repo))
     assert sum(arrived.values()) == 3000 + 500 + 7000 + 20000 + gitignore
+
+
+def test_the_tests_phase_runs_every_file_of_the_curated_subset():
+    """A file the curated subset names but the tests phase does not pass to pytest never runs on a lent GPU (and
+    one passed but not named runs none of its tests)."""
+    from gpu_subset import SUBSETS
+
+    assert sorted(f"tests/{name}" for name in SUBSETS["tests"]) == sorted(gpu_session.TEST_FILES)

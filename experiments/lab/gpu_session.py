@@ -131,6 +131,7 @@ TEST_FILES = (
     "tests/test_api.py",
     "tests/test_selftest.py",
     "tests/test_autograd_checks.py",
+    "tests/test_rederive.py",
 )
 #: the longest one test may run before pytest-timeout ends it (the thread method: a hung launch included)
 TEST_TIMEOUT_S = 120
