@@ -51,7 +51,7 @@ DEADLINE_S = 240  # both ranks, every scenario, start to finish; about 30 s on a
 DEFAULTS_ENV = "BUDDY_TEST_DEFAULTS"  # "<codec>@<entry bytes>" the ranks run under
 UNSUPPORTED_EXIT = 75  # a rank exits with this when plain FSDP (without buddy) cannot run here
 POLICIES = {"fixed2": lambda: buddy.FixedRatio(2.0), "threshold": lambda: buddy.BuddyThreshold(0.1)}
-ALL = ("ddp", "fsdp2", "fsdp1")
+ALL = ("ddp", "fsdp2", "fsdp2_bf16", "fsdp1")
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
@@ -208,6 +208,37 @@ def scenario_fsdp2(rank: int) -> dict:
     )
 
 
+def scenario_fsdp2_bf16(rank: int) -> dict:
+    """FSDP2 under bf16 autocast: each Linear saves its all-gathered weight's bf16 copy, which the session makes
+    again in backward (``rederive_casts``) -- after FSDP has freed the weight at forward's end and gathered it
+    again for backward. Plain, then the default session; losses, whole parameters and the casts made again."""
+    from torch.distributed.fsdp import fully_shard  # FSDP2
+
+    runs = {}
+    for name in ("plain", "buddy"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(100 + rank)
+        x, y = torch.randn(64, 128, generator=g), torch.randint(0, 10, (64,), generator=g)
+        losses, rederived = [], []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                with buddy.compressed_activations(min_bytes=MIN_BYTES, enabled=name == "buddy") as session:
+                    loss = F.cross_entropy(model(x), y)
+            loss.float().backward()
+            opt.step()
+            losses.append(raw(loss))
+            rederived.append(session.stats().rederived)
+        full = {str(i): raw(p.full_tensor()) for i, p in enumerate(model.parameters())}
+        runs[name] = {"losses": losses, "full": full, "rederived": rederived}
+    return {"runs": runs, "pid": os.getpid(), "defaults": (buddy.defaults().codec, buddy.defaults().entry_bytes)}
+
+
 def scenario_fsdp1(rank: int) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -227,7 +258,10 @@ def scenario_fail(rank: int) -> dict:
     return {}
 
 
-SCENARIOS = {"ddp": scenario_ddp, "fsdp2": scenario_fsdp2, "fsdp1": scenario_fsdp1, "fail": scenario_fail}
+SCENARIOS = {
+    "ddp": scenario_ddp, "fsdp2": scenario_fsdp2, "fsdp2_bf16": scenario_fsdp2_bf16, "fsdp1": scenario_fsdp1,
+    "fail": scenario_fail,
+}
 
 
 def rank_main(scenarios: str, rank: int, init_method: str, out_dir: str) -> None:
@@ -390,6 +424,18 @@ def test_fsdp_is_bit_identical_on_every_rank(kind, launched):
         assert_same_bytes(a, b, f"{kind}, {name}: rank 0 vs 1")
         assert_same_bytes(results[0]["runs"]["plain"]["full"], a, f"{kind}, {name} vs plain, whole")
     print(f"{kind}: {WORLD} ranks, {STEPS} steps x {1 + len(POLICIES)} runs in {results[0]['seconds']:.1f} s")
+
+
+def test_fsdp2_under_autocast_makes_the_gathered_weights_casts_again_bit_identically(launched):
+    results = ranks_of(launched, "fsdp2_bf16")
+    for rank, result in enumerate(results):
+        plain, ours = result["runs"]["plain"], result["runs"]["buddy"]
+        for step, (a, b) in enumerate(zip(plain["losses"], ours["losses"])):
+            assert torch.equal(a, b), f"rank {rank}: loss of step {step} differs"
+        assert_same_bytes(plain["full"], ours["full"], f"rank {rank}, buddy vs plain, whole")
+        # the two large layers' weights (the first saves none: its input needs no gradient), every step
+        assert ours["rederived"] == [1] * STEPS and plain["rederived"] == [0] * STEPS, ours["rederived"]
+    assert_same_bytes(results[0]["runs"]["buddy"]["full"], results[1]["runs"]["buddy"]["full"], "rank 0 vs 1")
 
 
 def test_a_failing_rank_fails_the_launch_fast(tmp_path):
