@@ -87,16 +87,10 @@ def slot_for_overflow(histogram: Sequence[float], max_overflow: float, budget_by
     (:class:`_Spill`), and the slot found by bisection.
     """
     limit = check_max_overflow(max_overflow) * budget_bytes
-    spill = _spill(histogram)
-    if spill is None:  # (not a tuple, or a negative bin): the same sums, scanned
-        spilled, larger = 0.0, 0.0
-        for s in range(len(histogram) - 1, 0, -1):
-            larger += histogram[s]  # entries of at least s sectors: each spills one more at slot s - 1
-            if (spilled + larger) * spec.SECTOR_BYTES > limit:
-                return s
-            spilled += larger
-        return 0
-    at = spill.spilled  # at[s - 1]: the overflow at slot s - 1, non-increasing in s
+    spill = _spill(histogram) or _Spill(histogram)
+    at = spill.spilled  # at[s - 1]: the overflow at slot s - 1, non-increasing in s where no bin is negative
+    if not spill.monotone:  # the largest s with at[s - 1] * 32 > limit, scanned down from the full slot
+        return next((s for s in range(len(histogram) - 1, 0, -1) if at[s - 1] * spec.SECTOR_BYTES > limit), 0)
     lo, hi = 0, len(histogram) - 1  # the answer: the largest s in [1, hi] with at[s - 1] * 32 > limit, else 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -119,13 +113,14 @@ class _Spill:
     """A histogram's overflow at every slot, made in one pass down from the full slot.
 
     ``larger[s]``: the entries larger than ``s`` sectors; ``spilled[s]``: the sectors spilled with a slot of ``s``.
-    Both are running sums in the one order a pass down from the full slot adds them, so each is the very float
-    the loops that scan for a slot make: ``spilled`` is non-increasing in ``s`` for a histogram with no negative
-    bin (the sums only grow), which the bisection of :func:`slot_for_overflow` needs, and which holds for any
-    histogram of counts and any prediction from them. ``overflow``: :func:`overflow_sectors`'s results by slot.
+    Both are running sums in the one order a pass down from the full slot adds them (a sector less spills one more
+    sector of every entry larger than the new slot), the same floats whatever asks. ``monotone``: no bin is
+    negative, so ``spilled`` is non-increasing in ``s`` (the sums only grow), which the bisection of
+    :func:`slot_for_overflow` needs; it holds for any histogram of counts and any prediction from them.
+    ``overflow``: :func:`overflow_sectors`'s results by slot.
     """
 
-    __slots__ = ("larger", "spilled", "tightest", "overflow")
+    __slots__ = ("larger", "spilled", "tightest", "monotone", "overflow")
 
     def __init__(self, histogram: Sequence[float]):
         n = len(histogram)
@@ -142,6 +137,7 @@ class _Spill:
         if n:
             larger[0] = running
         self.larger, self.spilled, self.tightest = larger, spilled, tightest
+        self.monotone = not histogram or min(histogram) >= 0
         self.overflow: dict[int, float] = {}
 
 
@@ -153,14 +149,13 @@ _SPILLS_HELD = 2048
 
 def _spill(histogram: Sequence[float], *, make: bool = True) -> _Spill | None:
     """``histogram``'s :class:`_Spill`, made once per tuple (immutable: its id names it while the cache holds it);
-    ``None`` for another sequence, or one with a negative bin (scanned as it is, never bisected), and with
-    ``make=False`` for one not made yet."""
+    ``None`` for another sequence (it may change between calls), and with ``make=False`` for one not made yet."""
     if type(histogram) is not tuple:
         return None
     hit = _SPILLS.get(id(histogram))
     if hit is not None and hit[0] is histogram:
         return hit[1]
-    if not make or (histogram and min(histogram) < 0):
+    if not make:
         return None
     if len(_SPILLS) >= _SPILLS_HELD:
         _SPILLS.clear()
