@@ -84,7 +84,7 @@ class Recorder(_SavedTensorHooks):
 
 
 def record_activations(
-    *, min_bytes: int = DEFAULT_MIN_BYTES, exclude=None, key_prefix: str = "", device="cpu", rederive_casts=True
+    *, min_bytes: int = DEFAULT_MIN_BYTES, exclude=None, key_prefix: str = "", device="cpu", rederive_casts: bool = True
 ):
     """A context manager that records, without compressing, what a session would compress.
 

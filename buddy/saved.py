@@ -59,13 +59,12 @@ def _add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
 
 
-def _check_version(t: torch.Tensor, version: int, what: str, why: str) -> None:
-    """Raise PyTorch's error where ``t`` (``what``, its description's start) is no longer at ``version``."""
-    if t._version != version:
-        raise RuntimeError(
-            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"{what}[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead. {why}"
-        )
+def _changed_in_place(t: torch.Tensor, version: int, what: str, why: str) -> RuntimeError:
+    """PyTorch's error for ``t`` (``what``, its description's start), saved at ``version``, changed in place since."""
+    return RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"{what}[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead. {why}"
+    )
 
 
 class _AsIs:
@@ -85,10 +84,11 @@ class _AsIs:
 
     def unpack(self) -> torch.Tensor:
         t = self.tensor
-        _check_version(
-            t, self.version, "", "buddy kept this saved tensor as it is (not compressed), and it was changed in place "
-            "after it was saved: change a copy instead (PyTorch raises the same without buddy).",
-        )  # fmt: skip
+        if t._version != self.version:
+            raise _changed_in_place(
+                t, self.version, "", "buddy kept this saved tensor as it is (not compressed), and it was changed in "
+                "place after it was saved: change a copy instead (PyTorch raises the same without buddy).",
+            )  # fmt: skip
         return t
 
 
@@ -136,12 +136,13 @@ class _Recast:
 
     def unpack(self) -> torch.Tensor:
         s = self.source
-        _check_version(
-            s, self.version, "the parameter ",
-            f"buddy makes its saved {str(self.dtype).removeprefix('torch.')} copy (autocast's cast of a weight) again "
-            f"from it in backward, and it was changed in place after the copy was saved: change parameters after "
-            f"backward, or pass rederive_casts=False to compressed_activations to keep such copies.",
-        )  # fmt: skip
+        if s._version != self.version:  # (the message made only here: unpack is on backward's path)
+            raise _changed_in_place(
+                s, self.version, "the parameter ",
+                f"buddy makes its saved {str(self.dtype).removeprefix('torch.')} copy (autocast's cast of a weight) "
+                f"again from it in backward, and it was changed in place after the copy was saved: change parameters "
+                f"after backward, or pass rederive_casts=False to compressed_activations to keep such copies.",
+            )  # fmt: skip
         out = s.to(self.dtype)
         return out if self.view is None else out.as_strided(*self.view)
 
